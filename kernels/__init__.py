@@ -1,0 +1,1 @@
+"""Triton kernels for linear attention, installed as ``linvision.kernels``."""

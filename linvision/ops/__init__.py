@@ -1,0 +1,20 @@
+"""Pure tensor functions: linear attention (non-causal, causal, step), softmax attention, feature maps, RoPE."""
+from .feature_maps import (
+    FEATURE_MAP_NAMES,
+    FeatureMap,
+    FocusedFeatureMap,
+    PerformerFeatureMap,
+    get_feature_map,
+)
+from .linear_attention import (
+    BACKENDS,
+    DEFAULT_EPS,
+    LinearAttentionState,
+    causal_linear_attention,
+    check_qkv,
+    linear_attention,
+    linear_attention_reference,
+    linear_attention_step,
+    softmax_attention,
+)
+from .rope import Rope, apply_rope, axial_rope, axial_rope_freqs, check_rope, grid_positions, mixed_rope_freqs, rope_1d

@@ -1,0 +1,193 @@
+"""Rotary position embeddings (RoPE) in 1D and 2D for token grids.
+
+A :class:`Rope` describes the rotation of every token of a (prefix + H*W)-token sequence: channel pair t of
+head h at grid position (row, col) is rotated by the angle ``freqs_x[h, t] * col + freqs_y[h, t] * row``.
+- 1D RoPE (Su et al. 2021, "RoFormer", arXiv:2104.09864) is the grid (1, N) with ``freqs_y = 0``.
+- 2D axial RoPE (Heo et al. 2024, "Rotary Position Embedding for Vision Transformer", arXiv:2403.13298):
+  half of the pairs rotate with the column, half with the row, theta = 100.
+- 2D mixed RoPE (same paper): every pair of every head has its own learnable (fx, fy); axial is the special
+  case where one of the two is zero for each pair.
+
+Channel pairs are split in halves: pair t is (x[..., t], x[..., t + D/2]). Prefix tokens (e.g. a class
+token) are not rotated. Angles and tables are fp32 whatever the input dtype, and are computed for the grid
+given at call time (any H x W, never a fixed square).
+
+Linear attention applies the rotation to the numerator only (see ``linear_attention``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "Rope",
+    "grid_positions",
+    "rope_1d",
+    "axial_rope",
+    "axial_rope_freqs",
+    "mixed_rope_freqs",
+    "apply_rope",
+    "check_rope",
+]
+
+_POSITION_CACHE: Dict[Tuple[int, int, str], Tuple[Tensor, Tensor]] = {}
+_AXIAL_CACHE: Dict[tuple, "Rope"] = {}
+
+
+def grid_positions(height: int, width: int, device=None) -> Tuple[Tensor, Tensor]:
+    """(rows, cols) of the H*W grid in raster order, fp32, each of shape (H*W,). Cached per (H, W, device)."""
+    device = torch.device(device or "cpu")
+    key = (height, width, str(device))
+    if key not in _POSITION_CACHE:
+        rows = torch.arange(height, dtype=torch.float32, device=device).repeat_interleave(width)
+        cols = torch.arange(width, dtype=torch.float32, device=device).repeat(height)
+        _POSITION_CACHE[key] = (rows, cols)
+    return _POSITION_CACHE[key]
+
+
+def _check_grid(grid) -> Tuple[int, int]:
+    if (
+        not isinstance(grid, (tuple, list))
+        or len(grid) != 2
+        or not all(isinstance(g, int) and g > 0 for g in grid)
+    ):
+        raise ValueError(f"grid: expected (H, W) with two positive ints, got {grid!r}")
+    return int(grid[0]), int(grid[1])
+
+
+@dataclass(eq=False)
+class Rope:
+    """Rotation of a (num_prefix_tokens + H*W)-token sequence.
+
+    freqs_x, freqs_y: fp32 tensors of shape (P,) or (heads, P); P = D / 2 channel pairs.
+    grid: (H, W). offset: (row, col) added to every grid position (a shift; outputs of RoPE attention do not
+    depend on it). Tables are computed on first use and kept on the object when the frequencies need no grad.
+    """
+
+    freqs_x: Tensor
+    freqs_y: Tensor
+    grid: Tuple[int, int]
+    num_prefix_tokens: int = 0
+    offset: Tuple[float, float] = (0.0, 0.0)
+    _tables: Optional[Tuple[Tensor, Tensor]] = field(default=None, repr=False)
+
+    def __post_init__(self):
+        self.grid = _check_grid(self.grid)
+        if self.freqs_x.shape != self.freqs_y.shape or self.freqs_x.dim() not in (1, 2):
+            raise ValueError(
+                f"freqs_x, freqs_y: expected equal shapes (P,) or (heads, P), got {tuple(self.freqs_x.shape)} "
+                f"and {tuple(self.freqs_y.shape)}"
+            )
+        if self.num_prefix_tokens < 0:
+            raise ValueError(f"num_prefix_tokens: must be >= 0, got {self.num_prefix_tokens}")
+
+    @property
+    def dim(self) -> int:
+        """Head dim D the rotation applies to (2 * pairs)."""
+        return 2 * self.freqs_x.shape[-1]
+
+    @property
+    def num_heads(self) -> int:
+        """1 when every head shares the frequencies."""
+        return 1 if self.freqs_x.dim() == 1 else self.freqs_x.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefix_tokens + self.grid[0] * self.grid[1]
+
+    def angles(self) -> Tensor:
+        """(heads or 1, N, P) fp32 rotation angles; rows of prefix tokens are zero."""
+        fx = self.freqs_x.float().reshape(-1, self.freqs_x.shape[-1])  # (Hh, P)
+        fy = self.freqs_y.float().reshape(-1, self.freqs_y.shape[-1])
+        rows, cols = grid_positions(*self.grid, device=fx.device)
+        rows = rows + self.offset[0]
+        cols = cols + self.offset[1]
+        ang = cols[None, :, None] * fx[:, None, :] + rows[None, :, None] * fy[:, None, :]  # (Hh, HW, P)
+        if self.num_prefix_tokens:
+            pad = ang.new_zeros(ang.shape[0], self.num_prefix_tokens, ang.shape[2])
+            ang = torch.cat([pad, ang], dim=1)
+        return ang
+
+    def tables(self) -> Tuple[Tensor, Tensor]:
+        """(cos, sin), each (heads or 1, N, P) fp32."""
+        if self._tables is not None:
+            return self._tables
+        ang = self.angles()
+        tables = (ang.cos(), ang.sin())
+        if not (self.freqs_x.requires_grad or self.freqs_y.requires_grad):
+            self._tables = tables
+        return tables
+
+
+def check_rope(rope: "Rope", dim: int, num_tokens: int, num_heads: int) -> None:
+    """Raise ValueError unless ``rope`` fits inputs of head dim ``dim``, ``num_tokens`` tokens and ``num_heads``."""
+    if dim != rope.dim:
+        raise ValueError(f"rope: table is for head dim {rope.dim}, the (feature-mapped) input has D={dim}")
+    if num_tokens != rope.num_tokens:
+        raise ValueError(
+            f"rope: table is for {rope.num_tokens} tokens (prefix {rope.num_prefix_tokens} + grid {rope.grid}), "
+            f"input has N={num_tokens}"
+        )
+    if rope.num_heads not in (1, num_heads):
+        raise ValueError(f"rope: frequencies for {rope.num_heads} heads, input has {num_heads} heads")
+
+
+def apply_rope(x: Tensor, rope: Rope) -> Tensor:
+    """Rotate x of shape (B, heads, N, D) by ``rope``; computed in fp32, returned in fp32 (or float64)."""
+    check_rope(rope, x.shape[-1], x.shape[-2], x.shape[1])
+    cos, sin = rope.tables()
+    compute_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    cos = cos.to(device=x.device, dtype=compute_dtype)
+    sin = sin.to(device=x.device, dtype=compute_dtype)
+    x = x.to(compute_dtype)
+    p = rope.dim // 2
+    x1, x2 = x[..., :p], x[..., p:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def _rope_magnitudes(dim: int, theta: float) -> Tensor:
+    if dim % 4 != 0:
+        raise ValueError(f"dim: 2D RoPE needs a head dim divisible by 4, got {dim}")
+    return 1.0 / theta ** (torch.arange(0, dim, 4, dtype=torch.float32) / dim)  # (dim/4,)
+
+
+def axial_rope_freqs(dim: int, theta: float = 100.0) -> Tuple[Tensor, Tensor]:
+    """Axial frequencies (fx, fy), each (dim/2,): the first half of the pairs follow the column, the rest the row."""
+    mag = _rope_magnitudes(dim, theta)
+    zeros = torch.zeros_like(mag)
+    return torch.cat([mag, zeros]), torch.cat([zeros, mag])
+
+
+def mixed_rope_freqs(
+    dim: int, num_heads: int, theta: float = 10.0, generator: Optional[torch.Generator] = None
+) -> Tuple[Tensor, Tensor]:
+    """Initial mixed frequencies (fx, fy), each (num_heads, dim/2): per head a random direction, the two halves
+    of the pairs at right angles (RoPE-ViT's initialisation). Make them ``nn.Parameter`` to learn them."""
+    mag = _rope_magnitudes(dim, theta)
+    angle = torch.rand(num_heads, 1, generator=generator) * 2 * math.pi
+    fx = torch.cat([mag * torch.cos(angle), mag * torch.cos(angle + math.pi / 2)], dim=-1)
+    fy = torch.cat([mag * torch.sin(angle), mag * torch.sin(angle + math.pi / 2)], dim=-1)
+    return fx, fy
+
+
+def rope_1d(dim: int, num_tokens: int, theta: float = 10000.0, num_prefix_tokens: int = 0, device=None) -> Rope:
+    """1D RoPE over ``num_tokens`` positions (the grid (1, num_tokens))."""
+    if dim % 2 != 0:
+        raise ValueError(f"dim: RoPE needs an even head dim, got {dim}")
+    fx = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+    return Rope(fx, torch.zeros_like(fx), (1, num_tokens), num_prefix_tokens)
+
+
+def axial_rope(dim: int, grid: Tuple[int, int], theta: float = 100.0, num_prefix_tokens: int = 0, device=None) -> Rope:
+    """2D axial RoPE for an H x W grid; the object and its fp32 tables are cached per (dim, H, W, theta,
+    prefix, device)."""
+    grid = _check_grid(grid)
+    key = (dim, grid, float(theta), num_prefix_tokens, str(torch.device(device or "cpu")))
+    if key not in _AXIAL_CACHE:
+        fx, fy = axial_rope_freqs(dim, theta)
+        _AXIAL_CACHE[key] = Rope(fx.to(device), fy.to(device), grid, num_prefix_tokens)
+    return _AXIAL_CACHE[key]

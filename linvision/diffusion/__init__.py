@@ -1,0 +1,1 @@
+"""Sana-style linear-attention diffusion: block, small DiT, rectified-flow training and sampling."""

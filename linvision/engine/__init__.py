@@ -1,0 +1,1 @@
+"""Library code behind tools/: training, validation, benchmarking and ablation."""

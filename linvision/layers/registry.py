@@ -1,0 +1,37 @@
+"""Registry of token mixers, so that models and ablations pick a mixer by name.
+
+A token mixer is an ``nn.Module`` built as ``cls(dim, num_heads, **kwargs)`` whose ``forward(x, hw)`` maps
+tokens x of shape (B, N, C) on a grid hw = (H, W) with N = H * W to (B, N, C).
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Type
+
+from torch import nn
+
+__all__ = ["register_mixer", "create_mixer", "list_mixers"]
+
+_MIXERS: Dict[str, Type[nn.Module]] = {}
+
+
+def register_mixer(name: str) -> Callable[[Type[nn.Module]], Type[nn.Module]]:
+    """Class decorator that registers a token mixer under ``name``."""
+
+    def wrap(cls: Type[nn.Module]) -> Type[nn.Module]:
+        if name in _MIXERS and _MIXERS[name] is not cls:
+            raise ValueError(f"name: token mixer {name!r} is already registered by {_MIXERS[name].__name__}")
+        _MIXERS[name] = cls
+        return cls
+
+    return wrap
+
+
+def list_mixers() -> List[str]:
+    return sorted(_MIXERS)
+
+
+def create_mixer(name: str, dim: int, num_heads: int, **kwargs) -> nn.Module:
+    """Build the mixer registered as ``name``; ValueError names the known mixers otherwise."""
+    if name not in _MIXERS:
+        raise ValueError(f"token mixer: unknown {name!r}; allowed: {', '.join(list_mixers())}")
+    return _MIXERS[name](dim, num_heads, **kwargs)

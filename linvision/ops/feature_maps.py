@@ -55,10 +55,13 @@ def identity_features(x: Tensor, is_query: bool = True) -> Tensor:
 
 
 def _stabiliser(x: Tensor, is_query: bool) -> Tensor:
-    """Constant subtracted before exp: per token for queries, one per (batch, head) for keys."""
+    """Constant subtracted before exp: per token for queries, one per (batch, head) for keys.
+
+    Not detached: the output depends on it only through eps, and keeping it in the graph makes the gradient
+    the exact gradient of what is computed."""
     if is_query:
-        return x.amax(dim=-1, keepdim=True).detach()
-    return x.amax(dim=(-2, -1), keepdim=True).detach()
+        return x.amax(dim=-1, keepdim=True)
+    return x.amax(dim=(-2, -1), keepdim=True)
 
 
 def exp_features(x: Tensor, is_query: bool = True) -> Tensor:

@@ -1,0 +1,260 @@
+"""The reference linear-attention op against explicit O(N^2) formulas in float64."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from linvision.ops import (
+    LinearAttentionState,
+    PerformerFeatureMap,
+    Rope,
+    apply_rope,
+    axial_rope,
+    axial_rope_freqs,
+    causal_linear_attention,
+    get_feature_map,
+    linear_attention,
+    linear_attention_step,
+    mixed_rope_freqs,
+    rope_1d,
+    softmax_attention,
+)
+from linvision.ops.feature_maps import FocusedFeatureMap
+
+EPS = 1e-4
+
+
+def explicit_linear_attention(q, k, v, phi, rope=None, causal=False, eps=EPS):
+    """o_i = sum_j w_ij v_j / (sum_j phi(q_i).phi(k_j) / n_i + eps) with the full N x N matrices, float64.
+
+    w_ij = (R_i phi(q_i)).(R_j phi(k_j)) / n_i, n_i = number of tokens token i sees.
+    """
+    phi = get_feature_map(phi, dim=q.shape[-1])
+    pq, pk = phi(q.double(), True), phi(k.double(), False)
+    rq, rk = (apply_rope(pq, rope), apply_rope(pk, rope)) if rope is not None else (pq, pk)
+    a_num = rq @ rk.transpose(-1, -2)  # (B, H, N, N)
+    a_den = pq @ pk.transpose(-1, -2)
+    n = k.shape[2]
+    if causal:
+        mask = torch.ones(n, n, dtype=torch.bool).tril()
+        a_num, a_den = a_num.masked_fill(~mask, 0), a_den.masked_fill(~mask, 0)
+        count = torch.arange(1, n + 1, dtype=torch.float64)[:, None]
+    else:
+        count = torch.tensor(float(n), dtype=torch.float64)
+    return (a_num / count) @ v.double() / (a_den.sum(-1, keepdim=True) / count + eps)
+
+
+def rand_qkv(b, h, n, d, dv, dtype=torch.float64, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, n, d, generator=g, dtype=dtype) * scale
+    k = torch.randn(b, h, n, d, generator=g, dtype=dtype) * scale
+    v = torch.randn(b, h, n, dv, generator=g, dtype=dtype)
+    return q, k, v
+
+
+def grid_for(n):
+    """A non-square grid of n tokens (n = H * W) when n allows it."""
+    for h in range(int(math.sqrt(n)), 0, -1):
+        if n % h == 0:
+            return h, n // h
+    return 1, n
+
+
+FEATURE_MAPS = ["elu", "relu", "exp", "focused", "performer"]
+
+
+@pytest.mark.parametrize("name", FEATURE_MAPS)
+@pytest.mark.parametrize("n", [1, 7, 197])
+@pytest.mark.parametrize("use_rope", [False, True])
+def test_noncausal_matches_explicit(name, n, use_rope):
+    d, dv = 16, 12
+    q, k, v = rand_qkv(2, 3, n, d, dv)
+    phi = PerformerFeatureMap(d, 32, generator=torch.Generator().manual_seed(1)) if name == "performer" else name
+    out_dim = 32 if name == "performer" else d
+    rope = Rope(*axial_rope_freqs(out_dim), grid=grid_for(n)) if use_rope else None
+    got = linear_attention(q, k, v, phi, rope=rope)
+    want = explicit_linear_attention(q, k, v, phi, rope=rope)
+    assert got.shape == (2, 3, n, dv)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["elu", "relu", "exp"])
+@pytest.mark.parametrize("n,chunk", [(1, 4), (7, 4), (33, 8), (197, 64)])
+@pytest.mark.parametrize("use_rope", [False, True])
+def test_causal_matches_masked_formula_and_recurrence(name, n, chunk, use_rope):
+    d, dv = 8, 6
+    q, k, v = rand_qkv(2, 2, n, d, dv, seed=n)
+    rope = Rope(*axial_rope_freqs(d), grid=grid_for(n), num_prefix_tokens=0) if use_rope else None
+    chunked = causal_linear_attention(q, k, v, name, rope=rope, chunk_size=chunk)
+    torch.testing.assert_close(chunked, explicit_linear_attention(q, k, v, name, rope=rope, causal=True))
+    if name == "exp":
+        return  # exp's key stabiliser is a max over all keys: the recurrence cannot see future keys
+    state, steps = None, []
+    for t in range(n):
+        o, state = linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], state, name, rope=rope)
+        steps.append(o)
+    torch.testing.assert_close(torch.stack(steps, dim=2), chunked)
+    assert isinstance(state, LinearAttentionState) and state.num_tokens == n
+    assert linear_attention(q, k, v, name, rope=rope, causal=True, chunk_size=chunk).equal(chunked)
+
+
+def test_feature_map_values():
+    x = torch.linspace(-3, 3, 61, dtype=torch.float64).reshape(1, 1, 61, 1).repeat(1, 1, 1, 4)
+    torch.testing.assert_close(get_feature_map("elu+1")(x), torch.where(x > 0, x + 1, torch.exp(x)))
+    torch.testing.assert_close(get_feature_map("relu")(x), x.clamp_min(0))
+    # exp: the stabiliser is one constant per (batch, head) for keys and per token for queries, so the
+    # attention equals the one with raw exp() (eps made negligible against the rescaled denominator).
+    q, k, v = rand_qkv(1, 2, 20, 8, 5, scale=3.0)
+    raw = explicit_linear_attention(q, k, v, lambda x, is_query: torch.exp(x), eps=1e-300)
+    torch.testing.assert_close(linear_attention(q, k, v, "exp", eps=1e-300), raw)
+    assert get_feature_map("exp")(torch.full((1, 1, 3, 2), 1e4)).isfinite().all()
+    # focused: non-negative, keeps the norm of relu(x), sharpens the direction (power 3)
+    y = torch.randn(2, 3, 10, 8, dtype=torch.float64)
+    f = FocusedFeatureMap(power=3.0)(y)
+    base = F.relu(y) + 1e-6
+    assert (f >= 0).all()
+    torch.testing.assert_close(f.norm(dim=-1), base.norm(dim=-1))
+    torch.testing.assert_close(f / f.norm(dim=-1, keepdim=True), base**3 / (base**3).norm(dim=-1, keepdim=True))
+    scale = torch.full((8,), 0.3, dtype=torch.float64)
+    torch.testing.assert_close(FocusedFeatureMap(3.0, scale)(y), FocusedFeatureMap(3.0)((F.relu(y) + 1e-6) / F.softplus(scale)), atol=1e-6, rtol=1e-6)
+
+
+def test_performer_approximates_softmax_and_redraws():
+    d, m = 8, 8192
+    q, k, v = rand_qkv(1, 1, 16, d, 4, scale=0.5)
+    phi = PerformerFeatureMap(d, m, generator=torch.Generator().manual_seed(0))
+    approx = linear_attention(q, k, v, phi, eps=1e-12)
+    exact = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d), dim=-1) @ v
+    assert (approx - exact).abs().max() < 0.05
+    before = phi.projection.clone()
+    phi.redraw(torch.Generator().manual_seed(5))
+    assert phi.projection.shape == before.shape and not torch.equal(phi.projection, before)
+    # rows of each orthogonal block are orthogonal
+    block = phi.projection[:d]
+    gram = block @ block.T
+    torch.testing.assert_close(gram - torch.diag(torch.diag(gram)), torch.zeros(d, d), atol=1e-4, rtol=0)
+
+
+def test_rope_numerator_depends_on_relative_offsets_only():
+    d, grid = 16, (5, 7)
+    q, k, v = rand_qkv(1, 2, 35, d, 6)
+    for freqs in (axial_rope_freqs(d), mixed_rope_freqs(d, 2, generator=torch.Generator().manual_seed(0))):
+        base = Rope(*freqs, grid=grid)
+        shifted = Rope(*freqs, grid=grid, offset=(3.0, -11.0))
+        a = linear_attention(q, k, v, "elu", rope=base)
+        b = linear_attention(q, k, v, "elu", rope=shifted)
+        torch.testing.assert_close(a, b)
+        assert not torch.allclose(a, linear_attention(q, k, v, "elu"))  # RoPE does change the output
+
+
+def test_rope_non_square_prefix_and_mixed_reduces_to_axial():
+    d = 16
+    fx, fy = axial_rope_freqs(d)
+    # mixed per-head frequencies set to the axial ones give exactly the axial rotation
+    mixed = Rope(fx.expand(3, -1).clone(), fy.expand(3, -1).clone(), grid=(4, 9))
+    x = torch.randn(2, 3, 36, d, dtype=torch.float64)
+    torch.testing.assert_close(apply_rope(x, mixed), apply_rope(x, axial_rope(d, (4, 9))))
+    # non-square grid: the rotation angle of token (r, c) for an x-pair is fx*c, for a y-pair fy*r
+    cos, sin = axial_rope(d, (4, 9)).tables()
+    r, c = 2, 7
+    torch.testing.assert_close(cos[0, r * 9 + c], torch.cos(fx * c + fy * r))
+    # prefix tokens are left unrotated
+    rope = axial_rope(d, (3, 5), num_prefix_tokens=2)
+    y = torch.randn(1, 1, 17, d, dtype=torch.float64)
+    ry = apply_rope(y, rope)
+    torch.testing.assert_close(ry[:, :, :2], y[:, :, :2])
+    torch.testing.assert_close(ry.norm(dim=-1), y.norm(dim=-1))  # rotations keep norms
+    # tables are cached per grid and device
+    assert axial_rope(d, (3, 5), num_prefix_tokens=2) is rope
+    # 1D RoPE is the (1, N) grid
+    assert rope_1d(d, 10).grid == (1, 10)
+
+
+def test_gradients_match_explicit_formula():
+    d, dv, n = 6, 5, 9
+    rope = Rope(*mixed_rope_freqs(8, 2, generator=torch.Generator().manual_seed(0)), grid=(3, 3))
+    for name in ["elu", "relu", "exp", "focused"]:
+        q, k, v = (t.requires_grad_() for t in rand_qkv(1, 2, n, d + 2, dv, seed=3))
+        torch.autograd.gradcheck(lambda q, k, v: linear_attention(q, k, v, name, rope=rope), (q, k, v))
+        for causal in (False, True):
+            out = linear_attention(q, k, v, name, rope=rope, causal=causal, chunk_size=4)
+            ref = explicit_linear_attention(q, k, v, name, rope=rope, causal=causal)
+            w = torch.randn_like(out)
+            g1 = torch.autograd.grad((out * w).sum(), (q, k, v))
+            g2 = torch.autograd.grad((ref * w).sum(), (q, k, v))
+            for a, b in zip(g1, g2):
+                torch.testing.assert_close(a, b)
+
+
+def test_learnable_mixed_frequencies_receive_gradients():
+    fx, fy = (f.requires_grad_() for f in mixed_rope_freqs(8, 2))
+    q, k, v = rand_qkv(1, 2, 12, 8, 4, dtype=torch.float32)
+    linear_attention(q, k, v, "elu", rope=Rope(fx, fy, grid=(3, 4))).sum().backward()
+    assert fx.grad is not None and fx.grad.abs().sum() > 0 and fy.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-3), (torch.bfloat16, 1e-2)])
+def test_half_precision_at_64k_tokens_with_large_activations(dtype, tol):
+    n, d = 65536, 32
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, d, generator=g) * 30 for _ in range(3))
+    rope = axial_rope(d, (256, 256))
+    for name in ["elu", "relu"]:
+        ref = linear_attention(q, k, v, name, rope=rope)
+        out = linear_attention(q.to(dtype), k.to(dtype), v.to(dtype), name, rope=rope)
+        assert out.dtype == dtype and out.isfinite().all()
+        # relative to the output scale; the inputs themselves are rounded to dtype
+        rel = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+        assert rel < tol, f"{name} {dtype}: relative error {rel:.3g}"
+
+
+def test_softmax_attention_matches_formula():
+    q, k, v = rand_qkv(2, 2, 13, 8, 5)
+    want = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(8), dim=-1) @ v
+    torch.testing.assert_close(softmax_attention(q, k, v), want)
+    rope = axial_rope(8, (1, 13))
+    rq, rk = apply_rope(q, rope), apply_rope(k, rope)
+    want = torch.softmax(rq @ rk.transpose(-1, -2) / math.sqrt(8), dim=-1) @ v
+    torch.testing.assert_close(softmax_attention(q, k, v, rope=rope), want)
+    mask = torch.ones(13, 13, dtype=torch.bool).tril()
+    causal = torch.softmax((q @ k.transpose(-1, -2) / math.sqrt(8)).masked_fill(~mask, -math.inf), -1) @ v
+    torch.testing.assert_close(softmax_attention(q, k, v, causal=True), causal)
+
+
+def test_bad_inputs_raise_clear_errors():
+    q, k, v = rand_qkv(1, 2, 6, 8, 4, dtype=torch.float32)
+    cases = [
+        (lambda: linear_attention(q, k[:, :1], v), ValueError, "batch and head"),
+        (lambda: linear_attention(q[:1].expand(2, -1, -1, -1), k, v), ValueError, "batch and head"),
+        (lambda: linear_attention(q, k, v[:, :, :5]), ValueError, "v: 5 tokens"),
+        (lambda: linear_attention(q, k[..., :4], v), ValueError, "head dim"),
+        (lambda: linear_attention(q[:, :, :3], k, v, causal=True), ValueError, "k: 6 tokens, but q has 3"),
+        (lambda: linear_attention(q[0], k, v), ValueError, "4 dims"),
+        (lambda: linear_attention(q, k, v, "gelu"), ValueError, "unknown name 'gelu'"),
+        (lambda: linear_attention(q, k, v, 3), TypeError, "feature_map"),
+        (lambda: linear_attention(q.long(), k, v), TypeError, "q: dtype torch.int64"),
+        (lambda: linear_attention(q, k.double(), v), TypeError, "mixed dtypes"),
+        (lambda: linear_attention(q, k, v.to("meta")), ValueError, "different devices"),
+        (lambda: linear_attention(q, k, v, rope=axial_rope(16, (2, 3))), ValueError, "head dim 16"),
+        (lambda: linear_attention(q, k, v, rope=axial_rope(8, (3, 3))), ValueError, "9 tokens"),
+        (lambda: linear_attention(q, k, v, rope=Rope(*mixed_rope_freqs(8, 3), grid=(2, 3))), ValueError, "3 heads"),
+        (lambda: linear_attention(q, k, v, rope="axial"), TypeError, "rope"),
+        (lambda: linear_attention(q, k, v, backend="cuda"), ValueError, "backend"),
+        (lambda: linear_attention(q, k, v, eps=0), ValueError, "eps"),
+        (lambda: linear_attention(q, k, v, causal=True, chunk_size=0), ValueError, "chunk_size"),
+        (lambda: linear_attention(q.numpy(), k, v), TypeError, "q: expected a torch.Tensor"),
+        (lambda: axial_rope(6, (2, 2)), ValueError, "divisible by 4"),
+        (lambda: axial_rope(8, (0, 2)), ValueError, "grid"),
+        (lambda: softmax_attention(q, k, v.int()), TypeError, "v: dtype"),
+    ]
+    for fn, exc, text in cases:
+        with pytest.raises(exc, match=text.replace("(", r"\(").replace(")", r"\)")):
+            fn()
+
+
+def test_triton_backend_without_kernels_raises_and_auto_falls_back():
+    q, k, v = rand_qkv(1, 1, 5, 16, 16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="backend: 'triton' cannot run this call"):
+        linear_attention(q, k, v, "exp", backend="triton")  # exp is not a fused map
+    torch.testing.assert_close(linear_attention(q, k, v, "elu", backend="auto"), linear_attention(q, k, v, "elu", backend="torch"))

@@ -1,0 +1,605 @@
+"""Fused Triton kernels for non-causal linear attention, forward and backward.
+
+Math (see ``linvision.ops.linear_attention``), per batch and head, with R_i the optional 2D RoPE rotation
+applied to the numerator only:
+
+    S = (1/Nk) sum_j (R_j phi(k_j))^T v_j     z = (1/Nk) sum_j phi(k_j)
+    o_i = ((R_i phi(q_i)) S) / (phi(q_i) . z + eps)
+
+Four kernels, each one pass over N-sized tensors, so HBM traffic is the minimum the math allows:
+- ``_state_fwd_kernel``   reads k, v; writes per-split partial sums of S and z (split-N when B*H is small).
+- ``_output_fwd_kernel``  reads q; writes o (from the reduced S and z).
+- ``_query_bwd_kernel``   reads q, dO; recomputes num and den from the saved S and z; writes dq and per-split
+  partials of dS = (1/Nk) sum_i (R_i phi(q_i))^T dnum_i and dz = (1/Nk) sum_i dden_i phi(q_i).
+- ``_key_bwd_kernel``     reads k, v; writes dk = phi'(k) (R^T (v dS^T) + dz) and dv = (R phi(k)) dS.
+
+Fused: the feature map (identity, relu, elu+1) and its derivative, the 1/N mean, and RoPE computed from the
+token's grid position and O(D) frequency tables (axial or mixed, shared or per head). The head dim is handled
+as two halves of P = D/2 channels because RoPE pairs channel t with channel t + P; S is kept as its two
+row halves. Accumulation, rotation and division are fp32 for every input dtype; matrix products use exact
+fp32 for fp32 inputs and tf32 tensor cores for fp16/bf16 inputs (more mantissa than the inputs carry).
+
+On a GPU the kernels are autotuned over block size and warps, keyed on the next power of two of N (a new
+resolution neither recompiles nor re-tunes). Under ``TRITON_INTERPRET=1`` one fixed configuration is used.
+
+The public entry, :func:`linear_attention_triton`, goes through the torch custom ops
+``linvision::linear_attention_fwd`` / ``linvision::linear_attention_bwd`` (autograd, fake tensors and a FLOP
+formula registered), so ``torch.compile`` keeps it in one graph.
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
+
+from linvision.ops.feature_maps import FeatureMap
+from linvision.ops.rope import Rope
+
+__all__ = ["linear_attention_triton", "unsupported_reason", "FUSED_FEATURE_MAPS", "MIN_HEAD_DIM", "MAX_HEAD_DIM"]
+
+FUSED_FEATURE_MAPS = {"identity": 0, "relu": 1, "elu": 2}
+MIN_HEAD_DIM = 16
+MAX_HEAD_DIM = 128
+MAX_VALUE_DIM = 128
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRET_BLOCK_N = 64
+_SPLIT_ALIGN = 256  # split lengths are multiples of every autotuned BLOCK_N
+
+
+def _configs():
+    """Autotune space on a GPU; one fixed configuration in the interpreter (it cannot benchmark)."""
+    if _INTERPRET:
+        return [triton.Config({"BLOCK_N": _INTERPRET_BLOCK_N}, num_warps=4)]
+    return [
+        triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
+        for bn, w, s in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3), (256, 8, 2))
+    ]
+
+
+_TUNE_KEY = ["N_BUCKET", "D_HALF", "DV", "FEATURE", "HAS_ROPE"]
+
+
+@triton.jit
+def _phi(x, FEATURE: tl.constexpr):
+    """Feature map on fp32 values: 0 identity, 1 relu, 2 elu + 1."""
+    if FEATURE == 1:
+        y = tl.maximum(x, 0.0)
+    elif FEATURE == 2:
+        y = tl.where(x > 0, x + 1.0, tl.exp(tl.minimum(x, 0.0)))
+    else:
+        y = x
+    return y
+
+
+@triton.jit
+def _phi_grad(x, FEATURE: tl.constexpr):
+    """d phi / dx on fp32 values."""
+    if FEATURE == 1:
+        g = tl.where(x > 0, 1.0, 0.0)
+    elif FEATURE == 2:
+        g = tl.where(x > 0, 1.0, tl.exp(tl.minimum(x, 0.0)))
+    else:
+        g = tl.full(x.shape, 1.0, tl.float32)
+    return g
+
+
+@triton.jit
+def _rope_cos_sin(offs_n, fx, fy, prefix, width, off_row, off_col):
+    """cos, sin (BLOCK_N, BLOCK_P) of angle = fx * col + fy * row; prefix tokens are not rotated."""
+    g = offs_n - prefix
+    is_grid = g >= 0
+    g = tl.where(is_grid, g, 0)
+    row = (g // width).to(tl.float32) + off_row
+    col = (g % width).to(tl.float32) + off_col
+    ang = col[:, None] * fx[None, :] + row[:, None] * fy[None, :]
+    ang = tl.where(is_grid[:, None], ang, 0.0)
+    return tl.cos(ang), tl.sin(ang)
+
+
+@triton.jit
+def _load_halves(base, offs_n, offs_p, stride_n, stride_d, D_HALF, mask):
+    """The two channel halves (BLOCK_N, BLOCK_P) of a (N, D) slice, as fp32 (also right for bf16 when
+    interpreting)."""
+    rows = base + offs_n.to(tl.int64)[:, None] * stride_n
+    x1 = tl.load(rows + offs_p[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(rows + (offs_p[None, :] + D_HALF) * stride_d, mask=mask, other=0.0).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def _load_state(S, Z, bh, offs_p, offs_e, D_HALF, DV):
+    """Row halves (BLOCK_P, BLOCK_DV) of a contiguous fp32 (B*H, D, Dv) state and halves of z (B*H, D)."""
+    d = 2 * D_HALF
+    mask = (offs_p < D_HALF)[:, None] & (offs_e < DV)[None, :]
+    s_base = S + bh.to(tl.int64) * d * DV
+    s1 = tl.load(s_base + offs_p[:, None] * DV + offs_e[None, :], mask=mask, other=0.0)
+    s2 = tl.load(s_base + (offs_p[:, None] + D_HALF) * DV + offs_e[None, :], mask=mask, other=0.0)
+    z_base = Z + bh.to(tl.int64) * d
+    z1 = tl.load(z_base + offs_p, mask=offs_p < D_HALF, other=0.0)
+    z2 = tl.load(z_base + offs_p + D_HALF, mask=offs_p < D_HALF, other=0.0)
+    return s1, s2, z1, z2
+
+
+@triton.jit
+def _store_state(S, Z, idx, s1, s2, z1, z2, offs_p, offs_e, D_HALF, DV):
+    """Store halves into slot ``idx`` of contiguous fp32 (..., D, Dv) and (..., D) buffers."""
+    d = 2 * D_HALF
+    mask = (offs_p < D_HALF)[:, None] & (offs_e < DV)[None, :]
+    s_base = S + idx.to(tl.int64) * d * DV
+    tl.store(s_base + offs_p[:, None] * DV + offs_e[None, :], s1, mask=mask)
+    tl.store(s_base + (offs_p[:, None] + D_HALF) * DV + offs_e[None, :], s2, mask=mask)
+    z_base = Z + idx.to(tl.int64) * d
+    tl.store(z_base + offs_p, z1, mask=offs_p < D_HALF)
+    tl.store(z_base + offs_p + D_HALF, z2, mask=offs_p < D_HALF)
+
+
+@triton.autotune(configs=_configs(), key=_TUNE_KEY)
+@triton.jit
+def _state_fwd_kernel(
+    K, V, FX, FY, S_PART, Z_PART,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_fh, H, N, D_HALF, DV, split_len, prefix, width, off_row, off_col, N_BUCKET,
+    FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (splits, B*H): partial sums of S (rotated keys) and z over the tokens of one split."""
+    pid_s = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_e = tl.arange(0, BLOCK_DV)
+    mask_p = offs_p < D_HALF
+    mask_e = offs_e < DV
+    if HAS_ROPE:
+        fx = tl.load(FX + h * stride_fh + offs_p, mask=mask_p, other=0.0)
+        fy = tl.load(FY + h * stride_fh + offs_p, mask=mask_p, other=0.0)
+    s1 = tl.zeros((BLOCK_P, BLOCK_DV), dtype=tl.float32)
+    s2 = tl.zeros((BLOCK_P, BLOCK_DV), dtype=tl.float32)
+    z1 = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    z2 = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    lo = pid_s * split_len
+    hi = tl.minimum(lo + split_len, N)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        mask_k = mask_n[:, None] & mask_p[None, :]
+        k1, k2 = _load_halves(k_base, offs_n, offs_p, stride_kn, stride_kd, D_HALF, mask_k)
+        v = tl.load(
+            v_base + offs_n.to(tl.int64)[:, None] * stride_vn + offs_e[None, :] * stride_vd,
+            mask=mask_n[:, None] & mask_e[None, :], other=0.0,
+        ).to(tl.float32)
+        # Masked lanes must not count: elu(0) + 1 = 1.
+        f1 = tl.where(mask_k, _phi(k1, FEATURE), 0.0)
+        f2 = tl.where(mask_k, _phi(k2, FEATURE), 0.0)
+        z1 += tl.sum(f1, axis=0)
+        z2 += tl.sum(f2, axis=0)
+        if HAS_ROPE:
+            cos, sin = _rope_cos_sin(offs_n, fx, fy, prefix, width, off_row, off_col)
+            r1 = f1 * cos - f2 * sin
+            r2 = f1 * sin + f2 * cos
+        else:
+            r1 = f1
+            r2 = f2
+        s1 = tl.dot(tl.trans(r1), v, s1, input_precision=PRECISION)
+        s2 = tl.dot(tl.trans(r2), v, s2, input_precision=PRECISION)
+    _store_state(S_PART, Z_PART, bh * tl.num_programs(0) + pid_s, s1, s2, z1, z2, offs_p, offs_e, D_HALF, DV)
+
+
+@triton.autotune(configs=_configs(), key=_TUNE_KEY)
+@triton.jit
+def _output_fwd_kernel(
+    Q, S, Z, FX, FY, O,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_fh, eps, H, N, D_HALF, DV, prefix, width, off_row, off_col, N_BUCKET,
+    FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (token blocks, B*H): o = (R phi(q)) S / (phi(q) . z + eps) for one block of queries."""
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_e = tl.arange(0, BLOCK_DV)
+    mask_n = offs_n < N
+    mask_q = mask_n[:, None] & (offs_p < D_HALF)[None, :]
+    s1, s2, z1, z2 = _load_state(S, Z, bh, offs_p, offs_e, D_HALF, DV)
+    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    q1, q2 = _load_halves(q_base, offs_n, offs_p, stride_qn, stride_qd, D_HALF, mask_q)
+    f1 = _phi(q1, FEATURE)
+    f2 = _phi(q2, FEATURE)
+    den = tl.sum(f1 * z1[None, :], axis=1) + tl.sum(f2 * z2[None, :], axis=1) + eps
+    if HAS_ROPE:
+        fx = tl.load(FX + h * stride_fh + offs_p, mask=offs_p < D_HALF, other=0.0)
+        fy = tl.load(FY + h * stride_fh + offs_p, mask=offs_p < D_HALF, other=0.0)
+        cos, sin = _rope_cos_sin(offs_n, fx, fy, prefix, width, off_row, off_col)
+        r1 = f1 * cos - f2 * sin
+        r2 = f1 * sin + f2 * cos
+    else:
+        r1 = f1
+        r2 = f2
+    num = tl.dot(r1, s1, input_precision=PRECISION)
+    num = tl.dot(r2, s2, num, input_precision=PRECISION)
+    out = num / den[:, None]
+    o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    o_ptrs = o_base + offs_n.to(tl.int64)[:, None] * stride_on + offs_e[None, :] * stride_od
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=mask_n[:, None] & (offs_e < DV)[None, :])
+
+
+@triton.autotune(configs=_configs(), key=_TUNE_KEY)
+@triton.jit
+def _query_bwd_kernel(
+    Q, DO, S, Z, FX, FY, DQ, DS_PART, DZ_PART,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_fh, eps, H, N, D_HALF, DV, split_len, prefix, width, off_row, off_col, N_BUCKET,
+    FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (splits, B*H): dq for the queries of one split and partial sums of dS, dz (without 1/Nk)."""
+    pid_s = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_e = tl.arange(0, BLOCK_DV)
+    mask_p = offs_p < D_HALF
+    mask_e = offs_e < DV
+    s1, s2, z1, z2 = _load_state(S, Z, bh, offs_p, offs_e, D_HALF, DV)
+    if HAS_ROPE:
+        fx = tl.load(FX + h * stride_fh + offs_p, mask=mask_p, other=0.0)
+        fy = tl.load(FY + h * stride_fh + offs_p, mask=mask_p, other=0.0)
+    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    dq_base = DQ + bh.to(tl.int64) * N * 2 * D_HALF  # dq is allocated contiguous (B, H, N, D)
+    do_base = DO + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    ds1 = tl.zeros((BLOCK_P, BLOCK_DV), dtype=tl.float32)
+    ds2 = tl.zeros((BLOCK_P, BLOCK_DV), dtype=tl.float32)
+    dz1 = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    dz2 = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    lo = pid_s * split_len
+    hi = tl.minimum(lo + split_len, N)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        mask_q = mask_n[:, None] & mask_p[None, :]
+        q1, q2 = _load_halves(q_base, offs_n, offs_p, stride_qn, stride_qd, D_HALF, mask_q)
+        do = tl.load(
+            do_base + offs_n.to(tl.int64)[:, None] * stride_on + offs_e[None, :] * stride_od,
+            mask=mask_n[:, None] & mask_e[None, :], other=0.0,
+        ).to(tl.float32)
+        f1 = _phi(q1, FEATURE)
+        f2 = _phi(q2, FEATURE)
+        den = tl.sum(f1 * z1[None, :], axis=1) + tl.sum(f2 * z2[None, :], axis=1) + eps
+        if HAS_ROPE:
+            cos, sin = _rope_cos_sin(offs_n, fx, fy, prefix, width, off_row, off_col)
+            r1 = f1 * cos - f2 * sin
+            r2 = f1 * sin + f2 * cos
+        else:
+            r1 = f1
+            r2 = f2
+        num = tl.dot(r1, s1, input_precision=PRECISION)
+        num = tl.dot(r2, s2, num, input_precision=PRECISION)
+        dnum = do / den[:, None]  # masked rows: do = 0, so they add nothing below
+        dden = -tl.sum(dnum * num, axis=1) / den  # = -(do . o) / den
+        g1 = tl.dot(dnum, tl.trans(s1), input_precision=PRECISION)  # grad of the rotated features
+        g2 = tl.dot(dnum, tl.trans(s2), input_precision=PRECISION)
+        if HAS_ROPE:
+            u1 = g1 * cos + g2 * sin  # R^T: rotate back
+            u2 = g2 * cos - g1 * sin
+        else:
+            u1 = g1
+            u2 = g2
+        dq1 = (u1 + dden[:, None] * z1[None, :]) * _phi_grad(q1, FEATURE)
+        dq2 = (u2 + dden[:, None] * z2[None, :]) * _phi_grad(q2, FEATURE)
+        dq_ptrs = dq_base + offs_n.to(tl.int64)[:, None] * (2 * D_HALF) + offs_p[None, :]
+        tl.store(dq_ptrs, dq1.to(DQ.dtype.element_ty), mask=mask_q)
+        tl.store(dq_ptrs + D_HALF, dq2.to(DQ.dtype.element_ty), mask=mask_q)
+        ds1 = tl.dot(tl.trans(r1), dnum, ds1, input_precision=PRECISION)
+        ds2 = tl.dot(tl.trans(r2), dnum, ds2, input_precision=PRECISION)
+        dz1 += tl.sum(dden[:, None] * f1, axis=0)
+        dz2 += tl.sum(dden[:, None] * f2, axis=0)
+    _store_state(DS_PART, DZ_PART, bh * tl.num_programs(0) + pid_s, ds1, ds2, dz1, dz2, offs_p, offs_e, D_HALF, DV)
+
+
+@triton.autotune(configs=_configs(), key=_TUNE_KEY)
+@triton.jit
+def _key_bwd_kernel(
+    K, V, DS, DZ, FX, FY, DK, DV_OUT,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_fh, H, N, D_HALF, DV, prefix, width, off_row, off_col, N_BUCKET,
+    FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (token blocks, B*H): dk = phi'(k) (R^T (v dS^T) + dz), dv = (R phi(k)) dS; dS, dz carry the 1/Nk."""
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_e = tl.arange(0, BLOCK_DV)
+    mask_n = offs_n < N
+    mask_k = mask_n[:, None] & (offs_p < D_HALF)[None, :]
+    mask_v = mask_n[:, None] & (offs_e < DV)[None, :]
+    ds1, ds2, dz1, dz2 = _load_state(DS, DZ, bh, offs_p, offs_e, D_HALF, DV)
+    k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    k1, k2 = _load_halves(k_base, offs_n, offs_p, stride_kn, stride_kd, D_HALF, mask_k)
+    v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+    v = tl.load(
+        v_base + offs_n.to(tl.int64)[:, None] * stride_vn + offs_e[None, :] * stride_vd, mask=mask_v, other=0.0
+    ).to(tl.float32)
+    f1 = _phi(k1, FEATURE)
+    f2 = _phi(k2, FEATURE)
+    if HAS_ROPE:
+        fx = tl.load(FX + h * stride_fh + offs_p, mask=offs_p < D_HALF, other=0.0)
+        fy = tl.load(FY + h * stride_fh + offs_p, mask=offs_p < D_HALF, other=0.0)
+        cos, sin = _rope_cos_sin(offs_n, fx, fy, prefix, width, off_row, off_col)
+        r1 = f1 * cos - f2 * sin
+        r2 = f1 * sin + f2 * cos
+    else:
+        r1 = f1
+        r2 = f2
+    dv = tl.dot(r1, ds1, input_precision=PRECISION)
+    dv = tl.dot(r2, ds2, dv, input_precision=PRECISION)
+    g1 = tl.dot(v, tl.trans(ds1), input_precision=PRECISION)
+    g2 = tl.dot(v, tl.trans(ds2), input_precision=PRECISION)
+    if HAS_ROPE:
+        u1 = g1 * cos + g2 * sin
+        u2 = g2 * cos - g1 * sin
+    else:
+        u1 = g1
+        u2 = g2
+    dk1 = (u1 + dz1[None, :]) * _phi_grad(k1, FEATURE)
+    dk2 = (u2 + dz2[None, :]) * _phi_grad(k2, FEATURE)
+    d = 2 * D_HALF
+    dk_ptrs = DK + bh.to(tl.int64) * N * d + offs_n.to(tl.int64)[:, None] * d + offs_p[None, :]
+    tl.store(dk_ptrs, dk1.to(DK.dtype.element_ty), mask=mask_k)
+    tl.store(dk_ptrs + D_HALF, dk2.to(DK.dtype.element_ty), mask=mask_k)
+    dv_ptrs = DV_OUT + bh.to(tl.int64) * N * DV + offs_n.to(tl.int64)[:, None] * DV + offs_e[None, :]
+    tl.store(dv_ptrs, dv.to(DV_OUT.dtype.element_ty), mask=mask_v)
+
+
+def _meta(q: Tensor, v: Tensor, feature_map: str, has_rope: bool) -> dict:
+    d_half = q.shape[-1] // 2
+    return dict(
+        FEATURE=FUSED_FEATURE_MAPS[feature_map],
+        HAS_ROPE=has_rope,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_P=max(16, triton.next_power_of_2(d_half)),
+        BLOCK_DV=max(16, triton.next_power_of_2(v.shape[-1])),
+    )
+
+
+def _split_len(n: int, bh: int, device: torch.device, split_tokens: int) -> int:
+    """Tokens per split of the reductions over N. ``split_tokens`` > 0 forces it; 0 picks enough splits to
+    give about two programs per SM on a GPU (whole-N reductions off GPU), at least 1024 tokens per split."""
+    if split_tokens > 0:
+        return split_tokens
+    if device.type != "cuda":
+        return max(n, 1)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    splits = max(1, min(triton.cdiv(2 * sms, bh), triton.cdiv(n, 4 * _SPLIT_ALIGN)))
+    return triton.cdiv(triton.cdiv(n, splits), _SPLIT_ALIGN) * _SPLIT_ALIGN
+
+
+def _rope_launch_args(q: Tensor, freqs_x: Optional[Tensor], freqs_y: Optional[Tensor], rope_ints: List[int],
+                      rope_offsets: List[float]) -> Tuple[Tensor, Tensor, int, int, int, float, float]:
+    """(fx, fy, head stride, prefix, width, row offset, col offset); dummies without RoPE (never loaded)."""
+    if freqs_x is None or freqs_y is None:
+        return q, q, 0, 0, 1, 0.0, 0.0
+    stride_fh = 0 if freqs_x.shape[0] == 1 else freqs_x.shape[1]
+    return freqs_x, freqs_y, stride_fh, rope_ints[0], rope_ints[1], rope_offsets[0], rope_offsets[1]
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, feature_map: str, freqs_x: Optional[Tensor],
+             freqs_y: Optional[Tensor], rope_ints: List[int], rope_offsets: List[float], eps: float,
+             split_tokens: int) -> Tuple[Tensor, Tensor, Tensor]:
+    b, h, nq, d = q.shape
+    nk, dv = k.shape[2], v.shape[-1]
+    fx, fy, stride_fh, prefix, width, off_row, off_col = _rope_launch_args(q, freqs_x, freqs_y, rope_ints, rope_offsets)
+    meta = _meta(q, v, feature_map, freqs_x is not None)
+    split = _split_len(nk, b * h, q.device, split_tokens)
+    n_splits = triton.cdiv(nk, split)
+    s_part = torch.empty(b * h, n_splits, d, dv, device=q.device, dtype=torch.float32)
+    z_part = torch.empty(b * h, n_splits, d, device=q.device, dtype=torch.float32)
+    _state_fwd_kernel[(n_splits, b * h)](
+        k, v, fx, fy, s_part, z_part, *k.stride(), *v.stride(), stride_fh, h, nk, d // 2, dv, split,
+        prefix, width, off_row, off_col, triton.next_power_of_2(nk), **meta,
+    )
+    s = (s_part.sum(dim=1) / nk).view(b, h, d, dv)  # the mean: S and z stay in range for any N
+    z = (z_part.sum(dim=1) / nk).view(b, h, d)
+    o = torch.empty(b, h, nq, dv, device=q.device, dtype=q.dtype)
+
+    def grid(cfg):
+        return (triton.cdiv(nq, cfg["BLOCK_N"]), b * h)
+
+    _output_fwd_kernel[grid](
+        q, s, z, fx, fy, o, *q.stride(), *o.stride(), stride_fh, eps, h, nq, d // 2, dv,
+        prefix, width, off_row, off_col, triton.next_power_of_2(nq), **meta,
+    )
+    return o, s, z
+
+
+def _backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor, feature_map: str,
+              freqs_x: Optional[Tensor], freqs_y: Optional[Tensor], rope_ints: List[int],
+              rope_offsets: List[float], eps: float, split_tokens: int) -> Tuple[Tensor, Tensor, Tensor]:
+    b, h, nq, d = q.shape
+    nk, dv = k.shape[2], v.shape[-1]
+    fx, fy, stride_fh, prefix, width, off_row, off_col = _rope_launch_args(q, freqs_x, freqs_y, rope_ints, rope_offsets)
+    meta = _meta(q, v, feature_map, freqs_x is not None)
+    split = _split_len(nq, b * h, q.device, split_tokens)
+    n_splits = triton.cdiv(nq, split)
+    dq = torch.empty(b, h, nq, d, device=q.device, dtype=q.dtype)
+    ds_part = torch.empty(b * h, n_splits, d, dv, device=q.device, dtype=torch.float32)
+    dz_part = torch.empty(b * h, n_splits, d, device=q.device, dtype=torch.float32)
+    _query_bwd_kernel[(n_splits, b * h)](
+        q, do, s, z, fx, fy, dq, ds_part, dz_part, *q.stride(), *do.stride(), stride_fh, eps, h, nq, d // 2, dv,
+        split, prefix, width, off_row, off_col, triton.next_power_of_2(nq), **meta,
+    )
+    ds = ds_part.sum(dim=1) / nk  # (B*H, D, Dv): the 1/Nk of S moves onto its gradient
+    dz = dz_part.sum(dim=1) / nk
+    dk = torch.empty(b, h, nk, d, device=q.device, dtype=k.dtype)
+    dv_out = torch.empty(b, h, nk, dv, device=q.device, dtype=v.dtype)
+
+    def grid(cfg):
+        return (triton.cdiv(nk, cfg["BLOCK_N"]), b * h)
+
+    _key_bwd_kernel[grid](
+        k, v, ds, dz, fx, fy, dk, dv_out, *k.stride(), *v.stride(), stride_fh, h, nk, d // 2, dv,
+        prefix, width, off_row, off_col, triton.next_power_of_2(nk), **meta,
+    )
+    return dq, dk, dv_out
+
+
+@torch.library.custom_op("linvision::linear_attention_fwd", mutates_args=())
+def _linear_attention_fwd_op(
+    q: Tensor, k: Tensor, v: Tensor, feature_map: str, freqs_x: Optional[Tensor], freqs_y: Optional[Tensor],
+    rope_ints: List[int], rope_offsets: List[float], eps: float, split_tokens: int,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """(o (B, H, Nq, Dv) in q's dtype, S (B, H, D, Dv) fp32, z (B, H, D) fp32); S and z are the means."""
+    return _forward(q, k, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens)
+
+
+@_linear_attention_fwd_op.register_fake
+def _(q, k, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens):
+    b, h, nq, d = q.shape
+    dv = v.shape[-1]
+    return (
+        q.new_empty(b, h, nq, dv),
+        q.new_empty(b, h, d, dv, dtype=torch.float32),
+        q.new_empty(b, h, d, dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("linvision::linear_attention_bwd", mutates_args=())
+def _linear_attention_bwd_op(
+    q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor, feature_map: str,
+    freqs_x: Optional[Tensor], freqs_y: Optional[Tensor], rope_ints: List[int], rope_offsets: List[float],
+    eps: float, split_tokens: int,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) from the inputs, the output gradient and the saved S, z (nothing N-sized is saved)."""
+    return _backward(q, k, v, do, s, z, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens)
+
+
+@_linear_attention_bwd_op.register_fake
+def _(q, k, v, do, s, z, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
+        k, memory_format=torch.contiguous_format
+    ), torch.empty_like(v, memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens = inputs
+    _, s, z = output
+    ctx.save_for_backward(q, k, v, s, z, freqs_x, freqs_y)
+    ctx.options = (feature_map, rope_ints, rope_offsets, eps, split_tokens)
+    ctx.mark_non_differentiable(s, z)
+
+
+def _backward_rule(ctx, do, ds, dz):
+    q, k, v, s, z, freqs_x, freqs_y = ctx.saved_tensors
+    feature_map, rope_ints, rope_offsets, eps, split_tokens = ctx.options
+    dq, dk, dv = torch.ops.linvision.linear_attention_bwd(
+        q, k, v, do, s, z, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens
+    )
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+_linear_attention_fwd_op.register_autograd(_backward_rule, setup_context=_setup_context)
+
+
+@register_flop_formula(torch.ops.linvision.linear_attention_fwd)
+def _fwd_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
+    """Matrix products: S = phi(k)^T v over Nk tokens and num = phi(q) S over Nq tokens."""
+    b, h, nq, d = q_shape
+    return 2 * b * h * (k_shape[2] + nq) * d * v_shape[-1]
+
+
+@register_flop_formula(torch.ops.linvision.linear_attention_bwd)
+def _bwd_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
+    """Four products per side: num, dnum S^T, dS on the queries; v dS^T, phi(k) dS on the keys (num is
+    recomputed, so the query side has three and the key side two, plus num: 2 * (3 Nq + 2 Nk) D Dv)."""
+    b, h, nq, d = q_shape
+    return 2 * b * h * (3 * nq + 2 * k_shape[2]) * d * v_shape[-1]
+
+
+def unsupported_reason(q: Tensor, k: Tensor, v: Tensor, phi: FeatureMap, rope: Optional[Rope] = None,
+                       causal: bool = False) -> Optional[str]:
+    """None when the fused kernels can run this call, else a short reason (inputs already validated by
+    ``linvision.ops.check_qkv``)."""
+    if causal:
+        return "causal attention is not fused (the kernels are non-causal)"
+    name = phi.name if isinstance(phi, FeatureMap) else str(phi)
+    if name not in FUSED_FEATURE_MAPS:
+        return f"feature map {name!r} is not fused (fused: {', '.join(FUSED_FEATURE_MAPS)})"
+    if q.dtype not in _DTYPES:
+        return f"dtype {q.dtype} is not supported (float16, bfloat16, float32)"
+    if q.device.type != "cuda" and not (_INTERPRET and q.device.type == "cpu"):
+        return f"tensors are on {q.device.type} and TRITON_INTERPRET is not set"
+    d, dv = q.shape[-1], v.shape[-1]
+    if d % 2 or not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+        return f"head dim {d} not in {MIN_HEAD_DIM}..{MAX_HEAD_DIM} (even)"
+    if not 1 <= dv <= MAX_VALUE_DIM:
+        return f"value head dim {dv} not in 1..{MAX_VALUE_DIM}"
+    if rope is not None and (rope.freqs_x.requires_grad or rope.freqs_y.requires_grad):
+        return "rope frequencies require grad (the kernels do not differentiate them)"
+    return None
+
+
+def linear_attention_triton(
+    q: Tensor, k: Tensor, v: Tensor, feature_map: str, rope: Optional[Rope] = None, eps: float = 1e-4, *,
+    split_tokens: int = 0,
+) -> Tensor:
+    """Fused non-causal linear attention; same semantics as ``linvision.ops.linear_attention_reference``.
+
+    q, k: (B, H, N, D) and v: (B, H, Nk, Dv), float16, bfloat16 or float32, any strides, on CUDA (or on CPU
+    with ``TRITON_INTERPRET=1``); D even in 16..128, Dv in 1..128; Nq may differ from Nk without RoPE.
+    feature_map: "identity", "relu" or "elu" (elu + 1), or a FeatureMap with one of these names.
+    rope: applied in-kernel to the numerator; its frequencies must not require grad.
+    split_tokens: tokens per split of the reductions over N (0: chosen from the GPU's size).
+    Returns (B, H, Nq, Dv) in q's dtype; differentiable in q, k, v.
+
+    Raises TypeError / ValueError for invalid inputs (see ``check_qkv``) and ValueError with the reason
+    when the kernels cannot run the call.
+    """
+    from linvision.ops.feature_maps import get_feature_map
+    from linvision.ops.linear_attention import check_qkv
+    from linvision.ops.rope import check_rope
+
+    check_qkv(q, k, v, same_tokens=rope is not None)
+    phi = get_feature_map(feature_map, dim=q.shape[-1])
+    if rope is not None:
+        check_rope(rope, q.shape[-1], q.shape[2], q.shape[1])
+    if not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps: must be a positive number, got {eps!r}")
+    if not isinstance(split_tokens, int) or split_tokens < 0:
+        raise ValueError(f"split_tokens: must be an int >= 0, got {split_tokens!r}")
+    reason = unsupported_reason(q, k, v, phi, rope=rope, causal=False)
+    if reason is not None:
+        raise ValueError(f"linear_attention_triton: cannot run this call: {reason}")
+    freqs_x = freqs_y = None
+    rope_ints: List[int] = [0, 1]
+    rope_offsets: List[float] = [0.0, 0.0]
+    if rope is not None:
+        p = rope.dim // 2
+        freqs_x = rope.freqs_x.detach().to(device=q.device, dtype=torch.float32).reshape(-1, p).contiguous()
+        freqs_y = rope.freqs_y.detach().to(device=q.device, dtype=torch.float32).reshape(-1, p).contiguous()
+        rope_ints = [rope.num_prefix_tokens, rope.grid[1]]
+        rope_offsets = [float(rope.offset[0]), float(rope.offset[1])]
+    o, _, _ = torch.ops.linvision.linear_attention_fwd(
+        q, k, v, phi.name, freqs_x, freqs_y, rope_ints, rope_offsets, float(eps), split_tokens
+    )
+    return o

@@ -231,7 +231,7 @@ def linear_attention(
     phi = get_feature_map(feature_map, dim=q.shape[-1])
     if rope is not None:
         check_rope(rope, phi.output_dim(q.shape[-1]), q.shape[2], q.shape[1])
-    if backend != "torch":
+    if backend == "triton" or (backend == "auto" and q.is_cuda):  # CPU kernels (interpreter) only on request
         kern = _kernels()
         reason = "the Triton kernels are not available" if kern is None else kern.unsupported_reason(
             q, k, v, phi, rope=rope, causal=causal

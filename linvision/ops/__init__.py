@@ -18,3 +18,14 @@ from .linear_attention import (
     softmax_attention,
 )
 from .rope import Rope, apply_rope, axial_rope, axial_rope_freqs, check_rope, grid_positions, mixed_rope_freqs, rope_1d
+from .recurrent import (
+    RecurrentState,
+    bidirectional_delta_rule_attention,
+    bidirectional_gated_linear_attention,
+    decay_linear_attention,
+    decay_linear_attention_step,
+    delta_rule_attention,
+    delta_rule_step,
+    gated_linear_attention,
+    gated_linear_attention_step,
+)

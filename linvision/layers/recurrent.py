@@ -1,0 +1,195 @@
+"""Bidirectional recurrent token mixers: decay (RetNet), gated (GLA) and delta-rule (DeltaNet) linear attention.
+
+An image has no natural token order, so each mixer scans the raster order forward and backward (the backward scan
+strictly anti-causal, so a token's own term counts once) and, with ``column_major=True``, also the column-major
+order, averaging the two orders. The recurrences and their chunked forms are in :mod:`linvision.ops.recurrent`.
+
+Registered as "bidir_decay", "bidir_gated" and "bidir_delta"; built as ``cls(dim, num_heads, **options)`` and
+called as ``forward(x (B, N, C), hw)`` with N = H * W tokens in raster order, like the other mixers.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from linvision.ops import (
+    DEFAULT_EPS,
+    bidirectional_delta_rule_attention,
+    bidirectional_gated_linear_attention,
+    get_feature_map,
+)
+
+from .registry import register_mixer
+
+__all__ = ["BidirectionalRecurrentMixer", "BidirDecayAttention", "BidirGatedAttention", "BidirDeltaAttention"]
+
+
+def retnet_log_decays(num_heads: int, decay_range: Tuple[float, float]) -> Tensor:
+    """log(gamma_h) for gamma_h = 1 - 2^-e_h with e_h evenly spaced over ``decay_range`` (RetNet's multi-scale
+    decays; about 2^e_h tokens of memory per head), in fp32, computed with log1p to keep gamma near 1 exact."""
+    lo, hi = decay_range
+    if not 0 < lo <= hi:
+        raise ValueError(f"decay_range: need 0 < low <= high, got {tuple(decay_range)}")
+    exponents = torch.linspace(lo, hi, num_heads, dtype=torch.float64)
+    return torch.log1p(-torch.pow(2.0, -exponents)).float()
+
+
+class BidirectionalRecurrentMixer(nn.Module):
+    """Skeleton of the bidirectional recurrent mixers; subclasses implement :meth:`scan`.
+
+    Args:
+        dim: channels C (divisible by ``num_heads``); head dim D = C / num_heads.
+        num_heads: heads.
+        feature_map: name of a feature map of :func:`linvision.ops.get_feature_map` applied to q and k.
+        column_major: also scan the column-major order and average with the raster-order result.
+        chunk_size: chunk length of the chunked scans.
+        qkv_bias: bias of the qkv projection.
+        proj_drop: dropout after the output projection.
+    Raises ValueError for a bad dim/num_heads pair or an unknown feature map.
+    """
+
+    def __init__(
+        self, dim: int, num_heads: int, *, feature_map: str = "elu", column_major: bool = False,
+        chunk_size: int = 64, qkv_bias: bool = True, proj_drop: float = 0.0,
+    ):
+        super().__init__()
+        if num_heads < 1 or dim % num_heads != 0:
+            raise ValueError(f"num_heads: {num_heads} must be >= 1 and divide dim={dim}")
+        if not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size: must be a positive int, got {chunk_size!r}")
+        get_feature_map(feature_map, dim=dim // num_heads)  # fail at construction for an unknown name
+        self.dim = dim
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.feature_map = feature_map
+        self.column_major = column_major
+        self.chunk_size = chunk_size
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def scan(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor) -> Tensor:
+        """Bidirectional scan over the given token order. q, k, v: (B, heads, N, D); x: (B, N, C) input tokens
+        in the same order (for data-dependent gates). Returns (B, heads, N, D)."""
+        raise NotImplementedError
+
+    def forward(self, x: Tensor, hw: Tuple[int, int]) -> Tensor:
+        """x: (B, N, C) tokens on grid hw = (H, W), raster order -> (B, N, C)."""
+        if len(hw) != 2 or x.shape[1] != hw[0] * hw[1]:
+            raise ValueError(f"hw: grid {tuple(hw)} does not match {x.shape[1]} tokens of x {tuple(x.shape)}")
+        h, w = int(hw[0]), int(hw[1])
+        b, n, c = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # (B, heads, N, D)
+        out = self.scan(q, k, v, x)
+        if self.column_major:
+            to_cols = torch.arange(n, device=x.device).reshape(h, w).t().reshape(-1)  # column-major -> raster index
+            to_rows = torch.arange(n, device=x.device).reshape(w, h).t().reshape(-1)  # its inverse
+            out_cols = self.scan(q[:, :, to_cols], k[:, :, to_cols], v[:, :, to_cols], x[:, to_cols])
+            out = 0.5 * (out + out_cols[:, :, to_rows])
+        out = out.transpose(1, 2).reshape(b, n, c)
+        return self.proj_drop(self.proj(out))
+
+    def extra_repr(self) -> str:
+        return (
+            f"dim={self.dim}, num_heads={self.num_heads}, feature_map={self.feature_map}, "
+            f"column_major={self.column_major}"
+        )
+
+
+@register_mixer("bidir_decay")
+class BidirDecayAttention(BidirectionalRecurrentMixer):
+    """Bidirectional linear attention with a fixed decay per head (RetNet): token i weighs token j by
+    gamma_h^|i - j| along the scan order, in the normalised (decayed-mean) form.
+
+    decay_range: gamma_h = 1 - 2^-e, e evenly spaced over this range across heads (see :func:`retnet_log_decays`).
+    eps: denominator epsilon. Other options: :class:`BidirectionalRecurrentMixer`.
+    """
+
+    def __init__(
+        self, dim: int, num_heads: int, *, decay_range: Tuple[float, float] = (3.0, 10.0), eps: float = DEFAULT_EPS,
+        feature_map: str = "elu", column_major: bool = False, chunk_size: int = 64, qkv_bias: bool = True,
+        proj_drop: float = 0.0,
+    ):
+        super().__init__(
+            dim, num_heads, feature_map=feature_map, column_major=column_major, chunk_size=chunk_size,
+            qkv_bias=qkv_bias, proj_drop=proj_drop,
+        )
+        self.eps = eps
+        self.register_buffer("log_decay", retnet_log_decays(num_heads, decay_range), persistent=False)
+
+    def scan(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor) -> Tensor:
+        log_gate = self.log_decay.reshape(1, -1, 1)  # (1, heads, 1)
+        return bidirectional_gated_linear_attention(
+            q, k, v, log_gate, self.feature_map, eps=self.eps, chunk_size=self.chunk_size
+        )
+
+
+@register_mixer("bidir_gated")
+class BidirGatedAttention(BidirectionalRecurrentMixer):
+    """Bidirectional gated linear attention (GLA): gamma_t = sigmoid(W x_t + b)^(1/gate_temperature) per head, or per
+    key channel with ``gate_per_channel``. W starts at zero and b at RetNet's decays, so training starts from
+    :class:`BidirDecayAttention` and learns which tokens to forget across.
+
+    gate_temperature: divides log sigmoid (GLA's 16 keeps gates near 1). eps, decay_range: as BidirDecayAttention.
+    Per-channel gates form a (chunk, chunk, D) decay tensor: pass chunk_size 16-32 with them.
+    """
+
+    def __init__(
+        self, dim: int, num_heads: int, *, gate_per_channel: bool = False, gate_temperature: float = 16.0,
+        decay_range: Tuple[float, float] = (3.0, 10.0), eps: float = DEFAULT_EPS, feature_map: str = "elu",
+        column_major: bool = False, chunk_size: int = 64, qkv_bias: bool = True, proj_drop: float = 0.0,
+    ):
+        super().__init__(
+            dim, num_heads, feature_map=feature_map, column_major=column_major, chunk_size=chunk_size,
+            qkv_bias=qkv_bias, proj_drop=proj_drop,
+        )
+        if not gate_temperature > 0:
+            raise ValueError(f"gate_temperature: must be positive, got {gate_temperature!r}")
+        self.eps = eps
+        self.gate_per_channel = gate_per_channel
+        self.gate_temperature = float(gate_temperature)
+        width = self.head_dim if gate_per_channel else 1
+        self.gate = nn.Linear(dim, num_heads * width)
+        nn.init.zeros_(self.gate.weight)
+        # sigmoid(b)^(1/T) = gamma_h  <=>  b = logit(gamma_h^T)
+        p = (retnet_log_decays(num_heads, decay_range) * self.gate_temperature).exp()
+        with torch.no_grad():
+            self.gate.bias.copy_(torch.logit(p).repeat_interleave(width))
+
+    def scan(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor) -> Tensor:
+        b, n, _ = x.shape
+        # fp32 log-gates whatever the autocast dtype: they are summed over many tokens
+        log_gate = F.logsigmoid(self.gate(x).float()) / self.gate_temperature  # (B, N, heads * G)
+        log_gate = log_gate.reshape(b, n, self.num_heads, -1).transpose(1, 2)  # (B, heads, N, G)
+        return bidirectional_gated_linear_attention(
+            q, k, v, log_gate, self.feature_map, eps=self.eps, chunk_size=self.chunk_size
+        )
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, gate_per_channel={self.gate_per_channel}"
+
+
+@register_mixer("bidir_delta")
+class BidirDeltaAttention(BidirectionalRecurrentMixer):
+    """Bidirectional delta-rule linear attention (DeltaNet): the state corrects what it stores for k_t towards v_t
+    with strength beta_t = sigmoid(w_h . x_t + b_h) per head; q and k are L2-normalised after the feature map
+    (default identity), and the output is unnormalised. Options: :class:`BidirectionalRecurrentMixer`.
+    """
+
+    def __init__(
+        self, dim: int, num_heads: int, *, feature_map: str = "identity", column_major: bool = False,
+        chunk_size: int = 64, qkv_bias: bool = True, proj_drop: float = 0.0,
+    ):
+        super().__init__(
+            dim, num_heads, feature_map=feature_map, column_major=column_major, chunk_size=chunk_size,
+            qkv_bias=qkv_bias, proj_drop=proj_drop,
+        )
+        self.beta = nn.Linear(dim, num_heads)
+
+    def scan(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor) -> Tensor:
+        beta = torch.sigmoid(self.beta(x).float()).transpose(1, 2)  # (B, heads, N), in (0, 1)
+        return bidirectional_delta_rule_attention(q, k, v, beta, self.feature_map, chunk_size=self.chunk_size)

@@ -1,0 +1,426 @@
+"""Linear attention that forgets or corrects: decay (RetNet), gated (GLA) and delta-rule (DeltaNet) recurrences.
+
+Plain causal linear attention keeps a running sum S_t = S_{t-1} + phi(k_t)^T v_t and never forgets. The three
+recurrences here change only the state update (states are (D, Dv), read as o_t = phi(q_t) S_t):
+
+- fixed decay per head (Sun et al. 2023, "Retentive Network", arXiv:2307.08621):
+  S_t = gamma * S_{t-1} + phi(k_t)^T v_t
+- data-dependent gate (Yang et al. 2023, "Gated Linear Attention", arXiv:2312.06635), per head or per key channel:
+  S_t = diag(gamma_t) S_{t-1} + phi(k_t)^T v_t
+- delta rule (Schlag et al. 2021; Yang et al. 2024, "Parallelizing Linear Transformers with the Delta Rule",
+  arXiv:2406.06484), one step of online gradient descent on 1/2 ||S^T k_t - v_t||^2:
+  S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T
+
+Each has a chunked form for training (quadratic inside a chunk, one state handed from chunk to chunk) and a step
+form for token-by-token inference; both give the per-token recurrence's outputs.
+
+Normalisation. The decay and gated forms keep the normaliser of :func:`causal_linear_attention`, decayed like the
+state: z_t = gamma_t z_{t-1} + phi(k_t) and a decayed token count c_t = gamma_t c_{t-1} + 1, with
+
+    o_t = phi(q_t) S_t / (phi(q_t) . z_t + c_t * eps)
+
+i.e. the decayed mean of the values, and exactly causal linear attention when gamma = 1 (c_t = t). With per-channel
+gates c_t is the mean over channels of the per-channel counts. ``normalize=False`` gives the plain o_t = phi(q_t) S_t
+(RetNet's retention). The delta rule is unnormalised: its keys (and queries) are L2-normalised after the feature map,
+so that with beta in [0, 1] each update is a contraction of the stored value along k_t and the state stays bounded.
+
+Numerical safety: gates enter as log-gates (log gamma <= 0, e.g. ``F.logsigmoid``), cumulated in fp32; every decay
+factor formed is exp of a non-positive number, so nothing overflows whatever the chunk size. All accumulation,
+the triangular solve of the delta rule and the division run in fp32 (float64 for float64 inputs); outputs have the
+input dtype. RoPE is not supported by these recurrences.
+
+Bidirectional forms (for images, which have no natural order) run the scan forward and backward over the token
+order and add the two, with the backward scan strictly anti-causal so that the diagonal counts once; the
+normalised forms merge numerators, denominators and counts before dividing, so with gamma = 1 the bidirectional
+decay form is exactly non-causal linear attention.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .feature_maps import FeatureMap, get_feature_map
+from .linear_attention import DEFAULT_EPS, FeatureMapArg, check_qkv
+
+__all__ = [
+    "RecurrentState",
+    "decay_linear_attention",
+    "decay_linear_attention_step",
+    "gated_linear_attention",
+    "gated_linear_attention_step",
+    "bidirectional_gated_linear_attention",
+    "delta_rule_attention",
+    "delta_rule_step",
+    "bidirectional_delta_rule_attention",
+]
+
+DecayArg = Union[float, Tensor]
+
+
+@dataclass
+class RecurrentState:
+    """State of a recurrent linear attention, in the compute dtype (fp32, or float64 for float64 inputs).
+
+    s: (B, H, D, Dv) state. z: (B, H, D) decayed key sum and count: (B, H, G) decayed token count (G = 1 for
+    per-head gates, D for per-channel gates), both only for the normalised decay/gated forms (None otherwise).
+    """
+
+    s: Tensor
+    z: Optional[Tensor] = None
+    count: Optional[Tensor] = None
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_chunk_eps(chunk_size: int, eps: float) -> None:
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size: must be a positive int, got {chunk_size!r}")
+    if not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps: must be a positive number, got {eps!r}")
+
+
+def _check_log_gate(log_gate: Tensor, q: Tensor) -> Tensor:
+    """Broadcast a log-gate to (B, H, N, G), G = 1 (per head) or D (per key channel), in the compute dtype."""
+    if not isinstance(log_gate, Tensor):
+        raise TypeError(f"log_gate: expected a torch.Tensor, got {type(log_gate).__name__}")
+    if not log_gate.is_floating_point():
+        raise TypeError(f"log_gate: dtype {log_gate.dtype} is not floating point")
+    b, h, n, d = q.shape
+    if log_gate.dim() == 3:
+        log_gate = log_gate.unsqueeze(-1)
+    if log_gate.dim() != 4 or log_gate.shape[-1] not in (1, d):
+        raise ValueError(
+            f"log_gate: expected (B, H, N) per head or (B, H, N, {d}) per key channel (or broadcastable), "
+            f"got shape {tuple(log_gate.shape)}"
+        )
+    try:
+        log_gate = log_gate.expand(b, h, n, log_gate.shape[-1])
+    except RuntimeError:
+        raise ValueError(
+            f"log_gate: shape {tuple(log_gate.shape)} does not broadcast to q's (B, H, N) = {(b, h, n)}"
+        ) from None
+    return log_gate.to(device=q.device, dtype=_compute_dtype(q.dtype))
+
+
+def _decay_log_gate(decay: DecayArg, q: Tensor) -> Tensor:
+    """log(gamma) of a fixed decay (a float or one per head, in (0, 1]) as a (1, H, 1) log-gate."""
+    h = q.shape[1]
+    cdt = _compute_dtype(q.dtype)
+    gamma = torch.as_tensor(decay, dtype=cdt, device=q.device)
+    if gamma.dim() > 1 or (gamma.dim() == 1 and gamma.numel() != h):
+        raise ValueError(f"decay: expected a float or one value per head ({h}), got shape {tuple(gamma.shape)}")
+    if not bool(((gamma > 0) & (gamma <= 1)).all()):
+        raise ValueError(f"decay: every value must lie in (0, 1], got {gamma.tolist()}")
+    return gamma.log().reshape(-1).expand(h).reshape(1, h, 1)
+
+
+def _to_chunks(x: Tensor, c: int) -> Tensor:
+    """(B, H, N, X) -> (B, H, N/c, c, X), zero-padded at the end."""
+    b, h, n, _ = x.shape
+    return F.pad(x, (0, 0, 0, (-n) % c)).reshape(b, h, -1, c, x.shape[-1])
+
+
+def _gated_scan(
+    q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, chunk_size: int, s0: Optional[Tensor], strict: bool
+) -> Tuple[Tensor, Tensor]:
+    """Unnormalised gated scan, chunked: o_i = q_i S_i with S_i = diag(exp(log_gate_i)) S_{i-1} + k_i^T v_i.
+
+    q, k (B, H, N, D), v (B, H, N, E), log_gate (B, H, N, G) all in the compute dtype; s0 (B, H, D, E) or None.
+    ``strict`` drops the token's own term: o_i = q_i (S_i - k_i^T v_i). Returns (o (B, H, N, E), final state).
+    Padded tokens have log-gate 0 and zero keys, so the final state is that after token N.
+    """
+    b, h, n, d = q.shape
+    c = min(chunk_size, n)
+    q, k, v, log_gate = (_to_chunks(t, c) for t in (q, k, v, log_gate))
+    cum = log_gate.cumsum(dim=3)  # (B, H, nc, c, G): log decay from the chunk start to token i, inclusive
+    total = cum[:, :, :, -1:]  # (B, H, nc, 1, G): log decay over the whole chunk
+    mask = torch.ones(c, c, dtype=torch.bool, device=q.device).tril(-1 if strict else 0)
+    # Decay from token j to token i (j <= i) inside a chunk; masked before exp so no positive exponent is formed.
+    if log_gate.shape[-1] == 1:
+        diff = (cum - cum.transpose(-1, -2)).masked_fill(~mask, float("-inf"))  # (B, H, nc, c, c)
+        attn = (q @ k.transpose(-1, -2)) * diff.exp()
+    else:
+        diff = (cum.unsqueeze(-2) - cum.unsqueeze(-3)).masked_fill(~mask.unsqueeze(-1), float("-inf"))
+        attn = torch.einsum("bhnid,bhnjd,bhnijd->bhnij", q, k, diff.exp())  # (B, H, nc, c, c)
+    out = attn @ v
+    q_in = q * cum.exp()  # reads the state entering the chunk, decayed up to token i
+    kv = (k * (total - cum).exp()).transpose(-1, -2) @ v  # (B, H, nc, D, E): chunk's keys decayed to its end
+    chunk_decay = total.transpose(-1, -2).exp()  # (B, H, nc, G, 1)
+    s = s0 if s0 is not None else q.new_zeros(b, h, d, v.shape[-1])
+    inter = []
+    for i in range(q.shape[2]):
+        inter.append(q_in[:, :, i] @ s)
+        s = chunk_decay[:, :, i] * s + kv[:, :, i]
+    out = out + torch.stack(inter, dim=2)
+    return out.reshape(b, h, -1, v.shape[-1])[:, :, :n], s
+
+
+def _gated_pieces(
+    phi_q: Tensor, phi_k: Tensor, v: Tensor, log_gate: Tensor, chunk_size: int, state: Optional[RecurrentState],
+    strict: bool,
+) -> Tuple[Tensor, Tensor, Tensor, RecurrentState]:
+    """Numerator (B, H, N, Dv), denominator (B, H, N), decayed count (B, H, N) and final state of the normalised
+    gated scan. The denominator rides along the numerator as an extra value column of ones."""
+    ones = v.new_ones(*v.shape[:-1], 1)
+    s0 = None if state is None else torch.cat([state.s, state.z.unsqueeze(-1)], dim=-1)
+    out, s = _gated_scan(phi_q, phi_k, torch.cat([v, ones], dim=-1), log_gate, chunk_size, s0, strict)
+    g = log_gate.shape[-1]
+    unit_q = log_gate.new_full(log_gate.shape, 1.0 / g)  # mean over the G per-channel counts
+    c0 = None if state is None else state.count.unsqueeze(-1)
+    count, c = _gated_scan(unit_q, torch.ones_like(log_gate), ones, log_gate, chunk_size, c0, strict)
+    return out[..., :-1], out[..., -1], count[..., 0], RecurrentState(s[..., :-1], s[..., -1], c[..., 0])
+
+
+def _check_state(state: Optional[RecurrentState], q: Tensor, v: Tensor, g: Optional[int]) -> Optional[RecurrentState]:
+    """Validate a state against q (B, H, ., D), v (B, H, ., Dv) and gate width g (None: unnormalised)."""
+    if state is None:
+        return None
+    if not isinstance(state, RecurrentState):
+        raise TypeError(f"state: expected a RecurrentState or None, got {type(state).__name__}")
+    b, h, d, dv = q.shape[0], q.shape[1], q.shape[-1], v.shape[-1]
+    cdt = _compute_dtype(q.dtype)
+    if tuple(state.s.shape) != (b, h, d, dv):
+        raise ValueError(f"state: s has shape {tuple(state.s.shape)}, expected {(b, h, d, dv)}")
+    if g is None:
+        return RecurrentState(state.s.to(cdt))
+    if state.z is None or state.count is None:
+        raise ValueError("state: the normalised form needs z and count; this state has none (normalize=False?)")
+    if tuple(state.z.shape) != (b, h, d) or tuple(state.count.shape) != (b, h, g):
+        raise ValueError(
+            f"state: z {tuple(state.z.shape)} and count {tuple(state.count.shape)} do not match "
+            f"expected {(b, h, d)} and {(b, h, g)}"
+        )
+    return RecurrentState(state.s.to(cdt), state.z.to(cdt), state.count.to(cdt))
+
+
+def gated_linear_attention(
+    q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, feature_map: FeatureMapArg = "elu", *,
+    normalize: bool = True, eps: float = DEFAULT_EPS, chunk_size: int = 64, state: Optional[RecurrentState] = None,
+    return_state: bool = False,
+) -> Union[Tensor, Tuple[Tensor, RecurrentState]]:
+    """Causal gated linear attention, chunked: S_t = diag(gamma_t) S_{t-1} + phi(k_t)^T v_t, gamma_t = exp(log_gate_t).
+
+    q, k: (B, H, N, D); v: (B, H, N, Dv); log_gate: log gamma <= 0 (fp32 is best), (B, H, N) per head or
+    (B, H, N, D) per key channel, or any shape broadcasting to one of those (a fixed decay is (1, H, 1)).
+    normalize: divide by the decayed normaliser (module docstring); False gives o_t = phi(q_t) S_t.
+    state: the state after earlier tokens (continues a sequence); return_state: also return the final state.
+    Per-channel gates form a (chunk, chunk, D) decay tensor per chunk: prefer chunk_size 16-32 for them.
+
+    Returns (B, H, N, Dv) in q's dtype (and a :class:`RecurrentState`). Raises TypeError for bad dtypes or
+    arguments, ValueError for mismatched shapes, a bad chunk_size or eps, or a state that does not fit.
+    """
+    check_qkv(q, k, v)
+    _check_chunk_eps(chunk_size, eps)
+    log_gate = _check_log_gate(log_gate, q)
+    state = _check_state(state, q, v, log_gate.shape[-1] if normalize else None)
+    phi = get_feature_map(feature_map, dim=q.shape[-1])
+    cdt = _compute_dtype(q.dtype)
+    phi_q, phi_k, vc = phi(q.to(cdt), True), phi(k.to(cdt), False), v.to(cdt)
+    if normalize:
+        num, den, count, final = _gated_pieces(phi_q, phi_k, vc, log_gate, chunk_size, state, strict=False)
+        out = num / (den + count * eps).unsqueeze(-1)
+    else:
+        out, s = _gated_scan(phi_q, phi_k, vc, log_gate, chunk_size, None if state is None else state.s, False)
+        final = RecurrentState(s)
+    out = out.to(q.dtype)
+    return (out, final) if return_state else out
+
+
+def gated_linear_attention_step(
+    q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, state: Optional[RecurrentState] = None,
+    feature_map: FeatureMapArg = "elu", *, normalize: bool = True, eps: float = DEFAULT_EPS,
+) -> Tuple[Tensor, RecurrentState]:
+    """One token of :func:`gated_linear_attention`. q, k: (B, H, D), v: (B, H, Dv), log_gate: (B, H) per head
+    or (B, H, D) per key channel (or broadcastable). Returns (o (B, H, Dv) in q's dtype, new state)."""
+    check_qkv(q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2))
+    _check_chunk_eps(1, eps)
+    if isinstance(log_gate, Tensor) and log_gate.dim() in (1, 2, 3):
+        log_gate = log_gate.unsqueeze(2) if log_gate.dim() == 3 else log_gate.unsqueeze(-1)
+    lg = _check_log_gate(log_gate, q.unsqueeze(2))[:, :, 0]  # (B, H, G)
+    g = lg.shape[-1]
+    state = _check_state(state, q.unsqueeze(2), v.unsqueeze(2), g if normalize else None)
+    phi = get_feature_map(feature_map, dim=q.shape[-1])
+    cdt = _compute_dtype(q.dtype)
+    phi_q = phi(q.to(cdt).unsqueeze(2), True)[:, :, 0]  # (B, H, D)
+    phi_k = phi(k.to(cdt).unsqueeze(2), False)[:, :, 0]
+    gamma = lg.exp()
+    s_prev = state.s if state is not None else phi_k.new_zeros(*phi_k.shape, v.shape[-1])
+    s = gamma.unsqueeze(-1) * s_prev + phi_k.unsqueeze(-1) * v.to(cdt).unsqueeze(-2)
+    num = torch.einsum("bhd,bhde->bhe", phi_q, s)
+    if not normalize:
+        return num.to(q.dtype), RecurrentState(s)
+    z_prev = state.z if state is not None else torch.zeros_like(phi_k)
+    c_prev = state.count if state is not None else torch.zeros_like(gamma)
+    z = gamma * z_prev + phi_k
+    count = gamma * c_prev + 1
+    den = (phi_q * z).sum(-1) + count.mean(-1) * eps
+    return (num / den.unsqueeze(-1)).to(q.dtype), RecurrentState(s, z, count)
+
+
+def decay_linear_attention(
+    q: Tensor, k: Tensor, v: Tensor, decay: DecayArg, feature_map: FeatureMapArg = "elu", *,
+    normalize: bool = True, eps: float = DEFAULT_EPS, chunk_size: int = 64, state: Optional[RecurrentState] = None,
+    return_state: bool = False,
+) -> Union[Tensor, Tuple[Tensor, RecurrentState]]:
+    """Causal linear attention with a fixed decay gamma in (0, 1] (a float, or a tensor with one per head):
+    S_t = gamma * S_{t-1} + phi(k_t)^T v_t. With gamma = 1 and ``normalize`` it is :func:`causal_linear_attention`.
+    Other arguments, returns and raises as :func:`gated_linear_attention`; ValueError for a decay out of range."""
+    check_qkv(q, k, v)
+    return gated_linear_attention(
+        q, k, v, _decay_log_gate(decay, q), feature_map, normalize=normalize, eps=eps, chunk_size=chunk_size,
+        state=state, return_state=return_state,
+    )
+
+
+def decay_linear_attention_step(
+    q: Tensor, k: Tensor, v: Tensor, decay: DecayArg, state: Optional[RecurrentState] = None,
+    feature_map: FeatureMapArg = "elu", *, normalize: bool = True, eps: float = DEFAULT_EPS,
+) -> Tuple[Tensor, RecurrentState]:
+    """One token of :func:`decay_linear_attention`. q, k: (B, H, D), v: (B, H, Dv). Returns (o, new state)."""
+    check_qkv(q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2))
+    log_gate = _decay_log_gate(decay, q.unsqueeze(2)).unsqueeze(-1)  # (1, H, 1, 1)
+    return gated_linear_attention_step(q, k, v, log_gate, state, feature_map, normalize=normalize, eps=eps)
+
+
+def bidirectional_gated_linear_attention(
+    q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, feature_map: FeatureMapArg = "elu", *,
+    normalize: bool = True, eps: float = DEFAULT_EPS, chunk_size: int = 64,
+) -> Tensor:
+    """Gated linear attention scanned forward and backward over the token order, diagonal counted once.
+
+    Token i weighs token j by the product of the gates crossed from j to i: gamma_{j+1} ... gamma_i for j <= i
+    (forward scan) and gamma_i ... gamma_{j-1} for j > i (the backward scan, the same gates reversed). Normalised,
+    o_i = sum_j w_ij (phi(q_i).phi(k_j)) v_j / (sum_j w_ij phi(q_i).phi(k_j) + eps * sum_j w_ij) (per-channel
+    weights averaged over channels in the eps term); with log_gate = 0 this is non-causal linear attention.
+    Arguments and raises as :func:`gated_linear_attention`; returns (B, H, N, Dv) in q's dtype.
+    """
+    check_qkv(q, k, v)
+    _check_chunk_eps(chunk_size, eps)
+    log_gate = _check_log_gate(log_gate, q)
+    phi = get_feature_map(feature_map, dim=q.shape[-1])
+    cdt = _compute_dtype(q.dtype)
+    phi_q, phi_k, vc = phi(q.to(cdt), True), phi(k.to(cdt), False), v.to(cdt)
+
+    def flip(x: Tensor) -> Tensor:
+        return x.flip(2)
+
+    if normalize:
+        num_f, den_f, cnt_f, _ = _gated_pieces(phi_q, phi_k, vc, log_gate, chunk_size, None, strict=False)
+        pieces_b = _gated_pieces(*map(flip, (phi_q, phi_k, vc, log_gate)), chunk_size, None, strict=True)
+        num_b, den_b, cnt_b = (x.flip(2) for x in pieces_b[:3])
+        out = (num_f + num_b) / (den_f + den_b + (cnt_f + cnt_b) * eps).unsqueeze(-1)
+    else:
+        out_f, _ = _gated_scan(phi_q, phi_k, vc, log_gate, chunk_size, None, strict=False)
+        out_b, _ = _gated_scan(*map(flip, (phi_q, phi_k, vc, log_gate)), chunk_size, None, strict=True)
+        out = out_f + out_b.flip(2)
+    return out.to(q.dtype)
+
+
+def _check_beta(beta: Tensor, q: Tensor) -> Tensor:
+    """Broadcast beta to (B, H, N) in the compute dtype."""
+    if not isinstance(beta, Tensor) or not beta.is_floating_point():
+        raise TypeError(f"beta: expected a floating-point torch.Tensor, got {type(beta).__name__}")
+    try:
+        return beta.to(device=q.device, dtype=_compute_dtype(q.dtype)).expand(q.shape[:3])
+    except RuntimeError:
+        raise ValueError(f"beta: shape {tuple(beta.shape)} does not broadcast to (B, H, N) = {tuple(q.shape[:3])}") from None
+
+
+def _delta_features(q: Tensor, k: Tensor, phi: FeatureMap, l2_normalize: bool) -> Tuple[Tensor, Tensor]:
+    cdt = _compute_dtype(q.dtype)
+    phi_q, phi_k = phi(q.to(cdt), True), phi(k.to(cdt), False)
+    if l2_normalize:
+        phi_q, phi_k = F.normalize(phi_q, dim=-1), F.normalize(phi_k, dim=-1)
+    return phi_q, phi_k
+
+
+def _delta_scan(
+    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, chunk_size: int, s0: Optional[Tensor], strict: bool
+) -> Tuple[Tensor, Tensor]:
+    """Delta-rule scan, chunked with the WY/UT form: o_i = q_i S_i, S_i = (I - b_i k_i^T k_i) S_{i-1} + b_i k_i^T v_i.
+
+    Inside a chunk with entering state S0, S_i = S0 + sum_{j<=i} k_j^T u_j with u_i = b_i (v_i - k_i S_{i-1}), i.e.
+    (I + tril(diag(b) K K^T, -1)) U = diag(b) (V - K S0): one unit-triangular solve per chunk gives U~ and W with
+    U = U~ - W S0, independent of S0, so only the cheap U, S updates run chunk after chunk.
+    ``strict``: o_i = q_i S_{i-1} (the token's own update left out). Padded tokens (k = 0, b = 0) change nothing.
+    """
+    b, h, n, d = q.shape
+    c = min(chunk_size, n)
+    q, k, v, beta = (_to_chunks(t, c) for t in (q, k, v, beta.unsqueeze(-1)))
+    kb = k * beta  # (B, H, nc, c, D)
+    eye = torch.eye(c, dtype=q.dtype, device=q.device)
+    lower = eye + (kb @ k.transpose(-1, -2)).tril(-1)
+    rhs = torch.cat([v * beta, kb], dim=-1)
+    u_w = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
+    u_tilde, w = u_w[..., : v.shape[-1]], u_w[..., v.shape[-1] :]
+    attn = (q @ k.transpose(-1, -2)).tril(-1 if strict else 0)
+    s = s0 if s0 is not None else q.new_zeros(b, h, d, v.shape[-1])
+    outs = []
+    for i in range(q.shape[2]):
+        u = u_tilde[:, :, i] - w[:, :, i] @ s  # (B, H, c, Dv)
+        outs.append(q[:, :, i] @ s + attn[:, :, i] @ u)
+        s = s + k[:, :, i].transpose(-1, -2) @ u
+    return torch.stack(outs, dim=2).reshape(b, h, -1, v.shape[-1])[:, :, :n], s
+
+
+def delta_rule_attention(
+    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, feature_map: FeatureMapArg = "identity", *,
+    l2_normalize: bool = True, chunk_size: int = 64, state: Optional[RecurrentState] = None,
+    return_state: bool = False,
+) -> Union[Tensor, Tuple[Tensor, RecurrentState]]:
+    """Causal delta-rule (DeltaNet) linear attention, chunked: S_t = (I - beta_t k_t^T k_t) S_{t-1} + beta_t k_t^T v_t,
+    o_t = q_t S_t, where q, k are the feature-mapped (and, by default, L2-normalised) queries and keys.
+
+    q, k: (B, H, N, D); v: (B, H, N, Dv); beta: (B, H, N) writing strength, in [0, 1] for a stable state
+    (e.g. a sigmoid); beta = 0 leaves the state unchanged. Unnormalised (no z). state / return_state as
+    :func:`gated_linear_attention`. Returns (B, H, N, Dv) in q's dtype. Raises TypeError for bad dtypes,
+    ValueError for mismatched shapes, a bad chunk_size or a state that does not fit.
+    """
+    check_qkv(q, k, v)
+    _check_chunk_eps(chunk_size, DEFAULT_EPS)
+    beta = _check_beta(beta, q)
+    state = _check_state(state, q, v, None)
+    phi_q, phi_k = _delta_features(q, k, get_feature_map(feature_map, dim=q.shape[-1]), l2_normalize)
+    out, s = _delta_scan(phi_q, phi_k, v.to(phi_q.dtype), beta, chunk_size, None if state is None else state.s, False)
+    out = out.to(q.dtype)
+    return (out, RecurrentState(s)) if return_state else out
+
+
+def delta_rule_step(
+    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, state: Optional[RecurrentState] = None,
+    feature_map: FeatureMapArg = "identity", *, l2_normalize: bool = True,
+) -> Tuple[Tensor, RecurrentState]:
+    """One token of :func:`delta_rule_attention`. q, k: (B, H, D), v: (B, H, Dv), beta: (B, H).
+    Returns (o (B, H, Dv) in q's dtype, new state)."""
+    check_qkv(q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2))
+    beta = _check_beta(beta.unsqueeze(-1) if isinstance(beta, Tensor) else beta, q.unsqueeze(2))[:, :, 0]
+    state = _check_state(state, q.unsqueeze(2), v.unsqueeze(2), None)
+    phi_q, phi_k = _delta_features(q, k, get_feature_map(feature_map, dim=q.shape[-1]), l2_normalize)
+    s_prev = state.s if state is not None else phi_k.new_zeros(*phi_k.shape, v.shape[-1])
+    err = v.to(phi_k.dtype) - torch.einsum("bhd,bhde->bhe", phi_k, s_prev)  # what the state gets wrong for k
+    s = s_prev + phi_k.unsqueeze(-1) * (beta.unsqueeze(-1) * err).unsqueeze(-2)
+    return torch.einsum("bhd,bhde->bhe", phi_q, s).to(q.dtype), RecurrentState(s)
+
+
+def bidirectional_delta_rule_attention(
+    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, feature_map: FeatureMapArg = "identity", *,
+    l2_normalize: bool = True, chunk_size: int = 64,
+) -> Tensor:
+    """Delta-rule attention scanned forward (o_i = q_i S_i) and backward over the reversed order, the backward
+    read strictly before token i's own update (q_i S'_{i+1}), so the diagonal counts once; the two are added.
+    Arguments and raises as :func:`delta_rule_attention`; returns (B, H, N, Dv) in q's dtype."""
+    check_qkv(q, k, v)
+    _check_chunk_eps(chunk_size, DEFAULT_EPS)
+    beta = _check_beta(beta, q)
+    phi_q, phi_k = _delta_features(q, k, get_feature_map(feature_map, dim=q.shape[-1]), l2_normalize)
+    vc = v.to(phi_q.dtype)
+    out_f, _ = _delta_scan(phi_q, phi_k, vc, beta, chunk_size, None, strict=False)
+    flipped = (phi_q.flip(2), phi_k.flip(2), vc.flip(2), beta.flip(2))
+    out_b, _ = _delta_scan(*flipped, chunk_size, None, strict=True)
+    return (out_f + out_b.flip(2)).to(q.dtype)

@@ -287,7 +287,7 @@ def test_mixer_column_major_is_transpose_equivariant(name):
 @pytest.mark.parametrize("name", MIXERS)
 def test_mixer_bf16_autocast_and_backward(name):
     torch.manual_seed(0)
-    kwargs = {"gate_per_channel": True, "chunk_size": 16} if name == "bidir_gated" else {}
+    kwargs = {"forget_per_channel": True, "gate": True, "lepe": True} if name == "bidir_gated" else {}
     mixer = create_mixer(name, 32, 4, **kwargs)
     x = torch.randn(2, 8 * 8, 32, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):

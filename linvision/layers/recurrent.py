@@ -9,7 +9,7 @@ called as ``forward(x (B, N, C), hw)`` with N = H * W tokens in raster order, li
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -46,14 +46,16 @@ class BidirectionalRecurrentMixer(nn.Module):
         feature_map: name of a feature map of :func:`linvision.ops.get_feature_map` applied to q and k.
         column_major: also scan the column-major order and average with the raster-order result.
         chunk_size: chunk length of the chunked scans.
+        lepe: add a 3x3 depthwise conv of V (on the grid) to the output, as the other attention mixers.
+        gate: multiply the output by SiLU(W_g x) before the output projection (the MLLA block's gate).
         qkv_bias: bias of the qkv projection.
         proj_drop: dropout after the output projection.
-    Raises ValueError for a bad dim/num_heads pair or an unknown feature map.
+    Raises ValueError for a bad dim/num_heads pair, chunk_size or an unknown feature map.
     """
 
     def __init__(
         self, dim: int, num_heads: int, *, feature_map: str = "elu", column_major: bool = False,
-        chunk_size: int = 64, qkv_bias: bool = True, proj_drop: float = 0.0,
+        chunk_size: int = 64, lepe: bool = False, gate: bool = False, qkv_bias: bool = True, proj_drop: float = 0.0,
     ):
         super().__init__()
         if num_heads < 1 or dim % num_heads != 0:
@@ -68,6 +70,8 @@ class BidirectionalRecurrentMixer(nn.Module):
         self.column_major = column_major
         self.chunk_size = chunk_size
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        self.lepe = nn.Conv2d(dim, dim, 3, padding=1, groups=dim) if lepe else None
+        self.gate = nn.Linear(dim, dim) if gate else None
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
@@ -91,6 +95,11 @@ class BidirectionalRecurrentMixer(nn.Module):
             out_cols = self.scan(q[:, :, to_cols], k[:, :, to_cols], v[:, :, to_cols], x[:, to_cols])
             out = 0.5 * (out + out_cols[:, :, to_rows])
         out = out.transpose(1, 2).reshape(b, n, c)
+        if self.lepe is not None:
+            v_grid = v.transpose(1, 2).reshape(b, h, w, c).permute(0, 3, 1, 2)  # (B, C, H, W)
+            out = out + self.lepe(v_grid).flatten(2).transpose(1, 2)
+        if self.gate is not None:
+            out = out * F.silu(self.gate(x))
         return self.proj_drop(self.proj(out))
 
     def extra_repr(self) -> str:
@@ -111,12 +120,12 @@ class BidirDecayAttention(BidirectionalRecurrentMixer):
 
     def __init__(
         self, dim: int, num_heads: int, *, decay_range: Tuple[float, float] = (3.0, 10.0), eps: float = DEFAULT_EPS,
-        feature_map: str = "elu", column_major: bool = False, chunk_size: int = 64, qkv_bias: bool = True,
-        proj_drop: float = 0.0,
+        feature_map: str = "elu", column_major: bool = False, chunk_size: int = 64, lepe: bool = False,
+        gate: bool = False, qkv_bias: bool = True, proj_drop: float = 0.0,
     ):
         super().__init__(
-            dim, num_heads, feature_map=feature_map, column_major=column_major, chunk_size=chunk_size,
-            qkv_bias=qkv_bias, proj_drop=proj_drop,
+            dim, num_heads, feature_map=feature_map, column_major=column_major, chunk_size=chunk_size, lepe=lepe,
+            gate=gate, qkv_bias=qkv_bias, proj_drop=proj_drop,
         )
         self.eps = eps
         self.register_buffer("log_decay", retnet_log_decays(num_heads, decay_range), persistent=False)
@@ -130,47 +139,51 @@ class BidirDecayAttention(BidirectionalRecurrentMixer):
 
 @register_mixer("bidir_gated")
 class BidirGatedAttention(BidirectionalRecurrentMixer):
-    """Bidirectional gated linear attention (GLA): gamma_t = sigmoid(W x_t + b)^(1/gate_temperature) per head, or per
-    key channel with ``gate_per_channel``. W starts at zero and b at RetNet's decays, so training starts from
-    :class:`BidirDecayAttention` and learns which tokens to forget across.
+    """Bidirectional gated linear attention (GLA): a forget gate gamma_t = sigmoid(W x_t + b)^(1/forget_temperature)
+    per head, or per key channel with ``forget_per_channel``. W starts at zero and b at RetNet's decays, so training
+    starts from :class:`BidirDecayAttention` and learns which tokens to forget across.
 
-    gate_temperature: divides log sigmoid (GLA's 16 keeps gates near 1). eps, decay_range: as BidirDecayAttention.
-    Per-channel gates form a (chunk, chunk, D) decay tensor: pass chunk_size 16-32 with them.
+    forget_temperature: divides log sigmoid (GLA's 16 keeps gates near 1). eps, decay_range: as BidirDecayAttention.
+    chunk_size: default 64 per head, 16 per channel (per-channel gates form a (chunk, chunk, D) decay tensor).
+    Other options: :class:`BidirectionalRecurrentMixer`.
     """
 
     def __init__(
-        self, dim: int, num_heads: int, *, gate_per_channel: bool = False, gate_temperature: float = 16.0,
+        self, dim: int, num_heads: int, *, forget_per_channel: bool = False, forget_temperature: float = 16.0,
         decay_range: Tuple[float, float] = (3.0, 10.0), eps: float = DEFAULT_EPS, feature_map: str = "elu",
-        column_major: bool = False, chunk_size: int = 64, qkv_bias: bool = True, proj_drop: float = 0.0,
+        column_major: bool = False, chunk_size: Optional[int] = None, lepe: bool = False, gate: bool = False,
+        qkv_bias: bool = True, proj_drop: float = 0.0,
     ):
+        if chunk_size is None:
+            chunk_size = 16 if forget_per_channel else 64
         super().__init__(
-            dim, num_heads, feature_map=feature_map, column_major=column_major, chunk_size=chunk_size,
-            qkv_bias=qkv_bias, proj_drop=proj_drop,
+            dim, num_heads, feature_map=feature_map, column_major=column_major, chunk_size=chunk_size, lepe=lepe,
+            gate=gate, qkv_bias=qkv_bias, proj_drop=proj_drop,
         )
-        if not gate_temperature > 0:
-            raise ValueError(f"gate_temperature: must be positive, got {gate_temperature!r}")
+        if not forget_temperature > 0:
+            raise ValueError(f"forget_temperature: must be positive, got {forget_temperature!r}")
         self.eps = eps
-        self.gate_per_channel = gate_per_channel
-        self.gate_temperature = float(gate_temperature)
-        width = self.head_dim if gate_per_channel else 1
-        self.gate = nn.Linear(dim, num_heads * width)
-        nn.init.zeros_(self.gate.weight)
+        self.forget_per_channel = forget_per_channel
+        self.forget_temperature = float(forget_temperature)
+        width = self.head_dim if forget_per_channel else 1
+        self.forget_gate = nn.Linear(dim, num_heads * width)
+        nn.init.zeros_(self.forget_gate.weight)
         # sigmoid(b)^(1/T) = gamma_h  <=>  b = logit(gamma_h^T)
-        p = (retnet_log_decays(num_heads, decay_range) * self.gate_temperature).exp()
+        p = (retnet_log_decays(num_heads, decay_range) * self.forget_temperature).exp()
         with torch.no_grad():
-            self.gate.bias.copy_(torch.logit(p).repeat_interleave(width))
+            self.forget_gate.bias.copy_(torch.logit(p).repeat_interleave(width))
 
     def scan(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor) -> Tensor:
         b, n, _ = x.shape
         # fp32 log-gates whatever the autocast dtype: they are summed over many tokens
-        log_gate = F.logsigmoid(self.gate(x).float()) / self.gate_temperature  # (B, N, heads * G)
+        log_gate = F.logsigmoid(self.forget_gate(x).float()) / self.forget_temperature  # (B, N, heads * G)
         log_gate = log_gate.reshape(b, n, self.num_heads, -1).transpose(1, 2)  # (B, heads, N, G)
         return bidirectional_gated_linear_attention(
             q, k, v, log_gate, self.feature_map, eps=self.eps, chunk_size=self.chunk_size
         )
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, gate_per_channel={self.gate_per_channel}"
+        return f"{super().extra_repr()}, forget_per_channel={self.forget_per_channel}"
 
 
 @register_mixer("bidir_delta")
@@ -182,11 +195,11 @@ class BidirDeltaAttention(BidirectionalRecurrentMixer):
 
     def __init__(
         self, dim: int, num_heads: int, *, feature_map: str = "identity", column_major: bool = False,
-        chunk_size: int = 64, qkv_bias: bool = True, proj_drop: float = 0.0,
+        chunk_size: int = 64, lepe: bool = False, gate: bool = False, qkv_bias: bool = True, proj_drop: float = 0.0,
     ):
         super().__init__(
-            dim, num_heads, feature_map=feature_map, column_major=column_major, chunk_size=chunk_size,
-            qkv_bias=qkv_bias, proj_drop=proj_drop,
+            dim, num_heads, feature_map=feature_map, column_major=column_major, chunk_size=chunk_size, lepe=lepe,
+            gate=gate, qkv_bias=qkv_bias, proj_drop=proj_drop,
         )
         self.beta = nn.Linear(dim, num_heads)
 

@@ -1,3 +1,13 @@
+# --- linvision.kernels: run the Triton kernels in the interpreter when there is no GPU. Must be set before
+# triton is imported; backend="auto" still selects the kernels for CUDA tensors only. ---
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+# --- end linvision.kernels ---
+
 import pytest
 
 

@@ -1,0 +1,293 @@
+"""Fused Triton kernels (``linvision.kernels``) against the float64 reference path.
+
+Without a GPU the kernels run in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1 before
+triton is imported), so shapes stay small; the wider sweep is marked slow.
+"""
+import itertools
+import os
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from linvision.ops import Rope, axial_rope, linear_attention, linear_attention_reference, mixed_rope_freqs, rope_1d
+from linvision.ops.feature_maps import get_feature_map
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1", reason="needs a GPU or TRITON_INTERPRET=1"
+)
+
+kernels = pytest.importorskip("linvision.kernels")
+from linvision.kernels import linear_attention as kernel_module  # noqa: E402
+from linvision.kernels import linear_attention_triton, unsupported_reason  # noqa: E402
+from linvision.kernels.traffic import count_traffic, minimal_bytes  # noqa: E402
+
+# Max error relative to the largest reference value, per input dtype (fp16/bf16: the inputs are rounded to
+# that dtype before both paths see them, so this measures the kernels' arithmetic and the output rounding).
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _rope(kind, n, d, h):
+    """A Rope for n tokens: axial with one prefix token where n - 1 factors nicely, or mixed per-head."""
+    if kind is None:
+        return None
+    grids = {1: (0, (1, 1)), 33: (1, (4, 8)), 197: (1, (14, 14)), 1000: (0, (25, 40)), 64: (0, (8, 8))}
+    prefix, grid = grids.get(n, (0, (1, n)))
+    if kind == "axial":
+        return axial_rope(d, grid, num_prefix_tokens=prefix)
+    if kind == "mixed":
+        fx, fy = mixed_rope_freqs(d, h, generator=torch.Generator().manual_seed(1))
+        return Rope(fx, fy, grid, num_prefix_tokens=prefix, offset=(0.5, -2.0))
+    return rope_1d(d, n)
+
+
+def _inputs(b, h, nq, nk, d, dv, dtype, feature, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if feature == "identity":  # the caller's features must be non-negative for a meaningful denominator
+        q = torch.rand(b, h, nq, d, generator=g) + 0.05
+        k = torch.rand(b, h, nk, d, generator=g) + 0.05
+    else:
+        q = torch.randn(b, h, nq, d, generator=g)
+        k = torch.randn(b, h, nk, d, generator=g)
+    v = torch.randn(b, h, nk, dv, generator=g)
+    do = torch.randn(b, h, nq, dv, generator=g)
+    return [t.to(DEVICE, dtype) for t in (q, k, v, do)]
+
+
+def _rel_err(a, b):
+    """Max error over the largest reference value; the floor of 1e-3 covers gradients that are tiny by
+    cancellation (e.g. dq at N = 1, where o = v up to eps)."""
+    return ((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-3)).item()
+
+
+def _check(q, k, v, do, feature, rope=None, split_tokens=0, tol=None):
+    """Kernel forward and q, k, v gradients against the float64 reference on the same (rounded) inputs."""
+    tol = tol or TOL[q.dtype]
+    qk, kk, vk = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = linear_attention_triton(qk, kk, vk, feature, rope=rope, split_tokens=split_tokens)
+    assert out.dtype == q.dtype and out.shape == (*q.shape[:3], v.shape[-1])
+    grads = torch.autograd.grad(out, (qk, kk, vk), do)
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = linear_attention_reference(qr, kr, vr, feature, rope=rope)
+    ref_grads = torch.autograd.grad(ref, (qr, kr, vr), do.double())
+    assert _rel_err(out, ref) < tol
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert g.dtype == q.dtype
+        assert _rel_err(g, r) < 4 * tol, f"d{name}"
+
+
+# (B, H, N, D, Dv, feature map, rope, split_tokens); split_tokens 0 = one split over all tokens.
+CASES = [
+    (1, 1, 1, 16, 16, "elu", None, 0),
+    (2, 3, 33, 16, 24, "relu", "axial", 0),
+    (1, 2, 197, 32, 32, "elu", "axial", 0),
+    (2, 2, 197, 32, 48, "identity", "mixed", 64),
+    (1, 2, 197, 64, 32, "relu", None, 50),  # split shorter than a block and not a multiple of it
+    (1, 1, 1000, 64, 64, "elu", "mixed", 256),
+    (1, 2, 1000, 16, 40, "identity", None, 300),
+]
+
+
+@pytest.mark.parametrize("b,h,n,d,dv,feature,rope,split", CASES)
+def test_matches_reference_fp32(b, h, n, d, dv, feature, rope, split):
+    q, k, v, do = _inputs(b, h, n, n, d, dv, torch.float32, feature)
+    _check(q, k, v, do, feature, _rope(rope, n, d, h), split)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rope", [None, "axial"])
+def test_matches_reference_half(dtype, rope):
+    q, k, v, do = _inputs(1, 2, 197, 197, 32, 24, dtype, "elu")
+    _check(q, k, v, do, "elu", _rope(rope, 197, 32, 2), split_tokens=100)
+
+
+def test_cross_attention_token_counts_differ():
+    """Nq != Nk (no RoPE), with a head dim that is not a power of two."""
+    q, _, _, do = _inputs(2, 1, 45, 45, 48, 16, torch.float32, "relu", seed=1)
+    _, k, v, _ = _inputs(2, 1, 130, 130, 48, 16, torch.float32, "relu", seed=2)
+    _check(q, k, v, do, "relu", split_tokens=64)
+
+
+def test_strided_inputs():
+    """q, k, v as views of a (B, N, H, D) layout and a non-contiguous output gradient."""
+    b, n, h, d, dv = 2, 70, 3, 32, 32
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(b, n, 3, h, d, generator=g).to(DEVICE)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, N, D), stride over N = 3 * H * D
+    assert not q.is_contiguous()
+    do = torch.randn(b, n, h, dv, generator=g).to(DEVICE).transpose(1, 2)
+    _check(q, k, v, do, "elu", None, split_tokens=32)
+    _check(q, k, v, do, "elu", rope_1d(d, n), split_tokens=0)
+
+
+def test_every_output_element_written(monkeypatch):
+    """Every buffer the launcher allocates (outputs, split partials) starts as NaN; results must be clean."""
+    real_empty = torch.empty
+    poisoned = []
+
+    def poisoned_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        if t.is_floating_point():
+            poisoned.append(t.shape)
+            t.fill_(float("nan"))
+        return t
+
+    q, k, v, do = _inputs(2, 2, 197, 197, 32, 24, torch.float32, "elu")
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    _check(q, k, v, do, "elu", _rope("axial", 197, 32, 2), split_tokens=60)
+    assert len(poisoned) >= 7  # o, S and z partials, dq, dS and dz partials, dk, dv
+
+
+def test_traffic_is_the_minimum():
+    """Each kernel touches every element of its N-sized tensors exactly once, masked lanes excluded."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("traffic is counted in the interpreter")
+    b, h, n, d, dv, split = 1, 2, 197, 32, 24, 64
+    splits = -(-n // split)
+    q, k, v, do = _inputs(b, h, n, n, d, dv, torch.float16, "elu")
+    q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    with count_traffic() as fwd:
+        out = linear_attention_triton(q, k, v, "elu", split_tokens=split)
+    with count_traffic() as bwd:
+        out.backward(do)
+    state = b * h * (d * dv + d) * 4  # one fp32 (S, z) or (dS, dz)
+    expected = {
+        "_state_fwd_kernel": (b * h * n * (d + dv) * 2, splits * state),
+        "_output_fwd_kernel": (b * h * n * d * 2 + state, b * h * n * dv * 2),
+        "_query_bwd_kernel": (b * h * n * (d + dv) * 2 + state, b * h * n * d * 2 + splits * state),
+        "_key_bwd_kernel": (b * h * n * (d + dv) * 2 + state, b * h * n * (d + dv) * 2),
+    }
+    got = {t.kernel: (t.bytes_loaded, t.bytes_stored) for t in fwd + bwd}
+    assert got == expected
+    floor_fwd = minimal_bytes(b, h, n, n, d, dv, 2, backward=False)
+    assert sum(t.total for t in fwd) - (splits + 1) * state == floor_fwd
+
+
+def test_dispatch_from_linear_attention(monkeypatch):
+    q, k, v, _ = _inputs(1, 2, 40, 40, 16, 16, torch.float32, "elu")
+    ref = linear_attention_reference(q, k, v, "elu")
+    out = linear_attention(q, k, v, "elu", backend="triton")
+    assert _rel_err(out, ref.double()) < TOL[torch.float32]
+    if DEVICE == "cpu":  # "auto" keeps CPU tensors on the torch path even when interpreting
+
+        def fail(*args, **kwargs):
+            raise AssertionError("auto selected the kernels for CPU tensors")
+
+        monkeypatch.setattr(kernels, "linear_attention_triton", fail)
+        torch.testing.assert_close(linear_attention(q, k, v, "elu", backend="auto"), ref)
+
+
+def _reason(q, k, v, feature="elu", rope=None, causal=False):
+    return unsupported_reason(q, k, v, get_feature_map(feature, dim=q.shape[-1]), rope=rope, causal=causal)
+
+
+def test_unsupported_reasons(monkeypatch):
+    q, k, v, _ = _inputs(1, 1, 8, 8, 16, 16, torch.float32, "elu")
+    assert _reason(q, k, v) is None
+    assert "causal" in _reason(q, k, v, causal=True)
+    assert "'exp' is not fused" in _reason(q, k, v, feature="exp")
+    assert "float64" in _reason(q.double(), k.double(), v.double())
+    assert "head dim 8 not in 16..128" in _reason(q[..., :8], k[..., :8], v)
+    assert "head dim 17 not in" in _reason(q.new_zeros(1, 1, 8, 17), k.new_zeros(1, 1, 8, 17), v)
+    assert "head dim 130" in _reason(q.new_zeros(1, 1, 8, 130), k.new_zeros(1, 1, 8, 130), v)
+    assert "value head dim 200" in _reason(q, k, v.new_zeros(1, 1, 8, 200))
+    fx, fy = mixed_rope_freqs(16, 1)
+    learnable = Rope(fx.requires_grad_(), fy, (2, 4))
+    assert "require grad" in _reason(q, k, v, rope=learnable)
+    if DEVICE == "cpu":
+        monkeypatch.setattr(kernel_module, "_INTERPRET", False)
+        reason = _reason(q, k, v)
+        assert reason == "tensors are on cpu and TRITON_INTERPRET is not set"
+        with pytest.raises(ValueError, match="TRITON_INTERPRET is not set"):
+            linear_attention(q, k, v, "elu", backend="triton")
+        with pytest.raises(ValueError, match="TRITON_INTERPRET is not set"):
+            linear_attention_triton(q, k, v, "elu")
+
+
+def test_forced_backend_raises_and_auto_falls_back():
+    q, k, v, _ = _inputs(1, 1, 8, 8, 16, 16, torch.float32, "elu")
+    with pytest.raises(ValueError, match="backend: 'triton' cannot run this call: causal"):
+        linear_attention(q, k, v, "elu", causal=True, backend="triton")
+    with pytest.raises(ValueError, match="'exp' is not fused"):
+        linear_attention(q, k, v, "exp", backend="triton")
+    torch.testing.assert_close(
+        linear_attention(q, k, v, "exp", backend="auto"), linear_attention_reference(q, k, v, "exp")
+    )
+
+
+def test_bad_inputs_raise():
+    q, k, v, _ = _inputs(1, 2, 8, 8, 16, 16, torch.float32, "elu")
+    with pytest.raises(ValueError, match="head dim 8 not in 16..128"):
+        linear_attention_triton(q[..., :8], k[..., :8], v, "elu")
+    with pytest.raises(ValueError, match="k: head dim 32 does not match"):
+        linear_attention_triton(q, torch.cat([k, k], dim=-1), v, "elu")
+    with pytest.raises(ValueError, match="v: 9 tokens"):
+        linear_attention_triton(q, k, torch.cat([v, v[:, :, :1]], dim=2), "elu")
+    with pytest.raises(ValueError, match="batch and head dims must match"):
+        linear_attention_triton(q, k[:, :1], v[:, :1], "elu")
+    with pytest.raises(TypeError, match="q: expected a torch.Tensor"):
+        linear_attention_triton(q.numpy(), k, v, "elu")
+    with pytest.raises(ValueError, match="rope: table is for 16 tokens"):
+        linear_attention_triton(q, k, v, "elu", rope=axial_rope(16, (4, 4)))
+    with pytest.raises(ValueError, match="split_tokens: must be an int >= 0"):
+        linear_attention_triton(q, k, v, "elu", split_tokens=-1)
+    with pytest.raises(ValueError, match="feature_map: unknown name 'gelu'"):
+        linear_attention_triton(q, k, v, "gelu")
+
+
+def test_custom_op_registration():
+    q, k, v, _ = _inputs(1, 1, 20, 20, 16, 16, torch.float32, "relu")
+    fx, fy = mixed_rope_freqs(16, 1)
+    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), "relu", fx.reshape(1, -1),
+            fy.reshape(1, -1), [0, 5], [0.0, 0.0], 1e-4, 8)
+    torch.library.opcheck(
+        torch.ops.linvision.linear_attention_fwd.default, args,
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )
+
+
+def test_torch_compile_keeps_one_graph():
+    q, k, v, do = _inputs(1, 2, 50, 50, 16, 16, torch.float32, "elu")
+    rope = rope_1d(16, 50)
+
+    def fn(q, k, v):
+        return linear_attention(q * 2, k, v, "elu", rope=rope, backend="triton") + 1
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)  # fullgraph: a graph break raises
+    qc, kc, vc = (t.clone().requires_grad_() for t in (q, k, v))
+    out = compiled(qc, kc, vc)
+    grads = torch.autograd.grad(out, (qc, kc, vc), do)
+    qe, ke, ve = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = linear_attention_reference(qe * 2, ke, ve, "elu", rope=rope) + 1
+    ref_grads = torch.autograd.grad(ref, (qe, ke, ve), do)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
+def test_flop_formula():
+    b, h, nq, nk, d, dv = 2, 2, 24, 40, 16, 32
+    q, _, _, do = _inputs(b, h, nq, nq, d, dv, torch.float32, "elu")
+    _, k, v, _ = _inputs(b, h, nk, nk, d, dv, torch.float32, "elu")
+    q.requires_grad_()
+    with FlopCounterMode(display=False) as counter:
+        out = linear_attention_triton(q, k, v, "elu")
+    assert counter.get_total_flops() == 2 * b * h * (nq + nk) * d * dv
+    with FlopCounterMode(display=False) as counter:
+        out.backward(do)
+    assert counter.get_total_flops() == 2 * b * h * (3 * nq + 2 * nk) * d * dv
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "n,d,dv,feature,rope,dtype",
+    list(itertools.product(
+        [1, 33, 197, 1000], [16, 32, 64], [24], ["identity", "relu", "elu"], [None, "axial", "mixed"],
+        [torch.float32, torch.float16],
+    )),
+)
+def test_sweep(n, d, dv, feature, rope, dtype):
+    for split in (0, 128):
+        q, k, v, do = _inputs(2, 2, n, n, d, dv, dtype, feature, seed=n + d)
+        _check(q, k, v, do, feature, _rope(rope, n, d, 2), split)

@@ -37,8 +37,9 @@ import triton.language as tl
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from linvision.ops.feature_maps import FeatureMap
-from linvision.ops.rope import Rope
+from linvision.ops.feature_maps import FeatureMap, get_feature_map
+from linvision.ops.linear_attention import check_qkv
+from linvision.ops.rope import Rope, check_rope
 
 __all__ = ["linear_attention_triton", "unsupported_reason", "FUSED_FEATURE_MAPS", "MIN_HEAD_DIM", "MAX_HEAD_DIM"]
 
@@ -62,7 +63,7 @@ def _configs():
     ]
 
 
-_TUNE_KEY = ["N_BUCKET", "D_HALF", "DV", "FEATURE", "HAS_ROPE"]
+_TUNE_KEY = ["N_BUCKET", "D_HALF", "DV", "FEATURE", "HAS_ROPE", "PRECISION"]
 
 
 @triton.jit
@@ -530,8 +531,7 @@ def _fwd_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> in
 
 @register_flop_formula(torch.ops.linvision.linear_attention_bwd)
 def _bwd_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
-    """Four products per side: num, dnum S^T, dS on the queries; v dS^T, phi(k) dS on the keys (num is
-    recomputed, so the query side has three and the key side two, plus num: 2 * (3 Nq + 2 Nk) D Dv)."""
+    """Matrix products: num (recomputed), dnum S^T and dS over Nq queries; v dS^T and dv over Nk keys."""
     b, h, nq, d = q_shape
     return 2 * b * h * (3 * nq + 2 * k_shape[2]) * d * v_shape[-1]
 
@@ -575,10 +575,6 @@ def linear_attention_triton(
     Raises TypeError / ValueError for invalid inputs (see ``check_qkv``) and ValueError with the reason
     when the kernels cannot run the call.
     """
-    from linvision.ops.feature_maps import get_feature_map
-    from linvision.ops.linear_attention import check_qkv
-    from linvision.ops.rope import check_rope
-
     check_qkv(q, k, v, same_tokens=rope is not None)
     phi = get_feature_map(feature_map, dim=q.shape[-1])
     if rope is not None:

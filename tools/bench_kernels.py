@@ -1,0 +1,151 @@
+"""Benchmark the fused linear-attention kernels against their HBM floor.
+
+On a GPU: times forward, backward and forward+backward of the Triton kernels, the PyTorch reference path and
+softmax attention (SDPA) for N from 1k to 256k tokens, and prints the kernels' achieved bytes/s (minimal
+traffic / time) as a percentage of the HBM bandwidth.
+
+Without a GPU: runs the kernels in the Triton interpreter, counts the distinct bytes each launch loads and
+stores (masked lanes excluded) and prints them as a multiple of the minimal traffic.
+
+    python tools/bench_kernels.py                       # GPU timing, or traffic counting without a GPU
+    python tools/bench_kernels.py --traffic --n 1024 2048 4096 8192 16384 --heads 2
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--traffic", action="store_true", help="count bytes in the interpreter (default without GPU)")
+    p.add_argument("--n", type=int, nargs="+", default=None, help="token counts (default 1k..256k on GPU, "
+                   "1k..16k when counting)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=None, help="default 16 on GPU, 2 when counting")
+    p.add_argument("--dim", type=int, default=64, help="head dim D (= Dv)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--feature-map", default="elu", choices=["identity", "relu", "elu"])
+    p.add_argument("--rope", action="store_true", help="2D axial RoPE on a grid of N / 64 x 64 tokens")
+    p.add_argument("--split-tokens", type=int, nargs="+", default=None,
+                   help="split lengths of the N reductions to count (0 = none); default 0 and 1024")
+    p.add_argument("--hbm-tbps", type=float, default=None, help="HBM bandwidth in TB/s (default by GPU name)")
+    p.add_argument("--sdpa-max-n", type=int, default=65536, help="skip SDPA above this N (quadratic cost)")
+    return p.parse_args()
+
+
+_HBM_TBPS = {"H200": 4.8, "H100": 3.35, "A100": 2.0, "L40S": 0.864, "4090": 1.008}
+
+
+def make_inputs(args, n, device, dtype):
+    g = torch.Generator(device=device).manual_seed(0)
+    shape = (args.batch, args.heads, n, args.dim)
+    return [torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(4)]
+
+
+def make_rope(args, n, device):
+    from linvision.ops import axial_rope
+
+    if not args.rope:
+        return None
+    width = 64 if n % 64 == 0 else n
+    return axial_rope(args.dim, (n // width, width), device=device)
+
+
+def run_traffic(args):
+    from linvision.kernels import linear_attention_triton
+    from linvision.kernels.traffic import count_traffic, minimal_bytes
+
+    dtype = getattr(torch, args.dtype)
+    itemsize = torch.finfo(dtype).bits // 8
+    print(f"traffic counted in the interpreter: B={args.batch} H={args.heads} D=Dv={args.dim} {args.dtype} "
+          f"phi={args.feature_map} rope={args.rope}")
+    print(f"{'N':>7} {'split':>6} {'fwd bytes':>11} {'fwd floor':>11} {'fwd x':>7} {'bwd bytes':>11} "
+          f"{'bwd floor':>11} {'bwd x':>7}")
+    for n in args.n:
+        for split in args.split_tokens:
+            q, k, v, do = (t.requires_grad_() for t in make_inputs(args, n, "cpu", dtype))
+            rope = make_rope(args, n, "cpu")
+            with count_traffic() as fwd:
+                out = linear_attention_triton(q, k, v, args.feature_map, rope=rope, split_tokens=split)
+            with count_traffic() as bwd:
+                out.backward(do.detach())
+            row = []
+            for launches, backward in ((fwd, False), (bwd, True)):
+                total = sum(t.total for t in launches)
+                floor = minimal_bytes(args.batch, args.heads, n, n, args.dim, args.dim, itemsize, backward)
+                row += [f"{total:>11d}", f"{floor:>11d}", f"{total / floor:>7.3f}"]
+            print(f"{n:>7d} {split or n:>6d} " + " ".join(row), flush=True)
+
+
+def run_gpu(args):
+    import triton.testing
+
+    from linvision.kernels import linear_attention_triton
+    from linvision.kernels.traffic import minimal_bytes
+    from linvision.ops import linear_attention_reference, softmax_attention
+
+    dtype = getattr(torch, args.dtype)
+    itemsize = torch.finfo(dtype).bits // 8
+    name = torch.cuda.get_device_name()
+    tbps = args.hbm_tbps or next((bw for key, bw in _HBM_TBPS.items() if key in name), None)
+    if tbps is None:
+        sys.exit(f"--hbm-tbps: unknown bandwidth of {name!r}; pass it")
+    print(f"{name}, HBM {tbps} TB/s; B={args.batch} H={args.heads} D=Dv={args.dim} {args.dtype} "
+          f"phi={args.feature_map} rope={args.rope}; times in ms, % = minimal bytes / time / HBM bandwidth")
+    print(f"{'N':>7} {'pass':>8} {'triton':>9} {'% HBM':>6} {'torch ref':>10} {'sdpa':>9}")
+    for n in args.n:
+        q, k, v, do = make_inputs(args, n, "cuda", dtype)
+        rope = make_rope(args, n, "cuda")
+        paths = {
+            "triton": lambda q, k, v: linear_attention_triton(q, k, v, args.feature_map, rope=rope),
+            "torch ref": lambda q, k, v: linear_attention_reference(q, k, v, args.feature_map, rope=rope),
+        }
+        if n <= args.sdpa_max_n:
+            paths["sdpa"] = lambda q, k, v: softmax_attention(q, k, v, rope=rope)
+        times = {}
+        for label, fn in paths.items():
+            qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+            out = None
+            try:
+                out = fn(qg, kg, vg)
+                times[(label, "fwd")] = triton.testing.do_bench(lambda: fn(q, k, v))
+                times[(label, "bwd")] = triton.testing.do_bench(
+                    lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)
+                )
+                times[(label, "fwd+bwd")] = triton.testing.do_bench(
+                    lambda: torch.autograd.grad(fn(qg, kg, vg), (qg, kg, vg), do)
+                )
+            except torch.OutOfMemoryError:
+                pass
+            del out
+            torch.cuda.empty_cache()
+        for pass_name in ("fwd", "bwd", "fwd+bwd"):
+            floor = sum(
+                minimal_bytes(args.batch, args.heads, n, n, args.dim, args.dim, itemsize, backward)
+                for backward in {"fwd": (False,), "bwd": (True,), "fwd+bwd": (False, True)}[pass_name]
+            )
+            t = times.get(("triton", pass_name))
+            pct = f"{100 * floor / (t * 1e-3) / (tbps * 1e12):>6.1f}" if t else f"{'-':>6}"
+            cols = [f"{times[(label, pass_name)]:>9.3f}" if (label, pass_name) in times else f"{'-':>9}"
+                    for label in ("triton", "torch ref", "sdpa")]
+            print(f"{n:>7d} {pass_name:>8} {cols[0]} {pct} {cols[1]:>10} {cols[2]}", flush=True)
+
+
+def main():
+    args = parse_args()
+    traffic = args.traffic or not torch.cuda.is_available()
+    if traffic:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (by linvision.kernels)
+    args.heads = args.heads or (2 if traffic else 16)
+    args.n = args.n or ([1024, 2048, 4096, 8192, 16384] if traffic else [1 << e for e in range(10, 19)])
+    args.split_tokens = args.split_tokens if args.split_tokens is not None else [0, 1024]
+    if traffic:
+        run_traffic(args)
+    else:
+        run_gpu(args)
+
+
+if __name__ == "__main__":
+    main()

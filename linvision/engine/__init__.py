@@ -1,1 +1,6 @@
-"""Library code behind tools/: training, validation, benchmarking and ablation."""
+"""Library code behind tools/: training, validation, benchmarking and ablation.
+
+``load_model(folder)`` rebuilds a trained model from a checkpoint or run folder written by tools/train.py.
+"""
+from .checkpoint import create_model, load_model, save_checkpoint
+from .config import ConfigError, parse_args

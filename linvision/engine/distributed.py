@@ -1,0 +1,76 @@
+"""Process-group helpers for runs launched with ``torchrun`` (gloo on CPU, nccl on CUDA)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistInfo", "init_distributed", "all_reduce_sum", "all_reduce_max", "barrier", "cleanup"]
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: str = "auto") -> DistInfo:
+    """Join the process group torchrun describes (WORLD_SIZE > 1), else a single process.
+
+    ``device`` is "auto" (CUDA when available), "cpu" or "cuda". Each rank uses cuda:LOCAL_RANK.
+    """
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device: expected 'auto', 'cpu' or 'cuda', got {device!r}")
+    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' was asked for but CUDA is not available")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    if use_cuda:
+        torch.cuda.set_device(dev)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", rank=rank, world_size=world_size)
+    return DistInfo(rank, world_size, local_rank, dev)
+
+
+def all_reduce_sum(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Sum of ``values`` (a float64 tensor on any device) over ranks."""
+    if not info.distributed:
+        return values
+    # gloo reduces CPU tensors, nccl CUDA tensors
+    t = values.to(info.device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.cpu()
+
+
+def all_reduce_max(value: int, info: DistInfo) -> int:
+    """The largest of the ranks' integers."""
+    if not info.distributed:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=info.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def barrier(info: DistInfo) -> None:
+    if info.distributed:
+        dist.barrier()
+
+
+def cleanup(info: DistInfo) -> None:
+    if info.distributed and dist.is_initialized():
+        dist.destroy_process_group()

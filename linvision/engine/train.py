@@ -1,0 +1,392 @@
+"""Supervised image-classification training behind ``tools/train.py``.
+
+The recipe reuses timm's parts: ``create_optimizer_v2`` (layer decay through the model's ``group_matcher``),
+``create_scheduler_v2`` (stepped every update), ``Mixup`` (Mixup/CutMix and label smoothing), ``ModelEmaV3``,
+``create_transform`` and timm's losses. Around them: AMP (bf16/fp16), gradient clipping, gradient
+checkpointing, channels_last, ``torch.compile``, DistributedDataParallel under torchrun, atomic checkpoints,
+exact resumption and a checkpoint on Ctrl-C / SIGTERM.
+
+Exact resumption: the data order of epoch e depends only on (seed, e), and the checkpoint holds every
+rank's RNG states, the optimizer, scheduler, scaler and EMA, and the position inside the epoch. A resumed run
+therefore repeats the uninterrupted run's losses exactly with ``workers: 0`` (data augmentation then draws
+from the restored RNG) or when it resumes at an epoch boundary; with worker processes a run resumed
+mid-epoch gets different augmentations for the rest of that epoch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import time
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .checkpoint import create_model, save_checkpoint, unwrap_model
+from .config import parse_kwargs, save_yaml
+from .data import ShardedSampler, build_transform, create_dataset, create_loader
+from .distributed import DistInfo, all_reduce_max, all_reduce_sum, barrier, cleanup, init_distributed
+from .evaluate import autocast, evaluate
+
+__all__ = ["add_train_args", "train", "TrainInterrupted"]
+
+
+def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Every training flag; YAML configs use the same names (``img_size`` or ``img-size``)."""
+    g = parser.add_argument_group("data")
+    g.add_argument("--dataset", default="folder", help="'folder', 'digits' or 'torchvision/<Name>'")
+    g.add_argument("--data-dir", default=None, help="folder with train/ and val/ class sub-folders")
+    g.add_argument("--img-size", type=int, default=224, help="training and validation resolution")
+    g.add_argument("--workers", type=int, default=0, help="data-loading worker processes per rank")
+    g.add_argument("--mean", type=float, nargs=3, default=None, help="normalisation mean (default: the model's)")
+    g.add_argument("--std", type=float, nargs=3, default=None, help="normalisation std (default: the model's)")
+    g.add_argument("--crop-pct", type=float, default=1.0, help="validation centre-crop fraction")
+    g.add_argument("--scale", type=float, nargs=2, default=[0.08, 1.0], help="random-resized-crop area range")
+    g.add_argument("--hflip", type=float, default=0.5)
+    g.add_argument("--color-jitter", type=float, default=0.0)
+    g.add_argument("--aa", default=None, help="timm auto-augment policy, e.g. rand-m9-mstd0.5")
+    g.add_argument("--reprob", type=float, default=0.0, help="random-erasing probability")
+    g = parser.add_argument_group("model")
+    g.add_argument("--model", default="resnet18", help="any timm model name (linvision's are registered)")
+    g.add_argument("--model-kwargs", nargs="*", default=None,
+                   help="key=value pairs or a JSON object passed to the model, e.g. token_mixers=none,linear")
+    g.add_argument("--pretrained-path", default=None,
+                   help="local weights (safetensors, .pth or checkpoint folder); the head is reset when the "
+                        "number of classes differs")
+    g.add_argument("--num-classes", type=int, default=None, help="default: the dataset's")
+    g.add_argument("--in-chans", type=int, default=3)
+    g.add_argument("--grad-checkpointing", action="store_true")
+    g.add_argument("--channels-last", action="store_true")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g = parser.add_argument_group("optimisation")
+    g.add_argument("--epochs", type=int, default=10)
+    g.add_argument("--batch-size", type=int, default=64, help="per rank")
+    g.add_argument("--opt", default="adamw")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--weight-decay", type=float, default=0.05)
+    g.add_argument("--momentum", type=float, default=0.9)
+    g.add_argument("--layer-decay", type=float, default=None, help="layer-wise lr decay (needs group_matcher)")
+    g.add_argument("--sched", default="cosine")
+    g.add_argument("--warmup-epochs", type=float, default=0)
+    g.add_argument("--warmup-lr", type=float, default=1e-5)
+    g.add_argument("--min-lr", type=float, default=1e-6)
+    g.add_argument("--clip-grad", type=float, default=None, help="max gradient norm")
+    g.add_argument("--smoothing", type=float, default=0.0, help="label smoothing")
+    g.add_argument("--mixup", type=float, default=0.0, help="Mixup alpha (0: off)")
+    g.add_argument("--cutmix", type=float, default=0.0, help="CutMix alpha (0: off)")
+    g.add_argument("--drop-path", type=float, default=None, help="stochastic depth rate")
+    g.add_argument("--model-ema", action="store_true", help="keep an EMA of the weights (ModelEmaV3)")
+    g.add_argument("--model-ema-decay", type=float, default=0.999)
+    g.add_argument("--amp", default="none", choices=["none", "bf16", "fp16"])
+    g = parser.add_argument_group("run")
+    g.add_argument("--output", default="output", help="parent folder of run folders")
+    g.add_argument("--experiment", default=None, help="run folder name (default: model name and time)")
+    g.add_argument("--resume", default=None, help="run or checkpoint folder to continue")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--log-interval", type=int, default=10, help="steps between step records in metrics.jsonl")
+    g.add_argument("--stop-after-steps", type=int, default=None,
+                   help="save a resumable checkpoint and stop after this many steps in total (the schedule "
+                        "still follows --epochs)")
+    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")
+    return parser
+
+
+class TrainInterrupted(Exception):
+    """Raised after the checkpoint is written when a signal stopped training; ``signum`` is the signal."""
+
+    def __init__(self, signum: int, folder: str):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}; checkpoint saved in {folder}")
+        self.signum, self.folder = signum, folder
+
+
+class _StopFlag:
+    """Records SIGINT/SIGTERM so the loop can stop between steps (after saving) instead of dying mid-write."""
+
+    def __init__(self):
+        self.signum = 0
+        self._previous = {}
+
+    def __enter__(self):
+        for s in (signal.SIGINT, signal.SIGTERM):
+            self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+
+    def __exit__(self, *exc):
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+def _seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _rng_state() -> Dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "random": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: Dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["random"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _gather_rng(info: DistInfo) -> List[Dict[str, Any]]:
+    if not info.distributed:
+        return [_rng_state()]
+    states = [None] * info.world_size
+    dist.all_gather_object(states, _rng_state())
+    return states
+
+
+def _run_folder(args) -> str:
+    if args.resume:
+        folder = os.path.abspath(args.resume)
+        return os.path.dirname(folder) if os.path.basename(folder) in ("last", "best") else folder
+    name = args.experiment or f"{args.model}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return os.path.join(args.output, name)
+
+
+def _append_jsonl(path: str, record: Dict[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def train(args: argparse.Namespace) -> Dict[str, Any]:
+    """Run training as ``args`` (from :func:`add_train_args`) says; returns the summary it also writes.
+
+    Writes into the run folder: config.yaml, metrics.jsonl (step and epoch records), summary.json, and the
+    checkpoints ``last/`` and ``best/`` (rank 0 only). Raises TrainInterrupted after saving when SIGINT or
+    SIGTERM arrived; ValueError / FileNotFoundError for bad arguments and missing data.
+    """
+    info = init_distributed(args.device)
+    try:
+        return _train(args, info)
+    finally:
+        cleanup(info)
+
+
+def _train(args: argparse.Namespace, info: DistInfo) -> Dict[str, Any]:
+    from timm.data import Mixup
+    from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+    from timm.optim import create_optimizer_v2
+    from timm.scheduler import create_scheduler_v2
+    from timm.utils import ModelEmaV3
+    from tqdm import tqdm
+
+    run_dir = _run_folder(args)
+    state = None
+    if args.resume:
+        state_path = os.path.join(run_dir, "last", "train_state.pt")
+        if not os.path.isfile(state_path):
+            raise FileNotFoundError(f"resume: no last/train_state.pt in {run_dir}")
+        state = torch.load(state_path, map_location="cpu", weights_only=False)
+
+    # same seed on every rank for the model's initialisation (the EMA copy is taken before DDP broadcasts)
+    _seed_all(args.seed)
+    train_set = create_dataset(args.dataset, args.data_dir, "train", digits_size=args.img_size)
+    val_set = create_dataset(args.dataset, args.data_dir, "val", digits_size=args.img_size)
+    classes = list(getattr(train_set, "classes", []))
+    num_classes = args.num_classes or len(classes)
+    if not num_classes:
+        raise ValueError("num_classes: the dataset does not list its classes; give --num-classes")
+    model_kwargs = parse_kwargs(args.model_kwargs)
+    if args.drop_path is not None:
+        model_kwargs["drop_path_rate"] = args.drop_path
+    model = create_model(args.model, num_classes=num_classes, in_chans=args.in_chans, model_kwargs=model_kwargs,
+                         pretrained_path=None if state else args.pretrained_path)
+    cfg = getattr(model, "pretrained_cfg", {}) or {}
+    mean = list(args.mean or cfg.get("mean", (0.485, 0.456, 0.406)))
+    std = list(args.std or cfg.get("std", (0.229, 0.224, 0.225)))
+    train_set.transform = build_transform(args.img_size, True, mean, std, scale=args.scale, hflip=args.hflip,
+                                          color_jitter=args.color_jitter, auto_augment=args.aa,
+                                          re_prob=args.reprob)
+    val_set.transform = build_transform(args.img_size, False, mean, std, crop_pct=args.crop_pct)
+    if args.grad_checkpointing:
+        model.set_grad_checkpointing(True)
+    model.to(info.device)
+    if args.channels_last:
+        model.to(memory_format=torch.channels_last)
+    meta = {"model": args.model, "num_classes": num_classes, "in_chans": args.in_chans,
+            "model_kwargs": model_kwargs, "img_size": args.img_size, "mean": mean, "std": std,
+            "crop_pct": args.crop_pct, "classes": classes, "dataset": args.dataset}
+
+    optimizer = create_optimizer_v2(model, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
+                                    momentum=args.momentum, layer_decay=args.layer_decay)
+    mixup = None
+    if args.mixup > 0 or args.cutmix > 0:
+        mixup = Mixup(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, label_smoothing=args.smoothing,
+                      num_classes=num_classes)
+        criterion = SoftTargetCrossEntropy()
+    elif args.smoothing > 0:
+        criterion = LabelSmoothingCrossEntropy(args.smoothing)
+    else:
+        criterion = nn.CrossEntropyLoss()
+    ema = ModelEmaV3(model, decay=args.model_ema_decay) if args.model_ema else None
+    scaler = torch.amp.GradScaler(info.device.type) if args.amp == "fp16" else None
+
+    sampler = ShardedSampler(len(train_set), info.rank, info.world_size, shuffle=True, seed=args.seed)
+    # a loader-owned generator keeps the loader from drawing on the global RNG (exact resumption)
+    loader = create_loader(train_set, args.batch_size, sampler, args.workers, drop_last=mixup is not None,
+                           pin_memory=info.device.type == "cuda")
+    loader.generator = torch.Generator()
+    val_loader = create_loader(val_set, args.batch_size, ShardedSampler(len(val_set), info.rank, info.world_size,
+                                                                        shuffle=False), args.workers)
+    steps_per_epoch = len(loader)
+    if steps_per_epoch == 0:
+        raise ValueError(f"batch_size: {args.batch_size} leaves no full batch of {len(sampler)} training images "
+                         f"per rank")
+    scheduler, _ = create_scheduler_v2(optimizer, sched=args.sched, num_epochs=args.epochs,
+                                       warmup_epochs=args.warmup_epochs, warmup_lr=args.warmup_lr,
+                                       min_lr=args.min_lr, step_on_epochs=False, updates_per_epoch=steps_per_epoch)
+
+    start_epoch, start_step, global_step, best = 0, 0, 0, {"top1": -1.0, "epoch": -1}
+    running = torch.zeros(2, dtype=torch.float64)  # loss sum, sample count of the epoch so far (this rank)
+    if state:
+        unwrap_model(model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        if scaler is not None and state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
+        if ema is not None and state.get("ema"):
+            ema.module.load_state_dict(state["ema"])
+        start_epoch, start_step, global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
+        best, running = state["best"], state["running"][info.rank]
+        if len(state["rng"]) != info.world_size:
+            raise ValueError(f"resume: the checkpoint was written by {len(state['rng'])} processes, this run has "
+                             f"{info.world_size}")
+        _set_rng_state(state["rng"][info.rank])
+    else:
+        _seed_all(args.seed + info.rank)
+
+    train_model = model
+    if args.compile:
+        train_model = torch.compile(train_model)
+    if info.distributed:
+        train_model = nn.parallel.DistributedDataParallel(
+            train_model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
+
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    if info.is_main:
+        os.makedirs(run_dir, exist_ok=True)
+        if not state:
+            open(metrics_path, "w").close()
+        save_yaml(os.path.join(run_dir, "config.yaml"), {k: v for k, v in vars(args).items() if k != "config"})
+
+    def save_last(epoch: int, step_in_epoch: int) -> None:
+        rng = _gather_rng(info)
+        runs = [running.clone() for _ in range(info.world_size)]
+        if info.distributed:
+            dist.all_gather_object(runs, running.clone())
+        if info.is_main:
+            save_checkpoint(os.path.join(run_dir, "last"), model, meta, {
+                "model": unwrap_model(model).state_dict(), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler else None,
+                "ema": ema.module.state_dict() if ema else None, "epoch": epoch, "step_in_epoch": step_in_epoch,
+                "global_step": global_step, "best": best, "running": runs, "rng": rng})
+        barrier(info)
+
+    with _StopFlag() as stop:
+        for epoch in range(start_epoch, args.epochs):
+            sampler.set_epoch(epoch, start=start_step * args.batch_size)
+            loader.generator.manual_seed(args.seed * 100_003 + epoch)
+            train_model.train()
+            t0 = time.time()
+            bar = tqdm(loader, desc=f"epoch {epoch}", disable=not (args.progress and info.is_main),
+                       total=steps_per_epoch, initial=start_step)
+            step = start_step
+            for images, targets in bar:
+                images, targets = images.to(info.device), targets.to(info.device)
+                if mixup is not None:
+                    images, targets = mixup(images, targets)
+                if args.channels_last:
+                    images = images.contiguous(memory_format=torch.channels_last)
+                with autocast(info.device, args.amp):
+                    loss = criterion(train_model(images), targets)
+                optimizer.zero_grad(set_to_none=True)
+                if scaler is not None:
+                    scaler.scale(loss).backward()
+                    if args.clip_grad:
+                        scaler.unscale_(optimizer)
+                        nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+                    scaler.step(optimizer)
+                    scaler.update()
+                else:
+                    loss.backward()
+                    if args.clip_grad:
+                        nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+                    optimizer.step()
+                step += 1
+                global_step += 1
+                scheduler.step_update(num_updates=global_step)
+                if ema is not None:
+                    ema.update(model, step=global_step)
+                loss_value = loss.item()
+                running += torch.tensor([loss_value * len(images), len(images)], dtype=torch.float64)
+                lr = optimizer.param_groups[0]["lr"]
+                if step % args.log_interval == 0 or step == steps_per_epoch:
+                    mean_loss = all_reduce_sum(torch.tensor([loss_value], dtype=torch.float64), info).item()
+                    if info.is_main:
+                        _append_jsonl(metrics_path, {"kind": "step", "epoch": epoch, "step": global_step,
+                                                     "loss": mean_loss / info.world_size, "lr": lr})
+                bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
+                signum = all_reduce_max(stop.signum, info)  # every rank stops at the same step
+                if signum or (args.stop_after_steps is not None and global_step >= args.stop_after_steps):
+                    bar.close()
+                    done = step == steps_per_epoch
+                    save_last(epoch + 1 if done else epoch, 0 if done else step)
+                    if signum:
+                        raise TrainInterrupted(signum, run_dir)
+                    return {"stopped_at_step": global_step, "run_dir": run_dir}
+            bar.close()
+            start_step = 0
+            train_loss = all_reduce_sum(running, info)
+            running = torch.zeros(2, dtype=torch.float64)
+            record = {"kind": "epoch", "epoch": epoch, "train_loss": (train_loss[0] / train_loss[1]).item(),
+                      "lr": optimizer.param_groups[0]["lr"], "time_s": round(time.time() - t0, 2)}
+            scheduler.step(epoch + 1)
+            results = {"model": evaluate(model, val_loader, info, args.amp, args.channels_last, args.progress)}
+            if ema is not None:
+                results["ema"] = evaluate(ema.module, val_loader, info, args.amp, args.channels_last, args.progress)
+            for which, res in results.items():
+                prefix = "val" if which == "model" else "ema_val"
+                record.update({f"{prefix}_top1": res["top1"], f"{prefix}_top5": res["top5"],
+                               f"{prefix}_loss": res["loss"]})
+            which, res = max(results.items(), key=lambda kv: kv[1]["top1"])
+            if res["top1"] > best["top1"]:
+                best = {"top1": res["top1"], "top5": res["top5"], "loss": res["loss"], "epoch": epoch,
+                        "weights": which}
+                if info.is_main:
+                    weights = model if which == "model" else ema.module
+                    save_checkpoint(os.path.join(run_dir, "best"), weights, {**meta, "weights": which,
+                                                                             "epoch": epoch, **res})
+            if info.is_main:
+                _append_jsonl(metrics_path, record)
+                print(f"epoch {epoch}: train loss {record['train_loss']:.4f}, val top-1 "
+                      f"{results['model']['top1']:.2f}" + (f", EMA top-1 {results['ema']['top1']:.2f}" if ema
+                                                            else ""), flush=True)
+            save_last(epoch + 1, 0)
+
+    summary = {"run_dir": run_dir, "model": args.model, "epochs": args.epochs, "best_top1": best["top1"],
+               "best_epoch": best["epoch"], "best": best}
+    if info.is_main:
+        with open(os.path.join(run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        print(f"best top-1 {best['top1']:.2f} at epoch {best['epoch']} ({best.get('weights', 'model')} weights); "
+              f"checkpoints in {run_dir}", flush=True)
+    return summary

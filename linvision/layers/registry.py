@@ -5,11 +5,12 @@ tokens x of shape (B, N, C) on a grid hw = (H, W) with N = H * W to (B, N, C).
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Dict, List, Type
 
 from torch import nn
 
-__all__ = ["register_mixer", "create_mixer", "list_mixers"]
+__all__ = ["register_mixer", "create_mixer", "list_mixers", "mixer_options"]
 
 _MIXERS: Dict[str, Type[nn.Module]] = {}
 
@@ -35,3 +36,19 @@ def create_mixer(name: str, dim: int, num_heads: int, **kwargs) -> nn.Module:
     if name not in _MIXERS:
         raise ValueError(f"token mixer: unknown {name!r}; allowed: {', '.join(list_mixers())}")
     return _MIXERS[name](dim, num_heads, **kwargs)
+
+
+def mixer_options(name: str) -> List[str]:
+    """Keyword options the mixer ``name`` accepts (besides dim and num_heads), following ``**kwargs`` up the
+    class hierarchy. Models use it to hand shared options (e.g. ``rope``) only to the mixers that have them."""
+    if name not in _MIXERS:
+        raise ValueError(f"token mixer: unknown {name!r}; allowed: {', '.join(list_mixers())}")
+    options: List[str] = []
+    for cls in _MIXERS[name].__mro__:
+        if "__init__" not in vars(cls):
+            continue
+        params = list(inspect.signature(vars(cls)["__init__"]).parameters.values())[3:]  # self, dim, num_heads
+        options += [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            break
+    return sorted(set(options))

@@ -1,0 +1,281 @@
+"""Token mixers: linear attention (with optional 2D RoPE, LePE and output gate), softmax attention, causal
+linear attention, local-window softmax + global linear attention, and the Gated CNN of MambaOut.
+
+Every mixer is built as ``cls(dim, num_heads, **options)`` and maps tokens x (B, N, C) on a grid hw = (H, W),
+N = H * W in raster order, to (B, N, C). The grid is given at call time, so a mixer runs at any resolution
+and aspect ratio with the same weights.
+
+The attention mixers share one skeleton (:class:`AttentionMixer`): a qkv projection, optional 2D RoPE
+(axial: fixed frequencies; mixed: learnable frequencies per head), optional LePE (3x3 depthwise conv on V
+added to the output, Ren et al. 2023 / CSWin), optional output gate (SiLU of a linear projection of the
+input, as in MLLA's Mamba-like block) and an output projection. Subclasses differ only in how q, k, v are
+combined, so swapping "linear" for "softmax" in a model changes nothing but the mixing itself.
+
+Sources: MLLA (Han et al. 2024, "Demystify Mamba in Vision: A Linear Attention Perspective",
+arXiv:2405.16605); RoPE-ViT (Heo et al. 2024, arXiv:2403.13298); Infini-attention (Munkhdalai et al. 2024,
+arXiv:2404.07143) for the gated local + global mix; MambaOut (Yu & Wang 2024, arXiv:2405.07992).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple, Type
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from linvision.ops import (
+    FocusedFeatureMap,
+    Rope,
+    apply_rope,
+    axial_rope,
+    get_feature_map,
+    linear_attention,
+    mixed_rope_freqs,
+    softmax_attention,
+)
+
+from .registry import register_mixer
+
+__all__ = [
+    "ROPE_TYPES",
+    "LAYER_FEATURE_MAPS",
+    "AttentionMixer",
+    "LinearAttention",
+    "LinearRopeAttention",
+    "SoftmaxAttention",
+    "CausalLinearAttention",
+    "HybridAttention",
+    "GatedConvMixer",
+]
+
+ROPE_TYPES = (None, "axial", "mixed")
+LAYER_FEATURE_MAPS = ("elu", "relu", "exp", "focused")
+
+
+def _check_grid(x: Tensor, hw: Tuple[int, int]) -> Tuple[int, int]:
+    if len(hw) != 2 or x.shape[1] != hw[0] * hw[1]:
+        raise ValueError(f"hw: grid {tuple(hw)} does not match {x.shape[1]} tokens of x {tuple(x.shape)}")
+    return int(hw[0]), int(hw[1])
+
+
+class AttentionMixer(nn.Module):
+    """Skeleton of the attention mixers; subclasses implement :meth:`attend`.
+
+    Args:
+        dim: channels C (divisible by ``num_heads``).
+        num_heads: heads; head dim D = C / num_heads.
+        rope: None, "axial" (fixed, theta 100) or "mixed" (learnable per-head frequencies); needs D % 4 == 0.
+        lepe: add a 3x3 depthwise conv of V (on the grid) to the attention output.
+        gate: multiply the attention output by SiLU(W_g x) before the output projection.
+        qkv_bias: bias of the qkv projection.
+        proj_drop: dropout after the output projection.
+    Raises ValueError for a bad dim/num_heads pair or an unknown ``rope``.
+    """
+
+    def __init__(
+        self, dim: int, num_heads: int, *, rope: Optional[str] = None, lepe: bool = False, gate: bool = False,
+        qkv_bias: bool = True, proj_drop: float = 0.0,
+    ):
+        super().__init__()
+        if num_heads < 1 or dim % num_heads != 0:
+            raise ValueError(f"num_heads: {num_heads} must be >= 1 and divide dim={dim}")
+        if rope not in ROPE_TYPES:
+            raise ValueError(f"rope: unknown {rope!r}; allowed: {ROPE_TYPES}")
+        self.dim = dim
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.rope_type = rope
+        if rope is not None and self.rope_dim % 4 != 0:
+            raise ValueError(f"rope: 2D RoPE needs a (feature) head dim divisible by 4, got {self.rope_dim}")
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        if rope == "mixed":
+            fx, fy = mixed_rope_freqs(self.rope_dim, num_heads)
+            self.rope_freqs_x = nn.Parameter(fx)  # (heads, D/2)
+            self.rope_freqs_y = nn.Parameter(fy)
+        self.lepe = nn.Conv2d(dim, dim, 3, padding=1, groups=dim) if lepe else None
+        self.gate = nn.Linear(dim, dim) if gate else None
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    @property
+    def rope_dim(self) -> int:
+        """Head dim that RoPE rotates (the head dim; linear attention rotates phi(q), phi(k) of that size)."""
+        return self.head_dim
+
+    def make_rope(self, hw: Tuple[int, int], device: torch.device) -> Optional[Rope]:
+        """The rotation for grid ``hw`` (None without RoPE); mixed frequencies stay in the autograd graph."""
+        if self.rope_type is None:
+            return None
+        if self.rope_type == "axial":
+            return axial_rope(self.rope_dim, hw, device=device)
+        return Rope(self.rope_freqs_x, self.rope_freqs_y, hw)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope]) -> Tensor:
+        """q, k, v: (B, heads, N, D) -> (B, heads, N, D)."""
+        raise NotImplementedError
+
+    def forward(self, x: Tensor, hw: Tuple[int, int]) -> Tensor:
+        """x: (B, N, C) tokens on grid hw -> (B, N, C)."""
+        h, w = _check_grid(x, hw)
+        b, n, c = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # (B, heads, N, D)
+        out = self.attend(q, k, v, (h, w), self.make_rope((h, w), x.device))
+        out = out.transpose(1, 2).reshape(b, n, c)
+        if self.lepe is not None:
+            v_grid = v.transpose(1, 2).reshape(b, h, w, c).permute(0, 3, 1, 2)  # (B, C, H, W)
+            out = out + self.lepe(v_grid).flatten(2).transpose(1, 2)
+        if self.gate is not None:
+            out = out * F.silu(self.gate(x))
+        return self.proj_drop(self.proj(out))
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, num_heads={self.num_heads}, rope={self.rope_type}"
+
+
+@register_mixer("linear")
+class LinearAttention(AttentionMixer):
+    """Non-causal linear attention (mean-normalised, fp32 state; RoPE on the numerator only).
+
+    feature_map: "elu" (elu+1), "relu", "exp" or "focused" (FLatten, with a learnable per-channel scale).
+    eps: denominator epsilon of :func:`linvision.ops.linear_attention`. Other options: :class:`AttentionMixer`.
+    """
+
+    causal = False
+
+    def __init__(self, dim: int, num_heads: int, *, feature_map: str = "elu", eps: float = 1e-4, **kwargs):
+        if feature_map not in LAYER_FEATURE_MAPS:
+            raise ValueError(f"feature_map: unknown {feature_map!r}; allowed: {', '.join(LAYER_FEATURE_MAPS)}")
+        super().__init__(dim, num_heads, **kwargs)
+        self.feature_map_name = feature_map
+        self.eps = eps
+        # FLatten's focused map owns a learnable scale; the others have no parameters.
+        self.focus_scale = nn.Parameter(torch.zeros(self.head_dim)) if feature_map == "focused" else None
+
+    def feature_map(self):
+        if self.focus_scale is not None:
+            return FocusedFeatureMap(scale=self.focus_scale)
+        return get_feature_map(self.feature_map_name)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope]) -> Tensor:
+        return linear_attention(q, k, v, self.feature_map(), rope=rope, causal=self.causal, eps=self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, feature_map={self.feature_map_name}, causal={self.causal}"
+
+
+@register_mixer("linear_rope")
+class LinearRopeAttention(LinearAttention):
+    """:class:`LinearAttention` whose defaults are 2D axial RoPE and LePE (the MLLA attention)."""
+
+    def __init__(self, dim: int, num_heads: int, *, rope: Optional[str] = "axial", lepe: bool = True, **kwargs):
+        super().__init__(dim, num_heads, rope=rope, lepe=lepe, **kwargs)
+
+
+@register_mixer("causal")
+class CausalLinearAttention(LinearAttention):
+    """Causal linear attention over the raster order of the grid (token i sees tokens j <= i)."""
+
+    causal = True
+
+
+@register_mixer("softmax")
+class SoftmaxAttention(AttentionMixer):
+    """Softmax attention through SDPA; with RoPE both q and k are rotated (the usual softmax form)."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope]) -> Tensor:
+        return softmax_attention(q, k, v, rope=rope)
+
+
+def window_partition(x: Tensor, hw: Tuple[int, int], window: int) -> Tuple[Tensor, Tensor, Tuple[int, int]]:
+    """Split (B, heads, H*W, D) tokens into windows of window x window tokens, padding the grid at the bottom
+    and right. Returns (windows (B, heads, nW, window*window, D), valid (nW, window*window) bool, (Hp, Wp))."""
+    b, nh, _, d = x.shape
+    h, w = hw
+    hp, wp = math.ceil(h / window) * window, math.ceil(w / window) * window
+    grid = F.pad(x.reshape(b, nh, h, w, d), (0, 0, 0, wp - w, 0, hp - h))
+    grid = grid.reshape(b, nh, hp // window, window, wp // window, window, d).transpose(3, 4)
+    valid = torch.zeros(hp, wp, dtype=torch.bool, device=x.device)
+    valid[:h, :w] = True
+    valid = valid.reshape(hp // window, window, wp // window, window).transpose(1, 2).reshape(-1, window * window)
+    return grid.reshape(b, nh, -1, window * window, d), valid, (hp, wp)
+
+
+def window_merge(x: Tensor, hw: Tuple[int, int], padded: Tuple[int, int], window: int) -> Tensor:
+    """Inverse of :func:`window_partition`: (B, heads, nW, window*window, D) -> (B, heads, H*W, D)."""
+    b, nh, _, _, d = x.shape
+    (h, w), (hp, wp) = hw, padded
+    grid = x.reshape(b, nh, hp // window, wp // window, window, window, d).transpose(3, 4)
+    return grid.reshape(b, nh, hp, wp, d)[:, :, :h, :w].reshape(b, nh, h * w, d)
+
+
+@register_mixer("hybrid")
+class HybridAttention(LinearAttention):
+    """Local-window softmax attention and global linear attention on the same q, k, v, mixed per head by a
+    learned sigmoid gate g_h: out = g_h * local + (1 - g_h) * global (Infini-attention's local attention +
+    compressive memory, with the memory replaced by the non-causal linear-attention state of the image).
+
+    window: side of the square windows (the grid is padded to a multiple; padded keys are masked).
+    RoPE, when set, rotates q and k of the local softmax branch and the numerator of the global branch.
+    """
+
+    def __init__(self, dim: int, num_heads: int, *, window: int = 7, **kwargs):
+        super().__init__(dim, num_heads, **kwargs)
+        if window < 1:
+            raise ValueError(f"window: must be >= 1, got {window}")
+        self.window = window
+        self.mix_logit = nn.Parameter(torch.zeros(num_heads))  # sigmoid(0) = 0.5: equal start
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope]) -> Tensor:
+        global_out = linear_attention(q, k, v, self.feature_map(), rope=rope, eps=self.eps)
+        if rope is not None:
+            q_l, k_l = apply_rope(q, rope).to(v.dtype), apply_rope(k, rope).to(v.dtype)
+        else:
+            q_l, k_l = q, k
+        qw, valid, padded = window_partition(q_l, hw, self.window)
+        kw, _, _ = window_partition(k_l, hw, self.window)
+        vw, _, _ = window_partition(v, hw, self.window)
+        mask = valid[:, None, :]  # (nW, 1, w*w): padded keys take no weight
+        local = F.scaled_dot_product_attention(qw, kw, vw, attn_mask=mask)
+        local = window_merge(local, hw, padded, self.window)
+        g = torch.sigmoid(self.mix_logit).to(v.dtype)[None, :, None, None]
+        return g * local + (1 - g) * global_out
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, window={self.window}"
+
+
+@register_mixer("none")
+class GatedConvMixer(nn.Module):
+    """MambaOut's Gated CNN as a token mixer (no attention): fc1 expands C to 2 * hidden channels split into
+    a gate g (hidden), an identity part i (hidden - conv) and a conv part c (conv = conv_ratio * C channels);
+    out = fc2(act(g) * concat(i, dwconv_k(c))). ``num_heads`` is accepted for the common interface only.
+
+    Args: expansion_ratio (hidden = expansion_ratio * C, default 8/3), kernel_size of the depthwise conv
+    (default 7), conv_ratio (default 1.0), act_layer (default GELU), proj_drop.
+    """
+
+    def __init__(
+        self, dim: int, num_heads: int = 1, *, expansion_ratio: float = 8 / 3, kernel_size: int = 7,
+        conv_ratio: float = 1.0, act_layer: Type[nn.Module] = nn.GELU, proj_drop: float = 0.0,
+    ):
+        super().__init__()
+        hidden = int(expansion_ratio * dim)
+        conv_channels = int(conv_ratio * dim)
+        if not 0 < conv_channels <= hidden:
+            raise ValueError(f"conv_ratio: {conv_ratio} gives {conv_channels} conv channels; need 1..{hidden}")
+        self.split = (hidden, hidden - conv_channels, conv_channels)
+        self.fc1 = nn.Linear(dim, 2 * hidden)
+        self.act = act_layer()
+        self.conv = nn.Conv2d(conv_channels, conv_channels, kernel_size, padding=kernel_size // 2, groups=conv_channels)
+        self.fc2 = nn.Linear(hidden, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def forward(self, x: Tensor, hw: Tuple[int, int]) -> Tensor:
+        """x: (B, N, C) tokens on grid hw -> (B, N, C)."""
+        h, w = _check_grid(x, hw)
+        g, i, c = torch.split(self.fc1(x), self.split, dim=-1)
+        b = x.shape[0]
+        c = self.conv(c.transpose(1, 2).reshape(b, -1, h, w)).flatten(2).transpose(1, 2)  # (B, N, conv)
+        return self.proj_drop(self.fc2(self.act(g) * torch.cat((i, c), dim=-1)))

@@ -1,0 +1,381 @@
+"""Hierarchical linear-attention backbones (MLLA-like) and their Gated-CNN (MambaOut-like) counterparts.
+
+One macro-architecture: a conv stem (stride 4), four stages (stride 4, 8, 16, 32; a 3x3 stride-2 conv between
+stages), blocks of
+
+    x = x + cpe1(x)                              3x3 depthwise conv: conditional position encoding
+    x = x + drop_path(mixer(norm1(x), (H, W)))   token mixer chosen per stage
+    x = x + cpe2(x)
+    x = x + drop_path(mlp(norm2(x)))
+
+and a norm -> global pool -> linear head. The default mixer is "linear_rope" with an output gate: linear
+attention (elu+1) with 2D RoPE on the numerator and LePE, gated by SiLU of a projection of the input — the
+MLLA block (Han et al. 2024, "Demystify Mamba in Vision: A Linear Attention Perspective", arXiv:2405.16605).
+With the mixer "none" in every stage the block's mixer is MambaOut's Gated CNN (Yu & Wang 2024,
+arXiv:2405.07992), so linear attention and its absence are compared in the same network.
+
+Activations are kept channels-last (B, H, W, C) between blocks; mixers see (B, H*W, C) and the grid (H, W).
+No parameter depends on the input resolution: the models run at any size that is a multiple of 32.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, Union
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import ClNormMlpClassifierHead, DropPath, LayerNorm, Mlp, trunc_normal_
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models._features import feature_take_indices
+
+from linvision.layers import create_mixer, list_mixers, mixer_options
+
+__all__ = ["LinHier", "parse_token_mixers"]
+
+# Options every attention stage receives unless ``mixer_kwargs`` overrides them (the gate of the MLLA block);
+# mixers without such an option (the Gated CNN) do not receive it.
+_DEFAULT_MIXER_KWARGS = dict(gate=True)
+
+
+def parse_token_mixers(token_mixers: Union[str, Sequence[str]], num_stages: int) -> Tuple[str, ...]:
+    """"linear,linear,none,softmax" or a sequence -> a tuple of ``num_stages`` registered mixer names; one name
+    is repeated for every stage. Raises ValueError for a wrong count or an unknown name."""
+    names = token_mixers.split(",") if isinstance(token_mixers, str) else list(token_mixers)
+    names = [n.strip() for n in names]
+    if len(names) == 1:
+        names = names * num_stages
+    if len(names) != num_stages:
+        raise ValueError(f"token_mixers: {len(names)} names {names} for {num_stages} stages; give 1 or {num_stages}")
+    unknown = [n for n in names if n not in list_mixers()]
+    if unknown:
+        raise ValueError(f"token_mixers: unknown {unknown}; allowed: {', '.join(list_mixers())}")
+    return tuple(names)
+
+
+def _to_nchw(x: Tensor) -> Tensor:
+    return x.permute(0, 3, 1, 2)
+
+
+def _to_nhwc(x: Tensor) -> Tensor:
+    return x.permute(0, 2, 3, 1)
+
+
+class Stem(nn.Module):
+    """Two 3x3 stride-2 convs (stride 4): (B, C_in, H, W) -> (B, H/4, W/4, C) channels-last."""
+
+    def __init__(self, in_chans: int, dim: int, norm_layer: Type[nn.Module] = LayerNorm,
+                 act_layer: Type[nn.Module] = nn.GELU):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_chans, dim // 2, 3, stride=2, padding=1)
+        self.norm1 = norm_layer(dim // 2)
+        self.act = act_layer()
+        self.conv2 = nn.Conv2d(dim // 2, dim, 3, stride=2, padding=1)
+        self.norm2 = norm_layer(dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.act(self.norm1(_to_nhwc(self.conv1(x))))
+        return self.norm2(_to_nhwc(self.conv2(_to_nchw(x))))
+
+
+class Downsample(nn.Module):
+    """3x3 stride-2 conv and a norm: (B, H, W, C_in) -> (B, H/2, W/2, C_out)."""
+
+    def __init__(self, in_dim: int, out_dim: int, norm_layer: Type[nn.Module] = LayerNorm):
+        super().__init__()
+        self.conv = nn.Conv2d(in_dim, out_dim, 3, stride=2, padding=1)
+        self.norm = norm_layer(out_dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.norm(_to_nhwc(self.conv(_to_nchw(x))))
+
+
+class ConvPosEnc(nn.Module):
+    """Conditional position encoding: x + dwconv3x3(x) on channels-last x."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.proj = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + _to_nhwc(self.proj(_to_nchw(x)))
+
+
+class HierBlock(nn.Module):
+    """CPE, token mixer, CPE, MLP (pre-norm residuals) on channels-last x (B, H, W, C)."""
+
+    def __init__(
+        self, dim: int, num_heads: int, token_mixer: str = "linear_rope", mixer_kwargs: Optional[Dict] = None,
+        mlp_ratio: float = 4.0, drop_path: float = 0.0, norm_layer: Type[nn.Module] = LayerNorm,
+        act_layer: Type[nn.Module] = nn.GELU,
+    ):
+        super().__init__()
+        self.cpe1 = ConvPosEnc(dim)
+        self.norm1 = norm_layer(dim)
+        self.mixer = create_mixer(token_mixer, dim, num_heads, **(mixer_kwargs or {}))
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.cpe2 = ConvPosEnc(dim)
+        self.norm2 = norm_layer(dim)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=act_layer)
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, h, w, c = x.shape
+        x = self.cpe1(x)
+        x = x + self.drop_path1(self.mixer(self.norm1(x).reshape(b, h * w, c), (h, w)).reshape(b, h, w, c))
+        x = self.cpe2(x)
+        return x + self.drop_path2(self.mlp(self.norm2(x)))
+
+
+class HierStage(nn.Module):
+    """Optional downsample, then ``depth`` blocks with one token mixer."""
+
+    def __init__(
+        self, in_dim: int, dim: int, depth: int, num_heads: int, token_mixer: str, mixer_kwargs: Optional[Dict],
+        downsample: bool, mlp_ratio: float, drop_path: Sequence[float], norm_layer: Type[nn.Module],
+        act_layer: Type[nn.Module],
+    ):
+        super().__init__()
+        self.downsample = Downsample(in_dim, dim, norm_layer) if downsample else nn.Identity()
+        self.blocks = nn.Sequential(*[
+            HierBlock(dim, num_heads, token_mixer, mixer_kwargs, mlp_ratio, drop_path[i], norm_layer, act_layer)
+            for i in range(depth)
+        ])
+        self.grad_checkpointing = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.downsample(x)
+        if self.grad_checkpointing and not torch.jit.is_scripting():
+            for blk in self.blocks:
+                x = checkpoint(blk, x, use_reentrant=False)
+            return x
+        return self.blocks(x)
+
+
+class LinHier(nn.Module):
+    """Four-stage backbone with a token mixer per stage.
+
+    Args:
+        in_chans, num_classes, global_pool ('avg', 'max', 'avgmax' or '' for none), drop_rate (before the
+            classifier), drop_path_rate (stochastic depth, linear over blocks): as in timm.
+        depths, dims, num_heads: per stage (4 each).
+        token_mixers: one registered mixer name, 4 comma-separated names, or a sequence of 4.
+        mixer_kwargs: options for the mixers (default: gate=True); each mixer receives the options it has.
+        mlp_ratio: MLP hidden size / dim.
+        img_size: nominal input size (recorded; nothing depends on it).
+    Raises ValueError for inconsistent stage lists or unknown mixers.
+    """
+
+    def __init__(
+        self,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        global_pool: str = "avg",
+        depths: Sequence[int] = (3, 5, 9, 4),
+        dims: Sequence[int] = (64, 128, 256, 512),
+        num_heads: Sequence[int] = (2, 4, 8, 16),
+        token_mixers: Union[str, Sequence[str]] = "linear_rope",
+        mixer_kwargs: Optional[Dict[str, Any]] = None,
+        mlp_ratio: float = 4.0,
+        drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        img_size: Union[int, Tuple[int, int]] = 224,
+        norm_layer: Type[nn.Module] = LayerNorm,
+        act_layer: Type[nn.Module] = nn.GELU,
+    ):
+        super().__init__()
+        depths, dims, num_heads = tuple(depths), tuple(dims), tuple(num_heads)
+        if not len(depths) == len(dims) == len(num_heads):
+            raise ValueError(f"depths, dims, num_heads: lengths differ ({len(depths)}, {len(dims)}, {len(num_heads)})")
+        self.token_mixers = parse_token_mixers(token_mixers, len(depths))
+        self.num_classes = num_classes
+        self.in_chans = in_chans
+        self.img_size = img_size
+        self.drop_rate = drop_rate
+        self.output_fmt = "NHWC"
+        shared = dict(_DEFAULT_MIXER_KWARGS, **(mixer_kwargs or {}))
+
+        self.stem = Stem(in_chans, dims[0], norm_layer, act_layer)
+        rates = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
+        self.stages = nn.Sequential()
+        self.feature_info = []
+        in_dim, stride, start = dims[0], 4, 0
+        for i, (depth, dim, heads, mixer) in enumerate(zip(depths, dims, num_heads, self.token_mixers)):
+            stride *= 2 if i > 0 else 1
+            options = {k: v for k, v in shared.items() if k in mixer_options(mixer)}
+            self.stages.append(HierStage(
+                in_dim, dim, depth, heads, mixer, options, i > 0, mlp_ratio, rates[start:start + depth],
+                norm_layer, act_layer,
+            ))
+            self.feature_info.append(dict(num_chs=dim, reduction=stride, module=f"stages.{i}"))
+            in_dim, start = dim, start + depth
+        self.num_features = dims[-1]
+        self.head = ClNormMlpClassifierHead(
+            self.num_features, num_classes, pool_type=global_pool, drop_rate=drop_rate, norm_layer=norm_layer,
+            input_fmt="NHWC",
+        )
+        self.head_hidden_size = self.head.num_features
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        return dict(
+            stem=r"^stem",
+            blocks=r"^stages\.(\d+)" if coarse else [
+                (r"^stages\.(\d+)\.downsample", (0,)),
+                (r"^stages\.(\d+)\.blocks\.(\d+)", None),
+            ],
+        )
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set:
+        """Mixed-RoPE frequencies and the hybrid mixer's gate logits are not decayed (norms and biases are
+        excluded by timm's optimizer factory through their dimension)."""
+        return {n for n, _ in self.named_parameters() if "rope_freqs" in n or "mix_logit" in n}
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        for stage in self.stages:
+            stage.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head.fc
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None, reset_other: bool = False):
+        self.num_classes = num_classes
+        self.head.reset(num_classes, global_pool, reset_other=reset_other, in_features=self.num_features)
+        self.head_hidden_size = self.head.num_features
+
+    def forward_intermediates(
+        self,
+        x: Tensor,
+        indices: Optional[Union[int, List[int]]] = None,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ) -> Union[List[Tensor], Tuple[Tensor, List[Tensor]]]:
+        """Stage outputs. indices: last n stages (int), all (None) or the listed ones; ``norm`` has no effect
+        (stage outputs carry no norm of their own). output_fmt: 'NCHW' or 'NHWC'.
+        Returns intermediates, or (final features, intermediates). Raises ValueError for another output_fmt."""
+        if output_fmt not in ("NCHW", "NHWC"):
+            raise ValueError(f"output_fmt: {output_fmt!r}; allowed: 'NCHW', 'NHWC'")
+        take_indices, max_index = feature_take_indices(len(self.stages), indices)
+        stages = self.stages[: max_index + 1] if stop_early else self.stages
+        intermediates = []
+        x = self.stem(x)
+        for i, stage in enumerate(stages):
+            x = stage(x)
+            if i in take_indices:
+                intermediates.append(_to_nchw(x).contiguous() if output_fmt == "NCHW" else x)
+        if intermediates_only:
+            return intermediates
+        return x, intermediates
+
+    def prune_intermediate_layers(
+        self, indices: Union[int, List[int]] = 1, prune_norm: bool = False, prune_head: bool = True,
+    ) -> List[int]:
+        """Drop the stages after the last needed one (and the head when asked or when stages are dropped)."""
+        take_indices, max_index = feature_take_indices(len(self.stages), indices)
+        prune_end = max_index < len(self.stages) - 1
+        self.stages = self.stages[: max_index + 1]
+        if prune_end:
+            self.num_features = self.head_hidden_size = self.feature_info[max_index]["num_chs"]
+        if prune_head or prune_end:
+            self.reset_classifier(0, "", reset_other=True)
+        return take_indices
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        """(B, in_chans, H, W) -> (B, H/32, W/32, C) channels-last."""
+        return self.stages(self.stem(x))
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        return self.head(x, pre_logits=pre_logits)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: LinHier) -> Dict[str, Tensor]:
+    """Unwrap training checkpoints ({'model': ...}, {'state_dict': ...}, {'state_dict_ema': ...}). No weight of
+    this family depends on the resolution (RoPE tables are built per input; CPE/LePE are convolutions), so
+    nothing is resampled."""
+    for key in ("state_dict_ema", "model_ema", "model", "state_dict"):
+        if key in state_dict and isinstance(state_dict[key], dict):
+            return state_dict[key]
+    return state_dict
+
+
+def _cfg(**kwargs) -> Dict[str, Any]:
+    return {
+        "url": "",
+        "num_classes": 1000,
+        "input_size": (3, 224, 224),
+        "test_input_size": (3, 224, 224),
+        "pool_size": (7, 7),
+        "crop_pct": 0.9,
+        "interpolation": "bicubic",
+        "mean": IMAGENET_DEFAULT_MEAN,
+        "std": IMAGENET_DEFAULT_STD,
+        "first_conv": "stem.conv1",
+        "classifier": "head.fc",
+        "license": "mit",
+        **kwargs,
+    }
+
+
+default_cfgs = generate_default_cfgs({
+    "linhier_tiny_224": _cfg(),
+    "linhier_small_224": _cfg(),
+    "linhier_base_224": _cfg(),
+    "linhier_gcnn_femto_224": _cfg(crop_pct=1.0),
+    "linhier_gcnn_tiny_224": _cfg(crop_pct=1.0),
+})
+
+
+def _create_linhier(variant: str, pretrained: bool = False, **kwargs) -> LinHier:
+    return build_model_with_cfg(
+        LinHier, variant, pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls="getter"),
+        **kwargs,
+    )
+
+
+@register_model
+def linhier_tiny_224(pretrained: bool = False, **kwargs) -> LinHier:
+    args = dict(depths=(3, 5, 9, 4), dims=(64, 128, 256, 512), num_heads=(2, 4, 8, 16))
+    return _create_linhier("linhier_tiny_224", pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def linhier_small_224(pretrained: bool = False, **kwargs) -> LinHier:
+    args = dict(depths=(3, 6, 21, 6), dims=(64, 128, 256, 512), num_heads=(2, 4, 8, 16))
+    return _create_linhier("linhier_small_224", pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def linhier_base_224(pretrained: bool = False, **kwargs) -> LinHier:
+    args = dict(depths=(3, 6, 21, 6), dims=(96, 192, 384, 768), num_heads=(3, 6, 12, 24))
+    return _create_linhier("linhier_base_224", pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def linhier_gcnn_femto_224(pretrained: bool = False, **kwargs) -> LinHier:
+    args = dict(depths=(2, 2, 5, 2), dims=(48, 96, 192, 288), num_heads=(2, 3, 6, 9), token_mixers="none")
+    return _create_linhier("linhier_gcnn_femto_224", pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def linhier_gcnn_tiny_224(pretrained: bool = False, **kwargs) -> LinHier:
+    args = dict(depths=(2, 2, 7, 2), dims=(80, 160, 320, 576), num_heads=(2, 4, 8, 16), token_mixers="none")
+    return _create_linhier("linhier_gcnn_tiny_224", pretrained, **dict(args, **kwargs))

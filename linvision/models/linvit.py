@@ -1,0 +1,337 @@
+"""Isotropic (ViT/DeiT-shaped) backbones with linear attention.
+
+Patch embedding (16x16), ``depth`` pre-norm blocks ``x + drop_path(mixer(norm1(x), (H, W)))``,
+``x + drop_path(mlp(norm2(x)))``, a final norm, global average pooling over the patch tokens (no class
+token) and a linear head. Shapes follow DeiT (Touvron et al. 2021, arXiv:2012.12877): tiny 192 wide with 3
+heads, small 384 / 6, base 768 / 12, all 12 blocks deep.
+
+Position information comes from either
+- a learned absolute position embedding (``rope=None``; resampled to other grids with ``dynamic_img_size``), or
+- 2D RoPE inside every attention mixer (``rope="axial"`` or ``"mixed"``, RoPE-ViT, Heo et al. 2024,
+  arXiv:2403.13298), with no absolute embedding: the weights fit any grid and aspect ratio.
+
+The token mixer is one argument (``token_mixer="softmax"`` for the softmax twin of a model); the model hands
+its ``rope`` to whatever mixer it builds, so the twin sees positions the same way.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple, Type, Union
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import DropPath, LayerNorm, Mlp, PatchEmbed, resample_abs_pos_embed, resample_patch_embed, trunc_normal_
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models._features import feature_take_indices
+
+from linvision.layers import create_mixer, mixer_options
+from linvision.layers.mixers import ROPE_TYPES
+
+__all__ = ["LinViT"]
+
+
+class ViTBlock(nn.Module):
+    """Pre-norm token mixer and MLP on channels-last tokens x (B, H, W, C)."""
+
+    def __init__(
+        self, dim: int, num_heads: int, token_mixer: str = "linear", mixer_kwargs: Optional[Dict] = None,
+        mlp_ratio: float = 4.0, drop_path: float = 0.0, proj_drop: float = 0.0,
+        norm_layer: Type[nn.Module] = LayerNorm, act_layer: Type[nn.Module] = nn.GELU,
+    ):
+        super().__init__()
+        self.norm1 = norm_layer(dim)
+        self.mixer = create_mixer(token_mixer, dim, num_heads, **(mixer_kwargs or {}))
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = norm_layer(dim)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop)
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, h, w, c = x.shape
+        x = x + self.drop_path1(self.mixer(self.norm1(x).reshape(b, h * w, c), (h, w)).reshape(b, h, w, c))
+        return x + self.drop_path2(self.mlp(self.norm2(x)))
+
+
+class LinViT(nn.Module):
+    """Isotropic backbone with a swappable token mixer.
+
+    Args:
+        img_size: training size; fixes the absolute position embedding grid (unused with RoPE).
+        patch_size, in_chans, num_classes, embed_dim, depth, num_heads, mlp_ratio, drop_rate (before the
+            head), proj_drop_rate, drop_path_rate (linear over blocks): as in timm's VisionTransformer.
+        global_pool: 'avg' (mean over patch tokens) or '' (forward_head returns the tokens).
+        token_mixer: a registered mixer name ("linear", "linear_rope", "softmax", "causal", "hybrid", "none").
+        mixer_kwargs: extra options for the mixer (e.g. feature_map="relu", lepe=True).
+        rope: None (absolute position embedding), "axial" or "mixed" (2D RoPE in the mixer, no absolute
+            embedding); passed to the mixer when it has a ``rope`` option.
+        dynamic_img_size: resample the absolute position embedding to the input's grid at every call.
+    Raises ValueError for an unknown rope or global_pool.
+    """
+
+    def __init__(
+        self,
+        img_size: Union[int, Tuple[int, int]] = 224,
+        patch_size: int = 16,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        global_pool: str = "avg",
+        embed_dim: int = 384,
+        depth: int = 12,
+        num_heads: int = 6,
+        mlp_ratio: float = 4.0,
+        token_mixer: str = "linear",
+        mixer_kwargs: Optional[Dict[str, Any]] = None,
+        rope: Optional[str] = None,
+        dynamic_img_size: bool = False,
+        drop_rate: float = 0.0,
+        proj_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        norm_layer: Type[nn.Module] = LayerNorm,
+        act_layer: Type[nn.Module] = nn.GELU,
+    ):
+        super().__init__()
+        if rope not in ROPE_TYPES:
+            raise ValueError(f"rope: unknown {rope!r}; allowed: {ROPE_TYPES}")
+        if global_pool not in ("avg", ""):
+            raise ValueError(f"global_pool: {global_pool!r}; allowed: 'avg', ''")
+        self.num_classes = num_classes
+        self.in_chans = in_chans
+        self.global_pool = global_pool
+        self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
+        self.num_prefix_tokens = 0
+        self.dynamic_img_size = dynamic_img_size
+        self.rope = rope
+        self.token_mixer = token_mixer
+
+        self.patch_embed = PatchEmbed(
+            img_size, patch_size, in_chans, embed_dim, output_fmt="NHWC",
+            strict_img_size=rope is None and not dynamic_img_size,
+        )
+        self.pos_embed = (
+            nn.Parameter(torch.zeros(1, self.patch_embed.num_patches, embed_dim)) if rope is None else None
+        )
+        options = dict(mixer_kwargs or {})
+        if rope is not None and "rope" in mixer_options(token_mixer):
+            options["rope"] = rope
+        rates = torch.linspace(0, drop_path_rate, depth).tolist()
+        self.blocks = nn.Sequential(*[
+            ViTBlock(embed_dim, num_heads, token_mixer, options, mlp_ratio, rates[i], proj_drop_rate, norm_layer,
+                     act_layer)
+            for i in range(depth)
+        ])
+        reduction = self.patch_embed.patch_size[0]
+        self.feature_info = [dict(module=f"blocks.{i}", num_chs=embed_dim, reduction=reduction) for i in range(depth)]
+        self.norm = norm_layer(embed_dim)
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.grad_checkpointing = False
+
+        if self.pos_embed is not None:
+            trunc_normal_(self.pos_embed, std=0.02)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set:
+        """The position embedding, mixed-RoPE frequencies and hybrid gate logits are not decayed."""
+        return {n for n, _ in self.named_parameters() if n == "pos_embed" or "rope_freqs" in n or "mix_logit" in n}
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        return dict(stem=r"^pos_embed|patch_embed", blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        if global_pool is not None:
+            if global_pool not in ("avg", ""):
+                raise ValueError(f"global_pool: {global_pool!r}; allowed: 'avg', ''")
+            self.global_pool = global_pool
+        self.num_classes = num_classes
+        self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+
+    def _embed(self, x: Tensor) -> Tensor:
+        """(B, C_in, H, W) -> patch tokens (B, H/p, W/p, C) with the absolute position embedding added."""
+        x = self.patch_embed(x)
+        if self.pos_embed is None:
+            return x
+        b, h, w, c = x.shape
+        pos = self.pos_embed
+        if self.dynamic_img_size and (h, w) != tuple(self.patch_embed.grid_size):
+            pos = resample_abs_pos_embed(pos, new_size=(h, w), old_size=self.patch_embed.grid_size,
+                                         num_prefix_tokens=0)
+        return x + pos.reshape(1, h, w, c)
+
+    def _run_blocks(self, x: Tensor, blocks: nn.Sequential, take: Optional[List[int]] = None,
+                    norm: bool = False) -> Tuple[Tensor, List[Tensor]]:
+        intermediates = []
+        for i, blk in enumerate(blocks):
+            x = checkpoint(blk, x, use_reentrant=False) if self.grad_checkpointing else blk(x)
+            if take is not None and i in take:
+                intermediates.append(self.norm(x) if norm else x)
+        return x, intermediates
+
+    def forward_intermediates(
+        self,
+        x: Tensor,
+        indices: Optional[Union[int, List[int]]] = None,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ) -> Union[List[Tensor], Tuple[Tensor, List[Tensor]]]:
+        """Block outputs. indices: last n blocks (int), all (None) or the listed ones; norm: apply the final
+        norm to them; output_fmt: 'NCHW' (B, C, H/p, W/p) or 'NLC' (B, N, C).
+        Returns intermediates, or (forward_features output, intermediates). Raises ValueError for another
+        output_fmt."""
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt: {output_fmt!r}; allowed: 'NCHW', 'NLC'")
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        blocks = self.blocks[: max_index + 1] if stop_early else self.blocks
+        x, intermediates = self._run_blocks(self._embed(x), blocks, take_indices, norm)
+        if output_fmt == "NCHW":
+            intermediates = [y.permute(0, 3, 1, 2).contiguous() for y in intermediates]
+        else:
+            intermediates = [y.flatten(1, 2) for y in intermediates]
+        if intermediates_only:
+            return intermediates
+        return self.norm(x).flatten(1, 2), intermediates
+
+    def prune_intermediate_layers(
+        self, indices: Union[int, List[int]] = 1, prune_norm: bool = False, prune_head: bool = True,
+    ) -> List[int]:
+        """Drop blocks after the last needed one; optionally the final norm and the head."""
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        self.blocks = self.blocks[: max_index + 1]
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0, "")
+        return take_indices
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        """(B, in_chans, H, W) -> normalised tokens (B, H/p * W/p, C) in raster order."""
+        x, _ = self._run_blocks(self._embed(x), self.blocks)
+        return self.norm(x).flatten(1, 2)
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        if self.global_pool == "avg":
+            x = x.mean(dim=1)
+        x = self.head_drop(x)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: LinViT) -> Dict[str, Tensor]:
+    """Unwrap training checkpoints and resample what depends on the resolution: the absolute position
+    embedding (bicubic, to the model's patch grid) and the patch-embedding kernel (to the model's patch size)."""
+    for key in ("state_dict_ema", "model_ema", "model", "state_dict"):
+        if key in state_dict and isinstance(state_dict[key], dict):
+            state_dict = state_dict[key]
+            break
+    out = {}
+    for name, value in state_dict.items():
+        if name == "pos_embed" and model.pos_embed is not None and value.shape != model.pos_embed.shape:
+            value = resample_abs_pos_embed(value, new_size=model.patch_embed.grid_size, num_prefix_tokens=0)
+        elif name == "patch_embed.proj.weight" and value.shape[-2:] != model.patch_embed.proj.weight.shape[-2:]:
+            value = resample_patch_embed(value, model.patch_embed.patch_size)
+        out[name] = value
+    return out
+
+
+def _cfg(**kwargs) -> Dict[str, Any]:
+    return {
+        "url": "",
+        "num_classes": 1000,
+        "input_size": (3, 224, 224),
+        "test_input_size": (3, 224, 224),
+        "pool_size": None,
+        "crop_pct": 0.9,
+        "interpolation": "bicubic",
+        "fixed_input_size": False,
+        "mean": IMAGENET_DEFAULT_MEAN,
+        "std": IMAGENET_DEFAULT_STD,
+        "first_conv": "patch_embed.proj",
+        "classifier": "head",
+        "license": "mit",
+        **kwargs,
+    }
+
+
+default_cfgs = generate_default_cfgs({
+    "linvit_tiny_patch16_224": _cfg(),
+    "linvit_small_patch16_224": _cfg(),
+    "linvit_base_patch16_224": _cfg(),
+    "linvit_tiny_patch16_rope_224": _cfg(),
+    "linvit_small_patch16_rope_224": _cfg(),
+    "linvit_base_patch16_rope_224": _cfg(),
+    "linvit_small_patch16_rope_mixed_224": _cfg(),
+})
+
+
+def _create_linvit(variant: str, pretrained: bool = False, **kwargs) -> LinViT:
+    out_indices = kwargs.pop("out_indices", 3)
+    return build_model_with_cfg(
+        LinViT, variant, pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
+        **kwargs,
+    )
+
+
+_TINY = dict(patch_size=16, embed_dim=192, depth=12, num_heads=3)
+_SMALL = dict(patch_size=16, embed_dim=384, depth=12, num_heads=6)
+_BASE = dict(patch_size=16, embed_dim=768, depth=12, num_heads=12)
+_ROPE = dict(token_mixer="linear_rope", rope="axial")
+
+
+@register_model
+def linvit_tiny_patch16_224(pretrained: bool = False, **kwargs) -> LinViT:
+    return _create_linvit("linvit_tiny_patch16_224", pretrained, **dict(_TINY, **kwargs))
+
+
+@register_model
+def linvit_small_patch16_224(pretrained: bool = False, **kwargs) -> LinViT:
+    return _create_linvit("linvit_small_patch16_224", pretrained, **dict(_SMALL, **kwargs))
+
+
+@register_model
+def linvit_base_patch16_224(pretrained: bool = False, **kwargs) -> LinViT:
+    return _create_linvit("linvit_base_patch16_224", pretrained, **dict(_BASE, **kwargs))
+
+
+@register_model
+def linvit_tiny_patch16_rope_224(pretrained: bool = False, **kwargs) -> LinViT:
+    return _create_linvit("linvit_tiny_patch16_rope_224", pretrained, **dict(_TINY, **_ROPE) | kwargs)
+
+
+@register_model
+def linvit_small_patch16_rope_224(pretrained: bool = False, **kwargs) -> LinViT:
+    return _create_linvit("linvit_small_patch16_rope_224", pretrained, **dict(_SMALL, **_ROPE) | kwargs)
+
+
+@register_model
+def linvit_base_patch16_rope_224(pretrained: bool = False, **kwargs) -> LinViT:
+    return _create_linvit("linvit_base_patch16_rope_224", pretrained, **dict(_BASE, **_ROPE) | kwargs)
+
+
+@register_model
+def linvit_small_patch16_rope_mixed_224(pretrained: bool = False, **kwargs) -> LinViT:
+    args = dict(_SMALL, **_ROPE) | dict(rope="mixed")
+    return _create_linvit("linvit_small_patch16_rope_mixed_224", pretrained, **args | kwargs)

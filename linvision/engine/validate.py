@@ -1,0 +1,63 @@
+"""Accuracy of a trained checkpoint at one or several resolutions, behind ``tools/validate.py``.
+
+The same weights are evaluated at every resolution (images resized, then centre-cropped with the
+checkpoint's ``crop_pct``). Models with RoPE or convolutions run at any size as they are; a model that cannot
+run at a size gets an ``error`` entry for it and the other sizes are still evaluated.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Dict, List, Optional, Sequence
+
+from .checkpoint import load_model
+from .data import ShardedSampler, build_transform, create_dataset, create_loader
+from .distributed import cleanup, init_distributed
+from .evaluate import evaluate
+
+__all__ = ["add_validate_args", "validate_checkpoint"]
+
+
+def add_validate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--checkpoint", required=False, default=None, help="checkpoint or run folder")
+    parser.add_argument("--dataset", default=None, help="default: the dataset the checkpoint was trained on")
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--img-size", type=int, nargs="+", default=None,
+                        help="resolutions to evaluate (default: the training one)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--amp", default="none", choices=["none", "bf16", "fp16"])
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--output", default=None, help="write the JSON results to this file as well")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False)
+    return parser
+
+
+def validate_checkpoint(checkpoint: str, dataset: Optional[str] = None, data_dir: Optional[str] = None,
+                        img_sizes: Optional[Sequence[int]] = None, batch_size: int = 64, workers: int = 0,
+                        amp: str = "none", device: str = "auto", progress: bool = False) -> Dict[str, Any]:
+    """Evaluate ``checkpoint`` on the validation split at each of ``img_sizes``.
+
+    Returns {"checkpoint", "model", "results": [{"img_size", "top1", "top5", "loss", "count"} or
+    {"img_size", "error"}]}. Raises FileNotFoundError for a missing checkpoint or data folder. Runs under
+    torchrun too (each rank evaluates a shard; the figures are reduced).
+    """
+    info = init_distributed(device)
+    try:
+        model, meta = load_model(checkpoint, device=str(info.device))
+        dataset = dataset or meta.get("dataset", "folder")
+        sizes: List[int] = list(img_sizes or [meta["img_size"]])
+        results = []
+        for size in sizes:
+            transform = build_transform(size, False, meta["mean"], meta["std"], crop_pct=meta.get("crop_pct", 1.0))
+            val_set = create_dataset(dataset, data_dir, "val", transform=transform, digits_size=size)
+            sampler = ShardedSampler(len(val_set), info.rank, info.world_size, shuffle=False)
+            loader = create_loader(val_set, batch_size, sampler, workers)
+            try:
+                res = evaluate(model, loader, info, amp=amp, progress=progress)
+            except (RuntimeError, ValueError, AssertionError) as e:  # a model tied to one input size
+                res = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"}
+            results.append({"img_size": size, **res})
+        return {"checkpoint": checkpoint, "model": meta["model"], "train_img_size": meta["img_size"],
+                "results": results}
+    finally:
+        cleanup(info)

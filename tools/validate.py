@@ -1,0 +1,29 @@
+"""Top-1 / top-5 accuracy and loss of a checkpoint at one or several resolutions, printed as JSON.
+
+    python tools/validate.py --checkpoint output/digits_demo --img-size 32 64 128
+"""
+import argparse
+import json
+
+from linvision.engine.cli import run_cli
+from linvision.engine.config import parse_args
+from linvision.engine.validate import add_validate_args, validate_checkpoint
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    args = parse_args(add_validate_args(parser))
+    if not args.checkpoint:
+        raise ValueError("checkpoint: required (a checkpoint folder or a run folder)")
+    out = validate_checkpoint(args.checkpoint, args.dataset, args.data_dir, args.img_size, args.batch_size,
+                              args.workers, args.amp, args.device, args.progress)
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

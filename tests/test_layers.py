@@ -1,0 +1,209 @@
+"""Token mixers against explicit O(N^2) formulas in float64, and their grid behaviour."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from linvision.layers import create_mixer, list_mixers, mixer_options
+from linvision.layers.mixers import GatedConvMixer, HybridAttention, window_merge, window_partition
+from linvision.ops import axial_rope
+
+
+def _qkv(mixer, x):
+    b, n, c = x.shape
+    qkv = mixer.qkv(x).reshape(b, n, 3, mixer.num_heads, mixer.head_dim).permute(2, 0, 3, 1, 4)
+    return qkv.unbind(0)  # each (B, heads, N, D)
+
+
+def _rotate(x, cos, sin):
+    p = x.shape[-1] // 2
+    return torch.cat([x[..., :p] * cos - x[..., p:] * sin, x[..., :p] * sin + x[..., p:] * cos], dim=-1)
+
+
+def _axial_tables(d, h, w):
+    """Axial RoPE angles written out: pairs t < D/4 rotate with the column, the others with the row."""
+    p = d // 2
+    mag = 1.0 / 100.0 ** (torch.arange(0, d, 4, dtype=torch.float64) / d)
+    rows = torch.arange(h, dtype=torch.float64).repeat_interleave(w)
+    cols = torch.arange(w, dtype=torch.float64).repeat(h)
+    ang = torch.cat([cols[:, None] * mag[None], rows[:, None] * mag[None]], dim=-1)  # (N, P)
+    assert ang.shape[-1] == p
+    return ang.cos(), ang.sin()
+
+
+def _explicit_linear(mixer, x, hw, rope_tables=None, causal=False):
+    """o_i = sum_j (R_i phi(q_i)).(R_j phi(k_j)) v_j / (sum_j phi(q_i).phi(k_j) + n_i * eps), written as N x N
+    matrices; n_i = number of keys token i sees."""
+    q, k, v = _qkv(mixer, x)
+    fq, fk = F.elu(q) + 1, F.elu(k) + 1
+    rq, rk = fq, fk
+    if rope_tables is not None:
+        rq, rk = _rotate(fq, *rope_tables), _rotate(fk, *rope_tables)
+    a_num = rq @ rk.transpose(-1, -2)  # (B, heads, N, N)
+    a_den = fq @ fk.transpose(-1, -2)
+    n = x.shape[1]
+    count = torch.full((n,), float(n), dtype=x.dtype)
+    if causal:
+        mask = torch.ones(n, n, dtype=torch.bool).tril()
+        a_num, a_den = a_num.masked_fill(~mask, 0), a_den.masked_fill(~mask, 0)
+        count = torch.arange(1, n + 1, dtype=x.dtype)
+    out = (a_num @ v) / (a_den.sum(-1, keepdim=True) + count[:, None] * mixer.eps)
+    out = out.transpose(1, 2).reshape(x.shape)
+    if mixer.lepe is not None:
+        b, c = x.shape[0], x.shape[2]
+        v_grid = v.transpose(1, 2).reshape(b, *hw, c).permute(0, 3, 1, 2)
+        out = out + mixer.lepe(v_grid).flatten(2).transpose(1, 2)
+    if mixer.gate is not None:
+        out = out * F.silu(mixer.gate(x))
+    return mixer.proj(out)
+
+
+@pytest.mark.parametrize("name, kwargs, causal", [
+    ("linear", {}, False),
+    ("linear", dict(gate=True, lepe=True), False),
+    ("linear_rope", {}, False),
+    ("causal", dict(rope="axial"), True),
+])
+def test_linear_mixers_match_explicit_formula(name, kwargs, causal):
+    torch.manual_seed(0)
+    hw = (3, 5)
+    mixer = create_mixer(name, 32, 2, **kwargs).double()
+    x = torch.randn(2, 15, 32, dtype=torch.float64)
+    tables = _axial_tables(16, *hw) if mixer.rope_type == "axial" else None
+    expected = _explicit_linear(mixer, x, hw, tables, causal)
+    # RoPE tables are fp32 by design (angles of large grids), hence the looser tolerance with RoPE.
+    tol = dict(rtol=1e-9, atol=1e-10) if tables is None else dict(rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(mixer(x, hw), expected, **tol)
+
+
+def test_axial_tables_written_out_match_ops():
+    cos, sin = _axial_tables(16, 3, 5)
+    ref_cos, ref_sin = axial_rope(16, (3, 5)).tables()
+    torch.testing.assert_close(cos.float(), ref_cos[0])
+    torch.testing.assert_close(sin.float(), ref_sin[0])
+
+
+def test_softmax_mixer_matches_explicit_formula():
+    torch.manual_seed(1)
+    mixer = create_mixer("softmax", 32, 4, rope="axial").double()
+    x = torch.randn(2, 12, 32, dtype=torch.float64)
+    q, k, v = _qkv(mixer, x)
+    cos, sin = _axial_tables(8, 3, 4)
+    scores = _rotate(q, cos, sin) @ _rotate(k, cos, sin).transpose(-1, -2) / math.sqrt(8)
+    expected = mixer.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(x.shape))
+    torch.testing.assert_close(mixer(x, (3, 4)), expected, rtol=1e-5, atol=1e-7)  # fp32 RoPE tables
+
+
+def test_hybrid_mixer_matches_explicit_formula():
+    """Local softmax over same-window tokens (grid 5 x 7 is not a multiple of the window 3) mixed per head with
+    global linear attention by sigmoid(mix_logit)."""
+    torch.manual_seed(2)
+    hw, window = (5, 7), 3
+    mixer = HybridAttention(24, 3, window=window).double()
+    with torch.no_grad():
+        mixer.mix_logit.copy_(torch.tensor([-1.0, 0.3, 2.0]))
+    x = torch.randn(2, 35, 24, dtype=torch.float64)
+    q, k, v = _qkv(mixer, x)
+    rows = torch.arange(5).repeat_interleave(7)
+    cols = torch.arange(7).repeat(5)
+    same = ((rows[:, None] // window) == (rows[None] // window)) & ((cols[:, None] // window) == (cols[None] // window))
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(8)).masked_fill(~same, float("-inf"))
+    local = scores.softmax(-1) @ v
+    fq, fk = F.elu(q) + 1, F.elu(k) + 1
+    a = fq @ fk.transpose(-1, -2)
+    global_ = (a @ v) / (a.sum(-1, keepdim=True) + 35 * mixer.eps)
+    g = torch.sigmoid(mixer.mix_logit)[None, :, None, None]
+    expected = mixer.proj((g * local + (1 - g) * global_).transpose(1, 2).reshape(x.shape))
+    torch.testing.assert_close(mixer(x, hw), expected, rtol=1e-9, atol=1e-10)
+
+
+def test_window_partition_round_trip_and_padding():
+    x = torch.randn(1, 2, 5 * 7, 4)
+    windows, valid, padded = window_partition(x, (5, 7), 3)
+    assert windows.shape == (1, 2, 6, 9, 4) and padded == (6, 9)
+    assert valid.sum().item() == 35
+    torch.testing.assert_close(window_merge(windows, (5, 7), padded, 3), x)
+
+
+def test_gated_conv_mixer_formula_and_receptive_field():
+    """out = fc2(gelu(g) * [i, dwconv7(c)]): check by hand, and that token (r, c) depends only on tokens
+    within the 7 x 7 window around it."""
+    torch.manual_seed(3)
+    hw = (9, 10)
+    mixer = GatedConvMixer(16, 1, conv_ratio=0.5).double()
+    x = torch.randn(1, 90, 16, dtype=torch.float64, requires_grad=True)
+    g, i, c = torch.split(mixer.fc1(x), (42, 34, 8), dim=-1)
+    conv = F.conv2d(c.transpose(1, 2).reshape(1, 8, 9, 10), mixer.conv.weight, mixer.conv.bias, padding=3, groups=8)
+    expected = mixer.fc2(F.gelu(g) * torch.cat([i, conv.flatten(2).transpose(1, 2)], dim=-1))
+    out = mixer(x, hw)
+    torch.testing.assert_close(out, expected)
+    (grad,) = torch.autograd.grad(out[0, 4 * 10 + 5].sum(), x)
+    touched = grad[0].abs().sum(-1).reshape(9, 10) > 0
+    rows, cols = torch.meshgrid(torch.arange(9), torch.arange(10), indexing="ij")
+    inside = ((rows - 4).abs() <= 3) & ((cols - 5).abs() <= 3)
+    assert torch.equal(touched, inside)
+
+
+@pytest.mark.parametrize("name", ["linear", "linear_rope", "softmax", "causal", "hybrid", "none"])
+def test_every_mixer_any_grid(name):
+    """Every mixer maps (B, H*W, C) to the same shape on square, non-square and odd grids, with gradients."""
+    torch.manual_seed(4)
+    mixer = create_mixer(name, 32, 2)
+    for hw in [(4, 4), (3, 7), (1, 5)]:
+        x = torch.randn(2, hw[0] * hw[1], 32, requires_grad=True)
+        y = mixer(x, hw)
+        assert y.shape == x.shape and torch.isfinite(y).all()
+        y.square().mean().backward()
+        assert all(p.grad is not None for p in mixer.parameters())
+
+
+def test_mixer_rejects_wrong_grid_and_options():
+    mixer = create_mixer("linear", 32, 2)
+    with pytest.raises(ValueError, match="hw"):
+        mixer(torch.randn(1, 12, 32), (3, 5))
+    with pytest.raises(ValueError, match="rope"):
+        create_mixer("linear", 32, 2, rope="spiral")
+    with pytest.raises(ValueError, match="num_heads"):
+        create_mixer("softmax", 30, 4)
+    with pytest.raises(ValueError, match="feature_map"):
+        create_mixer("linear", 32, 2, feature_map="tanh")
+
+
+def test_mixer_options_follow_class_hierarchy():
+    assert set(list_mixers()) >= {"none", "linear", "linear_rope", "softmax", "causal", "hybrid"}
+    assert "rope" in mixer_options("linear_rope") and "window" in mixer_options("hybrid")
+    assert "rope" not in mixer_options("none") and "kernel_size" in mixer_options("none")
+
+
+@pytest.mark.parametrize("rope", ["axial", "mixed"])
+def test_rope_mixer_output_moves_with_shifted_content(rope):
+    """Place the same tokens at a shifted position of a larger grid, the rest being zero tokens (with relu
+    features and no qkv bias, zero tokens have zero keys and values and contribute nothing, like the zero
+    padding of LePE). With RoPE only relative positions matter, so the output moves with the content.
+    eps is tiny because it is the one term that sees the token count (o_i = num_i / (den_i + N eps))."""
+    torch.manual_seed(5)
+    mixer = create_mixer("linear_rope", 32, 2, rope=rope, feature_map="relu", qkv_bias=False, eps=1e-12).double()
+    h, w, dr, dc = 3, 4, 2, 3
+    x = torch.randn(1, h * w, 32, dtype=torch.float64)
+    big = torch.zeros(1, h + 4, w + 5, 32, dtype=torch.float64)
+    big[:, dr:dr + h, dc:dc + w] = x.reshape(1, h, w, 32)
+    out_big = mixer(big.reshape(1, -1, 32), (h + 4, w + 5)).reshape(1, h + 4, w + 5, 32)
+    shifted = out_big[:, dr:dr + h, dc:dc + w].reshape(1, h * w, 32)
+    torch.testing.assert_close(shifted, mixer(x, (h, w)), rtol=1e-5, atol=1e-7)  # fp32 RoPE tables
+
+
+def test_mixed_rope_frequencies_learn():
+    mixer = create_mixer("linear_rope", 32, 2, rope="mixed")
+    x = torch.randn(2, 12, 32)
+    mixer(x, (3, 4)).square().mean().backward()
+    assert mixer.rope_freqs_x.grad.abs().sum() > 0 and mixer.rope_freqs_y.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("feature_map", ["relu", "exp", "focused"])
+def test_linear_attention_feature_maps(feature_map):
+    mixer = create_mixer("linear", 32, 2, feature_map=feature_map)
+    x = torch.randn(2, 12, 32)
+    y = mixer(x, (3, 4))
+    assert torch.isfinite(y).all()
+    assert (mixer.focus_scale is not None) == (feature_map == "focused")

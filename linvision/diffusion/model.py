@@ -1,0 +1,186 @@
+"""A small class-conditional diffusion transformer built from :class:`SanaBlock`.
+
+Patchify (a strided conv), a sinusoidal timestep embedder (256 frequencies -> MLP), adaLN-single (one
+Linear(SiLU(t_emb)) -> 6C vector shared by every block), class labels as condition tokens for the
+cross-attention (with a learned null class for classifier-free guidance), a final modulated layer and
+unpatchify. The network predicts the rectified-flow velocity (noise - data) at time t in [0, 1].
+
+Configurations (``DIT_CONFIGS``): ``digits`` is a CPU demo size; ``sana_600m`` has the shape of Sana-0.6B
+(depth 28, C 1152, 16 cross-attention heads, linear head dim 32, Mix-FFN ratio 2.5) for throughput figures.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Dict, Optional
+
+import torch
+from einops import rearrange
+from torch import Tensor, nn
+
+from .block import SanaBlock, modulate
+
+__all__ = ["DiTConfig", "DIT_CONFIGS", "TimestepEmbedder", "FinalLayer", "LinDiT", "create_dit"]
+
+
+@dataclass
+class DiTConfig:
+    """Everything needed to rebuild a :class:`LinDiT` (stored with checkpoints)."""
+
+    img_size: int = 16
+    in_chans: int = 1
+    patch_size: int = 2
+    dim: int = 128
+    depth: int = 4
+    num_heads: int = 4
+    head_dim: int = 32
+    mlp_ratio: float = 2.5
+    num_classes: int = 10
+    num_cond_tokens: int = 4
+    qk_norm: bool = False
+    use_rope: bool = False
+    self_attn: str = "linear"
+    fp16_clamp: bool = False
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "DiTConfig":
+        """Build from a dict; unknown keys raise ValueError naming them."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"model config: unknown keys {unknown}; allowed: {sorted(known)}")
+        return cls(**d)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+DIT_CONFIGS: Dict[str, DiTConfig] = {
+    "digits": DiTConfig(img_size=16, in_chans=1, patch_size=2, dim=128, depth=4, num_heads=4),
+    "sana_600m": DiTConfig(img_size=1024, in_chans=32, patch_size=1, dim=1152, depth=28, num_heads=16,
+                           num_classes=1000),
+}
+
+
+class TimestepEmbedder(nn.Module):
+    """t in [0, 1] -> (B, C): sinusoids of 1000 * t at ``freq_dim`` frequencies, then Linear-SiLU-Linear."""
+
+    def __init__(self, dim: int, freq_dim: int = 256, max_period: float = 10000.0):
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.max_period = max_period
+        self.mlp = nn.Sequential(nn.Linear(freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+
+    def sinusoids(self, t: Tensor) -> Tensor:
+        """(B,) -> (B, freq_dim) fp32: [cos(1000 t f_k), sin(1000 t f_k)], f_k = max_period^(-k / half)."""
+        half = self.freq_dim // 2
+        freqs = torch.exp(-math.log(self.max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+        args = 1000.0 * t.float()[:, None] * freqs[None]
+        return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+    def forward(self, t: Tensor) -> Tensor:
+        emb = self.sinusoids(t)
+        return self.mlp(emb.to(self.mlp[0].weight.dtype))
+
+
+class FinalLayer(nn.Module):
+    """LayerNorm (no affine), modulation by a learned (2, C) table + t_emb, Linear to patch pixels."""
+
+    def __init__(self, dim: int, out_dim: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.linear = nn.Linear(dim, out_dim)
+        self.scale_shift_table = nn.Parameter(torch.randn(2, dim) / dim ** 0.5)
+
+    def forward(self, x: Tensor, t_emb: Tensor) -> Tensor:
+        shift, scale = (self.scale_shift_table[None] + t_emb[:, None]).to(x.dtype).chunk(2, dim=1)
+        return self.linear(modulate(self.norm(x), shift, scale))
+
+
+class LinDiT(nn.Module):
+    """Class-conditional linear-attention DiT. forward(x (B, in_chans, H, W), t (B,) in [0, 1], y (B,) int64)
+    -> velocity (B, in_chans, H, W). Label ``num_classes`` is the null (unconditional) class.
+
+    H and W need only be multiples of the patch size (the blocks take the grid at call time).
+    """
+
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.cfg = cfg
+        c = cfg.dim
+        self.null_class = cfg.num_classes
+        self.patch_embed = nn.Conv2d(cfg.in_chans, c, cfg.patch_size, stride=cfg.patch_size)
+        self.t_embedder = TimestepEmbedder(c)
+        self.t_block = nn.Sequential(nn.SiLU(), nn.Linear(c, 6 * c))
+        # One row per class plus the null class; each row holds num_cond_tokens condition tokens.
+        self.class_tokens = nn.Embedding(cfg.num_classes + 1, cfg.num_cond_tokens * c)
+        self.blocks = nn.ModuleList(
+            SanaBlock(
+                c, cfg.num_heads, head_dim=cfg.head_dim, mlp_ratio=cfg.mlp_ratio, self_attn=cfg.self_attn,
+                qk_norm=cfg.qk_norm, use_rope=cfg.use_rope, fp16_clamp=cfg.fp16_clamp,
+            )
+            for _ in range(cfg.depth)
+        )
+        self.final_layer = FinalLayer(c, cfg.patch_size ** 2 * cfg.in_chans)
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        w = self.patch_embed.weight
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        nn.init.normal_(self.class_tokens.weight, std=0.02)
+        for lin in (self.t_embedder.mlp[0], self.t_embedder.mlp[2], self.t_block[1]):
+            nn.init.normal_(lin.weight, std=0.02)
+        # Zero cross-attention outputs and the final projection: the network starts from a zero prediction
+        # and from blocks whose condition path adds nothing.
+        for blk in self.blocks:
+            nn.init.zeros_(blk.cross_attn.proj.weight)
+            nn.init.zeros_(blk.cross_attn.proj.bias)
+        nn.init.zeros_(self.final_layer.linear.weight)
+        nn.init.zeros_(self.final_layer.linear.bias)
+
+    def condition(self, y: Tensor) -> Tensor:
+        """Class labels (B,) -> condition tokens (B, num_cond_tokens, C)."""
+        if y.dtype not in (torch.int64, torch.int32) or y.dim() != 1:
+            raise ValueError(f"y: expected integer labels of shape (B,), got {y.dtype} {tuple(y.shape)}")
+        if y.numel() and (int(y.min()) < 0 or int(y.max()) > self.null_class):
+            raise ValueError(f"y: labels must lie in [0, {self.null_class}] ({self.null_class} = null class)")
+        return self.class_tokens(y).reshape(y.shape[0], self.cfg.num_cond_tokens, self.cfg.dim)
+
+    def forward(self, x: Tensor, t: Tensor, y: Tensor) -> Tensor:
+        p = self.cfg.patch_size
+        if x.dim() != 4 or x.shape[1] != self.cfg.in_chans or x.shape[2] % p or x.shape[3] % p:
+            raise ValueError(
+                f"x: expected (B, {self.cfg.in_chans}, H, W) with H, W multiples of {p}, got {tuple(x.shape)}"
+            )
+        if t.shape != (x.shape[0],):
+            raise ValueError(f"t: expected shape ({x.shape[0]},), got {tuple(t.shape)}")
+        hw = (x.shape[2] // p, x.shape[3] // p)
+        tokens = rearrange(self.patch_embed(x), "b c h w -> b (h w) c")
+        t_emb = self.t_embedder(t)
+        t_mod = self.t_block(t_emb)
+        context = self.condition(y).to(tokens.dtype)
+        for blk in self.blocks:
+            tokens = blk(tokens, hw, t_mod, context)
+        out = self.final_layer(tokens, t_emb)  # (B, N, p*p*in_chans)
+        return rearrange(out, "b (h w) (p1 p2 c) -> b c (h p1) (w p2)", h=hw[0], w=hw[1], p1=p, p2=p)
+
+
+def create_dit(config: "str | DiTConfig | Dict[str, Any]", **overrides: Any) -> LinDiT:
+    """Build a :class:`LinDiT` from a name in ``DIT_CONFIGS``, a :class:`DiTConfig` or a dict, with overrides."""
+    if isinstance(config, str):
+        if config not in DIT_CONFIGS:
+            raise ValueError(f"config: unknown {config!r}; allowed: {', '.join(DIT_CONFIGS)}")
+        cfg = asdict(DIT_CONFIGS[config])
+    elif isinstance(config, DiTConfig):
+        cfg = asdict(config)
+    elif isinstance(config, dict):
+        cfg = dict(config)
+    else:
+        raise TypeError(f"config: expected a name, a DiTConfig or a dict, got {type(config).__name__}")
+    cfg.update(overrides)
+    return LinDiT(DiTConfig.from_dict(cfg))

@@ -1,0 +1,235 @@
+"""Training of :class:`LinDiT` with rectified flow: data, EMA, checkpoints and the loop the tools call.
+
+A checkpoint is a folder (``<run>/last``)::
+
+    model.safetensors   the trained weights
+    ema.safetensors     their exponential moving average (what sampling uses by default)
+    model.json          {"model_config": DiTConfig fields, "data": {...}, "step": int}
+    train_state.pt      optimizer state, step, the data and noise generators' states
+
+Every file is written to a temporary name and renamed (:func:`linvision.engine.checkpoint.atomic_write`),
+the train state last, so a crash leaves either the previous or the new checkpoint, never half of one.
+
+Images are scaled to [-1, 1]. The digits data is :class:`linvision.engine.data.DigitsDataset` (the same 8x8
+upscaling the classification tool uses), kept as one grey channel; an image folder (``<root>/<class>/*``) is
+resized, centre-cropped and held in memory, which suits the small data sets a CPU run can use.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from linvision.engine.checkpoint import atomic_write
+
+from .flow import flow_matching_loss
+from .model import DiTConfig, LinDiT, create_dit
+
+__all__ = [
+    "load_images", "update_ema", "DiffusionTrainConfig", "save_dit_checkpoint", "load_dit", "train_dit",
+]
+
+
+def _digits_tensors(img_size: int, split: str) -> Tuple[Tensor, Tensor]:
+    from linvision.engine.data import DigitsDataset
+
+    ds = DigitsDataset(split, size=img_size)
+    grey = np.stack([np.asarray(img)[:, :, 0] for img in ds.images])  # the RGB channels are equal
+    x = torch.from_numpy(grey).float().div(127.5).sub(1.0).unsqueeze(1)  # (B, 1, S, S) in [-1, 1]
+    return x, torch.tensor(ds.targets, dtype=torch.int64)
+
+
+def _folder_tensors(root: str, img_size: int, in_chans: int) -> Tuple[Tensor, Tensor, List[str]]:
+    from torchvision import transforms
+    from torchvision.datasets import ImageFolder
+
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"data_dir: folder not found: {root}")
+    tf = [transforms.Resize(img_size), transforms.CenterCrop(img_size)]
+    if in_chans == 1:
+        tf.append(transforms.Grayscale(1))
+    ds = ImageFolder(root, transform=transforms.Compose(tf + [transforms.ToTensor()]))
+    xs, ys = zip(*(ds[i] for i in range(len(ds))))
+    return torch.stack(xs).mul(2.0).sub(1.0), torch.tensor(ys, dtype=torch.int64), list(ds.classes)
+
+
+def load_images(dataset: str, img_size: int, in_chans: int, data_dir: Optional[str] = None,
+                split: str = "train") -> Tuple[Tensor, Tensor, List[str]]:
+    """(images (B, in_chans, S, S) fp32 in [-1, 1], labels (B,) int64, class names).
+
+    dataset: "digits" (1 channel, offline) or "folder" (``data_dir/<class>/*``, 1 or 3 channels).
+    Raises ValueError for an unknown dataset or a channel count the data cannot give, FileNotFoundError for a
+    missing folder.
+    """
+    if dataset == "digits":
+        if in_chans != 1:
+            raise ValueError(f"in_chans: the digits data has 1 channel, got in_chans={in_chans}")
+        x, y = _digits_tensors(img_size, split)
+        return x, y, [str(i) for i in range(10)]
+    if dataset == "folder":
+        if in_chans not in (1, 3):
+            raise ValueError(f"in_chans: an image folder gives 1 or 3 channels, got {in_chans}")
+        if not data_dir:
+            raise ValueError("data_dir: required for dataset 'folder'")
+        return _folder_tensors(data_dir, img_size, in_chans)
+    raise ValueError(f"dataset: unknown {dataset!r}; allowed: digits, folder")
+
+
+@torch.no_grad()
+def update_ema(ema: nn.Module, model: nn.Module, decay: float) -> None:
+    """ema <- decay * ema + (1 - decay) * model, parameter by parameter (buffers copied)."""
+    for pe, pm in zip(ema.parameters(), model.parameters()):
+        pe.lerp_(pm.detach(), 1.0 - decay)
+    for be, bm in zip(ema.buffers(), model.buffers()):
+        be.copy_(bm)
+
+
+@dataclass
+class DiffusionTrainConfig:
+    """The recipe of :func:`train_dit` (the tool's flags mirror these fields)."""
+
+    model: Dict[str, Any] = field(default_factory=lambda: DiTConfig().to_dict())
+    dataset: str = "digits"
+    data_dir: Optional[str] = None
+    steps: int = 2000
+    max_minutes: Optional[float] = None
+    batch_size: int = 64
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 100
+    grad_clip: float = 1.0
+    ema_decay: float = 0.999
+    class_dropout: float = 0.1
+    seed: int = 0
+    log_every: int = 50
+    save_every: int = 500
+
+
+def _tensors(module: nn.Module) -> Dict[str, Tensor]:
+    return {k: v.detach().cpu().contiguous().clone() for k, v in module.state_dict().items()}
+
+
+def save_dit_checkpoint(folder: str, model: LinDiT, ema: LinDiT, meta: Dict[str, Any],
+                        train_state: Optional[Dict[str, Any]] = None) -> None:
+    """Write the checkpoint folder described in the module docstring, each file atomically."""
+    os.makedirs(folder, exist_ok=True)
+    atomic_write(os.path.join(folder, "model.safetensors"), lambda p: save_file(_tensors(model), p))
+    atomic_write(os.path.join(folder, "ema.safetensors"), lambda p: save_file(_tensors(ema), p))
+
+    def write_json(p: str) -> None:
+        with open(p, "w") as f:
+            json.dump({"model_config": model.cfg.to_dict(), **meta}, f, indent=2)
+
+    atomic_write(os.path.join(folder, "model.json"), write_json)
+    if train_state is not None:
+        atomic_write(os.path.join(folder, "train_state.pt"), lambda p: torch.save(train_state, p))
+
+
+def _resolve(path: str) -> str:
+    for folder in (path, os.path.join(path, "last")):
+        if os.path.isfile(os.path.join(folder, "model.json")):
+            return folder
+    raise FileNotFoundError(f"checkpoint: no model.json in {path} nor in {os.path.join(path, 'last')}")
+
+
+def load_dit(path: str, ema: bool = True, device: str = "cpu") -> Tuple[LinDiT, Dict[str, Any]]:
+    """Rebuild a trained LinDiT (EMA weights unless ``ema=False``) from a checkpoint or run folder, in eval
+    mode. Returns (model, meta) with meta the content of model.json."""
+    folder = _resolve(path)
+    with open(os.path.join(folder, "model.json")) as f:
+        meta = json.load(f)
+    model = create_dit(meta["model_config"])
+    model.load_state_dict(load_file(os.path.join(folder, "ema.safetensors" if ema else "model.safetensors")))
+    return model.to(device).eval(), meta
+
+
+def _lr_at(step: int, cfg: DiffusionTrainConfig) -> float:
+    """Linear warm-up, then cosine decay to 10% over ``cfg.steps``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_dit(cfg: DiffusionTrainConfig, out_dir: str, resume: bool = False,
+              log: Callable[[str], None] = print) -> Dict[str, Any]:
+    """Train on CPU or the current CUDA device; checkpoints to ``out_dir/last``. With ``resume`` the run
+    continues from ``out_dir/last`` (same batches and noise as an uninterrupted run).
+
+    Returns {"step", "losses" (the logged means), "elapsed_s"}. Stops at ``cfg.steps`` or after
+    ``cfg.max_minutes`` of training, whichever comes first (a checkpoint is written either way).
+    """
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model_cfg = DiTConfig.from_dict(cfg.model)
+    x_all, y_all, classes = load_images(cfg.dataset, model_cfg.img_size, model_cfg.in_chans, cfg.data_dir)
+    if len(classes) != model_cfg.num_classes:
+        raise ValueError(f"model.num_classes: {model_cfg.num_classes}, but the data has {len(classes)} classes")
+    torch.manual_seed(cfg.seed)
+    model = LinDiT(model_cfg).to(device)
+    ema = copy.deepcopy(model).requires_grad_(False)
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "scale_shift_table" in n]
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "scale_shift_table" not in n]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.99))
+    data_gen = torch.Generator().manual_seed(cfg.seed)
+    noise_gen = torch.Generator(device=device).manual_seed(cfg.seed + 1)
+    step = 0
+    last = os.path.join(out_dir, "last")
+    if resume:
+        state = torch.load(os.path.join(_resolve(last), "train_state.pt"), map_location="cpu", weights_only=False)
+        model.load_state_dict(load_file(os.path.join(last, "model.safetensors")))
+        ema.load_state_dict(load_file(os.path.join(last, "ema.safetensors")))
+        opt.load_state_dict(state["optimizer"])
+        data_gen.set_state(state["data_gen"])
+        noise_gen.set_state(state["noise_gen"])
+        step = state["step"]
+        log(f"resumed from {last} at step {step}")
+    meta = {"data": {"dataset": cfg.dataset, "classes": classes, "value_range": [-1.0, 1.0]}}
+
+    def save() -> None:
+        train_state = {"optimizer": opt.state_dict(), "step": step, "data_gen": data_gen.get_state(),
+                       "noise_gen": noise_gen.get_state(), "config": cfg.__dict__}
+        save_dit_checkpoint(last, model, ema, {**meta, "step": step}, train_state)
+
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"LinDiT {n_params / 1e6:.2f}M params, {len(y_all)} images, device {device}")
+    losses: List[float] = []
+    window: List[float] = []
+    start = time.perf_counter()
+    model.train()
+    while step < cfg.steps:
+        if cfg.max_minutes is not None and time.perf_counter() - start > 60 * cfg.max_minutes:
+            log(f"time budget of {cfg.max_minutes} min reached at step {step}")
+            break
+        idx = torch.randint(len(y_all), (cfg.batch_size,), generator=data_gen)
+        x0, y = x_all[idx].to(device), y_all[idx].to(device)
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, cfg)
+        loss = flow_matching_loss(model, x0, y, cfg.class_dropout, generator=noise_gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip > 0:
+            nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        # Short runs would keep the EMA near the random init with a fixed 0.999: warm the decay up.
+        update_ema(ema, model, min(cfg.ema_decay, (1 + step) / (10 + step)))
+        step += 1
+        window.append(loss.item())
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            losses.append(sum(window) / len(window))
+            log(f"step {step:6d}  loss {losses[-1]:.4f}  lr {_lr_at(step - 1, cfg):.2e}  "
+                f"{time.perf_counter() - start:.0f}s")
+            window = []
+        if cfg.save_every and step % cfg.save_every == 0:
+            save()
+    save()
+    return {"step": step, "losses": losses, "elapsed_s": time.perf_counter() - start}

@@ -1,0 +1,240 @@
+"""Throughput, latency, memory, parameters and FLOPs of models across resolutions (``tools/benchmark.py``).
+
+Each (model, resolution) point is measured on its own: a model is built for that size (``img_size`` is
+passed to models that take it, so a fixed-size ViT gets position embeddings for that grid), and an
+out-of-memory or any other error is recorded in the point's ``status``/``error`` and the sweep goes on.
+Results are appended to ``results.jsonl`` as each point finishes, so a crash loses only the current point.
+
+Memory is what a pass adds above the model and its input:
+- CUDA: ``torch.cuda.max_memory_allocated`` during the pass minus the memory allocated before it;
+- CPU: the process's peak resident set size (VmHWM, reset through /proc/self/clear_refs before the pass)
+  minus its resident size before the pass, after glibc's ``malloc_trim`` has handed freed memory back to the
+  system (otherwise buffers kept from an earlier point would hide this one's). It is coarser than the CUDA
+  figure (it sees pages, not tensors) and depends on the allocator; it is NaN off Linux.
+"""
+from __future__ import annotations
+
+import csv
+import ctypes
+import gc
+import json
+import math
+import os
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .checkpoint import create_model
+from .evaluate import autocast
+from .flops import count_gflops, count_params
+
+__all__ = ["BenchmarkPoint", "benchmark_point", "run_sweep", "write_results", "plot_results", "DEFAULT_MODELS",
+           "MemoryMeter"]
+
+# a linvision model against timm's softmax ViT and timm's MambaOut of about the same size (22-27M parameters)
+DEFAULT_MODELS = ["linhier_tiny_224", "vit_small_patch16_224", "mambaout_tiny"]
+
+BenchmarkPoint = Dict[str, Any]
+
+
+def _rss_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the measure is then an underestimate
+        pass
+
+
+class MemoryMeter:
+    """Peak memory a block of work adds, in MiB (see the module docstring for the definition per device)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak_mb = float("nan")
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        elif os.path.exists("/proc/self/clear_refs"):
+            gc.collect()
+            _malloc_trim()
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets the peak RSS (VmHWM) to the current RSS
+            self._base = _rss_kb("VmRSS")
+        else:
+            self._base = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_mb = (torch.cuda.max_memory_allocated(self.device) - self._base) / 2**20
+        elif self._base is not None:
+            self.peak_mb = (_rss_kb("VmHWM") - self._base) / 1024
+
+
+def _build(name: str, img_size: int, model_kwargs: Dict[str, Any]) -> nn.Module:
+    try:
+        return create_model(name, model_kwargs={"img_size": img_size, **model_kwargs})
+    except TypeError:  # the model has no img_size argument (convolutional or size-free models)
+        return create_model(name, model_kwargs=model_kwargs)
+
+
+def _timed(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> float:
+    """Mean seconds per call of ``fn`` after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / iters
+
+
+def benchmark_point(name: str, img_size: int, batch_size: int = 8, device: str = "cpu", amp: str = "none",
+                    warmup: int = 1, iters: int = 3, train: bool = True, flops: bool = True,
+                    model_kwargs: Optional[Dict[str, Any]] = None,
+                    build_fn: Callable[[str, int, Dict[str, Any]], nn.Module] = _build) -> BenchmarkPoint:
+    """Measure one model at one resolution; never raises for a failure of the model or an OOM.
+
+    Returns a dict with model, img_size, batch_size, device, amp, status ("ok", "oom" or "error"), error,
+    params_m, gflops (per image, multiply-accumulates), infer_img_s, infer_ms (per batch), infer_mem_mb,
+    train_img_s, train_ms (forward, backward and SGD step per batch), train_mem_mb. Figures not reached
+    before a failure are NaN.
+    """
+    dev = torch.device(device)
+    nan = float("nan")
+    point: BenchmarkPoint = {"model": name, "img_size": img_size, "batch_size": batch_size, "device": str(dev),
+                             "amp": amp, "status": "ok", "error": "", "params_m": nan, "gflops": nan,
+                             "infer_img_s": nan, "infer_ms": nan, "infer_mem_mb": nan, "train_img_s": nan,
+                             "train_ms": nan, "train_mem_mb": nan}
+    model = x = None
+    try:
+        model = build_fn(name, img_size, dict(model_kwargs or {})).to(dev)
+        point["params_m"] = count_params(model) / 1e6
+        if flops:
+            point["gflops"] = count_gflops(model, img_size)
+        x = torch.randn(batch_size, 3, img_size, img_size, device=dev)
+        model.eval()
+        with torch.no_grad():
+            def infer():
+                with autocast(dev, amp):
+                    model(x)
+
+            with MemoryMeter(dev) as mem:
+                seconds = _timed(infer, dev, warmup, iters)
+        point.update(infer_ms=seconds * 1e3, infer_img_s=batch_size / seconds, infer_mem_mb=mem.peak_mb)
+        if train:
+            model.train()
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+            def step():
+                with autocast(dev, amp):
+                    loss = model(x).float().mean()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            with MemoryMeter(dev) as mem:
+                seconds = _timed(step, dev, warmup, iters)
+            point.update(train_ms=seconds * 1e3, train_img_s=batch_size / seconds, train_mem_mb=mem.peak_mb)
+    except torch.OutOfMemoryError as e:
+        point.update(status="oom", error=str(e).strip().splitlines()[0][:300])
+    except Exception as e:  # the sweep records any failure of one point and goes on
+        point.update(status="error", error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+                     if str(e).strip() else type(e).__name__)
+    finally:
+        del model, x
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return point
+
+
+def run_sweep(models: Sequence[str], img_sizes: Sequence[int], out_dir: Optional[str] = None,
+              log: Callable[[str], None] = print, **point_kwargs) -> List[BenchmarkPoint]:
+    """Every model at every size; points go to ``out_dir/results.jsonl`` as they finish (if out_dir)."""
+    points = []
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        open(os.path.join(out_dir, "results.jsonl"), "w").close()
+    for name in models:
+        for size in img_sizes:
+            point = benchmark_point(name, size, **point_kwargs)
+            points.append(point)
+            if out_dir:
+                with open(os.path.join(out_dir, "results.jsonl"), "a") as f:
+                    f.write(json.dumps(point) + "\n")
+            log(_format(point))
+    return points
+
+
+def _format(p: BenchmarkPoint) -> str:
+    head = f"{p['model']:<28} {p['img_size']:>5}px"
+    if p["status"] != "ok":
+        return f"{head}  {p['status']}: {p['error']}"
+    return (f"{head}  infer {p['infer_img_s']:9.2f} img/s {p['infer_ms']:9.1f} ms {p['infer_mem_mb']:8.1f} MiB"
+            f" | train {p['train_img_s']:8.2f} img/s {p['train_mem_mb']:8.1f} MiB"
+            f" | {p['params_m']:6.2f} M params {p['gflops']:8.2f} GFLOPs")
+
+
+def write_results(points: List[BenchmarkPoint], out_dir: str) -> None:
+    """results.json and results.csv in ``out_dir``."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(points, f, indent=2)
+    if points:
+        with open(os.path.join(out_dir, "results.csv"), "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(points[0]))
+            writer.writeheader()
+            writer.writerows(points)
+
+
+def plot_results(points: List[BenchmarkPoint], path: str, title: str = "") -> None:
+    """PNG with inference throughput, training throughput and inference memory against resolution (log axes).
+
+    Failed points are left out of the lines and marked with an x at the bottom of the panel.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("infer_img_s", "inference images/s"), ("train_img_s", "training images/s"),
+              ("infer_mem_mb", "inference peak memory (MiB)"), ("train_mem_mb", "training peak memory (MiB)")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
+    names = list(dict.fromkeys(p["model"] for p in points))
+    for ax, (key, label) in zip(axes, panels):
+        for name in names:
+            rows = [p for p in points if p["model"] == name]
+            ok = [(p["img_size"], p[key]) for p in rows if p["status"] == "ok" and math.isfinite(p[key])
+                  and p[key] > 0]
+            line = ax.plot([s for s, _ in ok], [v for _, v in ok], marker="o", label=name)[0]
+            failed = [p["img_size"] for p in rows if p["status"] != "ok"]
+            if failed:
+                ax.plot(failed, [ax.get_ylim()[0]] * len(failed), "x", color=line.get_color(), ms=9)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("resolution (px)")
+        ax.set_title(label, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -55,10 +55,9 @@ def _inputs(b, h, nq, nk, d, dv, dtype, feature, seed=0):
     return [t.to(DEVICE, dtype) for t in (q, k, v, do)]
 
 
-def _rel_err(a, b):
-    """Max error over the largest reference value; the floor of 1e-3 covers gradients that are tiny by
-    cancellation (e.g. dq at N = 1, where o = v up to eps)."""
-    return ((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-3)).item()
+def _rel_err(a, b, floor=1e-3):
+    """Max error over the largest reference value (at least ``floor``)."""
+    return ((a.double() - b).abs().max() / b.abs().max().clamp_min(floor)).item()
 
 
 def _check(q, k, v, do, feature, rope=None, split_tokens=0, tol=None):
@@ -72,9 +71,12 @@ def _check(q, k, v, do, feature, rope=None, split_tokens=0, tol=None):
     ref = linear_attention_reference(qr, kr, vr, feature, rope=rope)
     ref_grads = torch.autograd.grad(ref, (qr, kr, vr), do.double())
     assert _rel_err(out, ref) < tol
+    # dq and dk can be small by cancellation (at N = 1, o = v up to eps): errors are measured against at
+    # least a tenth of the largest gradient entry, the size of the terms that cancel.
+    floor = 0.1 * max(r.abs().max().item() for r in ref_grads)
     for name, g, r in zip("qkv", grads, ref_grads):
         assert g.dtype == q.dtype
-        assert _rel_err(g, r) < 4 * tol, f"d{name}"
+        assert _rel_err(g, r, floor) < 4 * tol, f"d{name}"
 
 
 # (B, H, N, D, Dv, feature map, rope, split_tokens); split_tokens 0 = one split over all tokens.

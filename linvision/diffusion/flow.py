@@ -77,7 +77,8 @@ def sample_flow(
 ) -> Tensor:
     """Integrate from noise at t = 1 to t = 0 for labels y (B,); returns x0 estimates (B, *shape) fp32.
 
-    sampler: "euler" (one model call per step) or "heun" (two: the trapezoid of the velocities at both ends).
+    sampler: "euler" (one model call per step) or "heun" (two: the trapezoid of the velocities at both ends;
+    the last step is Euler, so the model is never called at t = 0).
     noise: the starting noise (B, *shape); drawn from ``generator`` when None.
     Raises ValueError for an unknown sampler or a noise tensor of the wrong shape.
     """
@@ -96,7 +97,7 @@ def sample_flow(
         t_cur, t_next = ts[i], ts[i + 1]
         v = guided_velocity(model, x, t_cur.expand(b), y, cfg_scale, null_class).float()
         x_next = x + (t_next - t_cur) * v
-        if sampler == "heun":
+        if sampler == "heun" and i < steps - 1:
             v_next = guided_velocity(model, x_next, t_next.expand(b), y, cfg_scale, null_class).float()
             x_next = x + (t_next - t_cur) * 0.5 * (v + v_next)
         x = x_next

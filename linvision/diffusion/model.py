@@ -56,7 +56,7 @@ class DiTConfig:
 
 
 DIT_CONFIGS: Dict[str, DiTConfig] = {
-    "digits": DiTConfig(img_size=16, in_chans=1, patch_size=2, dim=128, depth=4, num_heads=4),
+    "digits": DiTConfig(img_size=32, in_chans=1, patch_size=8, dim=128, depth=4, num_heads=4),
     "sana_600m": DiTConfig(img_size=1024, in_chans=32, patch_size=1, dim=1152, depth=28, num_heads=16,
                            num_classes=1000),
 }

@@ -160,10 +160,11 @@ def _lr_at(step: int, cfg: DiffusionTrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def train_dit(cfg: DiffusionTrainConfig, out_dir: str, resume: bool = False,
+def train_dit(cfg: DiffusionTrainConfig, out_dir: str, resume: bool = False, stop_after: Optional[int] = None,
               log: Callable[[str], None] = print) -> Dict[str, Any]:
     """Train on CPU or the current CUDA device; checkpoints to ``out_dir/last``. With ``resume`` the run
-    continues from ``out_dir/last`` (same batches and noise as an uninterrupted run).
+    continues from ``out_dir/last`` (same batches, noise and schedule as an uninterrupted run).
+    ``stop_after`` ends the run (with a checkpoint) at that step, as an interruption would.
 
     Returns {"step", "losses" (the logged means), "elapsed_s"}. Stops at ``cfg.steps`` or after
     ``cfg.max_minutes`` of training, whichever comes first (a checkpoint is written either way).
@@ -206,7 +207,7 @@ def train_dit(cfg: DiffusionTrainConfig, out_dir: str, resume: bool = False,
     window: List[float] = []
     start = time.perf_counter()
     model.train()
-    while step < cfg.steps:
+    while step < (cfg.steps if stop_after is None else min(cfg.steps, stop_after)):
         if cfg.max_minutes is not None and time.perf_counter() - start > 60 * cfg.max_minutes:
             log(f"time budget of {cfg.max_minutes} min reached at step {step}")
             break

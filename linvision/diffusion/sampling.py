@@ -1,0 +1,74 @@
+"""Class-conditional sampling helpers for the tools: per-class batches with a fixed seed, PNG grids."""
+from __future__ import annotations
+
+import os
+from typing import Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from linvision.engine.checkpoint import atomic_write
+
+from .flow import sample_flow
+from .model import LinDiT
+
+__all__ = ["sample_classes", "to_unit_range", "save_grid", "classify_images"]
+
+
+@torch.no_grad()
+def sample_classes(
+    model: LinDiT, classes: Sequence[int], per_class: int, steps: int = 20, cfg_scale: float = 3.0,
+    sampler: str = "euler", shift: float = 1.0, seed: int = 0, batch_size: int = 256,
+) -> Tuple[Tensor, Tensor]:
+    """``per_class`` samples of each class, class by class: (images (K, C, H, W) fp32 in [-1, 1] (clamped),
+    labels (K,) int64) with K = len(classes) * per_class.
+
+    All noise comes from one CPU generator seeded with ``seed``, drawn before any model call, so a given
+    (seed, classes, per_class, batch_size) gives the same samples on every run.
+    """
+    device = next(model.parameters()).device
+    cfg = model.cfg
+    shape = (cfg.in_chans, cfg.img_size, cfg.img_size)
+    labels = torch.tensor([c for c in classes for _ in range(per_class)], dtype=torch.int64)
+    gen = torch.Generator().manual_seed(seed)
+    noise = torch.randn((len(labels), *shape), generator=gen)
+    out = []
+    for start in range(0, len(labels), batch_size):
+        y = labels[start:start + batch_size].to(device)
+        x = sample_flow(model, y, shape, steps=steps, cfg_scale=cfg_scale, sampler=sampler, shift=shift,
+                        noise=noise[start:start + batch_size].to(device))
+        out.append(x.cpu())
+    return torch.cat(out).clamp(-1.0, 1.0), labels
+
+
+def to_unit_range(images: Tensor) -> Tensor:
+    """[-1, 1] -> [0, 1]."""
+    return (images.clamp(-1.0, 1.0) + 1.0) / 2.0
+
+
+def save_grid(images: Tensor, path: str, ncol: int) -> None:
+    """Write images (K, C, H, W) in [-1, 1] as one PNG grid with ``ncol`` columns (atomically)."""
+    from torchvision.utils import save_image
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    atomic_write(path, lambda p: save_image(to_unit_range(images), p, nrow=ncol, padding=2, format="png"))
+
+
+@torch.no_grad()
+def classify_images(classifier: torch.nn.Module, images: Tensor, meta: dict, batch_size: int = 256) -> Tensor:
+    """Predicted classes (K,) of images (K, C, H, W) in [-1, 1] by a classifier of
+    :func:`linvision.engine.load_model`: grey images are repeated to the classifier's channels, resized
+    (bilinear) to its ``img_size`` when they differ, and normalised with its ``mean`` / ``std``."""
+    device = next(classifier.parameters()).device
+    x = to_unit_range(images)
+    in_chans = meta.get("in_chans", 3)
+    if x.shape[1] == 1 and in_chans != 1:
+        x = x.expand(-1, in_chans, -1, -1)
+    size = meta.get("img_size")
+    if size and tuple(x.shape[-2:]) != (size, size):
+        x = torch.nn.functional.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
+    mean = torch.tensor(meta["mean"], dtype=x.dtype).view(1, -1, 1, 1)
+    std = torch.tensor(meta["std"], dtype=x.dtype).view(1, -1, 1, 1)
+    x = (x - mean) / std
+    preds = [classifier(x[i:i + batch_size].to(device)).argmax(-1).cpu() for i in range(0, len(x), batch_size)]
+    return torch.cat(preds)

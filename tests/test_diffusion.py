@@ -1,0 +1,221 @@
+"""Sana-style diffusion block, LinDiT, rectified-flow training, sampling and checkpoints."""
+import os
+
+import pytest
+import torch
+
+from linvision.diffusion.block import CrossAttention, LinearSelfAttention, SanaBlock
+from linvision.diffusion.flow import sample_flow, time_grid
+from linvision.diffusion.model import DiTConfig, LinDiT, create_dit
+from linvision.diffusion.sampling import sample_classes
+from linvision.diffusion.train import DiffusionTrainConfig, load_dit, save_dit_checkpoint, train_dit
+from linvision.ops import axial_rope
+from linvision.ops.rope import apply_rope
+
+
+def _block_inputs(b, hw, c, l=3, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = hw[0] * hw[1]
+    x = torch.randn(b, n, c, generator=g, dtype=dtype)
+    t_mod = torch.randn(b, 6 * c, generator=g, dtype=dtype) * 0.5
+    context = torch.randn(b, l, c, generator=g, dtype=dtype)
+    return x, t_mod, context
+
+
+def _randomise(module, seed=0):
+    """Non-zero values everywhere (the model zero-initialises some projections)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+    return module
+
+
+@pytest.mark.parametrize("use_rope,qk_norm", [(False, False), (True, False), (True, True)])
+def test_self_attention_equals_explicit_relu_formula(use_rope, qk_norm):
+    """o_i = sum_j (R_i phi(q_i)).(R_j phi(k_j)) v_j / N / (sum_j phi(q_i).phi(k_j) / N + eps), phi = relu,
+    built with the N x N matrix in float64."""
+    torch.manual_seed(0)
+    hw, c = (4, 6), 64
+    attn = _randomise(LinearSelfAttention(c, head_dim=32, qk_norm=qk_norm, use_rope=use_rope)).double()
+    x = torch.randn(2, hw[0] * hw[1], c, dtype=torch.float64)
+    q, k, v = attn.qkv(x).chunk(3, dim=-1)
+    q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, v = (t.reshape(2, -1, 2, 32).transpose(1, 2) for t in (q, k, v))  # (B, H, N, D)
+    pq, pk = q.relu(), k.relu()
+    den = pq @ pk.transpose(-1, -2)  # (B, H, N, N)
+    if use_rope:
+        rope = axial_rope(32, hw)
+        num = apply_rope(pq, rope) @ apply_rope(pk, rope).transpose(-1, -2)
+    else:
+        num = den
+    n = hw[0] * hw[1]
+    o = (num / n) @ v / (den.sum(-1, keepdim=True) / n + attn.eps)
+    expected = attn.proj(o.transpose(1, 2).reshape(2, n, c))
+    torch.testing.assert_close(attn(x, hw), expected, rtol=1e-10, atol=1e-10)
+
+
+def test_softmax_variant_equals_explicit_softmax():
+    torch.manual_seed(0)
+    attn = _randomise(LinearSelfAttention(64, head_dim=32, attn_type="softmax")).double()
+    x = torch.randn(1, 12, 64, dtype=torch.float64)
+    q, k, v = (t.reshape(1, 12, 2, 32).transpose(1, 2) for t in attn.qkv(x).chunk(3, dim=-1))
+    o = torch.softmax(q @ k.transpose(-1, -2) / 32 ** 0.5, dim=-1) @ v
+    torch.testing.assert_close(attn(x, (3, 4)), attn.proj(o.transpose(1, 2).reshape(1, 12, 64)))
+
+
+def test_block_permutation_equivariance_only_without_mix_ffn():
+    hw, c = (4, 4), 64
+    x, t_mod, context = _block_inputs(2, hw, c)
+    perm = torch.randperm(16, generator=torch.Generator().manual_seed(1))
+    mlp_block = _randomise(SanaBlock(c, 4, ffn="mlp")).double()
+    out = mlp_block(x, hw, t_mod, context)
+    torch.testing.assert_close(mlp_block(x[:, perm], hw, t_mod, context), out[:, perm], rtol=1e-10, atol=1e-10)
+    mix_block = _randomise(SanaBlock(c, 4, ffn="mix")).double()
+    out = mix_block(x, hw, t_mod, context)
+    diff = (mix_block(x[:, perm], hw, t_mod, context) - out[:, perm]).abs().max()
+    assert diff > 1e-2 * out.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_forward_finite_at_16k_tokens(dtype):
+    """128 x 128 tokens with large modulated activations: a sum-form S = sum_j phi(k_j)^T v_j would be far
+    beyond the fp16 range (|phi(q).sum_j phi(k_j)| ~ 1e8 here); fp32 mean-form accumulation keeps it finite
+    and close to the fp32 forward."""
+    torch.manual_seed(0)
+    hw, c = (128, 128), 64
+    block = SanaBlock(c, 2, cross_attn=True, fp16_clamp=True)
+    x, t_mod, context = _block_inputs(1, hw, c, dtype=torch.float32)
+    x = x * 100.0
+    t_mod = t_mod.view(1, 6, c)
+    t_mod[:, 1] = 40.0  # attention input scale: LN(x) * 41
+    t_mod = t_mod.view(1, 6 * c)
+    with torch.no_grad():
+        q, k, _ = block.attn.qkv(block.norm1(x) * 41).chunk(3, dim=-1)
+        assert (q.relu() @ k.relu().sum(1).T).max() > 1e6  # the sum form would overflow fp16
+        ref = block(x, hw, t_mod, context)
+        out = block.to(dtype)(x.to(dtype), hw, t_mod.to(dtype), context.to(dtype))
+    assert out.dtype == dtype
+    assert torch.isfinite(out).all()
+    err = (out.float() - ref).norm() / ref.norm()
+    assert err < (2e-2 if dtype == torch.bfloat16 else 5e-3)
+
+
+def test_fp16_clamp_saturates_overflowing_projection():
+    attn = LinearSelfAttention(64, fp16_clamp=True).half()
+    with torch.no_grad():
+        attn.proj.bias.fill_(6e4)  # outputs near the fp16 limit, pushed over it by the attention term
+        attn.proj.weight.fill_(1e2)
+        attn.qkv.weight.fill_(0.1)
+    x = torch.rand(1, 16, 64).half()  # positive, so are v, the attention output and the added term
+    out = attn(x, (4, 4))
+    assert torch.isfinite(out).all() and out.abs().max() == 65504
+    attn.fp16_clamp = False
+    assert torch.isinf(attn(x, (4, 4))).any()
+    attn.fp16_clamp = True
+    out32 = attn.float()(x.float(), (4, 4))
+    assert out32.abs().max() > 65504  # the clamp leaves other dtypes alone
+
+
+def test_cross_attention_mask():
+    torch.manual_seed(0)
+    hw, c = (3, 3), 64
+    block = _randomise(SanaBlock(c, 4)).double()
+    x, t_mod, context = _block_inputs(3, hw, c, l=4)
+    mask = torch.tensor([[True, False, True, False], [False] * 4, [True] * 4])
+    out = block(x, hw, t_mod, context, mask)
+    assert torch.isfinite(out).all()
+    # A fully padded condition adds nothing: the row equals the block without cross-attention input.
+    torch.testing.assert_close(out[1], block(x[1:2], hw, t_mod[1:2])[0])
+    # Padded tokens do not matter, kept ones do; row 0 equals attending to its kept tokens only.
+    noisy = context.clone()
+    noisy[~mask] = 1e3
+    torch.testing.assert_close(block(x, hw, t_mod, noisy, mask), out)
+    torch.testing.assert_close(out[0], block(x[:1], hw, t_mod[:1], context[:1, mask[0]])[0])
+    changed = context.clone()
+    changed[0, 0] += 1.0
+    assert (block(x, hw, t_mod, changed, mask)[0] - out[0]).abs().max() > 1e-3
+    cross = _randomise(CrossAttention(c, 4)).double()
+    assert cross(x, context, torch.zeros(3, 4, dtype=torch.bool)).abs().max() == 0
+
+
+def test_block_errors():
+    block = SanaBlock(64, 4)
+    x, t_mod, context = _block_inputs(2, (4, 4), 64, dtype=torch.float32)
+    with pytest.raises(ValueError, match="hw"):
+        block(x, (4, 5), t_mod)
+    with pytest.raises(ValueError, match="t_mod"):
+        block(x, (4, 4), t_mod[:, :64])
+    with pytest.raises(ValueError, match="context_mask"):
+        block(x, (4, 4), t_mod, context, torch.ones(2, 2, dtype=torch.bool))
+    with pytest.raises(TypeError, match="context_mask"):
+        block(x, (4, 4), t_mod, context, torch.ones(2, 3))
+    with pytest.raises(ValueError, match="head_dim"):
+        SanaBlock(64, 4, head_dim=24)
+
+
+def _tiny_config():
+    return DiTConfig(img_size=8, in_chans=1, patch_size=2, dim=32, depth=2, num_heads=2, head_dim=16,
+                     num_cond_tokens=2)
+
+
+def test_dit_shapes_and_any_grid():
+    model = _randomise(LinDiT(_tiny_config()))
+    x = torch.randn(2, 1, 8, 12)  # a non-square grid the model was not built for
+    out = model(x, torch.rand(2), torch.tensor([3, 10]))
+    assert out.shape == x.shape and torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="y"):
+        model(x, torch.rand(2), torch.tensor([3, 11]))
+    with pytest.raises(ValueError, match="config"):
+        create_dit("nope")
+
+
+def test_sampler_integrates_a_known_flow():
+    """For x0 = fixed target a, the exact velocity is (x - a) / t; Euler and Heun reach a."""
+
+    class Exact(torch.nn.Module):
+        null_class = 0
+
+        def forward(self, x, t, y):
+            return (x - 2.0) / t.view(-1, 1)
+
+    y = torch.zeros(3, dtype=torch.int64)
+    for sampler in ("euler", "heun"):
+        out = sample_flow(Exact(), y, (5,), steps=7, sampler=sampler, shift=3.0,
+                          generator=torch.Generator().manual_seed(0))
+        torch.testing.assert_close(out, torch.full((3, 5), 2.0))
+    grid = time_grid(4, shift=3.0)
+    assert grid[0] == 1 and grid[-1] == 0 and (grid.diff() < 0).all()
+
+
+def _train_cfg(steps):
+    return DiffusionTrainConfig(model=_tiny_config().to_dict(), steps=steps, batch_size=32, lr=3e-3,
+                                warmup_steps=5, log_every=10, save_every=0, seed=0)
+
+
+def test_training_lowers_loss_and_resume_is_exact(tmp_path):
+    torch.set_num_threads(1)
+    full = train_dit(_train_cfg(60), str(tmp_path / "full"), log=lambda s: None)
+    assert full["losses"][-1] < 0.8 * full["losses"][0]
+    interrupted = train_dit(_train_cfg(60), str(tmp_path / "split"), stop_after=25, log=lambda s: None)
+    assert interrupted["step"] == 25
+    resumed = train_dit(_train_cfg(60), str(tmp_path / "split"), resume=True, log=lambda s: None)
+    assert resumed["step"] == 60
+    a, _ = load_dit(str(tmp_path / "full"), ema=False)
+    b, _ = load_dit(str(tmp_path / "split"), ema=False)
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
+        torch.testing.assert_close(pa, pb, rtol=0, atol=0, msg=name)
+
+
+def test_checkpoint_round_trip_gives_identical_samples(tmp_path):
+    model = _randomise(LinDiT(_tiny_config())).eval()
+    ema = _randomise(LinDiT(_tiny_config()), seed=1).eval()
+    save_dit_checkpoint(str(tmp_path / "ck"), model, ema, {"data": {"dataset": "digits"}})
+    assert sorted(os.listdir(tmp_path / "ck")) == ["ema.safetensors", "model.json", "model.safetensors"]
+    for weights, use_ema in ((ema, True), (model, False)):
+        loaded, meta = load_dit(str(tmp_path / "ck"), ema=use_ema)
+        assert meta["data"]["dataset"] == "digits"
+        want, labels = sample_classes(weights, [0, 7], 2, steps=3, cfg_scale=2.0, seed=5)
+        got, _ = sample_classes(loaded, [0, 7], 2, steps=3, cfg_scale=2.0, seed=5)
+        assert labels.tolist() == [0, 0, 7, 7]
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -154,9 +154,10 @@ def _gated_scan(
     chunk_decay = total.transpose(-1, -2).exp()  # (B, H, nc, G, 1)
     s = s0 if s0 is not None else q.new_zeros(b, h, d, v.shape[-1])
     inter = []
-    for i in range(q.shape[2]):
-        inter.append(q_in[:, :, i] @ s)
-        s = chunk_decay[:, :, i] * s + kv[:, :, i]
+    # unbind once: indexing inside the loop would allocate a full-size gradient per chunk in the backward
+    for q_c, decay_c, kv_c in zip(q_in.unbind(2), chunk_decay.unbind(2), kv.unbind(2)):
+        inter.append(q_c @ s)
+        s = decay_c * s + kv_c
     out = out + torch.stack(inter, dim=2)
     return out.reshape(b, h, -1, v.shape[-1])[:, :, :n], s
 
@@ -362,10 +363,10 @@ def _delta_scan(
     attn = (q @ k.transpose(-1, -2)).tril(-1 if strict else 0)
     s = s0 if s0 is not None else q.new_zeros(b, h, d, v.shape[-1])
     outs = []
-    for i in range(q.shape[2]):
-        u = u_tilde[:, :, i] - w[:, :, i] @ s  # (B, H, c, Dv)
-        outs.append(q[:, :, i] @ s + attn[:, :, i] @ u)
-        s = s + k[:, :, i].transpose(-1, -2) @ u
+    for q_c, k_c, u_c, w_c, attn_c in zip(*(t.unbind(2) for t in (q, k, u_tilde, w, attn))):
+        u = u_c - w_c @ s  # (B, H, c, Dv)
+        outs.append(q_c @ s + attn_c @ u)
+        s = s + k_c.transpose(-1, -2) @ u
     return torch.stack(outs, dim=2).reshape(b, h, -1, v.shape[-1])[:, :, :n], s
 
 

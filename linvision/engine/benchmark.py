@@ -204,8 +204,9 @@ def write_results(points: List[BenchmarkPoint], out_dir: str) -> None:
             writer.writerows(points)
 
 
-def plot_results(points: List[BenchmarkPoint], path: str, title: str = "") -> None:
-    """PNG with inference throughput, training throughput and inference memory against resolution (log axes).
+def plot_results(points: List[BenchmarkPoint], path: str, title: str = "", label_key: str = "model") -> None:
+    """PNG with inference and training throughput and peak memory against resolution (log axes), one line per
+    distinct ``point[label_key]``.
 
     Failed points are left out of the lines and marked with an x at the bottom of the panel.
     """
@@ -217,10 +218,10 @@ def plot_results(points: List[BenchmarkPoint], path: str, title: str = "") -> No
     panels = [("infer_img_s", "inference images/s"), ("train_img_s", "training images/s"),
               ("infer_mem_mb", "inference peak memory (MiB)"), ("train_mem_mb", "training peak memory (MiB)")]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
-    names = list(dict.fromkeys(p["model"] for p in points))
+    names = list(dict.fromkeys(p[label_key] for p in points))
     for ax, (key, label) in zip(axes, panels):
         for name in names:
-            rows = [p for p in points if p["model"] == name]
+            rows = [p for p in points if p[label_key] == name]
             ok = [(p["img_size"], p[key]) for p in rows if p["status"] == "ok" and math.isfinite(p[key])
                   and p[key] > 0]
             line = ax.plot([s for s, _ in ok], [v for _, v in ok], marker="o", label=name)[0]

@@ -382,7 +382,7 @@ def _train(args: argparse.Namespace, info: DistInfo) -> Dict[str, Any]:
                                                             else ""), flush=True)
             save_last(epoch + 1, 0)
 
-    summary = {"run_dir": run_dir, "model": args.model, "epochs": args.epochs, "best_top1": best["top1"],
+    summary = {"run_dir": run_dir, "model": args.model, "num_classes": num_classes, "epochs": args.epochs, "best_top1": best["top1"],
                "best_epoch": best["epoch"], "best": best}
     if info.is_main:
         with open(os.path.join(run_dir, "summary.json"), "w") as f:

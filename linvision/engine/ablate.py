@@ -1,0 +1,176 @@
+"""The MambaOut question for linear attention, behind ``tools/ablate.py``.
+
+One macro-architecture (by default the hierarchical ``linhier`` family at a size given by ``model_kwargs``),
+one training recipe and one seed; only the token mixer changes (``mixers``: registry names, the same mixer
+in every stage, or per-stage comma strings such as ``none,none,linear,softmax``). For each mixer the tool
+trains a classifier with :func:`linvision.engine.train.train`, evaluates it at the training resolution and
+at higher ones without fine-tuning, and measures throughput and memory at several resolutions plus
+parameters and FLOPs. A mixer that cannot run at a size gets that failure in the table, not a crash.
+
+Outputs in the run folder: ``ablation.md`` (the table), ``ablation.json``, ``accuracy.png`` (top-1 against
+evaluation resolution), ``throughput_memory.png``, and one training run folder per mixer under ``runs/``.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import time
+from typing import Any, Dict, List
+
+from .benchmark import benchmark_point, plot_results
+from .checkpoint import create_model
+from .config import parse_kwargs
+from .flops import count_gflops, count_params
+from .train import add_train_args, train
+from .validate import validate_checkpoint
+
+__all__ = ["add_ablate_args", "run_ablation", "markdown_table"]
+
+
+def add_ablate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The training flags plus the ablation's own."""
+    add_train_args(parser)
+    g = parser.add_argument_group("ablation")
+    g.add_argument("--mixers", nargs="+", default=["none", "linear", "linear_rope", "softmax", "causal", "hybrid"],
+                   help="token mixers to compare (registry names, or 4 comma-separated per-stage names)")
+    g.add_argument("--eval-sizes", type=int, nargs="+", default=None,
+                   help="evaluation resolutions (default: 1x, 2x and 4x the training size)")
+    g.add_argument("--bench-sizes", type=int, nargs="+", default=None,
+                   help="benchmark resolutions (default: 1x, 2x, 4x and 8x the training size)")
+    g.add_argument("--bench-batch-size", type=int, default=8)
+    g.add_argument("--bench-iters", type=int, default=2)
+    return parser
+
+
+def _mixer_label(mixer: str) -> str:
+    return mixer.replace(",", "+")
+
+
+def run_ablation(args: argparse.Namespace, log=print) -> Dict[str, Any]:
+    """Train, evaluate and benchmark ``args.model`` once per mixer in ``args.mixers``; returns the rows.
+
+    Every run uses the same seed and recipe. Raises ValueError for an empty mixer list (unknown mixers and
+    bad training arguments raise from the training code, before anything is trained for that mixer).
+    """
+    if not args.mixers:
+        raise ValueError("mixers: give at least one token mixer")
+    base_kwargs = parse_kwargs(args.model_kwargs)
+    eval_sizes = args.eval_sizes or [args.img_size * f for f in (1, 2, 4)]
+    bench_sizes = args.bench_sizes or [args.img_size * f for f in (1, 2, 4, 8)]
+    run_dir = os.path.join(args.output, args.experiment or f"ablate-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.makedirs(run_dir, exist_ok=True)
+    rows, bench_points = [], []
+    for mixer in args.mixers:
+        label = _mixer_label(mixer)
+        log(f"== token mixer {mixer}")
+        run_args = copy.copy(args)
+        run_args.model_kwargs = {**base_kwargs, "token_mixers": mixer}
+        run_args.output, run_args.experiment, run_args.resume = os.path.join(run_dir, "runs"), label, None
+        t0 = time.time()
+        summary = train(run_args)
+        train_s = time.time() - t0
+        val = validate_checkpoint(summary["run_dir"], args.dataset, args.data_dir, eval_sizes, args.batch_size,
+                                  args.workers, args.amp, args.device)
+        num_classes = summary["num_classes"]
+        model = create_model(args.model, num_classes=num_classes, in_chans=args.in_chans,
+                             model_kwargs=run_args.model_kwargs)
+        row = {"mixer": label, "params_m": count_params(model) / 1e6,
+               "gflops": count_gflops(model, (args.in_chans, args.img_size, args.img_size)),
+               "train_s": train_s, "best_top1": summary["best_top1"],
+               "accuracy": {str(r["img_size"]): r.get("top1", r.get("error")) for r in val["results"]},
+               "bench": {}}
+        del model
+        for size in bench_sizes:
+            point = benchmark_point(
+                args.model, size, batch_size=args.bench_batch_size, device=str(_device(args)), amp=args.amp,
+                warmup=1, iters=args.bench_iters, model_kwargs=run_args.model_kwargs, flops=False,
+                build_fn=lambda name, _size, kw: create_model(name, num_classes=num_classes, model_kwargs=kw))
+            point["mixer"] = label
+            bench_points.append(point)
+            row["bench"][str(size)] = {k: point[k] for k in ("status", "error", "infer_img_s", "infer_mem_mb",
+                                                             "train_img_s", "train_mem_mb")}
+        rows.append(row)
+        log(f"   top-1 {row['accuracy']}, {row['params_m']:.3f} M params, {row['gflops']:.4f} GFLOPs, "
+            f"trained in {train_s:.0f} s")
+    result = {"model": args.model, "model_kwargs": base_kwargs, "img_size": args.img_size, "epochs": args.epochs,
+              "seed": args.seed, "dataset": args.dataset, "eval_sizes": eval_sizes, "bench_sizes": bench_sizes,
+              "bench_batch_size": args.bench_batch_size, "device": str(_device(args)), "rows": rows}
+    with open(os.path.join(run_dir, "ablation.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    table = markdown_table(result)
+    with open(os.path.join(run_dir, "ablation.md"), "w") as f:
+        f.write(table)
+    _plot_accuracy(result, os.path.join(run_dir, "accuracy.png"))
+    plot_results(bench_points, os.path.join(run_dir, "throughput_memory.png"), label_key="mixer",
+                 title=f"{args.model} {base_kwargs}, batch {args.bench_batch_size}")
+    result["run_dir"] = run_dir
+    result["table"] = table
+    return result
+
+
+def _device(args: argparse.Namespace) -> str:
+    import torch
+
+    if args.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return args.device
+
+
+def _cell(value: Any, fmt: str) -> str:
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return format(value, fmt)
+    return "fails" if isinstance(value, str) else "-"
+
+
+def markdown_table(result: Dict[str, Any]) -> str:
+    """The ablation as a Markdown table: accuracy per evaluation size, speed and memory per benchmark size."""
+    evals, benches = result["eval_sizes"], result["bench_sizes"]
+    head = (["mixer", "params (M)", f"GFLOPs @{result['img_size']}"] + [f"top-1 @{s}" for s in evals]
+            + [f"infer img/s @{s}" for s in benches] + [f"train img/s @{benches[-1]}",
+                                                        f"infer mem MiB @{benches[-1]}",
+                                                        f"train mem MiB @{benches[-1]}"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    notes = []
+    for row in result["rows"]:
+        cells = [row["mixer"], f"{row['params_m']:.3f}", f"{row['gflops']:.4f}"]
+        for s in evals:
+            acc = row["accuracy"][str(s)]
+            cells.append(_cell(acc, ".2f"))
+            if isinstance(acc, str):
+                notes.append(f"{row['mixer']} @{s}: {acc}")
+        for s in benches:
+            b = row["bench"][str(s)]
+            cells.append(_cell(b["infer_img_s"], ".1f"))
+            if b["status"] != "ok":
+                notes.append(f"{row['mixer']} benchmark @{s}: {b['status']}: {b['error']}")
+        last = row["bench"][str(benches[-1])]
+        cells += [_cell(last["train_img_s"], ".1f"), _cell(last["infer_mem_mb"], ".1f"),
+                  _cell(last["train_mem_mb"], ".1f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + "\n"
+    if notes:
+        text += "\nFailures:\n" + "".join(f"- {n}\n" for n in notes)
+    return text
+
+
+def _plot_accuracy(result: Dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    for row in result["rows"]:
+        pts = [(int(s), v) for s, v in row["accuracy"].items() if isinstance(v, (int, float))]
+        ax.plot([s for s, _ in pts], [v for _, v in pts], marker="o", label=row["mixer"])
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(f"evaluation resolution (px), trained at {result['img_size']}")
+    ax.set_ylabel("top-1 (%)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -113,12 +113,12 @@ def create_dataset(dataset: str, data_dir: Optional[str], split: str, transform:
 def build_transform(img_size: int, is_training: bool, mean, std, crop_pct: float = 1.0,
                     scale: Tuple[float, float] = (0.08, 1.0), hflip: float = 0.5, color_jitter: float = 0.0,
                     auto_augment: Optional[str] = None, interpolation: str = "bilinear",
-                    re_prob: float = 0.0) -> Callable:
-    """timm's ``create_transform`` with the options the tools expose."""
+                    re_prob: float = 0.0, no_aug: bool = False) -> Callable:
+    """timm's ``create_transform`` with the options the tools expose (``no_aug``: resize and crop only)."""
     from timm.data import create_transform
 
     if is_training:
-        return create_transform(img_size, is_training=True, scale=tuple(scale), hflip=hflip,
+        return create_transform(img_size, is_training=True, no_aug=no_aug, scale=tuple(scale), hflip=hflip,
                                 color_jitter=color_jitter, auto_augment=auto_augment, interpolation=interpolation,
                                 mean=tuple(mean), std=tuple(std), re_prob=re_prob)
     return create_transform(img_size, is_training=False, interpolation=interpolation, mean=tuple(mean),

@@ -46,6 +46,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--mean", type=float, nargs=3, default=None, help="normalisation mean (default: the model's)")
     g.add_argument("--std", type=float, nargs=3, default=None, help="normalisation std (default: the model's)")
     g.add_argument("--crop-pct", type=float, default=1.0, help="validation centre-crop fraction")
+    g.add_argument("--no-aug", action="store_true", help="train on resized, centre-cropped images only")
     g.add_argument("--scale", type=float, nargs=2, default=[0.08, 1.0], help="random-resized-crop area range")
     g.add_argument("--hflip", type=float, default=0.5)
     g.add_argument("--color-jitter", type=float, default=0.0)
@@ -215,7 +216,7 @@ def _train(args: argparse.Namespace, info: DistInfo) -> Dict[str, Any]:
     std = list(args.std or cfg.get("std", (0.229, 0.224, 0.225)))
     train_set.transform = build_transform(args.img_size, True, mean, std, scale=args.scale, hflip=args.hflip,
                                           color_jitter=args.color_jitter, auto_augment=args.aa,
-                                          re_prob=args.reprob)
+                                          re_prob=args.reprob, no_aug=args.no_aug)
     val_set.transform = build_transform(args.img_size, False, mean, std, crop_pct=args.crop_pct)
     if args.grad_checkpointing:
         model.set_grad_checkpointing(True)

@@ -1,0 +1,234 @@
+"""Library code behind the tools: configuration, data, checkpoints, evaluation, training resume, benchmark."""
+import argparse
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch import nn
+
+from linvision.engine.benchmark import MemoryMeter, benchmark_point, plot_results, run_sweep
+from linvision.engine.checkpoint import atomic_write, create_model, load_model, load_pretrained, save_checkpoint
+from linvision.engine.config import ConfigError, parse_args, parse_kwargs
+from linvision.engine.data import BadImageError, ShardedSampler, create_dataset
+from linvision.engine.evaluate import evaluate
+from linvision.engine.train import add_train_args, train
+
+TINY_VIT = ["img_size=16", "patch_size=4", "dynamic_img_size=true"]
+
+
+def write_image_folder(root, classes=3, train_per_class=4, val_per_class=2, size=16, seed=0):
+    """Images of class c are noise around grey level 60 * c + 40, so a small model can tell them apart."""
+    rng = np.random.RandomState(seed)
+    for split, count in (("train", train_per_class), ("val", val_per_class)):
+        for c in range(classes):
+            folder = os.path.join(root, split, f"class{c}")
+            os.makedirs(folder, exist_ok=True)
+            for i in range(count):
+                pixels = np.clip(60 * c + 40 + rng.randn(size, size, 3) * 10, 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(os.path.join(folder, f"{i}.png"))
+    return str(root)
+
+
+def train_args(data_dir, out_dir, *extra):
+    parser = add_train_args(argparse.ArgumentParser())
+    return parse_args(parser, ["--dataset", "folder", "--data-dir", data_dir, "--img-size", "16",
+                               "--model", "test_vit", "--model-kwargs", *TINY_VIT, "--batch-size", "4",
+                               "--output", out_dir, "--no-progress", "--log-interval", "1", "--device", "cpu",
+                               *extra])
+
+
+def step_losses(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    return [(r["step"], r["loss"]) for r in records if r["kind"] == "step"]
+
+
+# --- configuration
+
+def test_config_file_sets_defaults_and_command_line_wins(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("img-size: 48\nlr: 0.5\nmodel_kwargs: {depth: 2}\n")
+    parser = add_train_args(argparse.ArgumentParser())
+    args = parse_args(parser, ["--config", str(cfg), "--lr", "0.25"])
+    assert args.img_size == 48 and args.lr == 0.25 and args.model_kwargs == {"depth": 2}
+
+
+def test_config_unknown_key_is_named(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("img_size: 48\nlearning_rate: 0.1\n")
+    with pytest.raises(ConfigError, match="learning_rate"):
+        parse_args(add_train_args(argparse.ArgumentParser()), ["--config", str(cfg)])
+
+
+def test_parse_kwargs_forms():
+    assert parse_kwargs(["token_mixers=none,linear", "drop_path_rate=0.1", "flag=true"]) == {
+        "token_mixers": "none,linear", "drop_path_rate": 0.1, "flag": True}
+    assert parse_kwargs(['{"depths": [1, 2]}']) == {"depths": [1, 2]}
+    with pytest.raises(ConfigError, match="model_kwargs"):
+        parse_kwargs(["depth"])
+
+
+# --- data
+
+def test_sharded_sampler_covers_the_epoch_and_resumes_mid_epoch():
+    full = [list(ShardedSampler(10, r, 3, shuffle=True, seed=5)) for r in range(3)]
+    assert all(len(s) == 4 for s in full)  # padded to 12 = 3 ranks x 4
+    assert sorted(set(sum(full, []))) == list(range(10))
+    s = ShardedSampler(10, 1, 3, shuffle=True, seed=5)
+    s.set_epoch(0, start=2)
+    assert list(s) == full[1][2:]
+    s.set_epoch(1)
+    assert list(s) != full[1]  # another epoch, another order
+    evals = [list(ShardedSampler(10, r, 3, shuffle=False)) for r in range(3)]
+    assert sorted(sum(evals, [])) == list(range(10))  # evaluation repeats no sample
+
+
+def test_bad_image_names_the_file(tmp_path):
+    root = write_image_folder(tmp_path / "data")
+    bad = os.path.join(root, "train", "class1", "broken.png")
+    with open(bad, "wb") as f:
+        f.write(b"not an image at all")
+    dataset = create_dataset("folder", root, "train")
+    index = [p for p, _ in dataset.samples].index(bad)
+    with pytest.raises(BadImageError, match="broken.png"):
+        dataset[index]
+
+
+def test_missing_data_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="data_dir"):
+        create_dataset("folder", str(tmp_path / "nowhere"), "train")
+
+
+def test_digits_split_is_fixed_and_disjoint():
+    train_set, val_set = create_dataset("digits", None, "train", digits_size=8), create_dataset("digits", None, "val",
+                                                                                                digits_size=8)
+    assert len(train_set) + len(val_set) == 1797 and len(train_set.classes) == 10
+    img, target = val_set[0]
+    assert img.size == (8, 8) and 0 <= target < 10
+
+
+# --- evaluation
+
+def test_evaluate_matches_explicit_counts():
+    torch.manual_seed(0)
+    x, y = torch.randn(23, 6), torch.randint(0, 7, (23,))
+    model = nn.Linear(6, 7)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=5)
+    res = evaluate(model, loader)
+    with torch.no_grad():
+        logits = model(x).double()
+    ranks = (logits > logits.gather(1, y[:, None])).sum(1)  # how many classes score above the true one
+    assert res["count"] == 23
+    assert res["top1"] == pytest.approx(100 * (ranks == 0).double().mean().item())
+    assert res["top5"] == pytest.approx(100 * (ranks < 5).double().mean().item())
+    assert res["loss"] == pytest.approx(nn.functional.cross_entropy(logits, y).item(), rel=1e-6)
+
+
+# --- checkpoints
+
+def test_checkpoint_round_trip_and_head_reset(tmp_path):
+    torch.manual_seed(0)
+    model = create_model("test_vit", num_classes=3, model_kwargs=parse_kwargs(TINY_VIT)).eval()
+    meta = {"model": "test_vit", "num_classes": 3, "in_chans": 3, "model_kwargs": parse_kwargs(TINY_VIT),
+            "img_size": 16, "mean": [0.5] * 3, "std": [0.5] * 3}
+    save_checkpoint(str(tmp_path / "ckpt"), model, meta)
+    loaded, loaded_meta = load_model(str(tmp_path / "ckpt"))
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+    assert loaded_meta["num_classes"] == 3
+
+    new = create_model("test_vit", num_classes=5, model_kwargs=parse_kwargs(TINY_VIT))
+    report = load_pretrained(new, str(tmp_path / "ckpt"))
+    assert sorted(report["skipped"]) == ["head.bias", "head.weight"]
+    assert torch.equal(new.patch_embed.proj.weight, model.patch_embed.proj.weight)
+    assert new.head.weight.shape == (5, model.head.weight.shape[1])
+
+
+def test_atomic_write_leaves_nothing_on_failure(tmp_path):
+    target = tmp_path / "model.safetensors"
+
+    def fail(path):
+        with open(path, "w") as f:
+            f.write("partial")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        atomic_write(str(target), fail)
+    assert os.listdir(tmp_path) == []
+
+
+def test_unknown_model_name():
+    with pytest.raises(ValueError, match="unknown 'vit_nonexistent_model'"):
+        create_model("vit_nonexistent_model")
+
+
+# --- training
+
+def test_resume_equals_uninterrupted_training(tmp_path):
+    """2 epochs of 3 steps; the interrupted run stops mid-epoch 1 (step 4) and is resumed."""
+    data = write_image_folder(tmp_path / "data")
+    common = ["--epochs", "2", "--model-ema", "--model-ema-decay", "0.9", "--warmup-epochs", "1",
+              "--drop-path", "0.1"]
+    ref = train(train_args(data, str(tmp_path / "out"), "--experiment", "ref", *common))
+    part = train(train_args(data, str(tmp_path / "out"), "--experiment", "cut", "--stop-after-steps", "4", *common))
+    assert part["stopped_at_step"] == 4
+    resumed = train(train_args(data, str(tmp_path / "out"), "--resume", part["run_dir"], *common))
+
+    ref_losses, cut_losses = step_losses(ref["run_dir"]), step_losses(resumed["run_dir"])
+    assert [s for s, _ in ref_losses] == list(range(1, 7))
+    assert cut_losses == ref_losses  # bitwise: same data order, RNG, optimizer and schedule state
+    assert resumed["best_top1"] == ref["best_top1"]
+    a, _ = load_model(os.path.join(ref["run_dir"], "last"))
+    b, _ = load_model(os.path.join(resumed["run_dir"], "last"))
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(p, q), name
+
+
+# --- benchmark
+
+def test_memory_meter_sees_a_known_allocation():
+    with MemoryMeter(torch.device("cpu")) as mem:
+        x = torch.ones(25_000_000)  # 95.4 MiB, touched by the fill
+        del x
+    assert mem.peak_mb == pytest.approx(25e6 * 4 / 2**20, rel=0.1)
+
+
+def test_sweep_records_failures_and_goes_on(tmp_path):
+    def build(name, img_size, kwargs):
+        if name == "broken":
+            raise RuntimeError("injected failure")
+        if name == "oom" and img_size > 16:
+            raise torch.OutOfMemoryError("injected out of memory")
+        return create_model("test_vit", model_kwargs=parse_kwargs(TINY_VIT))
+
+    points = run_sweep(["broken", "oom", "ok"], [16, 32], str(tmp_path), log=lambda s: None, batch_size=2,
+                       iters=1, warmup=0, build_fn=build)
+    status = [(p["model"], p["img_size"], p["status"]) for p in points]
+    assert status == [("broken", 16, "error"), ("broken", 32, "error"), ("oom", 16, "ok"), ("oom", 32, "oom"),
+                      ("ok", 16, "ok"), ("ok", 32, "ok")]
+    assert "injected failure" in points[0]["error"]
+    ok = points[-1]
+    assert ok["infer_img_s"] > 0 and ok["train_img_s"] > 0 and ok["gflops"] > 0
+    assert ok["params_m"] == pytest.approx(sum(p.numel() for p in build("ok", 32, {}).parameters()) / 1e6)
+    with open(tmp_path / "results.jsonl") as f:
+        assert len(f.readlines()) == 6
+    plot_results(points, str(tmp_path / "plot.png"))
+    assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_benchmark_point_gflops_of_a_linear_model():
+    class Flat(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3 * 8 * 8, 10)
+
+        def forward(self, x):
+            return self.fc(x.flatten(1))
+
+    p = benchmark_point("flat", 8, batch_size=2, iters=1, warmup=0, build_fn=lambda *a: Flat())
+    assert p["status"] == "ok"
+    assert p["gflops"] == pytest.approx(3 * 8 * 8 * 10 / 1e9)  # one multiply-accumulate per weight

@@ -1,0 +1,147 @@
+"""Throughput and memory of one Sana-style block: ReLU linear self-attention against softmax self-attention.
+
+    python tools/bench_diffusion_block.py                       # C 1152 (Sana-0.6B), 1k/4k/16k/64k tokens
+    python tools/bench_diffusion_block.py --tokens 1024 4096 --dtype bf16 --repeats 5
+
+Each (attention, token count) point runs in its own process, so an out-of-memory or a time-out (``--timeout``
+seconds) is recorded for that point and the others still run. A point builds one block (cross-attention to
+``--context`` condition tokens, Mix-FFN) on a square-ish grid, runs one warm-up forward and ``--repeats``
+timed forwards under no_grad (one repeat for 16k tokens and more) and reports the mean time, tokens per
+second and peak memory: CUDA's max allocated bytes on a GPU, on CPU the process's peak resident set minus
+the resident set before the first forward (so activations and workspace, not the weights or the library).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import resource
+import time
+from typing import Dict, List, Tuple
+
+import torch
+
+from linvision.diffusion.block import SanaBlock
+from linvision.diffusion.model import DIT_CONFIGS
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def grid_for(tokens: int) -> Tuple[int, int]:
+    """The most square H x W with H * W = tokens."""
+    h = int(math.isqrt(tokens))
+    while tokens % h:
+        h -= 1
+    return h, tokens // h
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_point(args: Dict, attn: str, tokens: int, queue: "mp.Queue") -> None:
+    """Measure one point in this (child) process and put a result dict on ``queue``."""
+    torch.set_num_threads(args["threads"] or torch.get_num_threads())
+    torch.manual_seed(0)
+    device = args["device"]
+    dtype = DTYPES[args["dtype"]]
+    cfg = DIT_CONFIGS[args["model"]]
+    block = SanaBlock(cfg.dim, cfg.num_heads, head_dim=cfg.head_dim, mlp_ratio=cfg.mlp_ratio, self_attn=attn,
+                      fp16_clamp=dtype == torch.float16).to(device=device, dtype=dtype).eval()
+    hw = grid_for(tokens)
+    x = torch.randn(args["batch"], tokens, cfg.dim, device=device, dtype=dtype)
+    t_mod = torch.randn(args["batch"], 6 * cfg.dim, device=device, dtype=dtype) * 0.1
+    context = torch.randn(args["batch"], args["context"], cfg.dim, device=device, dtype=dtype)
+    mask = torch.ones(args["batch"], args["context"], dtype=torch.bool, device=device)
+    repeats = 1 if tokens >= 16384 else args["repeats"]
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    with torch.no_grad():
+        base = _rss_mib()
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated() / 2 ** 20
+        block(x, hw, t_mod, context, mask)
+        sync()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            block(x, hw, t_mod, context, mask)
+        sync()
+        seconds = (time.perf_counter() - start) / repeats
+    peak = torch.cuda.max_memory_allocated() / 2 ** 20 if device == "cuda" else _peak_rss_mib()
+    queue.put({"attn": attn, "tokens": tokens, "grid": list(hw), "status": "ok", "ms": 1e3 * seconds,
+               "tokens_per_s": args["batch"] * tokens / seconds, "peak_mib": peak - base, "repeats": repeats})
+
+
+def measure(args: Dict, attn: str, tokens: int, timeout: float) -> Dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=run_point, args=(args, attn, tokens, queue))
+    proc.start()
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        return {"attn": attn, "tokens": tokens, "status": f"timeout > {timeout:.0f}s"}
+    if not queue.empty():
+        return queue.get()
+    # A process killed by the kernel's OOM killer exits with -9; a CUDA OOM raises inside the child.
+    status = "out of memory (killed)" if proc.exitcode == -9 else f"failed (exit code {proc.exitcode})"
+    return {"attn": attn, "tokens": tokens, "status": status}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="sana_600m", choices=list(DIT_CONFIGS), help="block shape to take")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
+    p.add_argument("--attn", nargs="+", default=["linear", "softmax"], choices=["linear", "softmax"])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=300, help="condition tokens (Sana: 300 text tokens)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per point")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json", default=None, help="also write the results to this file")
+    args = p.parse_args()
+    cfg = DIT_CONFIGS[args.model]
+    opts = {k: getattr(args, k) for k in ("model", "batch", "context", "dtype", "repeats", "threads", "device")}
+    threads = args.threads or torch.get_num_threads()
+    print(f"block C={cfg.dim}, linear heads {cfg.dim // cfg.head_dim} x {cfg.head_dim}, cross heads {cfg.num_heads}, "
+          f"Mix-FFN hidden {int(cfg.dim * cfg.mlp_ratio)}; batch {args.batch}, {args.context} condition tokens, "
+          f"{args.dtype}, device {args.device}, {threads} threads")
+    print(f"{'attention':>9} {'tokens':>7} {'grid':>9} {'ms':>10} {'tokens/s':>10} {'peak MiB':>9}  status")
+    results: List[Dict] = []
+    for tokens in args.tokens:
+        for attn in args.attn:
+            r = measure(opts, attn, tokens, args.timeout)
+            results.append(r)
+            if r["status"] == "ok":
+                grid = "x".join(map(str, r["grid"]))
+                print(f"{attn:>9} {tokens:>7} {grid:>9} {r['ms']:>10.1f} {r['tokens_per_s']:>10.0f} "
+                      f"{r['peak_mib']:>9.0f}  ok")
+            else:
+                print(f"{attn:>9} {tokens:>7} {'':>9} {'-':>10} {'-':>10} {'-':>9}  {r['status']}")
+    for tokens in args.tokens:
+        pair = {r["attn"]: r for r in results if r["tokens"] == tokens and r["status"] == "ok"}
+        if "linear" in pair and "softmax" in pair:
+            print(f"{tokens:>7} tokens: linear is {pair['softmax']['ms'] / pair['linear']['ms']:.2f}x the speed "
+                  f"of softmax, {pair['linear']['peak_mib'] / max(pair['softmax']['peak_mib'], 1e-9):.2f}x its "
+                  f"peak memory")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"options": opts, "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

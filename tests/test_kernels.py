@@ -5,6 +5,8 @@ triton is imported), so shapes stay small; the wider sweep is marked slow.
 """
 import itertools
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -293,3 +295,46 @@ def test_sweep(n, d, dv, feature, rope, dtype):
     for split in (0, 128):
         q, k, v, do = _inputs(2, 2, n, n, d, dv, dtype, feature, seed=n + d)
         _check(q, k, v, do, feature, _rope(rope, n, d, 2), split)
+
+
+# Compiles every kernel for an sm_90 target (Triton's bundled ptxas; no GPU needed) in a process without
+# TRITON_INTERPRET, so that GPU-only constraints (dot shapes, types) are checked on machines without a GPU.
+_COMPILE_SCRIPT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from linvision.kernels import linear_attention as m
+
+POINTERS = {"K", "V", "Q", "O", "DO", "DQ", "DK", "DV_OUT"}
+for kern in (m._state_fwd_kernel, m._output_fwd_kernel, m._query_bwd_kernel, m._key_bwd_kernel):
+    fn = kern.fn
+    for dtype, block_p, block_dv, rope, block_n, warps in (("bf16", 32, 64, True, 128, 8), ("fp32", 16, 32, False, 64, 4)):
+        consts = dict(FEATURE=2, HAS_ROPE=rope, PRECISION="ieee" if dtype == "fp32" else "tf32",
+                      BLOCK_P=block_p, BLOCK_DV=block_dv, BLOCK_N=block_n)
+        sig = {}
+        for name in fn.arg_names:
+            if name in consts:
+                sig[name] = "constexpr"
+            elif name in POINTERS:
+                sig[name] = "*" + dtype
+            elif name[0].isupper() and name not in ("H", "N", "D_HALF", "DV", "N_BUCKET"):
+                sig[name] = "*fp32"  # state buffers and RoPE frequencies
+            elif name in ("eps", "off_row", "off_col"):
+                sig[name] = "fp32"
+            else:
+                sig[name] = "i32"
+        compiled = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": warps, "num_stages": 2})
+        assert "cubin" in compiled.asm
+        print("ok", fn.__name__)
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_gpu_target():
+    env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("ok _") == 8

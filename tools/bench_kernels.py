@@ -64,7 +64,7 @@ def run_traffic(args):
     print(f"{'N':>7} {'split':>6} {'fwd bytes':>11} {'fwd floor':>11} {'fwd x':>7} {'bwd bytes':>11} "
           f"{'bwd floor':>11} {'bwd x':>7}")
     for n in args.n:
-        for split in args.split_tokens:
+        for split in sorted({min(s or n, n) for s in args.split_tokens}, reverse=True):  # one row per split
             q, k, v, do = (t.requires_grad_() for t in make_inputs(args, n, "cpu", dtype))
             rope = make_rope(args, n, "cpu")
             with count_traffic() as fwd:
@@ -76,7 +76,7 @@ def run_traffic(args):
                 total = sum(t.total for t in launches)
                 floor = minimal_bytes(args.batch, args.heads, n, n, args.dim, args.dim, itemsize, backward)
                 row += [f"{total:>11d}", f"{floor:>11d}", f"{total / floor:>7.3f}"]
-            print(f"{n:>7d} {split or n:>6d} " + " ".join(row), flush=True)
+            print(f"{n:>7d} {split:>6d} " + " ".join(row), flush=True)
 
 
 def run_gpu(args):

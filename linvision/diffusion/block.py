@@ -61,7 +61,8 @@ class LinearSelfAttention(nn.Module):
             with this clamp after the output projection: a projection output beyond the fp16 range becomes
             +-inf, and one inf in the residual stream turns the next LayerNorm into NaN. The clamp saturates
             instead; reproducing those weights' behaviour in fp16 needs it. It does nothing for other dtypes.
-        eps: the linear-attention denominator's eps (see :func:`linvision.ops.linear_attention`).
+        eps: the linear-attention denominator's eps (see :func:`linvision.ops.linear_attention`). The op
+            works with means over tokens, so this equals Sana's sum form with an eps of N * eps.
     """
 
     def __init__(

@@ -5,8 +5,10 @@ Linear(SiLU(t_emb)) -> 6C vector shared by every block), class labels as conditi
 cross-attention (with a learned null class for classifier-free guidance), a final modulated layer and
 unpatchify. The network predicts the rectified-flow velocity (noise - data) at time t in [0, 1].
 
-Configurations (``DIT_CONFIGS``): ``digits`` is a CPU demo size (8 x 8 grey images, 4 x 4 tokens); ``sana_600m`` has the shape of Sana-0.6B
-(depth 28, C 1152, 16 cross-attention heads, linear head dim 32, Mix-FFN ratio 2.5) for throughput figures.
+Configurations (``DIT_CONFIGS``): ``digits`` is a CPU demo size (8 x 8 grey images, 4 x 4 tokens, 1.2M
+parameters); ``sana_600m`` has the shape of Sana-0.6B (depth 28, C 1152, 16 cross-attention heads, linear head
+dim 32, Mix-FFN ratio 2.5; 592M parameters) on a 32-channel 32 x 32 input, the latent Sana's 32x autoencoder
+gives at 1024 px, for throughput figures at Sana's real width.
 """
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ class DiTConfig:
 
 DIT_CONFIGS: Dict[str, DiTConfig] = {
     "digits": DiTConfig(img_size=8, in_chans=1, patch_size=2, dim=128, depth=4, num_heads=4),
-    "sana_600m": DiTConfig(img_size=1024, in_chans=32, patch_size=1, dim=1152, depth=28, num_heads=16,
+    "sana_600m": DiTConfig(img_size=32, in_chans=32, patch_size=1, dim=1152, depth=28, num_heads=16,
                            num_classes=1000),
 }
 

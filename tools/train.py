@@ -5,6 +5,7 @@
         --pretrained-path weights.safetensors --img-size 224 --epochs 30 --amp bf16
     torchrun --nproc_per_node 2 tools/train.py --config configs/digits_demo.yaml
 
+A resumed run (--resume RUN_FOLDER) takes its saved config.yaml as defaults, so the folder alone is enough.
 Flags and YAML keys are listed by --help; the run folder (<output>/<experiment>) receives config.yaml,
 metrics.jsonl, summary.json and the checkpoints last/ and best/ (load them with linvision.engine.load_model).
 """
@@ -12,12 +13,15 @@ import argparse
 
 from linvision.engine.cli import run_cli
 from linvision.engine.config import parse_args
-from linvision.engine.train import add_train_args, train
+from linvision.engine.train import add_train_args, resume_config, train
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    args = parse_args(add_train_args(parser))
+    add_train_args(parser)
+    args = parse_args(parser)
+    if args.resume:
+        args = parse_args(parser, base_config=resume_config(args.resume))
     train(args)
     return 0
 

@@ -35,25 +35,28 @@ def save_yaml(path: str, data: Dict[str, Any]) -> None:
         yaml.safe_dump(data, f, sort_keys=False)
 
 
-def parse_args(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None,
+               base_config: Optional[str] = None) -> argparse.Namespace:
     """Parse ``argv`` with ``parser``, taking defaults from the YAML file given by ``--config``.
 
-    The parser must not define ``--config`` itself. Raises ConfigError when the file has a key that is not
-    one of the parser's flags (the message names the key and the allowed keys).
+    ``base_config`` (e.g. a resumed run's saved config.yaml) is applied first, then ``--config``, then the
+    command line. The parser must not define ``--config`` itself. Raises ConfigError when a file has a key
+    that is not one of the parser's flags (the message names the key and the allowed keys).
     """
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", "-c", default=None)
     known, _ = pre.parse_known_args(argv)
-    parser.add_argument("--config", "-c", default=None, help="YAML file whose keys mirror these flags")
-    if known.config:
-        data = load_yaml(known.config)
-        dests = {a.dest for a in parser._actions if a.dest not in ("help", "config")}
+    if not any(a.dest == "config" for a in parser._actions):
+        parser.add_argument("--config", "-c", default=None, help="YAML file whose keys mirror these flags")
+    dests = {a.dest for a in parser._actions if a.dest not in ("help", "config")}
+    for path in (base_config, known.config):
+        if not path:
+            continue
         defaults = {}
-        for key, value in data.items():
+        for key, value in load_yaml(path).items():
             dest = str(key).replace("-", "_")
             if dest not in dests:
-                raise ConfigError(
-                    f"config: unknown key {key!r} in {known.config}; allowed: {', '.join(sorted(dests))}")
+                raise ConfigError(f"config: unknown key {key!r} in {path}; allowed: {', '.join(sorted(dests))}")
             defaults[dest] = value
         parser.set_defaults(**defaults)
     return parser.parse_args(argv)

@@ -33,7 +33,7 @@ from .data import ShardedSampler, build_transform, create_dataset, create_loader
 from .distributed import DistInfo, all_reduce_max, all_reduce_sum, barrier, cleanup, init_distributed
 from .evaluate import autocast, evaluate
 
-__all__ = ["add_train_args", "train", "TrainInterrupted"]
+__all__ = ["add_train_args", "train", "resume_config", "TrainInterrupted"]
 
 
 def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -155,10 +155,22 @@ def _gather_rng(info: DistInfo) -> List[Dict[str, Any]]:
     return states
 
 
+def _resume_folder(path: str) -> str:
+    folder = os.path.abspath(path)
+    return os.path.dirname(folder) if os.path.basename(folder) in ("last", "best") else folder
+
+
+def resume_config(path: str) -> str:
+    """The saved config.yaml of the run that ``path`` (a run folder or its last/) belongs to."""
+    config = os.path.join(_resume_folder(path), "config.yaml")
+    if not os.path.isfile(config):
+        raise FileNotFoundError(f"resume: no config.yaml in the run folder of {path}")
+    return config
+
+
 def _run_folder(args) -> str:
     if args.resume:
-        folder = os.path.abspath(args.resume)
-        return os.path.dirname(folder) if os.path.basename(folder) in ("last", "best") else folder
+        return _resume_folder(args.resume)
     name = args.experiment or f"{args.model}-{time.strftime('%Y%m%d-%H%M%S')}"
     return os.path.join(args.output, name)
 
@@ -287,7 +299,9 @@ def _train(args: argparse.Namespace, info: DistInfo) -> Dict[str, Any]:
         os.makedirs(run_dir, exist_ok=True)
         if not state:
             open(metrics_path, "w").close()
-        save_yaml(os.path.join(run_dir, "config.yaml"), {k: v for k, v in vars(args).items() if k != "config"})
+        # the recipe, not this invocation's one-off flags, so that a resumed run can take it as defaults
+        save_yaml(os.path.join(run_dir, "config.yaml"), {k: v for k, v in vars(args).items()
+                                                         if k not in ("config", "resume", "stop_after_steps")})
 
     def save_last(epoch: int, step_in_epoch: int) -> None:
         rng = _gather_rng(info)

@@ -1,0 +1,201 @@
+"""The command-line tools end to end on tiny data, and their answers to bad input."""
+import contextlib
+import io
+import json
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_engine import TINY_VIT, step_losses, write_image_folder
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+
+
+def run_tool(tool, *args, check=True):
+    """Run tools/<tool> as ``python tools/<tool> args`` would, in this process (no second torch import)."""
+    out, err = io.StringIO(), io.StringIO()
+    argv = sys.argv
+    sys.argv = [tool, *args]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(os.path.join(ROOT, "tools", tool), run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    finally:
+        sys.argv = argv
+    proc = subprocess.CompletedProcess([tool, *args], code, out.getvalue(), err.getvalue())
+    if check and code != 0:
+        raise AssertionError(f"{tool} failed ({code}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def tiny_train_flags(data, out, *extra):
+    return ["--dataset", "folder", "--data-dir", data, "--img-size", "16", "--model", "test_vit",
+            "--model-kwargs", *TINY_VIT, "--batch-size", "4", "--output", out, "--no-progress", "--device", "cpu",
+            *extra]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_image_folder(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="module")
+def trained(data, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("out"))
+    cfg = os.path.join(out, "run.yaml")
+    with open(cfg, "w") as f:
+        f.write("epochs: 5\nlr: 0.001\nexperiment: from_config\nlog_interval: 1\n")
+    proc = run_tool("train.py", "--config", cfg, *tiny_train_flags(data, out, "--lr", "0.003"))
+    return os.path.join(out, "from_config"), proc
+
+
+def test_train_writes_checkpoints_metrics_and_summary(trained):
+    run_dir, proc = trained
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    assert f"best top-1 {summary['best_top1']:.2f}" in proc.stdout
+    with open(os.path.join(run_dir, "config.yaml")) as f:
+        text = f.read()
+    assert "lr: 0.003" in text and "epochs: 5" in text  # the command line beat the config file
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    assert [r["epoch"] for r in epochs] == list(range(5))
+    assert summary["best_top1"] == max(r["val_top1"] for r in epochs)
+    assert len(step_losses(run_dir)) == 5 * 3  # 12 images, batch 4
+    for name in ("best/model.safetensors", "best/model.json", "last/train_state.pt"):
+        assert os.path.isfile(os.path.join(run_dir, name))
+
+
+def test_validate_reproduces_the_best_score_and_runs_other_sizes(trained, data):
+    run_dir, _ = trained
+    proc = run_tool("validate.py", "--checkpoint", run_dir, "--data-dir", data, "--img-size", "16", "24")
+    out = json.loads(proc.stdout)
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    at16, at24 = out["results"]
+    assert at16["img_size"] == 16 and at16["count"] == 6
+    assert at16["top1"] == pytest.approx(summary["best_top1"])
+    assert at16["loss"] == pytest.approx(summary["best"]["loss"], rel=1e-5)
+    assert at24["img_size"] == 24 and "top1" in at24  # dynamic_img_size lets the ViT run at another size
+
+
+def test_fine_tune_from_pretrained_path_with_new_head(trained, tmp_path):
+    run_dir, _ = trained
+    data4 = write_image_folder(tmp_path / "data4", classes=4, seed=1)
+    run_tool("train.py", *tiny_train_flags(data4, str(tmp_path), "--epochs", "1", "--experiment", "ft",
+                                           "--pretrained-path", os.path.join(run_dir, "best")))
+    with open(tmp_path / "ft" / "best" / "model.json") as f:
+        assert json.load(f)["num_classes"] == 4
+
+
+def test_sigterm_saves_a_checkpoint_that_resumes(data, tmp_path):
+    args = tiny_train_flags(data, str(tmp_path), "--epochs", "200", "--experiment", "sig", "--log-interval", "1")
+    proc = subprocess.Popen([PY, os.path.join(ROOT, "tools", "train.py"), *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "sig" / "metrics.jsonl"
+    while proc.poll() is None and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "checkpoint saved" in err
+    import torch
+
+    state = torch.load(tmp_path / "sig" / "last" / "train_state.pt", weights_only=False)
+    assert state["global_step"] == step_losses(str(tmp_path / "sig"))[-1][0]
+    # the run folder and the new length are enough: the rest comes from the run's config.yaml
+    run_tool("train.py", "--resume", str(tmp_path / "sig"), "--epochs", str(state["epoch"] + 1))
+    steps = [s for s, _ in step_losses(str(tmp_path / "sig"))]
+    assert steps == list(range(1, 3 * (state["epoch"] + 1) + 1))  # no step lost or repeated
+
+
+@pytest.mark.parametrize("case", ["missing_data", "unknown_model", "unknown_key", "corrupt_image"])
+def test_bad_input_gives_a_clear_error(case, data, tmp_path):
+    flags = tiny_train_flags(data, str(tmp_path), "--epochs", "1")
+    if case == "missing_data":
+        flags += ["--data-dir", str(tmp_path / "nowhere")]
+        expected = "folder not found"
+    elif case == "unknown_model":
+        flags += ["--model", "vit_no_such_model"]
+        expected = "unknown 'vit_no_such_model'"
+    elif case == "unknown_key":
+        cfg = tmp_path / "bad.yaml"
+        cfg.write_text("epochs: 1\nlearnin_rate: 0.1\n")
+        flags += ["--config", str(cfg)]
+        expected = "unknown key 'learnin_rate'"
+    else:
+        bad = write_image_folder(tmp_path / "bad")
+        broken = os.path.join(bad, "train", "class0", "0.png")
+        with open(broken, "wb") as f:
+            f.write(b"\x89PNG truncated")
+        flags += ["--data-dir", bad, "--workers", "1"]
+        expected = f"cannot read image file {broken}"
+    proc = run_tool("train.py", *flags, check=False)
+    assert proc.returncode == 2
+    assert expected in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_benchmark_cli_records_a_failure_and_plots(tmp_path):
+    proc = run_tool("benchmark.py", "--models", "test_vit", "vit_no_such_model", "--img-size", "16", "32",
+                    "--batch-size", "2", "--iters", "1", "--warmup", "0", "--model-kwargs", "patch_size=8",
+                    "--device", "cpu", "--output", str(tmp_path), "--experiment", "b")
+    with open(tmp_path / "b" / "results.json") as f:
+        points = json.load(f)
+    assert [(p["model"], p["img_size"], p["status"]) for p in points] == [
+        ("test_vit", 16, "ok"), ("test_vit", 32, "ok"), ("vit_no_such_model", 16, "error"),
+        ("vit_no_such_model", 32, "error")]
+    assert points[1]["gflops"] > points[0]["gflops"] > 0  # 16 patches against 4
+    assert "unknown 'vit_no_such_model'" in proc.stdout
+    for name in ("results.csv", "results.jsonl", "throughput_memory.png"):
+        assert (tmp_path / "b" / name).stat().st_size > 0
+
+
+def test_ablate_cli_tables_each_mixer(data, tmp_path):
+    run_tool("ablate.py", "--dataset", "folder", "--data-dir", data, "--img-size", "32", "--model",
+             "linhier_tiny_224",
+             "--model-kwargs", '{"depths": [1, 1, 1, 1], "dims": [8, 16, 16, 16], "num_heads": [1, 1, 1, 1]}',
+             "--mixers", "none", "linear_rope", "--epochs", "1", "--batch-size", "4", "--eval-sizes", "32", "48",
+             "--bench-sizes", "32", "--bench-batch-size", "2", "--bench-iters", "1", "--device", "cpu",
+             "--output", str(tmp_path), "--experiment", "ab", "--no-progress")
+    with open(tmp_path / "ab" / "ablation.json") as f:
+        result = json.load(f)
+    assert [r["mixer"] for r in result["rows"]] == ["none", "linear_rope"]
+    for row in result["rows"]:
+        with open(tmp_path / "ab" / "runs" / row["mixer"] / "summary.json") as f:
+            assert row["accuracy"]["32"] == pytest.approx(json.load(f)["best_top1"])
+    table = (tmp_path / "ab" / "ablation.md").read_text()
+    assert sum(line.startswith("| ") for line in table.splitlines()) == 3  # header and 2 rows
+    assert "| linear_rope | " in table
+    for name in ("accuracy.png", "throughput_memory.png"):
+        assert (tmp_path / "ab" / name).stat().st_size > 0
+
+
+def test_torchrun_two_processes_match_one_process(tmp_path):
+    """DDP on gloo: 2 ranks x batch 4 take the same steps as 1 process x batch 8 (no BN, no augmentation)."""
+    data = write_image_folder(tmp_path / "data", classes=2, train_per_class=8, val_per_class=3)
+    flags = ["--epochs", "2", "--no-aug", "--log-interval", "1", "--lr", "0.003", "--seed", "3"]
+    run_tool("train.py", *tiny_train_flags(data, str(tmp_path), "--experiment", "one", *flags, "--batch-size", "8"))
+    proc = subprocess.run(
+        [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         os.path.join(ROOT, "tools", "train.py"),
+         *tiny_train_flags(data, str(tmp_path), "--experiment", "two", *flags, "--batch-size", "4")],
+        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = step_losses(str(tmp_path / "one")), step_losses(str(tmp_path / "two"))
+    assert [s for s, _ in two] == [1, 2, 3, 4]
+    assert [l for _, l in two] == pytest.approx([l for _, l in one], rel=1e-4)
+    with open(tmp_path / "one" / "summary.json") as f, open(tmp_path / "two" / "summary.json") as g:
+        s1, s2 = json.load(f), json.load(g)
+    assert s2["best"]["top1"] == s1["best"]["top1"] and s2["best"]["loss"] == pytest.approx(s1["best"]["loss"],
+                                                                                               rel=1e-4)
+    assert proc.stdout.count("best top-1") == 1  # only rank 0 reports

@@ -19,8 +19,10 @@ as two halves of P = D/2 channels because RoPE pairs channel t with channel t + 
 row halves. Accumulation, rotation and division are fp32 for every input dtype; matrix products use exact
 fp32 for fp32 inputs and tf32 tensor cores for fp16/bf16 inputs (more mantissa than the inputs carry).
 
-On a GPU the kernels are autotuned over block size and warps, keyed on the next power of two of N (a new
-resolution neither recompiles nor re-tunes). Under ``TRITON_INTERPRET=1`` one fixed configuration is used.
+On a GPU the kernels are autotuned over block size and warps, keyed on the next power of two of N: N is a
+runtime argument, so a new resolution re-tunes only when it enters a new power-of-two bucket and compiles
+nothing new beyond Triton's usual integer specialisations. Under ``TRITON_INTERPRET=1`` one fixed
+configuration is used.
 
 The public entry, :func:`linear_attention_triton`, goes through the torch custom ops
 ``linvision::linear_attention_fwd`` / ``linvision::linear_attention_bwd`` (autograd, fake tensors and a FLOP

@@ -209,6 +209,7 @@ def gated_linear_attention(
 
     q, k: (B, H, N, D); v: (B, H, N, Dv); log_gate: log gamma <= 0 (fp32 is best), (B, H, N) per head or
     (B, H, N, D) per key channel, or any shape broadcasting to one of those (a fixed decay is (1, H, 1)).
+    Positive values (gamma > 1) are not checked (that would synchronise a GPU) and make the state grow.
     normalize: divide by the decayed normaliser (module docstring); False gives o_t = phi(q_t) S_t.
     state: the state after earlier tokens (continues a sequence); return_state: also return the final state.
     Per-channel gates form a (chunk, chunk, D) decay tensor per chunk: prefer chunk_size 16-32 for them.
@@ -379,7 +380,8 @@ def delta_rule_attention(
     o_t = q_t S_t, where q, k are the feature-mapped (and, by default, L2-normalised) queries and keys.
 
     q, k: (B, H, N, D); v: (B, H, N, Dv); beta: (B, H, N) writing strength, in [0, 1] for a stable state
-    (e.g. a sigmoid); beta = 0 leaves the state unchanged. Unnormalised (no z). state / return_state as
+    (e.g. a sigmoid; not checked); beta = 0 leaves the state unchanged, beta = 1 with unit keys overwrites the
+    value stored for k_t. Unnormalised (no z). state / return_state as
     :func:`gated_linear_attention`. Returns (B, H, N, Dv) in q's dtype. Raises TypeError for bad dtypes,
     ValueError for mismatched shapes, a bad chunk_size or a state that does not fit.
     """

@@ -1,4 +1,5 @@
 """The command-line tools end to end on tiny data, and their answers to bad input."""
+import argparse
 import contextlib
 import io
 import json
@@ -11,6 +12,8 @@ import time
 
 import pytest
 
+from linvision.engine.config import parse_args
+from linvision.engine.train import add_train_args
 from test_engine import TINY_VIT, step_losses, write_image_folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -171,8 +174,11 @@ def test_ablate_cli_tables_each_mixer(data, tmp_path):
         result = json.load(f)
     assert [r["mixer"] for r in result["rows"]] == ["none", "linear_rope"]
     for row in result["rows"]:
-        with open(tmp_path / "ab" / "runs" / row["mixer"] / "summary.json") as f:
+        run = tmp_path / "ab" / "runs" / row["mixer"]
+        with open(run / "summary.json") as f:
             assert row["accuracy"]["32"] == pytest.approx(json.load(f)["best_top1"])
+        saved = parse_args(add_train_args(argparse.ArgumentParser()), [], base_config=str(run / "config.yaml"))
+        assert saved.model_kwargs["token_mixers"] == row["mixer"]  # each run folder is a plain training run
     table = (tmp_path / "ab" / "ablation.md").read_text()
     assert sum(line.startswith("| ") for line in table.splitlines()) == 3  # header and 2 rows
     assert "| linear_rope | " in table

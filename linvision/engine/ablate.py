@@ -13,7 +13,6 @@ evaluation resolution), ``throughput_memory.png``, and one training run folder p
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import os
@@ -63,10 +62,12 @@ def run_ablation(args: argparse.Namespace, log=print) -> Dict[str, Any]:
     run_dir = os.path.join(args.output, args.experiment or f"ablate-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(run_dir, exist_ok=True)
     rows, bench_points = [], []
+    train_keys = vars(add_train_args(argparse.ArgumentParser()).parse_args([]))
     for mixer in args.mixers:
         label = _mixer_label(mixer)
         log(f"== token mixer {mixer}")
-        run_args = copy.copy(args)
+        # only the training flags, so each run folder can be resumed or inspected with tools/train.py
+        run_args = argparse.Namespace(**{k: getattr(args, k) for k in train_keys})
         run_args.model_kwargs = {**base_kwargs, "token_mixers": mixer}
         run_args.output, run_args.experiment, run_args.resume = os.path.join(run_dir, "runs"), label, None
         t0 = time.time()

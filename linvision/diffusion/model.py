@@ -29,7 +29,7 @@ __all__ = ["DiTConfig", "DIT_CONFIGS", "TimestepEmbedder", "FinalLayer", "LinDiT
 class DiTConfig:
     """Everything needed to rebuild a :class:`LinDiT` (stored with checkpoints)."""
 
-    img_size: int = 16
+    img_size: int = 8
     in_chans: int = 1
     patch_size: int = 2
     dim: int = 128

@@ -169,7 +169,9 @@ def _seed_worker(worker_id: int) -> None:
 
 
 def create_loader(dataset: Dataset, batch_size: int, sampler: Sampler, num_workers: int = 0,
-                  drop_last: bool = False, pin_memory: bool = False) -> DataLoader:
+                  drop_last: bool = False, pin_memory: bool = False,
+                  generator: Optional[torch.Generator] = None) -> DataLoader:
+    """A DataLoader over ``sampler``'s indices; ``generator`` seeds the workers instead of the global RNG."""
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                       drop_last=drop_last, pin_memory=pin_memory, worker_init_fn=_seed_worker,
-                      persistent_workers=False)
+                      generator=generator)

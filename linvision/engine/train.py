@@ -256,8 +256,7 @@ def _train(args: argparse.Namespace, info: DistInfo) -> Dict[str, Any]:
     sampler = ShardedSampler(len(train_set), info.rank, info.world_size, shuffle=True, seed=args.seed)
     # a loader-owned generator keeps the loader from drawing on the global RNG (exact resumption)
     loader = create_loader(train_set, args.batch_size, sampler, args.workers, drop_last=mixup is not None,
-                           pin_memory=info.device.type == "cuda")
-    loader.generator = torch.Generator()
+                           pin_memory=info.device.type == "cuda", generator=torch.Generator())
     val_loader = create_loader(val_set, args.batch_size, ShardedSampler(len(val_set), info.rank, info.world_size,
                                                                         shuffle=False), args.workers)
     steps_per_epoch = len(loader)

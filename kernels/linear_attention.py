@@ -53,6 +53,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _INTERPRET_BLOCK_N = 64
 _SPLIT_ALIGN = 256  # split lengths are multiples of every autotuned BLOCK_N
+_MAX_GRID_Y = 65535  # batch x heads runs on the second grid axis
 
 
 def _configs():
@@ -556,6 +557,8 @@ def unsupported_reason(q: Tensor, k: Tensor, v: Tensor, phi: FeatureMap, rope: O
         return f"head dim {d} not in {MIN_HEAD_DIM}..{MAX_HEAD_DIM} (even)"
     if not 1 <= dv <= MAX_VALUE_DIM:
         return f"value head dim {dv} not in 1..{MAX_VALUE_DIM}"
+    if q.shape[0] * q.shape[1] > _MAX_GRID_Y:
+        return f"batch x heads = {q.shape[0] * q.shape[1]} exceeds the launch grid limit {_MAX_GRID_Y}"
     if rope is not None and (rope.freqs_x.requires_grad or rope.freqs_y.requires_grad):
         return "rope frequencies require grad (the kernels do not differentiate them)"
     return None

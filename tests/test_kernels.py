@@ -196,6 +196,8 @@ def test_unsupported_reasons(monkeypatch):
     assert "head dim 17 not in" in _reason(q.new_zeros(1, 1, 8, 17), k.new_zeros(1, 1, 8, 17), v)
     assert "head dim 130" in _reason(q.new_zeros(1, 1, 8, 130), k.new_zeros(1, 1, 8, 130), v)
     assert "value head dim 200" in _reason(q, k, v.new_zeros(1, 1, 8, 200))
+    many = [t.expand(256, 257, 8, 16) for t in (q, k, v)]  # zero strides: no memory behind them
+    assert "batch x heads = 65792 exceeds" in _reason(*many)
     fx, fy = mixed_rope_freqs(16, 1)
     learnable = Rope(fx.requires_grad_(), fy, (2, 4))
     assert "require grad" in _reason(q, k, v, rope=learnable)

@@ -219,3 +219,33 @@ def test_checkpoint_round_trip_gives_identical_samples(tmp_path):
         got, _ = sample_classes(loaded, [0, 7], 2, steps=3, cfg_scale=2.0, seed=5)
         assert labels.tolist() == [0, 0, 7, 7]
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_sample_classification_sees_the_classifier_preprocessing():
+    """DiT-side digits (native 8 x 8 in [-1, 1]) reach the classifier as the classification tool's 32 px
+    digits do: same images up to uint8 rounding, same normalisation."""
+    import numpy as np
+
+    from linvision.diffusion.sampling import classify_images
+    from linvision.diffusion.train import load_images
+    from linvision.engine.data import DigitsDataset
+
+    class Capture(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, x):
+            self.seen = x
+            return torch.zeros(x.shape[0], 10)
+
+    x, y, _ = load_images("digits", 8, 1, split="val")
+    meta = {"in_chans": 3, "img_size": 32, "mean": [0.5, 0.4, 0.3], "std": [0.2, 0.25, 0.3]}
+    clf = Capture()
+    classify_images(clf, x[:64], meta, batch_size=64)
+    ref = DigitsDataset("val", size=32)
+    pixels = torch.from_numpy(np.stack([np.asarray(im) for im in ref.images[:64]])).float().div(255)
+    expected = (pixels.permute(0, 3, 1, 2) - torch.tensor(meta["mean"]).view(1, 3, 1, 1)) / torch.tensor(
+        meta["std"]).view(1, 3, 1, 1)
+    assert y[:64].tolist() == ref.targets[:64]
+    torch.testing.assert_close(clf.seen, expected, rtol=0, atol=1.01 / 255 / 0.2)

@@ -79,9 +79,20 @@ def run_point(args: Dict, attn: str, tokens: int, queue: "mp.Queue") -> None:
             block(x, hw, t_mod, context, mask)
         sync()
         seconds = (time.perf_counter() - start) / repeats
-    peak = torch.cuda.max_memory_allocated() / 2 ** 20 if device == "cuda" else _peak_rss_mib()
+        peak = torch.cuda.max_memory_allocated() / 2 ** 20 if device == "cuda" else _peak_rss_mib()
+        parts = {}
+        if args["parts"]:  # the self-attention and the Mix-FFN alone, on a layer-normed input
+            h = block.norm1(x)
+            for name, fn in (("self_attn_ms", lambda: block.attn(h, hw)), ("ffn_ms", lambda: block.ffn(h, hw))):
+                sync()
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    fn()
+                sync()
+                parts[name] = 1e3 * (time.perf_counter() - start) / repeats
     queue.put({"attn": attn, "tokens": tokens, "grid": list(hw), "status": "ok", "ms": 1e3 * seconds,
-               "tokens_per_s": args["batch"] * tokens / seconds, "peak_mib": peak - base, "repeats": repeats})
+               "tokens_per_s": args["batch"] * tokens / seconds, "peak_mib": peak - base, "repeats": repeats,
+               **parts})
 
 
 def measure(args: Dict, attn: str, tokens: int, timeout: float) -> Dict:
@@ -113,10 +124,12 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per point")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--parts", action="store_true", help="also time the self-attention and the Mix-FFN alone")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args()
     cfg = DIT_CONFIGS[args.model]
-    opts = {k: getattr(args, k) for k in ("model", "batch", "context", "dtype", "repeats", "threads", "device")}
+    opts = {k: getattr(args, k) for k in ("model", "batch", "context", "dtype", "repeats", "threads", "device",
+                                          "parts")}
     threads = args.threads or torch.get_num_threads()
     print(f"block C={cfg.dim}, linear heads {cfg.dim // cfg.head_dim} x {cfg.head_dim}, cross heads {cfg.num_heads}, "
           f"Mix-FFN hidden {int(cfg.dim * cfg.mlp_ratio)}; batch {args.batch}, {args.context} condition tokens, "
@@ -129,8 +142,9 @@ def main() -> None:
             results.append(r)
             if r["status"] == "ok":
                 grid = "x".join(map(str, r["grid"]))
+                parts = "".join(f", {k[:-3]} {r[k]:.1f} ms" for k in ("self_attn_ms", "ffn_ms") if k in r)
                 print(f"{attn:>9} {tokens:>7} {grid:>9} {r['ms']:>10.1f} {r['tokens_per_s']:>10.0f} "
-                      f"{r['peak_mib']:>9.0f}  ok")
+                      f"{r['peak_mib']:>9.0f}  ok{parts}")
             else:
                 print(f"{attn:>9} {tokens:>7} {'':>9} {'-':>10} {'-':>10} {'-':>9}  {r['status']}")
     for tokens in args.tokens:

@@ -27,7 +27,7 @@ from linvision.kernels.traffic import count_traffic, minimal_bytes  # noqa: E402
 
 # Max error relative to the largest reference value, per input dtype (fp16/bf16: the inputs are rounded to
 # that dtype before both paths see them, so this measures the kernels' arithmetic and the output rounding).
-TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+TOL = {torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
 
 def _rope(kind, n, d, h):

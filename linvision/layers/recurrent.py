@@ -45,7 +45,7 @@ class BidirectionalRecurrentMixer(nn.Module):
         num_heads: heads.
         feature_map: name of a feature map of :func:`linvision.ops.get_feature_map` applied to q and k.
         column_major: also scan the column-major order and average with the raster-order result.
-        chunk_size: chunk length of the chunked scans.
+        chunk_size: chunk length of the chunked scans (32 was 10-20% faster than 64 on CPU at head dim 32).
         lepe: add a 3x3 depthwise conv of V (on the grid) to the output, as the other attention mixers.
         gate: multiply the output by SiLU(W_g x) before the output projection (the MLLA block's gate).
         qkv_bias: bias of the qkv projection.
@@ -55,7 +55,7 @@ class BidirectionalRecurrentMixer(nn.Module):
 
     def __init__(
         self, dim: int, num_heads: int, *, feature_map: str = "elu", column_major: bool = False,
-        chunk_size: int = 64, lepe: bool = False, gate: bool = False, qkv_bias: bool = True, proj_drop: float = 0.0,
+        chunk_size: int = 32, lepe: bool = False, gate: bool = False, qkv_bias: bool = True, proj_drop: float = 0.0,
     ):
         super().__init__()
         if num_heads < 1 or dim % num_heads != 0:
@@ -120,7 +120,7 @@ class BidirDecayAttention(BidirectionalRecurrentMixer):
 
     def __init__(
         self, dim: int, num_heads: int, *, decay_range: Tuple[float, float] = (3.0, 10.0), eps: float = DEFAULT_EPS,
-        feature_map: str = "elu", column_major: bool = False, chunk_size: int = 64, lepe: bool = False,
+        feature_map: str = "elu", column_major: bool = False, chunk_size: int = 32, lepe: bool = False,
         gate: bool = False, qkv_bias: bool = True, proj_drop: float = 0.0,
     ):
         super().__init__(
@@ -144,7 +144,7 @@ class BidirGatedAttention(BidirectionalRecurrentMixer):
     starts from :class:`BidirDecayAttention` and learns which tokens to forget across.
 
     forget_temperature: divides log sigmoid (GLA's 16 keeps gates near 1). eps, decay_range: as BidirDecayAttention.
-    chunk_size: default 64 per head, 16 per channel (per-channel gates form a (chunk, chunk, D) decay tensor).
+    chunk_size: default 32 per head, 16 per channel (per-channel gates form a (chunk, chunk, D) decay tensor).
     Other options: :class:`BidirectionalRecurrentMixer`.
     """
 
@@ -155,7 +155,7 @@ class BidirGatedAttention(BidirectionalRecurrentMixer):
         qkv_bias: bool = True, proj_drop: float = 0.0,
     ):
         if chunk_size is None:
-            chunk_size = 16 if forget_per_channel else 64
+            chunk_size = 16 if forget_per_channel else 32
         super().__init__(
             dim, num_heads, feature_map=feature_map, column_major=column_major, chunk_size=chunk_size, lepe=lepe,
             gate=gate, qkv_bias=qkv_bias, proj_drop=proj_drop,
@@ -195,7 +195,7 @@ class BidirDeltaAttention(BidirectionalRecurrentMixer):
 
     def __init__(
         self, dim: int, num_heads: int, *, feature_map: str = "identity", column_major: bool = False,
-        chunk_size: int = 64, lepe: bool = False, gate: bool = False, qkv_bias: bool = True, proj_drop: float = 0.0,
+        chunk_size: int = 32, lepe: bool = False, gate: bool = False, qkv_bias: bool = True, proj_drop: float = 0.0,
     ):
         super().__init__(
             dim, num_heads, feature_map=feature_map, column_major=column_major, chunk_size=chunk_size, lepe=lepe,

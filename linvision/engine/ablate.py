@@ -168,6 +168,7 @@ def _plot_accuracy(result: Dict[str, Any], path: str) -> None:
         pts = [(int(s), v) for s, v in row["accuracy"].items() if isinstance(v, (int, float))]
         ax.plot([s for s, _ in pts], [v for _, v in pts], marker="o", label=row["mixer"])
     ax.set_xscale("log", base=2)
+    ax.set_xticks(result["eval_sizes"], [str(s) for s in result["eval_sizes"]])
     ax.set_xlabel(f"evaluation resolution (px), trained at {result['img_size']}")
     ax.set_ylabel("top-1 (%)")
     ax.grid(True, alpha=0.3)

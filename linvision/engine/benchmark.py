@@ -229,6 +229,8 @@ def plot_results(points: List[BenchmarkPoint], path: str, title: str = "", label
             if failed:
                 ax.plot(failed, [ax.get_ylim()[0]] * len(failed), "x", color=line.get_color(), ms=9)
         ax.set_xscale("log", base=2)
+        sizes = sorted({p["img_size"] for p in points})
+        ax.set_xticks(sizes, [str(s) for s in sizes])
         ax.set_yscale("log")
         ax.set_xlabel("resolution (px)")
         ax.set_title(label, fontsize=10)

@@ -111,8 +111,9 @@ class AttentionMixer(nn.Module):
             return axial_rope(self.rope_dim, hw, device=device)
         return Rope(self.rope_freqs_x, self.rope_freqs_y, hw)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope]) -> Tensor:
-        """q, k, v: (B, heads, N, D) -> (B, heads, N, D)."""
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
+        """q, k, v: (B, heads, N, D) -> (B, heads, N, D). x: the mixer's input tokens (B, N, C), for mixers whose
+        mixing depends on the data beyond q, k, v (e.g. forget gates)."""
         raise NotImplementedError
 
     def forward(self, x: Tensor, hw: Tuple[int, int]) -> Tensor:
@@ -121,7 +122,7 @@ class AttentionMixer(nn.Module):
         b, n, c = x.shape
         qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # (B, heads, N, D)
-        out = self.attend(q, k, v, (h, w), self.make_rope((h, w), x.device))
+        out = self.attend(q, k, v, (h, w), self.make_rope((h, w), x.device), x)
         out = out.transpose(1, 2).reshape(b, n, c)
         if self.lepe is not None:
             v_grid = v.transpose(1, 2).reshape(b, h, w, c).permute(0, 3, 1, 2)  # (B, C, H, W)
@@ -158,7 +159,7 @@ class LinearAttention(AttentionMixer):
             return FocusedFeatureMap(scale=self.focus_scale)
         return get_feature_map(self.feature_map_name)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope]) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
         return linear_attention(q, k, v, self.feature_map(), rope=rope, causal=self.causal, eps=self.eps)
 
     def extra_repr(self) -> str:
@@ -184,7 +185,7 @@ class CausalLinearAttention(LinearAttention):
 class SoftmaxAttention(AttentionMixer):
     """Softmax attention through SDPA; with RoPE both q and k are rotated (the usual softmax form)."""
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope]) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
         return softmax_attention(q, k, v, rope=rope)
 
 
@@ -227,7 +228,7 @@ class HybridAttention(LinearAttention):
         self.window = window
         self.mix_logit = nn.Parameter(torch.zeros(num_heads))  # sigmoid(0) = 0.5: equal start
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope]) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
         global_out = linear_attention(q, k, v, self.feature_map(), rope=rope, eps=self.eps)
         if rope is not None:
             q_l, k_l = apply_rope(q, rope).to(v.dtype), apply_rope(k, rope).to(v.dtype)

@@ -22,6 +22,9 @@ from linvision.ops import (
     get_feature_map,
 )
 
+from linvision.ops.rope import Rope
+
+from .mixers import AttentionMixer
 from .registry import register_mixer
 
 __all__ = ["BidirectionalRecurrentMixer", "BidirDecayAttention", "BidirGatedAttention", "BidirDeltaAttention"]
@@ -37,8 +40,9 @@ def retnet_log_decays(num_heads: int, decay_range: Tuple[float, float]) -> Tenso
     return torch.log1p(-torch.pow(2.0, -exponents)).float()
 
 
-class BidirectionalRecurrentMixer(nn.Module):
-    """Skeleton of the bidirectional recurrent mixers; subclasses implement :meth:`scan`.
+class BidirectionalRecurrentMixer(AttentionMixer):
+    """Skeleton of the bidirectional recurrent mixers; subclasses implement :meth:`scan`. The qkv projection,
+    LePE, output gate and output projection are those of :class:`AttentionMixer` (without RoPE).
 
     Args:
         dim: channels C (divisible by ``num_heads``); head dim D = C / num_heads.
@@ -46,10 +50,7 @@ class BidirectionalRecurrentMixer(nn.Module):
         feature_map: name of a feature map of :func:`linvision.ops.get_feature_map` applied to q and k.
         column_major: also scan the column-major order and average with the raster-order result.
         chunk_size: chunk length of the chunked scans (32 was 10-20% faster than 64 on CPU at head dim 32).
-        lepe: add a 3x3 depthwise conv of V (on the grid) to the output, as the other attention mixers.
-        gate: multiply the output by SiLU(W_g x) before the output projection (the MLLA block's gate).
-        qkv_bias: bias of the qkv projection.
-        proj_drop: dropout after the output projection.
+        lepe, gate, qkv_bias, proj_drop: as :class:`AttentionMixer`.
     Raises ValueError for a bad dim/num_heads pair, chunk_size or an unknown feature map.
     """
 
@@ -57,56 +58,32 @@ class BidirectionalRecurrentMixer(nn.Module):
         self, dim: int, num_heads: int, *, feature_map: str = "elu", column_major: bool = False,
         chunk_size: int = 32, lepe: bool = False, gate: bool = False, qkv_bias: bool = True, proj_drop: float = 0.0,
     ):
-        super().__init__()
-        if num_heads < 1 or dim % num_heads != 0:
-            raise ValueError(f"num_heads: {num_heads} must be >= 1 and divide dim={dim}")
+        super().__init__(dim, num_heads, lepe=lepe, gate=gate, qkv_bias=qkv_bias, proj_drop=proj_drop)
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size: must be a positive int, got {chunk_size!r}")
-        get_feature_map(feature_map, dim=dim // num_heads)  # fail at construction for an unknown name
-        self.dim = dim
-        self.num_heads = num_heads
-        self.head_dim = dim // num_heads
+        get_feature_map(feature_map, dim=self.head_dim)  # fail at construction for an unknown name
         self.feature_map = feature_map
         self.column_major = column_major
         self.chunk_size = chunk_size
-        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
-        self.lepe = nn.Conv2d(dim, dim, 3, padding=1, groups=dim) if lepe else None
-        self.gate = nn.Linear(dim, dim) if gate else None
-        self.proj = nn.Linear(dim, dim)
-        self.proj_drop = nn.Dropout(proj_drop)
 
     def scan(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor) -> Tensor:
         """Bidirectional scan over the given token order. q, k, v: (B, heads, N, D); x: (B, N, C) input tokens
         in the same order (for data-dependent gates). Returns (B, heads, N, D)."""
         raise NotImplementedError
 
-    def forward(self, x: Tensor, hw: Tuple[int, int]) -> Tensor:
-        """x: (B, N, C) tokens on grid hw = (H, W), raster order -> (B, N, C)."""
-        if len(hw) != 2 or x.shape[1] != hw[0] * hw[1]:
-            raise ValueError(f"hw: grid {tuple(hw)} does not match {x.shape[1]} tokens of x {tuple(x.shape)}")
-        h, w = int(hw[0]), int(hw[1])
-        b, n, c = x.shape
-        qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)  # (B, heads, N, D)
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
         out = self.scan(q, k, v, x)
         if self.column_major:
+            h, w = hw
+            n = h * w
             to_cols = torch.arange(n, device=x.device).reshape(h, w).t().reshape(-1)  # column-major -> raster index
             to_rows = torch.arange(n, device=x.device).reshape(w, h).t().reshape(-1)  # its inverse
             out_cols = self.scan(q[:, :, to_cols], k[:, :, to_cols], v[:, :, to_cols], x[:, to_cols])
             out = 0.5 * (out + out_cols[:, :, to_rows])
-        out = out.transpose(1, 2).reshape(b, n, c)
-        if self.lepe is not None:
-            v_grid = v.transpose(1, 2).reshape(b, h, w, c).permute(0, 3, 1, 2)  # (B, C, H, W)
-            out = out + self.lepe(v_grid).flatten(2).transpose(1, 2)
-        if self.gate is not None:
-            out = out * F.silu(self.gate(x))
-        return self.proj_drop(self.proj(out))
+        return out
 
     def extra_repr(self) -> str:
-        return (
-            f"dim={self.dim}, num_heads={self.num_heads}, feature_map={self.feature_map}, "
-            f"column_major={self.column_major}"
-        )
+        return f"{super().extra_repr()}, feature_map={self.feature_map}, column_major={self.column_major}"
 
 
 @register_mixer("bidir_decay")

@@ -232,3 +232,19 @@ def test_benchmark_point_gflops_of_a_linear_model():
     p = benchmark_point("flat", 8, batch_size=2, iters=1, warmup=0, build_fn=lambda *a: Flat())
     assert p["status"] == "ok"
     assert p["gflops"] == pytest.approx(3 * 8 * 8 * 10 / 1e9)  # one multiply-accumulate per weight
+
+
+def test_ablate_digits_trains_with_more_than_one_token_in_the_last_stage():
+    """The resolution column of configs/ablate_digits.yaml is only meaningful when the training size leaves the
+    deepest stages a real grid: at 32 px the stride-32 model's last stage is one token (its conv taps off the
+    centre never trained) and every mixer, plain convolutions included, fell to chance at 2x."""
+    from linvision.engine.config import load_yaml
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+    cfg = load_yaml(os.path.join(root, "ablate_digits.yaml"))
+    size = cfg["img_size"]
+    model = create_model(cfg["model"], num_classes=10, model_kwargs=dict(cfg["model_kwargs"], token_mixers="none"))
+    with torch.no_grad():
+        feats = model.forward_features(torch.zeros(1, 3, size, size))
+    assert min(feats.shape[1:3]) >= 2, f"last stage grid {tuple(feats.shape[1:3])} at the {size} px training size"
+    assert min(cfg["eval_sizes"]) == size and all(s >= size for s in cfg["eval_sizes"])

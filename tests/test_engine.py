@@ -1,6 +1,7 @@
 """Library code behind the tools: configuration, data, checkpoints, evaluation, training resume, benchmark."""
 import argparse
 import json
+import math
 import os
 
 import numpy as np
@@ -218,6 +219,10 @@ def test_sweep_records_failures_and_goes_on(tmp_path):
         assert len(f.readlines()) == 6
     plot_results(points, str(tmp_path / "plot.png"))
     assert (tmp_path / "plot.png").stat().st_size > 0
+    # inference only (training figures NaN, as with --no-train): the plot leaves those panels out
+    infer_only = [{**p, "train_img_s": math.nan, "train_mem_mb": math.nan} for p in points]
+    plot_results(infer_only, str(tmp_path / "infer_only.png"))
+    assert (tmp_path / "infer_only.png").stat().st_size > 0
 
 
 def test_benchmark_point_gflops_of_a_linear_model():

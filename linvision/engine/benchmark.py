@@ -215,15 +215,22 @@ def plot_results(points: List[BenchmarkPoint], path: str, title: str = "", label
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def measured(p: BenchmarkPoint, key: str) -> bool:
+        return p["status"] == "ok" and math.isfinite(p[key]) and p[key] > 0
+
     panels = [("infer_img_s", "inference images/s"), ("train_img_s", "training images/s"),
               ("infer_mem_mb", "inference peak memory (MiB)"), ("train_mem_mb", "training peak memory (MiB)")]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
+    # A panel with nothing measured (e.g. training with --no-train) would have no log scale: leave it out.
+    panels = [(key, label) for key, label in panels if any(measured(p, key) for p in points)]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    axes = axes[0]
     names = list(dict.fromkeys(p[label_key] for p in points))
     for ax, (key, label) in zip(axes, panels):
         for name in names:
             rows = [p for p in points if p[label_key] == name]
-            ok = [(p["img_size"], p[key]) for p in rows if p["status"] == "ok" and math.isfinite(p[key])
-                  and p[key] > 0]
+            ok = [(p["img_size"], p[key]) for p in rows if measured(p, key)]
             line = ax.plot([s for s, _ in ok], [v for _, v in ok], marker="o", label=name)[0]
             failed = [p["img_size"] for p in rows if p["status"] != "ok"]
             if failed:

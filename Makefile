@@ -14,9 +14,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The main job.
+# The main job: the token-mixer ablation on the offline digits data.
 demo: $(STAMP)
-	$(BIN)/python tools/demo.py
+	$(BIN)/python tools/ablate.py --config configs/ablate_digits.yaml
 
 # The test suite (the default, lean run; CI runs this).
 test: $(STAMP)

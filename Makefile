@@ -4,12 +4,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-all
+.PHONY: install demo test test-all test-latest
 
-$(STAMP): pyproject.toml
+# The tested versions: constraints.txt pins every package (pyproject.toml keeps the ranges users install into).
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q -c constraints.txt pip
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -25,3 +26,15 @@ test: $(STAMP)
 # Including the cases marked slow.
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q --runslow
+
+# Not for CI: the suite against the newest releases of every dependency (upper bounds of pyproject.toml
+# ignored), in its own .venv-latest, to see the next breakage before a user does. When it passes,
+# `.venv-latest/bin/pip freeze --exclude-editable > constraints.txt` moves the pins forward.
+test-latest:
+	test -x .venv-latest/bin/python || $(PYTHON) -m venv .venv-latest
+	.venv-latest/bin/python -m pip install -q --upgrade pip
+	.venv-latest/bin/python -m pip install -q -e ".[dev]"
+	.venv-latest/bin/python -m pip install -q --upgrade torch torchvision timm triton einops safetensors pyyaml \
+		tqdm numpy pillow matplotlib scikit-learn pytest
+	.venv-latest/bin/python -m pip list | grep -iE "^(torch|torchvision|timm|triton) "
+	.venv-latest/bin/python -m pytest -q

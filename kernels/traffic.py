@@ -45,6 +45,30 @@ def _addresses(ptrs: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return np.asarray(ptrs)[np.broadcast_to(np.asarray(mask, dtype=bool), np.shape(ptrs))]
 
 
+# The interpreter is not a public API: these are the only parameters the counter relies on (the ones after
+# them changed between releases). Checked on every call, so a release that renames them fails with one line;
+# _TESTED_TRITON is the release pinned in constraints.txt, on which the tests run the counter.
+_LOAD_PARAMS = ("self", "ptrs", "mask")
+_STORE_PARAMS = ("self", "ptrs", "value", "mask")
+_TESTED_TRITON = "3.8.0"
+
+
+def _check_interpreter_api(builder_cls) -> None:
+    """RuntimeError naming the Triton version when the interpreter's load/store methods no longer start with
+    the parameters the counter reads (a future release may rename them)."""
+    import inspect
+
+    import triton
+
+    for name, want in (("create_masked_load", _LOAD_PARAMS), ("create_masked_store", _STORE_PARAMS)):
+        method = getattr(builder_cls, name, None)
+        params = tuple(inspect.signature(method).parameters)[: len(want)] if method is not None else ()
+        if params != want:
+            raise RuntimeError(
+                f"count_traffic: Triton {triton.__version__}'s interpreter has no {name}{want[1:]} "
+                f"(found {params[1:] or 'nothing'}); the counter was tested with Triton {_TESTED_TRITON}")
+
+
 @contextlib.contextmanager
 def count_traffic() -> Iterator[List[LaunchTraffic]]:
     """Yield a list that receives one :class:`LaunchTraffic` per kernel launch made inside the block.
@@ -60,24 +84,27 @@ def count_traffic() -> Iterator[List[LaunchTraffic]]:
         raise RuntimeError("count_traffic: needs TRITON_INTERPRET=1 set before triton is imported")
     builder_cls = interpreter.InterpreterBuilder
     executor_cls = interpreter.GridExecutor
+    _check_interpreter_api(builder_cls)
     orig_load = builder_cls.create_masked_load
     orig_store = builder_cls.create_masked_store
     orig_call = executor_cls.__call__
     launches: List[LaunchTraffic] = []
     current: List[LaunchTraffic] = []
 
-    def load(self, ptrs, mask, other, cache_policy, is_volatile):
-        ret = orig_load(self, ptrs, mask, other, cache_policy, is_volatile)
+    # Only the leading (ptrs, mask) / (ptrs, value, mask) arguments are read; the cache and eviction
+    # arguments after them changed between Triton releases and are passed through untouched.
+    def load(self, ptrs, mask, *args, **kwargs):
+        ret = orig_load(self, ptrs, mask, *args, **kwargs)
         if current:
             itemsize = ret.data.dtype.itemsize
             current[-1]._loads.setdefault(itemsize, []).append(_addresses(ptrs.data, mask.data))
         return ret
 
-    def store(self, ptrs, value, mask, cache_policy):
+    def store(self, ptrs, value, mask, *args, **kwargs):
         if current:
             itemsize = np.asarray(value.data).dtype.itemsize
             current[-1]._stores.setdefault(itemsize, []).append(_addresses(ptrs.data, mask.data))
-        return orig_store(self, ptrs, value, mask, cache_policy)
+        return orig_store(self, ptrs, value, mask, *args, **kwargs)
 
     def call(self, *args, **kwargs):
         current.append(LaunchTraffic(getattr(self.fn, "__name__", str(self.fn))))

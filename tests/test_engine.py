@@ -239,6 +239,43 @@ def test_benchmark_point_gflops_of_a_linear_model():
     assert p["gflops"] == pytest.approx(3 * 8 * 8 * 10 / 1e9)  # one multiply-accumulate per weight
 
 
+class _Sdpa(nn.Module):
+    """One softmax attention call on (B, H, N, D) = (1, 2, N, 8) tokens made from the image's pixels."""
+
+    def forward(self, x):
+        t = x.flatten(2).transpose(1, 2).reshape(1, -1, 2, 8).transpose(1, 2)  # 3 x 16 x 16 pixels -> N = 48
+        return torch.nn.functional.scaled_dot_product_attention(t, t, t).sum()
+
+
+def test_flop_counter_counts_sdpa_on_this_torch():
+    """Softmax attention counts 2 * B * H * N^2 * D multiply-accumulates (QK^T and PV). torch's counter lost
+    its CPU SDPA kernel in a release; linvision registers the formula for every SDPA kernel torch lacks. If
+    this fails, torch dispatches SDPA to a kernel not listed in linvision.engine.flops.SDPA_OPS."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from linvision.engine.flops import count_gflops
+
+    b, h, n, d = 1, 2, 48, 8
+    gflops = count_gflops(_Sdpa(), 16)
+    assert gflops == pytest.approx(2 * b * h * n * n * d / 1e9), (
+        f"torch {torch.__version__}: FlopCounterMode counted {gflops * 1e9:.0f} MACs for one SDPA call, "
+        f"expected {2 * b * h * n * n * d}; add the aten op it now dispatches to to SDPA_OPS")
+    q = torch.randn(b, h, n, d, requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q).sum().backward()
+    # forward 2 products, backward 5, each 2 * B * H * N^2 * D FLOPs
+    assert counter.get_total_flops() == 7 * 2 * b * h * n * n * d
+
+
+def test_gflops_match_timm_published_vit_small():
+    """timm lists vit_small_patch16_224 at 4.6 GMACs (4.25 of them outside attention)."""
+    import timm
+
+    from linvision.engine.flops import count_gflops
+
+    assert count_gflops(timm.create_model("vit_small_patch16_224")) == pytest.approx(4.6, abs=0.01)
+
+
 def test_ablate_digits_trains_with_more_than_one_token_in_the_last_stage():
     """The resolution column of configs/ablate_digits.yaml is only meaningful when the training size leaves the
     deepest stages a real grid: at 32 px the stride-32 model's last stage is one token (its conv taps off the

@@ -168,6 +168,22 @@ def test_traffic_is_the_minimum():
     assert sum(t.total for t in fwd) - (splits + 1) * state == floor_fwd
 
 
+def test_traffic_counter_refuses_an_interpreter_it_does_not_know(monkeypatch):
+    """The counter patches the interpreter's load/store; a release that renames their leading parameters gets
+    one line naming the Triton version instead of a TypeError deep inside a launch."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("traffic is counted in the interpreter")
+    from triton.runtime import interpreter
+
+    def renamed(self, pointers, mask, *args):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", renamed)
+    with pytest.raises(RuntimeError, match=r"Triton .*create_masked_load.*tested with Triton"):
+        with count_traffic():
+            pass
+
+
 def test_dispatch_from_linear_attention(monkeypatch):
     q, k, v, _ = _inputs(1, 2, 40, 40, 16, 16, torch.float32, "elu")
     ref = linear_attention_reference(q, k, v, "elu")

@@ -3,6 +3,12 @@
 FLOPs are counted with torch's ``FlopCounterMode`` (matmuls, convolutions, SDPA; elementwise ops are not
 counted) on one image in eval mode. They are reported as multiply-accumulates (torch counts 2 per MAC and the
 result is halved), the convention of the GFLOPs figures that papers and timm list for vision models.
+
+torch's counter knows SDPA only through the aten kernels it has formulas for, and which kernel a call
+reaches depends on the release and the device: on CPU, recent releases run
+``aten._scaled_dot_product_flash_attention_for_cpu``, which the counter does not list, so softmax attention
+would count as free. :func:`register_attention_flops` (called on import) registers torch's own SDPA formulas
+for every SDPA kernel the counter lacks; linvision's fused kernels register theirs where they are defined.
 """
 from __future__ import annotations
 
@@ -12,7 +18,44 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["count_params", "count_gflops"]
+__all__ = ["count_params", "count_gflops", "register_attention_flops", "SDPA_OPS"]
+
+# Every aten SDPA kernel (forward, backward) that a release may dispatch to; the ones a release lacks are skipped.
+SDPA_OPS = (
+    ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"),
+    ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"),
+    ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward"),
+    ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward"),
+    ("_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_fused_attention_overrideable_backward"),
+)
+
+
+def register_attention_flops() -> list:
+    """Register torch's SDPA FLOP formulas for the SDPA kernels its counter has none for; returns their names.
+
+    The forward counts the two (N x D) @ (D x N) products of attention, the backward its five, exactly as
+    torch counts its own flash and efficient kernels. Idempotent.
+    """
+    from torch.utils.flop_counter import (flop_registry, register_flop_formula, sdpa_backward_flop_count,
+                                          sdpa_flop_count)
+
+    def forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+    def backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+    added = []
+    for fwd_name, bwd_name in SDPA_OPS:
+        for name, formula in ((fwd_name, forward), (bwd_name, backward)):
+            op = getattr(torch.ops.aten, name, None)
+            if op is not None and op not in flop_registry:
+                register_flop_formula(op)(formula)
+                added.append(name)
+    return added
+
+
+register_attention_flops()
 
 
 def count_params(model: nn.Module, trainable_only: bool = False) -> int:
@@ -39,8 +82,9 @@ def count_gflops(model: nn.Module, input_size: Union[int, Sequence[int]] = 224, 
         size = tuple(input_size)
     else:
         raise ValueError(f"input_size: expected an int, (H, W) or (C, H, W), got {input_size!r}")
-    param = next(model.parameters())
-    x = torch.randn(batch_size, *size, device=param.device, dtype=param.dtype)
+    param = next(model.parameters(), None)
+    x = torch.randn(batch_size, *size, device=param.device if param is not None else "cpu",
+                    dtype=param.dtype if param is not None else torch.float32)
     was_training = model.training
     model.eval()
     try:

@@ -148,19 +148,39 @@ def test_bad_input_gives_a_clear_error(case, data, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def _bench(tmp_path, experiment, *flags):
+    return run_tool("benchmark.py", *flags, "-b", "2", "--iters", "2", "--warmup", "0", "--device", "cpu",
+                    "--output", str(tmp_path), "--experiment", experiment, check=False)
+
+
 def test_benchmark_cli_records_a_failure_and_plots(tmp_path):
-    proc = run_tool("benchmark.py", "--models", "test_vit", "vit_no_such_model", "--img-size", "16", "32",
-                    "--batch-size", "2", "--iters", "1", "--warmup", "0", "--model-kwargs", "patch_size=8",
-                    "--device", "cpu", "--output", str(tmp_path), "--experiment", "b")
+    """A point that fails is recorded, the sweep goes on, the plot shows the rest, and the exit status says so."""
+    proc = _bench(tmp_path, "b", "--model", "test_vit", "--img-size", "16", "20", "32")  # 20: not a multiple of 16
+    assert proc.returncode == 1, proc.stderr
     with open(tmp_path / "b" / "results.json") as f:
         points = json.load(f)
-    assert [(p["model"], p["img_size"], p["status"]) for p in points] == [
-        ("test_vit", 16, "ok"), ("test_vit", 32, "ok"), ("vit_no_such_model", 16, "error"),
-        ("vit_no_such_model", 32, "error")]
-    assert points[1]["gflops"] > points[0]["gflops"] > 0  # 16 patches against 4
-    assert "unknown 'vit_no_such_model'" in proc.stdout
+    assert [(p["img_size"], p["status"]) for p in points] == [(16, "ok"), (20, "error"), (32, "ok")]
+    assert "divisible by patch size" in points[1]["error"]
+    assert points[2]["gflops"] > points[0]["gflops"] > 0 and points[0]["iters"] == 2
+    assert all(p["infer_spread_pct"] >= 0 and p["train_spread_pct"] >= 0 for p in (points[0], points[2]))
+    assert "2 of 3 points measured, 0 out of memory, 1 failed" in proc.stdout
+    assert "with throughput_memory.png" in proc.stdout
     for name in ("results.csv", "results.jsonl", "throughput_memory.png"):
         assert (tmp_path / "b" / name).stat().st_size > 0
+
+
+def test_benchmark_cli_says_when_there_is_no_plot(tmp_path):
+    proc = _bench(tmp_path, "none", "--models", "linvit_tiny_patch16_rope_224", "--img-size", "20")
+    assert proc.returncode == 1
+    assert "0 of 1 points measured" in proc.stdout and "no plot" in proc.stdout
+    assert not (tmp_path / "none" / "throughput_memory.png").exists()
+
+
+def test_benchmark_cli_refuses_an_unknown_model_before_measuring(tmp_path):
+    proc = _bench(tmp_path, "typo", "--models", "test_vit", "vit_no_such_model", "--img-size", "16")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: model: unknown 'vit_no_such_model'") and "Traceback" not in proc.stderr
+    assert not (tmp_path / "typo").exists()
 
 
 def test_ablate_cli_tables_each_mixer(data, tmp_path):

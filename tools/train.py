@@ -5,7 +5,10 @@
         --pretrained-path weights.safetensors --img-size 224 --epochs 30 --amp bf16
     torchrun --nproc_per_node 2 tools/train.py --config configs/digits_demo.yaml
 
-A resumed run (--resume RUN_FOLDER) takes its saved config.yaml as defaults, so the folder alone is enough.
+A resumed run (--resume RUN_FOLDER, its last/ or a file in it) takes its saved config.yaml as defaults, so the
+folder alone is enough; --resume FILE.pth.tar starts a new run from a timm train.py checkpoint (weights,
+optimizer, EMA, epoch) with the recipe given on the command line. timm's spellings work: -b, -j, a bare --amp,
+--initial-checkpoint, --dataset torch/<name>.
 Flags and YAML keys are listed by --help; the run folder (<output>/<experiment>) receives config.yaml,
 metrics.jsonl, summary.json and the checkpoints last/ and best/ (load them with linvision.engine.load_model).
 """
@@ -26,5 +29,9 @@ def main() -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
     run_cli(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -25,5 +25,9 @@ def main() -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
     run_cli(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -48,7 +48,11 @@ def _mixer_label(mixer: str) -> str:
     return mixer.replace(",", "+")
 
 
-def run_ablation(args: argparse.Namespace, log=print) -> Dict[str, Any]:
+def _log(message: str) -> None:
+    print(message, flush=True)
+
+
+def run_ablation(args: argparse.Namespace, log=_log) -> Dict[str, Any]:
     """Train, evaluate and benchmark ``args.model`` once per mixer in ``args.mixers``; returns the rows.
 
     Every run uses the same seed and recipe. Raises ValueError for an empty mixer list (unknown mixers and
@@ -63,9 +67,11 @@ def run_ablation(args: argparse.Namespace, log=print) -> Dict[str, Any]:
     os.makedirs(run_dir, exist_ok=True)
     rows, bench_points = [], []
     train_keys = vars(add_train_args(argparse.ArgumentParser()).parse_args([]))
-    for mixer in args.mixers:
+    start = time.time()
+    for index, mixer in enumerate(args.mixers):
         label = _mixer_label(mixer)
-        log(f"== token mixer {mixer}")
+        log(f"== token mixer {mixer} ({index + 1} of {len(args.mixers)}; {time.time() - start:.0f} s so far): "
+            f"training {args.epochs} epochs at {args.img_size} px")
         # only the training flags, so each run folder can be resumed or inspected with tools/train.py
         run_args = argparse.Namespace(**{k: getattr(args, k) for k in train_keys})
         run_args.model_kwargs = {**base_kwargs, "token_mixers": mixer}
@@ -73,28 +79,34 @@ def run_ablation(args: argparse.Namespace, log=print) -> Dict[str, Any]:
         t0 = time.time()
         summary = train(run_args)
         train_s = time.time() - t0
+        log(f"   evaluating at {', '.join(map(str, eval_sizes))} px")
         val = validate_checkpoint(summary["run_dir"], args.dataset, args.data_dir, eval_sizes, args.batch_size,
-                                  args.workers, args.amp, args.device)
+                                  args.workers, args.amp, args.device, args.progress)
         num_classes = summary["num_classes"]
         model = create_model(args.model, num_classes=num_classes, in_chans=args.in_chans,
-                             model_kwargs=run_args.model_kwargs)
+                             model_kwargs=run_args.model_kwargs, img_size=args.img_size)
         row = {"mixer": label, "params_m": count_params(model) / 1e6,
                "gflops": count_gflops(model, (args.in_chans, args.img_size, args.img_size)),
                "train_s": train_s, "best_top1": summary["best_top1"],
                "accuracy": {str(r["img_size"]): r.get("top1", r.get("error")) for r in val["results"]},
                "bench": {}}
         del model
+        log(f"   benchmarking at {', '.join(map(str, bench_sizes))} px ({args.bench_iters} timed iterations "
+            f"of batch {args.bench_batch_size} per figure)")
         for size in bench_sizes:
             point = benchmark_point(
                 args.model, size, batch_size=args.bench_batch_size, device=str(_device(args)), amp=args.amp,
                 warmup=1, iters=args.bench_iters, model_kwargs=run_args.model_kwargs, flops=False,
-                build_fn=lambda name, _size, kw: create_model(name, num_classes=num_classes, model_kwargs=kw))
+                build_fn=lambda name, size, kw: create_model(name, num_classes=num_classes, model_kwargs=kw,
+                                                            img_size=size))
             point["mixer"] = label
             bench_points.append(point)
-            row["bench"][str(size)] = {k: point[k] for k in ("status", "error", "infer_img_s", "infer_mem_mb",
-                                                             "train_img_s", "train_mem_mb")}
+            row["bench"][str(size)] = {k: point[k] for k in ("status", "error", "iters", "infer_img_s",
+                                                             "infer_spread_pct", "infer_mem_mb", "train_img_s",
+                                                             "train_spread_pct", "train_mem_mb")}
         rows.append(row)
-        log(f"   top-1 {row['accuracy']}, {row['params_m']:.3f} M params, {row['gflops']:.4f} GFLOPs, "
+        accuracy = ", ".join(f"{s} px {_cell(v, '.2f')}" for s, v in row["accuracy"].items())
+        log(f"   top-1 {accuracy}; {row['params_m']:.3f} M params, {row['gflops']:.4f} GFLOPs, "
             f"trained in {train_s:.0f} s")
     result = {"model": args.model, "model_kwargs": base_kwargs, "img_size": args.img_size, "epochs": args.epochs,
               "seed": args.seed, "dataset": args.dataset, "eval_sizes": eval_sizes, "bench_sizes": bench_sizes,
@@ -152,6 +164,14 @@ def markdown_table(result: Dict[str, Any]) -> str:
                   _cell(last["train_mem_mb"], ".1f")]
         lines.append("| " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
+    spreads = sorted(b[key] for row in result["rows"] for b in row["bench"].values()
+                     for key in ("infer_spread_pct", "train_spread_pct")
+                     if isinstance(b.get(key), (int, float)) and math.isfinite(b[key]))
+    if spreads:
+        iters = max(b.get("iters", 0) for row in result["rows"] for b in row["bench"].values())
+        text += (f"\nThroughput: mean of {iters} timed iterations of batch {result['bench_batch_size']} after one "
+                 f"warm-up, on {result['device']}; spread of the iterations ((slowest - fastest) / mean) median "
+                 f"{spreads[len(spreads) // 2]:.0f}%, largest {spreads[-1]:.0f}%. Memory: peak added by one pass.\n")
     if notes:
         text += "\nFailures:\n" + "".join(f"- {n}\n" for n in notes)
     return text

@@ -85,24 +85,28 @@ class MemoryMeter:
 
 
 def _build(name: str, img_size: int, model_kwargs: Dict[str, Any]) -> nn.Module:
-    try:
-        return create_model(name, model_kwargs={"img_size": img_size, **model_kwargs})
-    except TypeError:  # the model has no img_size argument (convolutional or size-free models)
-        return create_model(name, model_kwargs=model_kwargs)
+    return create_model(name, model_kwargs=model_kwargs, img_size=img_size)
 
 
-def _timed(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> float:
-    """Mean seconds per call of ``fn`` after ``warmup`` calls."""
+def _timed(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> List[float]:
+    """Seconds of each of ``iters`` calls of ``fn`` after ``warmup`` calls (synchronised on CUDA)."""
     for _ in range(warmup):
         fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
+    times = []
     for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
         fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) / iters
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _spread_pct(times: List[float]) -> float:
+    """(slowest - fastest) / mean of the timed iterations, in percent (0 for a single iteration)."""
+    return 100.0 * (max(times) - min(times)) / (sum(times) / len(times))
 
 
 def benchmark_point(name: str, img_size: int, batch_size: int = 8, device: str = "cpu", amp: str = "none",
@@ -112,16 +116,20 @@ def benchmark_point(name: str, img_size: int, batch_size: int = 8, device: str =
     """Measure one model at one resolution; never raises for a failure of the model or an OOM.
 
     Returns a dict with model, img_size, batch_size, device, amp, status ("ok", "oom" or "error"), error,
-    params_m, gflops (per image, multiply-accumulates), infer_img_s, infer_ms (per batch), infer_mem_mb,
-    train_img_s, train_ms (forward, backward and SGD step per batch), train_mem_mb. Figures not reached
-    before a failure are NaN.
+    params_m, gflops (per image, multiply-accumulates), iters (timed iterations per figure), infer_img_s,
+    infer_ms (mean per batch), infer_spread_pct ((slowest - fastest) / mean of the iterations), infer_mem_mb,
+    train_img_s, train_ms (forward, backward and SGD step per batch), train_spread_pct, train_mem_mb. Figures
+    not reached before a failure are NaN.
     """
+    if iters < 1:
+        raise ValueError(f"iters: at least 1 timed iteration, got {iters}")
     dev = torch.device(device)
     nan = float("nan")
     point: BenchmarkPoint = {"model": name, "img_size": img_size, "batch_size": batch_size, "device": str(dev),
                              "amp": amp, "status": "ok", "error": "", "params_m": nan, "gflops": nan,
-                             "infer_img_s": nan, "infer_ms": nan, "infer_mem_mb": nan, "train_img_s": nan,
-                             "train_ms": nan, "train_mem_mb": nan}
+                             "iters": iters, "infer_img_s": nan, "infer_ms": nan, "infer_spread_pct": nan,
+                             "infer_mem_mb": nan, "train_img_s": nan, "train_ms": nan, "train_spread_pct": nan,
+                             "train_mem_mb": nan}
     model = x = None
     try:
         model = build_fn(name, img_size, dict(model_kwargs or {})).to(dev)
@@ -136,8 +144,10 @@ def benchmark_point(name: str, img_size: int, batch_size: int = 8, device: str =
                     model(x)
 
             with MemoryMeter(dev) as mem:
-                seconds = _timed(infer, dev, warmup, iters)
-        point.update(infer_ms=seconds * 1e3, infer_img_s=batch_size / seconds, infer_mem_mb=mem.peak_mb)
+                times = _timed(infer, dev, warmup, iters)
+        seconds = sum(times) / len(times)
+        point.update(infer_ms=seconds * 1e3, infer_img_s=batch_size / seconds, infer_spread_pct=_spread_pct(times),
+                     infer_mem_mb=mem.peak_mb)
         if train:
             model.train()
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
@@ -150,8 +160,10 @@ def benchmark_point(name: str, img_size: int, batch_size: int = 8, device: str =
                 optimizer.zero_grad(set_to_none=True)
 
             with MemoryMeter(dev) as mem:
-                seconds = _timed(step, dev, warmup, iters)
-            point.update(train_ms=seconds * 1e3, train_img_s=batch_size / seconds, train_mem_mb=mem.peak_mb)
+                times = _timed(step, dev, warmup, iters)
+            seconds = sum(times) / len(times)
+            point.update(train_ms=seconds * 1e3, train_img_s=batch_size / seconds,
+                         train_spread_pct=_spread_pct(times), train_mem_mb=mem.peak_mb)
     except torch.OutOfMemoryError as e:
         point.update(status="oom", error=str(e).strip().splitlines()[0][:300])
     except Exception as e:  # the sweep records any failure of one point and goes on
@@ -165,8 +177,12 @@ def benchmark_point(name: str, img_size: int, batch_size: int = 8, device: str =
     return point
 
 
+def _print(message: str) -> None:
+    print(message, flush=True)
+
+
 def run_sweep(models: Sequence[str], img_sizes: Sequence[int], out_dir: Optional[str] = None,
-              log: Callable[[str], None] = print, **point_kwargs) -> List[BenchmarkPoint]:
+              log: Callable[[str], None] = _print, **point_kwargs) -> List[BenchmarkPoint]:
     """Every model at every size; points go to ``out_dir/results.jsonl`` as they finish (if out_dir)."""
     points = []
     if out_dir:
@@ -187,9 +203,11 @@ def _format(p: BenchmarkPoint) -> str:
     head = f"{p['model']:<28} {p['img_size']:>5}px"
     if p["status"] != "ok":
         return f"{head}  {p['status']}: {p['error']}"
-    return (f"{head}  infer {p['infer_img_s']:9.2f} img/s {p['infer_ms']:9.1f} ms {p['infer_mem_mb']:8.1f} MiB"
-            f" | train {p['train_img_s']:8.2f} img/s {p['train_mem_mb']:8.1f} MiB"
-            f" | {p['params_m']:6.2f} M params {p['gflops']:8.2f} GFLOPs")
+    return (f"{head}  infer {p['infer_img_s']:9.2f} img/s {p['infer_ms']:9.1f} ms "
+            f"(spread {p['infer_spread_pct']:4.0f}%) {p['infer_mem_mb']:8.1f} MiB"
+            f" | train {p['train_img_s']:8.2f} img/s (spread {p['train_spread_pct']:4.0f}%) "
+            f"{p['train_mem_mb']:8.1f} MiB | {p['params_m']:6.2f} M params {p['gflops']:8.2f} GFLOPs"
+            f" | {p['iters']} timed iterations")
 
 
 def write_results(points: List[BenchmarkPoint], out_dir: str) -> None:
@@ -204,9 +222,9 @@ def write_results(points: List[BenchmarkPoint], out_dir: str) -> None:
             writer.writerows(points)
 
 
-def plot_results(points: List[BenchmarkPoint], path: str, title: str = "", label_key: str = "model") -> None:
+def plot_results(points: List[BenchmarkPoint], path: str, title: str = "", label_key: str = "model") -> bool:
     """PNG with inference and training throughput and peak memory against resolution (log axes), one line per
-    distinct ``point[label_key]``.
+    distinct ``point[label_key]``; returns whether it was written (False when no point measured anything).
 
     Failed points are left out of the lines and marked with an x at the bottom of the panel.
     """
@@ -223,7 +241,7 @@ def plot_results(points: List[BenchmarkPoint], path: str, title: str = "", label
     # A panel with nothing measured (e.g. training with --no-train) would have no log scale: leave it out.
     panels = [(key, label) for key, label in panels if any(measured(p, key) for p in points)]
     if not panels:
-        return
+        return False
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
     axes = axes[0]
     names = list(dict.fromkeys(p[label_key] for p in points))
@@ -248,3 +266,4 @@ def plot_results(points: List[BenchmarkPoint], path: str, title: str = "", label
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True

@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-__all__ = ["create_model", "load_pretrained", "save_checkpoint", "load_model", "resolve_checkpoint",
+__all__ = ["check_model_name", "create_model", "check_img_size", "load_pretrained", "save_checkpoint", "load_model", "resolve_checkpoint",
            "atomic_write", "unwrap_model"]
 
 
@@ -42,15 +42,8 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
-def create_model(name: str, num_classes: Optional[int] = None, in_chans: int = 3,
-                 model_kwargs: Optional[Dict[str, Any]] = None, pretrained_path: Optional[str] = None) -> nn.Module:
-    """A timm model by name (linvision's models are registered by importing linvision.models).
-
-    ``pretrained_path`` loads local weights (safetensors, .pth, or a checkpoint folder); tensors whose shape
-    differs from the new model (the classifier, when ``num_classes`` changed) are left at their fresh
-    initialisation. Raises ValueError for an unknown ``name`` (with close names), TypeError for a keyword
-    the model does not take.
-    """
+def check_model_name(name: str) -> None:
+    """ValueError naming ``name`` and close registered names unless timm (with linvision's models) knows it."""
     import timm
 
     import linvision.models  # noqa: F401  (registers linvision's models with timm)
@@ -59,13 +52,61 @@ def create_model(name: str, num_classes: Optional[int] = None, in_chans: int = 3
         close = timm.list_models(f"*{name.split('_')[0]}*")[:12]
         hint = f"; similar: {', '.join(close)}" if close else ""
         raise ValueError(f"model: unknown {name!r}{hint}")
+
+
+def create_model(name: str, num_classes: Optional[int] = None, in_chans: int = 3,
+                 model_kwargs: Optional[Dict[str, Any]] = None, pretrained_path: Optional[str] = None,
+                 img_size: Optional[int] = None) -> nn.Module:
+    """A timm model by name (linvision's models are registered by importing linvision.models).
+
+    ``img_size`` is passed to models that take it (ViTs: the position-embedding grid; an ``img_size`` in
+    ``model_kwargs`` wins), and ignored by models that run at any size without it (convolutional networks).
+    ``pretrained_path`` loads local weights (safetensors, .pth, or a checkpoint folder) through the model's
+    ``checkpoint_filter_fn`` where it has one (a position embedding is resampled to the new grid); tensors
+    whose shape still differs (the classifier, when ``num_classes`` changed) are left at their fresh
+    initialisation. Raises ValueError for an unknown ``name`` (with close names), TypeError for a keyword
+    the model does not take.
+    """
+    import timm
+
+    check_model_name(name)
     kwargs = dict(model_kwargs or {})
     if num_classes is not None:
         kwargs["num_classes"] = num_classes
-    model = timm.create_model(name, pretrained=False, in_chans=in_chans, **kwargs)
+    if img_size is not None and "img_size" not in kwargs:
+        try:
+            model = timm.create_model(name, pretrained=False, in_chans=in_chans, img_size=img_size, **kwargs)
+        except TypeError as e:  # a model without an img_size argument runs at any size
+            if "img_size" not in str(e):
+                raise
+            model = timm.create_model(name, pretrained=False, in_chans=in_chans, **kwargs)
+    else:
+        model = timm.create_model(name, pretrained=False, in_chans=in_chans, **kwargs)
     if pretrained_path:
         load_pretrained(model, pretrained_path)
     return model
+
+
+def check_img_size(model: nn.Module, img_size: int, in_chans: int = 3) -> None:
+    """Run one image of ``img_size`` through ``model`` (eval mode, no grad, on its device); ValueError in one
+    line, naming the size and what the model needs, when it cannot run at that size."""
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, in_chans, img_size, img_size, device=device))
+    except (AssertionError, RuntimeError, ValueError) as e:
+        if isinstance(e, torch.OutOfMemoryError):
+            raise
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        patch = getattr(getattr(model, "patch_embed", None), "patch_size", None)
+        hint = f"; use a multiple of {patch[0] if isinstance(patch, (tuple, list)) else patch}" if patch else ""
+        name = getattr(model, "default_cfg", {}).get("architecture", type(model).__name__)
+        raise ValueError(f"img_size: {name} cannot run at {img_size} px ({reason}){hint}") from None
+    finally:
+        model.train(was_training)
 
 
 def _read_state_dict(path: str) -> Dict[str, torch.Tensor]:
@@ -83,12 +124,21 @@ def _read_state_dict(path: str) -> Dict[str, torch.Tensor]:
     return {k.removeprefix("module."): v for k, v in state.items()}
 
 
+def _filter_state_dict(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The model module's ``checkpoint_filter_fn`` (timm's convention: resample position embeddings and patch
+    kernels to this model) applied to ``state``, where the module defines one."""
+    import sys
+
+    filter_fn = getattr(sys.modules.get(type(unwrap_model(model)).__module__), "checkpoint_filter_fn", None)
+    return filter_fn(state, unwrap_model(model)) if filter_fn is not None else state
+
+
 def load_pretrained(model: nn.Module, path: str) -> Dict[str, list]:
     """Load weights from ``path`` into ``model``, skipping tensors whose shape differs (a new head).
 
     Returns {"skipped": [...], "missing": [...], "unexpected": [...]} key lists.
     """
-    state = _read_state_dict(path)
+    state = _filter_state_dict(model, _read_state_dict(path))
     own = model.state_dict()
     skipped = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
     for k in skipped:
@@ -142,18 +192,23 @@ def resolve_checkpoint(path: str) -> str:
     raise FileNotFoundError(f"checkpoint: no model.json in {path} nor in its best/ or last/ sub-folders")
 
 
-def load_model(path: str, device: str = "cpu", **model_kwargs) -> Tuple[nn.Module, Dict[str, Any]]:
+def load_model(path: str, device: str = "cpu", img_size: Optional[int] = None,
+               **model_kwargs) -> Tuple[nn.Module, Dict[str, Any]]:
     """Rebuild the model of a checkpoint folder (or a run folder: its best, else last) in eval mode.
 
-    ``model_kwargs`` override the stored ones (e.g. ``img_size`` for a model with a fixed input size).
-    Returns (model, meta) where meta is model.json's content (name, classes, normalisation, image size).
+    ``img_size`` rebuilds a model with a fixed input size for another size (its position embedding resampled
+    by the model's ``checkpoint_filter_fn``); ``model_kwargs`` override the stored ones. Returns (model, meta)
+    where meta is model.json's content (name, classes, normalisation, image size).
     """
     folder = resolve_checkpoint(path)
     with open(os.path.join(folder, "model.json")) as f:
         meta = json.load(f)
     kwargs = {**meta.get("model_kwargs", {}), **model_kwargs}
+    size = img_size if img_size is not None else meta.get("img_size")
+    if img_size is not None and img_size != meta.get("img_size"):
+        kwargs.pop("img_size", None)  # a stored training size gives way to the one asked for
     model = create_model(meta["model"], num_classes=meta["num_classes"], in_chans=meta.get("in_chans", 3),
-                         model_kwargs=kwargs)
-    state = load_file(os.path.join(folder, "model.safetensors"))
+                         model_kwargs=kwargs, img_size=size)
+    state = _filter_state_dict(model, load_file(os.path.join(folder, "model.safetensors")))
     model.load_state_dict(state)
     return model.to(device).eval(), meta

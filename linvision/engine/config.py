@@ -1,6 +1,6 @@
 """YAML configuration for the tools: a file's keys mirror the command-line flags, and the command line wins.
 
-``--config run.yaml`` is read first; each key (``img_size`` or ``img-size``) must name a flag of the tool, and
+``--config run.yaml`` is read first (a path, or the name of a config shipped with linvision); each key (``img_size`` or ``img-size``) must name a flag of the tool, and
 its value becomes that flag's default, so that any flag given on the command line overrides the file.
 """
 from __future__ import annotations
@@ -12,22 +12,55 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
-__all__ = ["ConfigError", "parse_args", "load_yaml", "save_yaml", "parse_kwargs"]
+__all__ = ["ConfigError", "parse_args", "load_yaml", "save_yaml", "parse_kwargs", "packaged_config",
+           "list_packaged_configs"]
 
 
 class ConfigError(ValueError):
     """A configuration file or value the tools cannot use; the message names the key or file."""
 
 
+def packaged_config(name: str) -> Optional[str]:
+    """The path of a config shipped with linvision (``linvision.configs``) named ``name`` or ``name.yaml``
+    (directories in ``name`` are ignored, so ``configs/digits_demo.yaml`` finds it too); None if none."""
+    from importlib import resources
+
+    base = os.path.basename(name)
+    folder = resources.files("linvision.configs")
+    for candidate in (base, base + ".yaml"):
+        entry = folder.joinpath(candidate)
+        if candidate.endswith(".yaml") and entry.is_file():
+            return str(entry)
+    return None
+
+
 def load_yaml(path: str) -> Dict[str, Any]:
-    """Read a YAML mapping; ConfigError if the file is missing or does not hold a mapping."""
+    """Read a YAML mapping from ``path``, or from the shipped config of that name when no such file exists
+    (``--config digits_demo`` after ``pip install linvision``); ConfigError if neither exists, the YAML is
+    malformed or does not hold a mapping."""
     if not os.path.isfile(path):
-        raise ConfigError(f"config: file not found: {path}")
+        shipped = packaged_config(path)
+        if shipped is None:
+            raise ConfigError(f"config: file not found: {path} (nor a shipped config of that name: "
+                              f"{', '.join(list_packaged_configs())})")
+        path = shipped
     with open(path) as f:
-        data = yaml.safe_load(f) or {}
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            where = getattr(e, "problem_mark", None)
+            at = f" at line {where.line + 1}" if where is not None else ""
+            raise ConfigError(f"config: {path} is not valid YAML{at}: {getattr(e, 'problem', e)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config: {path} must hold a mapping of flag names to values, got {type(data).__name__}")
     return data
+
+
+def list_packaged_configs() -> List[str]:
+    """Names (without .yaml) of the configs shipped with linvision."""
+    from importlib import resources
+
+    return sorted(e.name[:-5] for e in resources.files("linvision.configs").iterdir() if e.name.endswith(".yaml"))
 
 
 def save_yaml(path: str, data: Dict[str, Any]) -> None:

@@ -3,8 +3,9 @@
 Three sources, chosen by ``dataset``:
 - ``"folder"``: ``data_dir/train/<class>/*.png`` and ``data_dir/val/<class>/*`` (``val`` may be named
   ``validation``), read with torchvision's ImageFolder;
-- ``"torchvision/NAME"`` (e.g. ``torchvision/CIFAR10``): a torchvision dataset already under ``data_dir``
-  (nothing is downloaded);
+- ``"torch/name"`` (timm's spelling, e.g. ``torch/cifar10``) or ``"torchvision/NAME"`` (e.g.
+  ``torchvision/CIFAR10``): a torchvision dataset already under ``data_dir`` (nothing is downloaded); the name
+  is matched without regard to case;
 - ``"digits"``: scikit-learn's 8x8 handwritten digits (1797 images, 10 classes, shipped with scikit-learn),
   upscaled to RGB images, split 80/20 with a fixed seed. It needs no file and no network.
 
@@ -94,20 +95,24 @@ def create_dataset(dataset: str, data_dir: Optional[str], split: str, transform:
             if os.path.isdir(root):
                 return ImageFolder(root, transform=transform, loader=_load_rgb)
         raise FileNotFoundError(f"data_dir: no {' or '.join(names)} folder (class sub-folders) in {data_dir}")
-    if dataset.startswith("torchvision/"):
+    if dataset.startswith(("torchvision/", "torch/")):
         import torchvision.datasets as tvd
 
         name = dataset.split("/", 1)[1]
-        cls = getattr(tvd, name, None)
-        if cls is None:
+        # timm spells them torch/cifar10; torchvision's class is CIFAR10
+        by_lower = {n.lower(): n for n in dir(tvd) if isinstance(getattr(tvd, n), type)}
+        cls = getattr(tvd, by_lower.get(name.lower(), name), None)
+        if cls is None or not isinstance(cls, type):
             raise ValueError(f"dataset: torchvision has no dataset {name!r}")
+        name = cls.__name__
         try:
             return cls(data_dir, train=(split == "train"), transform=transform, download=False)
         except TypeError:  # datasets such as Flowers102 take split= instead of train=
             return cls(data_dir, split=split, transform=transform, download=False)
         except RuntimeError as e:  # torchvision reports missing files this way
             raise FileNotFoundError(f"data_dir: {name} not found under {data_dir} ({e})") from None
-    raise ValueError(f"dataset: unknown {dataset!r}; allowed: 'folder', 'digits', 'torchvision/<Name>'")
+    raise ValueError(f"dataset: unknown {dataset!r}; allowed: 'folder', 'digits', 'torch/<name>', "
+                     f"'torchvision/<Name>'")
 
 
 def build_transform(img_size: int, is_training: bool, mean, std, crop_pct: float = 1.0,

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import create_model, save_checkpoint, unwrap_model
+from .checkpoint import check_img_size, create_model, save_checkpoint, unwrap_model
+from .cli import add_amp_arg
 from .config import parse_kwargs, save_yaml
 from .data import ShardedSampler, build_transform, create_dataset, create_loader
 from .distributed import DistInfo, all_reduce_max, all_reduce_sum, barrier, cleanup, init_distributed
@@ -39,10 +40,12 @@ __all__ = ["add_train_args", "train", "resume_config", "TrainInterrupted"]
 def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Every training flag; YAML configs use the same names (``img_size`` or ``img-size``)."""
     g = parser.add_argument_group("data")
-    g.add_argument("--dataset", default="folder", help="'folder', 'digits' or 'torchvision/<Name>'")
+    g.add_argument("--dataset", default="folder",
+                   help="'folder', 'digits' or a torchvision dataset on disk: 'torch/<name>' (timm's spelling, "
+                        "e.g. torch/cifar10) or 'torchvision/<Name>'")
     g.add_argument("--data-dir", default=None, help="folder with train/ and val/ class sub-folders")
     g.add_argument("--img-size", type=int, default=224, help="training and validation resolution")
-    g.add_argument("--workers", type=int, default=0, help="data-loading worker processes per rank")
+    g.add_argument("--workers", "-j", type=int, default=0, help="data-loading worker processes per rank")
     g.add_argument("--mean", type=float, nargs=3, default=None, help="normalisation mean (default: the model's)")
     g.add_argument("--std", type=float, nargs=3, default=None, help="normalisation std (default: the model's)")
     g.add_argument("--crop-pct", type=float, default=1.0, help="validation centre-crop fraction")
@@ -56,9 +59,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--model", default="resnet18", help="any timm model name (linvision's are registered)")
     g.add_argument("--model-kwargs", nargs="*", default=None,
                    help="key=value pairs or a JSON object passed to the model, e.g. token_mixers=none,linear")
-    g.add_argument("--pretrained-path", default=None,
-                   help="local weights (safetensors, .pth or checkpoint folder); the head is reset when the "
-                        "number of classes differs")
+    g.add_argument("--pretrained-path", "--initial-checkpoint", default=None,
+                   help="local weights (safetensors, .pth/.pth.tar or checkpoint folder); the head is reset when "
+                        "the number of classes differs")
     g.add_argument("--num-classes", type=int, default=None, help="default: the dataset's")
     g.add_argument("--in-chans", type=int, default=3)
     g.add_argument("--grad-checkpointing", action="store_true")
@@ -66,7 +69,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g = parser.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, default=10)
-    g.add_argument("--batch-size", type=int, default=64, help="per rank")
+    g.add_argument("--batch-size", "-b", type=int, default=64, help="per rank")
     g.add_argument("--opt", default="adamw")
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--weight-decay", type=float, default=0.05)
@@ -83,11 +86,13 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--drop-path", type=float, default=None, help="stochastic depth rate")
     g.add_argument("--model-ema", action="store_true", help="keep an EMA of the weights (ModelEmaV3)")
     g.add_argument("--model-ema-decay", type=float, default=0.999)
-    g.add_argument("--amp", default="none", choices=["none", "bf16", "fp16"])
+    add_amp_arg(g)
     g = parser.add_argument_group("run")
     g.add_argument("--output", default="output", help="parent folder of run folders")
     g.add_argument("--experiment", default=None, help="run folder name (default: model name and time)")
-    g.add_argument("--resume", default=None, help="run or checkpoint folder to continue")
+    g.add_argument("--resume", default=None,
+                   help="continue a run: its folder, its last/ checkpoint or a file in it; or start from a "
+                        "timm train.py checkpoint file (.pth.tar: weights, optimizer, EMA and epoch)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--log-interval", type=int, default=10, help="steps between step records in metrics.jsonl")
@@ -155,24 +160,82 @@ def _gather_rng(info: DistInfo) -> List[Dict[str, Any]]:
     return states
 
 
+_CHECKPOINT_FILES = ("train_state.pt", "model.safetensors", "model.json")
+
+
+def _is_external_checkpoint(path: str) -> bool:
+    """A file that is not part of a linvision checkpoint folder: a timm train.py checkpoint (.pth.tar)."""
+    return os.path.isfile(path) and os.path.basename(path) not in _CHECKPOINT_FILES
+
+
 def _resume_folder(path: str) -> str:
     folder = os.path.abspath(path)
+    if os.path.isfile(folder):  # a file of a checkpoint folder (last/train_state.pt, ...)
+        folder = os.path.dirname(folder)
     return os.path.dirname(folder) if os.path.basename(folder) in ("last", "best") else folder
 
 
-def resume_config(path: str) -> str:
-    """The saved config.yaml of the run that ``path`` (a run folder or its last/) belongs to."""
+def resume_config(path: str) -> Optional[str]:
+    """The saved config.yaml of the run that ``path`` (a run folder, its last/, or a file in it) belongs to;
+    None for a timm checkpoint file, whose recipe comes from the command line."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"resume: not found: {path}")
+    if _is_external_checkpoint(path):
+        return None
     config = os.path.join(_resume_folder(path), "config.yaml")
     if not os.path.isfile(config):
         raise FileNotFoundError(f"resume: no config.yaml in the run folder of {path}")
     return config
 
 
+def _read_timm_checkpoint(path: str) -> Dict[str, Any]:
+    """Weights, optimizer, EMA, scaler and the epoch to start from, out of a checkpoint written by timm's
+    train.py (``{"epoch", "arch", "state_dict", "optimizer", "version", "args", ...}``). Nothing is unpickled
+    beyond tensors, containers and the argparse.Namespace timm stores its arguments in."""
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises several types for unreadable or unsafe files
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"resume: cannot read {path} as a timm checkpoint ({reason})") from None
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
+        raise ValueError(f"resume: {path} holds no 'state_dict' (not a timm training checkpoint); give weights "
+                         f"alone with --initial-checkpoint, or a linvision run folder")
+    epoch = int(ckpt.get("epoch", -1))
+    # timm's checkpoints from version 2 on store the epoch just finished
+    start = epoch + 1 if int(ckpt.get("version", 1)) > 1 else max(epoch, 0)
+    strip = lambda sd: {k.removeprefix("module."): v for k, v in sd.items()} if isinstance(sd, dict) else None
+    return {"model": strip(ckpt["state_dict"]), "optimizer": ckpt.get("optimizer"),
+            "ema": strip(ckpt.get("state_dict_ema")), "scaler": ckpt.get("amp_scaler"), "start_epoch": start}
+
+
 def _run_folder(args) -> str:
-    if args.resume:
+    if args.resume and not _is_external_checkpoint(args.resume):
         return _resume_folder(args.resume)
     name = args.experiment or f"{args.model}-{time.strftime('%Y%m%d-%H%M%S')}"
     return os.path.join(args.output, name)
+
+
+def _load_timm_checkpoint(external: Dict[str, Any], args, model, optimizer, ema, scaler) -> int:
+    """Load what a timm checkpoint holds into the new run's objects; returns the epoch to start at."""
+    def load(target, sd, what):
+        try:
+            target.load_state_dict(sd)
+        except (RuntimeError, ValueError, KeyError) as e:
+            reason = str(e).strip().splitlines()[0][:300]
+            raise ValueError(f"resume: the {what} in {args.resume} does not fit {args.model} ({reason})") from None
+
+    load(unwrap_model(model), external["model"], "weights")
+    if external["optimizer"]:
+        load(optimizer, external["optimizer"], "optimizer state")
+    if ema is not None and external["ema"]:
+        load(ema.module, external["ema"], "EMA weights")
+    if scaler is not None and external["scaler"]:
+        load(scaler, external["scaler"], "loss-scaler state")
+    start = external["start_epoch"]
+    if start >= args.epochs:
+        raise ValueError(f"epochs: {args.resume} has finished {start} epochs; give --epochs above {start}")
+    return start
 
 
 def _append_jsonl(path: str, record: Dict[str, Any]) -> None:
@@ -203,8 +266,10 @@ def _train(args: argparse.Namespace, info: DistInfo) -> Dict[str, Any]:
     from tqdm import tqdm
 
     run_dir = _run_folder(args)
-    state = None
-    if args.resume:
+    state = external = None
+    if args.resume and _is_external_checkpoint(args.resume):
+        external = _read_timm_checkpoint(args.resume)
+    elif args.resume:
         state_path = os.path.join(run_dir, "last", "train_state.pt")
         if not os.path.isfile(state_path):
             raise FileNotFoundError(f"resume: no last/train_state.pt in {run_dir}")
@@ -222,7 +287,7 @@ def _train(args: argparse.Namespace, info: DistInfo) -> Dict[str, Any]:
     if args.drop_path is not None:
         model_kwargs["drop_path_rate"] = args.drop_path
     model = create_model(args.model, num_classes=num_classes, in_chans=args.in_chans, model_kwargs=model_kwargs,
-                         pretrained_path=None if state else args.pretrained_path)
+                         pretrained_path=None if state or external else args.pretrained_path, img_size=args.img_size)
     cfg = getattr(model, "pretrained_cfg", {}) or {}
     mean = list(args.mean or cfg.get("mean", (0.485, 0.456, 0.406)))
     std = list(args.std or cfg.get("std", (0.229, 0.224, 0.225)))
@@ -233,6 +298,7 @@ def _train(args: argparse.Namespace, info: DistInfo) -> Dict[str, Any]:
     if args.grad_checkpointing:
         model.set_grad_checkpointing(True)
     model.to(info.device)
+    check_img_size(model, args.img_size, args.in_chans)  # one line now rather than a traceback at step 1
     if args.channels_last:
         model.to(memory_format=torch.channels_last)
     meta = {"model": args.model, "num_classes": num_classes, "in_chans": args.in_chans,
@@ -285,6 +351,12 @@ def _train(args: argparse.Namespace, info: DistInfo) -> Dict[str, Any]:
         _set_rng_state(state["rng"][info.rank])
     else:
         _seed_all(args.seed + info.rank)
+    if external:
+        start_epoch = _load_timm_checkpoint(external, args, model, optimizer, ema, scaler)
+        global_step = start_epoch * steps_per_epoch
+        scheduler.step_update(num_updates=global_step)
+        if info.is_main:
+            print(f"starting at epoch {start_epoch} from {args.resume}", flush=True)
 
     train_model = model
     if args.compile:

@@ -1,7 +1,8 @@
 """Accuracy of a trained checkpoint at one or several resolutions, behind ``tools/validate.py``.
 
 The same weights are evaluated at every resolution (images resized, then centre-cropped with the
-checkpoint's ``crop_pct``). Models with RoPE or convolutions run at any size as they are; a model that cannot
+checkpoint's ``crop_pct``). The model is rebuilt for each size: models with RoPE or convolutions run at any
+size as they are, a learned absolute position embedding is resampled to the size's grid; a model that cannot
 run at a size gets an ``error`` entry for it and the other sizes are still evaluated.
 """
 from __future__ import annotations
@@ -10,6 +11,7 @@ import argparse
 from typing import Any, Dict, List, Optional, Sequence
 
 from .checkpoint import load_model
+from .cli import add_amp_arg
 from .data import ShardedSampler, build_transform, create_dataset, create_loader
 from .distributed import cleanup, init_distributed
 from .evaluate import evaluate
@@ -23,9 +25,9 @@ def add_validate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--img-size", type=int, nargs="+", default=None,
                         help="resolutions to evaluate (default: the training one)")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--workers", type=int, default=0)
-    parser.add_argument("--amp", default="none", choices=["none", "bf16", "fp16"])
+    parser.add_argument("--batch-size", "-b", type=int, default=64)
+    parser.add_argument("--workers", "-j", type=int, default=0)
+    add_amp_arg(parser)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--output", default=None, help="write the JSON results to this file as well")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False)
@@ -48,6 +50,8 @@ def validate_checkpoint(checkpoint: str, dataset: Optional[str] = None, data_dir
         sizes: List[int] = list(img_sizes or [meta["img_size"]])
         results = []
         for size in sizes:
+            if size != meta["img_size"]:  # rebuilt for the size (a fixed position-embedding grid is resampled)
+                model, _ = load_model(checkpoint, device=str(info.device), img_size=size)
             transform = build_transform(size, False, meta["mean"], meta["std"], crop_pct=meta.get("crop_pct", 1.0))
             val_set = create_dataset(dataset, data_dir, "val", transform=transform, digits_size=size)
             sampler = ShardedSampler(len(val_set), info.rank, info.world_size, shuffle=False)

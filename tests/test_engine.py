@@ -111,6 +111,33 @@ def test_digits_split_is_fixed_and_disjoint():
     assert img.size == (8, 8) and 0 <= target < 10
 
 
+def _write_idx(path, array, magic):
+    """An IDX file as MNIST ships it: big-endian magic, dimensions, then uint8 data."""
+    import struct
+
+    with open(path, "wb") as f:
+        f.write(struct.pack(">I", magic) + b"".join(struct.pack(">I", d) for d in array.shape))
+        f.write(array.astype(np.uint8).tobytes())
+
+
+def test_torchvision_datasets_in_timm_spelling(tmp_path):
+    """``torch/mnist`` (timm's spelling) finds torchvision's MNIST on disk; nothing is downloaded."""
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    rng = np.random.RandomState(0)
+    for prefix, n in (("train", 6), ("t10k", 4)):
+        _write_idx(raw / f"{prefix}-images-idx3-ubyte", rng.randint(0, 256, (n, 28, 28)), 2051)
+        _write_idx(raw / f"{prefix}-labels-idx1-ubyte", np.arange(n) % 10, 2049)
+    for name in ("torch/mnist", "torchvision/MNIST"):
+        train, val = create_dataset(name, str(tmp_path), "train"), create_dataset(name, str(tmp_path), "val")
+        assert (len(train), len(val), len(train.classes)) == (6, 4, 10)
+        assert [int(val[i][1]) for i in range(4)] == [0, 1, 2, 3]
+    with pytest.raises(FileNotFoundError, match="CIFAR10 not found under"):
+        create_dataset("torch/cifar10", str(tmp_path), "train")
+    with pytest.raises(ValueError, match="torchvision has no dataset 'nosuchset'"):
+        create_dataset("torch/nosuchset", str(tmp_path), "train")
+
+
 # --- evaluation
 
 def test_evaluate_matches_explicit_counts():

@@ -184,7 +184,7 @@ def test_benchmark_cli_refuses_an_unknown_model_before_measuring(tmp_path):
 
 
 def test_ablate_cli_tables_each_mixer(data, tmp_path):
-    run_tool("ablate.py", "--dataset", "folder", "--data-dir", data, "--img-size", "32", "--model",
+    proc = run_tool("ablate.py", "--dataset", "folder", "--data-dir", data, "--img-size", "32", "--model",
              "linhier_tiny_224",
              "--model-kwargs", '{"depths": [1, 1, 1, 1], "dims": [8, 16, 16, 16], "num_heads": [1, 1, 1, 1]}',
              "--mixers", "none", "linear_rope", "--epochs", "1", "--batch-size", "4", "--eval-sizes", "32", "48",
@@ -202,6 +202,8 @@ def test_ablate_cli_tables_each_mixer(data, tmp_path):
     table = (tmp_path / "ab" / "ablation.md").read_text()
     assert sum(line.startswith("| ") for line in table.splitlines()) == 3  # header and 2 rows
     assert "| linear_rope | " in table
+    assert "Throughput: mean of 1 timed iterations of batch 2" in table  # the noise of the figures is stated
+    assert "== token mixer none (1 of 2" in proc.stdout and "== token mixer linear_rope (2 of 2" in proc.stdout
     for name in ("accuracy.png", "throughput_memory.png"):
         assert (tmp_path / "ab" / name).stat().st_size > 0
 
@@ -225,3 +227,110 @@ def test_torchrun_two_processes_match_one_process(tmp_path):
     assert s2["best"]["top1"] == s1["best"]["top1"] and s2["best"]["loss"] == pytest.approx(s1["best"]["loss"],
                                                                                                rel=1e-4)
     assert proc.stdout.count("best top-1") == 1  # only rank 0 reports
+
+
+# --- a newcomer's command lines: the size asked for, timm's spellings, installed tools
+
+def _tiny_linvit_flags(data, out, model, size, *extra):
+    return ["--dataset", "folder", "--data-dir", data, "--img-size", str(size), "--model", model,
+            "--model-kwargs", "embed_dim=16", "depth=1", "num_heads=1", "-b", "4", "--output", out,
+            "--no-progress", "--device", "cpu", *extra]
+
+
+def test_img_size_reaches_a_model_with_a_fixed_grid(data, tmp_path):
+    """A learned position embedding is built for the size asked for, and validation at another size rebuilds
+    the model with the embedding resampled, instead of an AssertionError about 224."""
+    from safetensors.torch import load_file
+
+    run_tool("train.py", *_tiny_linvit_flags(data, str(tmp_path), "linvit_tiny_patch16_224", 32, "--epochs", "1",
+                                             "--experiment", "fixed"))
+    state = load_file(str(tmp_path / "fixed" / "best" / "model.safetensors"))
+    assert state["pos_embed"].numel() == 2 * 2 * 16  # a 2 x 2 grid of 16 channels at 32 px, not 14 x 14
+    proc = run_tool("validate.py", "--checkpoint", str(tmp_path / "fixed"), "--data-dir", data,
+                    "--img-size", "32", "48")
+    at32, at48 = json.loads(proc.stdout)["results"]
+    with open(tmp_path / "fixed" / "summary.json") as f:
+        assert at32["top1"] == pytest.approx(json.load(f)["best_top1"])
+    assert "error" not in at48 and at48["count"] == 6
+
+
+def test_img_size_a_model_cannot_run_at_is_one_line(data, tmp_path):
+    proc = run_tool("train.py", *_tiny_linvit_flags(data, str(tmp_path), "linvit_tiny_patch16_rope_224", 40,
+                                                    "--epochs", "1"), check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: img_size: linvit_tiny_patch16_rope_224 cannot run at 40 px (Input height (40) should be "
+        "divisible by patch size (16).); use a multiple of 16"]
+
+
+def test_timm_spellings_of_the_training_flags(tmp_path):
+    parser = add_train_args(argparse.ArgumentParser())
+    args = parse_args(parser, ["-b", "32", "-j", "4", "--amp", "--initial-checkpoint", "w.pth",
+                               "--dataset", "torch/cifar10"])
+    assert (args.batch_size, args.workers, args.amp, args.pretrained_path) == (32, 4, "bf16", "w.pth")
+    assert parse_args(parser, ["--amp", "float16"]).amp == "fp16"
+    assert parse_args(parser, ["--amp", "bfloat16"]).amp == "bf16"
+    assert parse_args(parser, []).amp == "none"
+    with pytest.raises(SystemExit):
+        with contextlib.redirect_stderr(io.StringIO()):
+            parse_args(parser, ["--amp", "fp8"])
+
+
+def test_resume_from_a_timm_checkpoint_file(data, tmp_path):
+    """A timm train.py checkpoint (epoch, state_dict, optimizer, version 2) continues at the next epoch: the
+    losses of that epoch equal an uninterrupted run's (no augmentation, so no random state is involved)."""
+    import torch
+
+    flags = ["--epochs", "2", "--no-aug", "--log-interval", "1", "--lr", "0.003"]
+    run_tool("train.py", *tiny_train_flags(data, str(tmp_path), "--experiment", "whole", *flags))
+    run_tool("train.py", *tiny_train_flags(data, str(tmp_path), "--experiment", "half", *flags,
+                                           "--stop-after-steps", "3"))
+    ours = torch.load(tmp_path / "half" / "last" / "train_state.pt", weights_only=False)
+    assert ours["epoch"] == 1 and ours["step_in_epoch"] == 0
+    timm_file = tmp_path / "checkpoint-0.pth.tar"
+    torch.save({"epoch": 0, "arch": "test_vit", "state_dict": {f"module.{k}": v for k, v in ours["model"].items()},
+                "optimizer": ours["optimizer"], "version": 2, "args": argparse.Namespace(model="test_vit"),
+                "metric": 50.0}, timm_file)
+    proc = run_tool("train.py", *tiny_train_flags(data, str(tmp_path), "--experiment", "from_timm", *flags,
+                                                  "--resume", str(timm_file)))
+    assert f"starting at epoch 1 from {timm_file}" in proc.stdout
+    whole, resumed = step_losses(str(tmp_path / "whole")), step_losses(str(tmp_path / "from_timm"))
+    assert [s for s, _ in resumed] == [4, 5, 6]
+    assert [l for _, l in resumed] == pytest.approx([l for s, l in whole if s > 3], rel=1e-5)
+
+    torch.save(ours["model"], tmp_path / "weights.pth")  # weights alone: not a training checkpoint
+    proc = run_tool("train.py", *tiny_train_flags(data, str(tmp_path), "--resume", str(tmp_path / "weights.pth")),
+                    check=False)
+    assert proc.returncode == 2 and "holds no 'state_dict'" in proc.stderr and "--initial-checkpoint" in proc.stderr
+
+
+def test_resume_accepts_a_file_of_the_run(trained, tmp_path):
+    """--resume RUN/last/train_state.pt means the run, as --resume RUN does (here: nothing left to train)."""
+    run_dir, _ = trained
+    before = step_losses(run_dir)
+    run_tool("train.py", "--resume", os.path.join(run_dir, "last", "train_state.pt"))
+    assert step_losses(run_dir) == before
+
+
+def test_a_shipped_config_is_found_by_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no configs/ folder here: the installed copy is used
+    args = parse_args(add_train_args(argparse.ArgumentParser()), ["--config", "digits_demo", "--epochs", "1"])
+    assert (args.model, args.dataset, args.epochs) == ("resnet10t", "digits", 1)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("epochs: [1, 2\n")
+    proc = run_tool("train.py", "--config", str(bad), check=False)
+    assert proc.returncode == 2 and "is not valid YAML at line" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_tool("train.py", "--config", "no_such_config", check=False)
+    assert proc.returncode == 2 and "digits_demo" in proc.stderr  # the message lists the shipped configs
+
+
+def test_installed_console_scripts():
+    from importlib.metadata import entry_points
+
+    scripts = {ep.name: ep for ep in entry_points(group="console_scripts") if ep.name.startswith("linvision-")}
+    assert {"linvision-train", "linvision-validate", "linvision-benchmark", "linvision-ablate"} <= set(scripts)
+    for ep in scripts.values():
+        assert callable(ep.load()), ep.name
+    script = os.path.join(os.path.dirname(PY), "linvision-benchmark")
+    proc = subprocess.run([script, "--help"], capture_output=True, text=True, cwd="/")
+    assert proc.returncode == 0 and "usage: linvision-benchmark" in proc.stdout

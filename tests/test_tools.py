@@ -298,6 +298,19 @@ def test_resume_from_a_timm_checkpoint_file(data, tmp_path):
     assert [s for s, _ in resumed] == [4, 5, 6]
     assert [l for _, l in resumed] == pytest.approx([l for s, l in whole if s > 3], rel=1e-5)
 
+    # the same timm file as --initial-checkpoint: its weights (under "state_dict", with timm's arguments
+    # pickled beside them as an argparse.Namespace) start a fresh schedule
+    for name, source in (("init_timm", timm_file), ("init_ours", tmp_path / "half" / "last")):
+        run_tool("train.py", *tiny_train_flags(data, str(tmp_path), "--experiment", name, "--epochs", "1",
+                                               "--no-aug", "--log-interval", "1", "--initial-checkpoint", str(source)))
+    assert step_losses(str(tmp_path / "init_timm")) == step_losses(str(tmp_path / "init_ours"))  # same weights
+    assert step_losses(str(tmp_path / "init_timm"))[0] != step_losses(str(tmp_path / "whole"))[0]  # not fresh ones
+    garbage = tmp_path / "garbage.pth"
+    garbage.write_bytes(b"not a torch file")
+    proc = run_tool("train.py", *tiny_train_flags(data, str(tmp_path), "--initial-checkpoint", str(garbage)),
+                    check=False)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: pretrained_path: cannot read {garbage}")
+
     torch.save(ours["model"], tmp_path / "weights.pth")  # weights alone: not a training checkpoint
     proc = run_tool("train.py", *tiny_train_flags(data, str(tmp_path), "--resume", str(tmp_path / "weights.pth")),
                     check=False)

@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-__all__ = ["check_model_name", "create_model", "check_img_size", "load_pretrained", "save_checkpoint", "load_model", "resolve_checkpoint",
+__all__ = ["load_torch_file", "check_model_name", "create_model", "check_img_size", "load_pretrained", "save_checkpoint", "load_model", "resolve_checkpoint",
            "atomic_write", "unwrap_model"]
 
 
@@ -109,6 +109,20 @@ def check_img_size(model: nn.Module, img_size: int, in_chans: int = 3) -> None:
         model.train(was_training)
 
 
+def load_torch_file(path: str, what: str) -> Any:
+    """``torch.load`` with ``weights_only=True`` (tensors and containers only, nothing that runs code), also
+    allowing the argparse.Namespace that timm's train.py stores its arguments in; ValueError in one line,
+    naming ``what`` and the file, when it cannot be read."""
+    import argparse
+
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises several types for unreadable, truncated or unsafe files
+        reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{what}: cannot read {path} ({reason})") from None
+
+
 def _read_state_dict(path: str) -> Dict[str, torch.Tensor]:
     if os.path.isdir(path):
         path = os.path.join(resolve_checkpoint(path), "model.safetensors")
@@ -116,7 +130,7 @@ def _read_state_dict(path: str) -> Dict[str, torch.Tensor]:
         raise FileNotFoundError(f"pretrained_path: file not found: {path}")
     if path.endswith(".safetensors"):
         return load_file(path)
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = load_torch_file(path, "pretrained_path")
     for key in ("state_dict_ema", "model_ema", "state_dict", "model"):  # common wrappers of saved weights
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]

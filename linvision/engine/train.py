@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import check_img_size, create_model, save_checkpoint, unwrap_model
+from .checkpoint import check_img_size, create_model, load_torch_file, save_checkpoint, unwrap_model
 from .cli import add_amp_arg
 from .config import parse_kwargs, save_yaml
 from .data import ShardedSampler, build_transform, create_dataset, create_loader
@@ -192,12 +192,7 @@ def _read_timm_checkpoint(path: str) -> Dict[str, Any]:
     """Weights, optimizer, EMA, scaler and the epoch to start from, out of a checkpoint written by timm's
     train.py (``{"epoch", "arch", "state_dict", "optimizer", "version", "args", ...}``). Nothing is unpickled
     beyond tensors, containers and the argparse.Namespace timm stores its arguments in."""
-    try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises several types for unreadable or unsafe files
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"resume: cannot read {path} as a timm checkpoint ({reason})") from None
+    ckpt = load_torch_file(path, "resume")
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
         raise ValueError(f"resume: {path} holds no 'state_dict' (not a timm training checkpoint); give weights "
                          f"alone with --initial-checkpoint, or a linvision run folder")

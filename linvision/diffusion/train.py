@@ -7,8 +7,9 @@ A checkpoint is a folder (``<run>/last``)::
     model.json          {"model_config": DiTConfig fields, "data": {...}, "step": int}
     train_state.pt      optimizer state, step, the data and noise generators' states
 
-Every file is written to a temporary name and renamed (:func:`linvision.engine.checkpoint.atomic_write`),
-the train state last, so a crash leaves either the previous or the new checkpoint, never half of one.
+The folder is written as one unit (:func:`linvision.engine.checkpoint.write_checkpoint_folder`: a new
+folder, fsync'ed, swapped in by renames), so a crash leaves either the previous or the new checkpoint, never
+files of both; the train state is read with ``weights_only=True``.
 
 Images are scaled to [-1, 1]. The digits data is :class:`linvision.engine.data.DigitsDataset` (the same 8x8
 upscaling the classification tool uses), kept as one grey channel; an image folder (``<root>/<class>/*``) is
@@ -29,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from linvision.engine.checkpoint import atomic_write
+from linvision.engine.checkpoint import load_torch_file, recover_checkpoint_folder, write_checkpoint_folder
 
 from .flow import flow_matching_loss
 from .model import DiTConfig, LinDiT, create_dit
@@ -120,18 +121,17 @@ def _tensors(module: nn.Module) -> Dict[str, Tensor]:
 
 def save_dit_checkpoint(folder: str, model: LinDiT, ema: LinDiT, meta: Dict[str, Any],
                         train_state: Optional[Dict[str, Any]] = None) -> None:
-    """Write the checkpoint folder described in the module docstring, each file atomically."""
-    os.makedirs(folder, exist_ok=True)
-    atomic_write(os.path.join(folder, "model.safetensors"), lambda p: save_file(_tensors(model), p))
-    atomic_write(os.path.join(folder, "ema.safetensors"), lambda p: save_file(_tensors(ema), p))
-
+    """Write the checkpoint folder described in the module docstring as one unit
+    (:func:`linvision.engine.checkpoint.write_checkpoint_folder`)."""
     def write_json(p: str) -> None:
         with open(p, "w") as f:
             json.dump({"model_config": model.cfg.to_dict(), **meta}, f, indent=2)
 
-    atomic_write(os.path.join(folder, "model.json"), write_json)
+    files = {"model.safetensors": lambda p: save_file(_tensors(model), p),
+             "ema.safetensors": lambda p: save_file(_tensors(ema), p), "model.json": write_json}
     if train_state is not None:
-        atomic_write(os.path.join(folder, "train_state.pt"), lambda p: torch.save(train_state, p))
+        files["train_state.pt"] = lambda p: torch.save(train_state, p)
+    write_checkpoint_folder(folder, files)
 
 
 def _resolve(path: str) -> str:
@@ -186,7 +186,8 @@ def train_dit(cfg: DiffusionTrainConfig, out_dir: str, resume: bool = False, sto
     step = 0
     last = os.path.join(out_dir, "last")
     if resume:
-        state = torch.load(os.path.join(_resolve(last), "train_state.pt"), map_location="cpu", weights_only=False)
+        recover_checkpoint_folder(last)
+        state = load_torch_file(os.path.join(_resolve(last), "train_state.pt"), "resume")
         model.load_state_dict(load_file(os.path.join(last, "model.safetensors")))
         ema.load_state_dict(load_file(os.path.join(last, "ema.safetensors")))
         opt.load_state_dict(state["optimizer"])

@@ -29,7 +29,7 @@ def add_amp_arg(parser) -> None:
 def run_cli(main: Callable[[], int]) -> None:
     """Run ``main`` and exit with its status; bad input (ValueError, TypeError, FileNotFoundError) prints
     ``error: <message>`` on stderr and exits with status 2 instead of a traceback."""
-    from .train import TrainInterrupted
+    from .interrupt import TrainInterrupted
 
     try:
         status = main()

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import random
-import signal
 import time
 from typing import Any, Dict, List, Optional
 
@@ -27,12 +26,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import check_img_size, create_model, load_torch_file, save_checkpoint, unwrap_model
+from .checkpoint import (atomic_write, atomic_write_text, check_img_size, create_model, load_pretrained, load_torch_file,
+                         save_checkpoint, unwrap_model)
 from .cli import add_amp_arg
 from .config import parse_kwargs, save_yaml
 from .data import ShardedSampler, build_transform, create_dataset, create_loader
 from .distributed import DistInfo, all_reduce_max, all_reduce_sum, barrier, cleanup, init_distributed
 from .evaluate import autocast, evaluate
+from .interrupt import StopFlag, TrainInterrupted
+from .run_folder import claim_run_folder
 
 __all__ = ["add_train_args", "train", "resume_config", "TrainInterrupted"]
 
@@ -89,7 +91,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_amp_arg(g)
     g = parser.add_argument_group("run")
     g.add_argument("--output", default="output", help="parent folder of run folders")
-    g.add_argument("--experiment", default=None, help="run folder name (default: model name and time)")
+    g.add_argument("--experiment", default=None, help="run folder name (default: model name and time); a "
+                   "folder that holds a run is never overwritten: the run goes to <name>-<k> instead")
+    g.add_argument("--overwrite", action="store_true", help="delete the earlier run in the run folder first")
     g.add_argument("--resume", default=None,
                    help="continue a run: its folder, its last/ checkpoint or a file in it; or start from a "
                         "timm train.py checkpoint file (.pth.tar: weights, optimizer, EMA and epoch)")
@@ -103,34 +107,6 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-class TrainInterrupted(Exception):
-    """Raised after the checkpoint is written when a signal stopped training; ``signum`` is the signal."""
-
-    def __init__(self, signum: int, folder: str):
-        super().__init__(f"interrupted by {signal.Signals(signum).name}; checkpoint saved in {folder}")
-        self.signum, self.folder = signum, folder
-
-
-class _StopFlag:
-    """Records SIGINT/SIGTERM so the loop can stop between steps (after saving) instead of dying mid-write."""
-
-    def __init__(self):
-        self.signum = 0
-        self._previous = {}
-
-    def __enter__(self):
-        for s in (signal.SIGINT, signal.SIGTERM):
-            self._previous[s] = signal.signal(s, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.signum = signum
-
-    def __exit__(self, *exc):
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-
-
 def _seed_all(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -138,7 +114,11 @@ def _seed_all(seed: int) -> None:
 
 
 def _rng_state() -> Dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "random": random.getstate()}
+    """Every RNG's state as tensors, ints and tuples, so train_state.pt loads with ``weights_only=True``."""
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
+                   "cached_gaussian": float(cached)}
+    state = {"torch": torch.get_rng_state(), "numpy": numpy_state, "random": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -146,7 +126,9 @@ def _rng_state() -> Dict[str, Any]:
 
 def _set_rng_state(state: Dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
     random.setstate(state["random"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -233,6 +215,85 @@ def _load_timm_checkpoint(external: Dict[str, Any], args, model, optimizer, ema,
     return start
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """ValueError naming the flag (and YAML key) of the first value the recipe cannot use."""
+    def need(ok: bool, key: str, what: str) -> None:
+        if not ok:
+            raise ValueError(f"{key}: {what}, got {getattr(args, key)!r}")
+
+    for key in ("epochs", "batch_size", "log_interval", "img_size", "in_chans"):
+        need(isinstance(getattr(args, key), int) and getattr(args, key) >= 1, key, "must be an integer >= 1")
+    need(args.workers >= 0, "workers", "must be >= 0")
+    need(args.lr > 0, "lr", "must be > 0")
+    for key in ("weight_decay", "warmup_epochs", "warmup_lr", "min_lr", "mixup", "cutmix", "color_jitter"):
+        need(getattr(args, key) >= 0, key, "must be >= 0")
+    for key in ("hflip", "reprob"):
+        need(0 <= getattr(args, key) <= 1, key, "must be within [0, 1]")
+    need(0 <= args.smoothing < 1, "smoothing", "must be within [0, 1)")
+    need(0 < args.model_ema_decay < 1, "model_ema_decay", "must be within (0, 1)")
+    need(0 < args.crop_pct <= 1, "crop_pct", "must be within (0, 1]")
+    need(len(args.scale) == 2 and 0 < args.scale[0] <= args.scale[1] <= 1, "scale", "must be 0 < min <= max <= 1")
+    need(args.num_classes is None or args.num_classes >= 2, "num_classes", "must be >= 2")
+    need(args.clip_grad is None or args.clip_grad > 0, "clip_grad", "must be > 0")
+    need(args.layer_decay is None or 0 < args.layer_decay <= 1, "layer_decay", "must be within (0, 1]")
+    need(args.drop_path is None or 0 <= args.drop_path < 1, "drop_path", "must be within [0, 1)")
+    need(args.stop_after_steps is None or args.stop_after_steps >= 1, "stop_after_steps", "must be >= 1")
+
+
+def _check_classes(train_set, val_set, num_classes: Optional[int]) -> List[str]:
+    """The training classes, checked: at least two, the same in the validation split, and within the head."""
+    classes = list(getattr(train_set, "classes", []))
+    val_classes = list(getattr(val_set, "classes", []))
+    if classes and len(classes) < 2:
+        raise ValueError(f"dataset: the training split has one class ({classes[0]!r}); a classifier needs two")
+    if classes and val_classes and val_classes != classes:
+        missing = [c for c in classes if c not in val_classes]
+        extra = [c for c in val_classes if c not in classes]
+        raise ValueError(f"dataset: the validation split's classes differ from the training split's (missing in "
+                         f"validation: {missing}, only in validation: {extra}); their labels would not match")
+    if num_classes is not None and classes and num_classes < len(classes):
+        raise ValueError(f"num_classes: {num_classes} is fewer than the {len(classes)} classes of the data")
+    return classes
+
+
+def _truncate_metrics(path: str, global_step: int, start_epoch: int) -> int:
+    """Drop the records an interrupted run wrote after its checkpoint (steps after ``global_step``, epochs from
+    ``start_epoch`` on), so a resumed run does not log them twice; returns how many were dropped."""
+    if not os.path.isfile(path):
+        return 0
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    keep = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a kill
+            continue
+        if (record.get("kind") == "step" and record.get("step", 0) <= global_step) or \
+                (record.get("kind") == "epoch" and record.get("epoch", 0) < start_epoch):
+            keep.append(json.dumps(record) + "\n")
+    if len(keep) != len(lines):
+        atomic_write_text(path, "".join(keep))
+    return len(lines) - len(keep)
+
+
+def _report_load(report: Dict[str, list], path: str, model: nn.Module) -> None:
+    """Print what a weight load did; ValueError when most of the model found nothing to load."""
+    total = len(model.state_dict())
+    missing, unexpected, skipped = report["missing"], report["unexpected"], report["skipped"]
+    loaded = total - len(missing) - len(skipped)
+    if loaded < total / 2:
+        raise ValueError(f"pretrained_path: {path} fits {loaded} of the model's {total} tensors ({len(missing)} "
+                         f"missing, e.g. {missing[:3]}; {len(unexpected)} unexpected, e.g. {unexpected[:3]}); "
+                         f"is it a checkpoint of this model?")
+    def some(names):
+        return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    print(f"pretrained: loaded {loaded} of {total} tensors from {path}"
+          + (f"; new (shape changed): {some(skipped)}" if skipped else "")
+          + (f"; missing: {some(missing)}" if missing else "")
+          + (f"; unused: {some(unexpected)}" if unexpected else ""), flush=True)
+
+
 def _append_jsonl(path: str, record: Dict[str, Any]) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
@@ -253,6 +314,26 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def _train(args: argparse.Namespace, info: DistInfo) -> Dict[str, Any]:
+    _check_args(args)
+    resuming_run = bool(args.resume) and not _is_external_checkpoint(args.resume)
+    run_dir, folder = _run_folder(args), None
+    if info.is_main:  # one process owns the folder; the others write nothing there
+        folder = claim_run_folder(run_dir, resume=resuming_run, overwrite=getattr(args, "overwrite", False))
+        run_dir = folder.path
+        for note in folder.notes:
+            print(note, flush=True)
+    if info.distributed:
+        shared = [run_dir]
+        dist.broadcast_object_list(shared, src=0)
+        run_dir = shared[0]
+    try:
+        return _train_in(args, info, run_dir, resuming_run)
+    finally:
+        if folder is not None:
+            folder.release()
+
+
+def _train_in(args: argparse.Namespace, info: DistInfo, run_dir: str, resuming_run: bool) -> Dict[str, Any]:
     from timm.data import Mixup
     from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
     from timm.optim import create_optimizer_v2
@@ -260,21 +341,20 @@ def _train(args: argparse.Namespace, info: DistInfo) -> Dict[str, Any]:
     from timm.utils import ModelEmaV3
     from tqdm import tqdm
 
-    run_dir = _run_folder(args)
     state = external = None
-    if args.resume and _is_external_checkpoint(args.resume):
+    if args.resume and not resuming_run:
         external = _read_timm_checkpoint(args.resume)
     elif args.resume:
         state_path = os.path.join(run_dir, "last", "train_state.pt")
         if not os.path.isfile(state_path):
             raise FileNotFoundError(f"resume: no last/train_state.pt in {run_dir}")
-        state = torch.load(state_path, map_location="cpu", weights_only=False)
+        state = load_torch_file(state_path, "resume")
 
     # same seed on every rank for the model's initialisation (the EMA copy is taken before DDP broadcasts)
     _seed_all(args.seed)
     train_set = create_dataset(args.dataset, args.data_dir, "train", digits_size=args.img_size)
     val_set = create_dataset(args.dataset, args.data_dir, "val", digits_size=args.img_size)
-    classes = list(getattr(train_set, "classes", []))
+    classes = _check_classes(train_set, val_set, args.num_classes)
     num_classes = args.num_classes or len(classes)
     if not num_classes:
         raise ValueError("num_classes: the dataset does not list its classes; give --num-classes")
@@ -282,7 +362,11 @@ def _train(args: argparse.Namespace, info: DistInfo) -> Dict[str, Any]:
     if args.drop_path is not None:
         model_kwargs["drop_path_rate"] = args.drop_path
     model = create_model(args.model, num_classes=num_classes, in_chans=args.in_chans, model_kwargs=model_kwargs,
-                         pretrained_path=None if state or external else args.pretrained_path, img_size=args.img_size)
+                         img_size=args.img_size)
+    if args.pretrained_path and not (state or external):
+        report = load_pretrained(model, args.pretrained_path)
+        if info.is_main:
+            _report_load(report, args.pretrained_path, model)
     cfg = getattr(model, "pretrained_cfg", {}) or {}
     mean = list(args.mean or cfg.get("mean", (0.485, 0.456, 0.406)))
     std = list(args.std or cfg.get("std", (0.229, 0.224, 0.225)))
@@ -316,7 +400,9 @@ def _train(args: argparse.Namespace, info: DistInfo) -> Dict[str, Any]:
 
     sampler = ShardedSampler(len(train_set), info.rank, info.world_size, shuffle=True, seed=args.seed)
     # a loader-owned generator keeps the loader from drawing on the global RNG (exact resumption)
-    loader = create_loader(train_set, args.batch_size, sampler, args.workers, drop_last=mixup is not None,
+    # a last batch of one sample would break BatchNorm in training mode: drop it (it returns next epoch)
+    drop_last = mixup is not None or len(sampler) % args.batch_size == 1
+    loader = create_loader(train_set, args.batch_size, sampler, args.workers, drop_last=drop_last,
                            pin_memory=info.device.type == "cuda", generator=torch.Generator())
     val_loader = create_loader(val_set, args.batch_size, ShardedSampler(len(val_set), info.rank, info.world_size,
                                                                         shuffle=False), args.workers)
@@ -331,9 +417,20 @@ def _train(args: argparse.Namespace, info: DistInfo) -> Dict[str, Any]:
     start_epoch, start_step, global_step, best = 0, 0, 0, {"top1": -1.0, "epoch": -1}
     running = torch.zeros(2, dtype=torch.float64)  # loss sum, sample count of the epoch so far (this rank)
     if state:
+        saved_batch = state.get("batch_size", args.batch_size)
+        if saved_batch != args.batch_size:
+            raise ValueError(f"batch_size: the run trained with {saved_batch} per rank; resuming with "
+                             f"{args.batch_size} would misplace the data order and the schedule (start a new run "
+                             f"from its weights with --initial-checkpoint instead)")
         unwrap_model(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+        saved_epochs = state.get("epochs", args.epochs)
+        if saved_epochs == args.epochs:
+            scheduler.load_state_dict(state["scheduler"])
+        else:  # a new length: the schedule is rebuilt for it and continues from the current update
+            scheduler.step_update(num_updates=state["global_step"])
+            if info.is_main:
+                print(f"resume: schedule extended from {saved_epochs} to {args.epochs} epochs", flush=True)
         if scaler is not None and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
         if ema is not None and state.get("ema"):
@@ -344,6 +441,9 @@ def _train(args: argparse.Namespace, info: DistInfo) -> Dict[str, Any]:
             raise ValueError(f"resume: the checkpoint was written by {len(state['rng'])} processes, this run has "
                              f"{info.world_size}")
         _set_rng_state(state["rng"][info.rank])
+        if info.is_main:
+            print(f"resume: {run_dir}/last at epoch {start_epoch}, step {start_step} of {steps_per_epoch} "
+                  f"(update {global_step}), best top-1 so far {best['top1']:.2f}", flush=True)
     else:
         _seed_all(args.seed + info.rank)
     if external:
@@ -365,9 +465,14 @@ def _train(args: argparse.Namespace, info: DistInfo) -> Dict[str, Any]:
         os.makedirs(run_dir, exist_ok=True)
         if not state:
             open(metrics_path, "w").close()
+        else:
+            dropped = _truncate_metrics(metrics_path, global_step, start_epoch)
+            if dropped:
+                print(f"resume: dropped {dropped} metric records written after the checkpoint", flush=True)
         # the recipe, not this invocation's one-off flags, so that a resumed run can take it as defaults
-        save_yaml(os.path.join(run_dir, "config.yaml"), {k: v for k, v in vars(args).items()
-                                                         if k not in ("config", "resume", "stop_after_steps")})
+        recipe = {k: v for k, v in vars(args).items() if k not in ("config", "resume", "stop_after_steps",
+                                                                   "overwrite")}
+        atomic_write(os.path.join(run_dir, "config.yaml"), lambda p: save_yaml(p, recipe))
 
     def save_last(epoch: int, step_in_epoch: int) -> None:
         rng = _gather_rng(info)
@@ -379,10 +484,11 @@ def _train(args: argparse.Namespace, info: DistInfo) -> Dict[str, Any]:
                 "model": unwrap_model(model).state_dict(), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler else None,
                 "ema": ema.module.state_dict() if ema else None, "epoch": epoch, "step_in_epoch": step_in_epoch,
-                "global_step": global_step, "best": best, "running": runs, "rng": rng})
+                "global_step": global_step, "best": best, "running": runs, "rng": rng,
+                "batch_size": args.batch_size, "epochs": args.epochs})
         barrier(info)
 
-    with _StopFlag() as stop:
+    with StopFlag() as stop:
         for epoch in range(start_epoch, args.epochs):
             sampler.set_epoch(epoch, start=start_step * args.batch_size)
             loader.generator.manual_seed(args.seed * 100_003 + epoch)
@@ -466,8 +572,7 @@ def _train(args: argparse.Namespace, info: DistInfo) -> Dict[str, Any]:
     summary = {"run_dir": run_dir, "model": args.model, "num_classes": num_classes, "epochs": args.epochs, "best_top1": best["top1"],
                "best_epoch": best["epoch"], "best": best}
     if info.is_main:
-        with open(os.path.join(run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+        atomic_write_text(os.path.join(run_dir, "summary.json"), json.dumps(summary, indent=2))
         print(f"best top-1 {best['top1']:.2f} at epoch {best['epoch']} ({best.get('weights', 'model')} weights); "
               f"checkpoints in {run_dir}", flush=True)
     return summary

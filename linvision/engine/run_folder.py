@@ -1,0 +1,108 @@
+"""A run folder is owned by one run at a time, and a finished run is never overwritten by accident.
+
+:func:`claim_run_folder` takes an exclusive lock (``<run>/.lock``, an ``fcntl`` lock the kernel releases when
+the process dies, so a killed run never leaves a stale lock) for the life of the run. A new run whose folder
+already holds a run writes to the first free ``<name>-<k>`` beside it, as timm's train.py does, unless
+``overwrite`` asks for the old one's files to be deleted; ``resume`` requires the folder to exist. A folder
+held by another live process is refused with its pid. Under the lock the claim also finishes or undoes a
+checkpoint swap a crash interrupted and deletes the temporaries killed writes left.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import List, Optional
+
+from .checkpoint import recover_checkpoint_folder, remove_stale_temporaries
+
+__all__ = ["RunFolder", "claim_run_folder", "RUN_FILES"]
+
+# What a run writes into its folder; --overwrite deletes exactly these.
+RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "last", "best")
+LOCK_NAME = ".lock"
+
+
+class RunFolder:
+    """An owned run folder: ``path`` and the open, locked ``.lock`` file (released by :meth:`release`)."""
+
+    def __init__(self, path: str, lock_file, notes: List[str]):
+        self.path, self._lock_file, self.notes = path, lock_file, notes
+
+    def release(self) -> None:
+        if self._lock_file is not None:
+            self._lock_file.close()  # closing the descriptor drops the fcntl lock
+            self._lock_file = None
+
+
+def _try_lock(path: str):
+    """The open lock file of ``path`` if this process could lock it, else (None, pid of the holder)."""
+    import fcntl
+
+    f = open(os.path.join(path, LOCK_NAME), "a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        return None, holder
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f, None
+
+
+def _holds_a_run(path: str) -> bool:
+    return any(os.path.exists(os.path.join(path, name)) for name in RUN_FILES)
+
+
+def claim_run_folder(path: str, resume: bool = False, overwrite: bool = False) -> RunFolder:
+    """Lock and return the folder this run writes to (see the module docstring).
+
+    Raises ValueError (one line) when the folder is held by another process, when ``resume`` names a folder
+    that does not exist, or when the folder cannot be created or written (a file in its place, no write
+    permission).
+    """
+    path = os.path.abspath(path)
+    if resume and not os.path.isdir(path):
+        raise ValueError(f"resume: no run folder {path}")
+    candidates = [path] if resume or overwrite else [path] + [f"{path}-{k}" for k in range(1, 1000)]
+    for candidate in candidates:
+        try:
+            os.makedirs(candidate, exist_ok=True)
+            lock, holder = _try_lock(candidate)
+        except OSError as e:
+            raise ValueError(f"output: cannot create or write the run folder {candidate} "
+                             f"({e.strerror or type(e).__name__})") from None
+        if lock is None:
+            if resume or overwrite:
+                raise ValueError(f"output: {candidate} is in use by another run (process {holder}); wait for it "
+                                 f"to finish or choose another --experiment")
+            continue
+        notes = []
+        if not resume and _holds_a_run(candidate):
+            if not overwrite:
+                lock.close()
+                continue
+            for name in RUN_FILES:
+                target = os.path.join(candidate, name)
+                if os.path.isdir(target):
+                    shutil.rmtree(target)
+                elif os.path.exists(target):
+                    os.remove(target)
+            notes.append(f"--overwrite: deleted the earlier run in {candidate}")
+        elif candidate != path:
+            notes.append(f"{path} holds an earlier run; this one writes to {candidate} (--resume continues "
+                         f"that run, --overwrite replaces it)")
+        for sub in ("last", "best"):
+            done = recover_checkpoint_folder(os.path.join(candidate, sub))
+            if done:
+                notes.append(f"{sub}/: {done}")
+        removed = remove_stale_temporaries(candidate)
+        for sub in ("last", "best"):
+            removed += remove_stale_temporaries(os.path.join(candidate, sub))
+        if removed:
+            notes.append(f"removed {len(removed)} temporary file(s) of an interrupted write")
+        return RunFolder(candidate, lock, notes)
+    raise ValueError(f"output: no free run folder next to {path}")

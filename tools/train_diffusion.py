@@ -17,7 +17,10 @@ import torch
 
 from linvision.diffusion.model import DIT_CONFIGS, DiTConfig
 from linvision.diffusion.train import DiffusionTrainConfig, train_dit
+from linvision.engine.checkpoint import atomic_write
+from linvision.engine.cli import run_cli
 from linvision.engine.config import parse_args, parse_kwargs, save_yaml
+from linvision.engine.run_folder import claim_run_folder
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,15 +48,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default="output")
     p.add_argument("--experiment", default="diffusion_digits")
     p.add_argument("--resume", action="store_true", help="continue from <output>/<experiment>/last")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete an earlier run in the folder (without it a new run goes to <experiment>-<k>)")
     return p
 
 
-def main() -> None:
+def main() -> int:
     args = parse_args(build_parser())
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.model not in DIT_CONFIGS:
-        raise SystemExit(f"--model: unknown {args.model!r}; allowed: {', '.join(DIT_CONFIGS)}")
+        raise ValueError(f"model: unknown {args.model!r}; allowed: {', '.join(DIT_CONFIGS)}")
     model_cfg = {**DIT_CONFIGS[args.model].to_dict(), **parse_kwargs(args.model_kwargs)}
     DiTConfig.from_dict(model_cfg)  # fails early on an unknown key
     cfg = DiffusionTrainConfig(
@@ -62,12 +67,25 @@ def main() -> None:
         warmup_steps=args.warmup_steps, grad_clip=args.grad_clip, ema_decay=args.ema_decay,
         class_dropout=args.class_dropout, seed=args.seed, log_every=args.log_every, save_every=args.save_every,
     )
-    run_dir = os.path.join(args.output, args.experiment)
-    os.makedirs(run_dir, exist_ok=True)
-    save_yaml(os.path.join(run_dir, "config.yaml"), {k: v for k, v in vars(args).items() if k != "config"})
-    result = train_dit(cfg, run_dir, resume=args.resume)
+    cfg.check()
+    folder = claim_run_folder(os.path.join(args.output, args.experiment), resume=args.resume,
+                              overwrite=args.overwrite)
+    try:
+        for note in folder.notes:
+            print(note, flush=True)
+        run_dir = folder.path
+        recipe = {k: v for k, v in vars(args).items() if k not in ("config", "overwrite", "resume")}
+        atomic_write(os.path.join(run_dir, "config.yaml"), lambda p: save_yaml(p, recipe))
+        result = train_dit(cfg, run_dir, resume=args.resume)
+    finally:
+        folder.release()
     print(f"done: step {result['step']}, {result['elapsed_s']:.0f}s, checkpoint {os.path.join(run_dir, 'last')}")
+    return 0
+
+
+def cli() -> None:
+    run_cli(main)
 
 
 if __name__ == "__main__":
-    main()
+    cli()

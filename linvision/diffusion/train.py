@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from linvision.engine.checkpoint import load_torch_file, recover_checkpoint_folder, write_checkpoint_folder
+from linvision.engine.interrupt import StopFlag, TrainInterrupted
 
 from .flow import flow_matching_loss
 from .model import DiTConfig, LinDiT, create_dit
@@ -114,6 +115,23 @@ class DiffusionTrainConfig:
     log_every: int = 50
     save_every: int = 500
 
+    def check(self) -> None:
+        """ValueError naming the first field whose value training cannot use."""
+        def need(ok: bool, key: str, what: str) -> None:
+            if not ok:
+                raise ValueError(f"{key}: {what}, got {getattr(self, key)!r}")
+
+        for key in ("steps", "batch_size", "log_every"):
+            need(isinstance(getattr(self, key), int) and getattr(self, key) >= 1, key, "must be an integer >= 1")
+        for key in ("save_every", "warmup_steps"):
+            need(isinstance(getattr(self, key), int) and getattr(self, key) >= 0, key, "must be an integer >= 0")
+        need(self.lr > 0, "lr", "must be > 0")
+        need(self.weight_decay >= 0 and self.grad_clip >= 0, "weight_decay" if self.weight_decay < 0 else
+             "grad_clip", "must be >= 0")
+        need(0 < self.ema_decay < 1, "ema_decay", "must be within (0, 1)")
+        need(0 <= self.class_dropout < 1, "class_dropout", "must be within [0, 1)")
+        need(self.max_minutes is None or self.max_minutes > 0, "max_minutes", "must be > 0")
+
 
 def _tensors(module: nn.Module) -> Dict[str, Tensor]:
     return {k: v.detach().cpu().contiguous().clone() for k, v in module.state_dict().items()}
@@ -164,11 +182,13 @@ def train_dit(cfg: DiffusionTrainConfig, out_dir: str, resume: bool = False, sto
               log: Callable[[str], None] = print) -> Dict[str, Any]:
     """Train on CPU or the current CUDA device; checkpoints to ``out_dir/last``. With ``resume`` the run
     continues from ``out_dir/last`` (same batches, noise and schedule as an uninterrupted run).
-    ``stop_after`` ends the run (with a checkpoint) at that step, as an interruption would.
+    ``stop_after`` ends the run (with a checkpoint) at that step, as an interruption would. SIGINT/SIGTERM
+    save a checkpoint at the current step and raise TrainInterrupted.
 
     Returns {"step", "losses" (the logged means), "elapsed_s"}. Stops at ``cfg.steps`` or after
     ``cfg.max_minutes`` of training, whichever comes first (a checkpoint is written either way).
     """
+    cfg.check()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model_cfg = DiTConfig.from_dict(cfg.model)
     x_all, y_all, classes = load_images(cfg.dataset, model_cfg.img_size, model_cfg.in_chans, cfg.data_dir)
@@ -208,30 +228,34 @@ def train_dit(cfg: DiffusionTrainConfig, out_dir: str, resume: bool = False, sto
     window: List[float] = []
     start = time.perf_counter()
     model.train()
-    while step < (cfg.steps if stop_after is None else min(cfg.steps, stop_after)):
-        if cfg.max_minutes is not None and time.perf_counter() - start > 60 * cfg.max_minutes:
-            log(f"time budget of {cfg.max_minutes} min reached at step {step}")
-            break
-        idx = torch.randint(len(y_all), (cfg.batch_size,), generator=data_gen)
-        x0, y = x_all[idx].to(device), y_all[idx].to(device)
-        for g in opt.param_groups:
-            g["lr"] = _lr_at(step, cfg)
-        loss = flow_matching_loss(model, x0, y, cfg.class_dropout, generator=noise_gen)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.grad_clip > 0:
-            nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        # Short runs would keep the EMA near the random init with a fixed 0.999: warm the decay up.
-        update_ema(ema, model, min(cfg.ema_decay, (1 + step) / (10 + step)))
-        step += 1
-        window.append(loss.item())
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            losses.append(sum(window) / len(window))
-            log(f"step {step:6d}  loss {losses[-1]:.4f}  lr {_lr_at(step - 1, cfg):.2e}  "
-                f"{time.perf_counter() - start:.0f}s")
-            window = []
-        if cfg.save_every and step % cfg.save_every == 0:
-            save()
+    with StopFlag() as stop:
+        while step < (cfg.steps if stop_after is None else min(cfg.steps, stop_after)):
+            if cfg.max_minutes is not None and time.perf_counter() - start > 60 * cfg.max_minutes:
+                log(f"time budget of {cfg.max_minutes} min reached at step {step}")
+                break
+            idx = torch.randint(len(y_all), (cfg.batch_size,), generator=data_gen)
+            x0, y = x_all[idx].to(device), y_all[idx].to(device)
+            for g in opt.param_groups:
+                g["lr"] = _lr_at(step, cfg)
+            loss = flow_matching_loss(model, x0, y, cfg.class_dropout, generator=noise_gen)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if cfg.grad_clip > 0:
+                nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            # Short runs would keep the EMA near the random init with a fixed 0.999: warm the decay up.
+            update_ema(ema, model, min(cfg.ema_decay, (1 + step) / (10 + step)))
+            step += 1
+            window.append(loss.item())
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                losses.append(sum(window) / len(window))
+                log(f"step {step:6d}  loss {losses[-1]:.4f}  lr {_lr_at(step - 1, cfg):.2e}  "
+                    f"{time.perf_counter() - start:.0f}s")
+                window = []
+            if stop.signum:  # saved at this step, then the tool exits with 128 + the signal
+                save()
+                raise TrainInterrupted(stop.signum, last)
+            if cfg.save_every and step % cfg.save_every == 0:
+                save()
     save()
     return {"step": step, "losses": losses, "elapsed_s": time.perf_counter() - start}

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 __all__ = ["load_torch_file", "check_model_name", "create_model", "check_img_size", "load_pretrained",
-           "save_checkpoint", "load_model", "resolve_checkpoint", "atomic_write", "atomic_write_text", "write_checkpoint_folder", "recover_checkpoint_folder", "remove_stale_temporaries",
+           "save_checkpoint", "load_model", "resolve_checkpoint", "read_checkpoint_meta", "atomic_write", "atomic_write_text", "write_checkpoint_folder", "recover_checkpoint_folder", "remove_stale_temporaries",
            "unwrap_model"]
 
 
@@ -156,6 +156,10 @@ def load_pretrained(model: nn.Module, path: str) -> Dict[str, list]:
     """
     state = _filter_state_dict(model, _read_state_dict(path))
     own = model.state_dict()
+    for k, v in state.items():
+        if k in own and own[k].is_floating_point() and not v.is_floating_point():
+            raise ValueError(f"pretrained_path: tensor {k!r} in {path} is {v.dtype}, the model's is "
+                             f"{own[k].dtype}: not weights of this model")
     skipped = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
     for k in skipped:
         del state[k]
@@ -299,6 +303,23 @@ def resolve_checkpoint(path: str) -> str:
     raise FileNotFoundError(f"checkpoint: no model.json in {path} nor in its best/ or last/ sub-folders")
 
 
+_META_KEYS = ("model", "num_classes")
+
+
+def read_checkpoint_meta(folder: str) -> Dict[str, Any]:
+    """model.json of a checkpoint folder; ValueError naming the file when it is not JSON or lacks a key."""
+    path = os.path.join(folder, "model.json")
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"checkpoint: {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(meta, dict) or any(k not in meta for k in _META_KEYS):
+        have = sorted(meta) if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"checkpoint: {path} lacks {[k for k in _META_KEYS]} (has {have})")
+    return meta
+
+
 def load_model(path: str, device: str = "cpu", img_size: Optional[int] = None,
                **model_kwargs) -> Tuple[nn.Module, Dict[str, Any]]:
     """Rebuild the model of a checkpoint folder (or a run folder: its best, else last) in eval mode.
@@ -308,14 +329,23 @@ def load_model(path: str, device: str = "cpu", img_size: Optional[int] = None,
     where meta is model.json's content (name, classes, normalisation, image size).
     """
     folder = resolve_checkpoint(path)
-    with open(os.path.join(folder, "model.json")) as f:
-        meta = json.load(f)
+    meta = read_checkpoint_meta(folder)
     kwargs = {**meta.get("model_kwargs", {}), **model_kwargs}
     size = img_size if img_size is not None else meta.get("img_size")
     if img_size is not None and img_size != meta.get("img_size"):
         kwargs.pop("img_size", None)  # a stored training size gives way to the one asked for
     model = create_model(meta["model"], num_classes=meta["num_classes"], in_chans=meta.get("in_chans", 3),
                          model_kwargs=kwargs, img_size=size)
-    state = _filter_state_dict(model, load_file(os.path.join(folder, "model.safetensors")))
-    model.load_state_dict(state)
+    weights = os.path.join(folder, "model.safetensors")
+    try:
+        state = load_file(weights)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"checkpoint: no model.safetensors in {folder}") from None
+    except Exception as e:  # safetensors raises its own error type for truncated or corrupt files
+        raise ValueError(f"checkpoint: cannot read {weights} ({str(e).strip()[:200]})") from None
+    try:
+        model.load_state_dict(_filter_state_dict(model, state))
+    except RuntimeError as e:
+        raise ValueError(f"checkpoint: {weights} does not hold the weights of the {meta['model']} that model.json "
+                         f"describes ({str(e).strip().splitlines()[0][:200]})") from None
     return model.to(device).eval(), meta

@@ -9,7 +9,8 @@ Three sources, chosen by ``dataset``:
 - ``"digits"``: scikit-learn's 8x8 handwritten digits (1797 images, 10 classes, shipped with scikit-learn),
   upscaled to RGB images, split 80/20 with a fixed seed. It needs no file and no network.
 
-Unreadable images raise :class:`BadImageError` naming the file.
+Unreadable images raise :class:`BadImageError` naming the file; 16-bit greyscale images are scaled to 8 bits
+(not clipped). Loader worker processes ignore SIGINT/SIGTERM, which the training loop handles.
 """
 from __future__ import annotations
 
@@ -31,11 +32,21 @@ class BadImageError(ValueError):
     """An image file that cannot be decoded; the message names the file."""
 
 
+def _to_8bit(img: Image.Image) -> Image.Image:
+    """16- and 32-bit integer greyscale (16-bit PNGs open as "I;16" or "I") scaled to 8 bits by the range of
+    16-bit data, where PIL's convert would clip every value above 255."""
+    if img.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
+        arr = np.asarray(img, dtype=np.float64)
+        return Image.fromarray(np.clip(np.rint(arr * (255.0 / 65535.0)), 0, 255).astype(np.uint8), mode="L")
+    return img
+
+
 def _load_rgb(path: str) -> Image.Image:
     try:
         with open(path, "rb") as f:
             img = Image.open(f)
-            return img.convert("RGB")
+            img.load()
+            return _to_8bit(img).convert("RGB")
     except Exception as e:  # PIL raises several types (UnidentifiedImageError, OSError, SyntaxError, ...)
         raise BadImageError(f"cannot read image file {path}: {type(e).__name__}: {e}") from None
 
@@ -168,6 +179,9 @@ def _seed_worker(worker_id: int) -> None:
     # numpy and random in workers follow torch's per-worker seed, so augmentations are reproducible
     import random
 
+    from .interrupt import ignore_stop_signals
+
+    ignore_stop_signals()  # a signal to the process group is the main process's to handle (it saves first)
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
     random.seed(seed)

@@ -34,6 +34,20 @@ def add_validate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     return parser
 
 
+def _check_classes(meta: Dict[str, Any], val_set, checkpoint: str) -> None:
+    """ValueError when the data's classes are not the ones the checkpoint was trained on (by name where both
+    list names, else by count against the head): its accuracy would be meaningless."""
+    trained = list(meta.get("classes") or [])
+    data = list(getattr(val_set, "classes", []) or [])
+    if trained and data and trained != data:
+        missing = [c for c in trained if c not in data]
+        extra = [c for c in data if c not in trained]
+        raise ValueError(f"dataset: its classes differ from those {checkpoint} was trained on (missing: "
+                         f"{missing[:5]}, not trained on: {extra[:5]}); labels would not match")
+    if data and len(data) > meta["num_classes"]:
+        raise ValueError(f"dataset: {len(data)} classes, but {checkpoint} has a head of {meta['num_classes']}")
+
+
 def validate_checkpoint(checkpoint: str, dataset: Optional[str] = None, data_dir: Optional[str] = None,
                         img_sizes: Optional[Sequence[int]] = None, batch_size: int = 64, workers: int = 0,
                         amp: str = "none", device: str = "auto", progress: bool = False) -> Dict[str, Any]:
@@ -54,6 +68,7 @@ def validate_checkpoint(checkpoint: str, dataset: Optional[str] = None, data_dir
                 model, _ = load_model(checkpoint, device=str(info.device), img_size=size)
             transform = build_transform(size, False, meta["mean"], meta["std"], crop_pct=meta.get("crop_pct", 1.0))
             val_set = create_dataset(dataset, data_dir, "val", transform=transform, digits_size=size)
+            _check_classes(meta, val_set, checkpoint)
             sampler = ShardedSampler(len(val_set), info.rank, info.world_size, shuffle=False)
             loader = create_loader(val_set, batch_size, sampler, workers)
             try:

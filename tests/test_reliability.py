@@ -1,0 +1,300 @@
+"""Nothing lost, nothing run from a file: run folders, checkpoints, signals, and inputs checked where they enter."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from linvision.engine.checkpoint import recover_checkpoint_folder, write_checkpoint_folder
+from linvision.engine.run_folder import claim_run_folder
+from test_engine import TINY_VIT, step_losses, write_image_folder
+from test_tools import PY, ROOT, run_tool, tiny_train_flags
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_image_folder(tmp_path_factory.mktemp("data"))
+
+
+def _summary(run):
+    with open(os.path.join(run, "summary.json")) as f:
+        return json.load(f)
+
+
+def _lrs(run):
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        return {r["step"]: r["lr"] for r in map(json.loads, f) if r["kind"] == "step"}
+
+
+# --- run folders
+
+def test_a_finished_run_is_never_overwritten(data, tmp_path):
+    flags = tiny_train_flags(data, str(tmp_path), "--epochs", "1", "--experiment", "r")
+    run_tool("train.py", *flags)
+    first = (tmp_path / "r" / "metrics.jsonl").read_text()
+    proc = run_tool("train.py", *flags, "--lr", "0.01")
+    assert f"writes to {tmp_path / 'r-1'}" in proc.stdout
+    assert (tmp_path / "r" / "metrics.jsonl").read_text() == first  # untouched
+    assert _summary(tmp_path / "r-1")["run_dir"] == str(tmp_path / "r-1")
+    proc = run_tool("train.py", *flags, "--overwrite", "--epochs", "2")
+    assert "--overwrite: deleted the earlier run" in proc.stdout
+    assert _summary(tmp_path / "r")["epochs"] == 2 and not (tmp_path / "r-2").exists()
+
+
+def test_a_folder_in_use_is_refused(data, tmp_path):
+    held = claim_run_folder(str(tmp_path / "busy"))  # another run, alive
+    try:
+        (tmp_path / "busy" / "config.yaml").write_text("epochs: 1\n")
+        for extra in (["--resume", str(tmp_path / "busy")], ["--experiment", "busy", "--overwrite"]):
+            proc = run_tool("train.py", *tiny_train_flags(data, str(tmp_path), "--epochs", "1"), *extra, check=False)
+            assert proc.returncode == 2 and f"in use by another run (process {os.getpid()})" in proc.stderr
+        # a new run of that name goes beside it
+        run_tool("train.py", *tiny_train_flags(data, str(tmp_path), "--epochs", "1", "--experiment", "busy"))
+        assert (tmp_path / "busy-1" / "summary.json").exists()
+    finally:
+        held.release()
+    claim_run_folder(str(tmp_path / "busy"), resume=True).release()  # free once its owner has gone
+
+
+@pytest.mark.parametrize("where", ["file", "read_only"])
+def test_an_output_that_cannot_be_written_is_one_line(data, tmp_path, where):
+    if where == "file":
+        (tmp_path / "out").write_text("a file where the output folder should be")
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes into read-only folders")
+        (tmp_path / "out").mkdir(mode=0o500)
+    proc = run_tool("train.py", *tiny_train_flags(data, str(tmp_path / "out"), "--epochs", "1"), check=False)
+    assert proc.returncode == 2 and "cannot create or write the run folder" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# --- checkpoints are one unit
+
+def _files(text):
+    return {name: (lambda p, t=text: open(p, "w").write(t)) for name in ("a.json", "b.json")}
+
+
+def _content(folder):
+    return {n: open(os.path.join(folder, n)).read() for n in sorted(os.listdir(folder))}
+
+
+def test_checkpoint_folder_survives_a_crash_at_every_step(tmp_path, monkeypatch):
+    """A crash while writing, between the two renames, or before the old copy is removed leaves the old or the
+    new checkpoint whole once recovered (what a resumed run does first), never files of both."""
+    import linvision.engine.checkpoint as ck
+
+    folder = str(tmp_path / "last")
+    write_checkpoint_folder(folder, _files("old"))
+    assert _content(folder) == {"a.json": "old", "b.json": "old"}
+
+    def crash_in_write(p):
+        raise KeyboardInterrupt("killed")
+
+    with pytest.raises(KeyboardInterrupt):
+        write_checkpoint_folder(folder, {"a.json": _files("new")["a.json"], "b.json": crash_in_write})
+    recover_checkpoint_folder(folder)
+    assert _content(folder) == {"a.json": "old", "b.json": "old"}
+
+    real_replace = os.replace
+    for crash_at in (1, 2):  # after moving the old folder aside / after moving the new one in
+        calls = []
+
+        def replace(src, dst):
+            calls.append(src)
+            real_replace(src, dst)
+            if len(calls) == crash_at:
+                raise KeyboardInterrupt("killed")
+
+        monkeypatch.setattr(ck.os, "replace", replace)
+        with pytest.raises(KeyboardInterrupt):
+            write_checkpoint_folder(folder, _files(f"new{crash_at}"))
+        monkeypatch.setattr(ck.os, "replace", real_replace)
+        recover_checkpoint_folder(folder)
+        assert _content(folder) == {"a.json": f"new{crash_at}", "b.json": f"new{crash_at}"}
+        assert sorted(os.listdir(tmp_path)) == ["last"]  # no .last.new / .last.old left
+
+
+def test_train_state_loads_without_pickle_and_a_crafted_one_does_not_run(data, tmp_path):
+    run_tool("train.py", *tiny_train_flags(data, str(tmp_path), "--epochs", "2", "--experiment", "s",
+                                           "--stop-after-steps", "2"))
+    state_path = tmp_path / "s" / "last" / "train_state.pt"
+    state = torch.load(state_path, weights_only=True)  # tensors, numbers and containers only
+    assert state["global_step"] == 2 and state["batch_size"] == 4
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    torch.save({"model": Payload()}, state_path)
+    proc = run_tool("train.py", "--resume", str(tmp_path / "s"), check=False)
+    assert proc.returncode == 2 and "resume: cannot read" in proc.stderr
+    assert not marker.exists()
+
+
+# --- resume
+
+def test_resume_extends_the_schedule_and_refuses_a_new_batch_size(data, tmp_path):
+    flags = ["--no-aug", "--log-interval", "1", "--lr", "0.003", "--min-lr", "0.0001"]
+    run_tool("train.py", *tiny_train_flags(data, str(tmp_path), "--epochs", "4", "--experiment", "long", *flags))
+    run_tool("train.py", *tiny_train_flags(data, str(tmp_path), "--epochs", "2", "--experiment", "short", *flags))
+    proc = run_tool("train.py", "--resume", str(tmp_path / "short"), "--epochs", "4")
+    assert "schedule extended from 2 to 4 epochs" in proc.stdout
+    long, short = _lrs(tmp_path / "long"), _lrs(tmp_path / "short")
+    assert sorted(short) == list(range(1, 13))
+    # the added epochs follow the 4-epoch cosine, not the old schedule's minimum
+    assert [short[s] for s in range(7, 13)] == pytest.approx([long[s] for s in range(7, 13)], rel=1e-6)
+    assert short[7] > 10 * 0.0001
+    proc = run_tool("train.py", "--resume", str(tmp_path / "short"), "--epochs", "5", "-b", "2", check=False)
+    assert proc.returncode == 2 and "batch_size: the run trained with 4" in proc.stderr
+
+
+def test_resume_drops_records_written_after_the_checkpoint(data, tmp_path):
+    flags = tiny_train_flags(data, str(tmp_path), "--epochs", "2", "--experiment", "m", "--log-interval", "1")
+    run_tool("train.py", *flags, "--stop-after-steps", "4")
+    metrics = tmp_path / "m" / "metrics.jsonl"
+    with open(metrics, "a") as f:  # what a run killed after step 5 (checkpoint at 4) would have left
+        f.write(json.dumps({"kind": "step", "epoch": 1, "step": 5, "loss": 9.0, "lr": 0.1}) + "\n")
+        f.write('{"kind": "step", "ep')
+    proc = run_tool("train.py", "--resume", str(tmp_path / "m"))
+    assert "dropped 2 metric records" in proc.stdout and "at epoch 1, step 1 of 3" in proc.stdout
+    steps = [s for s, _ in step_losses(str(tmp_path / "m"))]
+    assert steps == list(range(1, 7))
+    assert [r["epoch"] for r in map(json.loads, open(metrics)) if r["kind"] == "epoch"] == [0, 1]
+
+
+# --- inputs checked where they enter
+
+def test_class_lists_are_checked(tmp_path):
+    root = write_image_folder(tmp_path / "d", classes=3)
+    os.rename(os.path.join(root, "val", "class1"), os.path.join(root, "val_class1_aside"))
+    proc = run_tool("train.py", *tiny_train_flags(root, str(tmp_path), "--epochs", "1"), check=False)
+    assert proc.returncode == 2 and "missing in validation: ['class1']" in proc.stderr
+    one = write_image_folder(tmp_path / "one", classes=1)
+    proc = run_tool("train.py", *tiny_train_flags(one, str(tmp_path), "--epochs", "1"), check=False)
+    assert proc.returncode == 2 and "one class" in proc.stderr
+    # a checkpoint validated on data with other classes
+    good = write_image_folder(tmp_path / "good", classes=2)
+    run_tool("train.py", *tiny_train_flags(good, str(tmp_path), "--epochs", "1", "--experiment", "c2"))
+    other = write_image_folder(tmp_path / "other", classes=3)
+    proc = run_tool("validate.py", "--checkpoint", str(tmp_path / "c2"), "--data-dir", other, check=False)
+    assert proc.returncode == 2 and "not trained on: ['class2']" in proc.stderr
+
+
+def test_weight_loads_are_reported_and_incompatible_ones_refused(data, tmp_path):
+    from safetensors.torch import save_file
+
+    run_tool("train.py", *tiny_train_flags(data, str(tmp_path), "--epochs", "1", "--experiment", "src"))
+    proc = run_tool("train.py", *tiny_train_flags(data, str(tmp_path), "--epochs", "1", "--experiment", "ft",
+                                                  "--initial-checkpoint", str(tmp_path / "src")))
+    assert "pretrained: loaded " in proc.stdout
+    save_file({"fc.weight": torch.zeros(3, 3)}, str(tmp_path / "other.safetensors"))
+    proc = run_tool("train.py", *tiny_train_flags(data, str(tmp_path), "--epochs", "1", "--initial-checkpoint",
+                                                  str(tmp_path / "other.safetensors")), check=False)
+    assert proc.returncode == 2 and "fits 0 of the model's" in proc.stderr
+    from safetensors.torch import load_file
+
+    ints = {k: v.to(torch.int32) for k, v in load_file(str(tmp_path / "src" / "best" / "model.safetensors")).items()}
+    save_file(ints, str(tmp_path / "ints.safetensors"))
+    proc = run_tool("train.py", *tiny_train_flags(data, str(tmp_path), "--epochs", "1", "--initial-checkpoint",
+                                                  str(tmp_path / "ints.safetensors")), check=False)
+    assert proc.returncode == 2 and "torch.int32" in proc.stderr
+
+
+def test_sixteen_bit_images_are_scaled_not_clipped(tmp_path):
+    from linvision.engine.data import _load_rgb
+
+    grey = (np.arange(32 * 32).reshape(32, 32) * 64).astype(np.uint16)  # 0 .. 65472
+    Image.fromarray(grey).save(tmp_path / "g16.png")
+    assert Image.open(tmp_path / "g16.png").mode.startswith("I")
+    out = np.asarray(_load_rgb(str(tmp_path / "g16.png")))
+    assert out.shape == (32, 32, 3) and out.dtype == np.uint8
+    np.testing.assert_allclose(out[..., 0], grey / 65535 * 255, atol=0.51)
+
+
+@pytest.mark.parametrize("bad", ["epochs=0", "log_interval=0", "batch_size=-1", "smoothing=1.5"])
+def test_config_values_are_checked_with_the_key_named(data, tmp_path, bad):
+    key, value = bad.split("=")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"batch_size: 4\n{key}: {value}\n")  # the later key wins
+    flags = ["--dataset", "folder", "--data-dir", data, "--img-size", "16", "--model", "test_vit", "--model-kwargs",
+             *TINY_VIT, "--output", str(tmp_path), "--no-progress", "--device", "cpu"]
+    proc = run_tool("train.py", "--config", str(cfg), *flags, check=False)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {key}: must be") and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("damage", ["truncated_weights", "garbage_json", "json_without_keys", "other_model"])
+def test_a_damaged_checkpoint_is_one_line(data, tmp_path, damage):
+    run_tool("train.py", *tiny_train_flags(data, str(tmp_path), "--epochs", "1", "--experiment", "v"))
+    best = tmp_path / "v" / "best"
+    if damage == "truncated_weights":
+        blob = (best / "model.safetensors").read_bytes()
+        (best / "model.safetensors").write_bytes(blob[: len(blob) // 2])
+        expected = "cannot read"
+    elif damage == "garbage_json":
+        (best / "model.json").write_text("{not json")
+        expected = "is not valid JSON"
+    elif damage == "json_without_keys":
+        (best / "model.json").write_text('{"img_size": 16}')
+        expected = "lacks ['model', 'num_classes']"
+    else:
+        meta = json.loads((best / "model.json").read_text())
+        (best / "model.json").write_text(json.dumps({**meta, "model": "resnet10t", "model_kwargs": {}}))
+        expected = "does not hold the weights of the resnet10t"
+    proc = run_tool("validate.py", "--checkpoint", str(tmp_path / "v"), "--data-dir", data, check=False)
+    assert proc.returncode == 2 and expected in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_last_batch_of_one_trains_with_batchnorm(tmp_path):
+    root = write_image_folder(tmp_path / "d", classes=3, train_per_class=3)  # 9 images, batch 4: 4 + 4 + 1
+    run_tool("train.py", "--dataset", "folder", "--data-dir", root, "--img-size", "16", "--model", "resnet10t",
+             "-b", "4", "--epochs", "1", "--output", str(tmp_path), "--no-progress", "--device", "cpu",
+             "--experiment", "bn", "--log-interval", "1")
+    assert len(step_losses(str(tmp_path / "bn"))) == 2  # the single image waits for the next epoch's order
+
+
+# --- signals
+
+def _wait_for_steps(proc, metrics, n):
+    while proc.poll() is None and not (metrics.exists() and metrics.read_text().count('"step"') >= n):
+        time.sleep(0.2)
+
+
+def test_sigterm_to_the_process_group_with_workers_saves(data, tmp_path):
+    """timeout, SLURM and shells signal the whole group: the loader workers must not die first."""
+    args = tiny_train_flags(data, str(tmp_path), "--epochs", "200", "--experiment", "grp", "--log-interval", "1",
+                            "-j", "2")
+    proc = subprocess.Popen([PY, os.path.join(ROOT, "tools", "train.py"), *args], cwd=ROOT, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_steps(proc, tmp_path / "grp" / "metrics.jsonl", 2)
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    state = torch.load(tmp_path / "grp" / "last" / "train_state.pt", weights_only=True)
+    assert state["global_step"] == step_losses(str(tmp_path / "grp"))[-1][0]
+
+
+def test_sigterm_saves_the_diffusion_trainer(tmp_path):
+    cfg = tmp_path / "d.yaml"
+    cfg.write_text("steps: 100000\nbatch_size: 8\nlog_every: 1\nsave_every: 0\nthreads: 1\n"
+                   "model_kwargs: {dim: 32, depth: 1, num_heads: 2, head_dim: 16}\n")
+    proc = subprocess.Popen([PY, os.path.join(ROOT, "tools", "train_diffusion.py"), "--config", str(cfg),
+                             "--output", str(tmp_path), "--experiment", "dit"], cwd=ROOT, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = ""
+    while proc.poll() is None and out.count("step ") < 3:
+        out += proc.stdout.readline()
+    os.killpg(proc.pid, signal.SIGTERM)
+    rest, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "checkpoint saved" in err
+    meta = json.loads((tmp_path / "dit" / "last" / "model.json").read_text())
+    state = torch.load(tmp_path / "dit" / "last" / "train_state.pt", weights_only=True)
+    assert meta["step"] == state["step"] >= 3

@@ -17,7 +17,7 @@ install: $(STAMP)
 
 # The main job: the token-mixer ablation on the offline digits data.
 demo: $(STAMP)
-	$(BIN)/python tools/ablate.py --config configs/ablate_digits.yaml
+	$(BIN)/linvision-ablate --config configs/ablate_digits.yaml
 
 # The test suite (the default, lean run; CI runs this).
 test: $(STAMP)

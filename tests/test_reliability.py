@@ -298,3 +298,39 @@ def test_sigterm_saves_the_diffusion_trainer(tmp_path):
     meta = json.loads((tmp_path / "dit" / "last" / "model.json").read_text())
     state = torch.load(tmp_path / "dit" / "last" / "train_state.pt", weights_only=True)
     assert meta["step"] == state["step"] >= 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kills", [10])
+def test_random_kills_lose_nothing(data, tmp_path, kills):
+    """kill -9 at random moments (during start-up, steps, evaluation and checkpoint writes), then resume, until
+    the run finishes: the final weights are bitwise those of an uninterrupted run, and every step is logged
+    exactly once with the uninterrupted run's loss (augmentation on: its RNG state is part of the checkpoint)."""
+    import random
+
+    rng = random.Random(0)
+    flags = tiny_train_flags(data, str(tmp_path), "--epochs", "8", "--log-interval", "1")
+    run_tool("train.py", *flags, "--experiment", "ref")
+    run = tmp_path / "k"
+    killed = 0
+    while True:
+        if (run / "last" / "train_state.pt").exists():
+            cmd = ["--resume", str(run)]
+        else:
+            cmd = [*flags, "--experiment", "k", "--overwrite"]
+        proc = subprocess.Popen([PY, os.path.join(ROOT, "tools", "train.py"), *cmd], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if killed < kills:
+            time.sleep(rng.uniform(2.0, 8.0))
+            if proc.poll() is None:
+                proc.kill()
+                killed += 1
+        _, err = proc.communicate(timeout=300)
+        if proc.returncode == 0:
+            break
+        assert proc.returncode == -signal.SIGKILL, err
+    assert killed == kills
+    assert (run / "last" / "model.safetensors").read_bytes() == (tmp_path / "ref" / "last" /
+                                                                 "model.safetensors").read_bytes()
+    assert step_losses(str(run)) == step_losses(str(tmp_path / "ref"))
+    assert not [n for n in os.listdir(run) if n.startswith(".") and n != ".lock"]

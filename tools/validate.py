@@ -15,6 +15,9 @@ def main() -> int:
     args = parse_args(add_validate_args(parser))
     if not args.checkpoint:
         raise ValueError("checkpoint: required (a checkpoint folder or a run folder)")
+    if args.batch_size < 1 or args.workers < 0 or any(s < 1 for s in args.img_size or []):
+        raise ValueError(f"batch_size/workers/img_size: need batch_size >= 1, workers >= 0 and sizes >= 1, got "
+                         f"{args.batch_size}, {args.workers}, {args.img_size}")
     out = validate_checkpoint(args.checkpoint, args.dataset, args.data_dir, args.img_size, args.batch_size,
                               args.workers, args.amp, args.device, args.progress)
     text = json.dumps(out, indent=2)

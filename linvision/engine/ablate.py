@@ -60,6 +60,9 @@ def run_ablation(args: argparse.Namespace, log=_log) -> Dict[str, Any]:
     """
     if not args.mixers:
         raise ValueError("mixers: give at least one token mixer")
+    if args.bench_iters < 1 or args.bench_batch_size < 1:
+        raise ValueError(f"bench_iters/bench_batch_size: must be >= 1, got {args.bench_iters} and "
+                         f"{args.bench_batch_size}")
     base_kwargs = parse_kwargs(args.model_kwargs)
     eval_sizes = args.eval_sizes or [args.img_size * f for f in (1, 2, 4)]
     bench_sizes = args.bench_sizes or [args.img_size * f for f in (1, 2, 4, 8)]

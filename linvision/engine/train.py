@@ -327,13 +327,13 @@ def _train(args: argparse.Namespace, info: DistInfo) -> Dict[str, Any]:
         dist.broadcast_object_list(shared, src=0)
         run_dir = shared[0]
     try:
-        return _train_in(args, info, run_dir, resuming_run)
+        return _train_in_folder(args, info, run_dir, resuming_run)
     finally:
         if folder is not None:
             folder.release()
 
 
-def _train_in(args: argparse.Namespace, info: DistInfo, run_dir: str, resuming_run: bool) -> Dict[str, Any]:
+def _train_in_folder(args: argparse.Namespace, info: DistInfo, run_dir: str, resuming_run: bool) -> Dict[str, Any]:
     from timm.data import Mixup
     from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
     from timm.optim import create_optimizer_v2

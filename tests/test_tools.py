@@ -184,12 +184,12 @@ def test_benchmark_cli_refuses_an_unknown_model_before_measuring(tmp_path):
 
 
 def test_ablate_cli_tables_each_mixer(data, tmp_path):
-    proc = run_tool("ablate.py", "--dataset", "folder", "--data-dir", data, "--img-size", "32", "--model",
-             "linhier_tiny_224",
-             "--model-kwargs", '{"depths": [1, 1, 1, 1], "dims": [8, 16, 16, 16], "num_heads": [1, 1, 1, 1]}',
-             "--mixers", "none", "linear_rope", "--epochs", "1", "--batch-size", "4", "--eval-sizes", "32", "48",
-             "--bench-sizes", "32", "--bench-batch-size", "2", "--bench-iters", "1", "--device", "cpu",
-             "--output", str(tmp_path), "--experiment", "ab", "--no-progress")
+    args = ["--dataset", "folder", "--data-dir", data, "--img-size", "32", "--model", "linhier_tiny_224",
+            "--model-kwargs", '{"depths": [1, 1, 1, 1], "dims": [8, 16, 16, 16], "num_heads": [1, 1, 1, 1]}',
+            "--mixers", "none", "linear_rope", "--epochs", "1", "--batch-size", "4", "--eval-sizes", "32", "48",
+            "--bench-sizes", "32", "--bench-batch-size", "2", "--bench-iters", "1", "--device", "cpu",
+            "--output", str(tmp_path), "--experiment", "ab", "--no-progress"]
+    proc = run_tool("ablate.py", *args)
     with open(tmp_path / "ab" / "ablation.json") as f:
         result = json.load(f)
     assert [r["mixer"] for r in result["rows"]] == ["none", "linear_rope"]
@@ -204,6 +204,10 @@ def test_ablate_cli_tables_each_mixer(data, tmp_path):
     assert "| linear_rope | " in table
     assert "Throughput: mean of 1 timed iterations of batch 2" in table  # the noise of the figures is stated
     assert "== token mixer none (1 of 2" in proc.stdout and "== token mixer linear_rope (2 of 2" in proc.stdout
+    # the same command again leaves this ablation as it is and writes beside it
+    again = run_tool("ablate.py", *args)
+    assert f"writes to {tmp_path / 'ab-1'}" in again.stdout and (tmp_path / "ab-1" / "ablation.md").exists()
+    assert (tmp_path / "ab" / "ablation.md").read_text() == table
     for name in ("accuracy.png", "throughput_memory.png"):
         assert (tmp_path / "ab" / name).stat().st_size > 0
 

@@ -23,6 +23,7 @@ from .benchmark import benchmark_point, plot_results
 from .checkpoint import create_model
 from .config import parse_kwargs
 from .flops import count_gflops, count_params
+from .run_folder import claim_run_folder
 from .train import add_train_args, train
 from .validate import validate_checkpoint
 
@@ -48,6 +49,10 @@ def _mixer_label(mixer: str) -> str:
     return mixer.replace(",", "+")
 
 
+# What marks a folder as holding an ablation (a re-run goes to <name>-1; --overwrite deletes these).
+ABLATION_FILES = ("ablation.json", "ablation.md", "accuracy.png", "throughput_memory.png", "runs")
+
+
 def _log(message: str) -> None:
     print(message, flush=True)
 
@@ -55,19 +60,30 @@ def _log(message: str) -> None:
 def run_ablation(args: argparse.Namespace, log=_log) -> Dict[str, Any]:
     """Train, evaluate and benchmark ``args.model`` once per mixer in ``args.mixers``; returns the rows.
 
-    Every run uses the same seed and recipe. Raises ValueError for an empty mixer list (unknown mixers and
-    bad training arguments raise from the training code, before anything is trained for that mixer).
+    Every run uses the same seed and recipe. The ablation owns its folder as a training run does: a folder
+    that holds an earlier ablation is not overwritten (this one goes to ``<name>-1``) unless ``--overwrite``.
+    Raises ValueError for an empty mixer list (unknown mixers and bad training arguments raise from the
+    training code, before anything is trained for that mixer).
     """
     if not args.mixers:
         raise ValueError("mixers: give at least one token mixer")
     if args.bench_iters < 1 or args.bench_batch_size < 1:
         raise ValueError(f"bench_iters/bench_batch_size: must be >= 1, got {args.bench_iters} and "
                          f"{args.bench_batch_size}")
+    name = args.experiment or f"ablate-{time.strftime('%Y%m%d-%H%M%S')}"
+    folder = claim_run_folder(os.path.join(args.output, name), overwrite=args.overwrite, run_files=ABLATION_FILES)
+    try:
+        for note in folder.notes:
+            log(note)
+        return _run_ablation(args, folder.path, log)
+    finally:
+        folder.release()
+
+
+def _run_ablation(args: argparse.Namespace, run_dir: str, log) -> Dict[str, Any]:
     base_kwargs = parse_kwargs(args.model_kwargs)
     eval_sizes = args.eval_sizes or [args.img_size * f for f in (1, 2, 4)]
     bench_sizes = args.bench_sizes or [args.img_size * f for f in (1, 2, 4, 8)]
-    run_dir = os.path.join(args.output, args.experiment or f"ablate-{time.strftime('%Y%m%d-%H%M%S')}")
-    os.makedirs(run_dir, exist_ok=True)
     rows, bench_points = [], []
     train_keys = vars(add_train_args(argparse.ArgumentParser()).parse_args([]))
     start = time.time()
@@ -79,6 +95,7 @@ def run_ablation(args: argparse.Namespace, log=_log) -> Dict[str, Any]:
         run_args = argparse.Namespace(**{k: getattr(args, k) for k in train_keys})
         run_args.model_kwargs = {**base_kwargs, "token_mixers": mixer}
         run_args.output, run_args.experiment, run_args.resume = os.path.join(run_dir, "runs"), label, None
+        run_args.overwrite = False  # a fresh ablation folder holds no runs
         t0 = time.time()
         summary = train(run_args)
         train_s = time.time() - t0

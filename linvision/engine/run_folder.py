@@ -53,12 +53,14 @@ def _try_lock(path: str):
     return f, None
 
 
-def _holds_a_run(path: str) -> bool:
-    return any(os.path.exists(os.path.join(path, name)) for name in RUN_FILES)
+def _holds_a_run(path: str, run_files) -> bool:
+    return any(os.path.exists(os.path.join(path, name)) for name in run_files)
 
 
-def claim_run_folder(path: str, resume: bool = False, overwrite: bool = False) -> RunFolder:
-    """Lock and return the folder this run writes to (see the module docstring).
+def claim_run_folder(path: str, resume: bool = False, overwrite: bool = False,
+                     run_files=RUN_FILES) -> RunFolder:
+    """Lock and return the folder this run writes to (see the module docstring); ``run_files`` are the names
+    that mark a folder as holding a run (and that ``overwrite`` deletes).
 
     Raises ValueError (one line) when the folder is held by another process, when ``resume`` names a folder
     that does not exist, or when the folder cannot be created or written (a file in its place, no write
@@ -81,11 +83,11 @@ def claim_run_folder(path: str, resume: bool = False, overwrite: bool = False) -
                                  f"to finish or choose another --experiment")
             continue
         notes = []
-        if not resume and _holds_a_run(candidate):
+        if not resume and _holds_a_run(candidate, run_files):
             if not overwrite:
                 lock.close()
                 continue
-            for name in RUN_FILES:
+            for name in run_files:
                 target = os.path.join(candidate, name)
                 if os.path.isdir(target):
                     shutil.rmtree(target)

@@ -2,12 +2,18 @@
 
 A token mixer is an ``nn.Module`` built as ``cls(dim, num_heads, **kwargs)`` whose ``forward(x, hw)`` maps
 tokens x of shape (B, N, C) on a grid hw = (H, W) with N = H * W to (B, N, C).
+
+Every registered mixer is also registered with timm as a leaf of FX tracing (``register_notrace_module``): a
+mixer builds its RoPE tables and checks the token count against the grid with Python ints, which symbolic
+tracing cannot see. A traced model calls the mixer as one module (its parameters stay in the graph module), and
+those checks still run on every call.
 """
 from __future__ import annotations
 
 import inspect
 from typing import Callable, Dict, List, Type
 
+from timm.layers import register_notrace_module
 from torch import nn
 
 __all__ = ["register_mixer", "create_mixer", "list_mixers", "mixer_options"]
@@ -16,13 +22,13 @@ _MIXERS: Dict[str, Type[nn.Module]] = {}
 
 
 def register_mixer(name: str) -> Callable[[Type[nn.Module]], Type[nn.Module]]:
-    """Class decorator that registers a token mixer under ``name``."""
+    """Class decorator that registers a token mixer under ``name`` (and with timm as an FX leaf module)."""
 
     def wrap(cls: Type[nn.Module]) -> Type[nn.Module]:
         if name in _MIXERS and _MIXERS[name] is not cls:
             raise ValueError(f"name: token mixer {name!r} is already registered by {_MIXERS[name].__name__}")
         _MIXERS[name] = cls
-        return cls
+        return register_notrace_module(cls)
 
     return wrap
 

@@ -6,7 +6,9 @@ token) and a linear head. Shapes follow DeiT (Touvron et al. 2021, arXiv:2012.12
 heads, small 384 / 6, base 768 / 12, all 12 blocks deep.
 
 Position information comes from either
-- a learned absolute position embedding (``rope=None``; resampled to other grids with ``dynamic_img_size``), or
+- a learned absolute position embedding (``rope=None``): the model runs at the size it was built for (its
+  pretrained_cfg says ``fixed_input_size=True``, as for timm's ViTs, so timm builds it at the size asked for);
+  ``dynamic_img_size=True`` resamples the embedding to every input's grid instead, or
 - 2D RoPE inside every attention mixer (``rope="axial"`` or ``"mixed"``, RoPE-ViT, Heo et al. 2024,
   arXiv:2403.13298), with no absolute embedding: the weights fit any grid and aspect ratio.
 
@@ -171,7 +173,9 @@ class LinViT(nn.Module):
             return x
         b, h, w, c = x.shape
         pos = self.pos_embed
-        if self.dynamic_img_size and (h, w) != tuple(self.patch_embed.grid_size):
+        if self.dynamic_img_size:
+            # timm's resampler returns the embedding unchanged on the training grid; it is an FX leaf, so the grid
+            # comparison stays out of the traced path.
             pos = resample_abs_pos_embed(pos, new_size=(h, w), old_size=self.patch_embed.grid_size,
                                          num_prefix_tokens=0)
         return x + pos.reshape(1, h, w, c)
@@ -274,10 +278,12 @@ def _cfg(**kwargs) -> Dict[str, Any]:
     }
 
 
+# The absolute-position variants run at the size they were built for (timm reads fixed_input_size to build them at
+# the size asked for, as for its own ViTs); the RoPE variants run at any multiple of the patch size.
 default_cfgs = generate_default_cfgs({
-    "linvit_tiny_patch16_224": _cfg(),
-    "linvit_small_patch16_224": _cfg(),
-    "linvit_base_patch16_224": _cfg(),
+    "linvit_tiny_patch16_224": _cfg(fixed_input_size=True),
+    "linvit_small_patch16_224": _cfg(fixed_input_size=True),
+    "linvit_base_patch16_224": _cfg(fixed_input_size=True),
     "linvit_tiny_patch16_rope_224": _cfg(),
     "linvit_small_patch16_rope_224": _cfg(),
     "linvit_base_patch16_rope_224": _cfg(),
@@ -287,6 +293,8 @@ default_cfgs = generate_default_cfgs({
 
 def _create_linvit(variant: str, pretrained: bool = False, **kwargs) -> LinViT:
     out_indices = kwargs.pop("out_indices", 3)
+    if kwargs.get("dynamic_img_size"):  # the embedding is resampled per call: the cfg must not fix the size
+        kwargs["pretrained_cfg_overlay"] = dict(kwargs.get("pretrained_cfg_overlay") or {}, fixed_input_size=False)
     return build_model_with_cfg(
         LinViT, variant, pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,

@@ -1,12 +1,28 @@
 """Triton kernels for linear attention, installed as ``linvision.kernels``.
 
-``linear_attention_triton`` is the fused non-causal forward and backward; ``unsupported_reason`` tells the
-dispatcher in ``linvision.ops.linear_attention`` when a call must fall back to the PyTorch path.
+The kernels know only tensors, ints and flags and import nothing from the rest of linvision:
+``linvision.ops`` dispatches to them, never the other way round.
+
+- ``linear_attention_triton`` (in ``linear_attention.py``, needs Triton): the fused non-causal forward and
+  backward; ``unsupported_reason`` says why a call cannot run there (the dispatcher in
+  ``linvision.ops.linear_attention`` then falls back to PyTorch, with a warning under ``backend="auto"``).
+- ``common``: what the ops and the kernels both need (input validation, :class:`~.common.RopeSpec`); no Triton.
+- ``traffic``: memory traffic of kernel launches counted in the Triton interpreter.
+
+The Triton names load on first use, so ``linvision.kernels.common`` imports where Triton is not installed.
 """
-from .linear_attention import (
-    FUSED_FEATURE_MAPS,
-    MAX_HEAD_DIM,
-    MIN_HEAD_DIM,
-    linear_attention_triton,
-    unsupported_reason,
-)
+import importlib
+
+__all__ = ["FUSED_FEATURE_MAPS", "MAX_HEAD_DIM", "MIN_HEAD_DIM", "linear_attention_triton", "unsupported_reason"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        value = getattr(importlib.import_module(".linear_attention", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -1,6 +1,6 @@
 """Fused Triton kernels for non-causal linear attention, forward and backward.
 
-Math (see ``linvision.ops.linear_attention``), per batch and head, with R_i the optional 2D RoPE rotation
+Math (the reference is ``linvision.ops.linear_attention``), per batch and head, with R_i the optional 2D RoPE rotation
 applied to the numerator only:
 
     S = (1/Nk) sum_j (R_j phi(k_j))^T v_j     z = (1/Nk) sum_j phi(k_j)
@@ -24,7 +24,9 @@ runtime argument, so a new resolution re-tunes only when it enters a new power-o
 nothing new beyond Triton's usual integer specialisations. Under ``TRITON_INTERPRET=1`` one fixed
 configuration is used.
 
-The public entry, :func:`linear_attention_triton`, goes through the torch custom ops
+The kernels know only tensors, ints and flags: RoPE arrives as a :class:`~.common.RopeSpec` (frequency tensors,
+grid width, prefix, offset) and the feature map as its name. The public entry, :func:`linear_attention_triton`,
+goes through the torch custom ops
 ``linvision::linear_attention_fwd`` / ``linvision::linear_attention_bwd`` (autograd, fake tensors and a FLOP
 formula registered), so ``torch.compile`` keeps it in one graph.
 """
@@ -39,9 +41,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from linvision.ops.feature_maps import FeatureMap, get_feature_map
-from linvision.ops.linear_attention import check_qkv
-from linvision.ops.rope import Rope, check_rope
+from .common import DEFAULT_EPS, RopeSpec, check_eps, check_int, check_qkv, check_rope, feature_map_name
 
 __all__ = ["linear_attention_triton", "unsupported_reason", "FUSED_FEATURE_MAPS", "MIN_HEAD_DIM", "MAX_HEAD_DIM"]
 
@@ -69,6 +69,11 @@ def _configs():
 _TUNE_KEY = ["N_BUCKET", "D_HALF", "DV", "FEATURE", "HAS_ROPE", "PRECISION"]
 
 
+def _kernel(fn):
+    """A Triton kernel autotuned over :func:`_configs`, keyed on the power-of-two bucket of N and the shapes."""
+    return triton.autotune(configs=_configs(), key=_TUNE_KEY)(triton.jit(fn))
+
+
 @triton.jit
 def _phi(x, FEATURE: tl.constexpr):
     """Feature map on fp32 values: 0 identity, 1 relu, 2 elu + 1."""
@@ -94,222 +99,242 @@ def _phi_grad(x, FEATURE: tl.constexpr):
 
 
 @triton.jit
-def _rope_cos_sin(offs_n, fx, fy, prefix, width, off_row, off_col):
-    """cos, sin (BLOCK_N, BLOCK_P) of angle = fx * col + fy * row; prefix tokens are not rotated."""
-    g = offs_n - prefix
-    is_grid = g >= 0
-    g = tl.where(is_grid, g, 0)
-    row = (g // width).to(tl.float32) + off_row
-    col = (g % width).to(tl.float32) + off_col
-    ang = col[:, None] * fx[None, :] + row[:, None] * fy[None, :]
-    ang = tl.where(is_grid[:, None], ang, 0.0)
-    return tl.cos(ang), tl.sin(ang)
+def _rope_freqs(FX, FY, h, stride_fh, offs_p, D_HALF, HAS_ROPE: tl.constexpr):
+    """Frequencies (fx, fy), each (BLOCK_P,), of head h; zeros (nothing loaded) without RoPE."""
+    if HAS_ROPE:
+        fx = tl.load(FX + h * stride_fh + offs_p, mask=offs_p < D_HALF, other=0.0)
+        fy = tl.load(FY + h * stride_fh + offs_p, mask=offs_p < D_HALF, other=0.0)
+    else:
+        fx = tl.zeros_like(offs_p).to(tl.float32)
+        fy = fx
+    return fx, fy
+
+
+@triton.jit
+def _rope_cos_sin(offs_n, fx, fy, prefix, width, off_row, off_col, HAS_ROPE: tl.constexpr):
+    """cos, sin (BLOCK_N, BLOCK_P) of angle = fx * col + fy * row; prefix tokens are not rotated. Without RoPE
+    the identity rotation (1, 0)."""
+    if HAS_ROPE:
+        g = offs_n - prefix
+        is_grid = g >= 0
+        g = tl.where(is_grid, g, 0)
+        row = (g // width).to(tl.float32) + off_row
+        col = (g % width).to(tl.float32) + off_col
+        ang = col[:, None] * fx[None, :] + row[:, None] * fy[None, :]
+        ang = tl.where(is_grid[:, None], ang, 0.0)
+        cos = tl.cos(ang)
+        sin = tl.sin(ang)
+    else:
+        cos = 1.0
+        sin = 0.0
+    return cos, sin
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin, HAS_ROPE: tl.constexpr, INVERSE: tl.constexpr):
+    """R x (R^T x with INVERSE) on the channel halves: pair t is (x1[:, t], x2[:, t]). The identity without RoPE."""
+    if not HAS_ROPE:
+        y1 = x1
+        y2 = x2
+    elif INVERSE:
+        y1 = x1 * cos + x2 * sin
+        y2 = x2 * cos - x1 * sin
+    else:
+        y1 = x1 * cos - x2 * sin
+        y2 = x1 * sin + x2 * cos
+    return y1, y2
+
+
+@triton.jit
+def _features(x1, x2, mask, offs_n, fx, fy, prefix, width, off_row, off_col, FEATURE: tl.constexpr,
+              HAS_ROPE: tl.constexpr):
+    """(cos, sin) of the tokens' rotation, phi(x) and R phi(x) on the channel halves; masked lanes of the
+    features are zero (elu(0) + 1 = 1 must not count)."""
+    cos, sin = _rope_cos_sin(offs_n, fx, fy, prefix, width, off_row, off_col, HAS_ROPE)
+    f1 = tl.where(mask, _phi(x1, FEATURE), 0.0)
+    f2 = tl.where(mask, _phi(x2, FEATURE), 0.0)
+    r1, r2 = _rotate(f1, f2, cos, sin, HAS_ROPE, False)
+    return cos, sin, f1, f2, r1, r2
+
+
+@triton.jit
+def _input_grad(g1, g2, a1, a2, x1, x2, FEATURE: tl.constexpr, cos, sin, HAS_ROPE: tl.constexpr):
+    """phi'(x) (R^T g + a) on the channel halves: the gradient of inputs x from the gradient g of their rotated
+    features R phi(x) and the gradient a of their features phi(x)."""
+    u1, u2 = _rotate(g1, g2, cos, sin, HAS_ROPE, True)
+    return (u1 + a1) * _phi_grad(x1, FEATURE), (u2 + a2) * _phi_grad(x2, FEATURE)
+
+
+@triton.jit
+def _numerator_denominator(f1, f2, r1, r2, s1, s2, z1, z2, eps, PRECISION: tl.constexpr):
+    """num = (R phi(q)) S (BLOCK_N, BLOCK_DV) and den = phi(q) . z + eps (BLOCK_N,)."""
+    num = tl.dot(r1, s1, input_precision=PRECISION)
+    num = tl.dot(r2, s2, num, input_precision=PRECISION)
+    den = tl.sum(f1 * z1[None, :], axis=1) + tl.sum(f2 * z2[None, :], axis=1) + eps
+    return num, den
+
+
+@triton.jit
+def _program(H, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """(program index along axis 0, batch-head, batch, head, channel-pair offsets, value offsets)."""
+    bh = tl.program_id(1)
+    return tl.program_id(0), bh, bh // H, bh % H, tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_DV)
+
+
+@triton.jit
+def _head(X, b, h, stride_b, stride_h):
+    """Base pointer of the (N, C) slice of batch b, head h of a (B, H, N, C) tensor."""
+    return X + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+
+
+@triton.jit
+def _tile_masks(offs_n, hi, offs_p, offs_e, D_HALF, DV):
+    """Masks of a token block: channel halves (BLOCK_N, BLOCK_P) and values (BLOCK_N, BLOCK_DV)."""
+    mask_n = offs_n < hi
+    return mask_n[:, None] & (offs_p < D_HALF)[None, :], mask_n[:, None] & (offs_e < DV)[None, :]
+
+
+@triton.jit
+def _token_block(x_base, y_base, start, hi, offs_p, offs_e, stride_xn, stride_xd, stride_yn, stride_yd, D_HALF, DV,
+                 fx, fy, prefix, width, off_row, off_col, FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """The block of tokens from ``start`` (those < hi) of an (N, D) slice x and an (N, Dv) slice y: x's channel
+    halves, y (fp32), their masks, and cos, sin, phi(x), R phi(x) as in :func:`_features`."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    mask_x, mask_y = _tile_masks(offs_n, hi, offs_p, offs_e, D_HALF, DV)
+    x1, x2 = _load_halves(x_base, offs_n, offs_p, stride_xn, stride_xd, D_HALF, mask_x)
+    y = _load_rows(y_base, offs_n, offs_e, stride_yn, stride_yd, mask_y)
+    cos, sin, f1, f2, r1, r2 = _features(x1, x2, mask_x, offs_n, fx, fy, prefix, width, off_row, off_col, FEATURE,
+                                         HAS_ROPE)
+    return offs_n, x1, x2, y, mask_x, mask_y, cos, sin, f1, f2, r1, r2
+
+
+@triton.jit
+def _split_start(pid_s, split_len, N, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Start of a reduction over one split of the tokens: its range [lo, hi) and fp32 zeros for the row halves of
+    a (D, Dv) state and the halves of its (D,) vector."""
+    s1 = tl.zeros((BLOCK_P, BLOCK_DV), dtype=tl.float32)
+    z1 = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    lo = pid_s * split_len
+    return lo, tl.minimum(lo + split_len, N), s1, tl.zeros_like(s1), z1, tl.zeros_like(z1)
+
+
+@triton.jit
+def _load_rows(base, offs_n, offs_c, stride_n, stride_c, mask):
+    """Tile (BLOCK_N, len(offs_c)) of an (N, C) slice as fp32 (also right for bf16 when interpreting)."""
+    ptrs = base + offs_n.to(tl.int64)[:, None] * stride_n + offs_c[None, :] * stride_c
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _load_halves(base, offs_n, offs_p, stride_n, stride_d, D_HALF, mask):
-    """The two channel halves (BLOCK_N, BLOCK_P) of a (N, D) slice, as fp32 (also right for bf16 when
-    interpreting)."""
-    rows = base + offs_n.to(tl.int64)[:, None] * stride_n
-    x1 = tl.load(rows + offs_p[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(rows + (offs_p[None, :] + D_HALF) * stride_d, mask=mask, other=0.0).to(tl.float32)
-    return x1, x2
+    """The two channel halves (BLOCK_N, BLOCK_P) of a (N, D) slice, as fp32."""
+    x1 = _load_rows(base, offs_n, offs_p, stride_n, stride_d, mask)
+    return x1, _load_rows(base, offs_n, offs_p + D_HALF, stride_n, stride_d, mask)
 
 
 @triton.jit
-def _load_state(S, Z, bh, offs_p, offs_e, D_HALF, DV):
-    """Row halves (BLOCK_P, BLOCK_DV) of a contiguous fp32 (B*H, D, Dv) state and halves of z (B*H, D)."""
-    d = 2 * D_HALF
-    mask = (offs_p < D_HALF)[:, None] & (offs_e < DV)[None, :]
-    s_base = S + bh.to(tl.int64) * d * DV
-    s1 = tl.load(s_base + offs_p[:, None] * DV + offs_e[None, :], mask=mask, other=0.0)
-    s2 = tl.load(s_base + (offs_p[:, None] + D_HALF) * DV + offs_e[None, :], mask=mask, other=0.0)
-    z_base = Z + bh.to(tl.int64) * d
-    z1 = tl.load(z_base + offs_p, mask=offs_p < D_HALF, other=0.0)
-    z2 = tl.load(z_base + offs_p + D_HALF, mask=offs_p < D_HALF, other=0.0)
-    return s1, s2, z1, z2
+def _store_rows(base, offs_n, offs_c, stride_n, value, mask):
+    """Store a tile into a row-major (N, C) slice (column stride 1), in the buffer's dtype."""
+    ptrs = base + offs_n.to(tl.int64)[:, None] * stride_n + offs_c[None, :]
+    tl.store(ptrs, value.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _state_ptrs(S, Z, idx, offs_p, offs_e, D_HALF, DV):
+    """Pointers to the row halves (BLOCK_P, BLOCK_DV) of slot ``idx`` of a contiguous fp32 (..., D, Dv) state and
+    to the halves of its (..., D) z, with the masks of both."""
+    mask_p = offs_p < D_HALF
+    s1 = S + idx.to(tl.int64) * 2 * D_HALF * DV + offs_p[:, None] * DV + offs_e[None, :]
+    z1 = Z + idx.to(tl.int64) * 2 * D_HALF + offs_p
+    return s1, s1 + D_HALF * DV, z1, z1 + D_HALF, mask_p[:, None] & (offs_e < DV)[None, :], mask_p
+
+
+@triton.jit
+def _load_state(S, Z, idx, offs_p, offs_e, D_HALF, DV):
+    """Row halves s1, s2 of S and halves z1, z2 of z."""
+    s1, s2, z1, z2, mask_s, mask_z = _state_ptrs(S, Z, idx, offs_p, offs_e, D_HALF, DV)
+    return (tl.load(s1, mask=mask_s, other=0.0), tl.load(s2, mask=mask_s, other=0.0),
+            tl.load(z1, mask=mask_z, other=0.0), tl.load(z2, mask=mask_z, other=0.0))
 
 
 @triton.jit
 def _store_state(S, Z, idx, s1, s2, z1, z2, offs_p, offs_e, D_HALF, DV):
-    """Store halves into slot ``idx`` of contiguous fp32 (..., D, Dv) and (..., D) buffers."""
-    d = 2 * D_HALF
-    mask = (offs_p < D_HALF)[:, None] & (offs_e < DV)[None, :]
-    s_base = S + idx.to(tl.int64) * d * DV
-    tl.store(s_base + offs_p[:, None] * DV + offs_e[None, :], s1, mask=mask)
-    tl.store(s_base + (offs_p[:, None] + D_HALF) * DV + offs_e[None, :], s2, mask=mask)
-    z_base = Z + idx.to(tl.int64) * d
-    tl.store(z_base + offs_p, z1, mask=offs_p < D_HALF)
-    tl.store(z_base + offs_p + D_HALF, z2, mask=offs_p < D_HALF)
+    """Store halves into slot ``idx`` (the inverse of :func:`_load_state`)."""
+    s1_ptrs, s2_ptrs, z1_ptrs, z2_ptrs, mask_s, mask_z = _state_ptrs(S, Z, idx, offs_p, offs_e, D_HALF, DV)
+    tl.store(s1_ptrs, s1, mask=mask_s)
+    tl.store(s2_ptrs, s2, mask=mask_s)
+    tl.store(z1_ptrs, z1, mask=mask_z)
+    tl.store(z2_ptrs, z2, mask=mask_z)
 
 
-@triton.autotune(configs=_configs(), key=_TUNE_KEY)
-@triton.jit
-def _state_fwd_kernel(
-    K, V, FX, FY, S_PART, Z_PART,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_fh, H, N, D_HALF, DV, split_len, prefix, width, off_row, off_col, N_BUCKET,
-    FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-):
+@_kernel
+def _state_fwd_kernel(K, V, FX, FY, S_PART, Z_PART, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
+                      stride_vn, stride_vd, stride_fh, H, N, D_HALF, DV, split_len, prefix, width, off_row, off_col,
+                      N_BUCKET, FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr,
+                      BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (splits, B*H): partial sums of S (rotated keys) and z over the tokens of one split."""
-    pid_s = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
-    offs_p = tl.arange(0, BLOCK_P)
-    offs_e = tl.arange(0, BLOCK_DV)
-    mask_p = offs_p < D_HALF
-    mask_e = offs_e < DV
-    if HAS_ROPE:
-        fx = tl.load(FX + h * stride_fh + offs_p, mask=mask_p, other=0.0)
-        fy = tl.load(FY + h * stride_fh + offs_p, mask=mask_p, other=0.0)
-    s1 = tl.zeros((BLOCK_P, BLOCK_DV), dtype=tl.float32)
-    s2 = tl.zeros((BLOCK_P, BLOCK_DV), dtype=tl.float32)
-    z1 = tl.zeros((BLOCK_P,), dtype=tl.float32)
-    z2 = tl.zeros((BLOCK_P,), dtype=tl.float32)
-    lo = pid_s * split_len
-    hi = tl.minimum(lo + split_len, N)
+    pid_s, bh, b, h, offs_p, offs_e = _program(H, BLOCK_P, BLOCK_DV)
+    k_base = _head(K, b, h, stride_kb, stride_kh)
+    v_base = _head(V, b, h, stride_vb, stride_vh)
+    fx, fy = _rope_freqs(FX, FY, h, stride_fh, offs_p, D_HALF, HAS_ROPE)
+    lo, hi, s1, s2, z1, z2 = _split_start(pid_s, split_len, N, BLOCK_P, BLOCK_DV)
     for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < hi
-        mask_k = mask_n[:, None] & mask_p[None, :]
-        k1, k2 = _load_halves(k_base, offs_n, offs_p, stride_kn, stride_kd, D_HALF, mask_k)
-        v = tl.load(
-            v_base + offs_n.to(tl.int64)[:, None] * stride_vn + offs_e[None, :] * stride_vd,
-            mask=mask_n[:, None] & mask_e[None, :], other=0.0,
-        ).to(tl.float32)
-        # Masked lanes must not count: elu(0) + 1 = 1.
-        f1 = tl.where(mask_k, _phi(k1, FEATURE), 0.0)
-        f2 = tl.where(mask_k, _phi(k2, FEATURE), 0.0)
+        _, _, _, v, _, _, _, _, f1, f2, r1, r2 = _token_block(
+            k_base, v_base, start, hi, offs_p, offs_e, stride_kn, stride_kd, stride_vn, stride_vd, D_HALF, DV,
+            fx, fy, prefix, width, off_row, off_col, FEATURE, HAS_ROPE, BLOCK_N)
         z1 += tl.sum(f1, axis=0)
         z2 += tl.sum(f2, axis=0)
-        if HAS_ROPE:
-            cos, sin = _rope_cos_sin(offs_n, fx, fy, prefix, width, off_row, off_col)
-            r1 = f1 * cos - f2 * sin
-            r2 = f1 * sin + f2 * cos
-        else:
-            r1 = f1
-            r2 = f2
         s1 = tl.dot(tl.trans(r1), v, s1, input_precision=PRECISION)
         s2 = tl.dot(tl.trans(r2), v, s2, input_precision=PRECISION)
     _store_state(S_PART, Z_PART, bh * tl.num_programs(0) + pid_s, s1, s2, z1, z2, offs_p, offs_e, D_HALF, DV)
 
 
-@triton.autotune(configs=_configs(), key=_TUNE_KEY)
-@triton.jit
-def _output_fwd_kernel(
-    Q, S, Z, FX, FY, O,
-    stride_qb, stride_qh, stride_qn, stride_qd,
-    stride_ob, stride_oh, stride_on, stride_od,
-    stride_fh, eps, H, N, D_HALF, DV, prefix, width, off_row, off_col, N_BUCKET,
-    FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-):
+@_kernel
+def _output_fwd_kernel(Q, S, Z, FX, FY, O, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on,
+                       stride_od, stride_fh, eps, H, N, D_HALF, DV, prefix, width, off_row, off_col, N_BUCKET,
+                       FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_P: tl.constexpr,
+                       BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (token blocks, B*H): o = (R phi(q)) S / (phi(q) . z + eps) for one block of queries."""
-    pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    pid_n, bh, b, h, offs_p, offs_e = _program(H, BLOCK_P, BLOCK_DV)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_p = tl.arange(0, BLOCK_P)
-    offs_e = tl.arange(0, BLOCK_DV)
-    mask_n = offs_n < N
-    mask_q = mask_n[:, None] & (offs_p < D_HALF)[None, :]
+    mask_q, mask_o = _tile_masks(offs_n, N, offs_p, offs_e, D_HALF, DV)
     s1, s2, z1, z2 = _load_state(S, Z, bh, offs_p, offs_e, D_HALF, DV)
-    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    q1, q2 = _load_halves(q_base, offs_n, offs_p, stride_qn, stride_qd, D_HALF, mask_q)
-    f1 = _phi(q1, FEATURE)
-    f2 = _phi(q2, FEATURE)
-    den = tl.sum(f1 * z1[None, :], axis=1) + tl.sum(f2 * z2[None, :], axis=1) + eps
-    if HAS_ROPE:
-        fx = tl.load(FX + h * stride_fh + offs_p, mask=offs_p < D_HALF, other=0.0)
-        fy = tl.load(FY + h * stride_fh + offs_p, mask=offs_p < D_HALF, other=0.0)
-        cos, sin = _rope_cos_sin(offs_n, fx, fy, prefix, width, off_row, off_col)
-        r1 = f1 * cos - f2 * sin
-        r2 = f1 * sin + f2 * cos
-    else:
-        r1 = f1
-        r2 = f2
-    num = tl.dot(r1, s1, input_precision=PRECISION)
-    num = tl.dot(r2, s2, num, input_precision=PRECISION)
-    out = num / den[:, None]
-    o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-    o_ptrs = o_base + offs_n.to(tl.int64)[:, None] * stride_on + offs_e[None, :] * stride_od
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=mask_n[:, None] & (offs_e < DV)[None, :])
+    q1, q2 = _load_halves(_head(Q, b, h, stride_qb, stride_qh), offs_n, offs_p, stride_qn, stride_qd, D_HALF, mask_q)
+    fx, fy = _rope_freqs(FX, FY, h, stride_fh, offs_p, D_HALF, HAS_ROPE)
+    _, _, f1, f2, r1, r2 = _features(q1, q2, mask_q, offs_n, fx, fy, prefix, width, off_row, off_col, FEATURE,
+                                     HAS_ROPE)
+    num, den = _numerator_denominator(f1, f2, r1, r2, s1, s2, z1, z2, eps, PRECISION)
+    o_ptrs = _head(O, b, h, stride_ob, stride_oh) + offs_n.to(tl.int64)[:, None] * stride_on + offs_e[None, :] * stride_od
+    tl.store(o_ptrs, (num / den[:, None]).to(O.dtype.element_ty), mask=mask_o)
 
 
-@triton.autotune(configs=_configs(), key=_TUNE_KEY)
-@triton.jit
-def _query_bwd_kernel(
-    Q, DO, S, Z, FX, FY, DQ, DS_PART, DZ_PART,
-    stride_qb, stride_qh, stride_qn, stride_qd,
-    stride_ob, stride_oh, stride_on, stride_od,
-    stride_fh, eps, H, N, D_HALF, DV, split_len, prefix, width, off_row, off_col, N_BUCKET,
-    FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-):
+@_kernel
+def _query_bwd_kernel(Q, DO, S, Z, FX, FY, DQ, DS_PART, DZ_PART, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob,
+                      stride_oh, stride_on, stride_od, stride_fh, eps, H, N, D_HALF, DV, split_len, prefix, width,
+                      off_row, off_col, N_BUCKET, FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr,
+                      PRECISION: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (splits, B*H): dq for the queries of one split and partial sums of dS, dz (without 1/Nk)."""
-    pid_s = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    offs_p = tl.arange(0, BLOCK_P)
-    offs_e = tl.arange(0, BLOCK_DV)
-    mask_p = offs_p < D_HALF
-    mask_e = offs_e < DV
+    pid_s, bh, b, h, offs_p, offs_e = _program(H, BLOCK_P, BLOCK_DV)
     s1, s2, z1, z2 = _load_state(S, Z, bh, offs_p, offs_e, D_HALF, DV)
-    if HAS_ROPE:
-        fx = tl.load(FX + h * stride_fh + offs_p, mask=mask_p, other=0.0)
-        fy = tl.load(FY + h * stride_fh + offs_p, mask=mask_p, other=0.0)
-    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    fx, fy = _rope_freqs(FX, FY, h, stride_fh, offs_p, D_HALF, HAS_ROPE)
+    q_base = _head(Q, b, h, stride_qb, stride_qh)
+    do_base = _head(DO, b, h, stride_ob, stride_oh)
     dq_base = DQ + bh.to(tl.int64) * N * 2 * D_HALF  # dq is allocated contiguous (B, H, N, D)
-    do_base = DO + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-    ds1 = tl.zeros((BLOCK_P, BLOCK_DV), dtype=tl.float32)
-    ds2 = tl.zeros((BLOCK_P, BLOCK_DV), dtype=tl.float32)
-    dz1 = tl.zeros((BLOCK_P,), dtype=tl.float32)
-    dz2 = tl.zeros((BLOCK_P,), dtype=tl.float32)
-    lo = pid_s * split_len
-    hi = tl.minimum(lo + split_len, N)
+    lo, hi, ds1, ds2, dz1, dz2 = _split_start(pid_s, split_len, N, BLOCK_P, BLOCK_DV)
     for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < hi
-        mask_q = mask_n[:, None] & mask_p[None, :]
-        q1, q2 = _load_halves(q_base, offs_n, offs_p, stride_qn, stride_qd, D_HALF, mask_q)
-        do = tl.load(
-            do_base + offs_n.to(tl.int64)[:, None] * stride_on + offs_e[None, :] * stride_od,
-            mask=mask_n[:, None] & mask_e[None, :], other=0.0,
-        ).to(tl.float32)
-        f1 = _phi(q1, FEATURE)
-        f2 = _phi(q2, FEATURE)
-        den = tl.sum(f1 * z1[None, :], axis=1) + tl.sum(f2 * z2[None, :], axis=1) + eps
-        if HAS_ROPE:
-            cos, sin = _rope_cos_sin(offs_n, fx, fy, prefix, width, off_row, off_col)
-            r1 = f1 * cos - f2 * sin
-            r2 = f1 * sin + f2 * cos
-        else:
-            r1 = f1
-            r2 = f2
-        num = tl.dot(r1, s1, input_precision=PRECISION)
-        num = tl.dot(r2, s2, num, input_precision=PRECISION)
+        offs_n, q1, q2, do, mask_q, _, cos, sin, f1, f2, r1, r2 = _token_block(
+            q_base, do_base, start, hi, offs_p, offs_e, stride_qn, stride_qd, stride_on, stride_od, D_HALF, DV,
+            fx, fy, prefix, width, off_row, off_col, FEATURE, HAS_ROPE, BLOCK_N)
+        num, den = _numerator_denominator(f1, f2, r1, r2, s1, s2, z1, z2, eps, PRECISION)
         dnum = do / den[:, None]  # masked rows: do = 0, so they add nothing below
         dden = -tl.sum(dnum * num, axis=1) / den  # = -(do . o) / den
         g1 = tl.dot(dnum, tl.trans(s1), input_precision=PRECISION)  # grad of the rotated features
         g2 = tl.dot(dnum, tl.trans(s2), input_precision=PRECISION)
-        if HAS_ROPE:
-            u1 = g1 * cos + g2 * sin  # R^T: rotate back
-            u2 = g2 * cos - g1 * sin
-        else:
-            u1 = g1
-            u2 = g2
-        dq1 = (u1 + dden[:, None] * z1[None, :]) * _phi_grad(q1, FEATURE)
-        dq2 = (u2 + dden[:, None] * z2[None, :]) * _phi_grad(q2, FEATURE)
-        dq_ptrs = dq_base + offs_n.to(tl.int64)[:, None] * (2 * D_HALF) + offs_p[None, :]
-        tl.store(dq_ptrs, dq1.to(DQ.dtype.element_ty), mask=mask_q)
-        tl.store(dq_ptrs + D_HALF, dq2.to(DQ.dtype.element_ty), mask=mask_q)
+        dq1, dq2 = _input_grad(g1, g2, dden[:, None] * z1[None, :], dden[:, None] * z2[None, :], q1, q2, FEATURE,
+                               cos, sin, HAS_ROPE)
+        _store_rows(dq_base, offs_n, offs_p, 2 * D_HALF, dq1, mask_q)
+        _store_rows(dq_base, offs_n, offs_p + D_HALF, 2 * D_HALF, dq2, mask_q)
         ds1 = tl.dot(tl.trans(r1), dnum, ds1, input_precision=PRECISION)
         ds2 = tl.dot(tl.trans(r2), dnum, ds2, input_precision=PRECISION)
         dz1 += tl.sum(dden[:, None] * f1, axis=0)
@@ -317,63 +342,28 @@ def _query_bwd_kernel(
     _store_state(DS_PART, DZ_PART, bh * tl.num_programs(0) + pid_s, ds1, ds2, dz1, dz2, offs_p, offs_e, D_HALF, DV)
 
 
-@triton.autotune(configs=_configs(), key=_TUNE_KEY)
-@triton.jit
-def _key_bwd_kernel(
-    K, V, DS, DZ, FX, FY, DK, DV_OUT,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_fh, H, N, D_HALF, DV, prefix, width, off_row, off_col, N_BUCKET,
-    FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-):
+@_kernel
+def _key_bwd_kernel(K, V, DS, DZ, FX, FY, DK, DV_OUT, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
+                    stride_vn, stride_vd, stride_fh, H, N, D_HALF, DV, prefix, width, off_row, off_col, N_BUCKET,
+                    FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_P: tl.constexpr,
+                    BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (token blocks, B*H): dk = phi'(k) (R^T (v dS^T) + dz), dv = (R phi(k)) dS; dS, dz carry the 1/Nk."""
-    pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_p = tl.arange(0, BLOCK_P)
-    offs_e = tl.arange(0, BLOCK_DV)
-    mask_n = offs_n < N
-    mask_k = mask_n[:, None] & (offs_p < D_HALF)[None, :]
-    mask_v = mask_n[:, None] & (offs_e < DV)[None, :]
+    pid_n, bh, b, h, offs_p, offs_e = _program(H, BLOCK_P, BLOCK_DV)
     ds1, ds2, dz1, dz2 = _load_state(DS, DZ, bh, offs_p, offs_e, D_HALF, DV)
-    k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    k1, k2 = _load_halves(k_base, offs_n, offs_p, stride_kn, stride_kd, D_HALF, mask_k)
-    v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
-    v = tl.load(
-        v_base + offs_n.to(tl.int64)[:, None] * stride_vn + offs_e[None, :] * stride_vd, mask=mask_v, other=0.0
-    ).to(tl.float32)
-    f1 = _phi(k1, FEATURE)
-    f2 = _phi(k2, FEATURE)
-    if HAS_ROPE:
-        fx = tl.load(FX + h * stride_fh + offs_p, mask=offs_p < D_HALF, other=0.0)
-        fy = tl.load(FY + h * stride_fh + offs_p, mask=offs_p < D_HALF, other=0.0)
-        cos, sin = _rope_cos_sin(offs_n, fx, fy, prefix, width, off_row, off_col)
-        r1 = f1 * cos - f2 * sin
-        r2 = f1 * sin + f2 * cos
-    else:
-        r1 = f1
-        r2 = f2
+    fx, fy = _rope_freqs(FX, FY, h, stride_fh, offs_p, D_HALF, HAS_ROPE)
+    offs_n, k1, k2, v, mask_k, mask_v, cos, sin, f1, f2, r1, r2 = _token_block(
+        _head(K, b, h, stride_kb, stride_kh), _head(V, b, h, stride_vb, stride_vh), pid_n * BLOCK_N, N, offs_p, offs_e,
+        stride_kn, stride_kd, stride_vn, stride_vd, D_HALF, DV, fx, fy, prefix, width, off_row, off_col, FEATURE,
+        HAS_ROPE, BLOCK_N)
     dv = tl.dot(r1, ds1, input_precision=PRECISION)
     dv = tl.dot(r2, ds2, dv, input_precision=PRECISION)
     g1 = tl.dot(v, tl.trans(ds1), input_precision=PRECISION)
     g2 = tl.dot(v, tl.trans(ds2), input_precision=PRECISION)
-    if HAS_ROPE:
-        u1 = g1 * cos + g2 * sin
-        u2 = g2 * cos - g1 * sin
-    else:
-        u1 = g1
-        u2 = g2
-    dk1 = (u1 + dz1[None, :]) * _phi_grad(k1, FEATURE)
-    dk2 = (u2 + dz2[None, :]) * _phi_grad(k2, FEATURE)
-    d = 2 * D_HALF
-    dk_ptrs = DK + bh.to(tl.int64) * N * d + offs_n.to(tl.int64)[:, None] * d + offs_p[None, :]
-    tl.store(dk_ptrs, dk1.to(DK.dtype.element_ty), mask=mask_k)
-    tl.store(dk_ptrs + D_HALF, dk2.to(DK.dtype.element_ty), mask=mask_k)
-    dv_ptrs = DV_OUT + bh.to(tl.int64) * N * DV + offs_n.to(tl.int64)[:, None] * DV + offs_e[None, :]
-    tl.store(dv_ptrs, dv.to(DV_OUT.dtype.element_ty), mask=mask_v)
+    dk1, dk2 = _input_grad(g1, g2, dz1[None, :], dz2[None, :], k1, k2, FEATURE, cos, sin, HAS_ROPE)
+    dk_base = DK + bh.to(tl.int64) * N * 2 * D_HALF  # dk and dv are allocated contiguous
+    _store_rows(dk_base, offs_n, offs_p, 2 * D_HALF, dk1, mask_k)
+    _store_rows(dk_base, offs_n, offs_p + D_HALF, 2 * D_HALF, dk2, mask_k)
+    _store_rows(DV_OUT + bh.to(tl.int64) * N * DV, offs_n, offs_e, DV, dv, mask_v)
 
 
 def _meta(q: Tensor, v: Tensor, feature_map: str, has_rope: bool) -> dict:
@@ -408,32 +398,40 @@ def _rope_launch_args(q: Tensor, freqs_x: Optional[Tensor], freqs_y: Optional[Te
     return freqs_x, freqs_y, stride_fh, rope_ints[0], rope_ints[1], rope_offsets[0], rope_offsets[1]
 
 
+def _launch(q: Tensor, v: Tensor, feature_map: str, freqs_x: Optional[Tensor], freqs_y: Optional[Tensor],
+            rope_ints: List[int], rope_offsets: List[float], n: int, split_tokens: int):
+    """What both passes launch with: RoPE arguments (fx, fy, head stride, (prefix, width, row offset, col offset)),
+    the constexprs, the split length of the reduction over ``n`` tokens, its grid and its fp32 partial sums of a
+    (D, Dv) state and a (D,) vector."""
+    b, h, _, d = q.shape
+    fx, fy, stride_fh, *rope_pos = _rope_launch_args(q, freqs_x, freqs_y, rope_ints, rope_offsets)
+    split = _split_len(n, b * h, q.device, split_tokens)
+    n_splits = triton.cdiv(n, split)
+    s_part = torch.empty(b * h, n_splits, d, v.shape[-1], device=q.device, dtype=torch.float32)
+    z_part = torch.empty(b * h, n_splits, d, device=q.device, dtype=torch.float32)
+    meta = _meta(q, v, feature_map, freqs_x is not None)
+    return (fx, fy, stride_fh, rope_pos), meta, split, (n_splits, b * h), s_part, z_part
+
+
+def _token_grid(n: int, bh: int):
+    """Grid of the kernels with one program per block of tokens and (batch, head)."""
+    return lambda cfg: (triton.cdiv(n, cfg["BLOCK_N"]), bh)
+
+
 def _forward(q: Tensor, k: Tensor, v: Tensor, feature_map: str, freqs_x: Optional[Tensor],
              freqs_y: Optional[Tensor], rope_ints: List[int], rope_offsets: List[float], eps: float,
              split_tokens: int) -> Tuple[Tensor, Tensor, Tensor]:
     b, h, nq, d = q.shape
     nk, dv = k.shape[2], v.shape[-1]
-    fx, fy, stride_fh, prefix, width, off_row, off_col = _rope_launch_args(q, freqs_x, freqs_y, rope_ints, rope_offsets)
-    meta = _meta(q, v, feature_map, freqs_x is not None)
-    split = _split_len(nk, b * h, q.device, split_tokens)
-    n_splits = triton.cdiv(nk, split)
-    s_part = torch.empty(b * h, n_splits, d, dv, device=q.device, dtype=torch.float32)
-    z_part = torch.empty(b * h, n_splits, d, device=q.device, dtype=torch.float32)
-    _state_fwd_kernel[(n_splits, b * h)](
-        k, v, fx, fy, s_part, z_part, *k.stride(), *v.stride(), stride_fh, h, nk, d // 2, dv, split,
-        prefix, width, off_row, off_col, triton.next_power_of_2(nk), **meta,
-    )
+    (fx, fy, stride_fh, rope_pos), meta, split, grid, s_part, z_part = _launch(
+        q, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, nk, split_tokens)
+    _state_fwd_kernel[grid](k, v, fx, fy, s_part, z_part, *k.stride(), *v.stride(), stride_fh, h, nk, d // 2, dv,
+                            split, *rope_pos, triton.next_power_of_2(nk), **meta)
     s = (s_part.sum(dim=1) / nk).view(b, h, d, dv)  # the mean: S and z stay in range for any N
     z = (z_part.sum(dim=1) / nk).view(b, h, d)
     o = torch.empty(b, h, nq, dv, device=q.device, dtype=q.dtype)
-
-    def grid(cfg):
-        return (triton.cdiv(nq, cfg["BLOCK_N"]), b * h)
-
-    _output_fwd_kernel[grid](
-        q, s, z, fx, fy, o, *q.stride(), *o.stride(), stride_fh, eps, h, nq, d // 2, dv,
-        prefix, width, off_row, off_col, triton.next_power_of_2(nq), **meta,
-    )
+    _output_fwd_kernel[_token_grid(nq, b * h)](q, s, z, fx, fy, o, *q.stride(), *o.stride(), stride_fh, eps, h, nq,
+                                               d // 2, dv, *rope_pos, triton.next_power_of_2(nq), **meta)
     return o, s, z
 
 
@@ -441,31 +439,19 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor,
               freqs_x: Optional[Tensor], freqs_y: Optional[Tensor], rope_ints: List[int],
               rope_offsets: List[float], eps: float, split_tokens: int) -> Tuple[Tensor, Tensor, Tensor]:
     b, h, nq, d = q.shape
-    nk, dv = k.shape[2], v.shape[-1]
-    fx, fy, stride_fh, prefix, width, off_row, off_col = _rope_launch_args(q, freqs_x, freqs_y, rope_ints, rope_offsets)
-    meta = _meta(q, v, feature_map, freqs_x is not None)
-    split = _split_len(nq, b * h, q.device, split_tokens)
-    n_splits = triton.cdiv(nq, split)
+    nk = k.shape[2]
+    (fx, fy, stride_fh, rope_pos), meta, split, grid, ds_part, dz_part = _launch(
+        q, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, nq, split_tokens)
     dq = torch.empty(b, h, nq, d, device=q.device, dtype=q.dtype)
-    ds_part = torch.empty(b * h, n_splits, d, dv, device=q.device, dtype=torch.float32)
-    dz_part = torch.empty(b * h, n_splits, d, device=q.device, dtype=torch.float32)
-    _query_bwd_kernel[(n_splits, b * h)](
-        q, do, s, z, fx, fy, dq, ds_part, dz_part, *q.stride(), *do.stride(), stride_fh, eps, h, nq, d // 2, dv,
-        split, prefix, width, off_row, off_col, triton.next_power_of_2(nq), **meta,
-    )
+    _query_bwd_kernel[grid](q, do, s, z, fx, fy, dq, ds_part, dz_part, *q.stride(), *do.stride(), stride_fh, eps, h,
+                            nq, d // 2, v.shape[-1], split, *rope_pos, triton.next_power_of_2(nq), **meta)
     ds = ds_part.sum(dim=1) / nk  # (B*H, D, Dv): the 1/Nk of S moves onto its gradient
     dz = dz_part.sum(dim=1) / nk
     dk = torch.empty(b, h, nk, d, device=q.device, dtype=k.dtype)
-    dv_out = torch.empty(b, h, nk, dv, device=q.device, dtype=v.dtype)
-
-    def grid(cfg):
-        return (triton.cdiv(nk, cfg["BLOCK_N"]), b * h)
-
-    _key_bwd_kernel[grid](
-        k, v, ds, dz, fx, fy, dk, dv_out, *k.stride(), *v.stride(), stride_fh, h, nk, d // 2, dv,
-        prefix, width, off_row, off_col, triton.next_power_of_2(nk), **meta,
-    )
-    return dq, dk, dv_out
+    dv = torch.empty(b, h, nk, v.shape[-1], device=q.device, dtype=v.dtype)
+    _key_bwd_kernel[_token_grid(nk, b * h)](k, v, ds, dz, fx, fy, dk, dv, *k.stride(), *v.stride(), stride_fh, h, nk,
+                                            d // 2, v.shape[-1], *rope_pos, triton.next_power_of_2(nk), **meta)
+    return dq, dk, dv
 
 
 @torch.library.custom_op("linvision::linear_attention_fwd", mutates_args=())
@@ -539,13 +525,13 @@ def _bwd_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> in
     return 2 * b * h * (3 * nq + 2 * k_shape[2]) * d * v_shape[-1]
 
 
-def unsupported_reason(q: Tensor, k: Tensor, v: Tensor, phi: FeatureMap, rope: Optional[Rope] = None,
+def unsupported_reason(q: Tensor, k: Tensor, v: Tensor, feature_map: str, rope: Optional[RopeSpec] = None,
                        causal: bool = False) -> Optional[str]:
-    """None when the fused kernels can run this call, else a short reason (inputs already validated by
-    ``linvision.ops.check_qkv``)."""
+    """None when the fused kernels can run this call, else a short reason. Inputs already validated (see
+    :func:`~.common.check_qkv`); ``feature_map`` is the map's name (aliases allowed)."""
     if causal:
         return "causal attention is not fused (the kernels are non-causal)"
-    name = phi.name if isinstance(phi, FeatureMap) else str(phi)
+    name = feature_map_name(feature_map)
     if name not in FUSED_FEATURE_MAPS:
         return f"feature map {name!r} is not fused (fused: {', '.join(FUSED_FEATURE_MAPS)})"
     if q.dtype not in _DTYPES:
@@ -565,30 +551,34 @@ def unsupported_reason(q: Tensor, k: Tensor, v: Tensor, phi: FeatureMap, rope: O
 
 
 def linear_attention_triton(
-    q: Tensor, k: Tensor, v: Tensor, feature_map: str, rope: Optional[Rope] = None, eps: float = 1e-4, *,
+    q: Tensor, k: Tensor, v: Tensor, feature_map: str, rope: Optional[RopeSpec] = None, eps: float = DEFAULT_EPS, *,
     split_tokens: int = 0,
 ) -> Tensor:
     """Fused non-causal linear attention; same semantics as ``linvision.ops.linear_attention_reference``.
 
     q, k: (B, H, N, D) and v: (B, H, Nk, Dv), float16, bfloat16 or float32, any strides, on CUDA (or on CPU
     with ``TRITON_INTERPRET=1``); D even in 16..128, Dv in 1..128; Nq may differ from Nk without RoPE.
-    feature_map: "identity", "relu" or "elu" (elu + 1), or a FeatureMap with one of these names.
-    rope: applied in-kernel to the numerator; its frequencies must not require grad.
+    feature_map: "identity", "relu" or "elu" (elu + 1), aliases of ``common.FEATURE_MAP_ALIASES`` allowed.
+    rope: a :class:`~.common.RopeSpec` (``linvision.ops.Rope`` is one), applied in-kernel to the numerator; its
+    frequencies must not require grad.
     split_tokens: tokens per split of the reductions over N (0: chosen from the GPU's size).
     Returns (B, H, Nq, Dv) in q's dtype; differentiable in q, k, v.
 
-    Raises TypeError / ValueError for invalid inputs (see ``check_qkv``) and ValueError with the reason
-    when the kernels cannot run the call.
+    Raises TypeError / ValueError for invalid inputs (see :func:`~.common.check_qkv`) and ValueError with the
+    reason when the kernels cannot run the call.
     """
     check_qkv(q, k, v, same_tokens=rope is not None)
-    phi = get_feature_map(feature_map, dim=q.shape[-1])
+    if not isinstance(feature_map, str):
+        raise TypeError(f"feature_map: expected the name of a fused map (str), got {type(feature_map).__name__}")
+    if feature_map_name(feature_map) not in FUSED_FEATURE_MAPS:
+        raise ValueError(f"feature_map: unknown name {feature_map!r} to the kernels; allowed: {', '.join(FUSED_FEATURE_MAPS)}")
     if rope is not None:
+        if not isinstance(rope, RopeSpec):
+            raise TypeError(f"rope: expected a RopeSpec (e.g. linvision.ops.Rope) or None, got {type(rope).__name__}")
         check_rope(rope, q.shape[-1], q.shape[2], q.shape[1])
-    if not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"eps: must be a positive number, got {eps!r}")
-    if not isinstance(split_tokens, int) or split_tokens < 0:
-        raise ValueError(f"split_tokens: must be an int >= 0, got {split_tokens!r}")
-    reason = unsupported_reason(q, k, v, phi, rope=rope, causal=False)
+    eps = check_eps(eps)
+    check_int("split_tokens", split_tokens, 0)
+    reason = unsupported_reason(q, k, v, feature_map, rope=rope, causal=False)
     if reason is not None:
         raise ValueError(f"linear_attention_triton: cannot run this call: {reason}")
     freqs_x = freqs_y = None
@@ -601,6 +591,6 @@ def linear_attention_triton(
         rope_ints = [rope.num_prefix_tokens, rope.grid[1]]
         rope_offsets = [float(rope.offset[0]), float(rope.offset[1])]
     o, _, _ = torch.ops.linvision.linear_attention_fwd(
-        q, k, v, phi.name, freqs_x, freqs_y, rope_ints, rope_offsets, float(eps), split_tokens
+        q, k, v, feature_map_name(feature_map), freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens
     )
     return o

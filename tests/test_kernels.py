@@ -3,24 +3,26 @@
 Without a GPU the kernels run in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1 before
 triton is imported), so shapes stay small; the wider sweep is marked slow.
 """
+import importlib
 import itertools
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from linvision.ops import Rope, axial_rope, linear_attention, linear_attention_reference, mixed_rope_freqs, rope_1d
-from linvision.ops.feature_maps import get_feature_map
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
     DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1", reason="needs a GPU or TRITON_INTERPRET=1"
 )
 
-kernels = pytest.importorskip("linvision.kernels")
+pytest.importorskip("triton")
+import linvision.kernels as kernels  # noqa: E402
 from linvision.kernels import linear_attention as kernel_module  # noqa: E402
 from linvision.kernels import linear_attention_triton, unsupported_reason  # noqa: E402
 from linvision.kernels.traffic import count_traffic, minimal_bytes  # noqa: E402
@@ -194,12 +196,41 @@ def test_dispatch_from_linear_attention(monkeypatch):
         def fail(*args, **kwargs):
             raise AssertionError("auto selected the kernels for CPU tensors")
 
-        monkeypatch.setattr(kernels, "linear_attention_triton", fail)
+        monkeypatch.setattr(kernel_module, "linear_attention_triton", fail)
         torch.testing.assert_close(linear_attention(q, k, v, "elu", backend="auto"), ref)
 
 
+def test_auto_says_once_why_the_kernels_cannot_serve_a_call(monkeypatch):
+    """backend="auto" on the kernels' device: kernels where they apply (no warning), PyTorch with one
+    RuntimeWarning per reason where they do not, including a failed import of the Triton kernels."""
+    dispatch = importlib.import_module("linvision.ops.linear_attention")
+    monkeypatch.setattr(dispatch, "_AUTO_DEVICES", (DEVICE,))  # CPU tensors stand for CUDA ones when interpreting
+    monkeypatch.setattr(dispatch, "_WARNED", set())
+    q, k, v, _ = _inputs(1, 2, 24, 24, 16, 16, torch.float32, "elu")
+    ref = linear_attention_reference(q.double(), k.double(), v.double(), "elu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = linear_attention(q, k, v, "elu")
+    assert _rel_err(out, ref) < TOL[torch.float32]
+    for kwargs, reason in ((dict(feature_map="exp"), "feature map 'exp' is not fused"),
+                           (dict(causal=True), "causal attention is not fused")):
+        with pytest.warns(RuntimeWarning, match=f"backend='auto' runs this call in PyTorch.*{reason}"):
+            out = linear_attention(q, k, v, **kwargs)
+        torch.testing.assert_close(out, linear_attention(q, k, v, backend="torch", **kwargs), rtol=0, atol=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # said once per reason
+            linear_attention(q, k, v, **kwargs)
+    monkeypatch.delattr(kernels, "linear_attention")
+    monkeypatch.setitem(sys.modules, "linvision.kernels.linear_attention", None)  # as if Triton were missing
+    with pytest.warns(RuntimeWarning, match="the Triton kernels cannot be imported"):
+        out = linear_attention(q, k, v, "elu")
+    torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="backend: 'triton' cannot run this call: the Triton kernels cannot be imported"):
+        linear_attention(q, k, v, "elu", backend="triton")
+
+
 def _reason(q, k, v, feature="elu", rope=None, causal=False):
-    return unsupported_reason(q, k, v, get_feature_map(feature, dim=q.shape[-1]), rope=rope, causal=causal)
+    return unsupported_reason(q, k, v, feature, rope=rope, causal=causal)
 
 
 def test_unsupported_reasons(monkeypatch):

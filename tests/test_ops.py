@@ -1,5 +1,7 @@
 """The reference linear-attention op against explicit O(N^2) formulas in float64."""
+import ast
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -7,6 +9,8 @@ import torch.nn.functional as F
 
 from linvision.ops import (
     LinearAttentionState,
+    RecurrentState,
+    check_grid,
     PerformerFeatureMap,
     Rope,
     apply_rope,
@@ -260,3 +264,58 @@ def test_triton_backend_without_kernels_raises_and_auto_falls_back():
     with pytest.raises(ValueError, match="backend: 'triton' cannot run this call"):
         linear_attention(q, k, v, "exp", backend="triton")  # exp is not a fused map
     torch.testing.assert_close(linear_attention(q, k, v, "elu", backend="auto"), linear_attention(q, k, v, "elu", backend="torch"))
+
+
+def test_grid_check():
+    assert check_grid((4, 9)) == (4, 9) and check_grid([2, 3], num_tokens=6) == (2, 3)
+    for bad in ((0, 2), (2,), (2, 3.0), (True, 2), "4x4", None):
+        with pytest.raises(ValueError, match=r"grid: expected \(H, W\) with two positive ints"):
+            check_grid(bad)
+    with pytest.raises(ValueError, match=r"hw: grid \(2, 3\) has 6 cells, but the input has N=7 tokens"):
+        check_grid((2, 3), num_tokens=7, name="hw")
+
+
+def test_one_state_type_carries_the_position():
+    assert LinearAttentionState is RecurrentState
+    q, k, v = rand_qkv(1, 2, 6, 8, 4)
+    rope = axial_rope(8, (2, 3))
+    state = None
+    for t in range(6):
+        _, state = linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], state, "elu", rope=rope)
+    # S, z and the token count of the causal state: the sums over all tokens (count = 6 with a zero log-gate)
+    rk = apply_rope(get_feature_map("elu")(k), rope)
+    torch.testing.assert_close(state.s, torch.einsum("bhnd,bhne->bhde", rk, v))
+    torch.testing.assert_close(state.z, get_feature_map("elu")(k).sum(2))
+    torch.testing.assert_close(state.count, torch.full((1, 2, 1), 6.0, dtype=torch.float64))
+    assert state.num_tokens == 6
+    with pytest.raises(ValueError, match="rope: describes 6 tokens, step 6 is past its end"):
+        linear_attention_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], state, "elu", rope=rope)
+
+
+def _imports(path):
+    """(module imported, at module level?) for every import statement of a file; relative ones as '.name'."""
+    tree = ast.parse(path.read_text())
+    top = set(map(id, tree.body))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from ((alias.name, id(node) in top) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            yield "." * node.level + (node.module or ""), id(node) in top
+
+
+def test_imports_run_one_way_ops_to_kernels():
+    """kernels/ import nothing from linvision (the shared module is kernels/common.py, which imports neither
+    Triton nor linvision); linvision/ops imports the shared module and, only inside the dispatcher, the Triton
+    kernels, and nothing from the layers or models."""
+    root = Path(__file__).resolve().parents[1]
+    for path in sorted((root / "kernels").glob("*.py")):
+        for module, _ in _imports(path):
+            assert not module.startswith("linvision"), f"{path.name} imports {module}"
+    assert {m for m, _ in _imports(root / "kernels" / "common.py")} <= {"__future__", "dataclasses", "typing", "torch"}
+    for path in sorted((root / "linvision" / "ops").glob("*.py")):
+        for module, top_level in _imports(path):
+            if module.startswith("linvision"):
+                assert module == "linvision.kernels.common" or (
+                    module == "linvision.kernels" and not top_level
+                ), f"{path.name} imports {module}"
+            assert not module.startswith("triton"), f"{path.name} imports {module}"

@@ -1,4 +1,5 @@
-"""Pure tensor functions: linear attention (non-causal, causal, step), softmax attention, feature maps, RoPE."""
+"""Pure tensor functions: linear attention (non-causal, causal, step), softmax attention, feature maps, RoPE,
+decay/gated/delta-rule recurrences. Dispatches to ``linvision.kernels``; nothing there imports from here."""
 from .feature_maps import (
     FEATURE_MAP_NAMES,
     FeatureMap,
@@ -17,15 +18,26 @@ from .linear_attention import (
     linear_attention_step,
     softmax_attention,
 )
-from .rope import Rope, apply_rope, axial_rope, axial_rope_freqs, check_rope, grid_positions, mixed_rope_freqs, rope_1d
-from .recurrent import (
+from .rope import (
+    Rope,
+    apply_rope,
+    axial_rope,
+    axial_rope_freqs,
+    check_grid,
+    check_rope,
+    grid_positions,
+    mixed_rope_freqs,
+    rope_1d,
+    rotate_pairs,
+)
+from .recurrent import (  # chunked forms, their steps, bidirectional scans
     RecurrentState,
-    bidirectional_delta_rule_attention,
-    bidirectional_gated_linear_attention,
     decay_linear_attention,
-    decay_linear_attention_step,
-    delta_rule_attention,
-    delta_rule_step,
     gated_linear_attention,
+    delta_rule_attention,
+    decay_linear_attention_step,
     gated_linear_attention_step,
+    delta_rule_step,
+    bidirectional_gated_linear_attention,
+    bidirectional_delta_rule_attention,
 )

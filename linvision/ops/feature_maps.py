@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from linvision.kernels.common import FEATURE_MAP_ALIASES, compute_dtype, feature_map_name
 
 __all__ = [
     "FeatureMap",
@@ -39,6 +41,8 @@ __all__ = [
     "orthogonal_random_projection",
     "get_feature_map",
     "FEATURE_MAP_NAMES",
+    "FeatureMapArg",
+    "featurize",
 ]
 
 
@@ -176,11 +180,13 @@ _NAMED = {
     "exp": exp_features,
     "identity": identity_features,
 }
-_ALIASES = {"elu+1": "elu", "elu1": "elu", "softmax_kernel": "exp", "none": "identity"}
-FEATURE_MAP_NAMES = tuple(sorted(set(_NAMED) | set(_ALIASES) | {"focused", "performer"}))
+FEATURE_MAP_NAMES = tuple(sorted(set(_NAMED) | set(FEATURE_MAP_ALIASES) | {"focused", "performer"}))
 
 
-def get_feature_map(feature_map: Union[str, Callable, FeatureMap], dim: Optional[int] = None) -> FeatureMap:
+FeatureMapArg = Union[str, Callable, FeatureMap]
+
+
+def get_feature_map(feature_map: FeatureMapArg, dim: Optional[int] = None) -> FeatureMap:
     """Resolve a name or callable to a :class:`FeatureMap`.
 
     Names: ``elu`` (alias ``elu+1``), ``relu``, ``exp``, ``identity``, ``focused`` (p=3, unit scale),
@@ -191,7 +197,7 @@ def get_feature_map(feature_map: Union[str, Callable, FeatureMap], dim: Optional
     if isinstance(feature_map, FeatureMap):
         return feature_map
     if isinstance(feature_map, str):
-        name = _ALIASES.get(feature_map.lower(), feature_map.lower())
+        name = feature_map_name(feature_map)
         if name in _NAMED:
             return FeatureMap(name, _NAMED[name])
         if name == "focused":
@@ -212,3 +218,9 @@ def get_feature_map(feature_map: Union[str, Callable, FeatureMap], dim: Optional
             return FeatureMap(name, lambda x, is_query: feature_map(x))
         return FeatureMap(name, feature_map)
     raise TypeError(f"feature_map: expected a name or a callable, got {type(feature_map).__name__}")
+
+
+def featurize(phi: FeatureMap, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """(phi(q), phi(k), v), all three in the compute dtype (fp32, float64 for float64 inputs)."""
+    cdt = compute_dtype(q.dtype)
+    return phi(q.to(cdt), True), phi(k.to(cdt), False), v.to(cdt)

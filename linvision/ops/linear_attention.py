@@ -10,9 +10,13 @@ R_i is the optional RoPE rotation of token i, applied to the numerator only: rot
 negative, and a denominator that can change sign or vanish is not a normaliser. The numerator then depends on
 relative positions only, since (R_i a)^T (R_j b) = a^T R_{j-i} b.
 
-Causal (the RNN view): token i sees tokens j <= i, with S_i, z_i the means over those i tokens. The chunked
-form computes it in parallel (quadratic inside a chunk, states passed between chunks); the step API
-(:func:`linear_attention_step`) runs token by token with a constant-size state and gives the same outputs.
+Causal (the RNN view): token i sees tokens j <= i, with S_i, z_i the means over those i tokens. It is the gated
+recurrence of ``linvision.ops.recurrent`` with a zero log-gate, and runs through the same chunked scan
+(quadratic inside a chunk, states passed between chunks) and the same step (:func:`linear_attention_step`, token
+by token with a constant-size :class:`RecurrentState`), which give the same outputs.
+
+Dispatch: ``backend="auto"`` runs CUDA tensors through the fused kernels of ``linvision.kernels`` where they
+apply; where they do not (or cannot be imported), it says why in a warning, once per reason, and runs PyTorch.
 
 Accumulation of S and z and the division are fp32 (float64 for float64 inputs) whatever the input dtype; the
 output has the input dtype. The default eps (1e-4) is representable in fp16 and bf16 and small against the
@@ -20,15 +24,18 @@ denominator of any non-degenerate input (phi(q).z is of order D times the typica
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional, Tuple, Union
+import warnings
+from typing import Optional, Set, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .feature_maps import FeatureMap, get_feature_map
-from .rope import Rope, apply_rope, check_rope
+from linvision.kernels.common import DEFAULT_EPS, check_eps, check_int, check_qkv
+
+from .feature_maps import FeatureMap, FeatureMapArg, featurize, get_feature_map
+from .recurrent import RecurrentState, _check_state, _gated_pieces, _gated_step
+from .rope import Rope, apply_rope, check_rope, rotate_pairs
 
 __all__ = [
     "DEFAULT_EPS",
@@ -42,64 +49,31 @@ __all__ = [
     "check_qkv",
 ]
 
-DEFAULT_EPS = 1e-4
 BACKENDS = ("auto", "torch", "triton")
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Device types whose tensors backend="auto" sends to the kernels (CPU kernels, interpreted, only on request).
+_AUTO_DEVICES = ("cuda",)
+_WARNED: Set[str] = set()
 
-FeatureMapArg = Union[str, Callable, FeatureMap]
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def check_qkv(q: Tensor, k: Tensor, v: Tensor, same_tokens: bool = True) -> None:
-    """Validate attention inputs: q, k (B, H, N, D), v (B, H, N, Dv), one floating dtype, one device.
-
-    Raises TypeError for non-tensors and bad or mixed dtypes, ValueError for bad shapes or devices.
-    """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{name}: dtype {t.dtype} is not supported; allowed: float16, bfloat16, float32, float64")
-        if t.dim() != 4:
-            raise ValueError(f"{name}: expected 4 dims (B, H, N, D), got shape {tuple(t.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v: mixed dtypes {q.dtype}, {k.dtype}, {v.dtype}; all three must share one dtype")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v: tensors on different devices {q.device}, {k.device}, {v.device}")
-    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
-        raise ValueError(
-            f"q, k, v: batch and head dims must match, got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"k: head dim {k.shape[-1]} does not match q's head dim {q.shape[-1]}")
-    if k.shape[2] != v.shape[2]:
-        raise ValueError(f"v: {v.shape[2]} tokens, but k has {k.shape[2]}; keys and values must pair up")
-    if same_tokens and q.shape[2] != k.shape[2]:
-        raise ValueError(f"k: {k.shape[2]} tokens, but q has {q.shape[2]}; causal or RoPE attention needs equal counts")
-    if k.shape[2] == 0:
-        raise ValueError("k: zero tokens; attention needs at least one key")
+# The state of causal linear attention is the recurrent state with a zero log-gate: one type for both.
+LinearAttentionState = RecurrentState
 
 
-def _check_options(eps: float, backend: str, rope: Optional[Rope]) -> None:
-    if not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"eps: must be a positive number, got {eps!r}")
+def _check_options(eps: float, backend: str, rope: Optional[Rope]) -> float:
     if backend not in BACKENDS:
         raise ValueError(f"backend: unknown {backend!r}; allowed: {', '.join(BACKENDS)}")
     if rope is not None and not isinstance(rope, Rope):
         raise TypeError(f"rope: expected a linvision.ops.rope.Rope or None, got {type(rope).__name__}")
+    return check_eps(eps)
 
 
-def _features(q: Tensor, k: Tensor, phi: FeatureMap, rope: Optional[Rope]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """phi(q), phi(k) in the compute dtype, and their rotated versions (the same tensors without RoPE)."""
-    cdt = _compute_dtype(q.dtype)
-    phi_q = phi(q.to(cdt), True)
-    phi_k = phi(k.to(cdt), False)
+def _features(
+    q: Tensor, k: Tensor, v: Tensor, phi: FeatureMap, rope: Optional[Rope]
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """phi(q), phi(k), their rotated versions (the same tensors without RoPE) and v, in the compute dtype."""
+    phi_q, phi_k, vc = featurize(phi, q, k, v)
     if rope is None:
-        return phi_q, phi_k, phi_q, phi_k
-    return phi_q, phi_k, apply_rope(phi_q, rope), apply_rope(phi_k, rope)
+        return phi_q, phi_k, phi_q, phi_k, vc
+    return phi_q, phi_k, apply_rope(phi_q, rope), apply_rope(phi_k, rope), vc
 
 
 def linear_attention_reference(
@@ -108,8 +82,7 @@ def linear_attention_reference(
 ) -> Tensor:
     """Non-causal linear attention in plain PyTorch; memory O(N*D + D*Dv), no N x N matrix."""
     phi = get_feature_map(feature_map, dim=q.shape[-1])
-    phi_q, phi_k, rot_q, rot_k = _features(q, k, phi, rope)
-    vc = v.to(phi_k.dtype)
+    phi_q, phi_k, rot_q, rot_k, vc = _features(q, k, v, phi, rope)
     n = k.shape[2]
     s = torch.einsum("bhnd,bhne->bhde", rot_k, vc) / n  # (B, H, D, Dv)
     z = phi_k.mean(dim=2)  # (B, H, D)
@@ -123,92 +96,70 @@ def causal_linear_attention(
     eps: float = DEFAULT_EPS, chunk_size: int = 64,
 ) -> Tensor:
     """Causal linear attention, chunked: o_i = (R_i phi(q_i)) S_i / (phi(q_i) . z_i + eps), with S_i and z_i the
-    means over tokens j <= i. Only one state per chunk (N / chunk_size of them) is formed, never one per token."""
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size: must be a positive int, got {chunk_size!r}")
+    means over tokens j <= i. The gated scan with a zero log-gate: one state per chunk (N / chunk_size of them)
+    is formed, never one per token."""
+    chunk_size = check_int("chunk_size", chunk_size, 1)
     phi = get_feature_map(feature_map, dim=q.shape[-1])
-    phi_q, phi_k, rot_q, rot_k = _features(q, k, phi, rope)
-    vc = v.to(phi_k.dtype)
-    b, h, n, _ = phi_q.shape
-    c = min(chunk_size, n)
-    pad = (-n) % c
-
-    def chunks(x: Tensor) -> Tensor:  # (B, H, N, X) -> (B, H, nc, C, X); padded tokens are zero
-        return F.pad(x, (0, 0, 0, pad)).reshape(b, h, -1, c, x.shape[-1])
-
-    phi_q, phi_k, rot_q, rot_k, vc = map(chunks, (phi_q, phi_k, rot_q, rot_k, vc))
-    # States entering each chunk: exclusive prefix sums over chunks.
-    kv = torch.einsum("bhncd,bhnce->bhnde", rot_k, vc)  # (B, H, nc, D, Dv)
-    s_prev = kv.cumsum(dim=2) - kv
-    k_sum = phi_k.sum(dim=3)  # (B, H, nc, D)
-    z_prev = k_sum.cumsum(dim=2) - k_sum
-    mask = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-    a_num = torch.einsum("bhnid,bhnjd->bhnij", rot_q, rot_k).masked_fill(~mask, 0)
-    a_den = torch.einsum("bhnid,bhnjd->bhnij", phi_q, phi_k).masked_fill(~mask, 0)
-    num = a_num @ vc + torch.einsum("bhnid,bhnde->bhnie", rot_q, s_prev)
-    den = a_den.sum(-1) + torch.einsum("bhnid,bhnd->bhni", phi_q, z_prev)
-    count = torch.arange(1, n + pad + 1, dtype=num.dtype, device=q.device).reshape(-1, c)  # tokens seen by i
-    out = num / (den + count * eps).unsqueeze(-1)  # = (num / i) / (den / i + eps)
-    return out.reshape(b, h, n + pad, -1)[:, :, :n].to(q.dtype)
-
-
-@dataclass
-class LinearAttentionState:
-    """Recurrent state of causal linear attention: sums S (B, H, D, Dv), z (B, H, D) and tokens seen so far."""
-
-    s: Tensor
-    z: Tensor
-    num_tokens: int = 0
+    phi_q, phi_k, rot_q, rot_k, vc = _features(q, k, v, phi, rope)
+    rotated = None if rope is None else (rot_q, rot_k)
+    num, den, count, _ = _gated_pieces(phi_q, phi_k, vc, None, chunk_size, None, False, rotated)
+    return (num / (den + count * eps).unsqueeze(-1)).to(q.dtype)  # = (num / i) / (den / i + eps)
 
 
 def linear_attention_step(
-    q: Tensor, k: Tensor, v: Tensor, state: Optional[LinearAttentionState] = None,
+    q: Tensor, k: Tensor, v: Tensor, state: Optional[RecurrentState] = None,
     feature_map: FeatureMapArg = "elu", *, rope: Optional[Rope] = None, eps: float = DEFAULT_EPS,
-) -> Tuple[Tensor, LinearAttentionState]:
+) -> Tuple[Tensor, RecurrentState]:
     """One token of causal linear attention. q, k: (B, H, D), v: (B, H, Dv). Returns (o (B, H, Dv), new state).
 
     With ``rope``, the token's position is ``state.num_tokens`` in the sequence the rope describes.
     """
-    check_qkv(q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2))
-    _check_options(eps, "torch", rope)
-    phi = get_feature_map(feature_map, dim=q.shape[-1])
-    cdt = _compute_dtype(q.dtype)
-    phi_q = phi(q.to(cdt).unsqueeze(2), True)  # (B, H, 1, D)
-    phi_k = phi(k.to(cdt).unsqueeze(2), False)
-    if state is None:
-        b, h, _, d = phi_k.shape
-        state = LinearAttentionState(
-            phi_k.new_zeros(b, h, d, v.shape[-1]), phi_k.new_zeros(b, h, d), 0
-        )
-    t = state.num_tokens
-    rot_q, rot_k = phi_q, phi_k
+    q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)  # (B, H, 1, D): one token
+    check_qkv(q, k, v)
+    eps = _check_options(eps, "torch", rope)
+    state = _check_state(state, q, v, 1)
+    phi_q, phi_k, vc = (t[:, :, 0] for t in featurize(get_feature_map(feature_map, dim=q.shape[-1]), q, k, v))
+    rotated = None
     if rope is not None:
+        t = 0 if state is None else state.num_tokens
         if t >= rope.num_tokens:
             raise ValueError(f"rope: describes {rope.num_tokens} tokens, step {t} is past its end")
-        cos, sin = rope.tables()
-        p = rope.dim // 2
-        cos_t = cos[:, t : t + 1].to(device=q.device, dtype=cdt)
-        sin_t = sin[:, t : t + 1].to(device=q.device, dtype=cdt)
-
-        def rotate(x: Tensor) -> Tensor:
-            x1, x2 = x[..., :p], x[..., p:]
-            return torch.cat([x1 * cos_t - x2 * sin_t, x1 * sin_t + x2 * cos_t], dim=-1)
-
-        rot_q, rot_k = rotate(phi_q), rotate(phi_k)
-    s = state.s + rot_k.squeeze(2).unsqueeze(-1) * v.to(cdt).unsqueeze(-2)
-    z = state.z + phi_k.squeeze(2)
-    t = t + 1
-    num = torch.einsum("bhd,bhde->bhe", rot_q.squeeze(2), s)
-    den = torch.einsum("bhd,bhd->bh", phi_q.squeeze(2), z) + t * eps
-    return (num / den.unsqueeze(-1)).to(q.dtype), LinearAttentionState(s, z, t)
+        cos, sin = (x[:, t].to(device=q.device, dtype=phi_q.dtype) for x in rope.tables())  # (heads or 1, P)
+        rotated = (rotate_pairs(phi_q, cos, sin), rotate_pairs(phi_k, cos, sin))
+    out, new_state = _gated_step(phi_q, phi_k, vc, phi_q.new_ones(*phi_q.shape[:2], 1), state, True, eps, rotated)
+    return out.to(q.dtype), new_state
 
 
-def _kernels():
-    try:
-        from linvision import kernels
-    except ImportError:
+def _warn_once(reason: str) -> None:
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(
+            f"linear_attention: backend='auto' runs this call in PyTorch, not the fused kernels: {reason} "
+            "(said once per reason; backend='torch' chooses PyTorch without this warning)",
+            RuntimeWarning, stacklevel=3,
+        )
+
+
+def _fused(
+    q: Tensor, k: Tensor, v: Tensor, phi: FeatureMap, rope: Optional[Rope], causal: bool, eps: float, backend: str
+) -> Optional[Tensor]:
+    """The fused kernels' output, or None where PyTorch serves the call: ``backend="torch"``, tensors ``"auto"``
+    leaves to PyTorch, or (with a warning once per reason) a call the kernels cannot run. ValueError with the
+    reason when ``backend="triton"`` is forced on such a call."""
+    if backend == "torch" or (backend == "auto" and q.device.type not in _AUTO_DEVICES):
         return None
-    return kernels if hasattr(kernels, "linear_attention_triton") else None
+    try:
+        from linvision.kernels import linear_attention as fused  # needs Triton
+    except ImportError as exc:
+        reason = f"the Triton kernels cannot be imported ({exc})"
+    else:
+        reason = fused.unsupported_reason(q, k, v, phi.name, rope=rope, causal=causal)
+    if reason is None:
+        return fused.linear_attention_triton(q, k, v, phi.name, rope=rope, eps=eps)
+    if backend == "triton":
+        raise ValueError(f"backend: 'triton' cannot run this call: {reason}")
+    _warn_once(reason)
+    return None
 
 
 def linear_attention(
@@ -221,25 +172,21 @@ def linear_attention(
     rope: a :class:`linvision.ops.rope.Rope` for the N tokens, applied to the numerator only.
     causal: token i attends to tokens j <= i (raster order for images); chunked with ``chunk_size``.
     backend: "torch" (reference), "triton" (fused kernels; raises if they cannot run this call) or "auto"
-    (kernels where they apply, e.g. non-causal on CUDA with a fusable feature map; torch otherwise).
+    (kernels for CUDA tensors where they apply, e.g. non-causal with a fusable feature map; PyTorch otherwise,
+    with a RuntimeWarning once per reason when a CUDA call cannot run in the kernels).
 
     Raises TypeError for non-tensors, integer or mixed dtypes; ValueError for mismatched shapes, devices,
-    RoPE tables that do not fit, unknown feature-map names or backends.
+    RoPE tables that do not fit, unknown feature-map names or backends, a bad eps or chunk_size.
     """
     check_qkv(q, k, v, same_tokens=causal or rope is not None)
-    _check_options(eps, backend, rope)
+    eps = _check_options(eps, backend, rope)
+    chunk_size = check_int("chunk_size", chunk_size, 1)
     phi = get_feature_map(feature_map, dim=q.shape[-1])
     if rope is not None:
         check_rope(rope, phi.output_dim(q.shape[-1]), q.shape[2], q.shape[1])
-    if backend == "triton" or (backend == "auto" and q.is_cuda):  # CPU kernels (interpreter) only on request
-        kern = _kernels()
-        reason = "the Triton kernels are not available" if kern is None else kern.unsupported_reason(
-            q, k, v, phi, rope=rope, causal=causal
-        )
-        if reason is None:
-            return kern.linear_attention_triton(q, k, v, phi.name, rope=rope, eps=eps)
-        if backend == "triton":
-            raise ValueError(f"backend: 'triton' cannot run this call: {reason}")
+    out = _fused(q, k, v, phi, rope, causal, eps, backend)
+    if out is not None:
+        return out
     if causal:
         return causal_linear_attention(q, k, v, phi, rope=rope, eps=eps, chunk_size=chunk_size)
     return linear_attention_reference(q, k, v, phi, rope=rope, eps=eps)

@@ -27,7 +27,8 @@ so that with beta in [0, 1] each update is a contraction of the stored value alo
 Numerical safety: gates enter as log-gates (log gamma <= 0, e.g. ``F.logsigmoid``), cumulated in fp32; every decay
 factor formed is exp of a non-positive number, so nothing overflows whatever the chunk size. All accumulation,
 the triangular solve of the delta rule and the division run in fp32 (float64 for float64 inputs); outputs have the
-input dtype. RoPE is not supported by these recurrences.
+input dtype. RoPE is not supported by these recurrences (plain causal linear attention, the zero-gate case, rotates
+its numerator through the same scan).
 
 Bidirectional forms (for images, which have no natural order) run the scan forward and backward over the token
 order and add the two, with the backward scan strictly anti-causal so that the diagonal counts once; the
@@ -43,8 +44,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .feature_maps import FeatureMap, get_feature_map
-from .linear_attention import DEFAULT_EPS, FeatureMapArg, check_qkv
+from linvision.kernels.common import DEFAULT_EPS, check_eps, check_int, check_qkv, compute_dtype
+
+from .feature_maps import FeatureMapArg, featurize, get_feature_map
 
 __all__ = [
     "RecurrentState",
@@ -63,26 +65,17 @@ DecayArg = Union[float, Tensor]
 
 @dataclass
 class RecurrentState:
-    """State of a recurrent linear attention, in the compute dtype (fp32, or float64 for float64 inputs).
+    """State of a causal or recurrent linear attention, in the compute dtype (fp32, or float64 for float64 inputs).
 
     s: (B, H, D, Dv) state. z: (B, H, D) decayed key sum and count: (B, H, G) decayed token count (G = 1 for
-    per-head gates, D for per-channel gates), both only for the normalised decay/gated forms (None otherwise).
+    per-head gates and plain causal attention, D for per-channel gates), both only for the normalised forms (None
+    otherwise). num_tokens: tokens seen so far (the position of the next token, e.g. for RoPE).
     """
 
     s: Tensor
     z: Optional[Tensor] = None
     count: Optional[Tensor] = None
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _check_chunk_eps(chunk_size: int, eps: float) -> None:
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
-        raise ValueError(f"chunk_size: must be a positive int, got {chunk_size!r}")
-    if not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"eps: must be a positive number, got {eps!r}")
+    num_tokens: int = 0
 
 
 def _check_log_gate(log_gate: Tensor, q: Tensor) -> Tensor:
@@ -105,14 +98,13 @@ def _check_log_gate(log_gate: Tensor, q: Tensor) -> Tensor:
         raise ValueError(
             f"log_gate: shape {tuple(log_gate.shape)} does not broadcast to q's (B, H, N) = {(b, h, n)}"
         ) from None
-    return log_gate.to(device=q.device, dtype=_compute_dtype(q.dtype))
+    return log_gate.to(device=q.device, dtype=compute_dtype(q.dtype))
 
 
 def _decay_log_gate(decay: DecayArg, q: Tensor) -> Tensor:
     """log(gamma) of a fixed decay (a float or one per head, in (0, 1]) as a (1, H, 1) log-gate."""
     h = q.shape[1]
-    cdt = _compute_dtype(q.dtype)
-    gamma = torch.as_tensor(decay, dtype=cdt, device=q.device)
+    gamma = torch.as_tensor(decay, dtype=compute_dtype(q.dtype), device=q.device)
     if gamma.dim() > 1 or (gamma.dim() == 1 and gamma.numel() != h):
         raise ValueError(f"decay: expected a float or one value per head ({h}), got shape {tuple(gamma.shape)}")
     if not bool(((gamma > 0) & (gamma <= 1)).all()):
@@ -120,38 +112,43 @@ def _decay_log_gate(decay: DecayArg, q: Tensor) -> Tensor:
     return gamma.log().reshape(-1).expand(h).reshape(1, h, 1)
 
 
-def _to_chunks(x: Tensor, c: int) -> Tensor:
-    """(B, H, N, X) -> (B, H, N/c, c, X), zero-padded at the end."""
+def to_chunks(x: Tensor, c: int) -> Tensor:
+    """(B, H, N, X) -> (B, H, ceil(N/c), c, X), zero-padded at the end."""
     b, h, n, _ = x.shape
     return F.pad(x, (0, 0, 0, (-n) % c)).reshape(b, h, -1, c, x.shape[-1])
 
 
 def _gated_scan(
-    q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, chunk_size: int, s0: Optional[Tensor], strict: bool
+    q: Tensor, k: Tensor, v: Tensor, log_gate: Optional[Tensor], chunk_size: int, s0: Optional[Tensor], strict: bool
 ) -> Tuple[Tensor, Tensor]:
     """Unnormalised gated scan, chunked: o_i = q_i S_i with S_i = diag(exp(log_gate_i)) S_{i-1} + k_i^T v_i.
 
-    q, k (B, H, N, D), v (B, H, N, E), log_gate (B, H, N, G) all in the compute dtype; s0 (B, H, D, E) or None.
+    q, k (B, H, N, D), v (B, H, N, E), log_gate (B, H, N, G) all in the compute dtype; log_gate None is the zero
+    log-gate (no decay: plain causal linear attention, without forming any exp); s0 (B, H, D, E) or None.
     ``strict`` drops the token's own term: o_i = q_i (S_i - k_i^T v_i). Returns (o (B, H, N, E), final state).
     Padded tokens have log-gate 0 and zero keys, so the final state is that after token N.
     """
     b, h, n, d = q.shape
     c = min(chunk_size, n)
-    q, k, v, log_gate = (_to_chunks(t, c) for t in (q, k, v, log_gate))
-    cum = log_gate.cumsum(dim=3)  # (B, H, nc, c, G): log decay from the chunk start to token i, inclusive
-    total = cum[:, :, :, -1:]  # (B, H, nc, 1, G): log decay over the whole chunk
+    q, k, v = (to_chunks(t, c) for t in (q, k, v))
     mask = torch.ones(c, c, dtype=torch.bool, device=q.device).tril(-1 if strict else 0)
-    # Decay from token j to token i (j <= i) inside a chunk; masked before exp so no positive exponent is formed.
-    if log_gate.shape[-1] == 1:
-        diff = (cum - cum.transpose(-1, -2)).masked_fill(~mask, float("-inf"))  # (B, H, nc, c, c)
-        attn = (q @ k.transpose(-1, -2)) * diff.exp()
+    if log_gate is None:
+        attn = (q @ k.transpose(-1, -2)).masked_fill(~mask, 0)
+        q_in, kv, chunk_decay = q, k.transpose(-1, -2) @ v, q.new_ones(b, h, q.shape[2], 1, 1)
     else:
-        diff = (cum.unsqueeze(-2) - cum.unsqueeze(-3)).masked_fill(~mask.unsqueeze(-1), float("-inf"))
-        attn = torch.einsum("bhnid,bhnjd,bhnijd->bhnij", q, k, diff.exp())  # (B, H, nc, c, c)
+        cum = to_chunks(log_gate, c).cumsum(dim=3)  # (B, H, nc, c, G): log decay from the chunk start to token i
+        total = cum[:, :, :, -1:]  # (B, H, nc, 1, G): log decay over the whole chunk
+        # Decay from token j to token i (j <= i) inside a chunk; masked before exp so no positive exponent is formed.
+        if log_gate.shape[-1] == 1:
+            diff = (cum - cum.transpose(-1, -2)).masked_fill(~mask, float("-inf"))  # (B, H, nc, c, c)
+            attn = (q @ k.transpose(-1, -2)) * diff.exp()
+        else:
+            diff = (cum.unsqueeze(-2) - cum.unsqueeze(-3)).masked_fill(~mask.unsqueeze(-1), float("-inf"))
+            attn = torch.einsum("bhnid,bhnjd,bhnijd->bhnij", q, k, diff.exp())  # (B, H, nc, c, c)
+        q_in = q * cum.exp()  # reads the state entering the chunk, decayed up to token i
+        kv = (k * (total - cum).exp()).transpose(-1, -2) @ v  # (B, H, nc, D, E): chunk's keys decayed to its end
+        chunk_decay = total.transpose(-1, -2).exp()  # (B, H, nc, G, 1)
     out = attn @ v
-    q_in = q * cum.exp()  # reads the state entering the chunk, decayed up to token i
-    kv = (k * (total - cum).exp()).transpose(-1, -2) @ v  # (B, H, nc, D, E): chunk's keys decayed to its end
-    chunk_decay = total.transpose(-1, -2).exp()  # (B, H, nc, G, 1)
     s = s0 if s0 is not None else q.new_zeros(b, h, d, v.shape[-1])
     inter = []
     # unbind once: indexing inside the loop would allocate a full-size gradient per chunk in the backward
@@ -163,33 +160,43 @@ def _gated_scan(
 
 
 def _gated_pieces(
-    phi_q: Tensor, phi_k: Tensor, v: Tensor, log_gate: Tensor, chunk_size: int, state: Optional[RecurrentState],
-    strict: bool,
+    phi_q: Tensor, phi_k: Tensor, v: Tensor, log_gate: Optional[Tensor], chunk_size: int,
+    state: Optional[RecurrentState], strict: bool, rotated: Optional[Tuple[Tensor, Tensor]] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, RecurrentState]:
     """Numerator (B, H, N, Dv), denominator (B, H, N), decayed count (B, H, N) and final state of the normalised
-    gated scan. The denominator rides along the numerator as an extra value column of ones."""
+    gated scan (log_gate None: no decay). ``rotated``: (R phi(q), R phi(k)) for the numerator (RoPE), the
+    denominator keeping phi(q), phi(k). Without it the denominator rides along the numerator as an extra value
+    column of ones."""
     ones = v.new_ones(*v.shape[:-1], 1)
-    s0 = None if state is None else torch.cat([state.s, state.z.unsqueeze(-1)], dim=-1)
-    out, s = _gated_scan(phi_q, phi_k, torch.cat([v, ones], dim=-1), log_gate, chunk_size, s0, strict)
-    g = log_gate.shape[-1]
-    unit_q = log_gate.new_full(log_gate.shape, 1.0 / g)  # mean over the G per-channel counts
+    if rotated is None:
+        s0 = None if state is None else torch.cat([state.s, state.z.unsqueeze(-1)], dim=-1)
+        out, s = _gated_scan(phi_q, phi_k, torch.cat([v, ones], dim=-1), log_gate, chunk_size, s0, strict)
+        num, den, s, z = out[..., :-1], out[..., -1], s[..., :-1], s[..., -1]
+    else:
+        num, s = _gated_scan(*rotated, v, log_gate, chunk_size, None if state is None else state.s, strict)
+        z0 = None if state is None else state.z.unsqueeze(-1)
+        den, z = (t[..., 0] for t in _gated_scan(phi_q, phi_k, ones, log_gate, chunk_size, z0, strict))
+    gates = ones if log_gate is None else log_gate
+    unit_q = gates.new_full(gates.shape, 1.0 / gates.shape[-1])  # mean over the G per-channel counts
     c0 = None if state is None else state.count.unsqueeze(-1)
-    count, c = _gated_scan(unit_q, torch.ones_like(log_gate), ones, log_gate, chunk_size, c0, strict)
-    return out[..., :-1], out[..., -1], count[..., 0], RecurrentState(s[..., :-1], s[..., -1], c[..., 0])
+    count, c = _gated_scan(unit_q, torch.ones_like(gates), ones, log_gate, chunk_size, c0, strict)
+    seen = phi_q.shape[2] + (0 if state is None else state.num_tokens)
+    return num, den, count[..., 0], RecurrentState(s, z, c[..., 0], seen)
 
 
 def _check_state(state: Optional[RecurrentState], q: Tensor, v: Tensor, g: Optional[int]) -> Optional[RecurrentState]:
-    """Validate a state against q (B, H, ., D), v (B, H, ., Dv) and gate width g (None: unnormalised)."""
+    """Validate a state against q (B, H, ., D), v (B, H, ., Dv) and gate width g (None: unnormalised); returns it
+    in the compute dtype."""
     if state is None:
         return None
     if not isinstance(state, RecurrentState):
         raise TypeError(f"state: expected a RecurrentState or None, got {type(state).__name__}")
     b, h, d, dv = q.shape[0], q.shape[1], q.shape[-1], v.shape[-1]
-    cdt = _compute_dtype(q.dtype)
+    cdt = compute_dtype(q.dtype)
     if tuple(state.s.shape) != (b, h, d, dv):
         raise ValueError(f"state: s has shape {tuple(state.s.shape)}, expected {(b, h, d, dv)}")
     if g is None:
-        return RecurrentState(state.s.to(cdt))
+        return RecurrentState(state.s.to(cdt), num_tokens=state.num_tokens)
     if state.z is None or state.count is None:
         raise ValueError("state: the normalised form needs z and count; this state has none (normalize=False?)")
     if tuple(state.z.shape) != (b, h, d) or tuple(state.count.shape) != (b, h, g):
@@ -197,7 +204,7 @@ def _check_state(state: Optional[RecurrentState], q: Tensor, v: Tensor, g: Optio
             f"state: z {tuple(state.z.shape)} and count {tuple(state.count.shape)} do not match "
             f"expected {(b, h, d)} and {(b, h, g)}"
         )
-    return RecurrentState(state.s.to(cdt), state.z.to(cdt), state.count.to(cdt))
+    return RecurrentState(state.s.to(cdt), state.z.to(cdt), state.count.to(cdt), state.num_tokens)
 
 
 def gated_linear_attention(
@@ -218,20 +225,40 @@ def gated_linear_attention(
     arguments, ValueError for mismatched shapes, a bad chunk_size or eps, or a state that does not fit.
     """
     check_qkv(q, k, v)
-    _check_chunk_eps(chunk_size, eps)
+    eps, chunk_size = check_eps(eps), check_int("chunk_size", chunk_size, 1)
     log_gate = _check_log_gate(log_gate, q)
     state = _check_state(state, q, v, log_gate.shape[-1] if normalize else None)
-    phi = get_feature_map(feature_map, dim=q.shape[-1])
-    cdt = _compute_dtype(q.dtype)
-    phi_q, phi_k, vc = phi(q.to(cdt), True), phi(k.to(cdt), False), v.to(cdt)
+    phi_q, phi_k, vc = featurize(get_feature_map(feature_map, dim=q.shape[-1]), q, k, v)
     if normalize:
         num, den, count, final = _gated_pieces(phi_q, phi_k, vc, log_gate, chunk_size, state, strict=False)
         out = num / (den + count * eps).unsqueeze(-1)
     else:
         out, s = _gated_scan(phi_q, phi_k, vc, log_gate, chunk_size, None if state is None else state.s, False)
-        final = RecurrentState(s)
+        final = RecurrentState(s, num_tokens=q.shape[2] + (0 if state is None else state.num_tokens))
     out = out.to(q.dtype)
     return (out, final) if return_state else out
+
+
+def _gated_step(
+    phi_q: Tensor, phi_k: Tensor, v: Tensor, gamma: Tensor, state: Optional[RecurrentState], normalize: bool,
+    eps: float, rotated: Optional[Tuple[Tensor, Tensor]] = None,
+) -> Tuple[Tensor, RecurrentState]:
+    """One token of the gated recurrence: features phi_q, phi_k (B, H, D) and v (B, H, Dv) in the compute dtype,
+    gate gamma (B, H, G) (ones: plain causal linear attention), ``rotated`` as in :func:`_gated_pieces`.
+    Returns (o (B, H, Dv) in the compute dtype, new state)."""
+    rot_q, rot_k = (phi_q, phi_k) if rotated is None else rotated
+    s_prev = state.s if state is not None else phi_k.new_zeros(*phi_k.shape, v.shape[-1])
+    s = gamma.unsqueeze(-1) * s_prev + rot_k.unsqueeze(-1) * v.unsqueeze(-2)
+    num = torch.einsum("bhd,bhde->bhe", rot_q, s)
+    seen = 1 + (0 if state is None else state.num_tokens)
+    if not normalize:
+        return num, RecurrentState(s, num_tokens=seen)
+    z_prev = state.z if state is not None else torch.zeros_like(phi_k)
+    c_prev = state.count if state is not None else torch.zeros_like(gamma)
+    z = gamma * z_prev + phi_k
+    count = gamma * c_prev + 1
+    den = (phi_q * z).sum(-1) + count.mean(-1) * eps
+    return num / den.unsqueeze(-1), RecurrentState(s, z, count, seen)
 
 
 def gated_linear_attention_step(
@@ -240,29 +267,16 @@ def gated_linear_attention_step(
 ) -> Tuple[Tensor, RecurrentState]:
     """One token of :func:`gated_linear_attention`. q, k: (B, H, D), v: (B, H, Dv), log_gate: (B, H) per head
     or (B, H, D) per key channel (or broadcastable). Returns (o (B, H, Dv) in q's dtype, new state)."""
-    check_qkv(q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2))
-    _check_chunk_eps(1, eps)
+    q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)  # (B, H, 1, D): one token
+    check_qkv(q, k, v)
+    eps = check_eps(eps)
     if isinstance(log_gate, Tensor) and log_gate.dim() in (1, 2, 3):
         log_gate = log_gate.unsqueeze(2) if log_gate.dim() == 3 else log_gate.unsqueeze(-1)
-    lg = _check_log_gate(log_gate, q.unsqueeze(2))[:, :, 0]  # (B, H, G)
-    g = lg.shape[-1]
-    state = _check_state(state, q.unsqueeze(2), v.unsqueeze(2), g if normalize else None)
-    phi = get_feature_map(feature_map, dim=q.shape[-1])
-    cdt = _compute_dtype(q.dtype)
-    phi_q = phi(q.to(cdt).unsqueeze(2), True)[:, :, 0]  # (B, H, D)
-    phi_k = phi(k.to(cdt).unsqueeze(2), False)[:, :, 0]
-    gamma = lg.exp()
-    s_prev = state.s if state is not None else phi_k.new_zeros(*phi_k.shape, v.shape[-1])
-    s = gamma.unsqueeze(-1) * s_prev + phi_k.unsqueeze(-1) * v.to(cdt).unsqueeze(-2)
-    num = torch.einsum("bhd,bhde->bhe", phi_q, s)
-    if not normalize:
-        return num.to(q.dtype), RecurrentState(s)
-    z_prev = state.z if state is not None else torch.zeros_like(phi_k)
-    c_prev = state.count if state is not None else torch.zeros_like(gamma)
-    z = gamma * z_prev + phi_k
-    count = gamma * c_prev + 1
-    den = (phi_q * z).sum(-1) + count.mean(-1) * eps
-    return (num / den.unsqueeze(-1)).to(q.dtype), RecurrentState(s, z, count)
+    lg = _check_log_gate(log_gate, q)[:, :, 0]  # (B, H, G)
+    state = _check_state(state, q, v, lg.shape[-1] if normalize else None)
+    phi_q, phi_k, vc = (t[:, :, 0] for t in featurize(get_feature_map(feature_map, dim=q.shape[-1]), q, k, v))
+    out, new_state = _gated_step(phi_q, phi_k, vc, lg.exp(), state, normalize, eps)
+    return out.to(q.dtype), new_state
 
 
 def decay_linear_attention(
@@ -303,11 +317,9 @@ def bidirectional_gated_linear_attention(
     Arguments and raises as :func:`gated_linear_attention`; returns (B, H, N, Dv) in q's dtype.
     """
     check_qkv(q, k, v)
-    _check_chunk_eps(chunk_size, eps)
+    eps, chunk_size = check_eps(eps), check_int("chunk_size", chunk_size, 1)
     log_gate = _check_log_gate(log_gate, q)
-    phi = get_feature_map(feature_map, dim=q.shape[-1])
-    cdt = _compute_dtype(q.dtype)
-    phi_q, phi_k, vc = phi(q.to(cdt), True), phi(k.to(cdt), False), v.to(cdt)
+    phi_q, phi_k, vc = featurize(get_feature_map(feature_map, dim=q.shape[-1]), q, k, v)
 
     def flip(x: Tensor) -> Tensor:
         return x.flip(2)
@@ -329,17 +341,19 @@ def _check_beta(beta: Tensor, q: Tensor) -> Tensor:
     if not isinstance(beta, Tensor) or not beta.is_floating_point():
         raise TypeError(f"beta: expected a floating-point torch.Tensor, got {type(beta).__name__}")
     try:
-        return beta.to(device=q.device, dtype=_compute_dtype(q.dtype)).expand(q.shape[:3])
+        return beta.to(device=q.device, dtype=compute_dtype(q.dtype)).expand(q.shape[:3])
     except RuntimeError:
         raise ValueError(f"beta: shape {tuple(beta.shape)} does not broadcast to (B, H, N) = {tuple(q.shape[:3])}") from None
 
 
-def _delta_features(q: Tensor, k: Tensor, phi: FeatureMap, l2_normalize: bool) -> Tuple[Tensor, Tensor]:
-    cdt = _compute_dtype(q.dtype)
-    phi_q, phi_k = phi(q.to(cdt), True), phi(k.to(cdt), False)
+def _delta_features(
+    q: Tensor, k: Tensor, v: Tensor, feature_map: FeatureMapArg, l2_normalize: bool
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """phi(q), phi(k) (L2-normalised by default) and v in the compute dtype."""
+    phi_q, phi_k, vc = featurize(get_feature_map(feature_map, dim=q.shape[-1]), q, k, v)
     if l2_normalize:
         phi_q, phi_k = F.normalize(phi_q, dim=-1), F.normalize(phi_k, dim=-1)
-    return phi_q, phi_k
+    return phi_q, phi_k, vc
 
 
 def _delta_scan(
@@ -354,7 +368,7 @@ def _delta_scan(
     """
     b, h, n, d = q.shape
     c = min(chunk_size, n)
-    q, k, v, beta = (_to_chunks(t, c) for t in (q, k, v, beta.unsqueeze(-1)))
+    q, k, v, beta = (to_chunks(t, c) for t in (q, k, v, beta.unsqueeze(-1)))
     kb = k * beta  # (B, H, nc, c, D)
     eye = torch.eye(c, dtype=q.dtype, device=q.device)
     lower = eye + (kb @ k.transpose(-1, -2)).tril(-1)
@@ -386,13 +400,14 @@ def delta_rule_attention(
     ValueError for mismatched shapes, a bad chunk_size or a state that does not fit.
     """
     check_qkv(q, k, v)
-    _check_chunk_eps(chunk_size, DEFAULT_EPS)
+    chunk_size = check_int("chunk_size", chunk_size, 1)
     beta = _check_beta(beta, q)
     state = _check_state(state, q, v, None)
-    phi_q, phi_k = _delta_features(q, k, get_feature_map(feature_map, dim=q.shape[-1]), l2_normalize)
-    out, s = _delta_scan(phi_q, phi_k, v.to(phi_q.dtype), beta, chunk_size, None if state is None else state.s, False)
+    phi_q, phi_k, vc = _delta_features(q, k, v, feature_map, l2_normalize)
+    out, s = _delta_scan(phi_q, phi_k, vc, beta, chunk_size, None if state is None else state.s, False)
     out = out.to(q.dtype)
-    return (out, RecurrentState(s)) if return_state else out
+    final = RecurrentState(s, num_tokens=q.shape[2] + (0 if state is None else state.num_tokens))
+    return (out, final) if return_state else out
 
 
 def delta_rule_step(
@@ -404,11 +419,12 @@ def delta_rule_step(
     check_qkv(q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2))
     beta = _check_beta(beta.unsqueeze(-1) if isinstance(beta, Tensor) else beta, q.unsqueeze(2))[:, :, 0]
     state = _check_state(state, q.unsqueeze(2), v.unsqueeze(2), None)
-    phi_q, phi_k = _delta_features(q, k, get_feature_map(feature_map, dim=q.shape[-1]), l2_normalize)
+    phi_q, phi_k, vc = _delta_features(q, k, v, feature_map, l2_normalize)
     s_prev = state.s if state is not None else phi_k.new_zeros(*phi_k.shape, v.shape[-1])
-    err = v.to(phi_k.dtype) - torch.einsum("bhd,bhde->bhe", phi_k, s_prev)  # what the state gets wrong for k
+    err = vc - torch.einsum("bhd,bhde->bhe", phi_k, s_prev)  # what the state gets wrong for k
     s = s_prev + phi_k.unsqueeze(-1) * (beta.unsqueeze(-1) * err).unsqueeze(-2)
-    return torch.einsum("bhd,bhde->bhe", phi_q, s).to(q.dtype), RecurrentState(s)
+    seen = 1 + (0 if state is None else state.num_tokens)
+    return torch.einsum("bhd,bhde->bhe", phi_q, s).to(q.dtype), RecurrentState(s, num_tokens=seen)
 
 
 def bidirectional_delta_rule_attention(
@@ -419,10 +435,9 @@ def bidirectional_delta_rule_attention(
     read strictly before token i's own update (q_i S'_{i+1}), so the diagonal counts once; the two are added.
     Arguments and raises as :func:`delta_rule_attention`; returns (B, H, N, Dv) in q's dtype."""
     check_qkv(q, k, v)
-    _check_chunk_eps(chunk_size, DEFAULT_EPS)
+    chunk_size = check_int("chunk_size", chunk_size, 1)
     beta = _check_beta(beta, q)
-    phi_q, phi_k = _delta_features(q, k, get_feature_map(feature_map, dim=q.shape[-1]), l2_normalize)
-    vc = v.to(phi_q.dtype)
+    phi_q, phi_k, vc = _delta_features(q, k, v, feature_map, l2_normalize)
     out_f, _ = _delta_scan(phi_q, phi_k, vc, beta, chunk_size, None, strict=False)
     flipped = (phi_q.flip(2), phi_k.flip(2), vc.flip(2), beta.flip(2))
     out_b, _ = _delta_scan(*flipped, chunk_size, None, strict=True)

@@ -23,6 +23,8 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
+from linvision.kernels.common import RopeSpec, check_grid, check_rope, compute_dtype
+
 __all__ = [
     "Rope",
     "grid_positions",
@@ -31,7 +33,9 @@ __all__ = [
     "axial_rope_freqs",
     "mixed_rope_freqs",
     "apply_rope",
+    "rotate_pairs",
     "check_rope",
+    "check_grid",
 ]
 
 _POSITION_CACHE: Dict[Tuple[int, int, str], Tuple[Tensor, Tensor]] = {}
@@ -49,55 +53,17 @@ def grid_positions(height: int, width: int, device=None) -> Tuple[Tensor, Tensor
     return _POSITION_CACHE[key]
 
 
-def _check_grid(grid) -> Tuple[int, int]:
-    if (
-        not isinstance(grid, (tuple, list))
-        or len(grid) != 2
-        or not all(isinstance(g, int) and g > 0 for g in grid)
-    ):
-        raise ValueError(f"grid: expected (H, W) with two positive ints, got {grid!r}")
-    return int(grid[0]), int(grid[1])
-
-
 @dataclass(eq=False)
-class Rope:
-    """Rotation of a (num_prefix_tokens + H*W)-token sequence.
+class Rope(RopeSpec):
+    """Rotation of a (num_prefix_tokens + H*W)-token sequence: a :class:`RopeSpec` (what the kernels read) with its
+    PyTorch tables.
 
     freqs_x, freqs_y: fp32 tensors of shape (P,) or (heads, P); P = D / 2 channel pairs.
     grid: (H, W). offset: (row, col) added to every grid position (a shift; outputs of RoPE attention do not
     depend on it). Tables are computed on first use and kept on the object when the frequencies need no grad.
     """
 
-    freqs_x: Tensor
-    freqs_y: Tensor
-    grid: Tuple[int, int]
-    num_prefix_tokens: int = 0
-    offset: Tuple[float, float] = (0.0, 0.0)
     _tables: Optional[Tuple[Tensor, Tensor]] = field(default=None, repr=False)
-
-    def __post_init__(self):
-        self.grid = _check_grid(self.grid)
-        if self.freqs_x.shape != self.freqs_y.shape or self.freqs_x.dim() not in (1, 2):
-            raise ValueError(
-                f"freqs_x, freqs_y: expected equal shapes (P,) or (heads, P), got {tuple(self.freqs_x.shape)} "
-                f"and {tuple(self.freqs_y.shape)}"
-            )
-        if self.num_prefix_tokens < 0:
-            raise ValueError(f"num_prefix_tokens: must be >= 0, got {self.num_prefix_tokens}")
-
-    @property
-    def dim(self) -> int:
-        """Head dim D the rotation applies to (2 * pairs)."""
-        return 2 * self.freqs_x.shape[-1]
-
-    @property
-    def num_heads(self) -> int:
-        """1 when every head shares the frequencies."""
-        return 1 if self.freqs_x.dim() == 1 else self.freqs_x.shape[0]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_prefix_tokens + self.grid[0] * self.grid[1]
 
     def angles(self) -> Tensor:
         """(heads or 1, N, P) fp32 rotation angles; rows of prefix tokens are zero."""
@@ -123,30 +89,20 @@ class Rope:
         return tables
 
 
-def check_rope(rope: "Rope", dim: int, num_tokens: int, num_heads: int) -> None:
-    """Raise ValueError unless ``rope`` fits inputs of head dim ``dim``, ``num_tokens`` tokens and ``num_heads``."""
-    if dim != rope.dim:
-        raise ValueError(f"rope: table is for head dim {rope.dim}, the (feature-mapped) input has D={dim}")
-    if num_tokens != rope.num_tokens:
-        raise ValueError(
-            f"rope: table is for {rope.num_tokens} tokens (prefix {rope.num_prefix_tokens} + grid {rope.grid}), "
-            f"input has N={num_tokens}"
-        )
-    if rope.num_heads not in (1, num_heads):
-        raise ValueError(f"rope: frequencies for {rope.num_heads} heads, input has {num_heads} heads")
+def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The rotation itself: channel pair t, (x[..., t], x[..., t + P]), turned by the angle whose cos and sin are
+    ``cos[..., t]``, ``sin[..., t]`` (broadcast against x's leading dims)."""
+    p = x.shape[-1] // 2
+    x1, x2 = x[..., :p], x[..., p:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
 def apply_rope(x: Tensor, rope: Rope) -> Tensor:
     """Rotate x of shape (B, heads, N, D) by ``rope``; computed in fp32, returned in fp32 (or float64)."""
     check_rope(rope, x.shape[-1], x.shape[-2], x.shape[1])
-    cos, sin = rope.tables()
-    compute_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    cos = cos.to(device=x.device, dtype=compute_dtype)
-    sin = sin.to(device=x.device, dtype=compute_dtype)
-    x = x.to(compute_dtype)
-    p = rope.dim // 2
-    x1, x2 = x[..., :p], x[..., p:]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    cdt = compute_dtype(x.dtype)
+    cos, sin = (t.to(device=x.device, dtype=cdt) for t in rope.tables())
+    return rotate_pairs(x.to(cdt), cos, sin)
 
 
 def _rope_magnitudes(dim: int, theta: float) -> Tensor:
@@ -185,7 +141,7 @@ def rope_1d(dim: int, num_tokens: int, theta: float = 10000.0, num_prefix_tokens
 def axial_rope(dim: int, grid: Tuple[int, int], theta: float = 100.0, num_prefix_tokens: int = 0, device=None) -> Rope:
     """2D axial RoPE for an H x W grid; the object and its fp32 tables are cached per (dim, H, W, theta,
     prefix, device)."""
-    grid = _check_grid(grid)
+    grid = check_grid(grid)
     key = (dim, grid, float(theta), num_prefix_tokens, str(torch.device(device or "cpu")))
     if key not in _AXIAL_CACHE:
         fx, fy = axial_rope_freqs(dim, theta)

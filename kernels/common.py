@@ -1,0 +1,164 @@
+"""What ``linvision.ops`` and the kernels both need, on tensors, ints and flags only.
+
+Installed as ``linvision.kernels.common``. It imports neither Triton nor anything from linvision, so the ops import
+it on every platform; the dependency runs one way: ops -> kernels (this module and, lazily, the Triton kernels).
+
+- :func:`check_qkv`, :func:`check_eps`, :func:`check_int`, :func:`check_grid`: the one validation of attention
+  inputs, eps, chunk and split sizes and (H, W) token grids; errors name the argument, the value and what is
+  allowed.
+- :class:`RopeSpec`: a 2D rotation as plain data (frequency tensors, grid, prefix, offset) and
+  :func:`check_rope`; ``linvision.ops.rope.Rope`` extends it with the PyTorch tables, the kernels compute the
+  angles in-kernel from the same fields.
+- :func:`compute_dtype` and :func:`feature_map_name`: the dtype every accumulation runs in, and the canonical name
+  of a feature map (aliases resolved), which is how the kernels are told which map to fuse.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "DEFAULT_EPS",
+    "FLOAT_DTYPES",
+    "FEATURE_MAP_ALIASES",
+    "RopeSpec",
+    "check_eps",
+    "check_grid",
+    "check_int",
+    "check_qkv",
+    "check_rope",
+    "compute_dtype",
+    "feature_map_name",
+]
+
+DEFAULT_EPS = 1e-4
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+FEATURE_MAP_ALIASES = {"elu+1": "elu", "elu1": "elu", "softmax_kernel": "exp", "none": "identity"}
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 for float64 inputs, else float32: the dtype of every accumulation, rotation and division."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def feature_map_name(name: str) -> str:
+    """Lower-case canonical name of a feature map (``"elu+1"`` -> ``"elu"``)."""
+    return FEATURE_MAP_ALIASES.get(name.lower(), name.lower())
+
+
+def check_qkv(q: Tensor, k: Tensor, v: Tensor, same_tokens: bool = True) -> None:
+    """Validate attention inputs: q, k (B, H, N, D), v (B, H, Nk, Dv), one floating dtype, one device; with
+    ``same_tokens`` also Nq == Nk (causal and RoPE attention).
+
+    Raises TypeError for non-tensors and bad or mixed dtypes, ValueError for bad shapes or devices.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name}: dtype {t.dtype} is not supported; allowed: float16, bfloat16, float32, float64")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected 4 dims (B, H, N, D), got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v: mixed dtypes {q.dtype}, {k.dtype}, {v.dtype}; all three must share one dtype")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v: tensors on different devices {q.device}, {k.device}, {v.device}")
+    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
+        raise ValueError(
+            f"q, k, v: batch and head dims must match, got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"k: head dim {k.shape[-1]} does not match q's head dim {q.shape[-1]}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"v: {v.shape[2]} tokens, but k has {k.shape[2]}; keys and values must pair up")
+    if same_tokens and q.shape[2] != k.shape[2]:
+        raise ValueError(f"k: {k.shape[2]} tokens, but q has {q.shape[2]}; causal or RoPE attention needs equal counts")
+    if k.shape[2] == 0:
+        raise ValueError("k: zero tokens; attention needs at least one key")
+
+
+def check_eps(eps: float) -> float:
+    """eps as a float; ValueError unless it is a positive number (bools are not numbers here)."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps: must be a positive number, got {eps!r}")
+    return float(eps)
+
+
+def check_int(name: str, value: int, minimum: int) -> int:
+    """``value`` if it is an int (not a bool) >= ``minimum``, else ValueError naming ``name`` (chunk and split
+    sizes)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def check_grid(grid, num_tokens: Optional[int] = None, name: str = "grid") -> Tuple[int, int]:
+    """(H, W) as ints; ValueError unless ``grid`` is two positive ints and, when ``num_tokens`` is given, has
+    exactly that many cells."""
+    if (
+        not isinstance(grid, (tuple, list))
+        or len(grid) != 2
+        or not all(isinstance(g, int) and not isinstance(g, bool) and g > 0 for g in grid)
+    ):
+        raise ValueError(f"{name}: expected (H, W) with two positive ints, got {grid!r}")
+    h, w = int(grid[0]), int(grid[1])
+    if num_tokens is not None and h * w != num_tokens:
+        raise ValueError(f"{name}: grid {(h, w)} has {h * w} cells, but the input has N={num_tokens} tokens")
+    return h, w
+
+
+@dataclass(eq=False)
+class RopeSpec:
+    """Rotation of a (num_prefix_tokens + H*W)-token sequence, as data: channel pair t (channels t and t + P) of
+    head h at grid position (row, col) turns by ``freqs_x[h, t] * (col + offset[1]) + freqs_y[h, t] * (row +
+    offset[0])``; prefix tokens are not rotated.
+
+    freqs_x, freqs_y: fp32 tensors of shape (P,) or (heads, P); P = D / 2 channel pairs. grid: (H, W).
+    Raises ValueError for a bad grid, mismatched frequency shapes or a negative prefix.
+    """
+
+    freqs_x: Tensor
+    freqs_y: Tensor
+    grid: Tuple[int, int]
+    num_prefix_tokens: int = 0
+    offset: Tuple[float, float] = (0.0, 0.0)
+
+    def __post_init__(self):
+        self.grid = check_grid(self.grid)
+        if self.freqs_x.shape != self.freqs_y.shape or self.freqs_x.dim() not in (1, 2):
+            raise ValueError(
+                f"freqs_x, freqs_y: expected equal shapes (P,) or (heads, P), got {tuple(self.freqs_x.shape)} "
+                f"and {tuple(self.freqs_y.shape)}"
+            )
+        if self.num_prefix_tokens < 0:
+            raise ValueError(f"num_prefix_tokens: must be >= 0, got {self.num_prefix_tokens}")
+
+    @property
+    def dim(self) -> int:
+        """Head dim D the rotation applies to (2 * pairs)."""
+        return 2 * self.freqs_x.shape[-1]
+
+    @property
+    def num_heads(self) -> int:
+        """1 when every head shares the frequencies."""
+        return 1 if self.freqs_x.dim() == 1 else self.freqs_x.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefix_tokens + self.grid[0] * self.grid[1]
+
+
+def check_rope(rope: RopeSpec, dim: int, num_tokens: int, num_heads: int) -> None:
+    """Raise ValueError unless ``rope`` fits inputs of head dim ``dim``, ``num_tokens`` tokens and ``num_heads``."""
+    if dim != rope.dim:
+        raise ValueError(f"rope: table is for head dim {rope.dim}, the (feature-mapped) input has D={dim}")
+    if num_tokens != rope.num_tokens:
+        raise ValueError(
+            f"rope: table is for {rope.num_tokens} tokens (prefix {rope.num_prefix_tokens} + grid {rope.grid}), "
+            f"input has N={num_tokens}"
+        )
+    if rope.num_heads not in (1, num_heads):
+        raise ValueError(f"rope: frequencies for {rope.num_heads} heads, input has {num_heads} heads")

@@ -14,7 +14,9 @@ Four kernels, each one pass over N-sized tensors, so HBM traffic is the minimum 
 - ``_key_bwd_kernel``     reads k, v; writes dk = phi'(k) (R^T (v dS^T) + dz) and dv = (R phi(k)) dS.
 
 Fused: the feature map (identity, relu, elu+1) and its derivative, the 1/N mean, and RoPE computed from the
-token's grid position and O(D) frequency tables (axial or mixed, shared or per head). The head dim is handled
+token's grid position and O(D) frequency tables (axial or mixed, shared or per head). One jitted helper of each:
+``_rope_freqs`` loads a head's frequencies, ``_rope_cos_sin`` forms the angles of a token block, ``_rotate``
+applies R or R^T (the identity without RoPE), ``_token_block`` loads a block of tokens and maps and rotates it. The head dim is handled
 as two halves of P = D/2 channels because RoPE pairs channel t with channel t + P; S is kept as its two
 row halves. Accumulation, rotation and division are fp32 for every input dtype; matrix products use exact
 fp32 for fp32 inputs and tf32 tensor cores for fp16/bf16 inputs (more mantissa than the inputs carry).

@@ -129,6 +129,7 @@ def test_gated_step_and_state_continuation(normalize, gate):
     for a, b_ in zip((end.s, end.z, end.count), (state.s, state.z, state.count)):
         if b_ is not None:
             torch.testing.assert_close(a, b_, rtol=1e-10, atol=1e-10)
+    assert (mid.num_tokens, end.num_tokens, state.num_tokens) == (4, n, n)
 
 
 @pytest.mark.parametrize("chunk", CHUNKS)
@@ -190,6 +191,7 @@ def test_delta_step_and_state_continuation():
                                        return_state=True)
     torch.testing.assert_close(torch.cat([first, second], 2), full, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(end.s, state.s, rtol=1e-10, atol=1e-10)
+    assert (mid.num_tokens, end.num_tokens, state.num_tokens) == (5, 9, 9)
 
 
 def test_delta_beta_zero_keeps_state():

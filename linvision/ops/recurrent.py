@@ -176,12 +176,16 @@ def _gated_pieces(
         num, s = _gated_scan(*rotated, v, log_gate, chunk_size, None if state is None else state.s, strict)
         z0 = None if state is None else state.z.unsqueeze(-1)
         den, z = (t[..., 0] for t in _gated_scan(phi_q, phi_k, ones, log_gate, chunk_size, z0, strict))
-    gates = ones if log_gate is None else log_gate
-    unit_q = gates.new_full(gates.shape, 1.0 / gates.shape[-1])  # mean over the G per-channel counts
-    c0 = None if state is None else state.count.unsqueeze(-1)
-    count, c = _gated_scan(unit_q, torch.ones_like(gates), ones, log_gate, chunk_size, c0, strict)
-    seen = phi_q.shape[2] + (0 if state is None else state.num_tokens)
-    return num, den, count[..., 0], RecurrentState(s, z, c[..., 0], seen)
+    b, h, n = den.shape
+    if log_gate is None:  # no decay: the count is the number of tokens seen, exactly
+        c0 = den.new_zeros(b, h, 1) if state is None else state.count
+        count, c = c0 + torch.arange(1 - strict, n + 1 - strict, dtype=den.dtype, device=den.device), c0 + n
+    else:
+        unit_q = log_gate.new_full(log_gate.shape, 1.0 / log_gate.shape[-1])  # mean over the G per-channel counts
+        c0 = None if state is None else state.count.unsqueeze(-1)
+        count, c = (t[..., 0] for t in _gated_scan(unit_q, torch.ones_like(log_gate), ones, log_gate, chunk_size, c0,
+                                                   strict))
+    return num, den, count, RecurrentState(s, z, c, n + (0 if state is None else state.num_tokens))
 
 
 def _check_state(state: Optional[RecurrentState], q: Tensor, v: Tensor, g: Optional[int]) -> Optional[RecurrentState]:

@@ -12,17 +12,24 @@ Position information comes from either
 - 2D RoPE inside every attention mixer (``rope="axial"`` or ``"mixed"``, RoPE-ViT, Heo et al. 2024,
   arXiv:2403.13298), with no absolute embedding: the weights fit any grid and aspect ratio.
 
+There are no linvit weights of its own: the ``.deit_fb_in1k`` tags point at timm's DeiT softmax weights of the
+same shape, which ``checkpoint_filter_fn`` converts (:func:`convert_vit_state_dict`) into the start of
+linearization (``linvision.engine.linearize``); a local copy loads with ``pretrained_cfg_overlay=dict(file=...)``.
+
 The token mixer is one argument (``token_mixer="softmax"`` for the softmax twin of a model); the model hands
 its ``rope`` to whatever mixer it builds, so the twin sees positions the same way.
 """
 from __future__ import annotations
 
+import math
+import pickle
 from typing import Any, Dict, List, Optional, Tuple, Type, Union
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from safetensors import SafetensorError
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, LayerNorm, Mlp, PatchEmbed, resample_abs_pos_embed, resample_patch_embed, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
@@ -31,7 +38,7 @@ from timm.models._features import feature_take_indices
 from linvision.layers import create_mixer, mixer_options
 from linvision.layers.mixers import ROPE_TYPES
 
-__all__ = ["LinViT"]
+__all__ = ["LinViT", "checkpoint_filter_fn", "convert_vit_state_dict"]
 
 
 class ViTBlock(nn.Module):
@@ -242,13 +249,101 @@ class LinViT(nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
+# Silu(b) = b * sigmoid(b) = 1: an output gate with zero weights and this bias passes the attention output unchanged.
+_IDENTITY_GATE_BIAS = 1.2784645427610738
+
+
+def _is_softmax_vit(state_dict: Dict[str, Tensor]) -> bool:
+    """A timm VisionTransformer state dict (DeiT, AugReg ViT, ...): attention weights under ``blocks.i.attn``."""
+    return any(k.startswith("blocks.") and ".attn.qkv." in k for k in state_dict)
+
+
+def _strip_prefix_rows(pos_embed: Tensor, num_prefix_tokens: int, name: str = "pos_embed") -> Tensor:
+    """Drop the rows of a ViT position embedding (1, prefix + H*W, C) that belong to class / register tokens;
+    embeddings without them (DeiT-III's ``no_embed_class``) are returned as they are."""
+    n = pos_embed.shape[1]
+    for prefix in (num_prefix_tokens, 0):
+        side = math.isqrt(n - prefix)
+        if side * side == n - prefix:
+            return pos_embed[:, prefix:]
+    raise ValueError(f"{name}: {n} rows are not a square grid with or without {num_prefix_tokens} prefix rows")
+
+
+def convert_vit_state_dict(state_dict: Dict[str, Tensor], model: LinViT) -> Dict[str, Tensor]:
+    """Map a timm softmax VisionTransformer state dict onto ``model`` (the start of linearization).
+
+    - patch_embed, blocks.i.norm1 / norm2 / mlp, norm and head keep their names; blocks.i.attn.qkv and attn.proj
+      become blocks.i.mixer.qkv and mixer.proj; layer-scale factors (blocks.i.ls1 / ls2.gamma) are folded into
+      attn.proj and mlp.fc2 (exact).
+    - cls_token and reg_token are dropped (linvit has no prefix tokens and pools the patch tokens by their
+      mean; the head, trained on the class token, is kept as a starting point). The position embedding loses its
+      prefix-token rows and is resampled to the model's grid; models with RoPE (no absolute embedding) drop it.
+    - Parameters a softmax ViT does not have start where the block computes what the teacher's attention
+      computes as nearly as it can: LePE at zero (it adds nothing), an output gate at weight 0 and
+      bias b with silu(b) = 1 (it passes the attention through); feature-map and RoPE parameters keep the
+      model's own initialisation.
+    Raises ValueError for teacher weights this mapping cannot carry (q/k norms, a pre-norm, fc_norm, other
+    depths or widths).
+    """
+    model_state = model.state_dict()
+    num_prefix = sum(state_dict[k].shape[1] for k in ("cls_token", "reg_token") if k in state_dict)
+    gammas = {k: v for k, v in state_dict.items() if k.endswith((".ls1.gamma", ".ls2.gamma"))}
+    out: Dict[str, Tensor] = {}
+    unsupported = []
+    for name, value in state_dict.items():
+        if name in ("cls_token", "reg_token") or name in gammas:
+            continue
+        if name == "pos_embed":
+            if model.pos_embed is None:
+                continue
+            value = _strip_prefix_rows(value, num_prefix)
+            if value.shape != model.pos_embed.shape:
+                value = resample_abs_pos_embed(value, new_size=model.patch_embed.grid_size, num_prefix_tokens=0)
+            out[name] = value
+            continue
+        target = name.replace(".attn.qkv.", ".mixer.qkv.").replace(".attn.proj.", ".mixer.proj.")
+        if target not in model_state and not target.startswith("head."):
+            unsupported.append(name)
+            continue
+        for layer_scale, module in ((".ls1.gamma", ".mixer.proj."), (".ls2.gamma", ".mlp.fc2.")):
+            if module in target:
+                gamma = gammas.get(target.split(module)[0] + layer_scale)
+                if gamma is not None:
+                    value = value * (gamma[:, None] if value.dim() == 2 else gamma)
+        expected = model_state.get(target)
+        if expected is not None and not target.startswith(("head.", "patch_embed.proj.weight")) \
+                and value.shape != expected.shape:
+            raise ValueError(f"state_dict: {name} has shape {tuple(value.shape)}, {target} of this model is "
+                             f"{tuple(expected.shape)} (a softmax ViT of another width?)")
+        out[target] = value
+    if unsupported:
+        raise ValueError(f"state_dict: softmax ViT weights linvit has no place for: {', '.join(unsupported[:8])}"
+                         + (" ..." if len(unsupported) > 8 else ""))
+    for name, value in model_state.items():
+        if name in out or name.startswith("head."):
+            continue
+        if ".mixer.lepe." in name:
+            value = torch.zeros_like(value)
+        elif ".mixer.gate.weight" in name:
+            value = torch.zeros_like(value)
+        elif ".mixer.gate.bias" in name:
+            value = torch.full_like(value, _IDENTITY_GATE_BIAS)
+        elif ".mixer." not in name:
+            raise ValueError(f"state_dict: the softmax ViT has no {name!r} (another depth or layout?)")
+        out[name] = value
+    return out
+
+
 def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: LinViT) -> Dict[str, Tensor]:
-    """Unwrap training checkpoints and resample what depends on the resolution: the absolute position
-    embedding (bicubic, to the model's patch grid) and the patch-embedding kernel (to the model's patch size)."""
+    """Unwrap training checkpoints, convert timm softmax ViT weights (:func:`convert_vit_state_dict`) and
+    resample what depends on the resolution: the absolute position embedding (bicubic, to the model's patch grid)
+    and the patch-embedding kernel (to the model's patch size)."""
     for key in ("state_dict_ema", "model_ema", "model", "state_dict"):
         if key in state_dict and isinstance(state_dict[key], dict):
             state_dict = state_dict[key]
             break
+    if _is_softmax_vit(state_dict):
+        state_dict = convert_vit_state_dict(state_dict, model)
     out = {}
     for name, value in state_dict.items():
         if name == "pos_embed" and model.pos_embed is not None and value.shape != model.pos_embed.shape:
@@ -288,6 +383,16 @@ default_cfgs = generate_default_cfgs({
     "linvit_small_patch16_rope_224": _cfg(),
     "linvit_base_patch16_rope_224": _cfg(),
     "linvit_small_patch16_rope_mixed_224": _cfg(),
+    # Linearization starts: DeiT's softmax ViT weights of the same shape, converted by checkpoint_filter_fn.
+    **{
+        f"linvit_{size}_patch16{variant}_224.deit_fb_in1k": _cfg(
+            hf_hub_id=f"timm/deit_{size}_patch16_224.fb_in1k", license="apache-2.0",
+            fixed_input_size=not variant,
+        )
+        for size in ("tiny", "small", "base") for variant in ("", "_rope")
+    },
+    "linvit_small_patch16_rope_mixed_224.deit_fb_in1k": _cfg(
+        hf_hub_id="timm/deit_small_patch16_224.fb_in1k", license="apache-2.0"),
 })
 
 
@@ -295,12 +400,19 @@ def _create_linvit(variant: str, pretrained: bool = False, **kwargs) -> LinViT:
     out_indices = kwargs.pop("out_indices", 3)
     if kwargs.get("dynamic_img_size"):  # the embedding is resampled per call: the cfg must not fix the size
         kwargs["pretrained_cfg_overlay"] = dict(kwargs.get("pretrained_cfg_overlay") or {}, fixed_input_size=False)
-    return build_model_with_cfg(
-        LinViT, variant, pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
-        **kwargs,
-    )
+    cfg = dict(kwargs.get("pretrained_cfg") or {}, **(kwargs.get("pretrained_cfg_overlay") or {}))
+    try:
+        return build_model_with_cfg(
+            LinViT, variant, pretrained,
+            pretrained_filter_fn=checkpoint_filter_fn,
+            feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
+            **kwargs,
+        )
+    except (ValueError, RuntimeError, EOFError, OSError, pickle.UnpicklingError, SafetensorError) as e:
+        if not (pretrained and cfg.get("file")):
+            raise
+        raise ValueError(f"pretrained_cfg file {cfg['file']!r}: cannot load it into {variant} "
+                         f"(truncated, not a checkpoint, or weights of another shape): {e}") from e
 
 
 _TINY = dict(patch_size=16, embed_dim=192, depth=12, num_heads=3)

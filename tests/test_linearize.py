@@ -1,0 +1,155 @@
+"""Linearization: softmax ViT weights mapped onto linvit, attention transfer, local weight files."""
+import json
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+import linvision  # noqa: F401  (registers the models)
+from linvision.engine.data import build_transform, create_dataset
+from linvision.engine.linearize import attention_errors, attention_transfer, build_student, transfer_parameters
+from linvision.models.linvit import checkpoint_filter_fn
+
+SHAPE = dict(embed_dim=64, depth=3, num_heads=2)
+
+
+def _vit(seed=0, **kwargs):
+    """A timm softmax ViT with random (not initial) weights, so every mapped tensor matters."""
+    torch.manual_seed(seed)
+    model = timm.create_model("vit_small_patch16_224", num_classes=10, **SHAPE, **kwargs).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("vit_kwargs", [{}, dict(init_values=0.5)], ids=["plain", "layer-scale"])
+def test_converted_softmax_model_reproduces_timm_vit(tmp_path, vit_kwargs):
+    """A ViT without class token, pooled by the mean of the normalised tokens (the linvit head), loaded from a local
+    file into linvit with the softmax mixer gives timm's output (layer scale folded into the projections)."""
+    vit = _vit(class_token=False, global_pool="avg", fc_norm=False, **vit_kwargs)
+    path = tmp_path / "vit.safetensors"
+    save_file({k: v.contiguous() for k, v in vit.state_dict().items()}, str(path))
+    lin = timm.create_model("linvit_small_patch16_224", pretrained=True, token_mixer="softmax", num_classes=10,
+                            pretrained_cfg_overlay=dict(file=str(path), num_classes=10), **SHAPE).eval()
+    x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), vit(x), rtol=1e-5, atol=1e-5)
+
+
+def test_class_token_vit_mapping_and_rope_student():
+    """A class-token ViT: cls_token dropped, its position row stripped; qkv/proj/MLP/norm/head copied; the RoPE
+    student drops the position embedding and starts LePE at zero and the gate at identity."""
+    vit = _vit()
+    sd = vit.state_dict()
+    lin = timm.create_model("linvit_small_patch16_224", num_classes=10, **SHAPE)
+    out = checkpoint_filter_fn(sd, lin)
+    assert "cls_token" not in out
+    torch.testing.assert_close(out["pos_embed"], sd["pos_embed"][:, 1:], rtol=0, atol=0)
+    for i in range(SHAPE["depth"]):
+        for part in ("qkv", "proj"):
+            torch.testing.assert_close(out[f"blocks.{i}.mixer.{part}.weight"], sd[f"blocks.{i}.attn.{part}.weight"])
+        torch.testing.assert_close(out[f"blocks.{i}.mlp.fc2.bias"], sd[f"blocks.{i}.mlp.fc2.bias"])
+    torch.testing.assert_close(out["head.weight"], sd["head.weight"])
+    lin.load_state_dict(out)
+
+    rope = timm.create_model("linvit_small_patch16_rope_224", num_classes=10, mixer_kwargs=dict(gate=True), **SHAPE)
+    out = checkpoint_filter_fn(sd, rope)
+    rope.load_state_dict(out)
+    assert "pos_embed" not in out
+    mixer = rope.blocks[0].mixer
+    assert mixer.lepe.weight.abs().sum() == 0 and mixer.lepe.bias.abs().sum() == 0
+    tokens = torch.randn(2, 16, SHAPE["embed_dim"])
+    torch.testing.assert_close(F.silu(mixer.gate(tokens)), torch.ones_like(tokens), rtol=0, atol=1e-6)
+
+
+def test_wrong_and_truncated_files_give_clear_errors(tmp_path):
+    other_width = timm.create_model("vit_small_patch16_224", embed_dim=32, depth=3, num_heads=2)
+    wrong = tmp_path / "wrong.safetensors"
+    save_file({k: v.contiguous() for k, v in other_width.state_dict().items()}, str(wrong))
+    with pytest.raises(ValueError, match=r"wrong\.safetensors.*another width"):
+        timm.create_model("linvit_small_patch16_224", pretrained=True, pretrained_cfg_overlay=dict(file=str(wrong)),
+                          **SHAPE)
+    deeper = timm.create_model("vit_small_patch16_224", embed_dim=64, depth=4, num_heads=2)
+    with pytest.raises(ValueError, match="blocks.3"):
+        checkpoint_filter_fn(deeper.state_dict(), timm.create_model("linvit_small_patch16_224", **SHAPE))
+    good = tmp_path / "good.safetensors"
+    save_file({k: v.contiguous() for k, v in _vit().state_dict().items()}, str(good))
+    data = good.read_bytes()
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"truncated\.safetensors.*truncated"):
+        timm.create_model("linvit_small_patch16_224", pretrained=True,
+                          pretrained_cfg_overlay=dict(file=str(truncated)), **SHAPE)
+
+
+def test_pretrained_tags_point_at_timm_softmax_weights():
+    for name in timm.list_models("linvit*"):
+        size = name.split("_")[1]
+        cfg = timm.create_model(name, pretrained=False, depth=1).pretrained_cfg
+        assert cfg["hf_hub_id"] == f"timm/deit_{size}_patch16_224.fb_in1k" and cfg["tag"] == "deit_fb_in1k"
+        teacher_cfg = timm.models.get_pretrained_cfg(f"deit_{size}_patch16_224.fb_in1k")
+        assert tuple(cfg["mean"]) == tuple(teacher_cfg.mean) and tuple(cfg["std"]) == tuple(teacher_cfg.std)
+
+
+def test_transfer_parameters_selection():
+    plain = timm.create_model("linvit_small_patch16_224", **SHAPE)
+    with pytest.raises(ValueError, match="selects no parameter"):
+        transfer_parameters(plain, "new")
+    assert all(".mixer." in n for n in transfer_parameters(plain, "mixer"))
+    rope = timm.create_model("linvit_small_patch16_rope_224", mixer_kwargs=dict(feature_map="focused"), **SHAPE)
+    new = transfer_parameters(rope, "new")
+    assert new and all(".lepe." in n or "focus_scale" in n for n in new)
+
+
+def test_attention_transfer_lowers_layer_errors_on_real_images():
+    """Stage 1 on scikit-learn's digits: every layer's attention-output error of the student falls, and only the
+    selected parameters move."""
+    size = 32
+    transform = build_transform(size, False, (0.5,) * 3, (0.5,) * 3, crop_pct=1.0)
+    data = create_dataset("digits", None, "train", transform=transform, digits_size=size)
+    images = torch.stack([data[i][0] for i in range(96)])
+    batches, held_out = list(images[:64].split(16)), [images[64:]]
+    torch.manual_seed(0)
+    teacher = timm.create_model("vit_small_patch16_224", img_size=size, patch_size=4, num_classes=10, **SHAPE).eval()
+    student = build_student("linvit_small_patch16_rope_224", teacher, size, patch_size=4,
+                            mixer_kwargs=dict(feature_map="focused"), **SHAPE)
+    before_state = {k: v.clone() for k, v in student.state_dict().items()}
+    before = attention_errors(student, teacher, held_out)
+    losses = attention_transfer(student, teacher, batches, steps=12, lr=1e-2, which="new")
+    after = attention_errors(student, teacher, held_out)
+    assert len(losses) == 12 and len(before) == len(after) == SHAPE["depth"]
+    assert all(a < b for a, b in zip(after, before)), (before, after)
+    trained = transfer_parameters(student, "new")
+    for name, value in student.state_dict().items():
+        if name not in trained:
+            torch.testing.assert_close(value, before_state[name], rtol=0, atol=0, msg=name)
+
+
+def test_linearize_tool_end_to_end(tmp_path):
+    """tools/train.py trains a small softmax ViT on digits; tools/linearize.py converts it and runs stage 1: the
+    written weights load into the student, carry the teacher's qkv unchanged and a trained LePE."""
+    from safetensors.torch import load_file
+    from test_tools import run_tool
+
+    from linvision.engine.checkpoint import load_model
+
+    shape = ["patch_size=4", "embed_dim=32", "depth=2", "num_heads=2"]
+    run_tool("train.py", "--dataset", "digits", "--img-size", "16", "--model", "vit_tiny_patch16_224",
+             "--model-kwargs", *shape, "--epochs", "1", "--batch-size", "64", "--output", str(tmp_path),
+             "--experiment", "teacher", "--no-progress")
+    out = tmp_path / "student.safetensors"
+    proc = run_tool("linearize.py", "--teacher", str(tmp_path / "teacher"), "--model", "linvit_tiny_patch16_rope_224",
+                    "--model-kwargs", *shape, "--steps", "3", "--batch-size", "16", "--eval-batches", "1",
+                    "--output", str(out))
+    report = json.loads(proc.stdout)
+    assert report["img_size"] == 16 and len(report["layer_error_before"]) == len(report["layer_error_after"]) == 2
+    state = load_file(str(out))
+    student = timm.create_model("linvit_tiny_patch16_rope_224", num_classes=10, img_size=16, patch_size=4,
+                                embed_dim=32, depth=2, num_heads=2)
+    student.load_state_dict(state)
+    teacher, _ = load_model(str(tmp_path / "teacher"))
+    torch.testing.assert_close(state["blocks.1.mixer.qkv.weight"], teacher.state_dict()["blocks.1.attn.qkv.weight"])
+    assert state["blocks.1.mixer.lepe.weight"].abs().sum() > 0  # started at zero, moved by stage 1

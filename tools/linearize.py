@@ -1,0 +1,79 @@
+"""Linearize a trained softmax ViT: build a linvit from its weights and run attention transfer (stage 1).
+
+    python tools/linearize.py --teacher output/vit_digits --model linvit_tiny_patch16_rope_224 \\
+        --model-kwargs patch_size=4 embed_dim=64 depth=4 num_heads=2 --dataset digits --img-size 32 \\
+        --steps 200 --output output/linearized.safetensors
+
+The teacher is a checkpoint or run folder of tools/train.py (a timm VisionTransformer or a linvit with the
+softmax mixer). The student's weights (safetensors) go to --output; stage 2 fine-tunes them on the target data:
+``tools/train.py --model <same> --model-kwargs <same> --initial-checkpoint <output>``. Prints JSON with the
+per-layer attention-output error (relative mean squared error on held-out images) before and after stage 1.
+"""
+import argparse
+import json
+
+import torch
+from safetensors.torch import save_file
+
+from linvision.engine.checkpoint import load_model
+from linvision.engine.cli import run_cli
+from linvision.engine.config import parse_args, parse_kwargs
+from linvision.engine.data import build_transform, create_dataset
+from linvision.engine.linearize import TRANSFER_PARAMS, attention_errors, attention_transfer, build_student
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--teacher", default=None, help="checkpoint or run folder of the softmax ViT")
+    parser.add_argument("--model", default=None, help="linvit model name of the student")
+    parser.add_argument("--model-kwargs", nargs="*", default=None, help="key=value options of the student")
+    parser.add_argument("--dataset", default="digits")
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--img-size", type=int, default=None, help="default: the teacher's training size")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=200, help="attention-transfer steps")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--params", default="new", choices=TRANSFER_PARAMS,
+                        help="'new': parameters a softmax ViT lacks (LePE, gate, feature map); 'mixer': all")
+    parser.add_argument("--eval-batches", type=int, default=4, help="held-out batches for the error report")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default=None, help="student weights (.safetensors)")
+    args = parse_args(parser)
+    missing = [flag for flag in ("teacher", "model", "output") if not getattr(args, flag)]
+    if missing:
+        raise ValueError(f"{', '.join(missing)}: required (on the command line or in --config)")
+    if args.batch_size < 1 or args.steps < 1 or args.eval_batches < 1:
+        raise ValueError(f"batch_size/steps/eval_batches: must be >= 1, got {args.batch_size}, {args.steps}, "
+                         f"{args.eval_batches}")
+    torch.manual_seed(args.seed)
+    teacher, meta = load_model(args.teacher)
+    img_size = args.img_size or meta["img_size"]
+    if img_size != meta["img_size"]:
+        teacher, meta = load_model(args.teacher, img_size=img_size)
+    student = build_student(args.model, teacher, img_size, **parse_kwargs(args.model_kwargs))
+
+    transform = build_transform(img_size, False, meta["mean"], meta["std"], crop_pct=1.0)
+    train_set = create_dataset(args.dataset, args.data_dir, "train", transform=transform, digits_size=img_size)
+    val_set = create_dataset(args.dataset, args.data_dir, "val", transform=transform, digits_size=img_size)
+    generator = torch.Generator().manual_seed(args.seed)
+    train_loader = torch.utils.data.DataLoader(train_set, args.batch_size, shuffle=True, generator=generator,
+                                               drop_last=True)
+    val_loader = torch.utils.data.DataLoader(val_set, args.batch_size)
+    held_out = [x for _, (x, _) in zip(range(args.eval_batches), val_loader)]
+
+    before = attention_errors(student, teacher, held_out)
+    losses = attention_transfer(student, teacher, train_loader, args.steps, args.lr, args.params)
+    after = attention_errors(student, teacher, held_out)
+    save_file({k: v.contiguous() for k, v in student.state_dict().items()}, args.output)
+    print(json.dumps({"teacher": args.teacher, "model": args.model, "img_size": img_size, "params": args.params,
+                      "steps": args.steps, "first_loss": losses[0], "last_loss": losses[-1],
+                      "layer_error_before": before, "layer_error_after": after, "output": args.output}, indent=2))
+    return 0
+
+
+def cli() -> None:
+    run_cli(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from linvision.engine.checkpoint import recover_checkpoint_folder, write_checkpoint_folder
+from linvision.engine.files import recover_checkpoint_folder, write_checkpoint_folder
 from linvision.engine.run_folder import claim_run_folder
 from test_engine import TINY_VIT, step_losses, write_image_folder
 from test_tools import PY, ROOT, run_tool, tiny_train_flags
@@ -88,7 +88,7 @@ def _content(folder):
 def test_checkpoint_folder_survives_a_crash_at_every_step(tmp_path, monkeypatch):
     """A crash while writing, between the two renames, or before the old copy is removed leaves the old or the
     new checkpoint whole once recovered (what a resumed run does first), never files of both."""
-    import linvision.engine.checkpoint as ck
+    import linvision.engine.files as ck
 
     folder = str(tmp_path / "last")
     write_checkpoint_folder(folder, _files("old"))
@@ -334,3 +334,20 @@ def test_random_kills_lose_nothing(data, tmp_path, kills):
                                                                  "model.safetensors").read_bytes()
     assert step_losses(str(run)) == step_losses(str(tmp_path / "ref"))
     assert not [n for n in os.listdir(run) if n.startswith(".") and n != ".lock"]
+
+
+def test_loader_workers_leave_the_group_but_still_end_on_sigterm():
+    """Workers sit outside the run's process group (a group signal reaches only the main process), and keep
+    SIGTERM's default action: the DataLoader and multiprocessing's exit handler end stuck workers with it, so
+    a worker that ignored it would leave the process hanging at exit."""
+    from linvision.engine.data import ShardedSampler, create_loader
+
+    loader = create_loader(list(range(8)), 2, ShardedSampler(8, shuffle=False), num_workers=1)
+    it = iter(loader)
+    assert next(it).tolist() == [0, 1]
+    worker = it._workers[0]
+    assert os.getpgid(worker.pid) == worker.pid != os.getpgid(0)
+    os.kill(worker.pid, signal.SIGTERM)
+    worker.join(timeout=10)
+    assert not worker.is_alive() and worker.exitcode is not None  # ended (a worker ignoring SIGTERM would not)
+    del it

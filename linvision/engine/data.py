@@ -10,7 +10,8 @@ Three sources, chosen by ``dataset``:
   upscaled to RGB images, split 80/20 with a fixed seed. It needs no file and no network.
 
 Unreadable images raise :class:`BadImageError` naming the file; 16-bit greyscale images are scaled to 8 bits
-(not clipped). Loader worker processes ignore SIGINT/SIGTERM, which the training loop handles.
+(not clipped). Loader worker processes leave the run's process group, so a signal to the group is the
+training loop's to handle.
 """
 from __future__ import annotations
 
@@ -179,9 +180,9 @@ def _seed_worker(worker_id: int) -> None:
     # numpy and random in workers follow torch's per-worker seed, so augmentations are reproducible
     import random
 
-    from .interrupt import ignore_stop_signals
+    from .interrupt import leave_process_group
 
-    ignore_stop_signals()  # a signal to the process group is the main process's to handle (it saves first)
+    leave_process_group()  # a signal to the run's process group is the main process's to handle (it saves first)
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
     random.seed(seed)

@@ -2,15 +2,16 @@
 
 The main process records the signal (:class:`StopFlag`) and the loop saves and raises
 :class:`TrainInterrupted`, which the tools turn into exit status 128 + signal. DataLoader worker processes
-ignore both signals (:func:`ignore_stop_signals`, called in each worker), so a signal sent to the whole
-process group (Ctrl-C in a shell, ``timeout``, SLURM) does not kill the workers before the main process has
-saved.
+leave the run's process group (:func:`leave_process_group`, called in each worker), so a signal sent to the
+whole group (Ctrl-C in a shell, ``timeout``) does not kill the workers before the main process has saved.
+(Ignoring the signals in the workers instead would leave workers that the DataLoader or multiprocessing can
+no longer end with SIGTERM, and a process that hangs at exit.)
 """
 from __future__ import annotations
 
 import signal
 
-__all__ = ["StopFlag", "TrainInterrupted", "ignore_stop_signals", "STOP_SIGNALS"]
+__all__ = ["StopFlag", "TrainInterrupted", "leave_process_group", "STOP_SIGNALS"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -43,7 +44,11 @@ class StopFlag:
             signal.signal(s, handler)
 
 
-def ignore_stop_signals() -> None:
-    """In a worker process: leave SIGINT/SIGTERM to the main process, which saves and then ends the workers."""
-    for s in STOP_SIGNALS:
-        signal.signal(s, signal.SIG_IGN)
+def leave_process_group() -> None:
+    """In a worker process: move to a process group of its own, so that a signal sent to the run's group
+    (Ctrl-C in a shell, ``timeout``, ``kill -- -PGID``) reaches only the main process, which saves and then
+    ends the workers. The worker keeps the default handlers: a SIGTERM sent to it alone (how the DataLoader and
+    multiprocessing end workers that do not stop) still ends it."""
+    import os
+
+    os.setpgid(0, 0)

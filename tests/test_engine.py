@@ -11,7 +11,9 @@ from PIL import Image
 from torch import nn
 
 from linvision.engine.benchmark import MemoryMeter, benchmark_point, plot_results, run_sweep
-from linvision.engine.checkpoint import atomic_write, create_model, load_model, load_pretrained, save_checkpoint
+from linvision.engine.checkpoint import load_model, load_pretrained, save_checkpoint
+from linvision.engine.factory import create_model
+from linvision.engine.files import atomic_write
 from linvision.engine.config import ConfigError, parse_args, parse_kwargs
 from linvision.engine.data import BadImageError, ShardedSampler, create_dataset
 from linvision.engine.evaluate import evaluate

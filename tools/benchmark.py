@@ -18,7 +18,7 @@ import time
 import torch
 
 from linvision.engine.benchmark import DEFAULT_MODELS, plot_results, run_sweep, write_results
-from linvision.engine.checkpoint import check_model_name
+from linvision.engine.factory import check_model_name
 from linvision.engine.cli import add_amp_arg, run_cli
 from linvision.engine.config import parse_args, parse_kwargs
 

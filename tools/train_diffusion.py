@@ -17,7 +17,7 @@ import torch
 
 from linvision.diffusion.model import DIT_CONFIGS, DiTConfig
 from linvision.diffusion.train import DiffusionTrainConfig, train_dit
-from linvision.engine.checkpoint import atomic_write
+from linvision.engine.files import atomic_write
 from linvision.engine.cli import run_cli
 from linvision.engine.config import parse_args, parse_kwargs, save_yaml
 from linvision.engine.run_folder import claim_run_folder

@@ -7,7 +7,7 @@ from typing import Sequence, Tuple
 import torch
 from torch import Tensor
 
-from linvision.engine.checkpoint import atomic_write
+from linvision.engine.files import atomic_write
 
 from .flow import sample_flow
 from .model import LinDiT

@@ -7,7 +7,7 @@ A checkpoint is a folder (``<run>/last``)::
     model.json          {"model_config": DiTConfig fields, "data": {...}, "step": int}
     train_state.pt      optimizer state, step, the data and noise generators' states
 
-The folder is written as one unit (:func:`linvision.engine.checkpoint.write_checkpoint_folder`: a new
+The folder is written as one unit (:func:`linvision.engine.files.write_checkpoint_folder`: a new
 folder, fsync'ed, swapped in by renames), so a crash leaves either the previous or the new checkpoint, never
 files of both; the train state is read with ``weights_only=True``.
 
@@ -30,7 +30,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from linvision.engine.checkpoint import load_torch_file, recover_checkpoint_folder, write_checkpoint_folder
+from linvision.engine.checkpoint import load_torch_file
+from linvision.engine.files import recover_checkpoint_folder, write_checkpoint_folder
 from linvision.engine.interrupt import StopFlag, TrainInterrupted
 
 from .flow import flow_matching_loss
@@ -140,7 +141,7 @@ def _tensors(module: nn.Module) -> Dict[str, Tensor]:
 def save_dit_checkpoint(folder: str, model: LinDiT, ema: LinDiT, meta: Dict[str, Any],
                         train_state: Optional[Dict[str, Any]] = None) -> None:
     """Write the checkpoint folder described in the module docstring as one unit
-    (:func:`linvision.engine.checkpoint.write_checkpoint_folder`)."""
+    (:func:`linvision.engine.files.write_checkpoint_folder`)."""
     def write_json(p: str) -> None:
         with open(p, "w") as f:
             json.dump({"model_config": model.cfg.to_dict(), **meta}, f, indent=2)

@@ -20,7 +20,7 @@ import time
 from typing import Any, Dict, List
 
 from .benchmark import benchmark_point, plot_results
-from .checkpoint import create_model
+from .factory import create_model
 from .config import parse_kwargs
 from .flops import count_gflops, count_params
 from .run_folder import claim_run_folder

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from .checkpoint import create_model
+from .factory import create_model
 from .evaluate import autocast
 from .flops import count_gflops, count_params
 

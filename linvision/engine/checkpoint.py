@@ -1,4 +1,4 @@
-"""Model construction and checkpoints.
+"""Checkpoints: writing a checkpoint folder, finding and reading one, and loading weights into a model.
 
 A checkpoint is a folder::
 
@@ -21,94 +21,18 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 from safetensors.torch import load_file, save_file
+from timm.utils import unwrap_model
 from torch import nn
 
-__all__ = ["load_torch_file", "check_model_name", "create_model", "check_img_size", "load_pretrained",
-           "save_checkpoint", "load_model", "resolve_checkpoint", "read_checkpoint_meta", "atomic_write", "atomic_write_text", "write_checkpoint_folder", "recover_checkpoint_folder", "remove_stale_temporaries",
-           "unwrap_model"]
+from .factory import create_model
+from .files import write_checkpoint_folder
 
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The plain module under DistributedDataParallel and torch.compile wrappers."""
-    while True:
-        if hasattr(model, "module"):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        else:
-            return model
-
-
-def check_model_name(name: str) -> None:
-    """ValueError naming ``name`` and close registered names unless timm (with linvision's models) knows it."""
-    import timm
-
-    import linvision.models  # noqa: F401  (registers linvision's models with timm)
-
-    if not timm.is_model(name):
-        close = timm.list_models(f"*{name.split('_')[0]}*")[:12]
-        hint = f"; similar: {', '.join(close)}" if close else ""
-        raise ValueError(f"model: unknown {name!r}{hint}")
-
-
-def create_model(name: str, num_classes: Optional[int] = None, in_chans: int = 3,
-                 model_kwargs: Optional[Dict[str, Any]] = None, pretrained_path: Optional[str] = None,
-                 img_size: Optional[int] = None) -> nn.Module:
-    """A timm model by name (linvision's models are registered by importing linvision.models).
-
-    ``img_size`` is passed to models that take it (ViTs: the position-embedding grid; an ``img_size`` in
-    ``model_kwargs`` wins), and ignored by models that run at any size without it (convolutional networks).
-    ``pretrained_path`` loads local weights (safetensors, .pth, or a checkpoint folder) through the model's
-    ``checkpoint_filter_fn`` where it has one (a position embedding is resampled to the new grid); tensors
-    whose shape still differs (the classifier, when ``num_classes`` changed) are left at their fresh
-    initialisation. Raises ValueError for an unknown ``name`` (with close names), TypeError for a keyword
-    the model does not take.
-    """
-    import timm
-
-    check_model_name(name)
-    kwargs = dict(model_kwargs or {})
-    if num_classes is not None:
-        kwargs["num_classes"] = num_classes
-    if img_size is not None and "img_size" not in kwargs:
-        try:
-            model = timm.create_model(name, pretrained=False, in_chans=in_chans, img_size=img_size, **kwargs)
-        except TypeError as e:  # a model without an img_size argument runs at any size
-            if "img_size" not in str(e):
-                raise
-            model = timm.create_model(name, pretrained=False, in_chans=in_chans, **kwargs)
-    else:
-        model = timm.create_model(name, pretrained=False, in_chans=in_chans, **kwargs)
-    if pretrained_path:
-        load_pretrained(model, pretrained_path)
-    return model
-
-
-def check_img_size(model: nn.Module, img_size: int, in_chans: int = 3) -> None:
-    """Run one image of ``img_size`` through ``model`` (eval mode, no grad, on its device); ValueError in one
-    line, naming the size and what the model needs, when it cannot run at that size."""
-    param = next(model.parameters(), None)
-    device = param.device if param is not None else torch.device("cpu")
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            model(torch.zeros(1, in_chans, img_size, img_size, device=device))
-    except (AssertionError, RuntimeError, ValueError) as e:
-        if isinstance(e, torch.OutOfMemoryError):
-            raise
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        patch = getattr(getattr(model, "patch_embed", None), "patch_size", None)
-        hint = f"; use a multiple of {patch[0] if isinstance(patch, (tuple, list)) else patch}" if patch else ""
-        name = getattr(model, "default_cfg", {}).get("architecture", type(model).__name__)
-        raise ValueError(f"img_size: {name} cannot run at {img_size} px ({reason}){hint}") from None
-    finally:
-        model.train(was_training)
+__all__ = ["load_torch_file", "load_pretrained", "save_checkpoint", "load_model", "resolve_checkpoint",
+           "read_checkpoint_meta"]
 
 
 def load_torch_file(path: str, what: str) -> Any:
@@ -165,115 +89,6 @@ def load_pretrained(model: nn.Module, path: str) -> Dict[str, list]:
         del state[k]
     result = model.load_state_dict(state, strict=False)
     return {"skipped": skipped, "missing": list(result.missing_keys), "unexpected": list(result.unexpected_keys)}
-
-
-def _fsync_dir(folder: str) -> None:
-    """Make a rename or a new file in ``folder`` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: str) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def atomic_write(path: str, write_fn) -> None:
-    """Call ``write_fn(tmp_path)``, fsync the file, rename it to ``path`` (same folder, so the rename is
-    atomic) and fsync the folder: after a crash ``path`` holds the old or the new content, never a mix."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-    os.close(fd)
-    try:
-        write_fn(tmp)
-        _fsync_file(tmp)
-        os.replace(tmp, path)
-        _fsync_dir(folder)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    """:func:`atomic_write` of a text file."""
-    def write(p: str) -> None:
-        with open(p, "w") as f:
-            f.write(text)
-
-    atomic_write(path, write)
-
-
-def remove_stale_temporaries(folder: str) -> list:
-    """Delete the hidden ``.<name>.<random>.tmp`` files that :func:`atomic_write` leaves when a process is
-    killed mid-write; call it only while holding the folder (a run's lock). Returns the removed names."""
-    removed = []
-    if os.path.isdir(folder):
-        for name in os.listdir(folder):
-            if name.startswith(".") and name.endswith(".tmp") and os.path.isfile(os.path.join(folder, name)):
-                os.remove(os.path.join(folder, name))
-                removed.append(name)
-    return removed
-
-
-def _swap_names(folder: str) -> Tuple[str, str]:
-    parent, base = os.path.split(os.path.abspath(folder))
-    return os.path.join(parent, f".{base}.new"), os.path.join(parent, f".{base}.old")
-
-
-def recover_checkpoint_folder(folder: str) -> str:
-    """Finish or undo a :func:`write_checkpoint_folder` that a crash interrupted; returns what it did.
-
-    ``.<name>.new`` beside a present ``<name>`` is an unfinished write (removed); ``<name>`` missing with
-    ``.<name>.old`` present means the crash fell between the two renames, after the new folder was complete
-    (it is moved in). Call it only while holding the run (its lock)."""
-    import shutil
-
-    new, old = _swap_names(folder)
-    done = ""
-    if not os.path.isdir(folder) and os.path.isdir(old):
-        if os.path.isdir(new):
-            os.replace(new, folder)
-            done = "completed an interrupted checkpoint swap"
-        else:
-            os.replace(old, folder)
-            done = "restored the previous checkpoint"
-    if os.path.isdir(new):
-        shutil.rmtree(new)
-        done = done or "removed an unfinished checkpoint"
-    if os.path.isdir(old):
-        shutil.rmtree(old)
-    return done
-
-
-def write_checkpoint_folder(folder: str, files: Dict[str, Any]) -> None:
-    """Write a checkpoint folder as one unit: each ``files[name](path)`` writes one file into
-    ``.<folder>.new/``; the files and that folder are fsync'ed, then ``folder`` is swapped for it by two
-    renames (old one aside, new one in) and the parent fsync'ed. A crash at any moment leaves the previous
-    checkpoint or the new one whole (see :func:`recover_checkpoint_folder`), never files of both."""
-    import shutil
-
-    recover_checkpoint_folder(folder)
-    new, old = _swap_names(folder)
-    os.makedirs(new)
-    for name, write_fn in files.items():
-        path = os.path.join(new, name)
-        write_fn(path)
-        _fsync_file(path)
-    _fsync_dir(new)
-    if os.path.isdir(folder):
-        os.replace(folder, old)
-    os.replace(new, folder)
-    _fsync_dir(os.path.dirname(os.path.abspath(folder)))
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _tensors(module: nn.Module) -> Dict[str, torch.Tensor]:

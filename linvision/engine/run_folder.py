@@ -13,7 +13,7 @@ import os
 import shutil
 from typing import List, Optional
 
-from .checkpoint import recover_checkpoint_folder, remove_stale_temporaries
+from .files import recover_checkpoint_folder, remove_stale_temporaries
 
 __all__ = ["RunFolder", "claim_run_folder", "RUN_FILES"]
 

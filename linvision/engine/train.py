@@ -24,15 +24,17 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+from timm.utils import random_seed, unwrap_model
 from torch import nn
 
-from .checkpoint import (atomic_write, atomic_write_text, check_img_size, create_model, load_pretrained, load_torch_file,
-                         save_checkpoint, unwrap_model)
+from .checkpoint import load_pretrained, load_torch_file, save_checkpoint
 from .cli import add_amp_arg
 from .config import parse_kwargs, save_yaml
 from .data import ShardedSampler, build_transform, create_dataset, create_loader
 from .distributed import DistInfo, all_reduce_max, all_reduce_sum, barrier, cleanup, init_distributed
 from .evaluate import autocast, evaluate
+from .factory import check_img_size, create_model
+from .files import atomic_write, atomic_write_text
 from .interrupt import StopFlag, TrainInterrupted
 from .run_folder import claim_run_folder
 
@@ -105,12 +107,6 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "still follows --epochs)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")
     return parser
-
-
-def _seed_all(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def _rng_state() -> Dict[str, Any]:
@@ -351,7 +347,7 @@ def _train_in_folder(args: argparse.Namespace, info: DistInfo, run_dir: str, res
         state = load_torch_file(state_path, "resume")
 
     # same seed on every rank for the model's initialisation (the EMA copy is taken before DDP broadcasts)
-    _seed_all(args.seed)
+    random_seed(args.seed)
     train_set = create_dataset(args.dataset, args.data_dir, "train", digits_size=args.img_size)
     val_set = create_dataset(args.dataset, args.data_dir, "val", digits_size=args.img_size)
     classes = _check_classes(train_set, val_set, args.num_classes)
@@ -445,7 +441,7 @@ def _train_in_folder(args: argparse.Namespace, info: DistInfo, run_dir: str, res
             print(f"resume: {run_dir}/last at epoch {start_epoch}, step {start_step} of {steps_per_epoch} "
                   f"(update {global_step}), best top-1 so far {best['top1']:.2f}", flush=True)
     else:
-        _seed_all(args.seed + info.rank)
+        random_seed(args.seed, info.rank)
     if external:
         start_epoch = _load_timm_checkpoint(external, args, model, optimizer, ema, scaler)
         global_step = start_epoch * steps_per_epoch

@@ -1,0 +1,74 @@
+"""Building models by name: timm's factory (linvision's models registered), at the input size asked for.
+
+:func:`create_model` is what every tool builds a model with; :func:`check_img_size` turns a size the model
+cannot run at into one line before any work starts.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+from torch import nn
+
+__all__ = ["check_model_name", "create_model", "check_img_size"]
+
+
+def check_model_name(name: str) -> None:
+    """ValueError naming ``name`` and close registered names unless timm (with linvision's models) knows it."""
+    import timm
+
+    import linvision.models  # noqa: F401  (registers linvision's models with timm)
+
+    if not timm.is_model(name):
+        close = timm.list_models(f"*{name.split('_')[0]}*")[:12]
+        hint = f"; similar: {', '.join(close)}" if close else ""
+        raise ValueError(f"model: unknown {name!r}{hint}")
+
+
+def create_model(name: str, num_classes: Optional[int] = None, in_chans: int = 3,
+                 model_kwargs: Optional[Dict[str, Any]] = None, img_size: Optional[int] = None) -> nn.Module:
+    """A timm model by name (linvision's models are registered by importing linvision.models).
+
+    ``img_size`` is passed to models that take it (ViTs: the position-embedding grid; an ``img_size`` in
+    ``model_kwargs`` wins), and ignored by models that run at any size without it (convolutional networks).
+    Local weights are loaded afterwards with :func:`linvision.engine.checkpoint.load_pretrained`. Raises
+    ValueError for an unknown ``name`` (with close names), TypeError for a keyword the model does not take.
+    """
+    import timm
+
+    check_model_name(name)
+    kwargs = dict(model_kwargs or {})
+    if num_classes is not None:
+        kwargs["num_classes"] = num_classes
+    if img_size is not None and "img_size" not in kwargs:
+        try:
+            model = timm.create_model(name, pretrained=False, in_chans=in_chans, img_size=img_size, **kwargs)
+        except TypeError as e:  # a model without an img_size argument runs at any size
+            if "img_size" not in str(e):
+                raise
+            model = timm.create_model(name, pretrained=False, in_chans=in_chans, **kwargs)
+    else:
+        model = timm.create_model(name, pretrained=False, in_chans=in_chans, **kwargs)
+    return model
+
+
+def check_img_size(model: nn.Module, img_size: int, in_chans: int = 3) -> None:
+    """Run one image of ``img_size`` through ``model`` (eval mode, no grad, on its device); ValueError in one
+    line, naming the size and what the model needs, when it cannot run at that size."""
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, in_chans, img_size, img_size, device=device))
+    except (AssertionError, RuntimeError, ValueError) as e:
+        if isinstance(e, torch.OutOfMemoryError):
+            raise
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        patch = getattr(getattr(model, "patch_embed", None), "patch_size", None)
+        hint = f"; use a multiple of {patch[0] if isinstance(patch, (tuple, list)) else patch}" if patch else ""
+        name = getattr(model, "default_cfg", {}).get("architecture", type(model).__name__)
+        raise ValueError(f"img_size: {name} cannot run at {img_size} px ({reason}){hint}") from None
+    finally:
+        model.train(was_training)

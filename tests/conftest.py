@@ -22,3 +22,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A tiny image-folder dataset on disk (3 classes, 4 training and 2 validation images each, 16 px)."""
+    from support import write_image_folder
+
+    return write_image_folder(tmp_path_factory.mktemp("data"))

@@ -1,13 +1,11 @@
 """Library code behind the tools: configuration, data, checkpoints, evaluation, training resume, benchmark."""
 import argparse
-import json
 import math
 import os
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 from torch import nn
 
 from linvision.engine.benchmark import MemoryMeter, benchmark_point, plot_results, run_sweep
@@ -18,21 +16,8 @@ from linvision.engine.config import ConfigError, parse_args, parse_kwargs
 from linvision.engine.data import BadImageError, ShardedSampler, create_dataset
 from linvision.engine.evaluate import evaluate
 from linvision.engine.train import add_train_args, train
+from support import TINY_VIT, step_losses, write_image_folder
 
-TINY_VIT = ["img_size=16", "patch_size=4", "dynamic_img_size=true"]
-
-
-def write_image_folder(root, classes=3, train_per_class=4, val_per_class=2, size=16, seed=0):
-    """Images of class c are noise around grey level 60 * c + 40, so a small model can tell them apart."""
-    rng = np.random.RandomState(seed)
-    for split, count in (("train", train_per_class), ("val", val_per_class)):
-        for c in range(classes):
-            folder = os.path.join(root, split, f"class{c}")
-            os.makedirs(folder, exist_ok=True)
-            for i in range(count):
-                pixels = np.clip(60 * c + 40 + rng.randn(size, size, 3) * 10, 0, 255).astype(np.uint8)
-                Image.fromarray(pixels).save(os.path.join(folder, f"{i}.png"))
-    return str(root)
 
 
 def train_args(data_dir, out_dir, *extra):
@@ -41,12 +26,6 @@ def train_args(data_dir, out_dir, *extra):
                                "--model", "test_vit", "--model-kwargs", *TINY_VIT, "--batch-size", "4",
                                "--output", out_dir, "--no-progress", "--log-interval", "1", "--device", "cpu",
                                *extra])
-
-
-def step_losses(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
-    return [(r["step"], r["loss"]) for r in records if r["kind"] == "step"]
 
 
 # --- configuration

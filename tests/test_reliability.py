@@ -3,7 +3,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -13,13 +12,7 @@ from PIL import Image
 
 from linvision.engine.files import recover_checkpoint_folder, write_checkpoint_folder
 from linvision.engine.run_folder import claim_run_folder
-from test_engine import TINY_VIT, step_losses, write_image_folder
-from test_tools import PY, ROOT, run_tool, tiny_train_flags
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return write_image_folder(tmp_path_factory.mktemp("data"))
+from support import PY, ROOT, TINY_VIT, run_tool, step_losses, tiny_train_flags, write_image_folder
 
 
 def _summary(run):

@@ -4,51 +4,15 @@ import contextlib
 import io
 import json
 import os
-import runpy
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
 from linvision.engine.config import parse_args
 from linvision.engine.train import add_train_args
-from test_engine import TINY_VIT, step_losses, write_image_folder
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PY = sys.executable
-
-
-def run_tool(tool, *args, check=True):
-    """Run tools/<tool> as ``python tools/<tool> args`` would, in this process (no second torch import)."""
-    out, err = io.StringIO(), io.StringIO()
-    argv = sys.argv
-    sys.argv = [tool, *args]
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            runpy.run_path(os.path.join(ROOT, "tools", tool), run_name="__main__")
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    finally:
-        sys.argv = argv
-    proc = subprocess.CompletedProcess([tool, *args], code, out.getvalue(), err.getvalue())
-    if check and code != 0:
-        raise AssertionError(f"{tool} failed ({code}):\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
-def tiny_train_flags(data, out, *extra):
-    return ["--dataset", "folder", "--data-dir", data, "--img-size", "16", "--model", "test_vit",
-            "--model-kwargs", *TINY_VIT, "--batch-size", "4", "--output", out, "--no-progress", "--device", "cpu",
-            *extra]
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return write_image_folder(tmp_path_factory.mktemp("data"))
-
+from support import PY, ROOT, TINY_VIT, run_tool, step_losses, tiny_train_flags, write_image_folder
 
 @pytest.fixture(scope="module")
 def trained(data, tmp_path_factory):

@@ -1,0 +1,59 @@
+"""What several test files share: tiny data on disk, the tools run in-process, and reading a run's metrics."""
+import contextlib
+import io
+import json
+import os
+import runpy
+import subprocess
+import sys
+
+import numpy as np
+from PIL import Image
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+TINY_VIT = ["img_size=16", "patch_size=4", "dynamic_img_size=true"]
+
+
+def write_image_folder(root, classes=3, train_per_class=4, val_per_class=2, size=16, seed=0):
+    """Images of class c are noise around grey level 60 * c + 40, so a small model can tell them apart."""
+    rng = np.random.RandomState(seed)
+    for split, count in (("train", train_per_class), ("val", val_per_class)):
+        for c in range(classes):
+            folder = os.path.join(root, split, f"class{c}")
+            os.makedirs(folder, exist_ok=True)
+            for i in range(count):
+                pixels = np.clip(60 * c + 40 + rng.randn(size, size, 3) * 10, 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(os.path.join(folder, f"{i}.png"))
+    return str(root)
+
+
+def step_losses(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    return [(r["step"], r["loss"]) for r in records if r["kind"] == "step"]
+
+
+def run_tool(tool, *args, check=True):
+    """Run tools/<tool> as ``python tools/<tool> args`` would, in this process (no second torch import)."""
+    out, err = io.StringIO(), io.StringIO()
+    argv = sys.argv
+    sys.argv = [tool, *args]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(os.path.join(ROOT, "tools", tool), run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    finally:
+        sys.argv = argv
+    proc = subprocess.CompletedProcess([tool, *args], code, out.getvalue(), err.getvalue())
+    if check and code != 0:
+        raise AssertionError(f"{tool} failed ({code}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def tiny_train_flags(data, out, *extra):
+    return ["--dataset", "folder", "--data-dir", data, "--img-size", "16", "--model", "test_vit",
+            "--model-kwargs", *TINY_VIT, "--batch-size", "4", "--output", out, "--no-progress", "--device", "cpu",
+            *extra]

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from linvision.ops import axial_rope, linear_attention, softmax_attention
+from linvision.ops import axial_rope, check_grid, linear_attention, softmax_attention
 
 __all__ = ["FP16_MAX", "modulate", "LinearSelfAttention", "CrossAttention", "MixFFN", "TokenMLP", "SanaBlock"]
 
@@ -38,14 +38,6 @@ SELF_ATTN_TYPES = ("linear", "softmax")
 def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
     """x * (1 + scale) + shift; x (B, N, C), shift and scale (B, 1, C)."""
     return x * (1 + scale) + shift
-
-
-def _check_hw(hw, num_tokens: int) -> Tuple[int, int]:
-    if not (isinstance(hw, (tuple, list)) and len(hw) == 2 and all(isinstance(s, int) and s > 0 for s in hw)):
-        raise ValueError(f"hw: expected (H, W) with two positive ints, got {hw!r}")
-    if hw[0] * hw[1] != num_tokens:
-        raise ValueError(f"hw: grid {tuple(hw)} has {hw[0] * hw[1]} cells, but x has N={num_tokens} tokens")
-    return int(hw[0]), int(hw[1])
 
 
 class LinearSelfAttention(nn.Module):
@@ -90,7 +82,7 @@ class LinearSelfAttention(nn.Module):
 
     def forward(self, x: Tensor, hw: Tuple[int, int]) -> Tensor:
         """x (B, N, C) with N = H * W -> (B, N, C) in x's dtype."""
-        _check_hw(hw, x.shape[1])
+        check_grid(hw, x.shape[1], name="hw")
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (rearrange(t, "b n (h d) -> b h n d", d=self.head_dim) for t in (q, k, v))
@@ -154,7 +146,7 @@ class MixFFN(nn.Module):
 
     def forward(self, x: Tensor, hw: Tuple[int, int]) -> Tensor:
         """x (B, N, C) with N = H * W -> (B, N, C)."""
-        h, w = _check_hw(hw, x.shape[1])
+        h, w = check_grid(hw, x.shape[1], name="hw")
         x = rearrange(x, "b (h w) c -> b c h w", h=h, w=w)
         x = self.dwconv(F.silu(self.expand(x)))
         value, gate = x.chunk(2, dim=1)
@@ -171,7 +163,7 @@ class TokenMLP(nn.Module):
         self.fc2 = nn.Linear(hidden_dim, dim)
 
     def forward(self, x: Tensor, hw: Tuple[int, int]) -> Tensor:
-        _check_hw(hw, x.shape[1])
+        check_grid(hw, x.shape[1], name="hw")
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
@@ -220,7 +212,7 @@ class SanaBlock(nn.Module):
         if x.dim() != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"x: expected (B, N, {self.dim}), got shape {tuple(x.shape)}")
         b, n, c = x.shape
-        _check_hw(hw, n)
+        check_grid(hw, n, name="hw")
         if t_mod.shape != (b, 6 * c):
             raise ValueError(f"t_mod: expected shape ({b}, {6 * c}) = (B, 6C), got {tuple(t_mod.shape)}")
         self._check_context(x, context, context_mask)

@@ -8,7 +8,8 @@ from linvision.diffusion.block import CrossAttention, LinearSelfAttention, SanaB
 from linvision.diffusion.flow import sample_flow, time_grid
 from linvision.diffusion.model import DiTConfig, LinDiT, create_dit
 from linvision.diffusion.sampling import sample_classes
-from linvision.diffusion.train import DiffusionTrainConfig, load_dit, save_dit_checkpoint, train_dit
+from linvision.diffusion.checkpoint import load_dit, save_dit_checkpoint
+from linvision.diffusion.train import DiffusionTrainConfig, train_dit
 from linvision.ops import axial_rope
 from linvision.ops.rope import apply_rope
 
@@ -227,7 +228,7 @@ def test_sample_classification_sees_the_classifier_preprocessing():
     import numpy as np
 
     from linvision.diffusion.sampling import classify_images
-    from linvision.diffusion.train import load_images
+    from linvision.diffusion.data import load_images
     from linvision.engine.data import DigitsDataset
 
     class Capture(torch.nn.Module):

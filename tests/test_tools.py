@@ -12,7 +12,7 @@ import pytest
 
 from linvision.engine.config import parse_args
 from linvision.engine.train import add_train_args
-from support import PY, ROOT, TINY_VIT, run_tool, step_losses, tiny_train_flags, write_image_folder
+from support import PY, ROOT, run_tool, step_losses, tiny_train_flags, write_image_folder
 
 @pytest.fixture(scope="module")
 def trained(data, tmp_path_factory):

@@ -17,7 +17,8 @@ import torch
 
 from linvision.diffusion.flow import SAMPLERS
 from linvision.diffusion.sampling import classify_images, sample_classes, save_grid
-from linvision.diffusion.train import load_dit, load_images
+from linvision.diffusion.checkpoint import load_dit
+from linvision.diffusion.data import load_images
 from linvision.engine import load_model
 
 

@@ -14,7 +14,7 @@ import torch
 
 from linvision.diffusion.flow import SAMPLERS
 from linvision.diffusion.sampling import sample_classes, save_grid
-from linvision.diffusion.train import load_dit
+from linvision.diffusion.checkpoint import load_dit
 
 
 def main() -> None:

@@ -1,90 +1,30 @@
-"""Training of :class:`LinDiT` with rectified flow: data, EMA, checkpoints and the loop the tools call.
-
-A checkpoint is a folder (``<run>/last``)::
-
-    model.safetensors   the trained weights
-    ema.safetensors     their exponential moving average (what sampling uses by default)
-    model.json          {"model_config": DiTConfig fields, "data": {...}, "step": int}
-    train_state.pt      optimizer state, step, the data and noise generators' states
-
-The folder is written as one unit (:func:`linvision.engine.files.write_checkpoint_folder`: a new
-folder, fsync'ed, swapped in by renames), so a crash leaves either the previous or the new checkpoint, never
-files of both; the train state is read with ``weights_only=True``.
-
-Images are scaled to [-1, 1]. The digits data is :class:`linvision.engine.data.DigitsDataset` (the same 8x8
-upscaling the classification tool uses), kept as one grey channel; an image folder (``<root>/<class>/*``) is
-resized, centre-cropped and held in memory, which suits the small data sets a CPU run can use.
+"""Training of :class:`LinDiT` with rectified flow: the recipe, the EMA, the schedule and the loop the tools
+call. Data comes from :mod:`linvision.diffusion.data`, checkpoints go through :mod:`linvision.diffusion.checkpoint`
+(the train state is read with ``weights_only=True``).
 """
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
-import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
-from torch import Tensor, nn
+from safetensors.torch import load_file
+from torch import nn
 
 from linvision.engine.checkpoint import load_torch_file
-from linvision.engine.files import recover_checkpoint_folder, write_checkpoint_folder
+from linvision.engine.files import recover_checkpoint_folder
 from linvision.engine.interrupt import StopFlag, TrainInterrupted
 
+from .checkpoint import resolve_dit_checkpoint, save_dit_checkpoint
+from .data import load_images
 from .flow import flow_matching_loss
-from .model import DiTConfig, LinDiT, create_dit
+from .model import DiTConfig, LinDiT
 
-__all__ = [
-    "load_images", "update_ema", "DiffusionTrainConfig", "save_dit_checkpoint", "load_dit", "train_dit",
-]
-
-
-def _digits_tensors(img_size: int, split: str) -> Tuple[Tensor, Tensor]:
-    from linvision.engine.data import DigitsDataset
-
-    ds = DigitsDataset(split, size=img_size)
-    grey = np.stack([np.asarray(img)[:, :, 0] for img in ds.images])  # the RGB channels are equal
-    x = torch.from_numpy(grey).float().div(127.5).sub(1.0).unsqueeze(1)  # (B, 1, S, S) in [-1, 1]
-    return x, torch.tensor(ds.targets, dtype=torch.int64)
-
-
-def _folder_tensors(root: str, img_size: int, in_chans: int) -> Tuple[Tensor, Tensor, List[str]]:
-    from torchvision import transforms
-    from torchvision.datasets import ImageFolder
-
-    if not os.path.isdir(root):
-        raise FileNotFoundError(f"data_dir: folder not found: {root}")
-    tf = [transforms.Resize(img_size), transforms.CenterCrop(img_size)]
-    if in_chans == 1:
-        tf.append(transforms.Grayscale(1))
-    ds = ImageFolder(root, transform=transforms.Compose(tf + [transforms.ToTensor()]))
-    xs, ys = zip(*(ds[i] for i in range(len(ds))))
-    return torch.stack(xs).mul(2.0).sub(1.0), torch.tensor(ys, dtype=torch.int64), list(ds.classes)
-
-
-def load_images(dataset: str, img_size: int, in_chans: int, data_dir: Optional[str] = None,
-                split: str = "train") -> Tuple[Tensor, Tensor, List[str]]:
-    """(images (B, in_chans, S, S) fp32 in [-1, 1], labels (B,) int64, class names).
-
-    dataset: "digits" (1 channel, offline) or "folder" (``data_dir/<class>/*``, 1 or 3 channels).
-    Raises ValueError for an unknown dataset or a channel count the data cannot give, FileNotFoundError for a
-    missing folder.
-    """
-    if dataset == "digits":
-        if in_chans != 1:
-            raise ValueError(f"in_chans: the digits data has 1 channel, got in_chans={in_chans}")
-        x, y = _digits_tensors(img_size, split)
-        return x, y, [str(i) for i in range(10)]
-    if dataset == "folder":
-        if in_chans not in (1, 3):
-            raise ValueError(f"in_chans: an image folder gives 1 or 3 channels, got {in_chans}")
-        if not data_dir:
-            raise ValueError("data_dir: required for dataset 'folder'")
-        return _folder_tensors(data_dir, img_size, in_chans)
-    raise ValueError(f"dataset: unknown {dataset!r}; allowed: digits, folder")
+__all__ = ["update_ema", "DiffusionTrainConfig", "train_dit"]
 
 
 @torch.no_grad()
@@ -134,43 +74,6 @@ class DiffusionTrainConfig:
         need(self.max_minutes is None or self.max_minutes > 0, "max_minutes", "must be > 0")
 
 
-def _tensors(module: nn.Module) -> Dict[str, Tensor]:
-    return {k: v.detach().cpu().contiguous().clone() for k, v in module.state_dict().items()}
-
-
-def save_dit_checkpoint(folder: str, model: LinDiT, ema: LinDiT, meta: Dict[str, Any],
-                        train_state: Optional[Dict[str, Any]] = None) -> None:
-    """Write the checkpoint folder described in the module docstring as one unit
-    (:func:`linvision.engine.files.write_checkpoint_folder`)."""
-    def write_json(p: str) -> None:
-        with open(p, "w") as f:
-            json.dump({"model_config": model.cfg.to_dict(), **meta}, f, indent=2)
-
-    files = {"model.safetensors": lambda p: save_file(_tensors(model), p),
-             "ema.safetensors": lambda p: save_file(_tensors(ema), p), "model.json": write_json}
-    if train_state is not None:
-        files["train_state.pt"] = lambda p: torch.save(train_state, p)
-    write_checkpoint_folder(folder, files)
-
-
-def _resolve(path: str) -> str:
-    for folder in (path, os.path.join(path, "last")):
-        if os.path.isfile(os.path.join(folder, "model.json")):
-            return folder
-    raise FileNotFoundError(f"checkpoint: no model.json in {path} nor in {os.path.join(path, 'last')}")
-
-
-def load_dit(path: str, ema: bool = True, device: str = "cpu") -> Tuple[LinDiT, Dict[str, Any]]:
-    """Rebuild a trained LinDiT (EMA weights unless ``ema=False``) from a checkpoint or run folder, in eval
-    mode. Returns (model, meta) with meta the content of model.json."""
-    folder = _resolve(path)
-    with open(os.path.join(folder, "model.json")) as f:
-        meta = json.load(f)
-    model = create_dit(meta["model_config"])
-    model.load_state_dict(load_file(os.path.join(folder, "ema.safetensors" if ema else "model.safetensors")))
-    return model.to(device).eval(), meta
-
-
 def _lr_at(step: int, cfg: DiffusionTrainConfig) -> float:
     """Linear warm-up, then cosine decay to 10% over ``cfg.steps``."""
     if step < cfg.warmup_steps:
@@ -208,7 +111,7 @@ def train_dit(cfg: DiffusionTrainConfig, out_dir: str, resume: bool = False, sto
     last = os.path.join(out_dir, "last")
     if resume:
         recover_checkpoint_folder(last)
-        state = load_torch_file(os.path.join(_resolve(last), "train_state.pt"), "resume")
+        state = load_torch_file(os.path.join(resolve_dit_checkpoint(last), "train_state.pt"), "resume")
         model.load_state_dict(load_file(os.path.join(last, "model.safetensors")))
         ema.load_state_dict(load_file(os.path.join(last, "ema.safetensors")))
         opt.load_state_dict(state["optimizer"])

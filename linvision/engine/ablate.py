@@ -17,7 +17,7 @@ import json
 import math
 import os
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 from .benchmark import benchmark_point, plot_results
 from .factory import create_model

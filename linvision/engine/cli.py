@@ -2,7 +2,6 @@
 flags every tool spells the same way."""
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Callable
 

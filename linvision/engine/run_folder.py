@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import List, Optional
+from typing import List
 
 from .files import recover_checkpoint_folder, remove_stale_temporaries
 

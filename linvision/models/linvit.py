@@ -400,7 +400,9 @@ def _create_linvit(variant: str, pretrained: bool = False, **kwargs) -> LinViT:
     out_indices = kwargs.pop("out_indices", 3)
     if kwargs.get("dynamic_img_size"):  # the embedding is resampled per call: the cfg must not fix the size
         kwargs["pretrained_cfg_overlay"] = dict(kwargs.get("pretrained_cfg_overlay") or {}, fixed_input_size=False)
-    cfg = dict(kwargs.get("pretrained_cfg") or {}, **(kwargs.get("pretrained_cfg_overlay") or {}))
+    source = kwargs.get("pretrained_cfg")  # a dict from timm.create_model; a PretrainedCfg or a tag when called directly
+    file = (kwargs.get("pretrained_cfg_overlay") or {}).get("file") or (
+        source.get("file") if isinstance(source, dict) else getattr(source, "file", None))
     try:
         return build_model_with_cfg(
             LinViT, variant, pretrained,
@@ -409,9 +411,9 @@ def _create_linvit(variant: str, pretrained: bool = False, **kwargs) -> LinViT:
             **kwargs,
         )
     except (ValueError, RuntimeError, EOFError, OSError, pickle.UnpicklingError, SafetensorError) as e:
-        if not (pretrained and cfg.get("file")):
+        if not (pretrained and file):
             raise
-        raise ValueError(f"pretrained_cfg file {cfg['file']!r}: cannot load it into {variant} "
+        raise ValueError(f"pretrained_cfg file {file!r}: cannot load it into {variant} "
                          f"(truncated, not a checkpoint, or weights of another shape): {e}") from e
 
 

@@ -132,7 +132,7 @@ def test_linearize_tool_end_to_end(tmp_path):
     """tools/train.py trains a small softmax ViT on digits; tools/linearize.py converts it and runs stage 1: the
     written weights load into the student, carry the teacher's qkv unchanged and a trained LePE."""
     from safetensors.torch import load_file
-    from test_tools import run_tool
+    from support import run_tool
 
     from linvision.engine.checkpoint import load_model
 

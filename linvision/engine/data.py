@@ -180,18 +180,28 @@ def _seed_worker(worker_id: int) -> None:
     # numpy and random in workers follow torch's per-worker seed, so augmentations are reproducible
     import random
 
-    from .interrupt import leave_process_group
+    from .interrupt import prepare_worker_signals
 
-    leave_process_group()  # a signal to the run's process group is the main process's to handle (it saves first)
+    prepare_worker_signals()  # a signal to the run's process group is the main process's (it saves first)
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
     random.seed(seed)
+
+
+class _Loader(DataLoader):
+    """A DataLoader that forks its workers with SIGINT/SIGTERM held back (see linvision.engine.interrupt)."""
+
+    def _get_iterator(self):
+        from .interrupt import blocked_stop_signals
+
+        with blocked_stop_signals():
+            return super()._get_iterator()
 
 
 def create_loader(dataset: Dataset, batch_size: int, sampler: Sampler, num_workers: int = 0,
                   drop_last: bool = False, pin_memory: bool = False,
                   generator: Optional[torch.Generator] = None) -> DataLoader:
     """A DataLoader over ``sampler``'s indices; ``generator`` seeds the workers instead of the global RNG."""
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+    return _Loader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                       drop_last=drop_last, pin_memory=pin_memory, worker_init_fn=_seed_worker,
                       generator=generator)

@@ -298,3 +298,18 @@ def test_ablate_digits_trains_with_more_than_one_token_in_the_last_stage():
         feats = model.forward_features(torch.zeros(1, 3, size, size))
     assert min(feats.shape[1:3]) >= 2, f"last stage grid {tuple(feats.shape[1:3])} at the {size} px training size"
     assert min(cfg["eval_sizes"]) == size and all(s >= size for s in cfg["eval_sizes"])
+
+
+def test_distillation_loss_matches_its_formula():
+    from linvision.engine.distill import distillation_loss
+
+    g = torch.Generator().manual_seed(0)
+    s, t = torch.randn(5, 7, generator=g, dtype=torch.float64), torch.randn(5, 7, generator=g, dtype=torch.float64)
+    task = torch.tensor(1.3, dtype=torch.float64)
+    for w, temp in ((0.5, 1.0), (0.3, 4.0), (1.0, 2.0)):
+        p_t = torch.softmax(t / temp, -1)
+        kl = (p_t * (torch.log(p_t) - torch.log_softmax(s / temp, -1))).sum(-1).mean()
+        expected = (1 - w) * task + w * temp ** 2 * kl
+        got = distillation_loss(s.float(), t.float(), task.float(), w, temp)
+        assert got.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert distillation_loss(s, s, task, 1.0, 3.0).item() == pytest.approx(0.0, abs=1e-6)

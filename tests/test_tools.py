@@ -315,3 +315,19 @@ def test_installed_console_scripts():
     script = os.path.join(os.path.dirname(PY), "linvision-benchmark")
     proc = subprocess.run([script, "--help"], capture_output=True, text=True, cwd="/")
     assert proc.returncode == 0 and "usage: linvision-benchmark" in proc.stdout
+
+
+def test_distilling_a_teacher_into_its_own_copy_starts_at_zero_loss(trained, data, tmp_path):
+    """The student starts from the teacher's weights and is trained on the distillation term alone: its first
+    loss is the KL divergence of two equal distributions, 0; a teacher with another head is refused."""
+    run_dir, _ = trained
+    flags = tiny_train_flags(data, str(tmp_path), "--epochs", "1", "--no-aug", "--log-interval", "1",
+                             "--initial-checkpoint", run_dir, "--distill-teacher", run_dir, "--distill-weight", "1",
+                             "--distill-temperature", "2")
+    run_tool("train.py", *flags, "--experiment", "kd")
+    losses = [loss for _, loss in step_losses(str(tmp_path / "kd"))]
+    assert losses[0] == pytest.approx(0.0, abs=1e-6) and losses[1] > 0
+    four = write_image_folder(tmp_path / "four", classes=4)
+    proc = run_tool("train.py", *tiny_train_flags(four, str(tmp_path), "--epochs", "1", "--distill-teacher", run_dir),
+                    check=False)
+    assert proc.returncode == 2 and "predicts 3 classes, the model being trained 4" in proc.stderr

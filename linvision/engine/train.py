@@ -31,6 +31,7 @@ from .checkpoint import load_pretrained, load_torch_file, save_checkpoint
 from .cli import add_amp_arg
 from .config import parse_kwargs, save_yaml
 from .data import ShardedSampler, build_transform, create_dataset, create_loader
+from .distill import distillation_loss, load_teacher
 from .distributed import DistInfo, all_reduce_max, all_reduce_sum, barrier, cleanup, init_distributed
 from .evaluate import autocast, evaluate
 from .factory import check_img_size, create_model
@@ -88,6 +89,12 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--mixup", type=float, default=0.0, help="Mixup alpha (0: off)")
     g.add_argument("--cutmix", type=float, default=0.0, help="CutMix alpha (0: off)")
     g.add_argument("--drop-path", type=float, default=None, help="stochastic depth rate")
+    g.add_argument("--distill-teacher", default=None,
+                   help="checkpoint or run folder of a frozen teacher whose logits are distilled (e.g. the "
+                        "softmax ViT in stage 2 of linearization)")
+    g.add_argument("--distill-weight", type=float, default=0.5,
+                   help="weight w of the distillation term: (1 - w) * task loss + w * T^2 * KL")
+    g.add_argument("--distill-temperature", type=float, default=1.0, help="softmax temperature T of distillation")
     g.add_argument("--model-ema", action="store_true", help="keep an EMA of the weights (ModelEmaV3)")
     g.add_argument("--model-ema-decay", type=float, default=0.999)
     add_amp_arg(g)
@@ -234,6 +241,8 @@ def _check_args(args: argparse.Namespace) -> None:
     need(args.layer_decay is None or 0 < args.layer_decay <= 1, "layer_decay", "must be within (0, 1]")
     need(args.drop_path is None or 0 <= args.drop_path < 1, "drop_path", "must be within [0, 1)")
     need(args.stop_after_steps is None or args.stop_after_steps >= 1, "stop_after_steps", "must be >= 1")
+    need(0 <= args.distill_weight <= 1, "distill_weight", "must be within [0, 1]")
+    need(args.distill_temperature > 0, "distill_temperature", "must be > 0")
 
 
 def _check_classes(train_set, val_set, num_classes: Optional[int]) -> List[str]:
@@ -392,6 +401,8 @@ def _train_in_folder(args: argparse.Namespace, info: DistInfo, run_dir: str, res
     else:
         criterion = nn.CrossEntropyLoss()
     ema = ModelEmaV3(model, decay=args.model_ema_decay) if args.model_ema else None
+    teacher = (load_teacher(args.distill_teacher, num_classes, args.img_size, info.device)
+               if args.distill_teacher else None)
     scaler = torch.amp.GradScaler(info.device.type) if args.amp == "fp16" else None
 
     sampler = ShardedSampler(len(train_set), info.rank, info.world_size, shuffle=True, seed=args.seed)
@@ -500,7 +511,13 @@ def _train_in_folder(args: argparse.Namespace, info: DistInfo, run_dir: str, res
                 if args.channels_last:
                     images = images.contiguous(memory_format=torch.channels_last)
                 with autocast(info.device, args.amp):
-                    loss = criterion(train_model(images), targets)
+                    logits = train_model(images)
+                    loss = criterion(logits, targets)
+                    if teacher is not None:
+                        with torch.no_grad():
+                            teacher_logits = teacher(images)
+                        loss = distillation_loss(logits, teacher_logits, loss, args.distill_weight,
+                                                 args.distill_temperature)
                 optimizer.zero_grad(set_to_none=True)
                 if scaler is not None:
                     scaler.scale(loss).backward()

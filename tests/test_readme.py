@@ -1,7 +1,8 @@
 """The Python examples in README.md run as printed, each in a fresh namespace and an empty folder.
 
 Examples that need a GPU are skipped without one; the one that loads a run folder ("output/...") needs the
-README's training command first and is checked by the tool tests instead."""
+README's training command first and the one that names a hub tag downloads weights: both are checked by the
+tool and model tests instead."""
 import os
 import re
 
@@ -30,5 +31,7 @@ def test_readme_example_runs(line, code, tmp_path, monkeypatch):
         pytest.skip("needs a GPU")
     if '"output/' in code:
         pytest.skip("needs a trained run folder (README's training command)")
+    if re.search(r'create_model\("[^"]+\.[^"]+", pretrained=True', code):
+        pytest.skip("downloads pretrained weights from the hub")
     monkeypatch.chdir(tmp_path)
     exec(compile(code, f"README.md:{line}", "exec"), {"__name__": "readme"})

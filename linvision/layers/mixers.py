@@ -29,6 +29,7 @@ from linvision.ops import (
     Rope,
     apply_rope,
     axial_rope,
+    check_grid,
     get_feature_map,
     linear_attention,
     mixed_rope_freqs,
@@ -51,12 +52,6 @@ __all__ = [
 
 ROPE_TYPES = (None, "axial", "mixed")
 LAYER_FEATURE_MAPS = ("elu", "relu", "exp", "focused")
-
-
-def _check_grid(x: Tensor, hw: Tuple[int, int]) -> Tuple[int, int]:
-    if len(hw) != 2 or x.shape[1] != hw[0] * hw[1]:
-        raise ValueError(f"hw: grid {tuple(hw)} does not match {x.shape[1]} tokens of x {tuple(x.shape)}")
-    return int(hw[0]), int(hw[1])
 
 
 class AttentionMixer(nn.Module):
@@ -118,7 +113,7 @@ class AttentionMixer(nn.Module):
 
     def forward(self, x: Tensor, hw: Tuple[int, int]) -> Tensor:
         """x: (B, N, C) tokens on grid hw -> (B, N, C)."""
-        h, w = _check_grid(x, hw)
+        h, w = check_grid(hw, x.shape[1], name="hw")
         b, n, c = x.shape
         qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # (B, heads, N, D)
@@ -275,7 +270,7 @@ class GatedConvMixer(nn.Module):
 
     def forward(self, x: Tensor, hw: Tuple[int, int]) -> Tensor:
         """x: (B, N, C) tokens on grid hw -> (B, N, C)."""
-        h, w = _check_grid(x, hw)
+        h, w = check_grid(hw, x.shape[1], name="hw")
         g, i, c = torch.split(self.fc1(x), self.split, dim=-1)
         b = x.shape[0]
         c = self.conv(c.transpose(1, 2).reshape(b, -1, h, w)).flatten(2).transpose(1, 2)  # (B, N, conv)

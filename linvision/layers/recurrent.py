@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from linvision.ops import (
     DEFAULT_EPS,
+    check_int,
     bidirectional_delta_rule_attention,
     bidirectional_gated_linear_attention,
     get_feature_map,
@@ -59,8 +60,7 @@ class BidirectionalRecurrentMixer(AttentionMixer):
         chunk_size: int = 32, lepe: bool = False, gate: bool = False, qkv_bias: bool = True, proj_drop: float = 0.0,
     ):
         super().__init__(dim, num_heads, lepe=lepe, gate=gate, qkv_bias=qkv_bias, proj_drop=proj_drop)
-        if not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size: must be a positive int, got {chunk_size!r}")
+        check_int("chunk_size", chunk_size, 1)
         get_feature_map(feature_map, dim=self.head_dim)  # fail at construction for an unknown name
         self.feature_map = feature_map
         self.column_major = column_major

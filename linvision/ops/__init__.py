@@ -12,6 +12,7 @@ from .linear_attention import (
     DEFAULT_EPS,
     LinearAttentionState,
     causal_linear_attention,
+    check_int,
     check_qkv,
     linear_attention,
     linear_attention_reference,

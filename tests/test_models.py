@@ -297,6 +297,10 @@ def test_mixed_rope_frequencies_are_not_decayed():
     nwd = model.no_weight_decay()
     assert nwd and all("rope_freqs" in n for n in nwd)
     assert "pos_embed" in _create("linvit_small_patch16_224", **SMALL_VIT).no_weight_decay()
+    # the models collect what each mixer excludes: every hybrid gate logit, and nothing else of a hybrid linhier
+    hybrid = _create(HIER[0], **{**HIER[1], "token_mixers": "hybrid"})
+    logits = {n for n, _ in hybrid.named_parameters() if n.endswith("mixer.mix_logit")}
+    assert logits and hybrid.no_weight_decay() == logits
 
 
 @pytest.mark.parametrize("name, kwargs", [VIT_ROPE, VIT_MIXED, HIER], ids=["axial", "mixed", "linhier"])

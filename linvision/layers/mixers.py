@@ -98,6 +98,12 @@ class AttentionMixer(nn.Module):
         """Head dim that RoPE rotates (the head dim; linear attention rotates phi(q), phi(k) of that size)."""
         return self.head_dim
 
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set:
+        """Names (relative to this mixer) of parameters weight decay must leave alone: learnable RoPE
+        frequencies; subclasses add their own. Models collect these with :func:`no_weight_decay_of`."""
+        return {"rope_freqs_x", "rope_freqs_y"} if self.rope_type == "mixed" else set()
+
     def make_rope(self, hw: Tuple[int, int], device: torch.device) -> Optional[Rope]:
         """The rotation for grid ``hw`` (None without RoPE); mixed frequencies stay in the autograd graph."""
         if self.rope_type is None:
@@ -222,6 +228,11 @@ class HybridAttention(LinearAttention):
             raise ValueError(f"window: must be >= 1, got {window}")
         self.window = window
         self.mix_logit = nn.Parameter(torch.zeros(num_heads))  # sigmoid(0) = 0.5: equal start
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set:
+        """The per-head mixing logits are not decayed (decay would pull the mix towards 0.5)."""
+        return super().no_weight_decay() | {"mix_logit"}
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
         global_out = linear_attention(q, k, v, self.feature_map(), rope=rope, eps=self.eps)

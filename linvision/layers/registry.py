@@ -11,12 +11,13 @@ those checks still run on every call.
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Dict, List, Type
+from typing import Callable, Dict, List, Sequence, Tuple, Type, Union
 
 from timm.layers import register_notrace_module
 from torch import nn
 
-__all__ = ["register_mixer", "create_mixer", "list_mixers", "mixer_options"]
+__all__ = ["register_mixer", "create_mixer", "list_mixers", "mixer_options", "parse_mixer_list",
+           "no_weight_decay_of"]
 
 _MIXERS: Dict[str, Type[nn.Module]] = {}
 
@@ -58,3 +59,29 @@ def mixer_options(name: str) -> List[str]:
         if not any(p.kind == p.VAR_KEYWORD for p in params):
             break
     return sorted(set(options))
+
+
+def parse_mixer_list(token_mixers: Union[str, Sequence[str]], num_stages: int,
+                     name: str = "token_mixers") -> Tuple[str, ...]:
+    """"linear,linear,none,softmax" or a sequence -> a tuple of ``num_stages`` registered mixer names; one name
+    is repeated for every stage. Raises ValueError (naming ``name``) for a wrong count or an unknown mixer."""
+    names = token_mixers.split(",") if isinstance(token_mixers, str) else list(token_mixers)
+    names = [n.strip() for n in names]
+    if len(names) == 1:
+        names = names * num_stages
+    if len(names) != num_stages:
+        raise ValueError(f"{name}: {len(names)} names {names} for {num_stages} stages; give 1 or {num_stages}")
+    unknown = [n for n in names if n not in _MIXERS]
+    if unknown:
+        raise ValueError(f"{name}: unknown {unknown}; allowed: {', '.join(list_mixers())}")
+    return tuple(names)
+
+
+def no_weight_decay_of(model: nn.Module) -> set:
+    """Full names of the parameters that the sub-modules of ``model`` exclude from weight decay through their
+    own ``no_weight_decay()`` (timm's convention), so a model aggregates them instead of matching names."""
+    names = set()
+    for prefix, module in model.named_modules():
+        if module is not model and hasattr(module, "no_weight_decay"):
+            names |= {f"{prefix}.{n}" for n in module.no_weight_decay()}
+    return names

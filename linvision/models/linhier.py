@@ -26,32 +26,17 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import ClNormMlpClassifierHead, DropPath, LayerNorm, Mlp, trunc_normal_
+from timm.layers import ClNormMlpClassifierHead, DropPath, LayerNorm, Mlp
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
-from linvision.layers import create_mixer, list_mixers, mixer_options
+from linvision.layers import create_mixer, init_linear_weights, mixer_options, no_weight_decay_of, parse_mixer_list
 
-__all__ = ["LinHier", "parse_token_mixers"]
+__all__ = ["LinHier"]
 
 # Options every attention stage receives unless ``mixer_kwargs`` overrides them (the gate of the MLLA block);
 # mixers without such an option (the Gated CNN) do not receive it.
 _DEFAULT_MIXER_KWARGS = dict(gate=True)
-
-
-def parse_token_mixers(token_mixers: Union[str, Sequence[str]], num_stages: int) -> Tuple[str, ...]:
-    """"linear,linear,none,softmax" or a sequence -> a tuple of ``num_stages`` registered mixer names; one name
-    is repeated for every stage. Raises ValueError for a wrong count or an unknown name."""
-    names = token_mixers.split(",") if isinstance(token_mixers, str) else list(token_mixers)
-    names = [n.strip() for n in names]
-    if len(names) == 1:
-        names = names * num_stages
-    if len(names) != num_stages:
-        raise ValueError(f"token_mixers: {len(names)} names {names} for {num_stages} stages; give 1 or {num_stages}")
-    unknown = [n for n in names if n not in list_mixers()]
-    if unknown:
-        raise ValueError(f"token_mixers: unknown {unknown}; allowed: {', '.join(list_mixers())}")
-    return tuple(names)
 
 
 def _to_nchw(x: Tensor) -> Tensor:
@@ -188,7 +173,7 @@ class LinHier(nn.Module):
         depths, dims, num_heads = tuple(depths), tuple(dims), tuple(num_heads)
         if not len(depths) == len(dims) == len(num_heads):
             raise ValueError(f"depths, dims, num_heads: lengths differ ({len(depths)}, {len(dims)}, {len(num_heads)})")
-        self.token_mixers = parse_token_mixers(token_mixers, len(depths))
+        self.token_mixers = parse_mixer_list(token_mixers, len(depths))
         self.num_classes = num_classes
         self.in_chans = in_chans
         self.img_size = img_size
@@ -216,14 +201,7 @@ class LinHier(nn.Module):
             input_fmt="NHWC",
         )
         self.head_hidden_size = self.head.num_features
-        self.apply(self._init_weights)
-
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            trunc_normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
+        self.apply(init_linear_weights)
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
@@ -237,9 +215,9 @@ class LinHier(nn.Module):
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set:
-        """Mixed-RoPE frequencies and the hybrid mixer's gate logits are not decayed (norms and biases are
-        excluded by timm's optimizer factory through their dimension)."""
-        return {n for n, _ in self.named_parameters() if "rope_freqs" in n or "mix_logit" in n}
+        """What the mixers exclude (mixed-RoPE frequencies, the hybrid mixer's gate logits); norms and biases
+        are excluded by timm's optimizer factory through their dimension."""
+        return no_weight_decay_of(self)
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:

@@ -35,7 +35,7 @@ from timm.layers import DropPath, LayerNorm, Mlp, PatchEmbed, resample_abs_pos_e
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
-from linvision.layers import create_mixer, mixer_options
+from linvision.layers import create_mixer, init_linear_weights, mixer_options, no_weight_decay_of
 from linvision.layers.mixers import ROPE_TYPES
 
 __all__ = ["LinViT", "checkpoint_filter_fn", "convert_vit_state_dict"]
@@ -139,19 +139,12 @@ class LinViT(nn.Module):
 
         if self.pos_embed is not None:
             trunc_normal_(self.pos_embed, std=0.02)
-        self.apply(self._init_weights)
-
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            trunc_normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
+        self.apply(init_linear_weights)
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set:
-        """The position embedding, mixed-RoPE frequencies and hybrid gate logits are not decayed."""
-        return {n for n, _ in self.named_parameters() if n == "pos_embed" or "rope_freqs" in n or "mix_logit" in n}
+        """The position embedding and what the mixers exclude (mixed-RoPE frequencies, hybrid gate logits)."""
+        return no_weight_decay_of(self) | ({"pos_embed"} if self.pos_embed is not None else set())
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:

@@ -31,7 +31,7 @@ from torch import nn
 from .factory import create_model
 from .files import write_checkpoint_folder
 
-__all__ = ["load_torch_file", "load_pretrained", "save_checkpoint", "load_model", "resolve_checkpoint",
+__all__ = ["load_torch_file", "strip_module_prefix", "load_pretrained", "save_checkpoint", "load_model", "resolve_checkpoint",
            "read_checkpoint_meta"]
 
 
@@ -61,6 +61,11 @@ def _read_state_dict(path: str) -> Dict[str, torch.Tensor]:
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
             break
+    return strip_module_prefix(state)
+
+
+def strip_module_prefix(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """A state dict saved from a DistributedDataParallel wrapper, with its ``module.`` prefixes removed."""
     return {k.removeprefix("module."): v for k, v in state.items()}
 
 
@@ -76,7 +81,9 @@ def _filter_state_dict(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict
 def load_pretrained(model: nn.Module, path: str) -> Dict[str, list]:
     """Load weights from ``path`` into ``model``, skipping tensors whose shape differs (a new head).
 
-    Returns {"skipped": [...], "missing": [...], "unexpected": [...]} key lists.
+    Returns {"skipped": [...], "missing": [...], "unexpected": [...]} key lists. Raises ValueError when a
+    tensor is an integer where the model has a float, or when fewer than half of the model's tensors fit (not
+    weights of this model).
     """
     state = _filter_state_dict(model, _read_state_dict(path))
     own = model.state_dict()
@@ -88,7 +95,13 @@ def load_pretrained(model: nn.Module, path: str) -> Dict[str, list]:
     for k in skipped:
         del state[k]
     result = model.load_state_dict(state, strict=False)
-    return {"skipped": skipped, "missing": list(result.missing_keys), "unexpected": list(result.unexpected_keys)}
+    missing, unexpected = list(result.missing_keys), list(result.unexpected_keys)
+    loaded = len(own) - len(missing) - len(skipped)
+    if loaded < len(own) / 2:
+        raise ValueError(f"pretrained_path: {path} fits {loaded} of the model's {len(own)} tensors ({len(missing)} "
+                         f"missing, e.g. {missing[:3]}; {len(unexpected)} unexpected, e.g. {unexpected[:3]}); "
+                         f"is it a checkpoint of this model?")
+    return {"skipped": skipped, "missing": missing, "unexpected": unexpected}
 
 
 def _tensors(module: nn.Module) -> Dict[str, torch.Tensor]:

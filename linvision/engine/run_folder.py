@@ -101,9 +101,7 @@ def claim_run_folder(path: str, resume: bool = False, overwrite: bool = False,
             done = recover_checkpoint_folder(os.path.join(candidate, sub))
             if done:
                 notes.append(f"{sub}/: {done}")
-        removed = remove_stale_temporaries(candidate)
-        for sub in ("last", "best"):
-            removed += remove_stale_temporaries(os.path.join(candidate, sub))
+        removed = remove_stale_temporaries(candidate)  # checkpoints are swapped whole, so none inside them
         if removed:
             notes.append(f"removed {len(removed)} temporary file(s) of an interrupted write")
         return RunFolder(candidate, lock, notes)

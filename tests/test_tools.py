@@ -215,8 +215,8 @@ def test_img_size_reaches_a_model_with_a_fixed_grid(data, tmp_path):
     state = load_file(str(tmp_path / "fixed" / "best" / "model.safetensors"))
     assert state["pos_embed"].numel() == 2 * 2 * 16  # a 2 x 2 grid of 16 channels at 32 px, not 14 x 14
     proc = run_tool("validate.py", "--checkpoint", str(tmp_path / "fixed"), "--data-dir", data,
-                    "--img-size", "32", "48")
-    at32, at48 = json.loads(proc.stdout)["results"]
+                    "--img-size", "48", "32")  # the training size after another: the model is rebuilt for each
+    at48, at32 = json.loads(proc.stdout)["results"]
     with open(tmp_path / "fixed" / "summary.json") as f:
         assert at32["top1"] == pytest.approx(json.load(f)["best_top1"])
     assert "error" not in at48 and at48["count"] == 6

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Dict, List, Optional, Sequence
 
-from .checkpoint import load_model
+from .checkpoint import load_model, read_checkpoint_meta, resolve_checkpoint
 from .cli import add_amp_arg
 from .data import ShardedSampler, build_transform, create_dataset, create_loader
 from .distributed import cleanup, init_distributed
@@ -59,13 +59,13 @@ def validate_checkpoint(checkpoint: str, dataset: Optional[str] = None, data_dir
     """
     info = init_distributed(device)
     try:
-        model, meta = load_model(checkpoint, device=str(info.device))
+        meta = read_checkpoint_meta(resolve_checkpoint(checkpoint))
         dataset = dataset or meta.get("dataset", "folder")
         sizes: List[int] = list(img_sizes or [meta["img_size"]])
         results = []
         for size in sizes:
-            if size != meta["img_size"]:  # rebuilt for the size (a fixed position-embedding grid is resampled)
-                model, _ = load_model(checkpoint, device=str(info.device), img_size=size)
+            # built for each size (a fixed position-embedding grid is resampled to it)
+            model, _ = load_model(checkpoint, device=str(info.device), img_size=size)
             transform = build_transform(size, False, meta["mean"], meta["std"], crop_pct=meta.get("crop_pct", 1.0))
             val_set = create_dataset(dataset, data_dir, "val", transform=transform, digits_size=size)
             _check_classes(meta, val_set, checkpoint)

@@ -155,7 +155,9 @@ def test_every_mixer_any_grid(name):
         y = mixer(x, hw)
         assert y.shape == x.shape and torch.isfinite(y).all()
         y.square().mean().backward()
-        assert all(p.grad is not None for p in mixer.parameters())
+        for pname, p in mixer.named_parameters():
+            assert p.grad is not None and torch.isfinite(p.grad).all(), pname
+            assert p.grad.abs().sum() > 0, pname  # every parameter takes part in the output
 
 
 def test_mixer_rejects_wrong_grid_and_options():
@@ -200,10 +202,61 @@ def test_mixed_rope_frequencies_learn():
     assert mixer.rope_freqs_x.grad.abs().sum() > 0 and mixer.rope_freqs_y.grad.abs().sum() > 0
 
 
+def _explicit_phi(name, x, is_query, focus_scale=None):
+    """The layer feature maps written out in float64 (``exp`` stabilised as linvision.ops documents it: per
+    token for queries, one constant per (batch, head) for keys; ``focused`` is FLatten's p = 3 map of
+    (relu(x) + 1e-6) / softplus(scale), norm-preserving)."""
+    if name == "relu":
+        return F.relu(x)
+    if name == "exp":
+        m = x.amax(-1, keepdim=True) if is_query else x.amax((-2, -1), keepdim=True)
+        return torch.exp(x - m)
+    r = (F.relu(x) + 1e-6) / F.softplus(focus_scale)
+    p = r ** 3
+    return p * r.norm(dim=-1, keepdim=True) / p.norm(dim=-1, keepdim=True)
+
+
 @pytest.mark.parametrize("feature_map", ["relu", "exp", "focused"])
 def test_linear_attention_feature_maps(feature_map):
-    mixer = create_mixer("linear", 32, 2, feature_map=feature_map)
-    x = torch.randn(2, 12, 32)
-    y = mixer(x, (3, 4))
-    assert torch.isfinite(y).all()
+    """Each map changes the output (against elu+1 with the same weights) to what its formula gives."""
+    torch.manual_seed(0)
+    mixer = create_mixer("linear", 32, 2, feature_map=feature_map).double()
+    elu = create_mixer("linear", 32, 2).double()
+    elu.load_state_dict({k: v for k, v in mixer.state_dict().items() if k != "focus_scale"})
     assert (mixer.focus_scale is not None) == (feature_map == "focused")
+    if mixer.focus_scale is not None:
+        with torch.no_grad():
+            mixer.focus_scale.copy_(torch.linspace(-1, 1, 16))
+    x = torch.randn(2, 12, 32, dtype=torch.float64)
+    q, k, v = _qkv(mixer, x)
+    fq = _explicit_phi(feature_map, q, True, mixer.focus_scale)
+    fk = _explicit_phi(feature_map, k, False, mixer.focus_scale)
+    a = fq @ fk.transpose(-1, -2)  # (B, heads, N, N)
+    expected = (a @ v) / (a.sum(-1, keepdim=True) + 12 * mixer.eps)
+    expected = mixer.proj(expected.transpose(1, 2).reshape(x.shape))
+    out = mixer(x, (3, 4))
+    torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-10)
+    assert (out - elu(x, (3, 4))).abs().max() > 1e-3
+
+
+def test_mixer_block_with_cpe_matches_its_formula():
+    """x + cpe1(x); + mixer(norm1(x)); + cpe2(x); + mlp(norm2(x)) on channels-last tokens, and without CPE the
+    plain pre-norm block (no CPE parameters)."""
+    from linvision.layers import MixerBlock
+
+    torch.manual_seed(0)
+    block = MixerBlock(16, 2, "linear", cpe=True).double().eval()
+    x = torch.randn(2, 3, 5, 16, dtype=torch.float64)
+
+    def dwconv(conv, t):
+        return F.conv2d(t.permute(0, 3, 1, 2), conv.weight, conv.bias, padding=1, groups=16).permute(0, 2, 3, 1)
+
+    y = x + dwconv(block.cpe1.proj, x)
+    y = y + block.mixer(F.layer_norm(y, (16,), block.norm1.weight, block.norm1.bias, eps=1e-6).reshape(2, 15, 16),
+                        (3, 5)).reshape(2, 3, 5, 16)
+    y = y + dwconv(block.cpe2.proj, y)
+    hidden = F.gelu(F.linear(F.layer_norm(y, (16,), block.norm2.weight, block.norm2.bias, eps=1e-6),
+                             block.mlp.fc1.weight, block.mlp.fc1.bias))
+    y = y + F.linear(hidden, block.mlp.fc2.weight, block.mlp.fc2.bias)
+    torch.testing.assert_close(block(x), y, rtol=1e-12, atol=1e-12)
+    assert not any("cpe" in k for k in MixerBlock(16, 2, "linear").state_dict())

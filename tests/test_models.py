@@ -414,3 +414,20 @@ def test_flop_counts_follow_token_count():
     assert ratio_softmax > 4.5
     with pytest.raises(ValueError, match="input_size"):
         count_gflops(linear, (1, 3, 64, 64))
+
+
+@pytest.mark.parametrize("name, kwargs, arg", [(*VIT_ROPE, "token_mixer"), (*HIER, "token_mixers")],
+                         ids=["linvit", "linhier"])
+def test_token_mixer_takes_a_class_as_well_as_a_name(name, kwargs, arg):
+    """As timm's layer arguments do: a mixer class builds the same model as its registered name."""
+    from linvision.layers import LinearRopeAttention, get_mixer_class
+
+    assert get_mixer_class("linear_rope") is LinearRopeAttention
+    by_name = _create(name, **{**kwargs, arg: "linear_rope"}).eval()
+    by_class = _create(name, **{**kwargs, arg: LinearRopeAttention}).eval()
+    assert by_name.state_dict().keys() == by_class.state_dict().keys()
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(by_class(x), by_name(x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="unknown.*'linear_ropee'"):
+        _create(name, **{**kwargs, arg: "linear_ropee"})

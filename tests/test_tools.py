@@ -3,6 +3,7 @@ import argparse
 import contextlib
 import io
 import json
+import math
 import os
 import signal
 import subprocess
@@ -55,13 +56,49 @@ def test_validate_reproduces_the_best_score_and_runs_other_sizes(trained, data):
     assert at24["img_size"] == 24 and "top1" in at24  # dynamic_img_size lets the ViT run at another size
 
 
+def test_validate_gives_the_known_answer_of_a_constant_classifier(trained, data, tmp_path):
+    """A head with zero weights and bias b predicts argmax(b) for every image: top-1 is that class's share of
+    the validation set and the loss is mean_c (logsumexp(b) - b_c) over the (balanced) classes."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    run_dir, _ = trained
+    const = tmp_path / "const"
+    shutil.copytree(run_dir, const)
+    weights = const / "best" / "model.safetensors"
+    state = load_file(weights)
+    bias = [0.0, 3.0, 1.0]
+    state["head.weight"] = torch.zeros_like(state["head.weight"])
+    state["head.bias"] = torch.tensor(bias)
+    save_file(state, weights)
+    out = json.loads(run_tool("validate.py", "--checkpoint", str(const / "best"), "--data-dir", data).stdout)
+    (res,) = out["results"]
+    lse = math.log(sum(math.exp(b) for b in bias))
+    assert res["count"] == 6 and res["top1"] == pytest.approx(100 / 3) and res["top5"] == 100.0
+    assert res["loss"] == pytest.approx(sum(lse - b for b in bias) / 3, rel=1e-6)
+
+
 def test_fine_tune_from_pretrained_path_with_new_head(trained, tmp_path):
+    """The backbone starts from the source weights (a learning rate of 1e-12 keeps them), the head is new."""
+    from safetensors.torch import load_file
+
     run_dir, _ = trained
     data4 = write_image_folder(tmp_path / "data4", classes=4, seed=1)
     run_tool("train.py", *tiny_train_flags(data4, str(tmp_path), "--epochs", "1", "--experiment", "ft",
+                                           "--lr", "1e-12", "--warmup-lr", "1e-12", "--min-lr", "1e-12",
                                            "--pretrained-path", os.path.join(run_dir, "best")))
     with open(tmp_path / "ft" / "best" / "model.json") as f:
         assert json.load(f)["num_classes"] == 4
+    source = load_file(os.path.join(run_dir, "best", "model.safetensors"))
+    tuned = load_file(str(tmp_path / "ft" / "best" / "model.safetensors"))
+    assert set(source) == set(tuned)
+    assert tuned["head.weight"].shape[0] == 4 and source["head.weight"].shape[0] == 3
+    backbone = [k for k in source if not k.startswith("head.")]
+    assert len(backbone) > 10
+    for key in backbone:
+        assert (tuned[key] - source[key]).abs().max() < 1e-6, key
 
 
 def test_sigterm_saves_a_checkpoint_that_resumes(data, tmp_path):

@@ -1,5 +1,13 @@
 """nn.Modules built on linvision.ops: token mixers (selected by name through the registry), FFNs, blocks."""
-from .registry import create_mixer, list_mixers, mixer_options, no_weight_decay_of, parse_mixer_list, register_mixer
+from .registry import (
+    create_mixer,
+    get_mixer_class,
+    list_mixers,
+    mixer_options,
+    no_weight_decay_of,
+    parse_mixer_list,
+    register_mixer,
+)
 from .weight_init import init_linear_weights
 from .mixers import (
     AttentionMixer,
@@ -11,3 +19,4 @@ from .mixers import (
     SoftmaxAttention,
 )
 from . import recurrent  # registers the bidirectional recurrent mixers
+from .block import ConvPosEnc, MixerBlock

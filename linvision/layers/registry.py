@@ -16,7 +16,7 @@ from typing import Callable, Dict, List, Sequence, Tuple, Type, Union
 from timm.layers import register_notrace_module
 from torch import nn
 
-__all__ = ["register_mixer", "create_mixer", "list_mixers", "mixer_options", "parse_mixer_list",
+__all__ = ["register_mixer", "create_mixer", "get_mixer_class", "list_mixers", "mixer_options", "parse_mixer_list",
            "no_weight_decay_of"]
 
 _MIXERS: Dict[str, Type[nn.Module]] = {}
@@ -38,20 +38,30 @@ def list_mixers() -> List[str]:
     return sorted(_MIXERS)
 
 
-def create_mixer(name: str, dim: int, num_heads: int, **kwargs) -> nn.Module:
-    """Build the mixer registered as ``name``; ValueError names the known mixers otherwise."""
-    if name not in _MIXERS:
-        raise ValueError(f"token mixer: unknown {name!r}; allowed: {', '.join(list_mixers())}")
-    return _MIXERS[name](dim, num_heads, **kwargs)
+MixerSpec = Union[str, Type[nn.Module]]
 
 
-def mixer_options(name: str) -> List[str]:
-    """Keyword options the mixer ``name`` accepts (besides dim and num_heads), following ``**kwargs`` up the
-    class hierarchy. Models use it to hand shared options (e.g. ``rope``) only to the mixers that have them."""
-    if name not in _MIXERS:
-        raise ValueError(f"token mixer: unknown {name!r}; allowed: {', '.join(list_mixers())}")
+def get_mixer_class(mixer: MixerSpec) -> Type[nn.Module]:
+    """The class of a registered mixer name, or ``mixer`` itself when it is an ``nn.Module`` subclass (as timm's
+    layer arguments take a name or a class). ValueError names the known mixers otherwise."""
+    if isinstance(mixer, type) and issubclass(mixer, nn.Module):
+        return mixer
+    if not isinstance(mixer, str) or mixer not in _MIXERS:
+        raise ValueError(f"token mixer: unknown {mixer!r}; allowed: {', '.join(list_mixers())} or an nn.Module class")
+    return _MIXERS[mixer]
+
+
+def create_mixer(mixer: MixerSpec, dim: int, num_heads: int, **kwargs) -> nn.Module:
+    """Build the mixer registered as ``mixer`` (or the class ``mixer``) as ``cls(dim, num_heads, **kwargs)``."""
+    return get_mixer_class(mixer)(dim, num_heads, **kwargs)
+
+
+def mixer_options(mixer: MixerSpec) -> List[str]:
+    """Keyword options the mixer (a registered name or a class) accepts besides dim and num_heads, following
+    ``**kwargs`` up the class hierarchy. Models use it to hand shared options (e.g. ``rope``) only to the mixers
+    that have them."""
     options: List[str] = []
-    for cls in _MIXERS[name].__mro__:
+    for cls in get_mixer_class(mixer).__mro__:
         if "__init__" not in vars(cls):
             continue
         params = list(inspect.signature(vars(cls)["__init__"]).parameters.values())[3:]  # self, dim, num_heads
@@ -61,17 +71,22 @@ def mixer_options(name: str) -> List[str]:
     return sorted(set(options))
 
 
-def parse_mixer_list(token_mixers: Union[str, Sequence[str]], num_stages: int,
-                     name: str = "token_mixers") -> Tuple[str, ...]:
-    """"linear,linear,none,softmax" or a sequence -> a tuple of ``num_stages`` registered mixer names; one name
-    is repeated for every stage. Raises ValueError (naming ``name``) for a wrong count or an unknown mixer."""
-    names = token_mixers.split(",") if isinstance(token_mixers, str) else list(token_mixers)
-    names = [n.strip() for n in names]
+def parse_mixer_list(token_mixers: Union[MixerSpec, Sequence[MixerSpec]], num_stages: int,
+                     name: str = "token_mixers") -> Tuple[MixerSpec, ...]:
+    """"linear,linear,none,softmax", one mixer (name or class) or a sequence of them -> a tuple of
+    ``num_stages`` mixers; one mixer is repeated for every stage. Raises ValueError (naming ``name``) for a
+    wrong count or an unknown mixer."""
+    if isinstance(token_mixers, str):
+        names = [n.strip() for n in token_mixers.split(",")]
+    elif isinstance(token_mixers, type):
+        names = [token_mixers]
+    else:
+        names = [n.strip() if isinstance(n, str) else n for n in token_mixers]
     if len(names) == 1:
         names = names * num_stages
     if len(names) != num_stages:
         raise ValueError(f"{name}: {len(names)} names {names} for {num_stages} stages; give 1 or {num_stages}")
-    unknown = [n for n in names if n not in _MIXERS]
+    unknown = [n for n in names if not (isinstance(n, type) and issubclass(n, nn.Module)) and n not in _MIXERS]
     if unknown:
         raise ValueError(f"{name}: unknown {unknown}; allowed: {', '.join(list_mixers())}")
     return tuple(names)

@@ -1,7 +1,7 @@
 """Hierarchical linear-attention backbones (MLLA-like) and their Gated-CNN (MambaOut-like) counterparts.
 
 One macro-architecture: a conv stem (stride 4), four stages (stride 4, 8, 16, 32; a 3x3 stride-2 conv between
-stages), blocks of
+stages), blocks (:class:`linvision.layers.MixerBlock` with CPE) of
 
     x = x + cpe1(x)                              3x3 depthwise conv: conditional position encoding
     x = x + drop_path(mixer(norm1(x), (H, W)))   token mixer chosen per stage
@@ -26,11 +26,12 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import ClNormMlpClassifierHead, DropPath, LayerNorm, Mlp
+from timm.layers import ClNormMlpClassifierHead, LayerNorm
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
-from linvision.layers import create_mixer, init_linear_weights, mixer_options, no_weight_decay_of, parse_mixer_list
+from linvision.layers import MixerBlock, init_linear_weights, mixer_options, no_weight_decay_of, parse_mixer_list
+from linvision.layers.registry import MixerSpec
 
 __all__ = ["LinHier"]
 
@@ -76,55 +77,19 @@ class Downsample(nn.Module):
         return self.norm(_to_nhwc(self.conv(_to_nchw(x))))
 
 
-class ConvPosEnc(nn.Module):
-    """Conditional position encoding: x + dwconv3x3(x) on channels-last x."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.proj = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x + _to_nhwc(self.proj(_to_nchw(x)))
-
-
-class HierBlock(nn.Module):
-    """CPE, token mixer, CPE, MLP (pre-norm residuals) on channels-last x (B, H, W, C)."""
-
-    def __init__(
-        self, dim: int, num_heads: int, token_mixer: str = "linear_rope", mixer_kwargs: Optional[Dict] = None,
-        mlp_ratio: float = 4.0, drop_path: float = 0.0, norm_layer: Type[nn.Module] = LayerNorm,
-        act_layer: Type[nn.Module] = nn.GELU,
-    ):
-        super().__init__()
-        self.cpe1 = ConvPosEnc(dim)
-        self.norm1 = norm_layer(dim)
-        self.mixer = create_mixer(token_mixer, dim, num_heads, **(mixer_kwargs or {}))
-        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-        self.cpe2 = ConvPosEnc(dim)
-        self.norm2 = norm_layer(dim)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=act_layer)
-        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-
-    def forward(self, x: Tensor) -> Tensor:
-        b, h, w, c = x.shape
-        x = self.cpe1(x)
-        x = x + self.drop_path1(self.mixer(self.norm1(x).reshape(b, h * w, c), (h, w)).reshape(b, h, w, c))
-        x = self.cpe2(x)
-        return x + self.drop_path2(self.mlp(self.norm2(x)))
-
-
 class HierStage(nn.Module):
     """Optional downsample, then ``depth`` blocks with one token mixer."""
 
     def __init__(
-        self, in_dim: int, dim: int, depth: int, num_heads: int, token_mixer: str, mixer_kwargs: Optional[Dict],
+        self, in_dim: int, dim: int, depth: int, num_heads: int, token_mixer: MixerSpec, mixer_kwargs: Optional[Dict],
         downsample: bool, mlp_ratio: float, drop_path: Sequence[float], norm_layer: Type[nn.Module],
         act_layer: Type[nn.Module],
     ):
         super().__init__()
         self.downsample = Downsample(in_dim, dim, norm_layer) if downsample else nn.Identity()
         self.blocks = nn.Sequential(*[
-            HierBlock(dim, num_heads, token_mixer, mixer_kwargs, mlp_ratio, drop_path[i], norm_layer, act_layer)
+            MixerBlock(dim, num_heads, token_mixer, mixer_kwargs, mlp_ratio, drop_path[i], cpe=True,
+                       norm_layer=norm_layer, act_layer=act_layer)
             for i in range(depth)
         ])
         self.grad_checkpointing = False
@@ -145,7 +110,7 @@ class LinHier(nn.Module):
         in_chans, num_classes, global_pool ('avg', 'max', 'avgmax' or '' for none), drop_rate (before the
             classifier), drop_path_rate (stochastic depth, linear over blocks): as in timm.
         depths, dims, num_heads: per stage (4 each).
-        token_mixers: one registered mixer name, 4 comma-separated names, or a sequence of 4.
+        token_mixers: one mixer (a registered name or a mixer class), 4 comma-separated names, or a sequence of 4.
         mixer_kwargs: options for the mixers (default: gate=True); each mixer receives the options it has.
         mlp_ratio: MLP hidden size / dim.
         img_size: nominal input size (recorded; nothing depends on it).
@@ -160,7 +125,7 @@ class LinHier(nn.Module):
         depths: Sequence[int] = (3, 5, 9, 4),
         dims: Sequence[int] = (64, 128, 256, 512),
         num_heads: Sequence[int] = (2, 4, 8, 16),
-        token_mixers: Union[str, Sequence[str]] = "linear_rope",
+        token_mixers: Union[MixerSpec, Sequence[MixerSpec]] = "linear_rope",
         mixer_kwargs: Optional[Dict[str, Any]] = None,
         mlp_ratio: float = 4.0,
         drop_rate: float = 0.0,

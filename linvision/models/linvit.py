@@ -1,7 +1,7 @@
 """Isotropic (ViT/DeiT-shaped) backbones with linear attention.
 
-Patch embedding (16x16), ``depth`` pre-norm blocks ``x + drop_path(mixer(norm1(x), (H, W)))``,
-``x + drop_path(mlp(norm2(x)))``, a final norm, global average pooling over the patch tokens (no class
+Patch embedding (16x16), ``depth`` pre-norm blocks (:class:`linvision.layers.MixerBlock` without CPE)
+``x + drop_path(mixer(norm1(x), (H, W)))``, ``x + drop_path(mlp(norm2(x)))``, a final norm, global average pooling over the patch tokens (no class
 token) and a linear head. Shapes follow DeiT (Touvron et al. 2021, arXiv:2012.12877): tiny 192 wide with 3
 heads, small 384 / 6, base 768 / 12, all 12 blocks deep.
 
@@ -31,36 +31,14 @@ from torch.utils.checkpoint import checkpoint
 
 from safetensors import SafetensorError
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, LayerNorm, Mlp, PatchEmbed, resample_abs_pos_embed, resample_patch_embed, trunc_normal_
+from timm.layers import LayerNorm, PatchEmbed, resample_abs_pos_embed, resample_patch_embed, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
-from linvision.layers import create_mixer, init_linear_weights, mixer_options, no_weight_decay_of
+from linvision.layers import MixerBlock, init_linear_weights, mixer_options, no_weight_decay_of
 from linvision.layers.mixers import ROPE_TYPES
 
 __all__ = ["LinViT", "checkpoint_filter_fn", "convert_vit_state_dict"]
-
-
-class ViTBlock(nn.Module):
-    """Pre-norm token mixer and MLP on channels-last tokens x (B, H, W, C)."""
-
-    def __init__(
-        self, dim: int, num_heads: int, token_mixer: str = "linear", mixer_kwargs: Optional[Dict] = None,
-        mlp_ratio: float = 4.0, drop_path: float = 0.0, proj_drop: float = 0.0,
-        norm_layer: Type[nn.Module] = LayerNorm, act_layer: Type[nn.Module] = nn.GELU,
-    ):
-        super().__init__()
-        self.norm1 = norm_layer(dim)
-        self.mixer = create_mixer(token_mixer, dim, num_heads, **(mixer_kwargs or {}))
-        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-        self.norm2 = norm_layer(dim)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop)
-        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-
-    def forward(self, x: Tensor) -> Tensor:
-        b, h, w, c = x.shape
-        x = x + self.drop_path1(self.mixer(self.norm1(x).reshape(b, h * w, c), (h, w)).reshape(b, h, w, c))
-        return x + self.drop_path2(self.mlp(self.norm2(x)))
 
 
 class LinViT(nn.Module):
@@ -71,7 +49,8 @@ class LinViT(nn.Module):
         patch_size, in_chans, num_classes, embed_dim, depth, num_heads, mlp_ratio, drop_rate (before the
             head), proj_drop_rate, drop_path_rate (linear over blocks): as in timm's VisionTransformer.
         global_pool: 'avg' (mean over patch tokens) or '' (forward_head returns the tokens).
-        token_mixer: a registered mixer name ("linear", "linear_rope", "softmax", "causal", "hybrid", "none").
+        token_mixer: a registered mixer name ("linear", "linear_rope", "softmax", "causal", "hybrid", "none", ...)
+            or a mixer class (built as ``cls(dim, num_heads, **mixer_kwargs)``).
         mixer_kwargs: extra options for the mixer (e.g. feature_map="relu", lepe=True).
         rope: None (absolute position embedding), "axial" or "mixed" (2D RoPE in the mixer, no absolute
             embedding); passed to the mixer when it has a ``rope`` option.
@@ -90,7 +69,7 @@ class LinViT(nn.Module):
         depth: int = 12,
         num_heads: int = 6,
         mlp_ratio: float = 4.0,
-        token_mixer: str = "linear",
+        token_mixer: Union[str, Type[nn.Module]] = "linear",
         mixer_kwargs: Optional[Dict[str, Any]] = None,
         rope: Optional[str] = None,
         dynamic_img_size: bool = False,
@@ -126,8 +105,8 @@ class LinViT(nn.Module):
             options["rope"] = rope
         rates = torch.linspace(0, drop_path_rate, depth).tolist()
         self.blocks = nn.Sequential(*[
-            ViTBlock(embed_dim, num_heads, token_mixer, options, mlp_ratio, rates[i], proj_drop_rate, norm_layer,
-                     act_layer)
+            MixerBlock(embed_dim, num_heads, token_mixer, options, mlp_ratio, rates[i], proj_drop_rate,
+                       norm_layer=norm_layer, act_layer=act_layer)
             for i in range(depth)
         ])
         reduction = self.patch_embed.patch_size[0]

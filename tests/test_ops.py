@@ -1,7 +1,5 @@
 """The reference linear-attention op against explicit O(N^2) formulas in float64."""
-import ast
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -290,32 +288,3 @@ def test_one_state_type_carries_the_position():
     assert state.num_tokens == 6
     with pytest.raises(ValueError, match="rope: describes 6 tokens, step 6 is past its end"):
         linear_attention_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], state, "elu", rope=rope)
-
-
-def _imports(path):
-    """(module imported, at module level?) for every import statement of a file; relative ones as '.name'."""
-    tree = ast.parse(path.read_text())
-    top = set(map(id, tree.body))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            yield from ((alias.name, id(node) in top) for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            yield "." * node.level + (node.module or ""), id(node) in top
-
-
-def test_imports_run_one_way_ops_to_kernels():
-    """kernels/ import nothing from linvision (the shared module is kernels/common.py, which imports neither
-    Triton nor linvision); linvision/ops imports the shared module and, only inside the dispatcher, the Triton
-    kernels, and nothing from the layers or models."""
-    root = Path(__file__).resolve().parents[1]
-    for path in sorted((root / "kernels").glob("*.py")):
-        for module, _ in _imports(path):
-            assert not module.startswith("linvision"), f"{path.name} imports {module}"
-    assert {m for m, _ in _imports(root / "kernels" / "common.py")} <= {"__future__", "dataclasses", "typing", "torch"}
-    for path in sorted((root / "linvision" / "ops").glob("*.py")):
-        for module, top_level in _imports(path):
-            if module.startswith("linvision"):
-                assert module == "linvision.kernels.common" or (
-                    module == "linvision.kernels" and not top_level
-                ), f"{path.name} imports {module}"
-            assert not module.startswith("triton"), f"{path.name} imports {module}"

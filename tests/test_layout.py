@@ -1,0 +1,65 @@
+"""The package layout: imports run one way, kernels <- ops <- layers <- models <- engine <- diffusion <- tools."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Each package may import from packages of lower or equal rank only.
+RANK = {"kernels": 0, "ops": 1, "layers": 2, "models": 3, "engine": 4, "diffusion": 5, "tools": 6}
+
+
+def _imports(path):
+    """(module imported, at module level?) for every import statement of a file; relative ones as '.name'."""
+    tree = ast.parse(path.read_text())
+    top = set(map(id, tree.body))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from ((alias.name, id(node) in top) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            yield "." * node.level + (node.module or ""), id(node) in top
+
+
+def test_imports_run_one_way_ops_to_kernels():
+    """kernels/ import nothing from linvision (the shared module is kernels/common.py, which imports neither
+    Triton nor linvision); linvision/ops imports the shared module and, only inside the dispatcher, the Triton
+    kernels, and nothing from the layers or models."""
+    root = Path(__file__).resolve().parents[1]
+    for path in sorted((root / "kernels").glob("*.py")):
+        for module, _ in _imports(path):
+            assert not module.startswith("linvision"), f"{path.name} imports {module}"
+    assert {m for m, _ in _imports(root / "kernels" / "common.py")} <= {"__future__", "dataclasses", "typing", "torch"}
+    for path in sorted((root / "linvision" / "ops").glob("*.py")):
+        for module, top_level in _imports(path):
+            if module.startswith("linvision"):
+                assert module == "linvision.kernels.common" or (
+                    module == "linvision.kernels" and not top_level
+                ), f"{path.name} imports {module}"
+            assert not module.startswith("triton"), f"{path.name} imports {module}"
+
+
+def _package_of(module, path):
+    """The linvision package an import names ('ops', 'kernels', ...), or None for anything else; relative
+    imports are resolved against the file's own package."""
+    if module.startswith("."):
+        level = len(module) - len(module.lstrip("."))
+        parts = path.relative_to(ROOT).with_suffix("").parts[:-level] + tuple(filter(None, module[level:].split(".")))
+    else:
+        parts = tuple(module.split("."))
+    if parts[:1] == ("linvision",):
+        parts = parts[1:]
+    return parts[0] if parts and parts[0] in RANK else None
+
+
+def test_every_package_imports_downward_only():
+    files = [p for p in (ROOT / "linvision").rglob("*.py") if p.parent != ROOT / "linvision"]
+    files += list((ROOT / "kernels").glob("*.py")) + list((ROOT / "tools").glob("*.py"))
+    assert len(files) > 40
+    checked = 0
+    for path in files:
+        rel = path.relative_to(ROOT).parts
+        own = rel[1] if rel[0] == "linvision" else rel[0]
+        for module, _ in _imports(path):
+            other = _package_of(module, path)
+            if other is not None:
+                checked += 1
+                assert RANK[other] <= RANK[own], f"{'/'.join(rel)} ({own}) imports {module} ({other})"
+    assert checked > 40

@@ -23,11 +23,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import ClNormMlpClassifierHead, LayerNorm
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
 from linvision.layers import MixerBlock, init_linear_weights, mixer_options, no_weight_decay_of, parse_mixer_list
@@ -97,9 +96,7 @@ class HierStage(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x = self.downsample(x)
         if self.grad_checkpointing and not torch.jit.is_scripting():
-            for blk in self.blocks:
-                x = checkpoint(blk, x, use_reentrant=False)
-            return x
+            return checkpoint_seq(self.blocks, x)
         return self.blocks(x)
 
 

@@ -40,6 +40,8 @@ from .registry import register_mixer
 
 __all__ = [
     "ROPE_TYPES",
+    "EPS_FORMS",
+    "FP16_MAX",
     "LAYER_FEATURE_MAPS",
     "AttentionMixer",
     "LinearAttention",
@@ -52,6 +54,8 @@ __all__ = [
 
 ROPE_TYPES = (None, "axial", "mixed")
 LAYER_FEATURE_MAPS = ("elu", "relu", "exp", "focused")
+EPS_FORMS = ("mean", "sum")
+FP16_MAX = 65504.0
 
 
 class AttentionMixer(nn.Module):
@@ -65,12 +69,19 @@ class AttentionMixer(nn.Module):
         gate: multiply the attention output by SiLU(W_g x) before the output projection.
         qkv_bias: bias of the qkv projection.
         proj_drop: dropout after the output projection.
+        qk_norm: RMS-normalise q and k over all C channels (learnable gain, before the heads are split and
+            before any feature map): Sana's layout, diffusers' ``qk_norm="rms_norm_across_heads"``.
+        qk_norm_eps: eps of those RMSNorms (diffusers: 1e-5).
+        fp16_clamp: clamp a float16 output of the projection to +-65504 (Sana/diffusers do this: weights trained
+            under fp16 autocast can push the projection past the fp16 range, and one inf in a residual stream
+            turns the next LayerNorm into NaN). Other dtypes are left alone.
     Raises ValueError for a bad dim/num_heads pair or an unknown ``rope``.
     """
 
     def __init__(
         self, dim: int, num_heads: int, *, rope: Optional[str] = None, lepe: bool = False, gate: bool = False,
-        qkv_bias: bool = True, proj_drop: float = 0.0,
+        qkv_bias: bool = True, proj_drop: float = 0.0, qk_norm: bool = False, qk_norm_eps: float = 1e-6,
+        fp16_clamp: bool = False,
     ):
         super().__init__()
         if num_heads < 1 or dim % num_heads != 0:
@@ -84,6 +95,9 @@ class AttentionMixer(nn.Module):
         if rope is not None and self.rope_dim % 4 != 0:
             raise ValueError(f"rope: 2D RoPE needs a (feature) head dim divisible by 4, got {self.rope_dim}")
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        self.q_norm = nn.RMSNorm(dim, eps=qk_norm_eps) if qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(dim, eps=qk_norm_eps) if qk_norm else nn.Identity()
+        self.fp16_clamp = fp16_clamp
         if rope == "mixed":
             fx, fy = mixed_rope_freqs(self.rope_dim, num_heads)
             self.rope_freqs_x = nn.Parameter(fx)  # (heads, D/2)
@@ -121,8 +135,9 @@ class AttentionMixer(nn.Module):
         """x: (B, N, C) tokens on grid hw -> (B, N, C)."""
         h, w = check_grid(hw, x.shape[1], name="hw")
         b, n, c = x.shape
-        qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)  # (B, heads, N, D)
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # each (B, N, C), heads of D channels side by side
+        q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         out = self.attend(q, k, v, (h, w), self.make_rope((h, w), x.device), x)
         out = out.transpose(1, 2).reshape(b, n, c)
         if self.lepe is not None:
@@ -130,7 +145,10 @@ class AttentionMixer(nn.Module):
             out = out + self.lepe(v_grid).flatten(2).transpose(1, 2)
         if self.gate is not None:
             out = out * F.silu(self.gate(x))
-        return self.proj_drop(self.proj(out))
+        out = self.proj(out)
+        if self.fp16_clamp and out.dtype == torch.float16:
+            out = out.clamp(-FP16_MAX, FP16_MAX)
+        return self.proj_drop(out)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, num_heads={self.num_heads}, rope={self.rope_type}"
@@ -141,17 +159,28 @@ class LinearAttention(AttentionMixer):
     """Non-causal linear attention (mean-normalised, fp32 state; RoPE on the numerator only).
 
     feature_map: "elu" (elu+1), "relu", "exp" or "focused" (FLatten, with a learnable per-channel scale).
-    eps: denominator epsilon of :func:`linvision.ops.linear_attention`. Other options: :class:`AttentionMixer`.
+    eps: denominator epsilon. eps_form "mean" (default): the eps of :func:`linvision.ops.linear_attention`,
+        o = (sum_j ... / N) / (sum_j phi(q).phi(k_j) / N + eps), the same relative weight at any token count.
+        "sum": o = (sum_j ...) / (sum_j phi(q).phi(k_j) + eps), the form of Sana and diffusers (eps 1e-15
+        there), computed as the mean form with eps / N, so it stays in the fp32 mean-form accumulation and is
+        finite in half precision; non-causal only (a causal row i would need eps / i).
+    Other options: :class:`AttentionMixer`.
     """
 
     causal = False
 
-    def __init__(self, dim: int, num_heads: int, *, feature_map: str = "elu", eps: float = 1e-4, **kwargs):
+    def __init__(self, dim: int, num_heads: int, *, feature_map: str = "elu", eps: float = 1e-4,
+                 eps_form: str = "mean", **kwargs):
         if feature_map not in LAYER_FEATURE_MAPS:
             raise ValueError(f"feature_map: unknown {feature_map!r}; allowed: {', '.join(LAYER_FEATURE_MAPS)}")
+        if eps_form not in EPS_FORMS:
+            raise ValueError(f"eps_form: unknown {eps_form!r}; allowed: {', '.join(EPS_FORMS)}")
+        if eps_form == "sum" and self.causal:
+            raise ValueError("eps_form: 'sum' is for non-causal attention only")
         super().__init__(dim, num_heads, **kwargs)
         self.feature_map_name = feature_map
         self.eps = eps
+        self.eps_form = eps_form
         # FLatten's focused map owns a learnable scale; the others have no parameters.
         self.focus_scale = nn.Parameter(torch.zeros(self.head_dim)) if feature_map == "focused" else None
 
@@ -160,8 +189,13 @@ class LinearAttention(AttentionMixer):
             return FocusedFeatureMap(scale=self.focus_scale)
         return get_feature_map(self.feature_map_name)
 
+    def op_eps(self, num_keys: int) -> float:
+        """The eps handed to :func:`linvision.ops.linear_attention` (mean form) for ``num_keys`` keys."""
+        return self.eps / num_keys if self.eps_form == "sum" else self.eps
+
     def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
-        return linear_attention(q, k, v, self.feature_map(), rope=rope, causal=self.causal, eps=self.eps)
+        return linear_attention(q, k, v, self.feature_map(), rope=rope, causal=self.causal,
+                                eps=self.op_eps(k.shape[2]))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, feature_map={self.feature_map_name}, causal={self.causal}"
@@ -235,7 +269,7 @@ class HybridAttention(LinearAttention):
         return super().no_weight_decay() | {"mix_logit"}
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
-        global_out = linear_attention(q, k, v, self.feature_map(), rope=rope, eps=self.eps)
+        global_out = linear_attention(q, k, v, self.feature_map(), rope=rope, eps=self.op_eps(k.shape[2]))
         if rope is not None:
             q_l, k_l = apply_rope(q, rope).to(v.dtype), apply_rope(k, rope).to(v.dtype)
         else:

@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from linvision.diffusion.block import CrossAttention, LinearSelfAttention, SanaBlock
+from linvision.diffusion.block import CrossAttention, self_attention, SanaBlock
 from linvision.diffusion.flow import sample_flow, time_grid
 from linvision.diffusion.model import DiTConfig, LinDiT, create_dit
 from linvision.diffusion.sampling import sample_classes
@@ -38,7 +38,7 @@ def test_self_attention_equals_explicit_relu_formula(use_rope, qk_norm):
     built with the N x N matrix in float64."""
     torch.manual_seed(0)
     hw, c = (4, 6), 64
-    attn = _randomise(LinearSelfAttention(c, head_dim=32, qk_norm=qk_norm, use_rope=use_rope)).double()
+    attn = _randomise(self_attention(c, head_dim=32, qk_norm=qk_norm, use_rope=use_rope)).double()
     x = torch.randn(2, hw[0] * hw[1], c, dtype=torch.float64)
     q, k, v = attn.qkv(x).chunk(3, dim=-1)
     q, k = attn.q_norm(q), attn.k_norm(k)
@@ -58,7 +58,7 @@ def test_self_attention_equals_explicit_relu_formula(use_rope, qk_norm):
 
 def test_softmax_variant_equals_explicit_softmax():
     torch.manual_seed(0)
-    attn = _randomise(LinearSelfAttention(64, head_dim=32, attn_type="softmax")).double()
+    attn = _randomise(self_attention(64, head_dim=32, attn_type="softmax")).double()
     x = torch.randn(1, 12, 64, dtype=torch.float64)
     q, k, v = (t.reshape(1, 12, 2, 32).transpose(1, 2) for t in attn.qkv(x).chunk(3, dim=-1))
     o = torch.softmax(q @ k.transpose(-1, -2) / 32 ** 0.5, dim=-1) @ v
@@ -103,7 +103,7 @@ def test_half_precision_forward_finite_at_16k_tokens(dtype):
 
 
 def test_fp16_clamp_saturates_overflowing_projection():
-    attn = LinearSelfAttention(64, fp16_clamp=True).half()
+    attn = self_attention(64, fp16_clamp=True).half()
     with torch.no_grad():
         attn.proj.bias.fill_(6e4)  # outputs near the fp16 limit, pushed over it by the attention term
         attn.proj.weight.fill_(1e2)

@@ -15,8 +15,9 @@ context (B, L, C):
 ``t_mod`` is computed once by the model (adaLN-single: Linear(SiLU(t_emb)) shared by all blocks); each block
 only owns the (6, C) table. The LayerNorms have no affine parameters (the modulation takes their place).
 
-Self-attention goes through :func:`linvision.ops.linear_attention` with the ReLU feature map, so it
-accumulates S, z and divides in fp32 whatever the input dtype, and picks up the fused kernels where they apply.
+Self-attention is a layers mixer (:func:`self_attention`: :class:`linvision.layers.LinearAttention` with the
+ReLU feature map), so it accumulates S, z and divides in fp32 whatever the input dtype, and picks up the fused
+kernels where they apply.
 """
 from __future__ import annotations
 
@@ -27,11 +28,11 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from linvision.ops import axial_rope, check_grid, linear_attention, softmax_attention
+from linvision.layers import AttentionMixer, create_mixer
+from linvision.ops import check_grid
 
-__all__ = ["FP16_MAX", "modulate", "LinearSelfAttention", "CrossAttention", "MixFFN", "TokenMLP", "SanaBlock"]
+__all__ = ["modulate", "self_attention", "CrossAttention", "MixFFN", "TokenMLP", "SanaBlock"]
 
-FP16_MAX = 65504.0
 SELF_ATTN_TYPES = ("linear", "softmax")
 
 
@@ -40,61 +41,31 @@ def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
     return x * (1 + scale) + shift
 
 
-class LinearSelfAttention(nn.Module):
-    """Multi-head self-attention over image tokens: ReLU linear attention (Sana) or softmax (for comparison).
+def self_attention(
+    dim: int, head_dim: int = 32, attn_type: str = "linear", qk_norm: bool = False, use_rope: bool = False,
+    fp16_clamp: bool = False, eps: float = 1e-4, eps_form: str = "mean", qk_norm_eps: float = 1e-6,
+) -> AttentionMixer:
+    """Sana's self-attention as a layers mixer: :class:`linvision.layers.LinearAttention` with the ReLU feature
+    map (or :class:`linvision.layers.SoftmaxAttention` for ``attn_type="softmax"``), heads of ``head_dim``
+    channels, no qkv bias, q/k RMS-norm over C with ``qk_norm``, 2D axial RoPE with ``use_rope`` (for linear
+    attention it rotates the numerator only), and the fp16 clamp of the projection with ``fp16_clamp``.
 
-    Args:
-        dim: channels C.
-        head_dim: channels per head (Sana: 32); C must be divisible by it.
-        attn_type: "linear" (ReLU linear attention, fp32 accumulation and division) or "softmax" (SDPA).
-        qk_norm: RMS-normalise q and k over the C channels (learnable gain) before the feature map.
-        use_rope: 2D axial RoPE on the H x W grid (for linear attention it rotates the numerator only).
-        fp16_clamp: clamp a float16 output to +-65504. Sana's released weights were trained under fp16 autocast
-            with this clamp after the output projection: a projection output beyond the fp16 range becomes
-            +-inf, and one inf in the residual stream turns the next LayerNorm into NaN. The clamp saturates
-            instead; reproducing those weights' behaviour in fp16 needs it. It does nothing for other dtypes.
-        eps: the linear-attention denominator's eps (see :func:`linvision.ops.linear_attention`). The op
-            works with means over tokens, so this equals Sana's sum form with an eps of N * eps.
+    ``fp16_clamp``: Sana's released weights were trained under fp16 autocast with this clamp after the output
+    projection; reproducing their behaviour in fp16 needs it. ``eps`` / ``eps_form``: see
+    :class:`linvision.layers.LinearAttention` (diffusers' Sana is ``eps=1e-15, eps_form="sum"``; the default,
+    mean form with 1e-4, equals the sum form with N * 1e-4).
     """
-
-    def __init__(
-        self, dim: int, head_dim: int = 32, attn_type: str = "linear", qk_norm: bool = False,
-        use_rope: bool = False, fp16_clamp: bool = False, eps: float = 1e-4,
-    ):
-        super().__init__()
-        if head_dim <= 0 or dim % head_dim != 0:
-            raise ValueError(f"head_dim: must divide dim={dim}, got {head_dim}")
-        if attn_type not in SELF_ATTN_TYPES:
-            raise ValueError(f"attn_type: unknown {attn_type!r}; allowed: {', '.join(SELF_ATTN_TYPES)}")
-        if use_rope and head_dim % 4 != 0:
-            raise ValueError(f"head_dim: 2D RoPE needs a multiple of 4, got {head_dim}")
-        self.dim = dim
-        self.head_dim = head_dim
-        self.num_heads = dim // head_dim
-        self.attn_type = attn_type
-        self.use_rope = use_rope
-        self.fp16_clamp = fp16_clamp
-        self.eps = eps
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
-        self.q_norm = nn.RMSNorm(dim, eps=1e-6) if qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(dim, eps=1e-6) if qk_norm else nn.Identity()
-        self.proj = nn.Linear(dim, dim)
-
-    def forward(self, x: Tensor, hw: Tuple[int, int]) -> Tensor:
-        """x (B, N, C) with N = H * W -> (B, N, C) in x's dtype."""
-        check_grid(hw, x.shape[1], name="hw")
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
-        q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (rearrange(t, "b n (h d) -> b h n d", d=self.head_dim) for t in (q, k, v))
-        rope = axial_rope(self.head_dim, tuple(hw), device=x.device) if self.use_rope else None
-        if self.attn_type == "linear":
-            out = linear_attention(q, k, v, "relu", rope=rope, eps=self.eps)
-        else:
-            out = softmax_attention(q, k, v, rope=rope)
-        out = self.proj(rearrange(out, "b h n d -> b n (h d)"))
-        if self.fp16_clamp and out.dtype == torch.float16:
-            out = out.clamp(-FP16_MAX, FP16_MAX)
-        return out
+    if head_dim <= 0 or dim % head_dim != 0:
+        raise ValueError(f"head_dim: must divide dim={dim}, got {head_dim}")
+    if attn_type not in SELF_ATTN_TYPES:
+        raise ValueError(f"attn_type: unknown {attn_type!r}; allowed: {', '.join(SELF_ATTN_TYPES)}")
+    if use_rope and head_dim % 4 != 0:
+        raise ValueError(f"head_dim: 2D RoPE needs a multiple of 4, got {head_dim}")
+    options = dict(rope="axial" if use_rope else None, qkv_bias=False, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,
+                   fp16_clamp=fp16_clamp)
+    if attn_type == "linear":
+        options.update(feature_map="relu", eps=eps, eps_form=eps_form)
+    return create_mixer(attn_type, dim, dim // head_dim, **options)
 
 
 class CrossAttention(nn.Module):
@@ -178,7 +149,7 @@ class SanaBlock(nn.Module):
         self_attn: "linear" (ReLU linear attention) or "softmax" (the same block with softmax self-attention).
         ffn: "mix" (Mix-FFN, needs the grid) or "mlp" (per-token MLP; the block is then permutation-equivariant).
         cross_attn: build the cross-attention; without it ``context`` must be None.
-        qk_norm, use_rope, fp16_clamp: see :class:`LinearSelfAttention`.
+        qk_norm, use_rope, fp16_clamp: see :func:`self_attention`.
     """
 
     def __init__(
@@ -191,7 +162,7 @@ class SanaBlock(nn.Module):
             raise ValueError(f"ffn: unknown {ffn!r}; allowed: mix, mlp")
         self.dim = dim
         self.norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
-        self.attn = LinearSelfAttention(
+        self.attn = self_attention(
             dim, head_dim, attn_type=self_attn, qk_norm=qk_norm, use_rope=use_rope, fp16_clamp=fp16_clamp
         )
         self.cross_attn = CrossAttention(dim, num_heads, qk_norm=qk_norm) if cross_attn else None

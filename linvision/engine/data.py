@@ -1,6 +1,6 @@
 """Datasets and loaders for the tools: image folders, torchvision datasets on disk, and offline digits.
 
-Three sources, chosen by ``dataset``:
+Four sources, chosen by ``dataset``:
 - ``"folder"``: ``data_dir/train/<class>/*.png`` and ``data_dir/val/<class>/*`` (``val`` may be named
   ``validation``), read with torchvision's ImageFolder;
 - ``"torch/name"`` (timm's spelling, e.g. ``torch/cifar10``) or ``"torchvision/NAME"`` (e.g.
@@ -8,6 +8,8 @@ Three sources, chosen by ``dataset``:
   is matched without regard to case;
 - ``"digits"``: scikit-learn's 8x8 handwritten digits (1797 images, 10 classes, shipped with scikit-learn),
   upscaled to RGB images, split 80/20 with a fixed seed. It needs no file and no network.
+- ``"photos"``: 10 classes of crops of the photographs shipped with scikit-image and scikit-learn, training and
+  validation crops from disjoint parts of each photograph (:mod:`linvision.engine.texture_data`); offline.
 
 Unreadable images raise :class:`BadImageError` naming the file; 16-bit greyscale images are scaled to 8 bits
 (not clipped). Loader worker processes leave the run's process group, so a signal to the group is the
@@ -94,8 +96,12 @@ def create_dataset(dataset: str, data_dir: Optional[str], split: str, transform:
     """
     if dataset == "digits":
         return DigitsDataset(split, size=digits_size, transform=transform)
+    if dataset == "photos":  # crops of photographs shipped with scikit-image and scikit-learn (texture_data.py)
+        from .texture_data import PhotoCropsDataset
+
+        return PhotoCropsDataset(split, size=digits_size, transform=transform)
     if not data_dir:
-        raise ValueError(f"data_dir: required for dataset {dataset!r} (only 'digits' needs none)")
+        raise ValueError(f"data_dir: required for dataset {dataset!r} (only 'digits' and 'photos' need none)")
     if not os.path.isdir(data_dir):
         raise FileNotFoundError(f"data_dir: folder not found: {data_dir}")
     if dataset == "folder":
@@ -123,7 +129,7 @@ def create_dataset(dataset: str, data_dir: Optional[str], split: str, transform:
             return cls(data_dir, split=split, transform=transform, download=False)
         except RuntimeError as e:  # torchvision reports missing files this way
             raise FileNotFoundError(f"data_dir: {name} not found under {data_dir} ({e})") from None
-    raise ValueError(f"dataset: unknown {dataset!r}; allowed: 'folder', 'digits', 'torch/<name>', "
+    raise ValueError(f"dataset: unknown {dataset!r}; allowed: 'folder', 'digits', 'photos', 'torch/<name>', "
                      f"'torchvision/<Name>'")
 
 

@@ -250,3 +250,64 @@ def test_sample_classification_sees_the_classifier_preprocessing():
         meta["std"]).view(1, 3, 1, 1)
     assert y[:64].tolist() == ref.targets[:64]
     torch.testing.assert_close(clf.seen, expected, rtol=0, atol=1.01 / 255 / 0.2)
+
+
+def test_ema_decay_warms_up_as_the_formula():
+    """timm's ModelEmaV3 as the trainer sets it up: after update k, ema = d_k ema + (1 - d_k) model with
+    d_k = min(decay, (k + 1) / (k + 10))."""
+    from linvision.diffusion.train import create_ema, ema_step
+
+    model = torch.nn.Linear(3, 2).double()
+    ema = create_ema(model, 0.95)
+    want = {n: p.detach().clone() for n, p in model.named_parameters()}
+    g = torch.Generator().manual_seed(0)
+    for k in range(200):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+        ema.update(model, step=ema_step(k))
+        d = min(0.95, (k + 1) / (k + 10))
+        for n, p in model.named_parameters():
+            want[n] = d * want[n] + (1 - d) * p.detach()
+    for n, p in ema.module.named_parameters():
+        torch.testing.assert_close(p, want[n], rtol=1e-12, atol=1e-12)
+
+
+def test_optimizer_leaves_modulation_tables_and_vectors_undecayed():
+    from timm.optim import create_optimizer_v2
+
+    model = LinDiT(_tiny_config())
+    opt = create_optimizer_v2(model, opt="adamw", lr=1e-3, weight_decay=0.05)
+    names = {id(p): n for n, p in model.named_parameters()}
+    undecayed = {names[id(p)] for g in opt.param_groups if g["weight_decay"] == 0 for p in g["params"]}
+    decayed = {names[id(p)] for g in opt.param_groups if g["weight_decay"] == 0.05 for p in g["params"]}
+    assert {"blocks.0.scale_shift_table", "blocks.1.scale_shift_table", "final_layer.scale_shift_table"} <= undecayed
+    assert all(model.get_parameter(n).dim() >= 2 and not n.endswith("scale_shift_table") for n in decayed)
+    assert "blocks.0.attn.qkv.weight" in decayed and "blocks.0.ffn.expand.weight" in decayed
+    assert decayed | undecayed == set(names.values())
+
+
+def test_tool_flags_are_the_recipe_fields():
+    """tools/train_diffusion.py builds its recipe flags from DiffusionTrainConfig: every field is a flag with
+    the field's default, and flags (and YAML keys) come back as the recipe."""
+    import importlib.util
+    from dataclasses import fields
+
+    from support import ROOT
+
+    spec = importlib.util.spec_from_file_location("train_diffusion_tool", os.path.join(ROOT, "tools",
+                                                                                      "train_diffusion.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    parser = tool.build_parser()
+    dests = {a.dest for a in parser._actions}
+    names = [f.name for f in fields(DiffusionTrainConfig)]
+    assert set(names) <= dests
+    assert tool.recipe_from_args(parser.parse_args([])) == DiffusionTrainConfig()
+    args = parser.parse_args(["--steps", "7", "--lr", "0.5", "--max-minutes", "2", "--model-kwargs", "depth=3",
+                              "--data-dir", "/x"])
+    cfg = tool.recipe_from_args(args)
+    assert (cfg.steps, cfg.lr, cfg.max_minutes, cfg.model_kwargs, cfg.data_dir) == (7, 0.5, 2.0, {"depth": 3}, "/x")
+    assert cfg.model_config().depth == 3
+    with pytest.raises(ValueError, match="model config: unknown keys"):
+        tool.recipe_from_args(parser.parse_args(["--model-kwargs", "nope=1"]))

@@ -5,45 +5,49 @@
     python tools/train_diffusion.py --dataset folder --data-dir /data/pets/train --model digits \
         --model-kwargs img_size=64 in_chans=3 patch_size=4 num_classes=37 --steps 20000
 
-The run folder <output>/<experiment> receives config.yaml and the checkpoint last/ (model.safetensors,
-ema.safetensors, model.json, train_state.pt); sample from it with tools/sample_diffusion.py.
+The recipe flags are the fields of linvision.diffusion.DiffusionTrainConfig (YAML keys too). The run folder
+<output>/<experiment> receives config.yaml and the checkpoint last/ (model.safetensors, ema.safetensors,
+model.json, train_state.pt); sample from it with tools/sample_diffusion.py.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import typing
+from dataclasses import fields
 
 import torch
 
-from linvision.diffusion.model import DIT_CONFIGS, DiTConfig
 from linvision.diffusion.train import DiffusionTrainConfig, train_dit
-from linvision.engine.files import atomic_write
 from linvision.engine.cli import run_cli
 from linvision.engine.config import parse_args, parse_kwargs, save_yaml
+from linvision.engine.files import atomic_write
 from linvision.engine.run_folder import claim_run_folder
+
+
+def _flag_type(annotation: typing.Any) -> type:
+    """int, float or str for a field's annotation (Optional[X] -> X; a union with str or a dict -> str)."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if annotation in (int, float, str) or (len(args) == 1 and args[0] in (int, float, str)):
+        return annotation if annotation in (int, float, str) else args[0]
+    return str
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    d = DiffusionTrainConfig()
-    p.add_argument("--model", default="digits", help=f"base model config: {', '.join(DIT_CONFIGS)}")
-    p.add_argument("--model-kwargs", nargs="*", default=None,
-                   help="overrides of the model config as key=value pairs or a JSON object, e.g. depth=6")
-    p.add_argument("--dataset", default=d.dataset, help="'digits' (offline) or 'folder' (<data-dir>/<class>/*)")
-    p.add_argument("--data-dir", default=d.data_dir)
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--max-minutes", type=float, default=d.max_minutes, help="stop after this much training time")
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
-    p.add_argument("--grad-clip", type=float, default=d.grad_clip)
-    p.add_argument("--ema-decay", type=float, default=d.ema_decay)
-    p.add_argument("--class-dropout", type=float, default=d.class_dropout,
-                   help="probability of the null class during training (for classifier-free guidance)")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--log-every", type=int, default=d.log_every)
-    p.add_argument("--save-every", type=int, default=d.save_every)
+    recipe = p.add_argument_group("recipe (DiffusionTrainConfig)")
+    hints = typing.get_type_hints(DiffusionTrainConfig)
+    defaults = DiffusionTrainConfig()
+    for f in fields(DiffusionTrainConfig):
+        flag, hint = "--" + f.name.replace("_", "-"), hints[f.name]
+        help_ = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help strings
+        if typing.get_origin(hint) is dict or hint is dict:
+            recipe.add_argument(flag, nargs="*", default=None, help=help_)
+        elif hint is bool:
+            recipe.add_argument(flag, action=argparse.BooleanOptionalAction, default=getattr(defaults, f.name),
+                                help=help_)
+        else:
+            recipe.add_argument(flag, type=_flag_type(hint), default=getattr(defaults, f.name), help=help_)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--output", default="output")
     p.add_argument("--experiment", default="diffusion_digits")
@@ -53,21 +57,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def recipe_from_args(args: argparse.Namespace) -> DiffusionTrainConfig:
+    """The DiffusionTrainConfig of the parsed flags (dict fields read by parse_kwargs); checked."""
+    values = {f.name: getattr(args, f.name) for f in fields(DiffusionTrainConfig)}
+    values["model_kwargs"] = parse_kwargs(values["model_kwargs"])
+    cfg = DiffusionTrainConfig(**values)
+    cfg.check()
+    return cfg
+
+
 def main() -> int:
     args = parse_args(build_parser())
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.model not in DIT_CONFIGS:
-        raise ValueError(f"model: unknown {args.model!r}; allowed: {', '.join(DIT_CONFIGS)}")
-    model_cfg = {**DIT_CONFIGS[args.model].to_dict(), **parse_kwargs(args.model_kwargs)}
-    DiTConfig.from_dict(model_cfg)  # fails early on an unknown key
-    cfg = DiffusionTrainConfig(
-        model=model_cfg, dataset=args.dataset, data_dir=args.data_dir, steps=args.steps,
-        max_minutes=args.max_minutes, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
-        warmup_steps=args.warmup_steps, grad_clip=args.grad_clip, ema_decay=args.ema_decay,
-        class_dropout=args.class_dropout, seed=args.seed, log_every=args.log_every, save_every=args.save_every,
-    )
-    cfg.check()
+    cfg = recipe_from_args(args)
     folder = claim_run_folder(os.path.join(args.output, args.experiment), resume=args.resume,
                               overwrite=args.overwrite)
     try:
@@ -77,9 +80,9 @@ def main() -> int:
         recipe = {k: v for k, v in vars(args).items() if k not in ("config", "overwrite", "resume")}
         atomic_write(os.path.join(run_dir, "config.yaml"), lambda p: save_yaml(p, recipe))
         result = train_dit(cfg, run_dir, resume=args.resume)
+        print(f"done: step {result['step']}, {result['elapsed_s']:.0f}s, checkpoint {os.path.join(run_dir, 'last')}")
     finally:
         folder.release()
-    print(f"done: step {result['step']}, {result['elapsed_s']:.0f}s, checkpoint {os.path.join(run_dir, 'last')}")
     return 0
 
 

@@ -74,15 +74,15 @@ class CrossAttention(nn.Module):
     Rows whose condition is entirely padded receive exactly zero (instead of the NaN of a softmax over no keys).
     """
 
-    def __init__(self, dim: int, num_heads: int, qk_norm: bool = False):
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool = False, qk_norm_eps: float = 1e-6):
         super().__init__()
         if num_heads <= 0 or dim % num_heads != 0:
             raise ValueError(f"num_heads: must divide dim={dim}, got {num_heads}")
         self.num_heads = num_heads
         self.q = nn.Linear(dim, dim)
         self.kv = nn.Linear(dim, 2 * dim)
-        self.q_norm = nn.RMSNorm(dim, eps=1e-6) if qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.q_norm = nn.RMSNorm(dim, eps=qk_norm_eps) if qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(dim, eps=qk_norm_eps) if qk_norm else nn.Identity()
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: Tensor, context: Tensor, context_mask: Optional[Tensor] = None) -> Tensor:
@@ -149,13 +149,14 @@ class SanaBlock(nn.Module):
         self_attn: "linear" (ReLU linear attention) or "softmax" (the same block with softmax self-attention).
         ffn: "mix" (Mix-FFN, needs the grid) or "mlp" (per-token MLP; the block is then permutation-equivariant).
         cross_attn: build the cross-attention; without it ``context`` must be None.
-        qk_norm, use_rope, fp16_clamp: see :func:`self_attention`.
+        qk_norm, qk_norm_eps, use_rope, fp16_clamp, eps, eps_form: see :func:`self_attention` (qk_norm and
+            qk_norm_eps also apply to the cross-attention).
     """
 
     def __init__(
         self, dim: int, num_heads: int, head_dim: int = 32, mlp_ratio: float = 2.5, self_attn: str = "linear",
         ffn: str = "mix", cross_attn: bool = True, qk_norm: bool = False, use_rope: bool = False,
-        fp16_clamp: bool = False,
+        fp16_clamp: bool = False, eps: float = 1e-4, eps_form: str = "mean", qk_norm_eps: float = 1e-6,
     ):
         super().__init__()
         if ffn not in ("mix", "mlp"):
@@ -163,9 +164,10 @@ class SanaBlock(nn.Module):
         self.dim = dim
         self.norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
         self.attn = self_attention(
-            dim, head_dim, attn_type=self_attn, qk_norm=qk_norm, use_rope=use_rope, fp16_clamp=fp16_clamp
+            dim, head_dim, attn_type=self_attn, qk_norm=qk_norm, use_rope=use_rope, fp16_clamp=fp16_clamp,
+            eps=eps, eps_form=eps_form, qk_norm_eps=qk_norm_eps,
         )
-        self.cross_attn = CrossAttention(dim, num_heads, qk_norm=qk_norm) if cross_attn else None
+        self.cross_attn = CrossAttention(dim, num_heads, qk_norm, qk_norm_eps) if cross_attn else None
         self.norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
         hidden = int(dim * mlp_ratio)
         self.ffn = MixFFN(dim, hidden) if ffn == "mix" else TokenMLP(dim, hidden)

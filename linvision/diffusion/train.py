@@ -1,60 +1,76 @@
-"""Training of :class:`LinDiT` with rectified flow: the recipe, the EMA, the schedule and the loop the tools
-call. Data comes from :mod:`linvision.diffusion.data`, checkpoints go through :mod:`linvision.diffusion.checkpoint`
-(the train state is read with ``weights_only=True``).
+"""Training of :class:`LinDiT` with rectified flow: the recipe and the loop the tools call, on the engine's and
+timm's parts: ``timm.optim.create_optimizer_v2`` (AdamW; the model's ``no_weight_decay()`` keeps the modulation
+tables undecayed), ``timm.utils.ModelEmaV3`` (decay warmed up as min(ema_decay, (k + 1) / (k + 10)) at update
+k), torch's ``LambdaLR`` (linear warm-up, cosine to 10%) and the engine's checkpoint folder
+(:mod:`linvision.diffusion.checkpoint`; the train state is read with ``weights_only=True``). Data comes from
+:mod:`linvision.diffusion.data`.
 """
 from __future__ import annotations
 
-import copy
 import math
 import os
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
-from safetensors.torch import load_file
+from timm.optim import create_optimizer_v2
+from timm.utils import ModelEmaV3
 from torch import nn
 
-from linvision.engine.checkpoint import load_torch_file
+from linvision.engine.checkpoint import load_checkpoint_weights, load_torch_file
 from linvision.engine.files import recover_checkpoint_folder
 from linvision.engine.interrupt import StopFlag, TrainInterrupted
 
-from .checkpoint import resolve_dit_checkpoint, save_dit_checkpoint
+from .checkpoint import DIT_MODEL_NAME, save_dit_checkpoint
 from .data import load_images
 from .flow import flow_matching_loss
-from .model import DiTConfig, LinDiT
+from .model import DIT_CONFIGS, DiTConfig, LinDiT
 
-__all__ = ["update_ema", "DiffusionTrainConfig", "train_dit"]
+__all__ = ["DiffusionTrainConfig", "train_dit", "lr_factor", "create_ema", "ema_step"]
 
 
-@torch.no_grad()
-def update_ema(ema: nn.Module, model: nn.Module, decay: float) -> None:
-    """ema <- decay * ema + (1 - decay) * model, parameter by parameter (buffers copied)."""
-    for pe, pm in zip(ema.parameters(), model.parameters()):
-        pe.lerp_(pm.detach(), 1.0 - decay)
-    for be, bm in zip(ema.buffers(), model.buffers()):
-        be.copy_(bm)
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    """A recipe field with its command-line help (the tool builds its flags from these fields)."""
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
 
 
 @dataclass
 class DiffusionTrainConfig:
-    """The recipe of :func:`train_dit` (the tool's flags mirror these fields)."""
+    """The recipe of :func:`train_dit`; tools/train_diffusion.py derives its flags from these fields."""
 
-    model: Dict[str, Any] = field(default_factory=lambda: DiTConfig().to_dict())
-    dataset: str = "digits"
-    data_dir: Optional[str] = None
-    steps: int = 2000
-    max_minutes: Optional[float] = None
-    batch_size: int = 64
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    warmup_steps: int = 100
-    grad_clip: float = 1.0
-    ema_decay: float = 0.999
-    class_dropout: float = 0.1
-    seed: int = 0
-    log_every: int = 50
-    save_every: int = 500
+    model: Union[str, Dict[str, Any]] = _opt("digits", f"base model config ({', '.join(DIT_CONFIGS)}) or a dict "
+                                                       f"of DiTConfig fields")
+    model_kwargs: Dict[str, Any] = _opt({}, "overrides of the model config as key=value pairs or a JSON object, "
+                                            "e.g. depth=6")
+    dataset: str = _opt("digits", "'digits' (offline) or 'folder' (<data-dir>/<class>/*)")
+    data_dir: Optional[str] = _opt(None, "the image folder of dataset 'folder'")
+    steps: int = _opt(2000, "optimizer steps")
+    max_minutes: Optional[float] = _opt(None, "stop after this much training time")
+    batch_size: int = _opt(64, "images per step")
+    lr: float = _opt(1e-3, "peak learning rate")
+    weight_decay: float = _opt(0.0, "AdamW weight decay (not on biases, norms and modulation tables)")
+    warmup_steps: int = _opt(100, "linear warm-up steps before the cosine decay to 10%")
+    grad_clip: float = _opt(1.0, "gradient-norm clip (0: none)")
+    ema_decay: float = _opt(0.999, "decay of the weights' EMA (warmed up: min(decay, (k + 1) / (k + 10)))")
+    class_dropout: float = _opt(0.1, "probability of the null class during training (for classifier-free "
+                                     "guidance)")
+    seed: int = _opt(0, "seed of the initialisation, the data order and the noise")
+    log_every: int = _opt(50, "log the mean loss every this many steps")
+    save_every: int = _opt(500, "checkpoint every this many steps (0: only at the end)")
+
+    def model_config(self) -> DiTConfig:
+        """The DiTConfig of ``model`` (a name of DIT_CONFIGS or a dict) with ``model_kwargs`` applied;
+        ValueError naming an unknown config or key."""
+        if isinstance(self.model, str):
+            if self.model not in DIT_CONFIGS:
+                raise ValueError(f"model: unknown {self.model!r}; allowed: {', '.join(DIT_CONFIGS)}")
+            base = DIT_CONFIGS[self.model].to_dict()
+        else:
+            base = dict(self.model)
+        return DiTConfig.from_dict({**base, **(self.model_kwargs or {})})
 
     def check(self) -> None:
         """ValueError naming the first field whose value training cannot use."""
@@ -72,14 +88,31 @@ class DiffusionTrainConfig:
         need(0 < self.ema_decay < 1, "ema_decay", "must be within (0, 1)")
         need(0 <= self.class_dropout < 1, "class_dropout", "must be within [0, 1)")
         need(self.max_minutes is None or self.max_minutes > 0, "max_minutes", "must be > 0")
+        self.model_config()
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def _lr_at(step: int, cfg: DiffusionTrainConfig) -> float:
-    """Linear warm-up, then cosine decay to 10% over ``cfg.steps``."""
+def lr_factor(step: int, cfg: DiffusionTrainConfig) -> float:
+    """The learning rate of ``step`` over ``cfg.lr``: linear warm-up, then cosine decay to 10% over
+    ``cfg.steps``."""
     if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
+        return (step + 1) / cfg.warmup_steps
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def create_ema(model: nn.Module, decay: float) -> ModelEmaV3:
+    """timm's EMA of ``model`` whose decay at update k (0-based, given as ``step=ema_step(k)``) is
+    min(decay, (k + 1) / (k + 10)): short runs would otherwise keep the EMA near the random init."""
+    return ModelEmaV3(model, decay=decay, use_warmup=True, warmup_gamma=9.0, warmup_power=1.0)
+
+
+def ema_step(k: int) -> int:
+    """timm counts from 1 and warms up as 1 - (1 + s / gamma)^-power with s = step - 1; with gamma 9, power 1
+    and step k + 2 that is (k + 1) / (k + 10)."""
+    return k + 2
 
 
 def train_dit(cfg: DiffusionTrainConfig, out_dir: str, resume: bool = False, stop_after: Optional[int] = None,
@@ -94,27 +127,26 @@ def train_dit(cfg: DiffusionTrainConfig, out_dir: str, resume: bool = False, sto
     """
     cfg.check()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model_cfg = DiTConfig.from_dict(cfg.model)
+    model_cfg = cfg.model_config()
     x_all, y_all, classes = load_images(cfg.dataset, model_cfg.img_size, model_cfg.in_chans, cfg.data_dir)
     if len(classes) != model_cfg.num_classes:
         raise ValueError(f"model.num_classes: {model_cfg.num_classes}, but the data has {len(classes)} classes")
     torch.manual_seed(cfg.seed)
     model = LinDiT(model_cfg).to(device)
-    ema = copy.deepcopy(model).requires_grad_(False)
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "scale_shift_table" in n]
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "scale_shift_table" not in n]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.99))
+    ema = create_ema(model, cfg.ema_decay)
+    opt = create_optimizer_v2(model, opt="adamw", lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_factor(k, cfg))
     data_gen = torch.Generator().manual_seed(cfg.seed)
     noise_gen = torch.Generator(device=device).manual_seed(cfg.seed + 1)
     step = 0
     last = os.path.join(out_dir, "last")
     if resume:
         recover_checkpoint_folder(last)
-        state = load_torch_file(os.path.join(resolve_dit_checkpoint(last), "train_state.pt"), "resume")
-        model.load_state_dict(load_file(os.path.join(last, "model.safetensors")))
-        ema.load_state_dict(load_file(os.path.join(last, "ema.safetensors")))
+        state = load_torch_file(os.path.join(last, "train_state.pt"), "resume")
+        load_checkpoint_weights(model, last, DIT_MODEL_NAME)
+        load_checkpoint_weights(ema.module, last, DIT_MODEL_NAME, "ema.safetensors")
         opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
         data_gen.set_state(state["data_gen"])
         noise_gen.set_state(state["noise_gen"])
         step = state["step"]
@@ -122,9 +154,9 @@ def train_dit(cfg: DiffusionTrainConfig, out_dir: str, resume: bool = False, sto
     meta = {"data": {"dataset": cfg.dataset, "classes": classes, "value_range": [-1.0, 1.0]}}
 
     def save() -> None:
-        train_state = {"optimizer": opt.state_dict(), "step": step, "data_gen": data_gen.get_state(),
-                       "noise_gen": noise_gen.get_state(), "config": cfg.__dict__}
-        save_dit_checkpoint(last, model, ema, {**meta, "step": step}, train_state)
+        train_state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step,
+                       "data_gen": data_gen.get_state(), "noise_gen": noise_gen.get_state(), "config": cfg.to_dict()}
+        save_dit_checkpoint(last, model, ema.module, {**meta, "step": step}, train_state)
 
     n_params = sum(p.numel() for p in model.parameters())
     log(f"LinDiT {n_params / 1e6:.2f}M params, {len(y_all)} images, device {device}")
@@ -139,21 +171,21 @@ def train_dit(cfg: DiffusionTrainConfig, out_dir: str, resume: bool = False, sto
                 break
             idx = torch.randint(len(y_all), (cfg.batch_size,), generator=data_gen)
             x0, y = x_all[idx].to(device), y_all[idx].to(device)
-            for g in opt.param_groups:
-                g["lr"] = _lr_at(step, cfg)
+            lr = opt.param_groups[0]["lr"]
             loss = flow_matching_loss(model, x0, y, cfg.class_dropout, generator=noise_gen)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if cfg.grad_clip > 0:
                 nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             opt.step()
-            # Short runs would keep the EMA near the random init with a fixed 0.999: warm the decay up.
-            update_ema(ema, model, min(cfg.ema_decay, (1 + step) / (10 + step)))
+            sched.step()
+            # Short runs would keep the EMA near the random init with a fixed 0.999: the decay is warmed up.
+            ema.update(model, step=ema_step(step))
             step += 1
             window.append(loss.item())
             if step % cfg.log_every == 0 or step == cfg.steps:
                 losses.append(sum(window) / len(window))
-                log(f"step {step:6d}  loss {losses[-1]:.4f}  lr {_lr_at(step - 1, cfg):.2e}  "
+                log(f"step {step:6d}  loss {losses[-1]:.4f}  lr {lr:.2e}  "
                     f"{time.perf_counter() - start:.0f}s")
                 window = []
             if stop.signum:  # saved at this step, then the tool exits with 128 + the signal

@@ -3,6 +3,7 @@
 A checkpoint is a folder::
 
     model.safetensors   the weights (of the EMA copy when training kept one and it scored better; see model.json)
+    ema.safetensors     (diffusion models) the EMA copy's weights, which sampling uses by default
     model.json          what rebuilds the model: {"model", "num_classes", "in_chans", "model_kwargs",
                         "img_size", "mean", "std", "crop_pct", "classes", ...}
     train_state.pt      (``last`` only) optimizer, scheduler, scaler, EMA weights, RNG states, epoch and step
@@ -32,7 +33,7 @@ from .factory import create_model
 from .files import write_checkpoint_folder
 
 __all__ = ["load_torch_file", "strip_module_prefix", "load_pretrained", "save_checkpoint", "load_model", "resolve_checkpoint",
-           "read_checkpoint_meta"]
+           "read_checkpoint_meta", "load_checkpoint_weights"]
 
 
 def load_torch_file(path: str, what: str) -> Any:
@@ -110,14 +111,17 @@ def _tensors(module: nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def save_checkpoint(folder: str, model: nn.Module, meta: Dict[str, Any],
-                    train_state: Optional[Dict[str, Any]] = None) -> None:
-    """Write model.safetensors, model.json and (if given) train_state.pt into ``folder`` as one unit
+                    train_state: Optional[Dict[str, Any]] = None, ema: Optional[nn.Module] = None) -> None:
+    """Write model.safetensors, model.json, (if given) train_state.pt and ema.safetensors (the weights of an EMA
+    copy kept beside the model, for models sampled from their EMA) into ``folder`` as one unit
     (:func:`write_checkpoint_folder`): weights, description and train state always come from the same step."""
     def write_json(p):
         with open(p, "w") as f:
             json.dump(meta, f, indent=2)
 
     files = {"model.safetensors": lambda p: save_file(_tensors(model), p), "model.json": write_json}
+    if ema is not None:
+        files["ema.safetensors"] = lambda p: save_file(_tensors(ema), p)
     if train_state is not None:
         files["train_state.pt"] = lambda p: torch.save(train_state, p)
     write_checkpoint_folder(folder, files)
@@ -164,16 +168,23 @@ def load_model(path: str, device: str = "cpu", img_size: Optional[int] = None,
         kwargs.pop("img_size", None)  # a stored training size gives way to the one asked for
     model = create_model(meta["model"], num_classes=meta["num_classes"], in_chans=meta.get("in_chans", 3),
                          model_kwargs=kwargs, img_size=size)
-    weights = os.path.join(folder, "model.safetensors")
+    load_checkpoint_weights(model, folder, meta["model"])
+    return model.to(device).eval(), meta
+
+
+def load_checkpoint_weights(model: nn.Module, folder: str, name: str, file: str = "model.safetensors") -> None:
+    """Load ``folder/file`` into ``model`` strictly (through the model's ``checkpoint_filter_fn``, if any);
+    FileNotFoundError or ValueError in one line naming the file and the model ``name`` that model.json
+    describes."""
+    weights = os.path.join(folder, file)
     try:
         state = load_file(weights)
     except FileNotFoundError:
-        raise FileNotFoundError(f"checkpoint: no model.safetensors in {folder}") from None
+        raise FileNotFoundError(f"checkpoint: no {file} in {folder}") from None
     except Exception as e:  # safetensors raises its own error type for truncated or corrupt files
         raise ValueError(f"checkpoint: cannot read {weights} ({str(e).strip()[:200]})") from None
     try:
         model.load_state_dict(_filter_state_dict(model, state))
     except RuntimeError as e:
-        raise ValueError(f"checkpoint: {weights} does not hold the weights of the {meta['model']} that model.json "
+        raise ValueError(f"checkpoint: {weights} does not hold the weights of the {name} that model.json "
                          f"describes ({str(e).strip().splitlines()[0][:200]})") from None
-    return model.to(device).eval(), meta

@@ -1,4 +1,5 @@
-"""Sana-style linear-attention diffusion: block, small DiT, rectified-flow training and sampling."""
+"""Sana-style linear-attention diffusion: block, DiT (class- or caption-conditioned; diffusers Sana checkpoints),
+rectified-flow training and sampling."""
 from .block import CrossAttention, MixFFN, SanaBlock, self_attention
 from .flow import flow_matching_loss, logit_normal_timesteps, sample_flow, time_grid
 from .model import DIT_CONFIGS, DiTConfig, LinDiT, create_dit
@@ -6,3 +7,4 @@ from .sampling import classify_images, sample_classes, save_grid
 from .checkpoint import load_dit, save_dit_checkpoint
 from .data import load_images
 from .train import DiffusionTrainConfig, train_dit
+from .sana import load_diffusers_folder, save_diffusers_folder

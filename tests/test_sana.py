@@ -1,0 +1,227 @@
+"""Sana's transformer: linvision's LinDiT against diffusers' SanaTransformer2DModel (random weights, small
+configs built here, no download), the state-dict conversion, diffusers model folders, and the eps forms."""
+import json
+import os
+
+import pytest
+import torch
+
+from linvision.diffusion.model import LinDiT
+from linvision.diffusion.sana import (
+    config_from_diffusers,
+    config_to_diffusers,
+    load_diffusers_folder,
+    save_diffusers_folder,
+    state_dict_from_diffusers,
+    state_dict_to_diffusers,
+)
+from linvision.layers import CausalLinearAttention, LinearAttention
+
+diffusers = pytest.importorskip("diffusers")
+
+SMALL = dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=2,
+             num_cross_attention_heads=2, cross_attention_head_dim=8, cross_attention_dim=16, caption_channels=12,
+             sample_size=8, patch_size=2)
+
+
+def _diffusers_model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    model = diffusers.SanaTransformer2DModel(**{**SMALL, **overrides}).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # non-zero values everywhere, of a size that keeps the outputs O(1)
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() < 2 else p.shape[-1] ** -0.5 * 0.5))
+    return model
+
+
+def _inputs(b=2, hw=(8, 12), l=5, in_chans=4, caption=12, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, in_chans, *hw, generator=g)
+    t = torch.rand(b, generator=g)
+    context = torch.randn(b, l, caption, generator=g)
+    mask = torch.ones(b, l, dtype=torch.bool)
+    mask[0, 3:] = False  # caption 0 pads its last two tokens
+    return x, t, context, mask
+
+
+def _linvision(theirs, exact_eps=True):
+    cfg = config_from_diffusers(dict(theirs.config), exact_eps=exact_eps)
+    model = LinDiT(cfg).eval()
+    model.load_state_dict(state_dict_from_diffusers(theirs.state_dict(), cfg))
+    return model
+
+
+def _theirs_forward(model, x, t, context, mask, guidance=None):
+    # diffusers' timestep is 1000 t, linvision's t in [0, 1]; both compute 1000 * t in fp32 the same way
+    with torch.no_grad():
+        return model(x, context, 1000.0 * t, guidance=guidance, encoder_attention_mask=mask.long(),
+                     return_dict=False)[0]
+
+
+@pytest.mark.parametrize("qk_norm,guidance", [(None, False), ("rms_norm_across_heads", True)])
+def test_same_output_as_diffusers_with_a_padded_caption_on_a_non_square_grid(qk_norm, guidance):
+    """fp32, exact eps: float rounding apart the same output (max abs error below 2e-6 on outputs of size ~2;
+    3.6e-7 measured);
+    padded caption tokens change neither model."""
+    theirs = _diffusers_model(qk_norm=qk_norm, guidance_embeds=guidance)
+    ours = _linvision(theirs)
+    x, t, context, mask = _inputs()
+    g = torch.tensor([4.5, 2.0]) if guidance else None
+    want = _theirs_forward(theirs, x, t, context, mask, g)
+    with torch.no_grad():
+        got = ours(x, t, context=context, context_mask=mask, guidance=g)
+        noisy = context.clone()
+        noisy[~mask] = 100.0
+        got_noisy = ours(x, t, context=noisy, context_mask=mask, guidance=g)
+    assert got.shape == want.shape == x.shape and want.abs().mean() > 0.1
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+    torch.testing.assert_close(got_noisy, got, rtol=0, atol=2e-6)
+    # the padding matters to the result: without the mask the output moves
+    with torch.no_grad():
+        assert (ours(x, t, context=noisy, guidance=g) - got).abs().max() > 1e-2
+
+
+def test_default_eps_is_the_sum_form_with_n_times_eps():
+    """linvision's default (mean form, 1e-4) equals diffusers' sum form with eps N * 1e-4: patching that eps into
+    diffusers' processor reproduces linvision's default output; with diffusers' own 1e-15 the two differ."""
+    from diffusers.models import attention_processor as ap
+
+    theirs = _diffusers_model()
+    ours = _linvision(theirs, exact_eps=False)
+    assert ours.cfg.eps == 1e-4 and ours.cfg.eps_form == "mean"
+    x, t, context, mask = _inputs()
+    n = (x.shape[2] // 2) * (x.shape[3] // 2)
+    with torch.no_grad():
+        got = ours(x, t, context=context, context_mask=mask)
+    exact = _theirs_forward(theirs, x, t, context, mask)
+
+    source = ap.SanaLinearAttnProcessor2_0.__call__
+    import inspect
+    import textwrap
+
+    code = textwrap.dedent(inspect.getsource(source)).replace("+ 1e-15)", f"+ {n * 1e-4!r})")
+    assert f"+ {n * 1e-4!r})" in code
+    namespace = dict(vars(ap))
+    exec(compile(code, ap.__file__, "exec"), namespace)
+    original = ap.SanaLinearAttnProcessor2_0.__call__
+    ap.SanaLinearAttnProcessor2_0.__call__ = namespace["__call__"]
+    try:
+        patched = _theirs_forward(theirs, x, t, context, mask)
+    finally:
+        ap.SanaLinearAttnProcessor2_0.__call__ = original
+    torch.testing.assert_close(got, patched, rtol=0, atol=1e-5)
+    assert (got - exact).abs().max() > 1e-4
+
+
+def test_conversion_round_trip_is_lossless():
+    theirs = _diffusers_model(qk_norm="rms_norm_across_heads", guidance_embeds=True)
+    cfg = config_from_diffusers(dict(theirs.config))
+    state = theirs.state_dict()
+    back = state_dict_to_diffusers(state_dict_from_diffusers(state, cfg), cfg)
+    assert sorted(back) == sorted(state)
+    for k in state:
+        assert torch.equal(back[k], state[k]), k
+    config = config_to_diffusers(cfg)
+    assert {k: config[k] for k in SMALL} == SMALL
+    assert config_from_diffusers(config) == cfg
+
+
+def test_diffusers_save_pretrained_folder_loads_and_saves_back(tmp_path):
+    theirs = _diffusers_model(qk_norm="rms_norm_across_heads")
+    theirs.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "diffusion_pytorch_model.safetensors.index.json").exists()
+    ours = load_diffusers_folder(str(tmp_path / "sharded"), exact_eps=True)
+    x, t, context, mask = _inputs()
+    want = _theirs_forward(theirs, x, t, context, mask)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x, t, context=context, context_mask=mask), want, rtol=0, atol=1e-5)
+    # linvision writes the folder back; diffusers loads it (single file and sharded) to the same weights
+    for name, shard in (("single", None), ("shards", 30_000)):
+        save_diffusers_folder(ours, str(tmp_path / name), max_shard_bytes=shard)
+        again = diffusers.SanaTransformer2DModel.from_pretrained(str(tmp_path / name), low_cpu_mem_usage=False)
+        public = [k for k in theirs.config if not k.startswith("_")]
+        assert {k: again.config[k] for k in public} == {k: theirs.config[k] for k in public}
+        for k, v in theirs.state_dict().items():
+            assert torch.equal(again.state_dict()[k], v), k
+    assert len([f for f in os.listdir(tmp_path / "shards") if f.endswith(".safetensors")]) > 1
+
+
+def test_folder_errors_name_the_file_and_the_key(tmp_path):
+    theirs = _diffusers_model()
+    theirs.save_pretrained(tmp_path / "m", max_shard_size="20KB")
+    folder = tmp_path / "m"
+    index = json.loads((folder / "diffusion_pytorch_model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[1]
+    key = next(k for k, v in index["weight_map"].items() if v == shard)
+    os.rename(folder / shard, tmp_path / "aside")
+    with pytest.raises(FileNotFoundError, match=f"{shard} is missing.*{key}"):
+        load_diffusers_folder(str(folder))
+    os.rename(tmp_path / "aside", folder / shard)
+
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_layers": 3}))
+    with pytest.raises(ValueError, match="transformer_blocks.2.attn1.to_q.weight"):
+        load_diffusers_folder(str(folder))
+    (folder / "config.json").write_text(json.dumps({**config, "caption_channels": 20}))
+    with pytest.raises(ValueError, match=r"diffusion_pytorch_model-\d+-of-\d+.safetensors: 'caption_projection."
+                                         r"linear_1.weight' has shape \(16, 12\).*config.json"):
+        load_diffusers_folder(str(folder))
+    (folder / "config.json").write_text(json.dumps({**config, "interpolation_scale": 1.0}))
+    with pytest.raises(ValueError, match="config.json: interpolation_scale"):
+        load_diffusers_folder(str(folder))
+    (folder / "config.json").write_text(json.dumps({**config, "_class_name": "PixArtTransformer2DModel"}))
+    with pytest.raises(ValueError, match="config.json: _class_name"):
+        load_diffusers_folder(str(folder))
+    (folder / "config.json").write_text("{oops")
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        load_diffusers_folder(str(folder))
+    os.remove(folder / "config.json")
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_diffusers_folder(str(folder))
+
+
+@pytest.mark.parametrize("rope", [None, "axial"])
+def test_sum_eps_form_is_the_explicit_sum_formula(rope):
+    """o_i = sum_j (R phi(q_i)).(R phi(k_j)) v_j / (sum_j phi(q_i).phi(k_j) + eps) in float64, eps 2 (large
+    enough to matter against the RMS-normalised features), against the mixer with eps_form='sum'."""
+    from linvision.ops import axial_rope
+    from linvision.ops.rope import apply_rope
+
+    torch.manual_seed(0)
+    hw, c, heads = (3, 5), 16, 2
+    mixer = LinearAttention(c, heads, feature_map="relu", eps=2.0, eps_form="sum", rope=rope,
+                            qk_norm=True, qkv_bias=False).double()
+    x = torch.randn(2, 15, c, dtype=torch.float64)
+    q, k, v = mixer.qkv(x).chunk(3, dim=-1)
+    q, k = mixer.q_norm(q), mixer.k_norm(k)
+    q, k, v = (t.reshape(2, 15, heads, 8).transpose(1, 2) for t in (q, k, v))
+    pq, pk = q.relu(), k.relu()
+    den = (pq @ pk.transpose(-1, -2)).sum(-1, keepdim=True)
+    if rope:
+        r = axial_rope(8, hw)
+        num = apply_rope(pq, r) @ apply_rope(pk, r).transpose(-1, -2)
+    else:
+        num = pq @ pk.transpose(-1, -2)
+    o = num @ v / (den + 2.0)
+    want = mixer.proj(o.transpose(1, 2).reshape(2, 15, c))
+    torch.testing.assert_close(mixer(x, hw), want, rtol=1e-10, atol=1e-12)
+    mean = LinearAttention(c, heads, feature_map="relu", eps=2.0, rope=rope, qk_norm=True, qkv_bias=False).double()
+    mean.load_state_dict(mixer.state_dict())
+    assert (mean(x, hw) - want).abs().max() > 1e-2  # the mean form with the same eps is another function
+    with pytest.raises(ValueError, match="eps_form"):
+        CausalLinearAttention(c, heads, eps_form="sum")
+    with pytest.raises(ValueError, match="eps_form"):
+        LinearAttention(c, heads, eps_form="max")
+
+
+def test_sum_eps_form_is_finite_in_half_precision():
+    """diffusers' eps 1e-15 in the sum form: with fp16 inputs at 64 x 64 tokens the fp32 mean-form accumulation
+    keeps the output finite and close to the fp32 result."""
+    torch.manual_seed(0)
+    mixer = LinearAttention(64, 2, feature_map="relu", eps=1e-15, eps_form="sum", qkv_bias=False, fp16_clamp=True)
+    x = torch.randn(1, 4096, 64) * 30
+    with torch.no_grad():
+        ref = mixer(x, (64, 64))
+        out = mixer.half()(x.half(), (64, 64))
+    assert torch.isfinite(out).all()
+    assert (out.float() - ref).norm() / ref.norm() < 5e-3

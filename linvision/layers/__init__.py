@@ -19,4 +19,5 @@ from .mixers import (
     SoftmaxAttention,
 )
 from . import recurrent  # registers the bidirectional recurrent mixers
+from . import variant_mixers  # registers pola, inline, rala, mala, agent
 from .block import ConvPosEnc, MixerBlock

@@ -42,3 +42,10 @@ from .recurrent import (  # chunked forms, their steps, bidirectional scans
     bidirectional_gated_linear_attention,
     bidirectional_delta_rule_attention,
 )
+from .attention_variants import (  # PolaFormer, InLine, RALA, MALA, Agent attention
+    agent_attention,
+    injective_linear_attention,
+    magnitude_aware_linear_attention,
+    polarity_linear_attention,
+    rank_augmented_linear_attention,
+)

@@ -1,0 +1,180 @@
+"""Token mixers of the linear-attention designs in :mod:`linvision.ops.attention_variants`, registered by name:
+
+- ``"pola"``: PolaFormer (ICLR 2025). Polarity-aware linear attention; q and k are divided by a learnable
+  softplus scale per channel and sharpened by a learnable power p = 1 + alpha * sigmoid(w) per head and channel
+  (alpha 4, w = 0 at start: p = 3). Default LePE (PolaFormer's depthwise conv on v).
+- ``"inline"``: InLine (NeurIPS 2024). Injective linear attention (identity map, scores minus their mean plus
+  1/N) and its local residual: per token and head, 9 weights predicted from the input (3x3 depthwise conv, GELU,
+  1x1 conv) mix the 3x3 neighbourhood of v.
+- ``"rala"``: RALA of RAVLT (CVPR 2025). Keys reweighted by the softmax of the global query's scores, and the
+  element-wise output modulation o * (W_o x) (linear, no activation) on the attention term. Default axial RoPE
+  and LePE (RAVLT has both).
+- ``"mala"``: MALA (ICCV 2025). Magnitude-aware linear attention (elu+1 map, D^-1/2 score scale). Default axial
+  RoPE and LePE (as in MAViT).
+- ``"agent"``: Agent attention (ECCV 2024). Agents pooled from q on a ``agent_grid`` (default 7 x 7 = 49, the
+  paper's count), two softmax stages. Default LePE (the paper's depthwise conv on v); no RoPE (an agent averages
+  many positions and has no single rotation) and no agent bias tables (the model's CPE/LePE give positions).
+
+All are :class:`~linvision.layers.mixers.AttentionMixer` subclasses (qkv projection, optional LePE, output gate,
+projection), so every model family and the ablation take them by name. Which run on the fused kernels: see
+:mod:`linvision.ops.attention_variants`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from linvision.ops import Rope
+from linvision.ops.attention_variants import (
+    agent_attention,
+    injective_linear_attention,
+    magnitude_aware_linear_attention,
+    polarity_linear_attention,
+    rank_augmented_linear_attention,
+)
+
+from .mixers import AttentionMixer
+from .registry import register_mixer
+
+__all__ = ["PolaAttention", "InLineAttention", "RALAttention", "MALAttention", "AgentAttention"]
+
+
+@register_mixer("pola")
+class PolaAttention(AttentionMixer):
+    """PolaFormer's polarity-aware linear attention (see the module docstring).
+
+    alpha: the power ranges over 1..1 + alpha (default 4). eps: the denominators' eps (default 1e-6).
+    RoPE rotates the 2D-channel polarity features (``rope_dim`` = 2 * head dim). Other options:
+    :class:`AttentionMixer`. Needs an even head dim (the value channels are split in two).
+    """
+
+    def __init__(self, dim: int, num_heads: int, *, alpha: float = 4.0, eps: float = 1e-6, lepe: bool = True,
+                 **kwargs):
+        if not alpha > 0:
+            raise ValueError(f"alpha: must be > 0, got {alpha!r}")
+        super().__init__(dim, num_heads, lepe=lepe, **kwargs)
+        if self.head_dim % 2:
+            raise ValueError(f"num_heads: PolaFormer needs an even head dim, got {self.head_dim}")
+        self.alpha, self.eps = float(alpha), eps
+        self.power_logit = nn.Parameter(torch.zeros(num_heads, 1, self.head_dim))  # p = 1 + alpha/2 at start
+        self.qk_scale = nn.Parameter(torch.zeros(num_heads, 1, self.head_dim))  # divisor softplus(s)
+
+    @property
+    def rope_dim(self) -> int:
+        return 2 * self.head_dim
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set:
+        return super().no_weight_decay() | {"power_logit", "qk_scale"}
+
+    def power(self) -> Tensor:
+        return 1 + self.alpha * torch.sigmoid(self.power_logit)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
+        cdt = torch.float64 if q.dtype == torch.float64 else torch.float32  # features and division in fp32
+        div = F.softplus(self.qk_scale).to(cdt)
+        return polarity_linear_attention(q.to(cdt) / div, k.to(cdt) / div, v.to(cdt), self.power(), rope=rope,
+                                         eps=self.eps).to(v.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, alpha={self.alpha}"
+
+
+@register_mixer("inline")
+class InLineAttention(AttentionMixer):
+    """InLine's injective linear attention with its local residual (``local=False`` drops it).
+
+    scale: score scale (default head_dim^-1/2). RoPE (if set) rotates q and k before the scores.
+    """
+
+    def __init__(self, dim: int, num_heads: int, *, local: bool = True, scale: Optional[float] = None, **kwargs):
+        super().__init__(dim, num_heads, **kwargs)
+        self.scale = scale
+        self.local = None
+        if local:
+            self.local = nn.Sequential(nn.Conv2d(dim, dim, 3, padding=1, groups=dim), nn.GELU(),
+                                       nn.Conv2d(dim, 9 * num_heads, 1))
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
+        out = injective_linear_attention(q, k, v, scale=self.scale, rope=rope)
+        if self.local is None:
+            return out
+        b, nh, n, d = v.shape
+        h, w = hw
+        weights = self.local(x.transpose(1, 2).reshape(b, -1, h, w)).reshape(b, nh, 9, n)
+        patches = F.unfold(v.transpose(2, 3).reshape(b * nh, d, h, w), 3, padding=1).reshape(b, nh, d, 9, n)
+        return out + torch.einsum("bhdtn,bhtn->bhnd", patches, weights)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, local={self.local is not None}"
+
+
+@register_mixer("rala")
+class RALAttention(AttentionMixer):
+    """RALA: rank-augmented linear attention with the element-wise output modulation (``modulation=False`` drops
+    it). feature_map: the map of q and k (default "elu"); eps: the denominator's eps."""
+
+    def __init__(self, dim: int, num_heads: int, *, feature_map: str = "elu", eps: float = 1e-6,
+                 modulation: bool = True, rope: Optional[str] = "axial", lepe: bool = True, **kwargs):
+        super().__init__(dim, num_heads, rope=rope, lepe=lepe, **kwargs)
+        from linvision.ops import get_feature_map
+
+        get_feature_map(feature_map, dim=self.head_dim)  # an unknown name fails here, not in the first forward
+        self.feature_map_name, self.eps = feature_map, eps
+        self.modulation = nn.Linear(dim, dim) if modulation else None
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
+        out = rank_augmented_linear_attention(q, k, v, self.feature_map_name, rope=rope, eps=self.eps)
+        if self.modulation is None:
+            return out
+        b, nh, n, d = v.shape
+        return out * self.modulation(x).reshape(b, n, nh, d).transpose(1, 2)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, feature_map={self.feature_map_name}, modulation={self.modulation is not None}"
+
+
+@register_mixer("mala")
+class MALAttention(AttentionMixer):
+    """MALA: magnitude-aware linear attention. feature_map (default "elu"), scale (default head_dim^-1/2), eps."""
+
+    def __init__(self, dim: int, num_heads: int, *, feature_map: str = "elu", scale: Optional[float] = None,
+                 eps: float = 1e-6, rope: Optional[str] = "axial", lepe: bool = True, **kwargs):
+        super().__init__(dim, num_heads, rope=rope, lepe=lepe, **kwargs)
+        from linvision.ops import get_feature_map
+
+        get_feature_map(feature_map, dim=self.head_dim)
+        self.feature_map_name, self.scale, self.eps = feature_map, scale, eps
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
+        return magnitude_aware_linear_attention(q, k, v, self.feature_map_name, scale=self.scale, rope=rope,
+                                                eps=self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, feature_map={self.feature_map_name}"
+
+
+@register_mixer("agent")
+class AgentAttention(AttentionMixer):
+    """Agent attention. agent_grid: (rows, cols) of the agent pool (default (7, 7)); no RoPE (ValueError)."""
+
+    def __init__(self, dim: int, num_heads: int, *, agent_grid: Tuple[int, int] = (7, 7), lepe: bool = True,
+                 rope: Optional[str] = None, **kwargs):
+        if rope is not None:
+            raise ValueError("rope: agent attention takes no RoPE (an agent averages many positions and has no "
+                             "single rotation); use LePE/CPE for positions")
+        agent_grid = tuple(agent_grid)
+        if len(agent_grid) != 2 or not all(isinstance(a, int) and a > 0 for a in agent_grid):
+            raise ValueError(f"agent_grid: expected (rows, cols) of positive ints, got {agent_grid!r}")
+        super().__init__(dim, num_heads, lepe=lepe, **kwargs)
+        self.agent_grid = agent_grid
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
+        return agent_attention(q, k, v, hw, self.agent_grid)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, agents={math.prod(self.agent_grid)}"

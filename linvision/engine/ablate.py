@@ -1,14 +1,18 @@
 """The MambaOut question for linear attention, behind ``tools/ablate.py``.
 
 One macro-architecture (by default the hierarchical ``linhier`` family at a size given by ``model_kwargs``),
-one training recipe and one seed; only the token mixer changes (``mixers``: registry names, the same mixer
-in every stage, or per-stage comma strings such as ``none,none,linear,softmax``). For each mixer the tool
-trains a classifier with :func:`linvision.engine.train.train`, evaluates it at the training resolution and
-at higher ones without fine-tuning, and measures throughput and memory at several resolutions plus
-parameters and FLOPs. A mixer that cannot run at a size gets that failure in the table, not a crash.
+one training recipe; only the token mixer changes (``mixers``: registry names, the same mixer in every stage,
+or per-stage comma strings such as ``none,none,linear,softmax``). For each mixer and each seed in ``seeds``
+(default: ``seed`` alone) the tool trains a classifier with :func:`linvision.engine.train.train` and evaluates
+it at the training resolution and at other ones without fine-tuning; top-1 is reported as the mean over seeds
+with the sample standard deviation and the per-seed values. Throughput and memory are measured once per mixer
+at several resolutions, plus parameters and FLOPs. A mixer that cannot run at a size gets that failure in the
+table, not a crash.
 
 Outputs in the run folder: ``ablation.md`` (the table), ``ablation.json``, ``accuracy.png`` (top-1 against
-evaluation resolution), ``throughput_memory.png``, and one training run folder per mixer under ``runs/``.
+evaluation resolution, error bars: the seeds' standard deviation), ``throughput_memory.png``, and one training
+run folder per mixer and seed under ``runs/`` (``<mixer>`` for a single seed, ``<mixer>-s<seed>`` for several).
+The table and json are rewritten after every mixer, so a run that is stopped keeps the rows it finished.
 """
 from __future__ import annotations
 
@@ -40,6 +44,8 @@ def add_ablate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="evaluation resolutions (default: 1x, 2x and 4x the training size)")
     g.add_argument("--bench-sizes", type=int, nargs="+", default=None,
                    help="benchmark resolutions (default: 1x, 2x, 4x and 8x the training size)")
+    g.add_argument("--seeds", type=int, nargs="+", default=None,
+                   help="train every mixer once per seed; top-1 is the mean and spread over them (default: --seed)")
     g.add_argument("--bench-batch-size", type=int, default=8)
     g.add_argument("--bench-iters", type=int, default=2)
     return parser
@@ -67,6 +73,9 @@ def run_ablation(args: argparse.Namespace, log=_log) -> Dict[str, Any]:
     """
     if not args.mixers:
         raise ValueError("mixers: give at least one token mixer")
+    seeds = getattr(args, "seeds", None)
+    if seeds is not None and (not seeds or len(set(seeds)) != len(seeds)):
+        raise ValueError(f"seeds: give distinct seeds (at least one), got {seeds!r}")
     if args.bench_iters < 1 or args.bench_batch_size < 1:
         raise ValueError(f"bench_iters/bench_batch_size: must be >= 1, got {args.bench_iters} and "
                          f"{args.bench_batch_size}")
@@ -80,43 +89,69 @@ def run_ablation(args: argparse.Namespace, log=_log) -> Dict[str, Any]:
         folder.release()
 
 
+def _seed_stats(values) -> Dict[str, Any]:
+    """Mean, sample standard deviation (0 for one seed) and the values; a failure (a string) is kept as is."""
+    failed = [v for v in values if isinstance(v, str)]
+    if failed:
+        return {"mean": failed[0], "std": float("nan"), "values": values}
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+    return {"mean": mean, "std": std, "values": values}
+
+
 def _run_ablation(args: argparse.Namespace, run_dir: str, log) -> Dict[str, Any]:
     base_kwargs = parse_kwargs(args.model_kwargs)
     eval_sizes = args.eval_sizes or [args.img_size * f for f in (1, 2, 4)]
     bench_sizes = args.bench_sizes or [args.img_size * f for f in (1, 2, 4, 8)]
+    seeds = list(getattr(args, "seeds", None) or [args.seed])
     rows, bench_points = [], []
     train_keys = vars(add_train_args(argparse.ArgumentParser()).parse_args([]))
+    result = {"model": args.model, "model_kwargs": base_kwargs, "img_size": args.img_size, "epochs": args.epochs,
+              "seed": args.seed, "seeds": seeds, "dataset": args.dataset, "eval_sizes": eval_sizes,
+              "bench_sizes": bench_sizes, "bench_batch_size": args.bench_batch_size, "device": str(_device(args)),
+              "rows": rows}
     start = time.time()
     for index, mixer in enumerate(args.mixers):
         label = _mixer_label(mixer)
-        log(f"== token mixer {mixer} ({index + 1} of {len(args.mixers)}; {time.time() - start:.0f} s so far): "
-            f"training {args.epochs} epochs at {args.img_size} px")
-        # only the training flags, so each run folder can be resumed or inspected with tools/train.py
-        run_args = argparse.Namespace(**{k: getattr(args, k) for k in train_keys})
-        run_args.model_kwargs = {**base_kwargs, "token_mixers": mixer}
-        run_args.output, run_args.experiment, run_args.resume = os.path.join(run_dir, "runs"), label, None
-        run_args.overwrite = False  # a fresh ablation folder holds no runs
-        t0 = time.time()
-        summary = train(run_args)
-        train_s = time.time() - t0
-        log(f"   evaluating at {', '.join(map(str, eval_sizes))} px")
-        val = validate_checkpoint(summary["run_dir"], args.dataset, args.data_dir, eval_sizes, args.batch_size,
-                                  args.workers, args.amp, args.device, args.progress)
-        num_classes = summary["num_classes"]
+        mixer_kwargs = {**base_kwargs, "token_mixers": mixer}
+        runs = []
+        for seed in seeds:
+            log(f"== token mixer {mixer} ({index + 1} of {len(args.mixers)}), seed {seed}; "
+                f"{time.time() - start:.0f} s so far: training {args.epochs} epochs at {args.img_size} px")
+            # only the training flags, so each run folder can be resumed or inspected with tools/train.py
+            run_args = argparse.Namespace(**{k: getattr(args, k) for k in train_keys})
+            run_args.model_kwargs, run_args.seed = mixer_kwargs, seed
+            run_args.output, run_args.resume = os.path.join(run_dir, "runs"), None
+            run_args.experiment = label if len(seeds) == 1 else f"{label}-s{seed}"
+            run_args.overwrite = False  # a fresh ablation folder holds no runs
+            t0 = time.time()
+            summary = train(run_args)
+            train_s = time.time() - t0
+            log(f"   evaluating at {', '.join(map(str, eval_sizes))} px")
+            val = validate_checkpoint(summary["run_dir"], args.dataset, args.data_dir, eval_sizes, args.batch_size,
+                                      args.workers, args.amp, args.device, args.progress)
+            runs.append({"seed": seed, "train_s": train_s, "best_top1": summary["best_top1"],
+                         "num_classes": summary["num_classes"],
+                         "accuracy": {str(r["img_size"]): r.get("top1", r.get("error")) for r in val["results"]}})
+        num_classes = runs[0]["num_classes"]
         model = create_model(args.model, num_classes=num_classes, in_chans=args.in_chans,
-                             model_kwargs=run_args.model_kwargs, img_size=args.img_size)
+                             model_kwargs=mixer_kwargs, img_size=args.img_size)
+        stats = {str(s): _seed_stats([r["accuracy"][str(s)] for r in runs]) for s in eval_sizes}
         row = {"mixer": label, "params_m": count_params(model) / 1e6,
                "gflops": count_gflops(model, (args.in_chans, args.img_size, args.img_size)),
-               "train_s": train_s, "best_top1": summary["best_top1"],
-               "accuracy": {str(r["img_size"]): r.get("top1", r.get("error")) for r in val["results"]},
-               "bench": {}}
+               "train_s": sum(r["train_s"] for r in runs) / len(runs),
+               "best_top1": _seed_stats([r["best_top1"] for r in runs])["mean"],
+               "accuracy": {s: st["mean"] for s, st in stats.items()},
+               "accuracy_std": {s: st["std"] for s, st in stats.items()},
+               "accuracy_seeds": {s: st["values"] for s, st in stats.items()},
+               "runs": runs, "bench": {}}
         del model
         log(f"   benchmarking at {', '.join(map(str, bench_sizes))} px ({args.bench_iters} timed iterations "
             f"of batch {args.bench_batch_size} per figure)")
         for size in bench_sizes:
             point = benchmark_point(
                 args.model, size, batch_size=args.bench_batch_size, device=str(_device(args)), amp=args.amp,
-                warmup=1, iters=args.bench_iters, model_kwargs=run_args.model_kwargs, flops=False,
+                warmup=1, iters=args.bench_iters, model_kwargs=mixer_kwargs, flops=False,
                 build_fn=lambda name, size, kw: create_model(name, num_classes=num_classes, model_kwargs=kw,
                                                             img_size=size))
             point["mixer"] = label
@@ -125,23 +160,26 @@ def _run_ablation(args: argparse.Namespace, run_dir: str, log) -> Dict[str, Any]
                                                              "infer_spread_pct", "infer_mem_mb", "train_img_s",
                                                              "train_spread_pct", "train_mem_mb")}
         rows.append(row)
-        accuracy = ", ".join(f"{s} px {_cell(v, '.2f')}" for s, v in row["accuracy"].items())
+        accuracy = ", ".join(f"{s} px {_cell(v, '.2f')} +- {_cell(row['accuracy_std'][s], '.2f')}"
+                             for s, v in row["accuracy"].items())
         log(f"   top-1 {accuracy}; {row['params_m']:.3f} M params, {row['gflops']:.4f} GFLOPs, "
-            f"trained in {train_s:.0f} s")
-    result = {"model": args.model, "model_kwargs": base_kwargs, "img_size": args.img_size, "epochs": args.epochs,
-              "seed": args.seed, "dataset": args.dataset, "eval_sizes": eval_sizes, "bench_sizes": bench_sizes,
-              "bench_batch_size": args.bench_batch_size, "device": str(_device(args)), "rows": rows}
-    with open(os.path.join(run_dir, "ablation.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    table = markdown_table(result)
-    with open(os.path.join(run_dir, "ablation.md"), "w") as f:
-        f.write(table)
+            f"trained in {row['train_s']:.0f} s per seed")
+        table = _write_results(result, run_dir)  # after every mixer: a stopped run keeps what it finished
     _plot_accuracy(result, os.path.join(run_dir, "accuracy.png"))
     plot_results(bench_points, os.path.join(run_dir, "throughput_memory.png"), label_key="mixer",
                  title=f"{args.model} {base_kwargs}, batch {args.bench_batch_size}")
     result["run_dir"] = run_dir
     result["table"] = table
     return result
+
+
+def _write_results(result: Dict[str, Any], run_dir: str) -> str:
+    with open(os.path.join(run_dir, "ablation.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    table = markdown_table(result)
+    with open(os.path.join(run_dir, "ablation.md"), "w") as f:
+        f.write(table)
+    return table
 
 
 def _device(args: argparse.Namespace) -> str:
@@ -167,11 +205,14 @@ def markdown_table(result: Dict[str, Any]) -> str:
                                                         f"train mem MiB @{benches[-1]}"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     notes = []
+    seeds = result.get("seeds") or [result.get("seed")]
     for row in result["rows"]:
         cells = [row["mixer"], f"{row['params_m']:.3f}", f"{row['gflops']:.4f}"]
         for s in evals:
             acc = row["accuracy"][str(s)]
-            cells.append(_cell(acc, ".2f"))
+            std = row.get("accuracy_std", {}).get(str(s))
+            spread = f" ± {_cell(std, '.2f')}" if len(seeds) > 1 and not isinstance(acc, str) else ""
+            cells.append(_cell(acc, ".2f") + spread)
             if isinstance(acc, str):
                 notes.append(f"{row['mixer']} @{s}: {acc}")
         for s in benches:
@@ -184,6 +225,9 @@ def markdown_table(result: Dict[str, Any]) -> str:
                   _cell(last["train_mem_mb"], ".1f")]
         lines.append("| " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
+    if len(seeds) > 1:
+        text += (f"\nTop-1: mean ± sample standard deviation over seeds {', '.join(map(str, seeds))} (one training run "
+                 f"per seed; per-seed values in ablation.json).\n")
     spreads = sorted(b[key] for row in result["rows"] for b in row["bench"].values()
                      for key in ("infer_spread_pct", "train_spread_pct")
                      if isinstance(b.get(key), (int, float)) and math.isfinite(b[key]))
@@ -205,8 +249,10 @@ def _plot_accuracy(result: Dict[str, Any], path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(5, 3.6))
     for row in result["rows"]:
-        pts = [(int(s), v) for s, v in row["accuracy"].items() if isinstance(v, (int, float))]
-        ax.plot([s for s, _ in pts], [v for _, v in pts], marker="o", label=row["mixer"])
+        pts = [(int(s), v, row.get("accuracy_std", {}).get(s, 0.0)) for s, v in row["accuracy"].items()
+               if isinstance(v, (int, float))]
+        ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", capsize=2,
+                    label=row["mixer"])
     ax.set_xscale("log", base=2)
     ax.set_xticks(result["eval_sizes"], [str(s) for s in result["eval_sizes"]])
     ax.set_xlabel(f"evaluation resolution (px), trained at {result['img_size']}")

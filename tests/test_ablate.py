@@ -1,0 +1,79 @@
+"""The ablation over seeds (mean and spread of top-1 from the runs' own summaries) and the offline photo-crops set."""
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from linvision.engine.ablate import add_ablate_args, markdown_table, run_ablation
+from linvision.engine.config import parse_args
+
+
+def _args(data, tmp_path, *extra):
+    flags = ["--dataset", "folder", "--data-dir", data, "--img-size", "32", "--model", "linhier_tiny_224",
+             "--model-kwargs", '{"depths": [1, 1, 1, 1], "dims": [8, 16, 16, 16], "num_heads": [1, 1, 1, 1]}',
+             "--epochs", "1", "--batch-size", "4", "--eval-sizes", "32", "--bench-sizes", "32",
+             "--bench-batch-size", "1", "--bench-iters", "1", "--device", "cpu", "--output", str(tmp_path),
+             "--experiment", "ab", "--no-progress", *extra]
+    return parse_args(add_ablate_args(argparse.ArgumentParser()), flags)
+
+
+def test_seeds_give_mean_and_sample_std_of_the_runs(data, tmp_path):
+    result = run_ablation(_args(data, tmp_path, "--mixers", "mala", "--seeds", "3", "5"), log=lambda m: None)
+    (row,) = result["rows"]
+    tops = []
+    for seed in (3, 5):
+        with open(tmp_path / "ab" / "runs" / f"mala-s{seed}" / "summary.json") as f:
+            summary = json.load(f)
+        tops.append(summary["best_top1"])  # evaluated at the training size: the run's own validation
+        with open(tmp_path / "ab" / "runs" / f"mala-s{seed}" / "config.yaml") as f:
+            assert f"seed: {seed}" in f.read()
+    assert row["accuracy_seeds"]["32"] == pytest.approx(tops)
+    assert row["accuracy"]["32"] == pytest.approx(np.mean(tops))
+    assert row["accuracy_std"]["32"] == pytest.approx(np.std(tops, ddof=1))
+    assert result["seeds"] == [3, 5]
+    table = (tmp_path / "ab" / "ablation.md").read_text()
+    assert f"| mala | {row['params_m']:.3f} |" in table
+    assert f"{np.mean(tops):.2f} ± {np.std(tops, ddof=1):.2f}" in table
+    assert "mean ± sample standard deviation over seeds 3, 5" in table
+
+
+def test_duplicate_seeds_are_refused(data, tmp_path):
+    with pytest.raises(ValueError, match="seeds: give distinct seeds"):
+        run_ablation(_args(data, tmp_path, "--mixers", "none", "--seeds", "1", "1"), log=lambda m: None)
+
+
+def test_table_of_a_single_seed_has_no_spread():
+    result = {"eval_sizes": [32], "bench_sizes": [32], "img_size": 32, "seeds": [0], "bench_batch_size": 1,
+              "device": "cpu", "rows": [{"mixer": "linear", "params_m": 1.0, "gflops": 0.5,
+                                         "accuracy": {"32": 90.0}, "accuracy_std": {"32": 0.0},
+                                         "bench": {"32": {"status": "ok", "error": "", "iters": 1,
+                                                          "infer_img_s": 10.0, "infer_spread_pct": 0.0,
+                                                          "infer_mem_mb": 1.0, "train_img_s": 5.0,
+                                                          "train_spread_pct": 0.0, "train_mem_mb": 2.0}}}]}
+    table = markdown_table(result)
+    assert "| linear | 1.000 | 0.5000 | 90.00 | 10.0 | 5.0 | 1.0 | 2.0 |" in table
+    assert "±" not in table
+
+
+def test_photos_set_is_offline_disjoint_and_balanced():
+    from linvision.engine.data import create_dataset
+    from linvision.engine.texture_data import CLASSES, CROP, photo_parts
+
+    pytest.importorskip("skimage")
+    train = create_dataset("photos", None, "train", digits_size=48)
+    val = create_dataset("photos", None, "val", digits_size=48)
+    assert len(train) == 1200 and len(val) == 360 and train.classes == list(CLASSES) and len(CLASSES) == 10
+    assert np.bincount(val.targets).tolist() == [36] * 10
+    assert train.images[0].size == (48, 48)
+    # every training crop lies left of the cut and every validation crop right of it: no shared pixel
+    for (name, tpart), (_, vpart) in zip(photo_parts("train"), photo_parts("val")):
+        assert tpart[2] == vpart[0]
+    for ds, parts in ((train, photo_parts("train")), (val, photo_parts("val"))):
+        for (left, top, right, bottom), label in zip(ds.boxes, ds.targets):
+            pl, pt, pr, pb = parts[label][1]
+            assert pl <= left and right <= pr and pt <= top and bottom <= pb and right - left == CROP
+    # the same crops at any rendering size (evaluation at 1.5x, 2x sees the same content)
+    assert create_dataset("photos", None, "val", digits_size=96).boxes == val.boxes
+    with pytest.raises(ValueError, match="split: expected"):
+        create_dataset("photos", None, "test")

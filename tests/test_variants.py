@@ -194,8 +194,9 @@ def test_half_precision_finite_at_65k_tokens(variant, dtype):
     out = fn(*half)
     assert out.dtype == dtype and torch.isfinite(out).all()
     ref = fn(*(t.float() for t in half))
-    scale = ref.abs().max()
-    assert (out.float() - ref).abs().max() <= 2e-2 * scale
+    # measured: fp16 within 4e-4 and bf16 within 3.1e-3 of the largest output (the output's own rounding)
+    tol = 2e-3 if dtype == torch.float16 else 1e-2
+    assert (out.float() - ref).abs().max() <= tol * ref.abs().max()
 
 
 @pytest.mark.parametrize("name", VARIANTS)

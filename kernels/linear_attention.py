@@ -9,22 +9,32 @@ applied to the numerator only:
 Four kernels, each one pass over N-sized tensors, so HBM traffic is the minimum the math allows:
 - ``_state_fwd_kernel``   reads k, v; writes per-split partial sums of S and z (split-N when B*H is small).
 - ``_output_fwd_kernel``  reads q; writes o (from the reduced S and z).
-- ``_query_bwd_kernel``   reads q, dO; recomputes num and den from the saved S and z; writes dq and per-split
-  partials of dS = (1/Nk) sum_i (R_i phi(q_i))^T dnum_i and dz = (1/Nk) sum_i dden_i phi(q_i).
+- ``_query_bwd_kernel``   reads q, dO; recomputes den from the saved z and g = dO S^T / den (the gradient of the
+  rotated features), takes dden = -(R phi(q) . g) / den without the numerator; writes dq and per-split
+  partials of dS = (1/Nk) sum_i (R_i phi(q_i) / den_i)^T dO_i and dz = (1/Nk) sum_i dden_i phi(q_i).
 - ``_key_bwd_kernel``     reads k, v; writes dk = phi'(k) (R^T (v dS^T) + dz) and dv = (R phi(k)) dS.
 
-Fused: the feature map (identity, relu, elu+1) and its derivative, the 1/N mean, and RoPE computed from the
-token's grid position and O(D) frequency tables (axial or mixed, shared or per head). One jitted helper of each:
-``_rope_freqs`` loads a head's frequencies, ``_rope_cos_sin`` forms the angles of a token block, ``_rotate``
-applies R or R^T (the identity without RoPE), ``_token_block`` loads a block of tokens and maps and rotates it. The head dim is handled
-as two halves of P = D/2 channels because RoPE pairs channel t with channel t + P; S is kept as its two
-row halves. Accumulation, rotation and division are fp32 for every input dtype; matrix products use exact
-fp32 for fp32 inputs and tf32 tensor cores for fp16/bf16 inputs (more mantissa than the inputs carry).
+Fused: the feature map (identity, relu, elu+1) and its derivative, the 1/N mean, and RoPE (axial or mixed, shared
+or per head) from separable tables: cos and sin of fx * col per grid column and of fy * row per grid row, O((W + H)
+D) values built per call, combined per token by angle addition (no transcendental functions in the kernels). The
+head dim is handled as two halves of P = D/2 channels because RoPE pairs channel t with channel t + P; S is kept as
+its two row halves.
 
-On a GPU the kernels are autotuned over block size and warps, keyed on the next power of two of N: N is a
+Precision. Feature maps, rotations, sums and divisions run in fp32. For fp16/bf16 inputs every ``tl.dot`` takes
+16-bit operands with fp32 accumulation, so the tensor cores multiply exactly what the kernel formed: N-sized tiles
+either as loaded (v, dO) or rounded to nearest in the input dtype (rotated features, R phi(q) / den); the fp32
+state (S or dS) is scaled by a power of two to max |S| <= 1 and split into hi + lo 16-bit parts, two dots, which
+represent it to 2^-17 relative (bf16) or 2^-22 of max |S| (fp16). ``tests/test_kernels.py`` recomputes the op
+with exactly these roundings and asserts the fp16/bf16 tolerances against float64. fp32 inputs use exact fp32
+products ("ieee").
+
+On a GPU the kernels are autotuned over block size, warps and stages, keyed on the next power of two of N: N is a
 runtime argument, so a new resolution re-tunes only when it enters a new power-of-two bucket and compiles
-nothing new beyond Triton's usual integer specialisations. Under ``TRITON_INTERPRET=1`` one fixed
-configuration is used.
+nothing new beyond Triton's usual integer specialisations. The configurations offered per kernel and head dim
+(:func:`offered_configs`) are those that compile for sm_90 without register spills, within 227 KB of shared
+memory and with a pipelined token loop (``tools/check_kernels.py`` checks them without a GPU). During CUDA-graph
+capture, where the autotuner cannot benchmark, the first offered configuration runs. Batch x heads is folded
+into grid axes 1 and 2, so it has no 65535 limit. Under ``TRITON_INTERPRET=1`` one fixed configuration is used.
 
 The kernels know only tensors, ints and flags: RoPE arrives as a :class:`~.common.RopeSpec` (frequency tensors,
 grid width, prefix, offset) and the feature map as its name. The public entry, :func:`linear_attention_triton`,
@@ -55,25 +65,48 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _INTERPRET_BLOCK_N = 64
 _SPLIT_ALIGN = 256  # split lengths are multiples of every autotuned BLOCK_N
-_MAX_GRID_Y = 65535  # batch x heads runs on the second grid axis
+_MAX_GRID_Y = 65535  # batch x heads runs on grid axes 1 and 2, each at most this long
 
 
-def _configs():
-    """Autotune space on a GPU; one fixed configuration in the interpreter (it cannot benchmark)."""
-    if _INTERPRET:
-        return [triton.Config({"BLOCK_N": _INTERPRET_BLOCK_N}, num_warps=4)]
-    return [
-        triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
-        for bn, w, s in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3), (256, 8, 2))
-    ]
+# (BLOCK_N, num_warps, num_stages): the search space the offered configurations were chosen from with
+# tools/check_kernels.py (sm_90: no spills, shared memory <= 227 KB, pipelined token loops).
+CANDIDATE_CONFIGS = ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3), (256, 8, 2))
+_OFFERED = {}  # filled below the kernels: kernel name -> {BLOCK_P: configs}
 
 
-_TUNE_KEY = ["N_BUCKET", "D_HALF", "DV", "FEATURE", "HAS_ROPE", "PRECISION"]
+def offered_configs(kernel: str, d: int) -> Tuple[Tuple[int, int, int], ...]:
+    """(BLOCK_N, num_warps, num_stages) the autotuner is offered for ``kernel`` at head dim ``d``: only those
+    that compile for sm_90 without spills, within 227 KB of shared memory and with a pipelined token loop."""
+    return _OFFERED[kernel][_block_p(d)]
+
+
+def _block_p(d: int) -> int:
+    return max(16, triton.next_power_of_2(d // 2))
+
+
+_TUNE_KEY = ["N_BUCKET", "D_HALF", "DV", "FEATURE", "HAS_ROPE"]
+_JITTED = {}  # kernel name -> jitted function
+_TUNED = {}  # (kernel name, BLOCK_P) -> autotuned kernel
 
 
 def _kernel(fn):
-    """A Triton kernel autotuned over :func:`_configs`, keyed on the power-of-two bucket of N and the shapes."""
-    return triton.autotune(configs=_configs(), key=_TUNE_KEY)(triton.jit(fn))
+    """Register a kernel; it is autotuned per head-dim bucket over :func:`offered_configs` (see :func:`_tuned`)."""
+    jitted = triton.jit(fn)
+    _JITTED[fn.__name__] = jitted
+    return jitted
+
+
+def _tuned(name: str, d: int):
+    """The autotuned kernel ``name`` for head dim ``d``; one fixed configuration in the interpreter (it cannot
+    benchmark)."""
+    key = (name, _block_p(d))
+    if key not in _TUNED:
+        if _INTERPRET:
+            configs = [triton.Config({"BLOCK_N": _INTERPRET_BLOCK_N}, num_warps=4)]
+        else:
+            configs = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s) for bn, w, s in offered_configs(name, d)]
+        _TUNED[key] = triton.autotune(configs=configs, key=_TUNE_KEY)(_JITTED[name])
+    return _TUNED[key]
 
 
 @triton.jit
@@ -101,31 +134,85 @@ def _phi_grad(x, FEATURE: tl.constexpr):
 
 
 @triton.jit
-def _rope_freqs(FX, FY, h, stride_fh, offs_p, D_HALF, HAS_ROPE: tl.constexpr):
-    """Frequencies (fx, fy), each (BLOCK_P,), of head h; zeros (nothing loaded) without RoPE."""
-    if HAS_ROPE:
-        fx = tl.load(FX + h * stride_fh + offs_p, mask=offs_p < D_HALF, other=0.0)
-        fy = tl.load(FY + h * stride_fh + offs_p, mask=offs_p < D_HALF, other=0.0)
+def _operand(x, DOT: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """fp32 values as a tensor-core operand: rounded to nearest in the input's 16-bit dtype (fp32 for fp32
+    inputs). In the interpreter, which cannot multiply bf16, bf16 rounding is done on the fp32 bits."""
+    if ROUND_BF16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        y = bits.to(tl.float32, bitcast=True)
     else:
-        fx = tl.zeros_like(offs_p).to(tl.float32)
-        fy = fx
-    return fx, fy
+        y = x.to(DOT)
+    return y
 
 
 @triton.jit
-def _rope_cos_sin(offs_n, fx, fy, prefix, width, off_row, off_col, HAS_ROPE: tl.constexpr):
-    """cos, sin (BLOCK_N, BLOCK_P) of angle = fx * col + fy * row; prefix tokens are not rotated. Without RoPE
-    the identity rotation (1, 0)."""
+def _native(x, ROUND_BF16: tl.constexpr):
+    """A loaded tile as a dot operand as it is (16-bit inputs stay 16-bit); fp32 where the interpreter's bf16 loads
+    need it."""
+    if ROUND_BF16:
+        y = x.to(tl.float32)
+    else:
+        y = x
+    return y
+
+
+@triton.jit
+def _split_state(s1, s2, DOT: tl.constexpr, ROUND_BF16: tl.constexpr, SPLIT: tl.constexpr):
+    """The fp32 state halves as tensor-core operands: with SPLIT (16-bit inputs), scaled by a power of two c to
+    max |S| <= 1 and split into hi + lo 16-bit parts (S c = hi + lo up to 2^-17 relative in bf16, 2^-22 of max |S|
+    in fp16); returns (hi1, lo1, hi2, lo2, 1 / c). Without SPLIT (fp32): (s1, s1, s2, s2, 1) and lo unused."""
+    if SPLIT:
+        m = tl.maximum(tl.max(tl.max(tl.abs(s1), axis=1), axis=0), tl.max(tl.max(tl.abs(s2), axis=1), axis=0))
+        e = tl.where(m > 0, tl.ceil(tl.log2(tl.maximum(m, 1e-30))), 0.0)
+        c = tl.exp2(-e)
+        a1 = s1 * c
+        a2 = s2 * c
+        hi1 = _operand(a1, DOT, ROUND_BF16)
+        hi2 = _operand(a2, DOT, ROUND_BF16)
+        lo1 = _operand(a1 - hi1.to(tl.float32), DOT, ROUND_BF16)
+        lo2 = _operand(a2 - hi2.to(tl.float32), DOT, ROUND_BF16)
+        inv = tl.exp2(e)
+    else:
+        hi1 = s1
+        lo1 = s1
+        hi2 = s2
+        lo2 = s2
+        inv = 1.0
+    return hi1, lo1, hi2, lo2, inv
+
+
+@triton.jit
+def _state_dot(a, hi, lo, acc, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + a @ (hi + lo): a product with the split state (one dot without SPLIT)."""
+    acc = tl.dot(a, hi, acc, input_precision=PRECISION)
+    if SPLIT:
+        acc = tl.dot(a, lo, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _rope_cos_sin(TAB, h, stride_th, stride_ts, offs_n, hi, offs_p, prefix, width, D_HALF, HAS_ROPE: tl.constexpr):
+    """cos, sin (BLOCK_N, BLOCK_P) of the tokens' angles fx * col + fy * row, combined by angle addition from the
+    separable tables (no transcendental functions): TAB holds per head cos and sin of fx * col for each grid column,
+    then of fy * row for each grid row. Prefix tokens and tokens >= hi are not rotated. Without RoPE the identity
+    rotation (1, 0)."""
     if HAS_ROPE:
         g = offs_n - prefix
-        is_grid = g >= 0
+        is_grid = (g >= 0) & (offs_n < hi)
         g = tl.where(is_grid, g, 0)
-        row = (g // width).to(tl.float32) + off_row
-        col = (g % width).to(tl.float32) + off_col
-        ang = col[:, None] * fx[None, :] + row[:, None] * fy[None, :]
-        ang = tl.where(is_grid[:, None], ang, 0.0)
-        cos = tl.cos(ang)
-        sin = tl.sin(ang)
+        row = g // width
+        col = g - row * width
+        m = is_grid[:, None] & (offs_p < D_HALF)[None, :]
+        base = TAB + h.to(tl.int64) * stride_th + offs_p[None, :]
+        col_ptrs = base + col[:, None] * D_HALF
+        row_ptrs = base + (row + width)[:, None] * D_HALF
+        cx = tl.load(col_ptrs, mask=m, other=1.0)
+        sx = tl.load(col_ptrs + stride_ts, mask=m, other=0.0)
+        cy = tl.load(row_ptrs, mask=m, other=1.0)
+        sy = tl.load(row_ptrs + stride_ts, mask=m, other=0.0)
+        cos = cx * cy - sx * sy
+        sin = sx * cy + cx * sy
     else:
         cos = 1.0
         sin = 0.0
@@ -143,44 +230,19 @@ def _rotate(x1, x2, cos, sin, HAS_ROPE: tl.constexpr, INVERSE: tl.constexpr):
         y2 = x2 * cos - x1 * sin
     else:
         y1 = x1 * cos - x2 * sin
-        y2 = x1 * sin + x2 * cos
+        y2 = x2 * cos + x1 * sin
     return y1, y2
 
 
 @triton.jit
-def _features(x1, x2, mask, offs_n, fx, fy, prefix, width, off_row, off_col, FEATURE: tl.constexpr,
-              HAS_ROPE: tl.constexpr):
-    """(cos, sin) of the tokens' rotation, phi(x) and R phi(x) on the channel halves; masked lanes of the
-    features are zero (elu(0) + 1 = 1 must not count)."""
-    cos, sin = _rope_cos_sin(offs_n, fx, fy, prefix, width, off_row, off_col, HAS_ROPE)
-    f1 = tl.where(mask, _phi(x1, FEATURE), 0.0)
-    f2 = tl.where(mask, _phi(x2, FEATURE), 0.0)
-    r1, r2 = _rotate(f1, f2, cos, sin, HAS_ROPE, False)
-    return cos, sin, f1, f2, r1, r2
-
-
-@triton.jit
-def _input_grad(g1, g2, a1, a2, x1, x2, FEATURE: tl.constexpr, cos, sin, HAS_ROPE: tl.constexpr):
-    """phi'(x) (R^T g + a) on the channel halves: the gradient of inputs x from the gradient g of their rotated
-    features R phi(x) and the gradient a of their features phi(x)."""
-    u1, u2 = _rotate(g1, g2, cos, sin, HAS_ROPE, True)
-    return (u1 + a1) * _phi_grad(x1, FEATURE), (u2 + a2) * _phi_grad(x2, FEATURE)
-
-
-@triton.jit
-def _numerator_denominator(f1, f2, r1, r2, s1, s2, z1, z2, eps, PRECISION: tl.constexpr):
-    """num = (R phi(q)) S (BLOCK_N, BLOCK_DV) and den = phi(q) . z + eps (BLOCK_N,)."""
-    num = tl.dot(r1, s1, input_precision=PRECISION)
-    num = tl.dot(r2, s2, num, input_precision=PRECISION)
-    den = tl.sum(f1 * z1[None, :], axis=1) + tl.sum(f2 * z2[None, :], axis=1) + eps
-    return num, den
-
-
-@triton.jit
-def _program(H, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """(program index along axis 0, batch-head, batch, head, channel-pair offsets, value offsets)."""
-    bh = tl.program_id(1)
-    return tl.program_id(0), bh, bh // H, bh % H, tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_DV)
+def _program(H, BH, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """(program index along axis 0, batch-head, batch, head, whether bh is a real one, channel-pair offsets, value
+    offsets). Batch x heads runs on grid axes 1 and 2 (beyond 65535 on the third); programs past B*H compute the
+    last head again and store nothing."""
+    bh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
+    valid = bh < BH
+    bh = tl.minimum(bh, BH - 1)
+    return tl.program_id(0), bh, bh // H, bh % H, valid, tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_DV)
 
 
 @triton.jit
@@ -197,18 +259,32 @@ def _tile_masks(offs_n, hi, offs_p, offs_e, D_HALF, DV):
 
 
 @triton.jit
-def _token_block(x_base, y_base, start, hi, offs_p, offs_e, stride_xn, stride_xd, stride_yn, stride_yd, D_HALF, DV,
-                 fx, fy, prefix, width, off_row, off_col, FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
-    """The block of tokens from ``start`` (those < hi) of an (N, D) slice x and an (N, Dv) slice y: x's channel
-    halves, y (fp32), their masks, and cos, sin, phi(x), R phi(x) as in :func:`_features`."""
-    offs_n = start + tl.arange(0, BLOCK_N)
-    mask_x, mask_y = _tile_masks(offs_n, hi, offs_p, offs_e, D_HALF, DV)
-    x1, x2 = _load_halves(x_base, offs_n, offs_p, stride_xn, stride_xd, D_HALF, mask_x)
-    y = _load_rows(y_base, offs_n, offs_e, stride_yn, stride_yd, mask_y)
-    cos, sin, f1, f2, r1, r2 = _features(x1, x2, mask_x, offs_n, fx, fy, prefix, width, off_row, off_col, FEATURE,
-                                         HAS_ROPE)
-    return offs_n, x1, x2, y, mask_x, mask_y, cos, sin, f1, f2, r1, r2
+def _load_tile(base, offs_n, offs_c, stride_n, stride_c, mask):
+    """Tile (BLOCK_N, len(offs_c)) of an (N, C) slice in the tensor's dtype (masked lanes 0)."""
+    ptrs = base + offs_n.to(tl.int64)[:, None] * stride_n + offs_c[None, :] * stride_c
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _features(x_base, offs_n, hi, offs_p, stride_n, stride_d, D_HALF, mask, TAB, h, stride_th, stride_ts, prefix,
+              width, FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr):
+    """A token block of an (N, D) slice: its channel halves x1, x2 (fp32), cos and sin of its rotation, phi(x)
+    and R phi(x) on the halves (fp32); masked lanes of the features are zero (elu(0) + 1 = 1 must not count)."""
+    x1 = _load_tile(x_base, offs_n, offs_p, stride_n, stride_d, mask).to(tl.float32)
+    x2 = _load_tile(x_base, offs_n, offs_p + D_HALF, stride_n, stride_d, mask).to(tl.float32)
+    cos, sin = _rope_cos_sin(TAB, h, stride_th, stride_ts, offs_n, hi, offs_p, prefix, width, D_HALF, HAS_ROPE)
+    f1 = tl.where(mask, _phi(x1, FEATURE), 0.0)
+    f2 = tl.where(mask, _phi(x2, FEATURE), 0.0)
+    r1, r2 = _rotate(f1, f2, cos, sin, HAS_ROPE, False)
+    return x1, x2, cos, sin, f1, f2, r1, r2
+
+
+@triton.jit
+def _input_grad(g1, g2, a1, a2, x1, x2, FEATURE: tl.constexpr, cos, sin, HAS_ROPE: tl.constexpr):
+    """phi'(x) (R^T g + a) on the channel halves: the gradient of inputs x from the gradient g of their rotated
+    features R phi(x) and the gradient a of their features phi(x)."""
+    u1, u2 = _rotate(g1, g2, cos, sin, HAS_ROPE, True)
+    return (u1 + a1) * _phi_grad(x1, FEATURE), (u2 + a2) * _phi_grad(x2, FEATURE)
 
 
 @triton.jit
@@ -219,20 +295,6 @@ def _split_start(pid_s, split_len, N, BLOCK_P: tl.constexpr, BLOCK_DV: tl.conste
     z1 = tl.zeros((BLOCK_P,), dtype=tl.float32)
     lo = pid_s * split_len
     return lo, tl.minimum(lo + split_len, N), s1, tl.zeros_like(s1), z1, tl.zeros_like(z1)
-
-
-@triton.jit
-def _load_rows(base, offs_n, offs_c, stride_n, stride_c, mask):
-    """Tile (BLOCK_N, len(offs_c)) of an (N, C) slice as fp32 (also right for bf16 when interpreting)."""
-    ptrs = base + offs_n.to(tl.int64)[:, None] * stride_n + offs_c[None, :] * stride_c
-    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _load_halves(base, offs_n, offs_p, stride_n, stride_d, D_HALF, mask):
-    """The two channel halves (BLOCK_N, BLOCK_P) of a (N, D) slice, as fp32."""
-    x1 = _load_rows(base, offs_n, offs_p, stride_n, stride_d, mask)
-    return x1, _load_rows(base, offs_n, offs_p + D_HALF, stride_n, stride_d, mask)
 
 
 @triton.jit
@@ -261,163 +323,224 @@ def _load_state(S, Z, idx, offs_p, offs_e, D_HALF, DV):
 
 
 @triton.jit
-def _store_state(S, Z, idx, s1, s2, z1, z2, offs_p, offs_e, D_HALF, DV):
-    """Store halves into slot ``idx`` (the inverse of :func:`_load_state`)."""
+def _store_state(S, Z, idx, s1, s2, z1, z2, offs_p, offs_e, D_HALF, DV, valid):
+    """Store halves into slot ``idx`` (the inverse of :func:`_load_state`); nothing unless ``valid``."""
     s1_ptrs, s2_ptrs, z1_ptrs, z2_ptrs, mask_s, mask_z = _state_ptrs(S, Z, idx, offs_p, offs_e, D_HALF, DV)
-    tl.store(s1_ptrs, s1, mask=mask_s)
-    tl.store(s2_ptrs, s2, mask=mask_s)
-    tl.store(z1_ptrs, z1, mask=mask_z)
-    tl.store(z2_ptrs, z2, mask=mask_z)
+    tl.store(s1_ptrs, s1, mask=mask_s & valid)
+    tl.store(s2_ptrs, s2, mask=mask_s & valid)
+    tl.store(z1_ptrs, z1, mask=mask_z & valid)
+    tl.store(z2_ptrs, z2, mask=mask_z & valid)
 
 
 @_kernel
-def _state_fwd_kernel(K, V, FX, FY, S_PART, Z_PART, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
-                      stride_vn, stride_vd, stride_fh, H, N, D_HALF, DV, split_len, prefix, width, off_row, off_col,
+def _state_fwd_kernel(K, V, TAB, S_PART, Z_PART, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
+                      stride_vn, stride_vd, stride_th, stride_ts, H, BH, N, D_HALF, DV, split_len, prefix, width,
                       N_BUCKET, FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr,
-                      BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid (splits, B*H): partial sums of S (rotated keys) and z over the tokens of one split."""
-    pid_s, bh, b, h, offs_p, offs_e = _program(H, BLOCK_P, BLOCK_DV)
+                      DOT: tl.constexpr, ROUND_BF16: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr,
+                      BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid (splits, B*H): partial sums of S (rotated keys) and z over the tokens of one split. The rotated
+    features enter the tensor cores rounded to the input dtype, v as loaded; fp32 accumulation."""
+    pid_s, bh, b, h, valid, offs_p, offs_e = _program(H, BH, BLOCK_P, BLOCK_DV)
     k_base = _head(K, b, h, stride_kb, stride_kh)
     v_base = _head(V, b, h, stride_vb, stride_vh)
-    fx, fy = _rope_freqs(FX, FY, h, stride_fh, offs_p, D_HALF, HAS_ROPE)
     lo, hi, s1, s2, z1, z2 = _split_start(pid_s, split_len, N, BLOCK_P, BLOCK_DV)
     for start in range(lo, hi, BLOCK_N):
-        _, _, _, v, _, _, _, _, f1, f2, r1, r2 = _token_block(
-            k_base, v_base, start, hi, offs_p, offs_e, stride_kn, stride_kd, stride_vn, stride_vd, D_HALF, DV,
-            fx, fy, prefix, width, off_row, off_col, FEATURE, HAS_ROPE, BLOCK_N)
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_k, mask_v = _tile_masks(offs_n, hi, offs_p, offs_e, D_HALF, DV)
+        v = _native(_load_tile(v_base, offs_n, offs_e, stride_vn, stride_vd, mask_v), ROUND_BF16)
+        _, _, _, _, f1, f2, r1, r2 = _features(k_base, offs_n, hi, offs_p, stride_kn, stride_kd, D_HALF, mask_k, TAB,
+                                               h, stride_th, stride_ts, prefix, width, FEATURE, HAS_ROPE)
         z1 += tl.sum(f1, axis=0)
         z2 += tl.sum(f2, axis=0)
-        s1 = tl.dot(tl.trans(r1), v, s1, input_precision=PRECISION)
-        s2 = tl.dot(tl.trans(r2), v, s2, input_precision=PRECISION)
-    _store_state(S_PART, Z_PART, bh * tl.num_programs(0) + pid_s, s1, s2, z1, z2, offs_p, offs_e, D_HALF, DV)
+        s1 = tl.dot(tl.trans(_operand(r1, DOT, ROUND_BF16)), v, s1, input_precision=PRECISION)
+        s2 = tl.dot(tl.trans(_operand(r2, DOT, ROUND_BF16)), v, s2, input_precision=PRECISION)
+    _store_state(S_PART, Z_PART, bh * tl.num_programs(0) + pid_s, s1, s2, z1, z2, offs_p, offs_e, D_HALF, DV, valid)
 
 
 @_kernel
-def _output_fwd_kernel(Q, S, Z, FX, FY, O, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on,
-                       stride_od, stride_fh, eps, H, N, D_HALF, DV, prefix, width, off_row, off_col, N_BUCKET,
-                       FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_P: tl.constexpr,
-                       BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid (token blocks, B*H): o = (R phi(q)) S / (phi(q) . z + eps) for one block of queries."""
-    pid_n, bh, b, h, offs_p, offs_e = _program(H, BLOCK_P, BLOCK_DV)
+def _output_fwd_kernel(Q, S, Z, TAB, O, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on,
+                       stride_od, stride_th, stride_ts, eps, H, BH, N, D_HALF, DV, prefix, width, N_BUCKET,
+                       FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
+                       ROUND_BF16: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    """Grid (token blocks, B*H): o = (R phi(q)) S / (phi(q) . z + eps) for one block of queries; the rotated
+    features enter the tensor cores in the input dtype, S as its hi + lo split."""
+    pid_n, bh, b, h, valid, offs_p, offs_e = _program(H, BH, BLOCK_P, BLOCK_DV)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_q, mask_o = _tile_masks(offs_n, N, offs_p, offs_e, D_HALF, DV)
     s1, s2, z1, z2 = _load_state(S, Z, bh, offs_p, offs_e, D_HALF, DV)
-    q1, q2 = _load_halves(_head(Q, b, h, stride_qb, stride_qh), offs_n, offs_p, stride_qn, stride_qd, D_HALF, mask_q)
-    fx, fy = _rope_freqs(FX, FY, h, stride_fh, offs_p, D_HALF, HAS_ROPE)
-    _, _, f1, f2, r1, r2 = _features(q1, q2, mask_q, offs_n, fx, fy, prefix, width, off_row, off_col, FEATURE,
-                                     HAS_ROPE)
-    num, den = _numerator_denominator(f1, f2, r1, r2, s1, s2, z1, z2, eps, PRECISION)
+    hi1, lo1, hi2, lo2, inv = _split_state(s1, s2, DOT, ROUND_BF16, SPLIT)
+    _, _, _, _, f1, f2, r1, r2 = _features(_head(Q, b, h, stride_qb, stride_qh), offs_n, N, offs_p, stride_qn,
+                                           stride_qd, D_HALF, mask_q, TAB, h, stride_th, stride_ts, prefix, width,
+                                           FEATURE, HAS_ROPE)
+    num = _state_dot(_operand(r1, DOT, ROUND_BF16), hi1, lo1, tl.zeros((BLOCK_N, BLOCK_DV), tl.float32), SPLIT,
+                     PRECISION)
+    num = _state_dot(_operand(r2, DOT, ROUND_BF16), hi2, lo2, num, SPLIT, PRECISION)
+    den = tl.sum(f1 * z1[None, :], axis=1) + tl.sum(f2 * z2[None, :], axis=1) + eps
     o_ptrs = _head(O, b, h, stride_ob, stride_oh) + offs_n.to(tl.int64)[:, None] * stride_on + offs_e[None, :] * stride_od
-    tl.store(o_ptrs, (num / den[:, None]).to(O.dtype.element_ty), mask=mask_o)
+    tl.store(o_ptrs, (num * (inv / den)[:, None]).to(O.dtype.element_ty), mask=mask_o & valid)
 
 
 @_kernel
-def _query_bwd_kernel(Q, DO, S, Z, FX, FY, DQ, DS_PART, DZ_PART, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob,
-                      stride_oh, stride_on, stride_od, stride_fh, eps, H, N, D_HALF, DV, split_len, prefix, width,
-                      off_row, off_col, N_BUCKET, FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr,
-                      PRECISION: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid (splits, B*H): dq for the queries of one split and partial sums of dS, dz (without 1/Nk)."""
-    pid_s, bh, b, h, offs_p, offs_e = _program(H, BLOCK_P, BLOCK_DV)
+def _query_bwd_kernel(Q, DO, S, Z, TAB, DQ, DS_PART, DZ_PART, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob,
+                      stride_oh, stride_on, stride_od, stride_th, stride_ts, eps, H, BH, N, D_HALF, DV, split_len,
+                      prefix, width, N_BUCKET, FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr,
+                      PRECISION: tl.constexpr, DOT: tl.constexpr, ROUND_BF16: tl.constexpr, SPLIT: tl.constexpr,
+                      BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid (splits, B*H): dq for the queries of one split and partial sums of dS, dz (without 1/Nk).
+
+    With g = dO S^T / den the gradient of the rotated features, dden = -(dO . num) / den^2 = -(R phi(q) . g) / den:
+    the numerator is not recomputed. dO enters the tensor cores as loaded, S as its hi + lo split, R phi(q) / den
+    rounded to the input dtype."""
+    pid_s, bh, b, h, valid, offs_p, offs_e = _program(H, BH, BLOCK_P, BLOCK_DV)
     s1, s2, z1, z2 = _load_state(S, Z, bh, offs_p, offs_e, D_HALF, DV)
-    fx, fy = _rope_freqs(FX, FY, h, stride_fh, offs_p, D_HALF, HAS_ROPE)
+    hi1, lo1, hi2, lo2, inv = _split_state(tl.trans(s1), tl.trans(s2), DOT, ROUND_BF16, SPLIT)
     q_base = _head(Q, b, h, stride_qb, stride_qh)
     do_base = _head(DO, b, h, stride_ob, stride_oh)
     dq_base = DQ + bh.to(tl.int64) * N * 2 * D_HALF  # dq is allocated contiguous (B, H, N, D)
     lo, hi, ds1, ds2, dz1, dz2 = _split_start(pid_s, split_len, N, BLOCK_P, BLOCK_DV)
     for start in range(lo, hi, BLOCK_N):
-        offs_n, q1, q2, do, mask_q, _, cos, sin, f1, f2, r1, r2 = _token_block(
-            q_base, do_base, start, hi, offs_p, offs_e, stride_qn, stride_qd, stride_on, stride_od, D_HALF, DV,
-            fx, fy, prefix, width, off_row, off_col, FEATURE, HAS_ROPE, BLOCK_N)
-        num, den = _numerator_denominator(f1, f2, r1, r2, s1, s2, z1, z2, eps, PRECISION)
-        dnum = do / den[:, None]  # masked rows: do = 0, so they add nothing below
-        dden = -tl.sum(dnum * num, axis=1) / den  # = -(do . o) / den
-        g1 = tl.dot(dnum, tl.trans(s1), input_precision=PRECISION)  # grad of the rotated features
-        g2 = tl.dot(dnum, tl.trans(s2), input_precision=PRECISION)
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_q, mask_o = _tile_masks(offs_n, hi, offs_p, offs_e, D_HALF, DV)
+        do = _native(_load_tile(do_base, offs_n, offs_e, stride_on, stride_od, mask_o), ROUND_BF16)
+        q1, q2, cos, sin, f1, f2, r1, r2 = _features(q_base, offs_n, hi, offs_p, stride_qn, stride_qd, D_HALF, mask_q,
+                                                     TAB, h, stride_th, stride_ts, prefix, width, FEATURE, HAS_ROPE)
+        den = tl.sum(f1 * z1[None, :], axis=1) + tl.sum(f2 * z2[None, :], axis=1) + eps
+        scale = inv / den
+        zero = tl.zeros((BLOCK_N, BLOCK_P), tl.float32)
+        g1 = _state_dot(do, hi1, lo1, zero, SPLIT, PRECISION) * scale[:, None]  # grad of the rotated features
+        g2 = _state_dot(do, hi2, lo2, zero, SPLIT, PRECISION) * scale[:, None]
+        dden = -(tl.sum(r1 * g1, axis=1) + tl.sum(r2 * g2, axis=1)) / den
         dq1, dq2 = _input_grad(g1, g2, dden[:, None] * z1[None, :], dden[:, None] * z2[None, :], q1, q2, FEATURE,
                                cos, sin, HAS_ROPE)
-        _store_rows(dq_base, offs_n, offs_p, 2 * D_HALF, dq1, mask_q)
-        _store_rows(dq_base, offs_n, offs_p + D_HALF, 2 * D_HALF, dq2, mask_q)
-        ds1 = tl.dot(tl.trans(r1), dnum, ds1, input_precision=PRECISION)
-        ds2 = tl.dot(tl.trans(r2), dnum, ds2, input_precision=PRECISION)
+        _store_rows(dq_base, offs_n, offs_p, 2 * D_HALF, dq1, mask_q & valid)
+        _store_rows(dq_base, offs_n, offs_p + D_HALF, 2 * D_HALF, dq2, mask_q & valid)
+        rd = 1.0 / den
+        ds1 = tl.dot(tl.trans(_operand(r1 * rd[:, None], DOT, ROUND_BF16)), do, ds1, input_precision=PRECISION)
+        ds2 = tl.dot(tl.trans(_operand(r2 * rd[:, None], DOT, ROUND_BF16)), do, ds2, input_precision=PRECISION)
         dz1 += tl.sum(dden[:, None] * f1, axis=0)
         dz2 += tl.sum(dden[:, None] * f2, axis=0)
-    _store_state(DS_PART, DZ_PART, bh * tl.num_programs(0) + pid_s, ds1, ds2, dz1, dz2, offs_p, offs_e, D_HALF, DV)
+    _store_state(DS_PART, DZ_PART, bh * tl.num_programs(0) + pid_s, ds1, ds2, dz1, dz2, offs_p, offs_e, D_HALF, DV,
+                 valid)
 
 
 @_kernel
-def _key_bwd_kernel(K, V, DS, DZ, FX, FY, DK, DV_OUT, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
-                    stride_vn, stride_vd, stride_fh, H, N, D_HALF, DV, prefix, width, off_row, off_col, N_BUCKET,
-                    FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_P: tl.constexpr,
-                    BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid (token blocks, B*H): dk = phi'(k) (R^T (v dS^T) + dz), dv = (R phi(k)) dS; dS, dz carry the 1/Nk."""
-    pid_n, bh, b, h, offs_p, offs_e = _program(H, BLOCK_P, BLOCK_DV)
+def _key_bwd_kernel(K, V, DS, DZ, TAB, DK, DV_OUT, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
+                    stride_vn, stride_vd, stride_th, stride_ts, H, BH, N, D_HALF, DV, prefix, width, N_BUCKET,
+                    FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
+                    ROUND_BF16: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """Grid (token blocks, B*H): dk = phi'(k) (R^T (v dS^T) + dz), dv = (R phi(k)) dS; dS, dz carry the 1/Nk.
+    v enters the tensor cores as loaded, R phi(k) rounded to the input dtype, dS as its hi + lo split."""
+    pid_n, bh, b, h, valid, offs_p, offs_e = _program(H, BH, BLOCK_P, BLOCK_DV)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_k, mask_v = _tile_masks(offs_n, N, offs_p, offs_e, D_HALF, DV)
     ds1, ds2, dz1, dz2 = _load_state(DS, DZ, bh, offs_p, offs_e, D_HALF, DV)
-    fx, fy = _rope_freqs(FX, FY, h, stride_fh, offs_p, D_HALF, HAS_ROPE)
-    offs_n, k1, k2, v, mask_k, mask_v, cos, sin, f1, f2, r1, r2 = _token_block(
-        _head(K, b, h, stride_kb, stride_kh), _head(V, b, h, stride_vb, stride_vh), pid_n * BLOCK_N, N, offs_p, offs_e,
-        stride_kn, stride_kd, stride_vn, stride_vd, D_HALF, DV, fx, fy, prefix, width, off_row, off_col, FEATURE,
-        HAS_ROPE, BLOCK_N)
-    dv = tl.dot(r1, ds1, input_precision=PRECISION)
-    dv = tl.dot(r2, ds2, dv, input_precision=PRECISION)
-    g1 = tl.dot(v, tl.trans(ds1), input_precision=PRECISION)
-    g2 = tl.dot(v, tl.trans(ds2), input_precision=PRECISION)
+    hi1, lo1, hi2, lo2, inv = _split_state(ds1, ds2, DOT, ROUND_BF16, SPLIT)
+    v = _native(_load_tile(_head(V, b, h, stride_vb, stride_vh), offs_n, offs_e, stride_vn, stride_vd, mask_v),
+                ROUND_BF16)
+    k1, k2, cos, sin, f1, f2, r1, r2 = _features(_head(K, b, h, stride_kb, stride_kh), offs_n, N, offs_p, stride_kn,
+                                                 stride_kd, D_HALF, mask_k, TAB, h, stride_th, stride_ts, prefix,
+                                                 width, FEATURE, HAS_ROPE)
+    dv = _state_dot(_operand(r1, DOT, ROUND_BF16), hi1, lo1, tl.zeros((BLOCK_N, BLOCK_DV), tl.float32), SPLIT,
+                    PRECISION)
+    dv = _state_dot(_operand(r2, DOT, ROUND_BF16), hi2, lo2, dv, SPLIT, PRECISION) * inv
+    zero = tl.zeros((BLOCK_N, BLOCK_P), tl.float32)
+    g1 = _state_dot(v, tl.trans(hi1), tl.trans(lo1), zero, SPLIT, PRECISION) * inv
+    g2 = _state_dot(v, tl.trans(hi2), tl.trans(lo2), zero, SPLIT, PRECISION) * inv
     dk1, dk2 = _input_grad(g1, g2, dz1[None, :], dz2[None, :], k1, k2, FEATURE, cos, sin, HAS_ROPE)
     dk_base = DK + bh.to(tl.int64) * N * 2 * D_HALF  # dk and dv are allocated contiguous
-    _store_rows(dk_base, offs_n, offs_p, 2 * D_HALF, dk1, mask_k)
-    _store_rows(dk_base, offs_n, offs_p + D_HALF, 2 * D_HALF, dk2, mask_k)
-    _store_rows(DV_OUT + bh.to(tl.int64) * N * DV, offs_n, offs_e, DV, dv, mask_v)
+    _store_rows(dk_base, offs_n, offs_p, 2 * D_HALF, dk1, mask_k & valid)
+    _store_rows(dk_base, offs_n, offs_p + D_HALF, 2 * D_HALF, dk2, mask_k & valid)
+    _store_rows(DV_OUT + bh.to(tl.int64) * N * DV, offs_n, offs_e, DV, dv, mask_v & valid)
 
 
-def _meta(q: Tensor, v: Tensor, feature_map: str, has_rope: bool) -> dict:
-    d_half = q.shape[-1] // 2
+KERNEL_NAMES = ("_state_fwd_kernel", "_output_fwd_kernel", "_query_bwd_kernel", "_key_bwd_kernel")
+TOKEN_POINTERS = {"K", "V", "Q", "O", "DO", "DQ", "DK", "DV_OUT"}  # in the input dtype
+FP32_POINTERS = {"S", "Z", "DS", "DZ", "S_PART", "Z_PART", "DS_PART", "DZ_PART", "TAB"}
+FLOAT_SCALARS = {"eps"}
+_ALL = CANDIDATE_CONFIGS
+_OFFERED.update({name: {16: _ALL, 32: _ALL, 64: _ALL} for name in KERNEL_NAMES})
+
+
+def kernel_function(name: str):
+    """The jitted function of a kernel (one of ``KERNEL_NAMES``)."""
+    return _JITTED[name]
+
+
+_TL_DTYPES = {"float16": tl.float16, "bfloat16": tl.bfloat16, "float32": tl.float32}
+
+
+def kernel_constexprs(dtype: str, d: int, dv: int, feature: str, has_rope: bool, interpret: bool = False) -> dict:
+    """The constexprs of a launch (all but BLOCK_N); ``dtype`` by name ("bfloat16", ...). 16-bit inputs: dot
+    operands in that dtype (the fp32 state split hi + lo); fp32 inputs: exact fp32 products ("ieee")."""
+    half = dtype != "float32"
+    round_bf16 = interpret and dtype == "bfloat16"
     return dict(
-        FEATURE=FUSED_FEATURE_MAPS[feature_map],
+        FEATURE=FUSED_FEATURE_MAPS[feature],
         HAS_ROPE=has_rope,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        BLOCK_P=max(16, triton.next_power_of_2(d_half)),
-        BLOCK_DV=max(16, triton.next_power_of_2(v.shape[-1])),
+        PRECISION="tf32" if half else "ieee",  # 16-bit operands: exact products whatever the precision says
+        DOT=tl.float32 if round_bf16 else _TL_DTYPES[dtype],
+        ROUND_BF16=round_bf16,
+        SPLIT=half,
+        BLOCK_P=_block_p(d),
+        BLOCK_DV=max(16, triton.next_power_of_2(dv)),
     )
 
 
+def _meta(q: Tensor, v: Tensor, feature_map: str, has_rope: bool) -> dict:
+    dtype = str(q.dtype).replace("torch.", "")
+    return kernel_constexprs(dtype, q.shape[-1], v.shape[-1], feature_map, has_rope, interpret=_INTERPRET)
+
+
 def _split_len(n: int, bh: int, device: torch.device, split_tokens: int) -> int:
-    """Tokens per split of the reductions over N. ``split_tokens`` > 0 forces it; 0 picks enough splits to
-    give about two programs per SM on a GPU (whole-N reductions off GPU), at least 1024 tokens per split."""
+    """Tokens per split of the reductions over N (at least 1). ``split_tokens`` > 0 forces it; 0 picks enough
+    splits to give about two programs per SM on a GPU (whole-N reductions off GPU), at least 1024 tokens per
+    split."""
     if split_tokens > 0:
         return split_tokens
-    if device.type != "cuda":
+    if device.type != "cuda" or n == 0:
         return max(n, 1)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     splits = max(1, min(triton.cdiv(2 * sms, bh), triton.cdiv(n, 4 * _SPLIT_ALIGN)))
     return triton.cdiv(triton.cdiv(n, splits), _SPLIT_ALIGN) * _SPLIT_ALIGN
 
 
-def _rope_launch_args(q: Tensor, freqs_x: Optional[Tensor], freqs_y: Optional[Tensor], rope_ints: List[int],
-                      rope_offsets: List[float]) -> Tuple[Tensor, Tensor, int, int, int, float, float]:
-    """(fx, fy, head stride, prefix, width, row offset, col offset); dummies without RoPE (never loaded)."""
+def _rope_table(q: Tensor, n: int, freqs_x: Optional[Tensor], freqs_y: Optional[Tensor], rope_ints: List[int],
+                rope_offsets: List[float]) -> Tuple[Tensor, int, int, int, int]:
+    """(table, head stride, cos/sin stride, prefix, width). The table (heads or 1, 2, W + rows, P) holds cos and
+    sin of fx * (col + offset) for each grid column, then of fy * (row + offset) for each grid row: O((W + rows) P)
+    values, combined in-kernel by angle addition. A dummy (never loaded) without RoPE."""
     if freqs_x is None or freqs_y is None:
-        return q, q, 0, 0, 1, 0.0, 0.0
-    stride_fh = 0 if freqs_x.shape[0] == 1 else freqs_x.shape[1]
-    return freqs_x, freqs_y, stride_fh, rope_ints[0], rope_ints[1], rope_offsets[0], rope_offsets[1]
+        return q, 0, 0, 0, 1
+    prefix, width = rope_ints
+    rows = max(1, triton.cdiv(n - prefix, width))
+    cols = torch.arange(width, device=q.device, dtype=torch.float64) + rope_offsets[1]
+    rows_pos = torch.arange(rows, device=q.device, dtype=torch.float64) + rope_offsets[0]
+    ang = torch.cat([cols[:, None] * freqs_x.double()[:, None, :], rows_pos[:, None] * freqs_y.double()[:, None, :]],
+                    dim=1)  # (heads, W + rows, P)
+    tab = torch.stack([ang.cos(), ang.sin()], dim=1).float().contiguous()
+    stride_th = 0 if tab.shape[0] == 1 else tab.stride(0)
+    return tab, stride_th, tab.stride(1), prefix, width
 
 
-def _launch(q: Tensor, v: Tensor, feature_map: str, freqs_x: Optional[Tensor], freqs_y: Optional[Tensor],
-            rope_ints: List[int], rope_offsets: List[float], n: int, split_tokens: int):
-    """What both passes launch with: RoPE arguments (fx, fy, head stride, (prefix, width, row offset, col offset)),
-    the constexprs, the split length of the reduction over ``n`` tokens, its grid and its fp32 partial sums of a
-    (D, Dv) state and a (D,) vector."""
-    b, h, _, d = q.shape
-    fx, fy, stride_fh, *rope_pos = _rope_launch_args(q, freqs_x, freqs_y, rope_ints, rope_offsets)
-    split = _split_len(n, b * h, q.device, split_tokens)
-    n_splits = triton.cdiv(n, split)
-    s_part = torch.empty(b * h, n_splits, d, v.shape[-1], device=q.device, dtype=torch.float32)
-    z_part = torch.empty(b * h, n_splits, d, device=q.device, dtype=torch.float32)
-    meta = _meta(q, v, feature_map, freqs_x is not None)
-    return (fx, fy, stride_fh, rope_pos), meta, split, (n_splits, b * h), s_part, z_part
+def _grid(blocks, bh: int):
+    """Launch grid: ``blocks`` (an int or a function of the configuration) on axis 0, batch x heads folded into
+    axes 1 and 2 (each at most 65535)."""
+    y = min(bh, _MAX_GRID_Y)
+    z = triton.cdiv(bh, y)
+    return lambda cfg: (blocks(cfg) if callable(blocks) else blocks, y, z)
 
 
-def _token_grid(n: int, bh: int):
-    """Grid of the kernels with one program per block of tokens and (batch, head)."""
-    return lambda cfg: (triton.cdiv(n, cfg["BLOCK_N"]), bh)
+def _run(name: str, d: int, grid, *args, **meta) -> None:
+    """Launch kernel ``name``: autotuned, except during CUDA-graph capture, where benchmarking cannot run and the
+    first offered configuration is launched instead."""
+    if not _INTERPRET and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        bn, warps, stages = offered_configs(name, d)[0]
+        cfg = {"BLOCK_N": bn}
+        _JITTED[name][grid(cfg)](*args, **meta, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    else:
+        _tuned(name, d)[grid](*args, **meta)
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, feature_map: str, freqs_x: Optional[Tensor],
@@ -425,15 +548,21 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, feature_map: str, freqs_x: Optiona
              split_tokens: int) -> Tuple[Tensor, Tensor, Tensor]:
     b, h, nq, d = q.shape
     nk, dv = k.shape[2], v.shape[-1]
-    (fx, fy, stride_fh, rope_pos), meta, split, grid, s_part, z_part = _launch(
-        q, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, nk, split_tokens)
-    _state_fwd_kernel[grid](k, v, fx, fy, s_part, z_part, *k.stride(), *v.stride(), stride_fh, h, nk, d // 2, dv,
-                            split, *rope_pos, triton.next_power_of_2(nk), **meta)
+    meta = _meta(q, v, feature_map, freqs_x is not None)
+    tab, stride_th, stride_ts, prefix, width = _rope_table(q, nk, freqs_x, freqs_y, rope_ints, rope_offsets)
+    split = _split_len(nk, b * h, q.device, split_tokens)
+    n_splits = triton.cdiv(nk, split)
+    s_part = torch.empty(b * h, n_splits, d, dv, device=q.device, dtype=torch.float32)
+    z_part = torch.empty(b * h, n_splits, d, device=q.device, dtype=torch.float32)
+    _run("_state_fwd_kernel", d, _grid(n_splits, b * h), k, v, tab, s_part, z_part, *k.stride(), *v.stride(),
+         stride_th, stride_ts, h, b * h, nk, d // 2, dv, split, prefix, width, triton.next_power_of_2(nk), **meta)
     s = (s_part.sum(dim=1) / nk).view(b, h, d, dv)  # the mean: S and z stay in range for any N
     z = (z_part.sum(dim=1) / nk).view(b, h, d)
     o = torch.empty(b, h, nq, dv, device=q.device, dtype=q.dtype)
-    _output_fwd_kernel[_token_grid(nq, b * h)](q, s, z, fx, fy, o, *q.stride(), *o.stride(), stride_fh, eps, h, nq,
-                                               d // 2, dv, *rope_pos, triton.next_power_of_2(nq), **meta)
+    if nq > 0:
+        _run("_output_fwd_kernel", d, _grid(lambda cfg: triton.cdiv(nq, cfg["BLOCK_N"]), b * h), q, s, z, tab, o,
+             *q.stride(), *o.stride(), stride_th, stride_ts, eps, h, b * h, nq, d // 2, dv, prefix, width,
+             triton.next_power_of_2(nq), **meta)
     return o, s, z
 
 
@@ -441,19 +570,28 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor,
               freqs_x: Optional[Tensor], freqs_y: Optional[Tensor], rope_ints: List[int],
               rope_offsets: List[float], eps: float, split_tokens: int) -> Tuple[Tensor, Tensor, Tensor]:
     b, h, nq, d = q.shape
-    nk = k.shape[2]
-    (fx, fy, stride_fh, rope_pos), meta, split, grid, ds_part, dz_part = _launch(
-        q, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, nq, split_tokens)
+    nk, dv = k.shape[2], v.shape[-1]
+    meta = _meta(q, v, feature_map, freqs_x is not None)
+    tab, stride_th, stride_ts, prefix, width = _rope_table(q, nk, freqs_x, freqs_y, rope_ints, rope_offsets)
     dq = torch.empty(b, h, nq, d, device=q.device, dtype=q.dtype)
-    _query_bwd_kernel[grid](q, do, s, z, fx, fy, dq, ds_part, dz_part, *q.stride(), *do.stride(), stride_fh, eps, h,
-                            nq, d // 2, v.shape[-1], split, *rope_pos, triton.next_power_of_2(nq), **meta)
+    if nq == 0:  # no queries: nothing flows back to the keys and values
+        return dq, torch.zeros(b, h, nk, d, device=q.device, dtype=k.dtype), torch.zeros_like(
+            v, memory_format=torch.contiguous_format)
+    split = _split_len(nq, b * h, q.device, split_tokens)
+    n_splits = triton.cdiv(nq, split)
+    ds_part = torch.empty(b * h, n_splits, d, dv, device=q.device, dtype=torch.float32)
+    dz_part = torch.empty(b * h, n_splits, d, device=q.device, dtype=torch.float32)
+    _run("_query_bwd_kernel", d, _grid(n_splits, b * h), q, do, s, z, tab, dq, ds_part, dz_part, *q.stride(),
+         *do.stride(), stride_th, stride_ts, eps, h, b * h, nq, d // 2, dv, split, prefix, width,
+         triton.next_power_of_2(nq), **meta)
     ds = ds_part.sum(dim=1) / nk  # (B*H, D, Dv): the 1/Nk of S moves onto its gradient
     dz = dz_part.sum(dim=1) / nk
     dk = torch.empty(b, h, nk, d, device=q.device, dtype=k.dtype)
-    dv = torch.empty(b, h, nk, v.shape[-1], device=q.device, dtype=v.dtype)
-    _key_bwd_kernel[_token_grid(nk, b * h)](k, v, ds, dz, fx, fy, dk, dv, *k.stride(), *v.stride(), stride_fh, h, nk,
-                                            d // 2, v.shape[-1], *rope_pos, triton.next_power_of_2(nk), **meta)
-    return dq, dk, dv
+    dv_out = torch.empty(b, h, nk, dv, device=q.device, dtype=v.dtype)
+    _run("_key_bwd_kernel", d, _grid(lambda cfg: triton.cdiv(nk, cfg["BLOCK_N"]), b * h), k, v, ds, dz, tab, dk,
+         dv_out, *k.stride(), *v.stride(), stride_th, stride_ts, h, b * h, nk, d // 2, dv, prefix, width,
+         triton.next_power_of_2(nk), **meta)
+    return dq, dk, dv_out
 
 
 @torch.library.custom_op("linvision::linear_attention_fwd", mutates_args=())
@@ -545,11 +683,20 @@ def unsupported_reason(q: Tensor, k: Tensor, v: Tensor, feature_map: str, rope: 
         return f"head dim {d} not in {MIN_HEAD_DIM}..{MAX_HEAD_DIM} (even)"
     if not 1 <= dv <= MAX_VALUE_DIM:
         return f"value head dim {dv} not in 1..{MAX_VALUE_DIM}"
-    if q.shape[0] * q.shape[1] > _MAX_GRID_Y:
-        return f"batch x heads = {q.shape[0] * q.shape[1]} exceeds the launch grid limit {_MAX_GRID_Y}"
     if rope is not None and (rope.freqs_x.requires_grad or rope.freqs_y.requires_grad):
         return "rope frequencies require grad (the kernels do not differentiate them)"
     return None
+
+
+def _autocast(q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """fp32 inputs under ``torch.autocast`` for their device run in the autocast dtype (fp16 or bf16)."""
+    device = q.device.type
+    if q.dtype != torch.float32 or device not in ("cuda", "cpu") or not torch.is_autocast_enabled(device):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device)
+    if dtype not in (torch.float16, torch.bfloat16):
+        return q, k, v
+    return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
 def linear_attention_triton(
@@ -570,6 +717,7 @@ def linear_attention_triton(
     reason when the kernels cannot run the call.
     """
     check_qkv(q, k, v, same_tokens=rope is not None)
+    q, k, v = _autocast(q, k, v)
     if not isinstance(feature_map, str):
         raise TypeError(f"feature_map: expected the name of a fused map (str), got {type(feature_map).__name__}")
     if feature_map_name(feature_map) not in FUSED_FEATURE_MAPS:

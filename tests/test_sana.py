@@ -225,3 +225,85 @@ def test_sum_eps_form_is_finite_in_half_precision():
         out = mixer.half()(x.half(), (64, 64))
     assert torch.isfinite(out).all()
     assert (out.float() - ref).norm() / ref.norm() < 5e-3
+
+
+def _tiny_autoencoder(kind, path=None):
+    torch.manual_seed(0)
+    if kind == "AutoencoderKL":
+        ae = diffusers.AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                                     up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16),
+                                     layers_per_block=1, latent_channels=4, norm_num_groups=4, sample_size=16,
+                                     scaling_factor=0.5, shift_factor=0.1)
+    else:
+        ae = diffusers.AutoencoderDC(in_channels=3, latent_channels=4, attention_head_dim=4,
+                                     encoder_block_types="ResBlock", decoder_block_types="ResBlock",
+                                     encoder_block_out_channels=(8, 16), decoder_block_out_channels=(8, 16),
+                                     encoder_layers_per_block=(1, 1), decoder_layers_per_block=(1, 1),
+                                     encoder_qkv_multiscales=((), ()), decoder_qkv_multiscales=((), ()),
+                                     upsample_block_type="interpolate", downsample_block_type="Conv",
+                                     scaling_factor=0.4)
+    if path is not None:
+        ae.save_pretrained(path)
+    return ae.eval()
+
+
+@pytest.mark.parametrize("kind", ["AutoencoderKL", "AutoencoderDC"])
+def test_latents_are_scaled_as_diffusers_pipelines_scale_them(tmp_path, kind):
+    from linvision.diffusion.latents import autoencoder_geometry, decode_latents, encode_images, load_autoencoder
+
+    _tiny_autoencoder(kind, tmp_path / "ae")
+    ae = load_autoencoder(str(tmp_path / "ae"))
+    assert type(ae).__name__ == kind and autoencoder_geometry(ae) == (3, 4, 2)
+    x = torch.rand(3, 3, 16, 12) * 2 - 1
+    z = encode_images(ae, x, batch_size=2)
+    with torch.no_grad():
+        if kind == "AutoencoderKL":
+            want = (ae.encode(x).latent_dist.mean - 0.1) * 0.5
+            images = ae.decode(z / 0.5 + 0.1).sample
+        else:
+            want = ae.encode(x).latent * 0.4
+            images = ae.decode(z / 0.4).sample
+    assert z.shape == (3, 4, 8, 6)
+    torch.testing.assert_close(z, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(decode_latents(ae, z), images, rtol=1e-5, atol=1e-6)
+    (tmp_path / "ae" / "config.json").write_text(json.dumps({"_class_name": "UNet2DModel"}))
+    with pytest.raises(ValueError, match="UNet2DModel"):
+        load_autoencoder(str(tmp_path / "ae"))
+
+
+def test_latent_training_resumes_exactly_and_samples_decode_to_images(tmp_path):
+    from safetensors.torch import load_file
+
+    from linvision.diffusion.checkpoint import load_dit
+    from linvision.diffusion.data import load_images
+    from linvision.diffusion.latents import encode_images, load_autoencoder
+    from linvision.diffusion.sampling import decoder_for, sample_classes
+    from linvision.diffusion.train import DiffusionTrainConfig, train_dit
+
+    torch.set_num_threads(1)
+    _tiny_autoencoder("AutoencoderKL", tmp_path / "ae")
+    model = dict(img_size=8, in_chans=4, patch_size=2, dim=32, depth=1, num_heads=2, head_dim=16, num_cond_tokens=2)
+
+    def cfg():
+        return DiffusionTrainConfig(model=model, autoencoder=str(tmp_path / "ae"), steps=12, batch_size=16,
+                                    warmup_steps=2, log_every=4, save_every=0, encode_batch_size=256)
+
+    train_dit(cfg(), str(tmp_path / "full"), log=lambda s: None)
+    assert train_dit(cfg(), str(tmp_path / "split"), stop_after=5, log=lambda s: None)["step"] == 5
+    assert train_dit(cfg(), str(tmp_path / "split"), resume=True, log=lambda s: None)["step"] == 12
+    a, meta = load_dit(str(tmp_path / "full"), ema=False)
+    b, _ = load_dit(str(tmp_path / "split"), ema=False)
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
+        torch.testing.assert_close(pa, pb, rtol=0, atol=0, msg=name)
+    # the cache holds the autoencoder's latents of the 16 px digits (grey repeated to RGB)
+    cached = load_file(str(tmp_path / "full" / "latents.safetensors"))["latents"]
+    images, _, _ = load_images("digits", 16, 1)
+    ae = load_autoencoder(str(tmp_path / "ae"))
+    torch.testing.assert_close(cached[:64], encode_images(ae, images[:64].expand(-1, 3, -1, -1)))
+    assert meta["data"]["autoencoder"] == os.path.abspath(tmp_path / "ae")
+    samples, labels = sample_classes(a, [0, 3], 2, steps=2, decode=decoder_for(meta))
+    assert samples.shape == (4, 3, 16, 16) and labels.tolist() == [0, 0, 3, 3]
+    assert samples.abs().max() <= 1 and samples.std() > 0
+    with pytest.raises(ValueError, match="in_chans"):
+        train_dit(DiffusionTrainConfig(model={**model, "in_chans": 3}, autoencoder=str(tmp_path / "ae"), steps=1),
+                  str(tmp_path / "bad"), log=lambda s: None)

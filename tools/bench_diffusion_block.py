@@ -1,7 +1,14 @@
-"""Throughput and memory of one Sana-style block: ReLU linear self-attention against softmax self-attention.
+"""Throughput and memory of one Sana-style block: ReLU linear self-attention against softmax self-attention;
+with --vs-diffusers, the whole Sana transformer in linvision against diffusers' SanaTransformer2DModel.
 
     python tools/bench_diffusion_block.py                       # C 1152 (Sana-0.6B), 1k/4k/16k/64k tokens
     python tools/bench_diffusion_block.py --tokens 1024 4096 --dtype bf16 --repeats 5
+    python tools/bench_diffusion_block.py --vs-diffusers --model sana_600m_t2i --latent 32 32 --repeats 3
+
+--vs-diffusers builds diffusers' model with random weights for the config, converts them into linvision's
+(linvision.diffusion.sana), and times forwards of each (after a warm-up; interleaved) on the same latents,
+timestep and a caption of --context tokens whose last third is padding; it reports the agreement of the
+outputs, with the exact (diffusers) eps and with linvision's default eps. Needs diffusers.
 
 Each (attention, token count) point runs in its own process, so an out-of-memory or a time-out (``--timeout``
 seconds) is recorded for that point and the others still run. A point builds one block (cross-attention to
@@ -112,6 +119,78 @@ def measure(args: Dict, attn: str, tokens: int, timeout: float) -> Dict:
     return {"attn": attn, "tokens": tokens, "status": status}
 
 
+def compare_diffusers(args: argparse.Namespace) -> Dict:
+    """Time and agree linvision's Sana transformer with diffusers' on the same random weights and inputs."""
+    import diffusers
+
+    from linvision.diffusion.model import LinDiT
+    from linvision.diffusion.sana import config_from_diffusers, config_to_diffusers, state_dict_from_diffusers
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype, device = DTYPES[args.dtype], args.device
+    config = config_to_diffusers(DIT_CONFIGS[args.model])
+    torch.manual_seed(0)
+    theirs = diffusers.SanaTransformer2DModel(**{k: v for k, v in config.items() if not k.startswith("_")})
+    theirs = theirs.to(device=device, dtype=dtype).eval()
+    ours = {}
+    for name, exact in (("exact eps", True), ("default eps", False)):
+        cfg = config_from_diffusers(config, exact_eps=exact)
+        model = LinDiT(cfg)
+        model.load_state_dict(state_dict_from_diffusers(theirs.state_dict(), cfg))
+        ours[name] = model.to(device=device, dtype=dtype).eval()
+    g = torch.Generator().manual_seed(1)
+    h, w = args.latent
+    x = torch.randn(args.batch, config["in_channels"], h, w, generator=g).to(device, dtype)
+    t = torch.full((args.batch,), 0.5)
+    context = torch.randn(args.batch, args.context, config["caption_channels"], generator=g).to(device, dtype)
+    mask = torch.ones(args.batch, args.context, dtype=torch.bool)
+    mask[:, args.context - args.context // 3:] = False
+    mask = mask.to(device)
+    runs = {
+        "diffusers": lambda: theirs(x, context, (1000.0 * t).to(device), encoder_attention_mask=mask.long(),
+                                    return_dict=False)[0],
+        **{f"linvision ({n})": (lambda m=m: m(x, t.to(device), context=context, context_mask=mask))
+           for n, m in ours.items()},
+    }
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    result = {"model": args.model, "latent": [h, w], "batch": args.batch, "context": args.context,
+              "dtype": args.dtype, "device": device, "threads": torch.get_num_threads(),
+              "params_m": sum(p.numel() for p in theirs.parameters()) / 1e6, "ms": {}, "agreement": {}}
+    outputs, times = {}, {name: [] for name in runs}
+    with torch.no_grad():
+        for name, fn in runs.items():
+            outputs[name] = fn().float()  # warm-up
+        for _ in range(args.repeats):  # interleaved, so that load from other processes hits all alike
+            for name, fn in runs.items():
+                sync()
+                start = time.perf_counter()
+                fn()
+                sync()
+                times[name].append(1e3 * (time.perf_counter() - start))
+    result["ms"] = {name: sum(v) / len(v) for name, v in times.items()}
+    result["min_ms"] = {name: min(v) for name, v in times.items()}
+    ref = outputs["diffusers"]
+    for name in ours:
+        out = outputs[f"linvision ({name})"]
+        result["agreement"][name] = {"max_abs": (out - ref).abs().max().item(),
+                                     "rel_l2": ((out - ref).norm() / ref.norm()).item(),
+                                     "ref_max_abs": ref.abs().max().item()}
+    print(f"{args.model}: {result['params_m']:.0f}M parameters, latents {h}x{w}, batch {args.batch}, "
+          f"{args.context} caption tokens ({args.context // 3} padded), {args.dtype}, {device}, "
+          f"{result['threads']} threads, mean of {args.repeats} interleaved forwards after a warm-up")
+    for name, ms in result["ms"].items():
+        print(f"  {name:>24}: {ms:9.1f} ms (fastest {result['min_ms'][name]:.1f} ms)")
+    for name, a in result["agreement"].items():
+        print(f"  linvision ({name}) vs diffusers: max abs {a['max_abs']:.3g}, relative L2 {a['rel_l2']:.3g} "
+              f"(outputs up to {a['ref_max_abs']:.3g})")
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="sana_600m", choices=list(DIT_CONFIGS), help="block shape to take")
@@ -126,7 +205,18 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--parts", action="store_true", help="also time the self-attention and the Mix-FFN alone")
     p.add_argument("--json", default=None, help="also write the results to this file")
+    p.add_argument("--vs-diffusers", action="store_true",
+                   help="time and agree the whole Sana transformer against diffusers' (a caption model config)")
+    p.add_argument("--latent", type=int, nargs=2, default=[32, 32], help="latent H W of --vs-diffusers")
     args = p.parse_args()
+    if args.vs_diffusers:
+        if args.model == "sana_600m":
+            args.model = "sana_600m_t2i"
+        result = compare_diffusers(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        return
     cfg = DIT_CONFIGS[args.model]
     opts = {k: getattr(args, k) for k in ("model", "batch", "context", "dtype", "repeats", "threads", "device",
                                           "parts")}

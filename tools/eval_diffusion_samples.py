@@ -16,7 +16,7 @@ import json
 import torch
 
 from linvision.diffusion.flow import SAMPLERS
-from linvision.diffusion.sampling import classify_images, sample_classes, save_grid
+from linvision.diffusion.sampling import classify_images, decoder_for, sample_classes, save_grid
 from linvision.diffusion.checkpoint import load_dit
 from linvision.diffusion.data import load_images
 from linvision.engine import load_model
@@ -41,13 +41,13 @@ def main() -> None:
     classifier, cls_meta = load_model(args.classifier)
     classes = list(range(dit.cfg.num_classes))
     images, labels = sample_classes(dit, classes, args.per_class, steps=args.steps, cfg_scale=args.cfg_scale,
-                                    sampler=args.sampler, seed=args.seed)
+                                    sampler=args.sampler, seed=args.seed, decode=decoder_for(dit_meta))
     preds = classify_images(classifier, images, cls_meta)
     hit = (preds == labels).float()
     per_class = {c: hit[labels == c].mean().item() for c in classes}
     result = {"samples": len(labels), "steps": args.steps, "cfg_scale": args.cfg_scale, "sampler": args.sampler,
               "dit_step": dit_meta.get("step"), "agreement": hit.mean().item(), "per_class": per_class}
-    if dit_meta.get("data", {}).get("dataset") == "digits":
+    if dit_meta.get("data", {}).get("dataset") == "digits" and not dit_meta["data"].get("autoencoder"):
         real, real_labels, _ = load_images("digits", dit.cfg.img_size, dit.cfg.in_chans, split="val")
         result["classifier_val_accuracy"] = (classify_images(classifier, real, cls_meta) == real_labels).float() \
             .mean().item()

@@ -3,7 +3,8 @@
     python tools/sample_diffusion.py output/diffusion_digits --per-class 8 --steps 20 --cfg-scale 3 \
         --out output/diffusion_digits/samples.png
 
-One row per class (``--classes`` picks them), ``--per-class`` columns; Euler or Heun over ``--steps``.
+One row per class (``--classes`` picks them), ``--per-class`` columns; Euler or Heun over ``--steps``. A model
+trained on latents is decoded with the autoencoder its checkpoint names.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import os
 import torch
 
 from linvision.diffusion.flow import SAMPLERS
-from linvision.diffusion.sampling import sample_classes, save_grid
+from linvision.diffusion.sampling import decoder_for, sample_classes, save_grid
 from linvision.diffusion.checkpoint import load_dit
 
 
@@ -34,7 +35,8 @@ def main() -> None:
     model, meta = load_dit(args.checkpoint, ema=not args.no_ema, device=device)
     classes = args.classes if args.classes is not None else list(range(model.cfg.num_classes))
     images, labels = sample_classes(model, classes, args.per_class, steps=args.steps, cfg_scale=args.cfg_scale,
-                                    sampler=args.sampler, shift=args.shift, seed=args.seed)
+                                    sampler=args.sampler, shift=args.shift, seed=args.seed,
+                                    decode=decoder_for(meta, device))
     out = args.out or os.path.join(args.checkpoint, "samples.png")
     save_grid(images, out, ncol=args.per_class)
     print(f"wrote {len(labels)} samples ({len(classes)} classes x {args.per_class}) to {out}")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -12,16 +12,30 @@ from linvision.engine.files import atomic_write
 from .flow import sample_flow
 from .model import LinDiT
 
-__all__ = ["sample_classes", "to_unit_range", "save_grid", "classify_images"]
+__all__ = ["decoder_for", "sample_classes", "to_unit_range", "save_grid", "classify_images"]
+
+
+def decoder_for(meta: dict, device: str = "cpu") -> Optional[Callable[[Tensor], Tensor]]:
+    """The latent decoder of a checkpoint trained on an autoencoder's latents (model.json's
+    ``data.autoencoder``), None for one trained on images."""
+    path = meta.get("data", {}).get("autoencoder")
+    if not path:
+        return None
+    from .latents import decode_latents, load_autoencoder
+
+    ae = load_autoencoder(path, device)
+    return lambda z: decode_latents(ae, z)
 
 
 @torch.no_grad()
 def sample_classes(
     model: LinDiT, classes: Sequence[int], per_class: int, steps: int = 20, cfg_scale: float = 3.0,
     sampler: str = "euler", shift: float = 1.0, seed: int = 0, batch_size: int = 256,
+    decode: Optional[Callable[[Tensor], Tensor]] = None,
 ) -> Tuple[Tensor, Tensor]:
     """``per_class`` samples of each class, class by class: (images (K, C, H, W) fp32 in [-1, 1] (clamped),
-    labels (K,) int64) with K = len(classes) * per_class.
+    labels (K,) int64) with K = len(classes) * per_class. ``decode`` maps the model's samples to images (a
+    latent model's autoencoder; :func:`decoder_for`).
 
     All noise comes from one CPU generator seeded with ``seed``, drawn before any model call, so a given
     (seed, classes, per_class, batch_size) gives the same samples on every run.
@@ -37,7 +51,7 @@ def sample_classes(
         y = labels[start:start + batch_size].to(device)
         x = sample_flow(model, y, shape, steps=steps, cfg_scale=cfg_scale, sampler=sampler, shift=shift,
                         noise=noise[start:start + batch_size].to(device))
-        out.append(x.cpu())
+        out.append((decode(x) if decode is not None else x).cpu())
     return torch.cat(out).clamp(-1.0, 1.0), labels
 
 

@@ -255,11 +255,11 @@ def load_diffusers_folder(path: str, exact_eps: bool = False, device: str = "cpu
     model = LinDiT(cfg)
     own = model.state_dict()
     for key, theirs in _key_map(cfg):
-        if ours[key].shape != own[key].shape:
-            first = theirs[0]
-            raise ValueError(f"diffusers folder: {where[first]}: {first!r} has shape {tuple(state[first].shape)}, "
-                             f"which does not fit the model {config_path} describes (it needs "
-                             f"{tuple(own[key].shape)}{' in ' + str(len(theirs)) + ' parts' if len(theirs) > 1 else ''})")
+        need = (own[key].shape[0] // len(theirs), *own[key].shape[1:])  # one part of a stacked tensor
+        bad = next((k for k in theirs if tuple(state[k].shape) != need), None)
+        if bad is not None:
+            raise ValueError(f"diffusers folder: {where[bad]}: {bad!r} has shape {tuple(state[bad].shape)}, which "
+                             f"does not fit the model {config_path} describes (it needs {need})")
     model.load_state_dict(ours)
     model.diffusers_extra = {k: config[k] for k in _PIPELINE_KEYS if k in config}
     return model.to(device=device, dtype=dtype).eval()

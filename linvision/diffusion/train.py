@@ -11,15 +11,16 @@ import math
 import os
 import time
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
+from safetensors.torch import load_file, save_file
 from timm.optim import create_optimizer_v2
 from timm.utils import ModelEmaV3
-from torch import nn
+from torch import Tensor, nn
 
 from linvision.engine.checkpoint import load_checkpoint_weights, load_torch_file
-from linvision.engine.files import recover_checkpoint_folder
+from linvision.engine.files import atomic_write, recover_checkpoint_folder
 from linvision.engine.interrupt import StopFlag, TrainInterrupted
 
 from .checkpoint import DIT_MODEL_NAME, save_dit_checkpoint
@@ -57,6 +58,10 @@ class DiffusionTrainConfig:
     ema_decay: float = _opt(0.999, "decay of the weights' EMA (warmed up: min(decay, (k + 1) / (k + 10)))")
     class_dropout: float = _opt(0.1, "probability of the null class during training (for classifier-free "
                                      "guidance)")
+    autoencoder: Optional[str] = _opt(None, "a local diffusers autoencoder folder (AutoencoderDC or AutoencoderKL): "
+                                            "train on its latents of the images, encoded once and cached in the "
+                                            "run folder; the model's img_size and in_chans are the latents'")
+    encode_batch_size: int = _opt(32, "images per autoencoder call when encoding the latents")
     seed: int = _opt(0, "seed of the initialisation, the data order and the noise")
     log_every: int = _opt(50, "log the mean loss every this many steps")
     save_every: int = _opt(500, "checkpoint every this many steps (0: only at the end)")
@@ -78,7 +83,7 @@ class DiffusionTrainConfig:
             if not ok:
                 raise ValueError(f"{key}: {what}, got {getattr(self, key)!r}")
 
-        for key in ("steps", "batch_size", "log_every"):
+        for key in ("steps", "batch_size", "log_every", "encode_batch_size"):
             need(isinstance(getattr(self, key), int) and getattr(self, key) >= 1, key, "must be an integer >= 1")
         for key in ("save_every", "warmup_steps"):
             need(isinstance(getattr(self, key), int) and getattr(self, key) >= 0, key, "must be an integer >= 0")
@@ -101,6 +106,38 @@ def lr_factor(step: int, cfg: DiffusionTrainConfig) -> float:
         return (step + 1) / cfg.warmup_steps
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+LATENT_CACHE = "latents.safetensors"
+
+
+def _training_data(cfg: DiffusionTrainConfig, model_cfg: DiTConfig, out_dir: str, device: str, resume: bool,
+                   log: Callable[[str], None]) -> Tuple[Tensor, Tensor, List[str]]:
+    """(inputs the model learns to generate, labels, class names): the images themselves, or with
+    ``cfg.autoencoder`` their latents, encoded once into ``out_dir/latents.safetensors`` (which a resumed run
+    reads back)."""
+    if cfg.autoencoder is None:
+        return load_images(cfg.dataset, model_cfg.img_size, model_cfg.in_chans, cfg.data_dir)
+    from .latents import autoencoder_geometry, encode_images, load_autoencoder
+
+    ae = load_autoencoder(cfg.autoencoder, device)
+    img_chans, latent_chans, factor = autoencoder_geometry(ae)
+    if model_cfg.in_chans != latent_chans:
+        raise ValueError(f"model.in_chans: {model_cfg.in_chans}, but the autoencoder's latents have {latent_chans} "
+                         f"channels")
+    size = model_cfg.img_size * factor
+    x, y, classes = load_images(cfg.dataset, size, 1 if cfg.dataset == "digits" else img_chans, cfg.data_dir)
+    cache = os.path.join(out_dir, LATENT_CACHE)
+    if resume and os.path.isfile(cache):
+        return load_file(cache)["latents"], y, classes
+    if x.shape[1] != img_chans:  # grey digits for an RGB autoencoder
+        x = x.expand(-1, img_chans, -1, -1)
+    start = time.perf_counter()
+    latents = encode_images(ae, x, cfg.encode_batch_size)
+    atomic_write(cache, lambda p: save_file({"latents": latents.contiguous(), "labels": y}, p))
+    log(f"encoded {len(x)} images of {size} px into latents {tuple(latents.shape[1:])} in "
+        f"{time.perf_counter() - start:.0f}s (cached in {cache})")
+    return latents, y, classes
 
 
 def create_ema(model: nn.Module, decay: float) -> ModelEmaV3:
@@ -128,7 +165,7 @@ def train_dit(cfg: DiffusionTrainConfig, out_dir: str, resume: bool = False, sto
     cfg.check()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model_cfg = cfg.model_config()
-    x_all, y_all, classes = load_images(cfg.dataset, model_cfg.img_size, model_cfg.in_chans, cfg.data_dir)
+    x_all, y_all, classes = _training_data(cfg, model_cfg, out_dir, device, resume, log)
     if len(classes) != model_cfg.num_classes:
         raise ValueError(f"model.num_classes: {model_cfg.num_classes}, but the data has {len(classes)} classes")
     torch.manual_seed(cfg.seed)
@@ -151,7 +188,8 @@ def train_dit(cfg: DiffusionTrainConfig, out_dir: str, resume: bool = False, sto
         noise_gen.set_state(state["noise_gen"])
         step = state["step"]
         log(f"resumed from {last} at step {step}")
-    meta = {"data": {"dataset": cfg.dataset, "classes": classes, "value_range": [-1.0, 1.0]}}
+    meta = {"data": {"dataset": cfg.dataset, "classes": classes, "value_range": [-1.0, 1.0],
+                     "autoencoder": cfg.autoencoder and os.path.abspath(cfg.autoencoder)}}
 
     def save() -> None:
         train_state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step,

@@ -32,8 +32,8 @@ from torch import nn
 from .factory import create_model
 from .files import write_checkpoint_folder
 
-__all__ = ["load_torch_file", "strip_module_prefix", "load_pretrained", "save_checkpoint", "load_model", "resolve_checkpoint",
-           "read_checkpoint_meta", "load_checkpoint_weights"]
+__all__ = ["load_torch_file", "strip_module_prefix", "load_pretrained", "save_checkpoint", "load_model",
+           "resolve_checkpoint", "read_checkpoint_meta", "load_checkpoint_weights"]
 
 
 def load_torch_file(path: str, what: str) -> Any:

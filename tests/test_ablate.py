@@ -77,3 +77,13 @@ def test_photos_set_is_offline_disjoint_and_balanced():
     assert create_dataset("photos", None, "val", digits_size=96).boxes == val.boxes
     with pytest.raises(ValueError, match="split: expected"):
         create_dataset("photos", None, "test")
+
+
+def test_isotropic_family_takes_one_mixer_for_every_block(data, tmp_path):
+    args = _args(data, tmp_path, "--mixers", "inline", "--model", "linvit_tiny_patch16_224", "--model-kwargs",
+                 '{"patch_size": 8, "embed_dim": 16, "depth": 1, "num_heads": 2, "dynamic_img_size": true}',
+                 "--eval-sizes", "32", "48")
+    (row,) = run_ablation(args, log=lambda m: None)["rows"]
+    saved = (tmp_path / "ab" / "runs" / "inline" / "config.yaml").read_text()
+    assert "token_mixer: inline" in saved and "token_mixers" not in saved
+    assert set(row["accuracy"]) == {"32", "48"} and all(isinstance(v, float) for v in row["accuracy"].values())

@@ -1,8 +1,8 @@
 """The MambaOut question for linear attention, behind ``tools/ablate.py``.
 
-One macro-architecture (by default the hierarchical ``linhier`` family at a size given by ``model_kwargs``),
-one training recipe; only the token mixer changes (``mixers``: registry names, the same mixer in every stage,
-or per-stage comma strings such as ``none,none,linear,softmax``). For each mixer and each seed in ``seeds``
+One macro-architecture (the hierarchical ``linhier`` family, or the isotropic ``linvit``, at a size given by
+``model_kwargs``), one training recipe; only the token mixer changes (``mixers``: registry names, the same
+mixer in every stage, or for linhier per-stage comma strings such as ``none,none,linear,softmax``). For each mixer and each seed in ``seeds``
 (default: ``seed`` alone) the tool trains a classifier with :func:`linvision.engine.train.train` and evaluates
 it at the training resolution and at other ones without fine-tuning; top-1 is reported as the mean over seeds
 with the sample standard deviation and the per-seed values. Throughput and memory are measured once per mixer
@@ -49,6 +49,12 @@ def add_ablate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--bench-batch-size", type=int, default=8)
     g.add_argument("--bench-iters", type=int, default=2)
     return parser
+
+
+def _mixer_key(model: str) -> str:
+    """The model argument that takes the mixer: ``token_mixer`` for the isotropic linvit family (one mixer for
+    every block), ``token_mixers`` for linhier (one name, or one per stage)."""
+    return "token_mixer" if model.startswith("linvit") else "token_mixers"
 
 
 def _mixer_label(mixer: str) -> str:
@@ -113,7 +119,7 @@ def _run_ablation(args: argparse.Namespace, run_dir: str, log) -> Dict[str, Any]
     start = time.time()
     for index, mixer in enumerate(args.mixers):
         label = _mixer_label(mixer)
-        mixer_kwargs = {**base_kwargs, "token_mixers": mixer}
+        mixer_kwargs = {**base_kwargs, _mixer_key(args.model): mixer}
         runs = []
         for seed in seeds:
             log(f"== token mixer {mixer} ({index + 1} of {len(args.mixers)}), seed {seed}; "

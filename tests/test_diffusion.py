@@ -311,3 +311,68 @@ def test_tool_flags_are_the_recipe_fields():
     assert cfg.model_config().depth == 3
     with pytest.raises(ValueError, match="model config: unknown keys"):
         tool.recipe_from_args(parser.parse_args(["--model-kwargs", "nope=1"]))
+
+
+def _caption_file(path, count, classes, seed=0):
+    """Caption embeddings for the digits: 3 tokens from a per-class table plus noise; odd images pad the last."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randn(10, 3, 6, generator=g)
+    context = table[classes] + 0.1 * torch.randn(count, 3, 6, generator=g)
+    mask = torch.ones(count, 3, dtype=torch.bool)
+    mask[1::2, 2] = False
+    save_file({"context": context, "mask": mask}, str(path))
+    return context, mask
+
+
+def test_caption_training_resumes_exactly_and_samples(tmp_path):
+    from linvision.diffusion.data import load_images
+    from linvision.diffusion.sampling import sample_captions
+
+    torch.set_num_threads(1)
+    _, y, _ = load_images("digits", 8, 1)
+    context, mask = _caption_file(tmp_path / "captions.safetensors", len(y), y)
+    model = {**_tiny_config().to_dict(), "num_classes": 0, "caption_channels": 6}
+
+    def cfg(captions="captions.safetensors"):
+        return DiffusionTrainConfig(model=model, captions=str(tmp_path / captions), steps=12, batch_size=16,
+                                    warmup_steps=2, log_every=4, save_every=0)
+
+    train_dit(cfg(), str(tmp_path / "full"), log=lambda s: None)
+    train_dit(cfg(), str(tmp_path / "split"), stop_after=5, log=lambda s: None)
+    train_dit(cfg(), str(tmp_path / "split"), resume=True, log=lambda s: None)
+    a, meta = load_dit(str(tmp_path / "full"), ema=False)
+    b, _ = load_dit(str(tmp_path / "split"), ema=False)
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
+        torch.testing.assert_close(pa, pb, rtol=0, atol=0, msg=name)
+    assert a.cfg.caption_channels == 6 and meta["data"]["captions"].endswith("captions.safetensors")
+    images = sample_captions(a, context[:4], mask[:4], steps=2, cfg_scale=2.0, seed=3)
+    again = sample_captions(a, context[:4], mask[:4], steps=2, cfg_scale=2.0, seed=3, batch_size=3)
+    assert images.shape == (4, 1, 8, 8)
+    torch.testing.assert_close(images, again)
+    with pytest.raises(ValueError, match="captions"):
+        train_dit(DiffusionTrainConfig(model=model, steps=1), str(tmp_path / "bad"), log=lambda s: None)
+    _caption_file(tmp_path / "short.safetensors", 10, y[:10])
+    with pytest.raises(ValueError, match="captions: 'context' in .*short.safetensors has shape"):
+        train_dit(cfg("short.safetensors"), str(tmp_path / "bad2"), log=lambda s: None)
+
+
+def test_dropped_caption_is_the_unconditional_velocity():
+    """Classifier-free guidance of a caption model: the unconditional half is the caption all padded, whose
+    cross-attention adds exactly nothing, so it does not depend on the caption's values; guided velocity is
+    v_u + w (v_c - v_u)."""
+    from linvision.diffusion.flow import caption_condition, drop_condition, guided_velocity
+
+    torch.manual_seed(0)
+    model = _randomise(LinDiT(DiTConfig(**{**_tiny_config().to_dict(), "num_classes": 0, "caption_channels": 6})))
+    model = model.double().eval()
+    x, t = torch.randn(2, 1, 8, 8, dtype=torch.float64), torch.rand(2, dtype=torch.float64)
+    context = torch.randn(2, 3, 6, dtype=torch.float64)
+    cond = caption_condition(context)
+    null = drop_condition(model, cond, torch.ones(2, dtype=torch.bool))
+    v_u = model(x, t, **null)
+    torch.testing.assert_close(model(x, t, context=context * 5 + 1, context_mask=null["context_mask"]), v_u)
+    v_c = model(x, t, **cond)
+    assert (v_c - v_u).abs().max() > 1e-3
+    torch.testing.assert_close(guided_velocity(model, x, t, cond, 2.5), v_u + 2.5 * (v_c - v_u))

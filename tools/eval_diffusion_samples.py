@@ -38,6 +38,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     dit, dit_meta = load_dit(args.dit)
+    if dit.cfg.num_classes <= 0:
+        raise ValueError(f"dit: {args.dit} is a caption model; this tool evaluates class-conditional ones")
     classifier, cls_meta = load_model(args.classifier)
     classes = list(range(dit.cfg.num_classes))
     images, labels = sample_classes(dit, classes, args.per_class, steps=args.steps, cfg_scale=args.cfg_scale,

@@ -3,8 +3,9 @@
     python tools/sample_diffusion.py output/diffusion_digits --per-class 8 --steps 20 --cfg-scale 3 \
         --out output/diffusion_digits/samples.png
 
-One row per class (``--classes`` picks them), ``--per-class`` columns; Euler or Heun over ``--steps``. A model
-trained on latents is decoded with the autoencoder its checkpoint names.
+One row per class (``--classes`` picks them), ``--per-class`` columns; Euler or Heun over ``--steps``. A caption
+model samples one row per caption (``--captions``, default: its training captions). A model trained on latents is
+decoded with the autoencoder its checkpoint names.
 """
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import argparse
 import os
 
 import torch
+from safetensors.torch import load_file
 
 from linvision.diffusion.flow import SAMPLERS
-from linvision.diffusion.sampling import decoder_for, sample_classes, save_grid
+from linvision.diffusion.sampling import decoder_for, sample_captions, sample_classes, save_grid
 from linvision.diffusion.checkpoint import load_dit
 
 
@@ -22,6 +24,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="run folder (uses its last/) or checkpoint folder")
     p.add_argument("--classes", type=int, nargs="*", default=None, help="default: every class")
+    p.add_argument("--captions", default=None, help="caption model: a safetensors file of 'context' (K, L, C') and "
+                   "'mask' (K, L) (default: the training captions)")
+    p.add_argument("--num-captions", type=int, default=8, help="caption model: sample the first this many captions")
     p.add_argument("--per-class", type=int, default=8)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--cfg-scale", type=float, default=3.0, help="1 = no guidance")
@@ -33,13 +38,25 @@ def main() -> None:
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, meta = load_dit(args.checkpoint, ema=not args.no_ema, device=device)
-    classes = args.classes if args.classes is not None else list(range(model.cfg.num_classes))
-    images, labels = sample_classes(model, classes, args.per_class, steps=args.steps, cfg_scale=args.cfg_scale,
-                                    sampler=args.sampler, shift=args.shift, seed=args.seed,
-                                    decode=decoder_for(meta, device))
+    options = dict(steps=args.steps, cfg_scale=args.cfg_scale, sampler=args.sampler, shift=args.shift, seed=args.seed,
+                   decode=decoder_for(meta, device))
     out = args.out or os.path.join(args.checkpoint, "samples.png")
+    if model.cfg.caption_channels > 0:
+        path = args.captions or meta["data"].get("captions")
+        if not path:
+            raise ValueError("captions: a caption model needs --captions (a safetensors file of 'context', 'mask')")
+        data = load_file(path)
+        rows = slice(0, args.num_captions)
+        context = data["context"][rows].float().repeat_interleave(args.per_class, 0)
+        mask = data["mask"][rows].bool().repeat_interleave(args.per_class, 0)
+        images = sample_captions(model, context, mask, **options)
+        what = f"{len(images) // args.per_class} captions of {path}"
+    else:
+        classes = args.classes if args.classes is not None else list(range(model.cfg.num_classes))
+        images, _ = sample_classes(model, classes, args.per_class, **options)
+        what = f"{len(classes)} classes"
     save_grid(images, out, ncol=args.per_class)
-    print(f"wrote {len(labels)} samples ({len(classes)} classes x {args.per_class}) to {out}")
+    print(f"wrote {len(images)} samples ({what} x {args.per_class}) to {out}")
 
 
 if __name__ == "__main__":

@@ -7,13 +7,14 @@ Sampling integrates dx/dt = v(x, t) from t = 1 down to t = 0.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["logit_normal_timesteps", "flow_matching_loss", "time_grid", "guided_velocity", "sample_flow", "SAMPLERS"]
+__all__ = ["logit_normal_timesteps", "caption_condition", "drop_condition", "flow_matching_loss", "time_grid",
+           "guided_velocity", "sample_flow", "SAMPLERS"]
 
 SAMPLERS = ("euler", "heun")
 
@@ -26,26 +27,47 @@ def logit_normal_timesteps(
     return torch.sigmoid(mean + std * n)
 
 
+def caption_condition(context: Tensor, context_mask: Optional[Tensor] = None) -> Dict[str, Tensor]:
+    """The keyword condition of a caption model: context (B, L, C') and its mask (all kept when None)."""
+    if context_mask is None:
+        context_mask = torch.ones(context.shape[:2], dtype=torch.bool, device=context.device)
+    return {"context": context, "context_mask": context_mask}
+
+
+def drop_condition(model: nn.Module, cond: Dict[str, Tensor], drop: Tensor) -> Dict[str, Tensor]:
+    """``cond`` with the rows where ``drop`` (B,) is True made unconditional: a label becomes the null class
+    ``model.null_class``; a caption becomes all padding, which the cross-attention turns into an exact zero."""
+    if "y" in cond:
+        return {"y": torch.where(drop, torch.full_like(cond["y"], model.null_class), cond["y"])}
+    return {"context": cond["context"], "context_mask": cond["context_mask"] & ~drop[:, None]}
+
+
 def flow_matching_loss(
-    model: nn.Module, x0: Tensor, y: Tensor, class_dropout: float = 0.1, null_class: Optional[int] = None,
+    model: nn.Module, x0: Tensor, y: Optional[Tensor], class_dropout: float = 0.1, null_class: Optional[int] = None,
     t_mean: float = 0.0, t_std: float = 1.0, generator: Optional[torch.Generator] = None,
+    context: Optional[Tensor] = None, context_mask: Optional[Tensor] = None,
 ) -> Tensor:
     """Mean squared error between model(x_t, t, y') and eps - x0; scalar fp32.
 
     With probability ``class_dropout`` a label is replaced by ``null_class`` (defaults to ``model.null_class``)
-    so that the same network learns the unconditional velocity used by classifier-free guidance.
+    so that the same network learns the unconditional velocity used by classifier-free guidance. A caption model
+    takes ``context`` (B, L, C') and ``context_mask`` instead of ``y``; a dropped caption becomes all padding.
     """
     if not 0.0 <= class_dropout < 1.0:
         raise ValueError(f"class_dropout: must lie in [0, 1), got {class_dropout}")
     b = x0.shape[0]
-    null_class = model.null_class if null_class is None else null_class
     t = logit_normal_timesteps(b, t_mean, t_std, generator, x0.device)
     eps = torch.randn(x0.shape, generator=generator, device=x0.device, dtype=x0.dtype)
     drop = torch.rand(b, generator=generator, device=x0.device) < class_dropout
-    y = torch.where(drop, torch.full_like(y, null_class), y)
+    if y is not None:
+        null_class = model.null_class if null_class is None else null_class
+        y = torch.where(drop, torch.full_like(y, null_class), y)
+        cond = {"y": y}
+    else:
+        cond = drop_condition(model, caption_condition(context, context_mask), drop)
     tb = t.view(b, *([1] * (x0.dim() - 1))).to(x0.dtype)
     x_t = (1 - tb) * x0 + tb * eps
-    pred = model(x_t, t, y)
+    pred = model(x_t, t, **cond)
     return F.mse_loss(pred.float(), (eps - x0).float())
 
 
@@ -60,22 +82,26 @@ def time_grid(steps: int, shift: float = 1.0, device=None) -> Tensor:
     return shift * t / (1 + (shift - 1) * t)
 
 
-def guided_velocity(model: nn.Module, x: Tensor, t: Tensor, y: Tensor, cfg_scale: float, null_class: int) -> Tensor:
-    """v_u + w (v_c - v_u) with one batched call; w = 1 is plain conditional, w = 0 unconditional."""
+def guided_velocity(model: nn.Module, x: Tensor, t: Tensor, cond: Dict[str, Tensor], cfg_scale: float) -> Tensor:
+    """v_u + w (v_c - v_u) with one batched call (the unconditional half from :func:`drop_condition`); w = 1 is
+    plain conditional, w = 0 unconditional."""
     if cfg_scale == 1.0:
-        return model(x, t, y)
-    both = model(torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, torch.full_like(y, null_class)]))
+        return model(x, t, **cond)
+    null = drop_condition(model, cond, torch.ones(x.shape[0], dtype=torch.bool, device=x.device))
+    both = model(torch.cat([x, x]), torch.cat([t, t]), **{k: torch.cat([cond[k], null[k]]) for k in cond})
     v_c, v_u = both.chunk(2)
     return v_u + cfg_scale * (v_c - v_u)
 
 
 @torch.no_grad()
 def sample_flow(
-    model: nn.Module, y: Tensor, shape, steps: int = 20, cfg_scale: float = 1.0, sampler: str = "euler",
+    model: nn.Module, y: Optional[Tensor], shape, steps: int = 20, cfg_scale: float = 1.0, sampler: str = "euler",
     shift: float = 1.0, generator: Optional[torch.Generator] = None, noise: Optional[Tensor] = None,
-    progress: Optional[Callable[[int], None]] = None,
+    progress: Optional[Callable[[int], None]] = None, context: Optional[Tensor] = None,
+    context_mask: Optional[Tensor] = None,
 ) -> Tensor:
-    """Integrate from noise at t = 1 to t = 0 for labels y (B,); returns x0 estimates (B, *shape) fp32.
+    """Integrate from noise at t = 1 to t = 0 for labels y (B,), or for captions ``context`` (B, L, C') with
+    ``context_mask`` when y is None; returns x0 estimates (B, *shape) fp32.
 
     sampler: "euler" (one model call per step) or "heun" (two: the trapezoid of the velocities at both ends;
     the last step is Euler, so the model is never called at t = 0).
@@ -84,21 +110,21 @@ def sample_flow(
     """
     if sampler not in SAMPLERS:
         raise ValueError(f"sampler: unknown {sampler!r}; allowed: {', '.join(SAMPLERS)}")
-    device = y.device
-    b = y.shape[0]
+    cond = {"y": y} if y is not None else caption_condition(context, context_mask)
+    first = next(iter(cond.values()))
+    device, b = first.device, first.shape[0]
     if noise is None:
         noise = torch.randn((b, *shape), generator=generator, device=device)
     elif tuple(noise.shape) != (b, *shape):
         raise ValueError(f"noise: expected shape {(b, *shape)}, got {tuple(noise.shape)}")
-    null_class = model.null_class
     x = noise.float()
     ts = time_grid(steps, shift, device=device)
     for i in range(steps):
         t_cur, t_next = ts[i], ts[i + 1]
-        v = guided_velocity(model, x, t_cur.expand(b), y, cfg_scale, null_class).float()
+        v = guided_velocity(model, x, t_cur.expand(b), cond, cfg_scale).float()
         x_next = x + (t_next - t_cur) * v
         if sampler == "heun" and i < steps - 1:
-            v_next = guided_velocity(model, x_next, t_next.expand(b), y, cfg_scale, null_class).float()
+            v_next = guided_velocity(model, x_next, t_next.expand(b), cond, cfg_scale).float()
             x_next = x + (t_next - t_cur) * 0.5 * (v + v_next)
         x = x_next
         if progress is not None:

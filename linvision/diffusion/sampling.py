@@ -2,17 +2,17 @@
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from linvision.engine.files import atomic_write
 
-from .flow import sample_flow
+from .flow import caption_condition, sample_flow
 from .model import LinDiT
 
-__all__ = ["decoder_for", "sample_classes", "to_unit_range", "save_grid", "classify_images"]
+__all__ = ["decoder_for", "sample_classes", "sample_captions", "to_unit_range", "save_grid", "classify_images"]
 
 
 def decoder_for(meta: dict, device: str = "cpu") -> Optional[Callable[[Tensor], Tensor]]:
@@ -28,6 +28,24 @@ def decoder_for(meta: dict, device: str = "cpu") -> Optional[Callable[[Tensor], 
 
 
 @torch.no_grad()
+def _sample_batches(model: LinDiT, cond: Dict[str, Tensor], steps: int, cfg_scale: float, sampler: str,
+                    shift: float, seed: int, batch_size: int, decode: Optional[Callable[[Tensor], Tensor]]) -> Tensor:
+    """One sample per row of the condition tensors, in batches; all noise drawn first from one CPU generator."""
+    device = next(model.parameters()).device
+    cfg = model.cfg
+    shape = (cfg.in_chans, cfg.img_size, cfg.img_size)
+    count = len(next(iter(cond.values())))
+    noise = torch.randn((count, *shape), generator=torch.Generator().manual_seed(seed))
+    out = []
+    for start in range(0, count, batch_size):
+        part = {k: v[start:start + batch_size].to(device) for k, v in cond.items()}
+        x = sample_flow(model, part.get("y"), shape, steps=steps, cfg_scale=cfg_scale, sampler=sampler, shift=shift,
+                        noise=noise[start:start + batch_size].to(device), context=part.get("context"),
+                        context_mask=part.get("context_mask"))
+        out.append((decode(x) if decode is not None else x).cpu())
+    return torch.cat(out).clamp(-1.0, 1.0)
+
+
 def sample_classes(
     model: LinDiT, classes: Sequence[int], per_class: int, steps: int = 20, cfg_scale: float = 3.0,
     sampler: str = "euler", shift: float = 1.0, seed: int = 0, batch_size: int = 256,
@@ -40,19 +58,21 @@ def sample_classes(
     All noise comes from one CPU generator seeded with ``seed``, drawn before any model call, so a given
     (seed, classes, per_class, batch_size) gives the same samples on every run.
     """
-    device = next(model.parameters()).device
-    cfg = model.cfg
-    shape = (cfg.in_chans, cfg.img_size, cfg.img_size)
     labels = torch.tensor([c for c in classes for _ in range(per_class)], dtype=torch.int64)
-    gen = torch.Generator().manual_seed(seed)
-    noise = torch.randn((len(labels), *shape), generator=gen)
-    out = []
-    for start in range(0, len(labels), batch_size):
-        y = labels[start:start + batch_size].to(device)
-        x = sample_flow(model, y, shape, steps=steps, cfg_scale=cfg_scale, sampler=sampler, shift=shift,
-                        noise=noise[start:start + batch_size].to(device))
-        out.append((decode(x) if decode is not None else x).cpu())
-    return torch.cat(out).clamp(-1.0, 1.0), labels
+    images = _sample_batches(model, {"y": labels}, steps, cfg_scale, sampler, shift, seed, batch_size, decode)
+    return images, labels
+
+
+def sample_captions(
+    model: LinDiT, context: Tensor, context_mask: Optional[Tensor] = None, steps: int = 20, cfg_scale: float = 3.0,
+    sampler: str = "euler", shift: float = 1.0, seed: int = 0, batch_size: int = 256,
+    decode: Optional[Callable[[Tensor], Tensor]] = None,
+) -> Tensor:
+    """One sample per caption embedding (context (K, L, C'), mask (K, L)) of a caption model, as
+    :func:`sample_classes` does for labels (same noise rule; the unconditional half of guidance is the caption
+    all padded): images (K, C, H, W) fp32 in [-1, 1] (clamped)."""
+    cond = caption_condition(context, context_mask)
+    return _sample_batches(model, cond, steps, cfg_scale, sampler, shift, seed, batch_size, decode)
 
 
 def to_unit_range(images: Tensor) -> Tensor:

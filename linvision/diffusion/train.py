@@ -62,6 +62,9 @@ class DiffusionTrainConfig:
                                             "train on its latents of the images, encoded once and cached in the "
                                             "run folder; the model's img_size and in_chans are the latents'")
     encode_batch_size: int = _opt(32, "images per autoencoder call when encoding the latents")
+    captions: Optional[str] = _opt(None, "a safetensors file of caption embeddings, one per training image in the "
+                                         "dataset's order: 'context' (N, L, caption_channels) and 'mask' (N, L); "
+                                         "for a caption model (num_classes 0, caption_channels > 0)")
     seed: int = _opt(0, "seed of the initialisation, the data order and the noise")
     log_every: int = _opt(50, "log the mean loss every this many steps")
     save_every: int = _opt(500, "checkpoint every this many steps (0: only at the end)")
@@ -140,6 +143,32 @@ def _training_data(cfg: DiffusionTrainConfig, model_cfg: DiTConfig, out_dir: str
     return latents, y, classes
 
 
+def _captions(cfg: DiffusionTrainConfig, model_cfg: DiTConfig, count: int) -> Optional[Tuple[Tensor, Tensor]]:
+    """(context (N, L, C') fp32, mask (N, L) bool) of ``cfg.captions``, checked against the model and the data;
+    None for a class-conditional run. ValueError naming the file or the field."""
+    if (cfg.captions is None) != (model_cfg.caption_channels <= 0):
+        raise ValueError("captions: a caption model (caption_channels > 0) needs a captions file, a "
+                         "class-conditional one takes none")
+    if cfg.captions is None:
+        return None
+    try:
+        data = load_file(cfg.captions)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"captions: file not found: {cfg.captions}") from None
+    except Exception as e:  # safetensors raises its own error type for corrupt files
+        raise ValueError(f"captions: cannot read {cfg.captions} ({str(e).strip()[:200]})") from None
+    if "context" not in data or "mask" not in data:
+        raise ValueError(f"captions: {cfg.captions} needs tensors 'context' and 'mask', has {sorted(data)}")
+    context, mask = data["context"].float(), data["mask"].bool()
+    if context.dim() != 3 or context.shape[0] != count or context.shape[2] != model_cfg.caption_channels:
+        raise ValueError(f"captions: 'context' in {cfg.captions} has shape {tuple(context.shape)}; expected "
+                         f"({count}, L, {model_cfg.caption_channels}) for {count} training images")
+    if mask.shape != context.shape[:2]:
+        raise ValueError(f"captions: 'mask' in {cfg.captions} has shape {tuple(mask.shape)}; expected "
+                         f"{tuple(context.shape[:2])}")
+    return context, mask
+
+
 def create_ema(model: nn.Module, decay: float) -> ModelEmaV3:
     """timm's EMA of ``model`` whose decay at update k (0-based, given as ``step=ema_step(k)``) is
     min(decay, (k + 1) / (k + 10)): short runs would otherwise keep the EMA near the random init."""
@@ -166,7 +195,8 @@ def train_dit(cfg: DiffusionTrainConfig, out_dir: str, resume: bool = False, sto
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model_cfg = cfg.model_config()
     x_all, y_all, classes = _training_data(cfg, model_cfg, out_dir, device, resume, log)
-    if len(classes) != model_cfg.num_classes:
+    captions = _captions(cfg, model_cfg, len(x_all))
+    if captions is None and len(classes) != model_cfg.num_classes:
         raise ValueError(f"model.num_classes: {model_cfg.num_classes}, but the data has {len(classes)} classes")
     torch.manual_seed(cfg.seed)
     model = LinDiT(model_cfg).to(device)
@@ -189,7 +219,8 @@ def train_dit(cfg: DiffusionTrainConfig, out_dir: str, resume: bool = False, sto
         step = state["step"]
         log(f"resumed from {last} at step {step}")
     meta = {"data": {"dataset": cfg.dataset, "classes": classes, "value_range": [-1.0, 1.0],
-                     "autoencoder": cfg.autoencoder and os.path.abspath(cfg.autoencoder)}}
+                     "autoencoder": cfg.autoencoder and os.path.abspath(cfg.autoencoder),
+                     "captions": cfg.captions and os.path.abspath(cfg.captions)}}
 
     def save() -> None:
         train_state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step,
@@ -197,7 +228,8 @@ def train_dit(cfg: DiffusionTrainConfig, out_dir: str, resume: bool = False, sto
         save_dit_checkpoint(last, model, ema.module, {**meta, "step": step}, train_state)
 
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"LinDiT {n_params / 1e6:.2f}M params, {len(y_all)} images, device {device}")
+    log(f"LinDiT {n_params / 1e6:.2f}M params, {len(y_all)} images{' with captions' if captions else ''}, "
+        f"device {device}")
     losses: List[float] = []
     window: List[float] = []
     start = time.perf_counter()
@@ -208,9 +240,13 @@ def train_dit(cfg: DiffusionTrainConfig, out_dir: str, resume: bool = False, sto
                 log(f"time budget of {cfg.max_minutes} min reached at step {step}")
                 break
             idx = torch.randint(len(y_all), (cfg.batch_size,), generator=data_gen)
-            x0, y = x_all[idx].to(device), y_all[idx].to(device)
+            x0 = x_all[idx].to(device)
             lr = opt.param_groups[0]["lr"]
-            loss = flow_matching_loss(model, x0, y, cfg.class_dropout, generator=noise_gen)
+            if captions is None:
+                loss = flow_matching_loss(model, x0, y_all[idx].to(device), cfg.class_dropout, generator=noise_gen)
+            else:
+                loss = flow_matching_loss(model, x0, None, cfg.class_dropout, generator=noise_gen,
+                                          context=captions[0][idx].to(device), context_mask=captions[1][idx].to(device))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if cfg.grad_clip > 0:

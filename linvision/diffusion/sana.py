@@ -30,7 +30,8 @@ from linvision.engine.files import write_checkpoint_folder
 from .model import DiTConfig, LinDiT
 
 __all__ = ["DIFFUSERS_CLASS", "config_from_diffusers", "config_to_diffusers", "state_dict_from_diffusers",
-           "state_dict_to_diffusers", "load_diffusers_folder", "save_diffusers_folder"]
+           "state_dict_to_diffusers", "diffusers_folder_config", "load_diffusers_weights", "load_diffusers_folder",
+           "save_diffusers_folder"]
 
 DIFFUSERS_CLASS = "SanaTransformer2DModel"
 CONFIG_NAME = "config.json"
@@ -239,6 +240,33 @@ def _read_weights(folder: str) -> Tuple[Dict[str, Tensor], Dict[str, str]]:
     return state, where
 
 
+def diffusers_folder_config(path: str, exact_eps: bool = False) -> DiTConfig:
+    """The DiTConfig of a local ``SanaTransformer2DModel`` folder's config.json (see :func:`config_from_diffusers`);
+    FileNotFoundError / ValueError naming the file."""
+    config_path = os.path.join(path, CONFIG_NAME)
+    return config_from_diffusers(_read_json(config_path), exact_eps=exact_eps, source=config_path)
+
+
+def load_diffusers_weights(model: LinDiT, path: str) -> None:
+    """Load the weights of a local ``SanaTransformer2DModel`` folder (safetensors, single or sharded) into
+    ``model`` (whose config must describe them; options that change no tensor, such as the eps or RoPE, may
+    differ). Raises FileNotFoundError naming a missing shard, ValueError naming the file and the key for a
+    missing, unexpected or misshapen tensor."""
+    config_path = os.path.join(path, CONFIG_NAME)
+    config = _read_json(config_path)
+    state, where = _read_weights(path)
+    ours = state_dict_from_diffusers(state, model.cfg, source=path)
+    own = model.state_dict()
+    for key, theirs in _key_map(model.cfg):
+        need = (own[key].shape[0] // len(theirs), *own[key].shape[1:])  # one part of a stacked tensor
+        bad = next((k for k in theirs if tuple(state[k].shape) != need), None)
+        if bad is not None:
+            raise ValueError(f"diffusers folder: {where[bad]}: {bad!r} has shape {tuple(state[bad].shape)}, which "
+                             f"does not fit the model {config_path} describes (it needs {need})")
+    model.load_state_dict(ours)
+    model.diffusers_extra = {k: config[k] for k in _PIPELINE_KEYS if k in config}
+
+
 def load_diffusers_folder(path: str, exact_eps: bool = False, device: str = "cpu",
                           dtype: Optional[torch.dtype] = None) -> LinDiT:
     """A LinDiT with the weights of a local ``SanaTransformer2DModel`` folder (config.json + safetensors,
@@ -247,21 +275,8 @@ def load_diffusers_folder(path: str, exact_eps: bool = False, device: str = "cpu
     Raises FileNotFoundError naming a missing config or shard, ValueError naming the file and the key for a
     config linvision cannot run, a missing or unexpected tensor, or a tensor whose shape the config contradicts.
     """
-    config_path = os.path.join(path, CONFIG_NAME)
-    config = _read_json(config_path)
-    cfg = config_from_diffusers(config, exact_eps=exact_eps, source=config_path)
-    state, where = _read_weights(path)
-    ours = state_dict_from_diffusers(state, cfg, source=path)
-    model = LinDiT(cfg)
-    own = model.state_dict()
-    for key, theirs in _key_map(cfg):
-        need = (own[key].shape[0] // len(theirs), *own[key].shape[1:])  # one part of a stacked tensor
-        bad = next((k for k in theirs if tuple(state[k].shape) != need), None)
-        if bad is not None:
-            raise ValueError(f"diffusers folder: {where[bad]}: {bad!r} has shape {tuple(state[bad].shape)}, which "
-                             f"does not fit the model {config_path} describes (it needs {need})")
-    model.load_state_dict(ours)
-    model.diffusers_extra = {k: config[k] for k in _PIPELINE_KEYS if k in config}
+    model = LinDiT(diffusers_folder_config(path, exact_eps))
+    load_diffusers_weights(model, path)
     return model.to(device=device, dtype=dtype).eval()
 
 

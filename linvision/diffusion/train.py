@@ -65,14 +65,21 @@ class DiffusionTrainConfig:
     captions: Optional[str] = _opt(None, "a safetensors file of caption embeddings, one per training image in the "
                                          "dataset's order: 'context' (N, L, caption_channels) and 'mask' (N, L); "
                                          "for a caption model (num_classes 0, caption_channels > 0)")
+    init_from: Optional[str] = _opt(None, "a local diffusers SanaTransformer2DModel folder whose config and weights "
+                                          "start the run (fine-tuning; model is then ignored, model_kwargs may set "
+                                          "options such as eps=1e-15 eps_form=sum)")
     seed: int = _opt(0, "seed of the initialisation, the data order and the noise")
     log_every: int = _opt(50, "log the mean loss every this many steps")
     save_every: int = _opt(500, "checkpoint every this many steps (0: only at the end)")
 
     def model_config(self) -> DiTConfig:
-        """The DiTConfig of ``model`` (a name of DIT_CONFIGS or a dict) with ``model_kwargs`` applied;
-        ValueError naming an unknown config or key."""
-        if isinstance(self.model, str):
+        """The DiTConfig of ``model`` (a name of DIT_CONFIGS or a dict), or of the ``init_from`` folder, with
+        ``model_kwargs`` applied; ValueError naming an unknown config or key."""
+        if self.init_from is not None:
+            from .sana import diffusers_folder_config
+
+            base = diffusers_folder_config(self.init_from).to_dict()
+        elif isinstance(self.model, str):
             if self.model not in DIT_CONFIGS:
                 raise ValueError(f"model: unknown {self.model!r}; allowed: {', '.join(DIT_CONFIGS)}")
             base = DIT_CONFIGS[self.model].to_dict()
@@ -199,7 +206,13 @@ def train_dit(cfg: DiffusionTrainConfig, out_dir: str, resume: bool = False, sto
     if captions is None and len(classes) != model_cfg.num_classes:
         raise ValueError(f"model.num_classes: {model_cfg.num_classes}, but the data has {len(classes)} classes")
     torch.manual_seed(cfg.seed)
-    model = LinDiT(model_cfg).to(device)
+    model = LinDiT(model_cfg)
+    if cfg.init_from is not None and not resume:
+        from .sana import load_diffusers_weights
+
+        load_diffusers_weights(model, cfg.init_from)
+        log(f"weights from {cfg.init_from}")
+    model = model.to(device)
     ema = create_ema(model, cfg.ema_decay)
     opt = create_optimizer_v2(model, opt="adamw", lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_factor(k, cfg))

@@ -173,8 +173,22 @@ def test_fused_kernel_route_matches_formula(variant):
     else:
         expected = _mala_weights(q, k, s, 1e-6, rope) @ v
         fn = lambda *t: magnitude_aware_linear_attention(*t, rope=rope, backend="triton")  # noqa: E731
-    out = fn(*(t.float().to(device) for t in (q, k, v)))
+    inputs = [t.float().to(device).requires_grad_() for t in (q, k, v)]
+    out = fn(*inputs)
     torch.testing.assert_close(out.double().cpu(), expected, rtol=2e-4, atol=2e-4)
+    # gradients through the kernels' backward = autograd of the float64 PyTorch route
+    grads = torch.autograd.grad(out.square().sum(), inputs)
+    inputs64 = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected_grads = torch.autograd.grad(_route_torch(variant, rope)(*inputs64).square().sum(), inputs64)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got.double().cpu(), want, rtol=1e-3, atol=1e-3 * float(want.abs().max()))
+
+
+def _route_torch(variant, rope):
+    return {"pola": lambda *t: polarity_linear_attention(*t, 3.0, rope=rope, backend="torch"),
+            "inline": lambda *t: injective_linear_attention(*t, backend="torch"),
+            "rala": lambda *t: rank_augmented_linear_attention(*t, rope=rope, backend="torch"),
+            "mala": lambda *t: magnitude_aware_linear_attention(*t, rope=rope, backend="torch")}[variant]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -70,14 +70,20 @@ _MAX_GRID_Y = 65535  # batch x heads runs on grid axes 1 and 2, each at most thi
 
 # (BLOCK_N, num_warps, num_stages): the search space the offered configurations were chosen from with
 # tools/check_kernels.py (sm_90: no spills, shared memory <= 227 KB, pipelined token loops).
-CANDIDATE_CONFIGS = ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3), (256, 8, 2))
+CANDIDATE_CONFIGS = ((16, 8, 2), (32, 4, 2), (32, 8, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (64, 8, 3), (128, 4, 2),
+                     (128, 8, 2), (128, 8, 3), (256, 8, 2))
 _OFFERED = {}  # filled below the kernels: kernel name -> {BLOCK_P: configs}
 
 
-def offered_configs(kernel: str, d: int) -> Tuple[Tuple[int, int, int], ...]:
-    """(BLOCK_N, num_warps, num_stages) the autotuner is offered for ``kernel`` at head dim ``d``: only those
-    that compile for sm_90 without spills, within 227 KB of shared memory and with a pipelined token loop."""
-    return _OFFERED[kernel][_block_p(d)]
+def offered_configs(kernel: str, d: int, dv: Optional[int] = None) -> Tuple[Tuple[int, int, int], ...]:
+    """(BLOCK_N, num_warps, num_stages) the autotuner is offered for ``kernel`` at head dims ``d`` and ``dv``
+    (default ``d``): only those that compile for sm_90 without spills, within 227 KB of shared memory and with a
+    pipelined token loop, checked at D = Dv = the bucket of the larger of the two (32, 64 or 128)."""
+    return _OFFERED[kernel][_dim_bucket(d, d if dv is None else dv)]
+
+
+def _dim_bucket(d: int, dv: int) -> int:
+    return max(32, triton.next_power_of_2(max(d, dv)))
 
 
 def _block_p(d: int) -> int:
@@ -96,15 +102,16 @@ def _kernel(fn):
     return jitted
 
 
-def _tuned(name: str, d: int):
-    """The autotuned kernel ``name`` for head dim ``d``; one fixed configuration in the interpreter (it cannot
-    benchmark)."""
-    key = (name, _block_p(d))
+def _tuned(name: str, d: int, dv: int):
+    """The autotuned kernel ``name`` for head dims ``d``, ``dv``; one fixed configuration in the interpreter (it
+    cannot benchmark)."""
+    key = (name, _dim_bucket(d, dv))
     if key not in _TUNED:
         if _INTERPRET:
             configs = [triton.Config({"BLOCK_N": _INTERPRET_BLOCK_N}, num_warps=4)]
         else:
-            configs = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s) for bn, w, s in offered_configs(name, d)]
+            configs = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
+                       for bn, w, s in offered_configs(name, d, dv)]
         _TUNED[key] = triton.autotune(configs=configs, key=_TUNE_KEY)(_JITTED[name])
     return _TUNED[key]
 
@@ -122,14 +129,15 @@ def _phi(x, FEATURE: tl.constexpr):
 
 
 @triton.jit
-def _phi_grad(x, FEATURE: tl.constexpr):
-    """d phi / dx on fp32 values."""
+def _phi_grad(f, FEATURE: tl.constexpr):
+    """d phi / dx from the features f = phi(x) (fp32): relu 1 where f > 0; elu + 1 min(f, 1) (exp(x) for x <= 0,
+    1 above); identity 1. The inputs themselves need not stay live."""
     if FEATURE == 1:
-        g = tl.where(x > 0, 1.0, 0.0)
+        g = tl.where(f > 0, 1.0, 0.0)
     elif FEATURE == 2:
-        g = tl.where(x > 0, 1.0, tl.exp(tl.minimum(x, 0.0)))
+        g = tl.minimum(f, 1.0)
     else:
-        g = tl.full(x.shape, 1.0, tl.float32)
+        g = tl.full(f.shape, 1.0, tl.float32)
     return g
 
 
@@ -266,6 +274,14 @@ def _load_tile(base, offs_n, offs_c, stride_n, stride_c, mask):
 
 
 @triton.jit
+def _load_tile_t(base, offs_n, offs_c, stride_n, stride_c, mask):
+    """The transposed tile (len(offs_c), BLOCK_N) of an (N, C) slice; ``mask`` as for :func:`_load_tile`. Loaded
+    so, it feeds a dot as the left operand without a transpose (which would keep the load from being pipelined)."""
+    ptrs = base + offs_c[:, None] * stride_c + offs_n.to(tl.int64)[None, :] * stride_n
+    return tl.load(ptrs, mask=tl.trans(mask), other=0.0)
+
+
+@triton.jit
 def _features(x_base, offs_n, hi, offs_p, stride_n, stride_d, D_HALF, mask, TAB, h, stride_th, stride_ts, prefix,
               width, FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr):
     """A token block of an (N, D) slice: its channel halves x1, x2 (fp32), cos and sin of its rotation, phi(x)
@@ -280,18 +296,18 @@ def _features(x_base, offs_n, hi, offs_p, stride_n, stride_d, D_HALF, mask, TAB,
 
 
 @triton.jit
-def _input_grad(g1, g2, a1, a2, x1, x2, FEATURE: tl.constexpr, cos, sin, HAS_ROPE: tl.constexpr):
+def _input_grad(g1, g2, a1, a2, f1, f2, FEATURE: tl.constexpr, cos, sin, HAS_ROPE: tl.constexpr):
     """phi'(x) (R^T g + a) on the channel halves: the gradient of inputs x from the gradient g of their rotated
-    features R phi(x) and the gradient a of their features phi(x)."""
+    features R phi(x) and the gradient a of their features f = phi(x)."""
     u1, u2 = _rotate(g1, g2, cos, sin, HAS_ROPE, True)
-    return (u1 + a1) * _phi_grad(x1, FEATURE), (u2 + a2) * _phi_grad(x2, FEATURE)
+    return (u1 + a1) * _phi_grad(f1, FEATURE), (u2 + a2) * _phi_grad(f2, FEATURE)
 
 
 @triton.jit
-def _split_start(pid_s, split_len, N, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """Start of a reduction over one split of the tokens: its range [lo, hi) and fp32 zeros for the row halves of
-    a (D, Dv) state and the halves of its (D,) vector."""
-    s1 = tl.zeros((BLOCK_P, BLOCK_DV), dtype=tl.float32)
+def _split_start(pid_s, split_len, N, BLOCK_DV: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Start of a reduction over one split of the tokens: its range [lo, hi) and fp32 zeros for the column halves
+    (BLOCK_DV, BLOCK_P) of a transposed (Dv, D) state and the halves of its (D,) vector."""
+    s1 = tl.zeros((BLOCK_DV, BLOCK_P), dtype=tl.float32)
     z1 = tl.zeros((BLOCK_P,), dtype=tl.float32)
     lo = pid_s * split_len
     return lo, tl.minimum(lo + split_len, N), s1, tl.zeros_like(s1), z1, tl.zeros_like(z1)
@@ -343,18 +359,19 @@ def _state_fwd_kernel(K, V, TAB, S_PART, Z_PART, stride_kb, stride_kh, stride_kn
     pid_s, bh, b, h, valid, offs_p, offs_e = _program(H, BH, BLOCK_P, BLOCK_DV)
     k_base = _head(K, b, h, stride_kb, stride_kh)
     v_base = _head(V, b, h, stride_vb, stride_vh)
-    lo, hi, s1, s2, z1, z2 = _split_start(pid_s, split_len, N, BLOCK_P, BLOCK_DV)
+    lo, hi, s1, s2, z1, z2 = _split_start(pid_s, split_len, N, BLOCK_DV, BLOCK_P)  # S^T halves: M = Dv for wgmma
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_k, mask_v = _tile_masks(offs_n, hi, offs_p, offs_e, D_HALF, DV)
-        v = _native(_load_tile(v_base, offs_n, offs_e, stride_vn, stride_vd, mask_v), ROUND_BF16)
+        vt = _native(_load_tile_t(v_base, offs_n, offs_e, stride_vn, stride_vd, mask_v), ROUND_BF16)
         _, _, _, _, f1, f2, r1, r2 = _features(k_base, offs_n, hi, offs_p, stride_kn, stride_kd, D_HALF, mask_k, TAB,
                                                h, stride_th, stride_ts, prefix, width, FEATURE, HAS_ROPE)
         z1 += tl.sum(f1, axis=0)
         z2 += tl.sum(f2, axis=0)
-        s1 = tl.dot(tl.trans(_operand(r1, DOT, ROUND_BF16)), v, s1, input_precision=PRECISION)
-        s2 = tl.dot(tl.trans(_operand(r2, DOT, ROUND_BF16)), v, s2, input_precision=PRECISION)
-    _store_state(S_PART, Z_PART, bh * tl.num_programs(0) + pid_s, s1, s2, z1, z2, offs_p, offs_e, D_HALF, DV, valid)
+        s1 = tl.dot(vt, _operand(r1, DOT, ROUND_BF16), s1, input_precision=PRECISION)  # v loaded as (Dv, tokens)
+        s2 = tl.dot(vt, _operand(r2, DOT, ROUND_BF16), s2, input_precision=PRECISION)
+    _store_state(S_PART, Z_PART, bh * tl.num_programs(0) + pid_s, tl.trans(s1), tl.trans(s2), z1, z2, offs_p, offs_e,
+                 D_HALF, DV, valid)
 
 
 @_kernel
@@ -398,12 +415,12 @@ def _query_bwd_kernel(Q, DO, S, Z, TAB, DQ, DS_PART, DZ_PART, stride_qb, stride_
     q_base = _head(Q, b, h, stride_qb, stride_qh)
     do_base = _head(DO, b, h, stride_ob, stride_oh)
     dq_base = DQ + bh.to(tl.int64) * N * 2 * D_HALF  # dq is allocated contiguous (B, H, N, D)
-    lo, hi, ds1, ds2, dz1, dz2 = _split_start(pid_s, split_len, N, BLOCK_P, BLOCK_DV)
+    lo, hi, ds1, ds2, dz1, dz2 = _split_start(pid_s, split_len, N, BLOCK_DV, BLOCK_P)  # dS^T halves
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_q, mask_o = _tile_masks(offs_n, hi, offs_p, offs_e, D_HALF, DV)
         do = _native(_load_tile(do_base, offs_n, offs_e, stride_on, stride_od, mask_o), ROUND_BF16)
-        q1, q2, cos, sin, f1, f2, r1, r2 = _features(q_base, offs_n, hi, offs_p, stride_qn, stride_qd, D_HALF, mask_q,
+        _, _, cos, sin, f1, f2, r1, r2 = _features(q_base, offs_n, hi, offs_p, stride_qn, stride_qd, D_HALF, mask_q,
                                                      TAB, h, stride_th, stride_ts, prefix, width, FEATURE, HAS_ROPE)
         den = tl.sum(f1 * z1[None, :], axis=1) + tl.sum(f2 * z2[None, :], axis=1) + eps
         scale = inv / den
@@ -411,17 +428,21 @@ def _query_bwd_kernel(Q, DO, S, Z, TAB, DQ, DS_PART, DZ_PART, stride_qb, stride_
         g1 = _state_dot(do, hi1, lo1, zero, SPLIT, PRECISION) * scale[:, None]  # grad of the rotated features
         g2 = _state_dot(do, hi2, lo2, zero, SPLIT, PRECISION) * scale[:, None]
         dden = -(tl.sum(r1 * g1, axis=1) + tl.sum(r2 * g2, axis=1)) / den
-        dq1, dq2 = _input_grad(g1, g2, dden[:, None] * z1[None, :], dden[:, None] * z2[None, :], q1, q2, FEATURE,
+        dq1, dq2 = _input_grad(g1, g2, dden[:, None] * z1[None, :], dden[:, None] * z2[None, :], f1, f2, FEATURE,
                                cos, sin, HAS_ROPE)
         _store_rows(dq_base, offs_n, offs_p, 2 * D_HALF, dq1, mask_q & valid)
         _store_rows(dq_base, offs_n, offs_p + D_HALF, 2 * D_HALF, dq2, mask_q & valid)
         rd = 1.0 / den
-        ds1 = tl.dot(tl.trans(_operand(r1 * rd[:, None], DOT, ROUND_BF16)), do, ds1, input_precision=PRECISION)
-        ds2 = tl.dot(tl.trans(_operand(r2 * rd[:, None], DOT, ROUND_BF16)), do, ds2, input_precision=PRECISION)
+        if BLOCK_DV < 64:  # register-operand dots: dO^T loaded as such (again, from cache) keeps the loop pipelined
+            dot = _native(_load_tile_t(do_base, offs_n, offs_e, stride_on, stride_od, mask_o), ROUND_BF16)
+        else:  # warp-group dots read dO^T from the same shared-memory copy
+            dot = tl.trans(do)
+        ds1 = tl.dot(dot, _operand(r1 * rd[:, None], DOT, ROUND_BF16), ds1, input_precision=PRECISION)
+        ds2 = tl.dot(dot, _operand(r2 * rd[:, None], DOT, ROUND_BF16), ds2, input_precision=PRECISION)
         dz1 += tl.sum(dden[:, None] * f1, axis=0)
         dz2 += tl.sum(dden[:, None] * f2, axis=0)
-    _store_state(DS_PART, DZ_PART, bh * tl.num_programs(0) + pid_s, ds1, ds2, dz1, dz2, offs_p, offs_e, D_HALF, DV,
-                 valid)
+    _store_state(DS_PART, DZ_PART, bh * tl.num_programs(0) + pid_s, tl.trans(ds1), tl.trans(ds2), dz1, dz2, offs_p,
+                 offs_e, D_HALF, DV, valid)
 
 
 @_kernel
@@ -439,7 +460,7 @@ def _key_bwd_kernel(K, V, DS, DZ, TAB, DK, DV_OUT, stride_kb, stride_kh, stride_
     hi1, lo1, hi2, lo2, inv = _split_state(ds1, ds2, DOT, ROUND_BF16, SPLIT)
     v = _native(_load_tile(_head(V, b, h, stride_vb, stride_vh), offs_n, offs_e, stride_vn, stride_vd, mask_v),
                 ROUND_BF16)
-    k1, k2, cos, sin, f1, f2, r1, r2 = _features(_head(K, b, h, stride_kb, stride_kh), offs_n, N, offs_p, stride_kn,
+    _, _, cos, sin, f1, f2, r1, r2 = _features(_head(K, b, h, stride_kb, stride_kh), offs_n, N, offs_p, stride_kn,
                                                  stride_kd, D_HALF, mask_k, TAB, h, stride_th, stride_ts, prefix,
                                                  width, FEATURE, HAS_ROPE)
     dv = _state_dot(_operand(r1, DOT, ROUND_BF16), hi1, lo1, tl.zeros((BLOCK_N, BLOCK_DV), tl.float32), SPLIT,
@@ -448,7 +469,7 @@ def _key_bwd_kernel(K, V, DS, DZ, TAB, DK, DV_OUT, stride_kb, stride_kh, stride_
     zero = tl.zeros((BLOCK_N, BLOCK_P), tl.float32)
     g1 = _state_dot(v, tl.trans(hi1), tl.trans(lo1), zero, SPLIT, PRECISION) * inv
     g2 = _state_dot(v, tl.trans(hi2), tl.trans(lo2), zero, SPLIT, PRECISION) * inv
-    dk1, dk2 = _input_grad(g1, g2, dz1[None, :], dz2[None, :], k1, k2, FEATURE, cos, sin, HAS_ROPE)
+    dk1, dk2 = _input_grad(g1, g2, dz1[None, :], dz2[None, :], f1, f2, FEATURE, cos, sin, HAS_ROPE)
     dk_base = DK + bh.to(tl.int64) * N * 2 * D_HALF  # dk and dv are allocated contiguous
     _store_rows(dk_base, offs_n, offs_p, 2 * D_HALF, dk1, mask_k & valid)
     _store_rows(dk_base, offs_n, offs_p + D_HALF, 2 * D_HALF, dk2, mask_k & valid)
@@ -459,8 +480,18 @@ KERNEL_NAMES = ("_state_fwd_kernel", "_output_fwd_kernel", "_query_bwd_kernel", 
 TOKEN_POINTERS = {"K", "V", "Q", "O", "DO", "DQ", "DK", "DV_OUT"}  # in the input dtype
 FP32_POINTERS = {"S", "Z", "DS", "DZ", "S_PART", "Z_PART", "DS_PART", "DZ_PART", "TAB"}
 FLOAT_SCALARS = {"eps"}
-_ALL = CANDIDATE_CONFIGS
-_OFFERED.update({name: {16: _ALL, 32: _ALL, 64: _ALL} for name in KERNEL_NAMES})
+# Chosen from `python tools/check_kernels.py --candidates` (sm_90, bf16 with RoPE, the heaviest case) and checked for
+# fp16/bf16 with RoPE on and off by `python tools/check_kernels.py` (README); keyed on the head-dim bucket.
+_OFFERED.update({
+    "_state_fwd_kernel": {32: ((64, 4, 2), (64, 8, 3), (128, 8, 2)), 64: ((64, 8, 2), (64, 8, 3), (128, 8, 2)),
+                          128: ((32, 8, 2), (64, 8, 2), (64, 8, 3))},
+    "_output_fwd_kernel": {32: ((64, 4, 2), (128, 8, 2), (256, 8, 2)), 64: ((64, 8, 2), (128, 8, 2), (256, 8, 2)),
+                           128: ((64, 8, 2), (128, 8, 2))},
+    "_query_bwd_kernel": {32: ((64, 4, 2), (64, 8, 2), (128, 8, 2)), 64: ((16, 8, 2), (64, 8, 2), (64, 8, 3)),
+                          128: ((16, 8, 2),)},
+    "_key_bwd_kernel": {32: ((64, 8, 2), (128, 8, 2), (256, 8, 2)), 64: ((64, 8, 2), (128, 8, 2)),
+                        128: ((32, 8, 2), (64, 8, 2))},
+})
 
 
 def kernel_function(name: str):
@@ -532,15 +563,14 @@ def _grid(blocks, bh: int):
     return lambda cfg: (blocks(cfg) if callable(blocks) else blocks, y, z)
 
 
-def _run(name: str, d: int, grid, *args, **meta) -> None:
+def _run(name: str, d: int, dv: int, grid, *args, **meta) -> None:
     """Launch kernel ``name``: autotuned, except during CUDA-graph capture, where benchmarking cannot run and the
     first offered configuration is launched instead."""
     if not _INTERPRET and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        bn, warps, stages = offered_configs(name, d)[0]
-        cfg = {"BLOCK_N": bn}
-        _JITTED[name][grid(cfg)](*args, **meta, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        bn, warps, stages = offered_configs(name, d, dv)[0]
+        _JITTED[name][grid({"BLOCK_N": bn})](*args, **meta, BLOCK_N=bn, num_warps=warps, num_stages=stages)
     else:
-        _tuned(name, d)[grid](*args, **meta)
+        _tuned(name, d, dv)[grid](*args, **meta)
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, feature_map: str, freqs_x: Optional[Tensor],
@@ -554,13 +584,13 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, feature_map: str, freqs_x: Optiona
     n_splits = triton.cdiv(nk, split)
     s_part = torch.empty(b * h, n_splits, d, dv, device=q.device, dtype=torch.float32)
     z_part = torch.empty(b * h, n_splits, d, device=q.device, dtype=torch.float32)
-    _run("_state_fwd_kernel", d, _grid(n_splits, b * h), k, v, tab, s_part, z_part, *k.stride(), *v.stride(),
+    _run("_state_fwd_kernel", d, dv, _grid(n_splits, b * h), k, v, tab, s_part, z_part, *k.stride(), *v.stride(),
          stride_th, stride_ts, h, b * h, nk, d // 2, dv, split, prefix, width, triton.next_power_of_2(nk), **meta)
     s = (s_part.sum(dim=1) / nk).view(b, h, d, dv)  # the mean: S and z stay in range for any N
     z = (z_part.sum(dim=1) / nk).view(b, h, d)
     o = torch.empty(b, h, nq, dv, device=q.device, dtype=q.dtype)
     if nq > 0:
-        _run("_output_fwd_kernel", d, _grid(lambda cfg: triton.cdiv(nq, cfg["BLOCK_N"]), b * h), q, s, z, tab, o,
+        _run("_output_fwd_kernel", d, dv, _grid(lambda cfg: triton.cdiv(nq, cfg["BLOCK_N"]), b * h), q, s, z, tab, o,
              *q.stride(), *o.stride(), stride_th, stride_ts, eps, h, b * h, nq, d // 2, dv, prefix, width,
              triton.next_power_of_2(nq), **meta)
     return o, s, z
@@ -581,14 +611,14 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor,
     n_splits = triton.cdiv(nq, split)
     ds_part = torch.empty(b * h, n_splits, d, dv, device=q.device, dtype=torch.float32)
     dz_part = torch.empty(b * h, n_splits, d, device=q.device, dtype=torch.float32)
-    _run("_query_bwd_kernel", d, _grid(n_splits, b * h), q, do, s, z, tab, dq, ds_part, dz_part, *q.stride(),
+    _run("_query_bwd_kernel", d, dv, _grid(n_splits, b * h), q, do, s, z, tab, dq, ds_part, dz_part, *q.stride(),
          *do.stride(), stride_th, stride_ts, eps, h, b * h, nq, d // 2, dv, split, prefix, width,
          triton.next_power_of_2(nq), **meta)
     ds = ds_part.sum(dim=1) / nk  # (B*H, D, Dv): the 1/Nk of S moves onto its gradient
     dz = dz_part.sum(dim=1) / nk
     dk = torch.empty(b, h, nk, d, device=q.device, dtype=k.dtype)
     dv_out = torch.empty(b, h, nk, dv, device=q.device, dtype=v.dtype)
-    _run("_key_bwd_kernel", d, _grid(lambda cfg: triton.cdiv(nk, cfg["BLOCK_N"]), b * h), k, v, ds, dz, tab, dk,
+    _run("_key_bwd_kernel", d, dv, _grid(lambda cfg: triton.cdiv(nk, cfg["BLOCK_N"]), b * h), k, v, ds, dz, tab, dk,
          dv_out, *k.stride(), *v.stride(), stride_th, stride_ts, h, b * h, nk, d // 2, dv, prefix, width,
          triton.next_power_of_2(nk), **meta)
     return dq, dk, dv_out

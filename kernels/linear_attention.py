@@ -200,17 +200,34 @@ def _state_dot(a, hi, lo, acc, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _grid_pos(offs_n, hi, prefix, width):
+    """(row, col, whether on the grid) of tokens: prefix tokens and tokens >= hi are not (row = col = 0)."""
+    g = offs_n - prefix
+    is_grid = (g >= 0) & (offs_n < hi)
+    g = tl.where(is_grid, g, 0)
+    row = g // width
+    return row, g - row * width, is_grid
+
+
+@triton.jit
+def _freq_grad(dfx, dfy, g1, g2, r1, r2, offs_n, hi, prefix, width, off_row, off_col):
+    """Add a token block's gradient of the RoPE frequencies: with g the gradient of the rotated features r = R phi,
+    d loss / d angle = g2 r1 - g1 r2 per pair, and the angle fx (col + off_col) + fy (row + off_row)."""
+    row, col, is_grid = _grid_pos(offs_n, hi, prefix, width)
+    dang = g2 * r1 - g1 * r2
+    colp = tl.where(is_grid, col.to(tl.float32) + off_col, 0.0)
+    rowp = tl.where(is_grid, row.to(tl.float32) + off_row, 0.0)
+    return dfx + tl.sum(dang * colp[:, None], axis=0), dfy + tl.sum(dang * rowp[:, None], axis=0)
+
+
+@triton.jit
 def _rope_cos_sin(TAB, h, stride_th, stride_ts, offs_n, hi, offs_p, prefix, width, D_HALF, HAS_ROPE: tl.constexpr):
     """cos, sin (BLOCK_N, BLOCK_P) of the tokens' angles fx * col + fy * row, combined by angle addition from the
     separable tables (no transcendental functions): TAB holds per head cos and sin of fx * col for each grid column,
     then of fy * row for each grid row. Prefix tokens and tokens >= hi are not rotated. Without RoPE the identity
     rotation (1, 0)."""
     if HAS_ROPE:
-        g = offs_n - prefix
-        is_grid = (g >= 0) & (offs_n < hi)
-        g = tl.where(is_grid, g, 0)
-        row = g // width
-        col = g - row * width
+        row, col, is_grid = _grid_pos(offs_n, hi, prefix, width)
         m = is_grid[:, None] & (offs_p < D_HALF)[None, :]
         base = TAB + h.to(tl.int64) * stride_th + offs_p[None, :]
         col_ptrs = base + col[:, None] * D_HALF
@@ -399,11 +416,12 @@ def _output_fwd_kernel(Q, S, Z, TAB, O, stride_qb, stride_qh, stride_qn, stride_
 
 
 @_kernel
-def _query_bwd_kernel(Q, DO, S, Z, TAB, DQ, DS_PART, DZ_PART, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob,
-                      stride_oh, stride_on, stride_od, stride_th, stride_ts, eps, H, BH, N, D_HALF, DV, split_len,
-                      prefix, width, N_BUCKET, FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr,
-                      PRECISION: tl.constexpr, DOT: tl.constexpr, ROUND_BF16: tl.constexpr, SPLIT: tl.constexpr,
-                      BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
+def _query_bwd_kernel(Q, DO, S, Z, TAB, DQ, DS_PART, DZ_PART, DF_PART, stride_qb, stride_qh, stride_qn, stride_qd,
+                      stride_ob, stride_oh, stride_on, stride_od, stride_th, stride_ts, eps, H, BH, N, D_HALF, DV,
+                      split_len, prefix, width, off_row, off_col, N_BUCKET, FEATURE: tl.constexpr,
+                      HAS_ROPE: tl.constexpr, FREQ_GRAD: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
+                      ROUND_BF16: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
     """Grid (splits, B*H): dq for the queries of one split and partial sums of dS, dz (without 1/Nk).
 
     With g = dO S^T / den the gradient of the rotated features, dden = -(dO . num) / den^2 = -(R phi(q) . g) / den:
@@ -416,6 +434,8 @@ def _query_bwd_kernel(Q, DO, S, Z, TAB, DQ, DS_PART, DZ_PART, stride_qb, stride_
     do_base = _head(DO, b, h, stride_ob, stride_oh)
     dq_base = DQ + bh.to(tl.int64) * N * 2 * D_HALF  # dq is allocated contiguous (B, H, N, D)
     lo, hi, ds1, ds2, dz1, dz2 = _split_start(pid_s, split_len, N, BLOCK_DV, BLOCK_P)  # dS^T halves
+    dfx = tl.zeros_like(dz1)
+    dfy = tl.zeros_like(dz1)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_q, mask_o = _tile_masks(offs_n, hi, offs_p, offs_e, D_HALF, DV)
@@ -441,16 +461,22 @@ def _query_bwd_kernel(Q, DO, S, Z, TAB, DQ, DS_PART, DZ_PART, stride_qb, stride_
         ds2 = tl.dot(dot, _operand(r2 * rd[:, None], DOT, ROUND_BF16), ds2, input_precision=PRECISION)
         dz1 += tl.sum(dden[:, None] * f1, axis=0)
         dz2 += tl.sum(dden[:, None] * f2, axis=0)
-    _store_state(DS_PART, DZ_PART, bh * tl.num_programs(0) + pid_s, tl.trans(ds1), tl.trans(ds2), dz1, dz2, offs_p,
-                 offs_e, D_HALF, DV, valid)
+        if FREQ_GRAD:
+            dfx, dfy = _freq_grad(dfx, dfy, g1, g2, r1, r2, offs_n, hi, prefix, width, off_row, off_col)
+    slot = bh * tl.num_programs(0) + pid_s
+    _store_state(DS_PART, DZ_PART, slot, tl.trans(ds1), tl.trans(ds2), dz1, dz2, offs_p, offs_e, D_HALF, DV, valid)
+    if FREQ_GRAD:  # (slots, 2, P): per split, d loss / d fx and d loss / d fy of this head
+        df_ptrs = DF_PART + slot.to(tl.int64) * 2 * D_HALF + offs_p
+        tl.store(df_ptrs, dfx, mask=(offs_p < D_HALF) & valid)
+        tl.store(df_ptrs + D_HALF, dfy, mask=(offs_p < D_HALF) & valid)
 
 
 @_kernel
-def _key_bwd_kernel(K, V, DS, DZ, TAB, DK, DV_OUT, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
-                    stride_vn, stride_vd, stride_th, stride_ts, H, BH, N, D_HALF, DV, prefix, width, N_BUCKET,
-                    FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
-                    ROUND_BF16: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
+def _key_bwd_kernel(K, V, DS, DZ, TAB, DK, DV_OUT, DF, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
+                    stride_vh, stride_vn, stride_vd, stride_th, stride_ts, H, BH, N, D_HALF, DV, prefix, width,
+                    off_row, off_col, N_BUCKET, FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr,
+                    FREQ_GRAD: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr, ROUND_BF16: tl.constexpr,
+                    SPLIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (token blocks, B*H): dk = phi'(k) (R^T (v dS^T) + dz), dv = (R phi(k)) dS; dS, dz carry the 1/Nk.
     v enters the tensor cores as loaded, R phi(k) rounded to the input dtype, dS as its hi + lo split."""
     pid_n, bh, b, h, valid, offs_p, offs_e = _program(H, BH, BLOCK_P, BLOCK_DV)
@@ -474,23 +500,29 @@ def _key_bwd_kernel(K, V, DS, DZ, TAB, DK, DV_OUT, stride_kb, stride_kh, stride_
     _store_rows(dk_base, offs_n, offs_p, 2 * D_HALF, dk1, mask_k & valid)
     _store_rows(dk_base, offs_n, offs_p + D_HALF, 2 * D_HALF, dk2, mask_k & valid)
     _store_rows(DV_OUT + bh.to(tl.int64) * N * DV, offs_n, offs_e, DV, dv, mask_v & valid)
+    if FREQ_GRAD:  # (B*H, 2, P), summed over the token blocks
+        dfx, dfy = _freq_grad(tl.zeros_like(dz1), tl.zeros_like(dz1), g1, g2, r1, r2, offs_n, N, prefix, width,
+                              off_row, off_col)
+        df_ptrs = DF + bh.to(tl.int64) * 2 * D_HALF + offs_p
+        tl.atomic_add(df_ptrs, dfx, mask=(offs_p < D_HALF) & valid)
+        tl.atomic_add(df_ptrs + D_HALF, dfy, mask=(offs_p < D_HALF) & valid)
 
 
 KERNEL_NAMES = ("_state_fwd_kernel", "_output_fwd_kernel", "_query_bwd_kernel", "_key_bwd_kernel")
 TOKEN_POINTERS = {"K", "V", "Q", "O", "DO", "DQ", "DK", "DV_OUT"}  # in the input dtype
-FP32_POINTERS = {"S", "Z", "DS", "DZ", "S_PART", "Z_PART", "DS_PART", "DZ_PART", "TAB"}
-FLOAT_SCALARS = {"eps"}
+FP32_POINTERS = {"S", "Z", "DS", "DZ", "S_PART", "Z_PART", "DS_PART", "DZ_PART", "TAB", "DF_PART", "DF"}
+FLOAT_SCALARS = {"eps", "off_row", "off_col"}
 # Chosen from `python tools/check_kernels.py --candidates` (sm_90, bf16 with RoPE, the heaviest case) and checked for
 # fp16/bf16 with RoPE on and off by `python tools/check_kernels.py` (README); keyed on the head-dim bucket.
 _OFFERED.update({
-    "_state_fwd_kernel": {32: ((64, 4, 2), (64, 8, 3), (128, 8, 2)), 64: ((64, 8, 2), (64, 8, 3), (128, 8, 2)),
+    "_state_fwd_kernel": {32: ((64, 8, 3), (128, 8, 2)), 64: ((64, 8, 2), (64, 8, 3), (128, 8, 2)),
                           128: ((32, 8, 2), (64, 8, 2), (64, 8, 3))},
     "_output_fwd_kernel": {32: ((64, 4, 2), (128, 8, 2), (256, 8, 2)), 64: ((64, 8, 2), (128, 8, 2), (256, 8, 2)),
                            128: ((64, 8, 2), (128, 8, 2))},
     "_query_bwd_kernel": {32: ((64, 4, 2), (64, 8, 2), (128, 8, 2)), 64: ((16, 8, 2), (64, 8, 2), (64, 8, 3)),
                           128: ((16, 8, 2),)},
     "_key_bwd_kernel": {32: ((64, 8, 2), (128, 8, 2), (256, 8, 2)), 64: ((64, 8, 2), (128, 8, 2)),
-                        128: ((32, 8, 2), (64, 8, 2))},
+                        128: ((32, 8, 2),)},
 })
 
 
@@ -502,9 +534,11 @@ def kernel_function(name: str):
 _TL_DTYPES = {"float16": tl.float16, "bfloat16": tl.bfloat16, "float32": tl.float32}
 
 
-def kernel_constexprs(dtype: str, d: int, dv: int, feature: str, has_rope: bool, interpret: bool = False) -> dict:
-    """The constexprs of a launch (all but BLOCK_N); ``dtype`` by name ("bfloat16", ...). 16-bit inputs: dot
-    operands in that dtype (the fp32 state split hi + lo); fp32 inputs: exact fp32 products ("ieee")."""
+def kernel_constexprs(dtype: str, d: int, dv: int, feature: str, has_rope: bool, interpret: bool = False,
+                      freq_grad: bool = False) -> dict:
+    """The constexprs of a launch (all but BLOCK_N; FREQ_GRAD only for the backward kernels, see
+    :func:`kernel_function`); ``dtype`` by name ("bfloat16", ...). 16-bit inputs: dot operands in that dtype (the
+    fp32 state split hi + lo); fp32 inputs: exact fp32 products ("ieee")."""
     half = dtype != "float32"
     round_bf16 = interpret and dtype == "bfloat16"
     return dict(
@@ -516,12 +550,17 @@ def kernel_constexprs(dtype: str, d: int, dv: int, feature: str, has_rope: bool,
         SPLIT=half,
         BLOCK_P=_block_p(d),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+        FREQ_GRAD=freq_grad,
     )
 
 
-def _meta(q: Tensor, v: Tensor, feature_map: str, has_rope: bool) -> dict:
+def _meta(q: Tensor, v: Tensor, feature_map: str, has_rope: bool, freq_grad: Optional[bool] = None) -> dict:
+    """Constexprs of a launch; ``freq_grad`` None for the forward kernels (which have no FREQ_GRAD)."""
     dtype = str(q.dtype).replace("torch.", "")
-    return kernel_constexprs(dtype, q.shape[-1], v.shape[-1], feature_map, has_rope, interpret=_INTERPRET)
+    meta = kernel_constexprs(dtype, q.shape[-1], v.shape[-1], feature_map, has_rope, _INTERPRET, bool(freq_grad))
+    if freq_grad is None:
+        del meta["FREQ_GRAD"]
+    return meta
 
 
 def _split_len(n: int, bh: int, device: torch.device, split_tokens: int) -> int:
@@ -598,30 +637,51 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, feature_map: str, freqs_x: Optiona
 
 def _backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor, feature_map: str,
               freqs_x: Optional[Tensor], freqs_y: Optional[Tensor], rope_ints: List[int],
-              rope_offsets: List[float], eps: float, split_tokens: int) -> Tuple[Tensor, Tensor, Tensor]:
+              rope_offsets: List[float], eps: float, split_tokens: int,
+              freq_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dfx, dfy); the frequency gradients shaped like the frequencies with ``freq_grad`` (and RoPE),
+    else empty."""
     b, h, nq, d = q.shape
     nk, dv = k.shape[2], v.shape[-1]
-    meta = _meta(q, v, feature_map, freqs_x is not None)
+    freq_grad = freq_grad and freqs_x is not None
+    meta = _meta(q, v, feature_map, freqs_x is not None, freq_grad)
     tab, stride_th, stride_ts, prefix, width = _rope_table(q, nk, freqs_x, freqs_y, rope_ints, rope_offsets)
+    p = d // 2
     dq = torch.empty(b, h, nq, d, device=q.device, dtype=q.dtype)
-    if nq == 0:  # no queries: nothing flows back to the keys and values
-        return dq, torch.zeros(b, h, nk, d, device=q.device, dtype=k.dtype), torch.zeros_like(
-            v, memory_format=torch.contiguous_format)
+    df = torch.zeros(b * h, 2, p if freq_grad else 0, device=q.device, dtype=torch.float32)
+    if nq == 0:  # no queries: nothing flows back to the keys, values or frequencies
+        dk = torch.zeros(b, h, nk, d, device=q.device, dtype=k.dtype)
+        return dq, dk, torch.zeros_like(v, memory_format=torch.contiguous_format), *_freq_grads(df, freqs_x, h)
     split = _split_len(nq, b * h, q.device, split_tokens)
     n_splits = triton.cdiv(nq, split)
     ds_part = torch.empty(b * h, n_splits, d, dv, device=q.device, dtype=torch.float32)
     dz_part = torch.empty(b * h, n_splits, d, device=q.device, dtype=torch.float32)
-    _run("_query_bwd_kernel", d, dv, _grid(n_splits, b * h), q, do, s, z, tab, dq, ds_part, dz_part, *q.stride(),
-         *do.stride(), stride_th, stride_ts, eps, h, b * h, nq, d // 2, dv, split, prefix, width,
-         triton.next_power_of_2(nq), **meta)
+    df_part = torch.empty(b * h, n_splits, 2, p if freq_grad else 0, device=q.device, dtype=torch.float32)
+    off_row, off_col = (float(x) for x in rope_offsets)
+    _run("_query_bwd_kernel", d, dv, _grid(n_splits, b * h), q, do, s, z, tab, dq, ds_part, dz_part, df_part,
+         *q.stride(), *do.stride(), stride_th, stride_ts, eps, h, b * h, nq, d // 2, dv, split, prefix, width,
+         off_row, off_col, triton.next_power_of_2(nq), **meta)
     ds = ds_part.sum(dim=1) / nk  # (B*H, D, Dv): the 1/Nk of S moves onto its gradient
     dz = dz_part.sum(dim=1) / nk
     dk = torch.empty(b, h, nk, d, device=q.device, dtype=k.dtype)
     dv_out = torch.empty(b, h, nk, dv, device=q.device, dtype=v.dtype)
     _run("_key_bwd_kernel", d, dv, _grid(lambda cfg: triton.cdiv(nk, cfg["BLOCK_N"]), b * h), k, v, ds, dz, tab, dk,
-         dv_out, *k.stride(), *v.stride(), stride_th, stride_ts, h, b * h, nk, d // 2, dv, prefix, width,
-         triton.next_power_of_2(nk), **meta)
-    return dq, dk, dv_out
+         dv_out, df, *k.stride(), *v.stride(), stride_th, stride_ts, h, b * h, nk, d // 2, dv, prefix, width,
+         off_row, off_col, triton.next_power_of_2(nk), **meta)
+    if freq_grad:
+        df += df_part.sum(dim=1)
+    return dq, dk, dv_out, *_freq_grads(df, freqs_x, h)
+
+
+def _freq_grads(df: Tensor, freqs_x: Optional[Tensor], heads: int) -> Tuple[Tensor, Tensor]:
+    """(dfx, dfy) from per batch-head sums (B*H, 2, P): summed over the batch, and over the heads for shared
+    frequencies; empty tensors where no gradient was formed."""
+    if freqs_x is None or df.shape[-1] == 0:
+        return df.new_empty(0), df.new_empty(0)
+    df = df.view(-1, heads, 2, df.shape[-1]).sum(dim=0)  # (H, 2, P)
+    if freqs_x.shape[0] == 1:
+        df = df.sum(dim=0, keepdim=True)
+    return df[:, 0].clone(), df[:, 1].clone()
 
 
 @torch.library.custom_op("linvision::linear_attention_fwd", mutates_args=())
@@ -648,17 +708,24 @@ def _(q, k, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, spli
 def _linear_attention_bwd_op(
     q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor, feature_map: str,
     freqs_x: Optional[Tensor], freqs_y: Optional[Tensor], rope_ints: List[int], rope_offsets: List[float],
-    eps: float, split_tokens: int,
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) from the inputs, the output gradient and the saved S, z (nothing N-sized is saved)."""
-    return _backward(q, k, v, do, s, z, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens)
+    eps: float, split_tokens: int, freq_grad: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dfx, dfy) from the inputs, the output gradient and the saved S, z (nothing N-sized is saved);
+    dfx, dfy are the RoPE frequencies' gradients with ``freq_grad``, else empty."""
+    return _backward(q, k, v, do, s, z, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens,
+                     freq_grad)
 
 
 @_linear_attention_bwd_op.register_fake
-def _(q, k, v, do, s, z, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens):
-    return torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
-        k, memory_format=torch.contiguous_format
-    ), torch.empty_like(v, memory_format=torch.contiguous_format)
+def _(q, k, v, do, s, z, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens, freq_grad):
+    grads = freq_grad and freqs_x is not None
+    return (
+        torch.empty_like(q, memory_format=torch.contiguous_format),
+        torch.empty_like(k, memory_format=torch.contiguous_format),
+        torch.empty_like(v, memory_format=torch.contiguous_format),
+        freqs_x.new_empty(freqs_x.shape) if grads else q.new_empty(0, dtype=torch.float32),
+        freqs_y.new_empty(freqs_y.shape) if grads else q.new_empty(0, dtype=torch.float32),
+    )
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -672,10 +739,13 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward_rule(ctx, do, ds, dz):
     q, k, v, s, z, freqs_x, freqs_y = ctx.saved_tensors
     feature_map, rope_ints, rope_offsets, eps, split_tokens = ctx.options
-    dq, dk, dv = torch.ops.linvision.linear_attention_bwd(
-        q, k, v, do, s, z, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens
+    freq_grad = ctx.needs_input_grad[4] or ctx.needs_input_grad[5]
+    dq, dk, dv, dfx, dfy = torch.ops.linvision.linear_attention_bwd(
+        q, k, v, do, s, z, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens, freq_grad
     )
-    return dq, dk, dv, None, None, None, None, None, None, None
+    dfx = dfx if ctx.needs_input_grad[4] else None
+    dfy = dfy if ctx.needs_input_grad[5] else None
+    return dq, dk, dv, None, dfx, dfy, None, None, None, None
 
 
 _linear_attention_fwd_op.register_autograd(_backward_rule, setup_context=_setup_context)
@@ -713,8 +783,6 @@ def unsupported_reason(q: Tensor, k: Tensor, v: Tensor, feature_map: str, rope: 
         return f"head dim {d} not in {MIN_HEAD_DIM}..{MAX_HEAD_DIM} (even)"
     if not 1 <= dv <= MAX_VALUE_DIM:
         return f"value head dim {dv} not in 1..{MAX_VALUE_DIM}"
-    if rope is not None and (rope.freqs_x.requires_grad or rope.freqs_y.requires_grad):
-        return "rope frequencies require grad (the kernels do not differentiate them)"
     return None
 
 
@@ -738,10 +806,11 @@ def linear_attention_triton(
     q, k: (B, H, N, D) and v: (B, H, Nk, Dv), float16, bfloat16 or float32, any strides, on CUDA (or on CPU
     with ``TRITON_INTERPRET=1``); D even in 16..128, Dv in 1..128; Nq may differ from Nk without RoPE.
     feature_map: "identity", "relu" or "elu" (elu + 1), aliases of ``common.FEATURE_MAP_ALIASES`` allowed.
-    rope: a :class:`~.common.RopeSpec` (``linvision.ops.Rope`` is one), applied in-kernel to the numerator; its
-    frequencies must not require grad.
+    rope: a :class:`~.common.RopeSpec` (``linvision.ops.Rope`` is one), applied in-kernel to the numerator; frequencies
+    that require grad (learnable mixed RoPE) get their gradient from the backward kernels.
     split_tokens: tokens per split of the reductions over N (0: chosen from the GPU's size).
-    Returns (B, H, Nq, Dv) in q's dtype; differentiable in q, k, v.
+    Returns (B, H, Nq, Dv) in q's dtype (the autocast dtype for fp32 inputs under ``torch.autocast``);
+    differentiable in q, k, v and the RoPE frequencies.
 
     Raises TypeError / ValueError for invalid inputs (see :func:`~.common.check_qkv`) and ValueError with the
     reason when the kernels cannot run the call.
@@ -766,8 +835,9 @@ def linear_attention_triton(
     rope_offsets: List[float] = [0.0, 0.0]
     if rope is not None:
         p = rope.dim // 2
-        freqs_x = rope.freqs_x.detach().to(device=q.device, dtype=torch.float32).reshape(-1, p).contiguous()
-        freqs_y = rope.freqs_y.detach().to(device=q.device, dtype=torch.float32).reshape(-1, p).contiguous()
+        # differentiable: learnable (mixed) frequencies get their gradient from the backward kernels
+        freqs_x = rope.freqs_x.to(device=q.device, dtype=torch.float32).reshape(-1, p).contiguous()
+        freqs_y = rope.freqs_y.to(device=q.device, dtype=torch.float32).reshape(-1, p).contiguous()
         rope_ints = [rope.num_prefix_tokens, rope.grid[1]]
         rope_offsets = [float(rope.offset[0]), float(rope.offset[1])]
     o, _, _ = torch.ops.linvision.linear_attention_fwd(

@@ -217,6 +217,31 @@ def test_kernels_round_operands_as_emulated(dtype):
         assert ((a.double() - rounded.double()).abs() <= unit).all(), name
 
 
+@pytest.mark.parametrize("shared,dtype", [(False, torch.float32), (True, torch.float32), (False, torch.bfloat16)])
+def test_learnable_rope_frequencies(shared, dtype):
+    """Mixed RoPE with learnable frequencies (per head or shared by the heads) trains on the kernels: their
+    gradients, summed over queries, keys and the batch, match autograd of the float64 reference."""
+    q, k, v, do = _inputs(2, 2, 33, 33, 16, 8, dtype, "elu")
+    fx, fy = mixed_rope_freqs(16, 2, generator=torch.Generator().manual_seed(1))
+    if shared:
+        fx, fy = fx[0], fy[0]
+    grads = {}
+    for kind, cast in (("kernel", torch.float32), ("reference", torch.float64)):
+        fxl, fyl = fx.to(cast).requires_grad_(), fy.to(cast).requires_grad_()
+        rope = Rope(fxl, fyl, (4, 8), num_prefix_tokens=1, offset=(0.5, -2.0))
+        if kind == "kernel":
+            qk, kk, vk = (t.detach().clone().requires_grad_() for t in (q, k, v))
+            out = linear_attention_triton(qk, kk, vk, "elu", rope=rope, split_tokens=16)
+            grads[kind] = torch.autograd.grad(out, (fxl, fyl, qk), do)
+        else:
+            qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+            out = linear_attention_reference(qr, kr, vr, "elu", rope=rope)
+            grads[kind] = torch.autograd.grad(out, (fxl, fyl, qr), do.double())
+    for name, g, r in zip(("freqs_x", "freqs_y", "q"), grads["kernel"], grads["reference"]):
+        assert g.shape == r.shape
+        assert _rel_err(g, r) < 4 * TOL[dtype], name
+
+
 def test_cross_attention_token_counts_differ():
     """Nq != Nk (no RoPE), with a head dim that is not a power of two."""
     q, _, _, do = _inputs(2, 1, 45, 45, 48, 16, torch.float32, "relu", seed=1)
@@ -390,8 +415,7 @@ def test_unsupported_reasons(monkeypatch):
     many = [t.expand(256, 257, 8, 16) for t in (q, k, v)]  # zero strides: no memory behind them
     assert _reason(*many) is None  # batch x heads beyond 65535 is folded into the grid
     fx, fy = mixed_rope_freqs(16, 1)
-    learnable = Rope(fx.requires_grad_(), fy, (2, 4))
-    assert "require grad" in _reason(q, k, v, rope=learnable)
+    assert _reason(q, k, v, rope=Rope(fx.requires_grad_(), fy, (2, 4))) is None  # learnable: differentiated
     if DEVICE == "cpu":
         monkeypatch.setattr(kernel_module, "_INTERPRET", False)
         reason = _reason(q, k, v)
@@ -506,7 +530,7 @@ def test_compile_check_verdicts():
     from linvision.tools.check_kernels import CompileResult, _token_loads_pipelined
 
     def result(**kw):
-        base = dict(kernel="k", d=64, dtype="bfloat16", rope=True, block_n=64, num_warps=4, num_stages=2,
+        base = dict(kernel="k", d=64, dtype="bfloat16", rope="on", block_n=64, num_warps=4, num_stages=2,
                     registers=200, spill_bytes=0, shared_bytes=64 * 1024, has_loop=True, pipelined=True)
         return CompileResult(**{**base, **kw})
 

@@ -1,6 +1,7 @@
 """Compile the fused linear-attention kernels for an H100 (sm_90) without a GPU and print what the GPU would see.
 
-For every kernel x head dim D = Dv x dtype x RoPE on/off x autotune configuration: registers per thread and
+For every kernel x head dim D = Dv x dtype x RoPE (off, on, and "learn": the backward kernels with the gradient of
+learnable frequencies) x autotune configuration: registers per thread and
 spill bytes (Triton's bundled ``ptxas -v --gpu-name sm_90a`` on the PTX), shared memory (the compiled
 kernel's metadata; an H100 block may use 227 KB) and whether the token loop is pipelined (asynchronous copies
 or TMA in the TTGIR; kernels that handle one token block per program have no loop). A configuration passes
@@ -36,7 +37,7 @@ class CompileResult:
     kernel: str
     d: int
     dtype: str
-    rope: bool
+    rope: str  # "off", "on" or "learn"
     block_n: int
     num_warps: int
     num_stages: int
@@ -102,9 +103,10 @@ def _ptxas_usage(ptx: str) -> tuple:
     return regs, int(spills.group(1)) + int(spills.group(2))
 
 
-def compile_kernel(kernel: str, d: int, dtype: str, rope: bool, config: Sequence[int],
+def compile_kernel(kernel: str, d: int, dtype: str, rope: str, config: Sequence[int],
                    feature: str = "elu") -> CompileResult:
-    """Compile one kernel (by name) for sm_90 with D = Dv = d and config (BLOCK_N, num_warps, num_stages)."""
+    """Compile one kernel (by name) for sm_90 with D = Dv = d, RoPE "off", "on" or "learn" and config (BLOCK_N,
+    num_warps, num_stages)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -113,7 +115,8 @@ def compile_kernel(kernel: str, d: int, dtype: str, rope: bool, config: Sequence
 
     block_n, warps, stages = config
     fn = m.kernel_function(kernel)
-    consts = dict(m.kernel_constexprs(dtype, d, d, feature, rope), BLOCK_N=block_n)
+    consts = dict(m.kernel_constexprs(dtype, d, d, feature, rope != "off", freq_grad=rope == "learn"), BLOCK_N=block_n)
+    consts = {name: value for name, value in consts.items() if name in fn.arg_names}  # FREQ_GRAD: backward only
     sig, consts, attrs = _signature(fn, dtype, consts)
     compiled = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps, "num_stages": stages})
@@ -136,7 +139,7 @@ def _token_loads_pipelined(ttgir: str, dtype: str) -> bool:
     return bool(copies) and not sync
 
 
-def check(kernels: Iterable[str], dims: Iterable[int], dtypes: Iterable[str], ropes: Iterable[bool],
+def check(kernels: Iterable[str], dims: Iterable[int], dtypes: Iterable[str], ropes: Iterable[str],
           candidates: bool = False, echo=None) -> List[CompileResult]:
     """Compile every combination; ``candidates`` compiles the whole search space instead of the offered
     configurations. ``echo`` is called with each result as it comes."""
@@ -144,6 +147,8 @@ def check(kernels: Iterable[str], dims: Iterable[int], dtypes: Iterable[str], ro
 
     results = []
     for kernel, d, dtype, rope in itertools.product(kernels, dims, dtypes, ropes):
+        if rope == "learn" and "FREQ_GRAD" not in m.kernel_function(kernel).arg_names:
+            continue  # the forward kernels compile the same with learnable frequencies
         configs = m.CANDIDATE_CONFIGS if candidates else m.offered_configs(kernel, d)
         for config in configs:
             result = compile_kernel(kernel, d, dtype, rope, config)
@@ -154,7 +159,7 @@ def check(kernels: Iterable[str], dims: Iterable[int], dtypes: Iterable[str], ro
 
 
 def _row(r: CompileResult, markdown: bool) -> str:
-    cells = [r.kernel.strip("_").replace("_kernel", ""), str(r.d), r.dtype, "yes" if r.rope else "no",
+    cells = [r.kernel.strip("_").replace("_kernel", ""), str(r.d), r.dtype, r.rope,
              f"{r.block_n}/{r.num_warps}/{r.num_stages}", str(r.registers), str(r.spill_bytes),
              f"{r.shared_bytes / 1024:.0f}", ("yes" if r.pipelined else "no") if r.has_loop else "no loop",
              "ok" if r.ok else "FAIL"]
@@ -174,7 +179,7 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     p.add_argument("--kernel", nargs="+", default=list(m.KERNEL_NAMES), choices=list(m.KERNEL_NAMES))
     p.add_argument("--d", type=int, nargs="+", default=list(HEAD_DIMS), help="head dims D = Dv")
     p.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=list(DTYPES))
-    p.add_argument("--rope", nargs="+", default=["off", "on"], choices=["off", "on"])
+    p.add_argument("--rope", nargs="+", default=["off", "on", "learn"], choices=["off", "on", "learn"])
     p.add_argument("--candidates", action="store_true", help="every candidate configuration, not only the offered")
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
     return p.parse_args(argv)
@@ -187,7 +192,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("|" + "---|" * len(HEADER))
     else:
         print(" ".join(c.rjust(w) for c, w in zip(HEADER, (12, 4, 9, 5, 10, 5, 7, 7, 9, 5))))
-    results = check(args.kernel, args.d, args.dtype, [r == "on" for r in args.rope], args.candidates,
+    results = check(args.kernel, args.d, args.dtype, args.rope, args.candidates,
                     echo=lambda r: print(_row(r, args.markdown), flush=True))
     failed = [r for r in results if not r.ok]
     print(f"{len(results) - len(failed)} of {len(results)} configurations pass (zero spills, shared memory <= 227 KB, "

@@ -254,11 +254,13 @@ def _plot_accuracy(result: Dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3.6))
-    for row in result["rows"]:
+    rows = result["rows"]
+    colours = plt.cm.tab20(range(len(rows))) if len(rows) > 10 else [None] * len(rows)  # 10: the default cycle
+    for row, colour in zip(rows, colours):
         pts = [(int(s), v, row.get("accuracy_std", {}).get(s, 0.0)) for s, v in row["accuracy"].items()
                if isinstance(v, (int, float))]
         ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", capsize=2,
-                    label=row["mixer"])
+                    label=row["mixer"], color=colour)
     ax.set_xscale("log", base=2)
     ax.set_xticks(result["eval_sizes"], [str(s) for s in result["eval_sizes"]])
     ax.set_xlabel(f"evaluation resolution (px), trained at {result['img_size']}")

@@ -627,7 +627,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, feature_map: str, freqs_x: Optiona
          stride_th, stride_ts, h, b * h, nk, d // 2, dv, split, prefix, width, triton.next_power_of_2(nk), **meta)
     s = (s_part.sum(dim=1) / nk).view(b, h, d, dv)  # the mean: S and z stay in range for any N
     z = (z_part.sum(dim=1) / nk).view(b, h, d)
-    o = torch.empty(b, h, nq, dv, device=q.device, dtype=q.dtype)
+    o = torch.empty(b, nq, h, dv, device=q.device, dtype=q.dtype).transpose(1, 2)  # token-major memory
     if nq > 0:
         _run("_output_fwd_kernel", d, dv, _grid(lambda cfg: triton.cdiv(nq, cfg["BLOCK_N"]), b * h), q, s, z, tab, o,
              *q.stride(), *o.stride(), stride_th, stride_ts, eps, h, b * h, nq, d // 2, dv, prefix, width,
@@ -689,7 +689,8 @@ def _linear_attention_fwd_op(
     q: Tensor, k: Tensor, v: Tensor, feature_map: str, freqs_x: Optional[Tensor], freqs_y: Optional[Tensor],
     rope_ints: List[int], rope_offsets: List[float], eps: float, split_tokens: int,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """(o (B, H, Nq, Dv) in q's dtype, S (B, H, D, Dv) fp32, z (B, H, D) fp32); S and z are the means."""
+    """(o (B, H, Nq, Dv) in q's dtype, S (B, H, D, Dv) fp32, z (B, H, D) fp32); S and z are the means. o is a view
+    of token-major (B, Nq, H, Dv) memory, so merging its heads back into channels copies nothing."""
     return _forward(q, k, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens)
 
 
@@ -698,7 +699,7 @@ def _(q, k, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, spli
     b, h, nq, d = q.shape
     dv = v.shape[-1]
     return (
-        q.new_empty(b, h, nq, dv),
+        q.new_empty(b, nq, h, dv).transpose(1, 2),
         q.new_empty(b, h, d, dv, dtype=torch.float32),
         q.new_empty(b, h, d, dtype=torch.float32),
     )
@@ -809,7 +810,8 @@ def linear_attention_triton(
     rope: a :class:`~.common.RopeSpec` (``linvision.ops.Rope`` is one), applied in-kernel to the numerator; frequencies
     that require grad (learnable mixed RoPE) get their gradient from the backward kernels.
     split_tokens: tokens per split of the reductions over N (0: chosen from the GPU's size).
-    Returns (B, H, Nq, Dv) in q's dtype (the autocast dtype for fp32 inputs under ``torch.autocast``);
+    Returns (B, H, Nq, Dv) in q's dtype (the autocast dtype for fp32 inputs under ``torch.autocast``), a view of
+    token-major (B, Nq, H, Dv) memory: ``o.transpose(1, 2).reshape(B, Nq, H * Dv)`` is free;
     differentiable in q, k, v and the RoPE frequencies.
 
     Raises TypeError / ValueError for invalid inputs (see :func:`~.common.check_qkv`) and ValueError with the

@@ -273,6 +273,8 @@ def test_strided_inputs():
     qkv = torch.randn(b, n, 3, h, d, generator=g).to(DEVICE)
     q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, N, D), stride over N = 3 * H * D
     assert not q.is_contiguous()
+    out = linear_attention_triton(q, k, v, "elu")
+    assert out.transpose(1, 2).is_contiguous()  # token-major: heads merge back into channels without a copy
     do = torch.randn(b, n, h, dv, generator=g).to(DEVICE).transpose(1, 2)
     _check(q, k, v, do, "elu", None, split_tokens=32)
     _check(q, k, v, do, "elu", rope_1d(d, n), split_tokens=0)

@@ -7,8 +7,8 @@ it on every platform; the dependency runs one way: ops -> kernels (this module a
   inputs, eps, chunk and split sizes and (H, W) token grids; errors name the argument, the value and what is
   allowed.
 - :class:`RopeSpec`: a 2D rotation as plain data (frequency tensors, grid, prefix, offset) and
-  :func:`check_rope`; ``linvision.ops.rope.Rope`` extends it with the PyTorch tables, the kernels compute the
-  angles in-kernel from the same fields.
+  :func:`check_rope`; ``linvision.ops.rope.Rope`` extends it with the PyTorch tables, the kernels build per-column and
+  per-row cos/sin tables from the same fields and combine them in-kernel.
 - :func:`compute_dtype` and :func:`feature_map_name`: the dtype every accumulation runs in, and the canonical name
   of a feature map (aliases resolved), which is how the kernels are told which map to fuse.
 """

@@ -131,10 +131,10 @@ def _split_state(s, dtype):
 
 
 def _tensor_core_emulation(q, k, v, do, feature, rope=None, eps=1e-4):
-    """(o, dq, dk, dv) in float64, before the final rounding to the input dtype, of the 16-bit kernels recomputed in PyTorch with exactly their operand roundings: feature
-    maps, rotations and divisions in fp32; every tl.dot operand an N-sized tile in the input dtype (rotated
-    features rounded to it, v and dO as given) or the fp32 state as its hi + lo split; products and sums exact
-    (float64 here, fp32 accumulation there)."""
+    """(o, dq, dk, dv) in float64, before the final rounding to the input dtype, of the 16-bit kernels
+    recomputed in PyTorch with exactly their operand roundings: feature maps, rotations and divisions in fp32;
+    every tl.dot operand an N-sized tile in the input dtype (rotated features rounded to it, v and dO as given)
+    or the fp32 state as its hi + lo split; products and sums exact (float64 here, fp32 accumulation there)."""
     dt, nk = q.dtype, k.shape[2]
     rnd = lambda x: x.to(dt).double()  # noqa: E731 - an fp32 tile rounded to a 16-bit tensor-core operand
     if rope is None:

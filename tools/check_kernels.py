@@ -25,8 +25,6 @@ import tempfile
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence
 
-os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU target, before triton is imported
-
 H100_SMEM_BYTES = 227 * 1024
 DTYPES = ("float16", "bfloat16")
 HEAD_DIMS = (32, 64, 128)
@@ -186,6 +184,10 @@ def parse_args(argv: Optional[Sequence[str]] = None):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    if "triton" not in sys.modules:
+        os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU target: before triton is imported
+    elif os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("check_kernels: Triton was imported with TRITON_INTERPRET=1; run this in a process without it")
     args = parse_args(argv)
     if args.markdown:
         print("| " + " | ".join(HEADER[:-1] + ["result"]) + " |")

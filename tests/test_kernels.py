@@ -315,6 +315,30 @@ def test_autocast_runs_in_the_autocast_dtype():
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
+def test_cuda_graph_capture_launches_a_fixed_configuration(monkeypatch):
+    """During CUDA-graph capture the autotuner (which benchmarks) is not used: the first offered configuration
+    is launched directly, with its block size in the grid."""
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, kwargs))
+
+    class NoTuning:
+        def __getitem__(self, grid):
+            raise AssertionError("autotuned during capture")
+
+    monkeypatch.setattr(kernel_module, "_INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(kernel_module, "_JITTED", {"_key_bwd_kernel": Recorder()})
+    monkeypatch.setattr(kernel_module, "_tuned", lambda *args: NoTuning())
+    kernel_module._run("_key_bwd_kernel", 128, 64, kernel_module._grid(lambda cfg: -(-1000 // cfg["BLOCK_N"]), 6),
+                       "args", FEATURE=1)
+    bn, warps, stages = kernel_module.offered_configs("_key_bwd_kernel", 128)[0]
+    assert launches == [((-(-1000 // bn), 6, 1), dict(FEATURE=1, BLOCK_N=bn, num_warps=warps, num_stages=stages))]
+
+
 def test_every_output_element_written(monkeypatch):
     """Every buffer the launcher allocates (outputs, split partials) starts as NaN; results must be clean."""
     real_empty = torch.empty

@@ -637,10 +637,10 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, feature_map: str, freqs_x: Optiona
 
 def _backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor, feature_map: str,
               freqs_x: Optional[Tensor], freqs_y: Optional[Tensor], rope_ints: List[int],
-              rope_offsets: List[float], eps: float, split_tokens: int,
-              freq_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+              rope_offsets: List[float], eps: float, split_tokens: int, freq_grad: bool,
+              kv_grad: bool = True) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dfx, dfy); the frequency gradients shaped like the frequencies with ``freq_grad`` (and RoPE),
-    else empty."""
+    else empty; dk and dv empty without ``kv_grad``, and the key kernel then runs only for the frequencies."""
     b, h, nq, d = q.shape
     nk, dv = k.shape[2], v.shape[-1]
     freq_grad = freq_grad and freqs_x is not None
@@ -661,6 +661,8 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor,
     _run("_query_bwd_kernel", d, dv, _grid(n_splits, b * h), q, do, s, z, tab, dq, ds_part, dz_part, df_part,
          *q.stride(), *do.stride(), stride_th, stride_ts, eps, h, b * h, nq, d // 2, dv, split, prefix, width,
          off_row, off_col, triton.next_power_of_2(nq), **meta)
+    if not (kv_grad or freq_grad):
+        return dq, k.new_empty(0), v.new_empty(0), *_freq_grads(df, freqs_x, h)
     ds = ds_part.sum(dim=1) / nk  # (B*H, D, Dv): the 1/Nk of S moves onto its gradient
     dz = dz_part.sum(dim=1) / nk
     dk = torch.empty(b, h, nk, d, device=q.device, dtype=k.dtype)
@@ -670,6 +672,8 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor,
          off_row, off_col, triton.next_power_of_2(nk), **meta)
     if freq_grad:
         df += df_part.sum(dim=1)
+    if not kv_grad:
+        dk, dv_out = k.new_empty(0), v.new_empty(0)
     return dq, dk, dv_out, *_freq_grads(df, freqs_x, h)
 
 
@@ -709,21 +713,22 @@ def _(q, k, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, spli
 def _linear_attention_bwd_op(
     q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor, feature_map: str,
     freqs_x: Optional[Tensor], freqs_y: Optional[Tensor], rope_ints: List[int], rope_offsets: List[float],
-    eps: float, split_tokens: int, freq_grad: bool,
+    eps: float, split_tokens: int, freq_grad: bool, kv_grad: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dfx, dfy) from the inputs, the output gradient and the saved S, z (nothing N-sized is saved);
-    dfx, dfy are the RoPE frequencies' gradients with ``freq_grad``, else empty."""
+    dfx, dfy are the RoPE frequencies' gradients with ``freq_grad``, dk and dv with ``kv_grad``, else empty."""
     return _backward(q, k, v, do, s, z, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens,
-                     freq_grad)
+                     freq_grad, kv_grad)
 
 
 @_linear_attention_bwd_op.register_fake
-def _(q, k, v, do, s, z, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens, freq_grad):
+def _(q, k, v, do, s, z, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens, freq_grad,
+      kv_grad):
     grads = freq_grad and freqs_x is not None
     return (
         torch.empty_like(q, memory_format=torch.contiguous_format),
-        torch.empty_like(k, memory_format=torch.contiguous_format),
-        torch.empty_like(v, memory_format=torch.contiguous_format),
+        torch.empty_like(k, memory_format=torch.contiguous_format) if kv_grad else k.new_empty(0),
+        torch.empty_like(v, memory_format=torch.contiguous_format) if kv_grad else v.new_empty(0),
         freqs_x.new_empty(freqs_x.shape) if grads else q.new_empty(0, dtype=torch.float32),
         freqs_y.new_empty(freqs_y.shape) if grads else q.new_empty(0, dtype=torch.float32),
     )
@@ -740,13 +745,14 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward_rule(ctx, do, ds, dz):
     q, k, v, s, z, freqs_x, freqs_y = ctx.saved_tensors
     feature_map, rope_ints, rope_offsets, eps, split_tokens = ctx.options
-    freq_grad = ctx.needs_input_grad[4] or ctx.needs_input_grad[5]
+    needs = ctx.needs_input_grad
     dq, dk, dv, dfx, dfy = torch.ops.linvision.linear_attention_bwd(
-        q, k, v, do, s, z, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens, freq_grad
+        q, k, v, do, s, z, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens,
+        needs[4] or needs[5], needs[1] or needs[2],
     )
-    dfx = dfx if ctx.needs_input_grad[4] else None
-    dfy = dfy if ctx.needs_input_grad[5] else None
-    return dq, dk, dv, None, dfx, dfy, None, None, None, None
+    # no key kernel (and no dk, dv) when neither keys nor values need a gradient, unless the frequencies do
+    return (dq, dk if needs[1] else None, dv if needs[2] else None, None, dfx if needs[4] else None,
+            dfy if needs[5] else None, None, None, None, None)
 
 
 _linear_attention_fwd_op.register_autograd(_backward_rule, setup_context=_setup_context)

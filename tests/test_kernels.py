@@ -259,6 +259,27 @@ def test_learnable_rope_frequencies(shared, dtype):
         assert _rel_err(g, r) < 4 * TOL[dtype], name
 
 
+def test_no_key_kernel_without_key_or_value_gradients(monkeypatch):
+    """Frozen keys and values (no RoPE frequencies to train): the backward runs the query kernel only; dq as the
+    reference's."""
+    launched = []
+    real_run = kernel_module._run
+
+    def run(name, *args, **kwargs):
+        launched.append(name)
+        real_run(name, *args, **kwargs)
+
+    monkeypatch.setattr(kernel_module, "_run", run)
+    q, k, v, do = _inputs(1, 2, 40, 40, 16, 16, torch.float32, "elu")
+    qk = q.clone().requires_grad_()
+    (dq,) = torch.autograd.grad(linear_attention_triton(qk, k, v, "elu", rope=rope_1d(16, 40)), qk, do)
+    assert launched == ["_state_fwd_kernel", "_output_fwd_kernel", "_query_bwd_kernel"]
+    qr = q.double().requires_grad_()
+    (ref,) = torch.autograd.grad(linear_attention_reference(qr, k.double(), v.double(), "elu", rope=rope_1d(16, 40)),
+                                 qr, do.double())
+    assert _rel_err(dq, ref) < 4 * TOL[torch.float32]
+
+
 def test_cross_attention_token_counts_differ():
     """Nq != Nk (no RoPE), with a head dim that is not a power of two."""
     q, _, _, do = _inputs(2, 1, 45, 45, 48, 16, torch.float32, "relu", seed=1)

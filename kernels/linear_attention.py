@@ -6,6 +6,9 @@ applied to the numerator only:
     S = (1/Nk) sum_j (R_j phi(k_j))^T v_j     z = (1/Nk) sum_j phi(k_j)
     o_i = ((R_i phi(q_i)) S) / (phi(q_i) . z + eps)
 
+the forward computed with the sums Nk S and Nk z and the eps Nk eps (the same o, no division launched), the
+backward with the means:
+
 Four kernels, each one pass over N-sized tensors, so HBM traffic is the minimum the math allows:
 - ``_state_fwd_kernel``   reads k, v; writes per-split partial sums of S and z (split-N when B*H is small).
 - ``_output_fwd_kernel``  reads q; writes o (from the reduced S and z).
@@ -14,7 +17,8 @@ Four kernels, each one pass over N-sized tensors, so HBM traffic is the minimum 
   partials of dS = (1/Nk) sum_i (R_i phi(q_i) / den_i)^T dO_i and dz = (1/Nk) sum_i dden_i phi(q_i).
 - ``_key_bwd_kernel``     reads k, v; writes dk = phi'(k) (R^T (v dS^T) + dz) and dv = (R phi(k)) dS.
 
-Fused: the feature map (identity, relu, elu+1) and its derivative, the 1/N mean, and RoPE (axial or mixed, shared
+Per-split partial sums are added by one torch sum each, or taken as they are (a view) when there is one split.
+Fused: the feature map (identity, relu, elu+1) and its derivative, and RoPE (axial or mixed, shared
 or per head) from separable tables: cos and sin of fx * col per grid column and of fy * row per grid row, O((W + H)
 D) values built per call, combined per token by angle addition (no transcendental functions in the kernels). The
 head dim is handled as two halves of P = D/2 channels because RoPE pairs channel t with channel t + P; S is kept as
@@ -612,6 +616,11 @@ def _run(name: str, d: int, dv: int, grid, *args, **meta) -> None:
         _tuned(name, d, dv)[grid](*args, **meta)
 
 
+def _reduce(part: Tensor) -> Tensor:
+    """The sum of per-split partials (slots, splits, ...) over the splits: a view, no launch, for one split."""
+    return part[:, 0] if part.shape[1] == 1 else part.sum(dim=1)
+
+
 def _forward(q: Tensor, k: Tensor, v: Tensor, feature_map: str, freqs_x: Optional[Tensor],
              freqs_y: Optional[Tensor], rope_ints: List[int], rope_offsets: List[float], eps: float,
              split_tokens: int) -> Tuple[Tensor, Tensor, Tensor]:
@@ -625,12 +634,12 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, feature_map: str, freqs_x: Optiona
     z_part = torch.empty(b * h, n_splits, d, device=q.device, dtype=torch.float32)
     _run("_state_fwd_kernel", d, dv, _grid(n_splits, b * h), k, v, tab, s_part, z_part, *k.stride(), *v.stride(),
          stride_th, stride_ts, h, b * h, nk, d // 2, dv, split, prefix, width, triton.next_power_of_2(nk), **meta)
-    s = (s_part.sum(dim=1) / nk).view(b, h, d, dv)  # the mean: S and z stay in range for any N
-    z = (z_part.sum(dim=1) / nk).view(b, h, d)
+    s = _reduce(s_part).view(b, h, d, dv)  # sums over the keys; the 1/Nk of the mean goes onto eps
+    z = _reduce(z_part).view(b, h, d)
     o = torch.empty(b, nq, h, dv, device=q.device, dtype=q.dtype).transpose(1, 2)  # token-major memory
     if nq > 0:
         _run("_output_fwd_kernel", d, dv, _grid(lambda cfg: triton.cdiv(nq, cfg["BLOCK_N"]), b * h), q, s, z, tab, o,
-             *q.stride(), *o.stride(), stride_th, stride_ts, eps, h, b * h, nq, d // 2, dv, prefix, width,
+             *q.stride(), *o.stride(), stride_th, stride_ts, eps * nk, h, b * h, nq, d // 2, dv, prefix, width,
              triton.next_power_of_2(nq), **meta)
     return o, s, z
 
@@ -658,12 +667,15 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor,
     dz_part = torch.empty(b * h, n_splits, d, device=q.device, dtype=torch.float32)
     df_part = torch.empty(b * h, n_splits, 2, p if freq_grad else 0, device=q.device, dtype=torch.float32)
     off_row, off_col = (float(x) for x in rope_offsets)
+    # the backward runs on the means: R phi(q) / den, rounded to 16 bits for the dS product, stays a normal fp16
+    # number there (with sums, den grows with Nk and the operand would sink into fp16's subnormals)
+    s, z = s / nk, z / nk
     _run("_query_bwd_kernel", d, dv, _grid(n_splits, b * h), q, do, s, z, tab, dq, ds_part, dz_part, df_part,
          *q.stride(), *do.stride(), stride_th, stride_ts, eps, h, b * h, nq, d // 2, dv, split, prefix, width,
          off_row, off_col, triton.next_power_of_2(nq), **meta)
     if not (kv_grad or freq_grad):
         return dq, k.new_empty(0), v.new_empty(0), *_freq_grads(df, freqs_x, h)
-    ds = ds_part.sum(dim=1) / nk  # (B*H, D, Dv): the 1/Nk of S moves onto its gradient
+    ds = ds_part.sum(dim=1) / nk  # (B*H, D, Dv): the gradient of the mean S carries its 1/Nk
     dz = dz_part.sum(dim=1) / nk
     dk = torch.empty(b, h, nk, d, device=q.device, dtype=k.dtype)
     dv_out = torch.empty(b, h, nk, dv, device=q.device, dtype=v.dtype)
@@ -693,8 +705,9 @@ def _linear_attention_fwd_op(
     q: Tensor, k: Tensor, v: Tensor, feature_map: str, freqs_x: Optional[Tensor], freqs_y: Optional[Tensor],
     rope_ints: List[int], rope_offsets: List[float], eps: float, split_tokens: int,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """(o (B, H, Nq, Dv) in q's dtype, S (B, H, D, Dv) fp32, z (B, H, D) fp32); S and z are the means. o is a view
-    of token-major (B, Nq, H, Dv) memory, so merging its heads back into channels copies nothing."""
+    """(o (B, H, Nq, Dv) in q's dtype, S (B, H, D, Dv) fp32, z (B, H, D) fp32); S and z are the sums over the keys
+    (o = (R phi(q)) S / (phi(q) . z + Nk eps), the mean form with the 1/Nk moved onto eps: no division launched).
+    o is a view of token-major (B, Nq, H, Dv) memory, so merging its heads back into channels copies nothing."""
     return _forward(q, k, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens)
 
 

@@ -134,7 +134,9 @@ def _tensor_core_emulation(q, k, v, do, feature, rope=None, eps=1e-4):
     """(o, dq, dk, dv) in float64, before the final rounding to the input dtype, of the 16-bit kernels
     recomputed in PyTorch with exactly their operand roundings: feature maps, rotations and divisions in fp32;
     every tl.dot operand an N-sized tile in the input dtype (rotated features rounded to it, v and dO as given)
-    or the fp32 state as its hi + lo split; products and sums exact (float64 here, fp32 accumulation there)."""
+    or the fp32 state as its hi + lo split; products and sums exact (float64 here, fp32 accumulation there).
+    Like the kernels, the forward keeps S and z as sums over the keys with eps * Nk (the mean form's o) and the
+    backward takes their means in fp32."""
     dt, nk = q.dtype, k.shape[2]
     rnd = lambda x: x.to(dt).double()  # noqa: E731 - an fp32 tile rounded to a 16-bit tensor-core operand
     if rope is None:
@@ -146,15 +148,17 @@ def _tensor_core_emulation(q, k, v, do, feature, rope=None, eps=1e-4):
     (fq, dfq), (fk, dfk) = _phi(q.float(), feature), _phi(k.float(), feature)
     rq, rk = rot(fq), rot(fk)
     vd, dod = v.double(), do.double()
-    s = rk.to(dt).double().transpose(-2, -1) @ vd / nk
-    z = fk.double().mean(dim=2)
+    s = (rk.to(dt).double().transpose(-2, -1) @ vd).float()
+    z = fk.double().sum(dim=2).float()
+    den = (fq.double() * z[:, :, None].double()).sum(-1, keepdim=True).float().double() + eps * nk
+    o = (rnd(rq) @ _split_state(s, dt)) / den
+    s, z = (s / nk).double(), (z / nk).double()  # fp32 means
     s_op = _split_state(s, dt)
     den = (fq.double() * z[:, :, None]).sum(-1, keepdim=True).float().double() + eps
-    o = (rnd(rq) @ s_op) / den
     g = (dod @ s_op.transpose(-2, -1)) / den
     dden = -(rq.double() * g).sum(-1, keepdim=True) / den
     dq = (inv(g.float()).double() + dden * z[:, :, None]) * dfq.double()
-    ds = rnd(rq / den.float()).transpose(-2, -1) @ dod / nk
+    ds = rnd(rq * (1 / den.float())).transpose(-2, -1) @ dod / nk
     dz = (dden * fq.double()).sum(dim=2) / nk
     ds_op = _split_state(ds, dt)
     dv = rnd(rk) @ ds_op

@@ -173,6 +173,17 @@ def _reference_with_grads(q, k, v, do, feature, rope):
     return (ref, *torch.autograd.grad(ref, (qr, kr, vr), do.double()))
 
 
+def _assert_emulation_within_tolerances(q, k, v, do, feature, rope):
+    """The emulated 16-bit kernels' output and gradients against float64, with the tolerances of _check."""
+    dtype = q.dtype
+    emulated = [t.to(dtype) for t in _tensor_core_emulation(q, k, v, do, feature, rope)]
+    ref = _reference_with_grads(q, k, v, do, feature, rope)
+    assert _rel_err(emulated[0], ref[0]) < TOL[dtype]
+    floor = 0.1 * max(r.abs().max().item() for r in ref[1:])
+    for name, g, r in zip("qkv", emulated[1:], ref[1:]):
+        assert _rel_err(g, r, floor) < 4 * TOL[dtype], f"d{name}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("b,h,n,d,dv,feature,rope", [
     (1, 2, 197, 32, 24, "elu", None),  # the shapes of test_matches_reference_half
@@ -186,12 +197,7 @@ def test_tensor_core_roundings_meet_the_tolerances(dtype, b, h, n, d, dv, featur
     with exactly those operand roundings meets the fp16 / bf16 tolerances against float64."""
     q, k, v, do = (t.cpu() for t in _inputs(b, h, n, n, d, dv, dtype, feature))
     rope = _rope(rope, n, d, h)
-    emulated = [t.to(dtype) for t in _tensor_core_emulation(q, k, v, do, feature, rope)]
-    ref = _reference_with_grads(q, k, v, do, feature, rope)
-    assert _rel_err(emulated[0], ref[0]) < TOL[dtype]
-    floor = 0.1 * max(r.abs().max().item() for r in ref[1:])
-    for name, g, r in zip("qkv", emulated[1:], ref[1:]):
-        assert _rel_err(g, r, floor) < 4 * TOL[dtype], f"d{name}"
+    _assert_emulation_within_tolerances(q, k, v, do, feature, rope)
 
 
 def _store_rounding(x, dtype):
@@ -211,12 +217,7 @@ def test_tensor_core_roundings_at_64k_tokens_with_large_activations(dtype, featu
     g = torch.Generator().manual_seed(0)
     q, k, v, do = ((torch.randn(1, 2, 65536, 32, generator=g) * 30).to(dtype) for _ in range(4))
     rope = axial_rope(32, (256, 256))
-    emulated = [t.to(dtype) for t in _tensor_core_emulation(q, k, v, do, feature, rope)]
-    ref = _reference_with_grads(q, k, v, do, feature, rope)
-    assert _rel_err(emulated[0], ref[0]) < TOL[dtype]
-    floor = 0.1 * max(r.abs().max().item() for r in ref[1:])
-    for name, g, r in zip("qkv", emulated[1:], ref[1:]):
-        assert _rel_err(g, r, floor) < 4 * TOL[dtype], f"d{name}"
+    _assert_emulation_within_tolerances(q, k, v, do, feature, rope)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -27,7 +27,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 __all__ = [
-    "BadImageError", "DigitsDataset", "create_dataset", "ShardedSampler", "create_loader", "build_transform",
+    "BadImageError", "InMemoryImages", "DigitsDataset", "create_dataset", "ShardedSampler", "create_loader", "build_transform",
 ]
 
 
@@ -54,7 +54,24 @@ def _load_rgb(path: str) -> Image.Image:
         raise BadImageError(f"cannot read image file {path}: {type(e).__name__}: {e}") from None
 
 
-class DigitsDataset(Dataset):
+class InMemoryImages(Dataset):
+    """A dataset held as lists ``images`` (PIL) and ``targets`` (ints), with an optional ``transform``."""
+
+    images: List[Image.Image]
+    targets: List[int]
+    transform: Optional[Callable] = None
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int):
+        img = self.images[index]
+        if self.transform is not None:
+            img = self.transform(img)
+        return img, self.targets[index]
+
+
+class DigitsDataset(InMemoryImages):
     """scikit-learn's 8x8 digits as RGB PIL images of ``size`` x ``size`` (bilinear upscaling).
 
     ``split`` is "train" (80%) or "val" (20%), from a fixed permutation so every run sees the same split.
@@ -76,15 +93,6 @@ class DigitsDataset(Dataset):
         self.targets = [int(t) for t in digits.target[keep]]
         self.classes = [str(i) for i in range(10)]
         self.transform = transform
-
-    def __len__(self) -> int:
-        return len(self.targets)
-
-    def __getitem__(self, index: int):
-        img = self.images[index]
-        if self.transform is not None:
-            img = self.transform(img)
-        return img, self.targets[index]
 
 
 def create_dataset(dataset: str, data_dir: Optional[str], split: str, transform: Optional[Callable] = None,

@@ -24,7 +24,7 @@ from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 from PIL import Image
-from torch.utils.data import Dataset
+from .data import InMemoryImages
 
 __all__ = ["PhotoCropsDataset", "photo_parts", "CLASSES", "CROP", "TRAIN_FRACTION"]
 
@@ -64,7 +64,7 @@ def photo_parts(split: str) -> List[Tuple[str, Tuple[int, int, int, int]]]:
     return parts
 
 
-class PhotoCropsDataset(Dataset):
+class PhotoCropsDataset(InMemoryImages):
     """The photo-crops set (see the module docstring) for ``split`` "train" or "val", crops resized to ``size``.
 
     The crop positions depend only on the split and class (fixed seeds), so every run and every evaluation size
@@ -91,12 +91,3 @@ class PhotoCropsDataset(Dataset):
                 self.images.append(photo.crop(box).resize((size, size), Image.BILINEAR))
                 self.targets.append(label)
         self.transform = transform
-
-    def __len__(self) -> int:
-        return len(self.targets)
-
-    def __getitem__(self, index: int):
-        img = self.images[index]
-        if self.transform is not None:
-            img = self.transform(img)
-        return img, self.targets[index]

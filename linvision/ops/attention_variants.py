@@ -151,6 +151,18 @@ def injective_linear_attention(
     return _unit_den_attention(q_aug, k_aug, vc, None, backend).to(q.dtype)
 
 
+def _mapped_inputs(q: Tensor, k: Tensor, v: Tensor, feature_map: FeatureMapArg, scale: Optional[float],
+                   rope: Optional[Rope], eps: float, name: str) -> Tuple[float, Tensor, Tensor, Tensor]:
+    """Checks, then (s, phi(q), phi(k), v) in the compute dtype: what RALA and MALA start from."""
+    check_qkv(q, k, v, same_tokens=rope is not None)
+    check_eps(eps)
+    phi = get_feature_map(feature_map, dim=q.shape[-1])
+    cdt = compute_dtype(q.dtype)
+    phi_q, phi_k, vc = phi(q.to(cdt), True), phi(k.to(cdt), False), v.to(cdt)
+    _rope_for(rope, phi_q.shape[-1], name)
+    return _scale(scale, q.shape[-1]), phi_q, phi_k, vc
+
+
 def rank_augmented_linear_attention(
     q: Tensor, k: Tensor, v: Tensor, feature_map: FeatureMapArg = "elu", *, scale: Optional[float] = None,
     rope: Optional[Rope] = None, eps: float = 1e-6, backend: str = "auto",
@@ -158,13 +170,7 @@ def rank_augmented_linear_attention(
     """RALA's linear attention: keys weighted by alpha_j = N softmax_j(s qbar.phi(k_j)), qbar = mean_i phi(q_i),
     s = ``scale`` (default D^-1/2); o_i = R_i phi(q_i) (1/N) sum_j alpha_j (R_j phi(k_j))^T v_j /
     (phi(q_i).(1/N) sum_j alpha_j phi(k_j) + eps)."""
-    check_qkv(q, k, v, same_tokens=rope is not None)
-    check_eps(eps)
-    s = _scale(scale, q.shape[-1])
-    phi = get_feature_map(feature_map, dim=q.shape[-1])
-    cdt = compute_dtype(q.dtype)
-    phi_q, phi_k, vc = phi(q.to(cdt), True), phi(k.to(cdt), False), v.to(cdt)
-    _rope_for(rope, phi_q.shape[-1], "RALA")
+    s, phi_q, phi_k, vc = _mapped_inputs(q, k, v, feature_map, scale, rope, eps, "RALA")
     logits = s * torch.einsum("bhd,bhnd->bhn", phi_q.mean(dim=2), phi_k)
     alpha = torch.softmax(logits, dim=-1) * phi_k.shape[2]
     return linear_attention(phi_q, phi_k * alpha.unsqueeze(-1), vc, "identity", rope=rope, eps=eps,
@@ -178,13 +184,7 @@ def magnitude_aware_linear_attention(
     """MALA: o_i = (1 + 1/(m_i + eps)) s phi(q_i) (1/N) sum_j phi(k_j)^T v_j - m_i vbar with m_i = s phi(q_i).kbar
     (kbar, vbar: means over the keys), s = ``scale`` (default D^-1/2). With ``rope`` the first term's phi(q_i),
     phi(k_j) are rotated (R_i, R_j; m_i is not)."""
-    check_qkv(q, k, v, same_tokens=rope is not None)
-    check_eps(eps)
-    s = _scale(scale, q.shape[-1])
-    phi = get_feature_map(feature_map, dim=q.shape[-1])
-    cdt = compute_dtype(q.dtype)
-    phi_q, phi_k, vc = phi(q.to(cdt), True), phi(k.to(cdt), False), v.to(cdt)
-    _rope_for(rope, phi_q.shape[-1], "MALA")
+    s, phi_q, phi_k, vc = _mapped_inputs(q, k, v, feature_map, scale, rope, eps, "MALA")
     m = s * torch.einsum("bhnd,bhd->bhn", phi_q, phi_k.mean(dim=2)).unsqueeze(-1)  # (B, H, N, 1)
     # (a_i phi(q_i), -m_i) . (phi(k_j), 1) = a_i phi(q_i).phi(k_j) - m_i, a_i = s (1 + 1/(m_i + eps))
     q_aug = _augment(s * (1 + 1 / (m + eps)) * phi_q, -m)

@@ -376,3 +376,14 @@ def test_dropped_caption_is_the_unconditional_velocity():
     v_c = model(x, t, **cond)
     assert (v_c - v_u).abs().max() > 1e-3
     torch.testing.assert_close(guided_velocity(model, x, t, cond, 2.5), v_u + 2.5 * (v_c - v_u))
+
+
+@pytest.mark.parametrize("tool, args", [("sample_diffusion.py", []), ("eval_diffusion_samples.py", ["nowhere_too"])])
+def test_sampling_tools_answer_a_missing_checkpoint_in_one_line(tool, args, tmp_path):
+    from support import run_tool
+
+    missing = str(tmp_path / "nowhere")
+    proc = run_tool(tool, missing, *args, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: ") and len(proc.stderr.strip().splitlines()) == 1
+    assert missing in proc.stderr

@@ -20,9 +20,10 @@ from linvision.diffusion.sampling import classify_images, decoder_for, sample_cl
 from linvision.diffusion.checkpoint import load_dit
 from linvision.diffusion.data import load_images
 from linvision.engine import load_model
+from linvision.engine.cli import run_cli
 
 
-def main() -> None:
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dit", help="DiT run or checkpoint folder (tools/train_diffusion.py)")
     p.add_argument("classifier", help="classifier run or checkpoint folder (tools/train.py)")
@@ -64,7 +65,12 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+    return 0
+
+
+def cli() -> None:
+    run_cli(main)
 
 
 if __name__ == "__main__":
-    main()
+    cli()

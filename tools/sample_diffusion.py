@@ -18,9 +18,10 @@ from safetensors.torch import load_file
 from linvision.diffusion.flow import SAMPLERS
 from linvision.diffusion.sampling import decoder_for, sample_captions, sample_classes, save_grid
 from linvision.diffusion.checkpoint import load_dit
+from linvision.engine.cli import run_cli
 
 
-def main() -> None:
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="run folder (uses its last/) or checkpoint folder")
     p.add_argument("--classes", type=int, nargs="*", default=None, help="default: every class")
@@ -58,6 +59,12 @@ def main() -> None:
     save_grid(images, out, ncol=args.per_class)
     print(f"wrote {len(images)} samples ({what} x {args.per_class}) to {out}")
 
+    return 0
+
+
+def cli() -> None:
+    run_cli(main)
+
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -425,8 +425,9 @@ def _query_bwd_kernel(Q, DO, S, Z, TAB, DQ, DS_PART, DZ_PART, DF_PART, stride_qb
                       split_len, prefix, width, off_row, off_col, N_BUCKET, FEATURE: tl.constexpr,
                       HAS_ROPE: tl.constexpr, FREQ_GRAD: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
                       ROUND_BF16: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
-    """Grid (splits, B*H): dq for the queries of one split and partial sums of dS, dz (without 1/Nk).
+                      BLOCK_N: tl.constexpr, DQ_GRAD: tl.constexpr):
+    """Grid (splits, B*H): dq for the queries of one split (only with DQ_GRAD) and partial sums of dS, dz
+    (without 1/Nk).
 
     With g = dO S^T / den the gradient of the rotated features, dden = -(dO . num) / den^2 = -(R phi(q) . g) / den:
     the numerator is not recomputed. dO enters the tensor cores as loaded, S as its hi + lo split, R phi(q) / den
@@ -452,10 +453,11 @@ def _query_bwd_kernel(Q, DO, S, Z, TAB, DQ, DS_PART, DZ_PART, DF_PART, stride_qb
         g1 = _state_dot(do, hi1, lo1, zero, SPLIT, PRECISION) * scale[:, None]  # grad of the rotated features
         g2 = _state_dot(do, hi2, lo2, zero, SPLIT, PRECISION) * scale[:, None]
         dden = -(tl.sum(r1 * g1, axis=1) + tl.sum(r2 * g2, axis=1)) / den
-        dq1, dq2 = _input_grad(g1, g2, dden[:, None] * z1[None, :], dden[:, None] * z2[None, :], f1, f2, FEATURE,
-                               cos, sin, HAS_ROPE)
-        _store_rows(dq_base, offs_n, offs_p, 2 * D_HALF, dq1, mask_q & valid)
-        _store_rows(dq_base, offs_n, offs_p + D_HALF, 2 * D_HALF, dq2, mask_q & valid)
+        if DQ_GRAD:
+            dq1, dq2 = _input_grad(g1, g2, dden[:, None] * z1[None, :], dden[:, None] * z2[None, :], f1, f2,
+                                   FEATURE, cos, sin, HAS_ROPE)
+            _store_rows(dq_base, offs_n, offs_p, 2 * D_HALF, dq1, mask_q & valid)
+            _store_rows(dq_base, offs_n, offs_p + D_HALF, 2 * D_HALF, dq2, mask_q & valid)
         rd = 1.0 / den
         if BLOCK_DV < 64:  # register-operand dots: dO^T loaded as such (again, from cache) keeps the loop pipelined
             dot = _native(_load_tile_t(do_base, offs_n, offs_e, stride_on, stride_od, mask_o), ROUND_BF16)
@@ -539,9 +541,9 @@ _TL_DTYPES = {"float16": tl.float16, "bfloat16": tl.bfloat16, "float32": tl.floa
 
 
 def kernel_constexprs(dtype: str, d: int, dv: int, feature: str, has_rope: bool, interpret: bool = False,
-                      freq_grad: bool = False) -> dict:
-    """The constexprs of a launch (all but BLOCK_N; FREQ_GRAD only for the backward kernels, see
-    :func:`kernel_function`); ``dtype`` by name ("bfloat16", ...). 16-bit inputs: dot operands in that dtype (the
+                      freq_grad: bool = False, dq_grad: bool = True) -> dict:
+    """The constexprs of a launch (all but BLOCK_N; FREQ_GRAD only for the backward kernels, DQ_GRAD only for the
+    query backward, see :func:`kernel_function`); ``dtype`` by name ("bfloat16", ...). 16-bit inputs: dot operands in that dtype (the
     fp32 state split hi + lo); fp32 inputs: exact fp32 products ("ieee")."""
     half = dtype != "float32"
     round_bf16 = interpret and dtype == "bfloat16"
@@ -555,13 +557,16 @@ def kernel_constexprs(dtype: str, d: int, dv: int, feature: str, has_rope: bool,
         BLOCK_P=_block_p(d),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)),
         FREQ_GRAD=freq_grad,
+        DQ_GRAD=dq_grad,
     )
 
 
 def _meta(q: Tensor, v: Tensor, feature_map: str, has_rope: bool, freq_grad: Optional[bool] = None) -> dict:
-    """Constexprs of a launch; ``freq_grad`` None for the forward kernels (which have no FREQ_GRAD)."""
+    """Constexprs of a launch; ``freq_grad`` None for the forward kernels (which have no FREQ_GRAD); DQ_GRAD
+    (True) is left for the caller to set on the query backward only."""
     dtype = str(q.dtype).replace("torch.", "")
     meta = kernel_constexprs(dtype, q.shape[-1], v.shape[-1], feature_map, has_rope, _INTERPRET, bool(freq_grad))
+    del meta["DQ_GRAD"]
     if freq_grad is None:
         del meta["FREQ_GRAD"]
     return meta
@@ -647,16 +652,17 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, feature_map: str, freqs_x: Optiona
 def _backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor, feature_map: str,
               freqs_x: Optional[Tensor], freqs_y: Optional[Tensor], rope_ints: List[int],
               rope_offsets: List[float], eps: float, split_tokens: int, freq_grad: bool,
-              kv_grad: bool = True) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+              kv_grad: bool = True, q_grad: bool = True) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dfx, dfy); the frequency gradients shaped like the frequencies with ``freq_grad`` (and RoPE),
-    else empty; dk and dv empty without ``kv_grad``, and the key kernel then runs only for the frequencies."""
+    else empty; dk and dv empty without ``kv_grad``, and the key kernel then runs only for the frequencies; dq
+    empty without ``q_grad`` (the query kernel then forms only dS, dz and the frequency partials)."""
     b, h, nq, d = q.shape
     nk, dv = k.shape[2], v.shape[-1]
     freq_grad = freq_grad and freqs_x is not None
     meta = _meta(q, v, feature_map, freqs_x is not None, freq_grad)
     tab, stride_th, stride_ts, prefix, width = _rope_table(q, nk, freqs_x, freqs_y, rope_ints, rope_offsets)
     p = d // 2
-    dq = torch.empty(b, h, nq, d, device=q.device, dtype=q.dtype)
+    dq = torch.empty(b, h, nq, d, device=q.device, dtype=q.dtype) if q_grad else q.new_empty(0)
     df = torch.zeros(b * h, 2, p if freq_grad else 0, device=q.device, dtype=torch.float32)
     if nq == 0:  # no queries: nothing flows back to the keys, values or frequencies
         dk = torch.zeros(b, h, nk, d, device=q.device, dtype=k.dtype)
@@ -672,7 +678,7 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor,
     s, z = s / nk, z / nk
     _run("_query_bwd_kernel", d, dv, _grid(n_splits, b * h), q, do, s, z, tab, dq, ds_part, dz_part, df_part,
          *q.stride(), *do.stride(), stride_th, stride_ts, eps, h, b * h, nq, d // 2, dv, split, prefix, width,
-         off_row, off_col, triton.next_power_of_2(nq), **meta)
+         off_row, off_col, triton.next_power_of_2(nq), **meta, DQ_GRAD=q_grad)
     if not (kv_grad or freq_grad):
         return dq, k.new_empty(0), v.new_empty(0), *_freq_grads(df, freqs_x, h)
     ds = ds_part.sum(dim=1) / nk  # (B*H, D, Dv): the gradient of the mean S carries its 1/Nk
@@ -726,20 +732,21 @@ def _(q, k, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, spli
 def _linear_attention_bwd_op(
     q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor, feature_map: str,
     freqs_x: Optional[Tensor], freqs_y: Optional[Tensor], rope_ints: List[int], rope_offsets: List[float],
-    eps: float, split_tokens: int, freq_grad: bool, kv_grad: bool,
+    eps: float, split_tokens: int, freq_grad: bool, kv_grad: bool, q_grad: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dfx, dfy) from the inputs, the output gradient and the saved S, z (nothing N-sized is saved);
-    dfx, dfy are the RoPE frequencies' gradients with ``freq_grad``, dk and dv with ``kv_grad``, else empty."""
+    dfx, dfy are the RoPE frequencies' gradients with ``freq_grad``, dk and dv with ``kv_grad``, dq with
+    ``q_grad``, else empty."""
     return _backward(q, k, v, do, s, z, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens,
-                     freq_grad, kv_grad)
+                     freq_grad, kv_grad, q_grad)
 
 
 @_linear_attention_bwd_op.register_fake
 def _(q, k, v, do, s, z, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens, freq_grad,
-      kv_grad):
+      kv_grad, q_grad):
     grads = freq_grad and freqs_x is not None
     return (
-        torch.empty_like(q, memory_format=torch.contiguous_format),
+        torch.empty_like(q, memory_format=torch.contiguous_format) if q_grad else q.new_empty(0),
         torch.empty_like(k, memory_format=torch.contiguous_format) if kv_grad else k.new_empty(0),
         torch.empty_like(v, memory_format=torch.contiguous_format) if kv_grad else v.new_empty(0),
         freqs_x.new_empty(freqs_x.shape) if grads else q.new_empty(0, dtype=torch.float32),
@@ -761,10 +768,11 @@ def _backward_rule(ctx, do, ds, dz):
     needs = ctx.needs_input_grad
     dq, dk, dv, dfx, dfy = torch.ops.linvision.linear_attention_bwd(
         q, k, v, do, s, z, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens,
-        needs[4] or needs[5], needs[1] or needs[2],
+        needs[4] or needs[5], needs[1] or needs[2], needs[0],
     )
-    # no key kernel (and no dk, dv) when neither keys nor values need a gradient, unless the frequencies do
-    return (dq, dk if needs[1] else None, dv if needs[2] else None, None, dfx if needs[4] else None,
+    # no key kernel (and no dk, dv) when neither keys nor values need a gradient, unless the frequencies do; no dq
+    # (formed or stored) when the queries need none
+    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None, None, dfx if needs[4] else None,
             dfy if needs[5] else None, None, None, None, None)
 
 

@@ -285,6 +285,32 @@ def test_no_key_kernel_without_key_or_value_gradients(monkeypatch):
     assert _rel_err(dq, ref) < 4 * TOL[torch.float32]
 
 
+def test_no_query_gradient_formed_for_frozen_queries(monkeypatch):
+    """Queries that need no gradient: the query kernel runs without DQ_GRAD (no dq formed or stored, no dq buffer);
+    dk and dv as the reference's, over two token splits."""
+    launched = []
+    real_run = kernel_module._run
+
+    def run(name, *args, **kwargs):
+        launched.append((name, kwargs.get("DQ_GRAD")))
+        if name == "_query_bwd_kernel":
+            assert args[8].numel() == 0  # DQ: no (B, H, N, D) buffer allocated
+        real_run(name, *args, **kwargs)
+
+    monkeypatch.setattr(kernel_module, "_run", run)
+    q, k, v, do = _inputs(1, 2, 40, 40, 16, 16, torch.float32, "elu")
+    kk, vk = k.clone().requires_grad_(), v.clone().requires_grad_()
+    grads = torch.autograd.grad(linear_attention_triton(q, kk, vk, "elu", rope=rope_1d(16, 40), split_tokens=32),
+                                (kk, vk), do)
+    assert launched == [("_state_fwd_kernel", None), ("_output_fwd_kernel", None), ("_query_bwd_kernel", False),
+                        ("_key_bwd_kernel", None)]
+    kr, vr = k.double().requires_grad_(), v.double().requires_grad_()
+    refs = torch.autograd.grad(linear_attention_reference(q.double(), kr, vr, "elu", rope=rope_1d(16, 40)), (kr, vr),
+                               do.double())
+    for name, g, r in zip(("k", "v"), grads, refs):
+        assert _rel_err(g, r) < 4 * TOL[torch.float32], name
+
+
 def test_cross_attention_token_counts_differ():
     """Nq != Nk (no RoPE), with a head dim that is not a power of two."""
     q, _, _, do = _inputs(2, 1, 45, 45, 48, 16, torch.float32, "relu", seed=1)

@@ -102,9 +102,9 @@ def _ptxas_usage(ptx: str) -> tuple:
 
 
 def compile_kernel(kernel: str, d: int, dtype: str, rope: str, config: Sequence[int],
-                   feature: str = "elu") -> CompileResult:
+                   feature: str = "elu", dq_grad: bool = True) -> CompileResult:
     """Compile one kernel (by name) for sm_90 with D = Dv = d, RoPE "off", "on" or "learn" and config (BLOCK_N,
-    num_warps, num_stages)."""
+    num_warps, num_stages); ``dq_grad`` False: the query backward without dq (queries that need no gradient)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -113,8 +113,9 @@ def compile_kernel(kernel: str, d: int, dtype: str, rope: str, config: Sequence[
 
     block_n, warps, stages = config
     fn = m.kernel_function(kernel)
-    consts = dict(m.kernel_constexprs(dtype, d, d, feature, rope != "off", freq_grad=rope == "learn"), BLOCK_N=block_n)
-    consts = {name: value for name, value in consts.items() if name in fn.arg_names}  # FREQ_GRAD: backward only
+    consts = dict(m.kernel_constexprs(dtype, d, d, feature, rope != "off", freq_grad=rope == "learn",
+                                       dq_grad=dq_grad), BLOCK_N=block_n)
+    consts = {name: value for name, value in consts.items() if name in fn.arg_names}  # FREQ_GRAD, DQ_GRAD: backward
     sig, consts, attrs = _signature(fn, dtype, consts)
     compiled = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps, "num_stages": stages})

@@ -543,8 +543,8 @@ _TL_DTYPES = {"float16": tl.float16, "bfloat16": tl.bfloat16, "float32": tl.floa
 def kernel_constexprs(dtype: str, d: int, dv: int, feature: str, has_rope: bool, interpret: bool = False,
                       freq_grad: bool = False, dq_grad: bool = True) -> dict:
     """The constexprs of a launch (all but BLOCK_N; FREQ_GRAD only for the backward kernels, DQ_GRAD only for the
-    query backward, see :func:`kernel_function`); ``dtype`` by name ("bfloat16", ...). 16-bit inputs: dot operands in that dtype (the
-    fp32 state split hi + lo); fp32 inputs: exact fp32 products ("ieee")."""
+    query backward, see :func:`kernel_function`); ``dtype`` by name ("bfloat16", ...). 16-bit inputs: dot operands
+    in that dtype (the fp32 state split hi + lo); fp32 inputs: exact fp32 products ("ieee")."""
     half = dtype != "float32"
     round_bf16 = interpret and dtype == "bfloat16"
     return dict(
@@ -772,8 +772,8 @@ def _backward_rule(ctx, do, ds, dz):
     )
     # no key kernel (and no dk, dv) when neither keys nor values need a gradient, unless the frequencies do; no dq
     # (formed or stored) when the queries need none
-    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None, None, dfx if needs[4] else None,
-            dfy if needs[5] else None, None, None, None, None)
+    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None, None,
+            dfx if needs[4] else None, dfy if needs[5] else None, None, None, None, None)
 
 
 _linear_attention_fwd_op.register_autograd(_backward_rule, setup_context=_setup_context)

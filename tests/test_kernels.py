@@ -311,6 +311,35 @@ def test_no_query_gradient_formed_for_frozen_queries(monkeypatch):
         assert _rel_err(g, r) < 4 * TOL[torch.float32], name
 
 
+def test_split_partials_reduced_inside_the_kernels():
+    """Several token splits: the consuming kernels add the split partials and apply the 1/Nk themselves, so forward
+    and backward launch no torch sum or division (only the four kernels and buffer allocations); values as the
+    reference's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    q, k, v, do = _inputs(1, 2, 100, 100, 16, 16, torch.float32, "elu")
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    with Ops() as ops:
+        out = linear_attention_triton(q, k, v, "elu", split_tokens=32)  # 4 splits
+        grads = torch.autograd.grad(out, (q, k, v), do)
+    arithmetic = [name for name in ops.names if name in ("sum", "div", "mul", "add", "add_", "div_", "mean")]
+    assert arithmetic == []
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = linear_attention_reference(qr, kr, vr, "elu")
+    assert _rel_err(out, ref) < TOL[torch.float32]
+    for name, g, r in zip("qkv", grads, torch.autograd.grad(ref, (qr, kr, vr), do.double())):
+        assert _rel_err(g, r) < 4 * TOL[torch.float32], name
+
+
 def test_cross_attention_token_counts_differ():
     """Nq != Nk (no RoPE), with a head dim that is not a power of two."""
     q, _, _, do = _inputs(2, 1, 45, 45, 48, 16, torch.float32, "relu", seed=1)
@@ -422,16 +451,16 @@ def test_traffic_is_the_minimum():
     with count_traffic() as bwd:
         out.backward(do)
     state = b * h * (d * dv + d) * 4  # one fp32 (S, z) or (dS, dz)
-    expected = {
+    expected = {  # the consumers read the split partials themselves (no reduction launched in between)
         "_state_fwd_kernel": (b * h * n * (d + dv) * 2, splits * state),
-        "_output_fwd_kernel": (b * h * n * d * 2 + state, b * h * n * dv * 2),
-        "_query_bwd_kernel": (b * h * n * (d + dv) * 2 + state, b * h * n * d * 2 + splits * state),
-        "_key_bwd_kernel": (b * h * n * (d + dv) * 2 + state, b * h * n * (d + dv) * 2),
+        "_output_fwd_kernel": (b * h * n * d * 2 + splits * state, b * h * n * dv * 2),
+        "_query_bwd_kernel": (b * h * n * (d + dv) * 2 + splits * state, b * h * n * d * 2 + splits * state),
+        "_key_bwd_kernel": (b * h * n * (d + dv) * 2 + splits * state, b * h * n * (d + dv) * 2),
     }
     got = {t.kernel: (t.bytes_loaded, t.bytes_stored) for t in fwd + bwd}
     assert got == expected
     floor_fwd = minimal_bytes(b, h, n, n, d, dv, 2, backward=False)
-    assert sum(t.total for t in fwd) - (splits + 1) * state == floor_fwd
+    assert sum(t.total for t in fwd) - 2 * splits * state == floor_fwd
 
 
 def test_traffic_counter_refuses_an_interpreter_it_does_not_know(monkeypatch):
@@ -592,7 +621,12 @@ def test_flop_formula():
     assert counter.get_total_flops() == 2 * b * h * (nq + nk) * d * dv
     with FlopCounterMode(display=False) as counter:
         out.backward(do)
-    assert counter.get_total_flops() == 2 * b * h * (3 * nq + 2 * nk) * d * dv
+    assert counter.get_total_flops() == 2 * b * h * 2 * nq * d * dv  # only q needs a gradient: no key kernel
+    k.requires_grad_()
+    out = linear_attention_triton(q, k, v, "elu")
+    with FlopCounterMode(display=False) as counter:
+        out.backward(do)
+    assert counter.get_total_flops() == 2 * b * h * (2 * nq + 2 * nk) * d * dv
 
 
 @pytest.mark.slow

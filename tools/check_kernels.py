@@ -122,7 +122,7 @@ def compile_kernel(kernel: str, d: int, dtype: str, rope: str, config: Sequence[
     regs, spills = _ptxas_usage(compiled.asm["ptx"])
     ttgir = compiled.asm["ttgir"]
     return CompileResult(kernel, d, dtype, rope, block_n, warps, stages, regs, spills, compiled.metadata.shared,
-                         has_loop="scf.for" in ttgir, pipelined=_token_loads_pipelined(ttgir, dtype))
+                         has_loop="split_len" in fn.arg_names, pipelined=_token_loads_pipelined(ttgir, dtype))
 
 
 def _token_loads_pipelined(ttgir: str, dtype: str) -> bool:

@@ -11,16 +11,17 @@ backward with the means:
 
 Four kernels, each one pass over N-sized tensors, so HBM traffic is the minimum the math allows:
 - ``_state_fwd_kernel``   reads k, v; writes per-split partial sums of S and z (split-N when B*H is small).
-- ``_output_fwd_kernel``  reads q and the split partials of S and z; writes o.
+- ``_output_fwd_kernel``  reads q; writes o (from the reduced S and z).
 - ``_query_bwd_kernel``   reads q, dO; recomputes den from the saved z and g = dO S^T / den (the gradient of the
   rotated features), takes dden = -(R phi(q) . g) / den without the numerator; writes dq and per-split
   partials of dS = (1/Nk) sum_i (R_i phi(q_i) / den_i)^T dO_i and dz = (1/Nk) sum_i dden_i phi(q_i).
 - ``_key_bwd_kernel``     reads k, v; writes dk = phi'(k) (R^T (v dS^T) + dz) and dv = (R phi(k)) dS.
 
-Per-split partial sums are added inside the kernel that consumes them (output forward: S, z; query backward: S, z,
-scaled by 1/Nk to the means; key backward: dS, dz, scaled by 1/Nk): no reduction or division is launched in torch.
-No dq is formed when the queries need no gradient (DQ_GRAD), and no key kernel runs when k, v and the frequencies
-need none.
+Per-split partial sums are added by one torch sum each, or taken as they are (a view) when there is one split
+(always when B*H fills the GPU). Summing them inside the consumers instead would make every token-block program of
+the output and key kernels read all the partials: at B1 H16 N65536 D64 (17 splits on an H100) 4-18x the HBM bytes
+of its own tile (BLOCK_N 256 to 64) from L2, against one small launch. The 1/Nk of the means is applied by the
+kernels as they load S, z and dS, dz; no division is launched.
 Fused: the feature map (identity, relu, elu+1) and its derivative, and RoPE (axial or mixed, shared
 or per head) from separable tables: cos and sin of fx * col per grid column and of fy * row per grid row, O((W + H)
 D) values built per call, combined per token by angle addition (no transcendental functions in the kernels). The
@@ -355,28 +356,11 @@ def _state_ptrs(S, Z, idx, offs_p, offs_e, D_HALF, DV):
 
 
 @triton.jit
-def _load_state(S, Z, idx, offs_p, offs_e, D_HALF, DV):
-    """Row halves s1, s2 of S and halves z1, z2 of z."""
+def _load_state(S, Z, idx, offs_p, offs_e, D_HALF, DV, scale):
+    """Row halves s1, s2 of S and halves z1, z2 of z, times ``scale`` (the 1/Nk that turns sums into means)."""
     s1, s2, z1, z2, mask_s, mask_z = _state_ptrs(S, Z, idx, offs_p, offs_e, D_HALF, DV)
-    return (tl.load(s1, mask=mask_s, other=0.0), tl.load(s2, mask=mask_s, other=0.0),
-            tl.load(z1, mask=mask_z, other=0.0), tl.load(z2, mask=mask_z, other=0.0))
-
-
-@triton.jit
-def _sum_state(S, Z, bh, parts, scale, offs_p, offs_e, D_HALF, DV, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """Halves of the sum of the ``parts`` per-split partials of batch-head ``bh`` (slots bh * parts + i of a
-    (B*H, parts, D, Dv) state and its z), times ``scale``: the reduction over the splits, in the consuming kernel."""
-    s1 = tl.zeros((BLOCK_P, BLOCK_DV), tl.float32)
-    s2 = tl.zeros_like(s1)
-    z1 = tl.zeros((BLOCK_P,), tl.float32)
-    z2 = tl.zeros_like(z1)
-    for i in range(parts):
-        t1, t2, u1, u2 = _load_state(S, Z, bh * parts + i, offs_p, offs_e, D_HALF, DV)
-        s1 += t1
-        s2 += t2
-        z1 += u1
-        z2 += u2
-    return s1 * scale, s2 * scale, z1 * scale, z2 * scale
+    return (tl.load(s1, mask=mask_s, other=0.0) * scale, tl.load(s2, mask=mask_s, other=0.0) * scale,
+            tl.load(z1, mask=mask_z, other=0.0) * scale, tl.load(z2, mask=mask_z, other=0.0) * scale)
 
 
 @triton.jit
@@ -416,19 +400,17 @@ def _state_fwd_kernel(K, V, TAB, S_PART, Z_PART, stride_kb, stride_kh, stride_kn
 
 
 @_kernel
-def _output_fwd_kernel(Q, S_PART, Z_PART, TAB, O, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh,
-                       stride_on, stride_od, stride_th, stride_ts, eps, H, BH, N, D_HALF, DV, parts, prefix, width,
-                       N_BUCKET,
+def _output_fwd_kernel(Q, S, Z, TAB, O, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on,
+                       stride_od, stride_th, stride_ts, eps, H, BH, N, D_HALF, DV, prefix, width, N_BUCKET,
                        FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
                        ROUND_BF16: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr,
                        BLOCK_N: tl.constexpr):
-    """Grid (token blocks, B*H): o = (R phi(q)) S / (phi(q) . z + eps) for one block of queries, S and z the sums
-    of the ``parts`` split partials of the state kernel; the rotated features enter the tensor cores in the input
-    dtype, S as its hi + lo split."""
+    """Grid (token blocks, B*H): o = (R phi(q)) S / (phi(q) . z + eps) for one block of queries; the rotated
+    features enter the tensor cores in the input dtype, S as its hi + lo split."""
     pid_n, bh, b, h, valid, offs_p, offs_e = _program(H, BH, BLOCK_P, BLOCK_DV)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_q, mask_o = _tile_masks(offs_n, N, offs_p, offs_e, D_HALF, DV)
-    s1, s2, z1, z2 = _sum_state(S_PART, Z_PART, bh, parts, 1.0, offs_p, offs_e, D_HALF, DV, BLOCK_P, BLOCK_DV)
+    s1, s2, z1, z2 = _load_state(S, Z, bh, offs_p, offs_e, D_HALF, DV, 1.0)
     hi1, lo1, hi2, lo2, inv = _split_state(s1, s2, DOT, ROUND_BF16, SPLIT)
     _, _, _, _, f1, f2, r1, r2 = _features(_head(Q, b, h, stride_qb, stride_qh), offs_n, N, offs_p, stride_qn,
                                            stride_qd, D_HALF, mask_q, TAB, h, stride_th, stride_ts, prefix, width,
@@ -442,20 +424,20 @@ def _output_fwd_kernel(Q, S_PART, Z_PART, TAB, O, stride_qb, stride_qh, stride_q
 
 
 @_kernel
-def _query_bwd_kernel(Q, DO, S_PART, Z_PART, TAB, DQ, DS_PART, DZ_PART, DF_PART, stride_qb, stride_qh, stride_qn,
-                      stride_qd, stride_ob, stride_oh, stride_on, stride_od, stride_th, stride_ts, eps, inv_n, H, BH,
-                      N, D_HALF, DV, parts, split_len, prefix, width, off_row, off_col, N_BUCKET, FEATURE: tl.constexpr,
+def _query_bwd_kernel(Q, DO, S, Z, TAB, DQ, DS_PART, DZ_PART, DF_PART, stride_qb, stride_qh, stride_qn, stride_qd,
+                      stride_ob, stride_oh, stride_on, stride_od, stride_th, stride_ts, eps, inv_n, H, BH, N,
+                      D_HALF, DV, split_len, prefix, width, off_row, off_col, N_BUCKET, FEATURE: tl.constexpr,
                       HAS_ROPE: tl.constexpr, FREQ_GRAD: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
                       ROUND_BF16: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr,
                       BLOCK_N: tl.constexpr, DQ_GRAD: tl.constexpr):
     """Grid (splits, B*H): dq for the queries of one split (only with DQ_GRAD) and partial sums of dS, dz
-    (without 1/Nk). S and z are the means: the ``parts`` split partials of the forward's sums times ``inv_n``.
+    (without 1/Nk). S and z are the forward's sums over the keys, made means by ``inv_n`` = 1/Nk on loading.
 
     With g = dO S^T / den the gradient of the rotated features, dden = -(dO . num) / den^2 = -(R phi(q) . g) / den:
     the numerator is not recomputed. dO enters the tensor cores as loaded, S as its hi + lo split, R phi(q) / den
     rounded to the input dtype."""
     pid_s, bh, b, h, valid, offs_p, offs_e = _program(H, BH, BLOCK_P, BLOCK_DV)
-    s1, s2, z1, z2 = _sum_state(S_PART, Z_PART, bh, parts, inv_n, offs_p, offs_e, D_HALF, DV, BLOCK_P, BLOCK_DV)
+    s1, s2, z1, z2 = _load_state(S, Z, bh, offs_p, offs_e, D_HALF, DV, inv_n)  # the means
     hi1, lo1, hi2, lo2, inv = _split_state(tl.trans(s1), tl.trans(s2), DOT, ROUND_BF16, SPLIT)
     q_base = _head(Q, b, h, stride_qb, stride_qh)
     do_base = _head(DO, b, h, stride_ob, stride_oh)
@@ -500,20 +482,19 @@ def _query_bwd_kernel(Q, DO, S_PART, Z_PART, TAB, DQ, DS_PART, DZ_PART, DF_PART,
 
 
 @_kernel
-def _key_bwd_kernel(K, V, DS_PART, DZ_PART, TAB, DK, DV_OUT, DF, stride_kb, stride_kh, stride_kn, stride_kd,
-                    stride_vb, stride_vh, stride_vn, stride_vd, stride_th, stride_ts, inv_n, H, BH, N, D_HALF, DV,
-                    parts, prefix, width,
+def _key_bwd_kernel(K, V, DS, DZ, TAB, DK, DV_OUT, DF, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
+                    stride_vh, stride_vn, stride_vd, stride_th, stride_ts, inv_n, H, BH, N, D_HALF, DV, prefix,
+                    width,
                     off_row, off_col, N_BUCKET, FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr,
                     FREQ_GRAD: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr, ROUND_BF16: tl.constexpr,
                     SPLIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid (token blocks, B*H): dk = phi'(k) (R^T (v dS^T) + dz), dv = (R phi(k)) dS; dS, dz are the sums of the
-    query kernel's ``parts`` split partials times ``inv_n`` (the 1/Nk of the mean).
+    """Grid (token blocks, B*H): dk = phi'(k) (R^T (v dS^T) + dz), dv = (R phi(k)) dS; dS, dz are the sums over the
+    query splits, times ``inv_n`` = 1/Nk on loading (the gradient of the mean S carries its 1/Nk).
     v enters the tensor cores as loaded, R phi(k) rounded to the input dtype, dS as its hi + lo split."""
     pid_n, bh, b, h, valid, offs_p, offs_e = _program(H, BH, BLOCK_P, BLOCK_DV)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_k, mask_v = _tile_masks(offs_n, N, offs_p, offs_e, D_HALF, DV)
-    ds1, ds2, dz1, dz2 = _sum_state(DS_PART, DZ_PART, bh, parts, inv_n, offs_p, offs_e, D_HALF, DV, BLOCK_P,
-                                    BLOCK_DV)
+    ds1, ds2, dz1, dz2 = _load_state(DS, DZ, bh, offs_p, offs_e, D_HALF, DV, inv_n)
     hi1, lo1, hi2, lo2, inv = _split_state(ds1, ds2, DOT, ROUND_BF16, SPLIT)
     v = _native(_load_tile(_head(V, b, h, stride_vb, stride_vh), offs_n, offs_e, stride_vn, stride_vd, mask_v),
                 ROUND_BF16)
@@ -549,7 +530,7 @@ _OFFERED.update({
     "_state_fwd_kernel": {32: ((64, 8, 3), (128, 8, 2)), 64: ((64, 8, 2), (64, 8, 3), (128, 8, 2)),
                           128: ((32, 8, 2), (64, 8, 2), (64, 8, 3))},
     "_output_fwd_kernel": {32: ((64, 4, 2), (128, 8, 2), (256, 8, 2)), 64: ((64, 8, 2), (128, 8, 2), (256, 8, 2)),
-                           128: ((64, 8, 2),)},
+                           128: ((64, 8, 2), (128, 8, 2))},
     "_query_bwd_kernel": {32: ((64, 4, 2), (64, 8, 2), (128, 8, 2)), 64: ((16, 8, 2), (64, 8, 2), (64, 8, 3)),
                           128: ((16, 8, 2),)},
     "_key_bwd_kernel": {32: ((64, 8, 2), (128, 8, 2), (256, 8, 2)), 64: ((64, 8, 2), (128, 8, 2)),
@@ -646,6 +627,11 @@ def _run(name: str, d: int, dv: int, grid, *args, **meta) -> None:
         _tuned(name, d, dv)[grid](*args, **meta)
 
 
+def _reduce(part: Tensor) -> Tensor:
+    """The sum of per-split partials (slots, splits, ...) over the splits: a view, no launch, for one split."""
+    return part[:, 0] if part.shape[1] == 1 else part.sum(dim=1)
+
+
 def _forward(q: Tensor, k: Tensor, v: Tensor, feature_map: str, freqs_x: Optional[Tensor],
              freqs_y: Optional[Tensor], rope_ints: List[int], rope_offsets: List[float], eps: float,
              split_tokens: int) -> Tuple[Tensor, Tensor, Tensor]:
@@ -659,12 +645,14 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, feature_map: str, freqs_x: Optiona
     z_part = torch.empty(b * h, n_splits, d, device=q.device, dtype=torch.float32)
     _run("_state_fwd_kernel", d, dv, _grid(n_splits, b * h), k, v, tab, s_part, z_part, *k.stride(), *v.stride(),
          stride_th, stride_ts, h, b * h, nk, d // 2, dv, split, prefix, width, triton.next_power_of_2(nk), **meta)
+    s = _reduce(s_part).view(b, h, d, dv)  # sums over the keys; the 1/Nk of the mean goes onto eps
+    z = _reduce(z_part).view(b, h, d)
     o = torch.empty(b, nq, h, dv, device=q.device, dtype=q.dtype).transpose(1, 2)  # token-major memory
-    if nq > 0:  # the output kernel adds the split partials (sums over the keys; the 1/Nk of the mean goes onto eps)
-        _run("_output_fwd_kernel", d, dv, _grid(lambda cfg: triton.cdiv(nq, cfg["BLOCK_N"]), b * h), q, s_part,
-             z_part, tab, o, *q.stride(), *o.stride(), stride_th, stride_ts, eps * nk, h, b * h, nq, d // 2, dv,
-             n_splits, prefix, width, triton.next_power_of_2(nq), **meta)
-    return o, s_part.view(b, h, n_splits, d, dv), z_part.view(b, h, n_splits, d)
+    if nq > 0:
+        _run("_output_fwd_kernel", d, dv, _grid(lambda cfg: triton.cdiv(nq, cfg["BLOCK_N"]), b * h), q, s, z, tab, o,
+             *q.stride(), *o.stride(), stride_th, stride_ts, eps * nk, h, b * h, nq, d // 2, dv, prefix, width,
+             triton.next_power_of_2(nq), **meta)
+    return o, s, z
 
 
 def _backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor, feature_map: str,
@@ -691,21 +679,20 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor,
     dz_part = torch.empty(b * h, n_splits, d, device=q.device, dtype=torch.float32)
     df_part = torch.empty(b * h, n_splits, 2, p if freq_grad else 0, device=q.device, dtype=torch.float32)
     off_row, off_col = (float(x) for x in rope_offsets)
-    # the backward runs on the means (the kernels add the split partials and scale by 1/Nk): R phi(q) / den,
-    # rounded to 16 bits for the dS product, stays a normal fp16 number there (with sums, den grows with Nk and the
-    # operand would sink into fp16's subnormals)
+    # the backward runs on the means (the kernels scale the sums by 1/Nk as they load them, no division is
+    # launched): R phi(q) / den, rounded to 16 bits for the dS product, stays a normal fp16 number there (with
+    # sums, den grows with Nk and the operand would sink into fp16's subnormals)
     inv_n = 1.0 / max(nk, 1)
     _run("_query_bwd_kernel", d, dv, _grid(n_splits, b * h), q, do, s, z, tab, dq, ds_part, dz_part, df_part,
-         *q.stride(), *do.stride(), stride_th, stride_ts, eps, inv_n, h, b * h, nq, d // 2, dv, s.shape[2], split,
-         prefix, width,
+         *q.stride(), *do.stride(), stride_th, stride_ts, eps, inv_n, h, b * h, nq, d // 2, dv, split, prefix, width,
          off_row, off_col, triton.next_power_of_2(nq), **meta, DQ_GRAD=q_grad)
     if not (kv_grad or freq_grad):
         return dq, k.new_empty(0), v.new_empty(0), *_freq_grads(df, freqs_x, h)
+    ds, dz = _reduce(ds_part), _reduce(dz_part)  # (B*H, D, Dv) sums; the key kernel applies the 1/Nk
     dk = torch.empty(b, h, nk, d, device=q.device, dtype=k.dtype)
     dv_out = torch.empty(b, h, nk, dv, device=q.device, dtype=v.dtype)
-    _run("_key_bwd_kernel", d, dv, _grid(lambda cfg: triton.cdiv(nk, cfg["BLOCK_N"]), b * h), k, v, ds_part, dz_part,
-         tab, dk, dv_out, df, *k.stride(), *v.stride(), stride_th, stride_ts, inv_n, h, b * h, nk, d // 2, dv,
-         n_splits, prefix, width,
+    _run("_key_bwd_kernel", d, dv, _grid(lambda cfg: triton.cdiv(nk, cfg["BLOCK_N"]), b * h), k, v, ds, dz, tab, dk,
+         dv_out, df, *k.stride(), *v.stride(), stride_th, stride_ts, inv_n, h, b * h, nk, d // 2, dv, prefix, width,
          off_row, off_col, triton.next_power_of_2(nk), **meta)
     if freq_grad:
         df += df_part.sum(dim=1)
@@ -730,9 +717,8 @@ def _linear_attention_fwd_op(
     q: Tensor, k: Tensor, v: Tensor, feature_map: str, freqs_x: Optional[Tensor], freqs_y: Optional[Tensor],
     rope_ints: List[int], rope_offsets: List[float], eps: float, split_tokens: int,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """(o (B, H, Nq, Dv) in q's dtype, S (B, H, splits, D, Dv) fp32, z (B, H, splits, D) fp32); S and z are the
-    per-split partial sums over the keys, added by the kernels that read them (o = (R phi(q)) S / (phi(q) . z +
-    Nk eps), the mean form with the 1/Nk moved onto eps: no reduction or division launched).
+    """(o (B, H, Nq, Dv) in q's dtype, S (B, H, D, Dv) fp32, z (B, H, D) fp32); S and z are the sums over the keys
+    (o = (R phi(q)) S / (phi(q) . z + Nk eps), the mean form with the 1/Nk moved onto eps: no division launched).
     o is a view of token-major (B, Nq, H, Dv) memory, so merging its heads back into channels copies nothing."""
     return _forward(q, k, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens)
 
@@ -740,12 +726,11 @@ def _linear_attention_fwd_op(
 @_linear_attention_fwd_op.register_fake
 def _(q, k, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens):
     b, h, nq, d = q.shape
-    nk, dv = k.shape[2], v.shape[-1]
-    splits = triton.cdiv(nk, _split_len(nk, b * h, q.device, split_tokens))
+    dv = v.shape[-1]
     return (
         q.new_empty(b, nq, h, dv).transpose(1, 2),
-        q.new_empty(b, h, splits, d, dv, dtype=torch.float32),
-        q.new_empty(b, h, splits, d, dtype=torch.float32),
+        q.new_empty(b, h, d, dv, dtype=torch.float32),
+        q.new_empty(b, h, d, dtype=torch.float32),
     )
 
 

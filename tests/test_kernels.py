@@ -714,4 +714,8 @@ def test_kernels_compile_for_hopper(args):
     rows = [line for line in result.stdout.splitlines() if line.rstrip().endswith(" ok")]
     kernels = args[args.index("--kernel") + 1:] if "--kernel" in args else kernel_module.KERNEL_NAMES
     d = int(args[1])
-    assert len(rows) == sum(len(kernel_module.offered_configs(k, d)) for k in kernels)
+    from linvision.tools.check_kernels import _grad_variants
+
+    # the query backward also without dq (queries that need no gradient)
+    assert len(rows) == sum(len(kernel_module.offered_configs(k, d)) * len(_grad_variants(k)) for k in kernels)
+    assert any(" (no dq) " in row for row in rows) == ("_query_bwd_kernel" in kernels)

@@ -1,7 +1,8 @@
 """Compile the fused linear-attention kernels for an H100 (sm_90) without a GPU and print what the GPU would see.
 
 For every kernel x head dim D = Dv x dtype x RoPE (off, on, and "learn": the backward kernels with the gradient of
-learnable frequencies) x autotune configuration: registers per thread and
+learnable frequencies) x autotune configuration, and the query backward also in its variant without dq (queries
+that need no gradient): registers per thread and
 spill bytes (Triton's bundled ``ptxas -v --gpu-name sm_90a`` on the PTX), shared memory (the compiled
 kernel's metadata; an H100 block may use 227 KB) and whether the token loop is pipelined (asynchronous copies
 or TMA in the TTGIR; kernels that handle one token block per program have no loop). A configuration passes
@@ -44,6 +45,12 @@ class CompileResult:
     shared_bytes: int
     has_loop: bool
     pipelined: bool
+    variant: str = ""  # "no dq": the query backward without dq
+
+    @property
+    def name(self) -> str:
+        short = self.kernel.strip("_").replace("_kernel", "")
+        return f"{short} ({self.variant})" if self.variant else short
 
     @property
     def ok(self) -> bool:
@@ -115,14 +122,24 @@ def compile_kernel(kernel: str, d: int, dtype: str, rope: str, config: Sequence[
     fn = m.kernel_function(kernel)
     consts = dict(m.kernel_constexprs(dtype, d, d, feature, rope != "off", freq_grad=rope == "learn",
                                        dq_grad=dq_grad), BLOCK_N=block_n)
-    consts = {name: value for name, value in consts.items() if name in fn.arg_names}  # FREQ_GRAD, DQ_GRAD: backward
+    consts = {name: value for name, value in consts.items() if name in fn.arg_names}  # FREQ_GRAD etc.: backward
     sig, consts, attrs = _signature(fn, dtype, consts)
     compiled = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps, "num_stages": stages})
     regs, spills = _ptxas_usage(compiled.asm["ptx"])
     ttgir = compiled.asm["ttgir"]
+    variant = "no dq" if "DQ_GRAD" in fn.arg_names and not dq_grad else ""
     return CompileResult(kernel, d, dtype, rope, block_n, warps, stages, regs, spills, compiled.metadata.shared,
-                         has_loop="split_len" in fn.arg_names, pipelined=_token_loads_pipelined(ttgir, dtype))
+                         has_loop="split_len" in fn.arg_names, pipelined=_token_loads_pipelined(ttgir, dtype),
+                         variant=variant)
+
+
+def _grad_variants(kernel: str) -> List[dict]:
+    """The gradient variants a kernel is launched in: the query backward with and without dq; one for the
+    other kernels."""
+    from linvision.kernels import linear_attention as m
+
+    return [{}, {"dq_grad": False}] if "DQ_GRAD" in m.kernel_function(kernel).arg_names else [{}]
 
 
 def _token_loads_pipelined(ttgir: str, dtype: str) -> bool:
@@ -149,8 +166,8 @@ def check(kernels: Iterable[str], dims: Iterable[int], dtypes: Iterable[str], ro
         if rope == "learn" and "FREQ_GRAD" not in m.kernel_function(kernel).arg_names:
             continue  # the forward kernels compile the same with learnable frequencies
         configs = m.CANDIDATE_CONFIGS if candidates else m.offered_configs(kernel, d)
-        for config in configs:
-            result = compile_kernel(kernel, d, dtype, rope, config)
+        for config, grads in itertools.product(configs, _grad_variants(kernel)):
+            result = compile_kernel(kernel, d, dtype, rope, config, **grads)
             results.append(result)
             if echo is not None:
                 echo(result)
@@ -158,17 +175,17 @@ def check(kernels: Iterable[str], dims: Iterable[int], dtypes: Iterable[str], ro
 
 
 def _row(r: CompileResult, markdown: bool) -> str:
-    cells = [r.kernel.strip("_").replace("_kernel", ""), str(r.d), r.dtype, r.rope,
+    cells = [r.name, str(r.d), r.dtype, r.rope,
              f"{r.block_n}/{r.num_warps}/{r.num_stages}", str(r.registers), str(r.spill_bytes),
              f"{r.shared_bytes / 1024:.0f}", ("yes" if r.pipelined else "no") if r.has_loop else "no loop",
              "ok" if r.ok else "FAIL"]
     if markdown:
         return "| " + " | ".join(cells) + " |"
-    widths = (12, 4, 9, 5, 10, 5, 7, 7, 9, 5)
-    return " ".join(c.rjust(w) for c, w in zip(cells, widths))
+    return " ".join(c.rjust(w) for c, w in zip(cells, WIDTHS))
 
 
 HEADER = ["kernel", "D", "dtype", "rope", "BN/w/st", "regs", "spill B", "smem KB", "pipelined", ""]
+WIDTHS = (17, 4, 9, 5, 10, 5, 7, 7, 9, 5)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None):
@@ -194,7 +211,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("| " + " | ".join(HEADER[:-1] + ["result"]) + " |")
         print("|" + "---|" * len(HEADER))
     else:
-        print(" ".join(c.rjust(w) for c, w in zip(HEADER, (12, 4, 9, 5, 10, 5, 7, 7, 9, 5))))
+        print(" ".join(c.rjust(w) for c, w in zip(HEADER, WIDTHS)))
     results = check(args.kernel, args.d, args.dtype, args.rope, args.candidates,
                     echo=lambda r: print(_row(r, args.markdown), flush=True))
     failed = [r for r in results if not r.ok]

@@ -301,20 +301,43 @@ def test_random_kills_lose_nothing(data, tmp_path, kills):
     exactly once with the uninterrupted run's loss (augmentation on: its RNG state is part of the checkpoint)."""
     import random
 
+    def start(*args):
+        return subprocess.Popen([PY, os.path.join(ROOT, "tools", "train.py"), *args], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def records(run_dir):  # metrics lines written so far (a line cut by a kill counts)
+        path = run_dir / "metrics.jsonl"
+        return len(path.read_bytes().splitlines()) if path.exists() else 0
+
     rng = random.Random(0)
     flags = tiny_train_flags(data, str(tmp_path), "--epochs", "8", "--log-interval", "1")
-    run_tool("train.py", *flags, "--experiment", "ref")
+    # the uninterrupted run, and its start-up time (until its first metrics line)
+    t0, t_startup = time.monotonic(), None
+    proc = start(*flags, "--experiment", "ref")
+    while proc.poll() is None:
+        if t_startup is None and records(tmp_path / "ref"):
+            t_startup = time.monotonic() - t0
+        time.sleep(0.01)
+    _, err = proc.communicate()
+    assert proc.returncode == 0 and t_startup is not None, err
+    total = records(tmp_path / "ref")
     run = tmp_path / "k"
     killed = 0
     while True:
         if (run / "last" / "train_state.pt").exists():
-            cmd = ["--resume", str(run)]
+            proc = start("--resume", str(run))
         else:
-            cmd = [*flags, "--experiment", "k", "--overwrite"]
-        proc = subprocess.Popen([PY, os.path.join(ROOT, "tools", "train.py"), *cmd], cwd=ROOT,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            proc = start(*flags, "--experiment", "k", "--overwrite")
         if killed < kills:
-            time.sleep(rng.uniform(2.0, 8.0))
+            before = records(run)
+            if before >= total - 1 or rng.random() < 0.3:  # during start-up (imports, resume)
+                time.sleep(rng.uniform(0.3, 0.9) * t_startup)
+            else:  # a moment after a random one of the records still to come: in a step, evaluation or checkpoint
+                # (a resume first drops records past its checkpoint); kills spread over the whole run
+                target = rng.randint(before + 1, min(total - 1, before + max(2, total // kills)))
+                while proc.poll() is None and records(run) < target:
+                    time.sleep(0.005)
+                time.sleep(rng.uniform(0.0, 0.03))
             if proc.poll() is None:
                 proc.kill()
                 killed += 1

@@ -45,12 +45,12 @@ class CompileResult:
     shared_bytes: int
     has_loop: bool
     pipelined: bool
-    variant: str = ""  # "no dq": the query backward without dq
+    dq_grad: bool = True  # False: the query backward without dq
 
     @property
     def name(self) -> str:
         short = self.kernel.strip("_").replace("_kernel", "")
-        return f"{short} ({self.variant})" if self.variant else short
+        return short if self.dq_grad else f"{short} (no dq)"
 
     @property
     def ok(self) -> bool:
@@ -128,10 +128,9 @@ def compile_kernel(kernel: str, d: int, dtype: str, rope: str, config: Sequence[
                               options={"num_warps": warps, "num_stages": stages})
     regs, spills = _ptxas_usage(compiled.asm["ptx"])
     ttgir = compiled.asm["ttgir"]
-    variant = "no dq" if "DQ_GRAD" in fn.arg_names and not dq_grad else ""
     return CompileResult(kernel, d, dtype, rope, block_n, warps, stages, regs, spills, compiled.metadata.shared,
                          has_loop="split_len" in fn.arg_names, pipelined=_token_loads_pipelined(ttgir, dtype),
-                         variant=variant)
+                         dq_grad=dq_grad or "DQ_GRAD" not in fn.arg_names)
 
 
 def _grad_variants(kernel: str) -> List[dict]:

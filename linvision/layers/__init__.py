@@ -13,6 +13,7 @@ from .mixers import (
     AttentionMixer,
     CausalLinearAttention,
     GatedConvMixer,
+    MllaMixer,
     HybridAttention,
     LinearAttention,
     LinearRopeAttention,
@@ -20,4 +21,4 @@ from .mixers import (
 )
 from . import recurrent  # registers the bidirectional recurrent mixers
 from . import variant_mixers  # registers pola, inline, rala, mala, agent
-from .block import ConvPosEnc, MixerBlock
+from .block import ConvPosEnc, DwConvMlp, MixerBlock

@@ -1,23 +1,27 @@
-"""The pre-norm block both model families are built from, on channels-last tokens (B, H, W, C):
+"""The pre-norm block every model family is built from, on channels-last tokens (B, H, W, C):
 
-    x = x + cpe1(x)                              (with ``cpe=True``) 3x3 depthwise conv, conditional position encoding
-    x = x + drop_path(mixer(norm1(x), (H, W)))   any registered token mixer, or a mixer class
-    x = x + cpe2(x)                              (with ``cpe=True``)
-    x = x + drop_path(mlp(norm2(x)))
+    x = x + cpe1(x)                                     (with ``cpe``) 3x3 depthwise conv, conditional position encoding
+    x = x + drop_path(ls1 * mixer(norm1(x), (H, W)))    any registered token mixer, or a mixer class
+    x = x + cpe2(x)                                     (with ``cpe=True``, not with ``cpe="first"``)
+    x = x + drop_path(ls2 * mlp(norm2(x)))
 
-Without CPE it is the ViT/DeiT block; with CPE it is the block of MLLA (Han et al. 2024, arXiv:2405.16605),
-whose CPE follows CPVT (Chu et al. 2021, arXiv:2102.10882).
+ls1, ls2: per-channel layer scale (with ``layer_scale_init``), else 1. Without CPE it is the ViT/DeiT block; with
+CPE it is the block of MLLA (Han et al. 2024, arXiv:2405.16605), whose CPE follows CPVT (Chu et al. 2021,
+arXiv:2102.10882); with CPE before the mixer only, layer scale and :class:`DwConvMlp` it is RAVLT's block (Fan et
+al. 2025, arXiv:2411.07635).
 """
 from __future__ import annotations
 
 from typing import Dict, Optional, Type, Union
 
-from timm.layers import DropPath, LayerNorm, Mlp
+from timm.layers import DropPath, LayerNorm, LayerScale, Mlp
 from torch import Tensor, nn
 
 from .registry import create_mixer
 
-__all__ = ["ConvPosEnc", "MixerBlock"]
+__all__ = ["ConvPosEnc", "DwConvMlp", "MixerBlock"]
+
+CPE_MODES = (False, True, "first")
 
 
 class ConvPosEnc(nn.Module):
@@ -31,6 +35,25 @@ class ConvPosEnc(nn.Module):
         return x + self.proj(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
 
 
+class DwConvMlp(nn.Module):
+    """MLP with a residual 3x3 depthwise conv on its hidden activations, on channels-last x (B, H, W, C):
+    h = act(fc1(x)); h = h + dwconv(h); fc2(h) (RAVLT's feed-forward network). Arguments as timm's ``Mlp``."""
+
+    def __init__(self, in_features: int, hidden_features: int, act_layer: Type[nn.Module] = nn.GELU,
+                 drop: float = 0.0):
+        super().__init__()
+        self.fc1 = nn.Linear(in_features, hidden_features)
+        self.act = act_layer()
+        self.dwconv = nn.Conv2d(hidden_features, hidden_features, 3, padding=1, groups=hidden_features)
+        self.fc2 = nn.Linear(hidden_features, in_features)
+        self.drop = nn.Dropout(drop)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.act(self.fc1(x))
+        h = h + self.dwconv(h.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+        return self.drop(self.fc2(self.drop(h)))
+
+
 class MixerBlock(nn.Module):
     """Pre-norm token mixer and MLP residuals on channels-last x (B, H, W, C), optionally with CPE.
 
@@ -41,28 +64,39 @@ class MixerBlock(nn.Module):
         mlp_ratio: MLP hidden size / dim.
         drop_path: stochastic-depth rate of both residual branches.
         proj_drop: dropout inside the MLP.
-        cpe: a 3x3 depthwise-conv position encoding before the mixer and before the MLP.
+        cpe: a 3x3 depthwise-conv position encoding before the mixer and before the MLP (True), before the mixer
+            only ("first"), or none (False).
+        layer_scale_init: initial value of a learnable per-channel scale on both branches (None: no scale).
+        mlp_layer: the MLP class, built as ``mlp_layer(dim, hidden, act_layer=..., drop=...)`` (timm's ``Mlp``).
+    Raises ValueError for another ``cpe``.
     """
 
     def __init__(
         self, dim: int, num_heads: int, token_mixer: Union[str, Type[nn.Module]] = "linear",
         mixer_kwargs: Optional[Dict] = None, mlp_ratio: float = 4.0, drop_path: float = 0.0,
-        proj_drop: float = 0.0, cpe: bool = False, norm_layer: Type[nn.Module] = LayerNorm,
-        act_layer: Type[nn.Module] = nn.GELU,
+        proj_drop: float = 0.0, cpe: Union[bool, str] = False, norm_layer: Type[nn.Module] = LayerNorm,
+        act_layer: Type[nn.Module] = nn.GELU, layer_scale_init: Optional[float] = None,
+        mlp_layer: Type[nn.Module] = Mlp,
     ):
         super().__init__()
+        if cpe not in CPE_MODES:
+            raise ValueError(f"cpe: unknown {cpe!r}; allowed: {CPE_MODES}")
+        scale = (lambda: LayerScale(dim, layer_scale_init)) if layer_scale_init is not None else nn.Identity
         self.cpe1 = ConvPosEnc(dim) if cpe else nn.Identity()
         self.norm1 = norm_layer(dim)
         self.mixer = create_mixer(token_mixer, dim, num_heads, **(mixer_kwargs or {}))
+        self.ls1 = scale()
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-        self.cpe2 = ConvPosEnc(dim) if cpe else nn.Identity()
+        self.cpe2 = ConvPosEnc(dim) if cpe is True else nn.Identity()
         self.norm2 = norm_layer(dim)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop)
+        self.mlp = mlp_layer(dim, int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop)
+        self.ls2 = scale()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def forward(self, x: Tensor) -> Tensor:
         b, h, w, c = x.shape
         x = self.cpe1(x)
-        x = x + self.drop_path1(self.mixer(self.norm1(x).reshape(b, h * w, c), (h, w)).reshape(b, h, w, c))
+        mixed = self.mixer(self.norm1(x).reshape(b, h * w, c), (h, w)).reshape(b, h, w, c)
+        x = x + self.drop_path1(self.ls1(mixed))
         x = self.cpe2(x)
-        return x + self.drop_path2(self.mlp(self.norm2(x)))
+        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))

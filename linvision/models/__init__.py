@@ -1,4 +1,6 @@
 """timm-registered model families; importing this package registers them with ``timm.create_model``."""
-from . import linhier, linvit
+from . import linhier, linvit, mlla, ravlt
 from .linhier import LinHier
 from .linvit import LinViT
+from .mlla import Mlla
+from .ravlt import Ravlt

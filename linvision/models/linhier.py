@@ -19,13 +19,14 @@ No parameter depends on the input resolution: the models run at any size that is
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, Union
+from functools import partial
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 from torch import Tensor, nn
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import ClNormMlpClassifierHead, LayerNorm
+from timm.layers import ClassifierHead, ClNormMlpClassifierHead, LayerNorm
 from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
@@ -77,18 +78,19 @@ class Downsample(nn.Module):
 
 
 class HierStage(nn.Module):
-    """Optional downsample, then ``depth`` blocks with one token mixer."""
+    """Optional downsample (``downsample``: a module or None), then ``depth`` blocks with one token mixer
+    (``block_kwargs``: further :class:`MixerBlock` options)."""
 
     def __init__(
-        self, in_dim: int, dim: int, depth: int, num_heads: int, token_mixer: MixerSpec, mixer_kwargs: Optional[Dict],
-        downsample: bool, mlp_ratio: float, drop_path: Sequence[float], norm_layer: Type[nn.Module],
-        act_layer: Type[nn.Module],
+        self, dim: int, depth: int, num_heads: int, token_mixer: MixerSpec, mixer_kwargs: Optional[Dict],
+        downsample: Optional[nn.Module], mlp_ratio: float, drop_path: Sequence[float], norm_layer: Type[nn.Module],
+        act_layer: Type[nn.Module], block_kwargs: Dict[str, Any],
     ):
         super().__init__()
-        self.downsample = Downsample(in_dim, dim, norm_layer) if downsample else nn.Identity()
+        self.downsample = downsample if downsample is not None else nn.Identity()
         self.blocks = nn.Sequential(*[
-            MixerBlock(dim, num_heads, token_mixer, mixer_kwargs, mlp_ratio, drop_path[i], cpe=True,
-                       norm_layer=norm_layer, act_layer=act_layer)
+            MixerBlock(dim, num_heads, token_mixer, mixer_kwargs, mlp_ratio, drop_path[i], norm_layer=norm_layer,
+                       act_layer=act_layer, **block_kwargs)
             for i in range(depth)
         ])
         self.grad_checkpointing = False
@@ -111,6 +113,14 @@ class LinHier(nn.Module):
         mixer_kwargs: options for the mixers (default: gate=True); each mixer receives the options it has.
         mlp_ratio: MLP hidden size / dim.
         img_size: nominal input size (recorded; nothing depends on it).
+        stem_layer, downsample_layer: built as ``stem_layer(in_chans, dims[0])`` and ``downsample_layer(in_dim,
+            dim)`` (default: :class:`Stem`, :class:`Downsample` with ``norm_layer`` and ``act_layer``); both map to
+            and from channels-last tensors.
+        block_kwargs: further options of every :class:`MixerBlock` (default: ``cpe=True``).
+        layer_scale_init: initial layer scale of the blocks, one value or one per stage (None: no layer scale).
+        final_layer: built as ``final_layer(dims[-1])`` after the last stage, on channels-last features (a norm
+            before pooling, or a conv head whose ``out_chs`` becomes ``num_features``); the head is then pooling and
+            a linear classifier. None (default): the head normalises after pooling.
     Raises ValueError for inconsistent stage lists or unknown mixers.
     """
 
@@ -130,11 +140,23 @@ class LinHier(nn.Module):
         img_size: Union[int, Tuple[int, int]] = 224,
         norm_layer: Type[nn.Module] = LayerNorm,
         act_layer: Type[nn.Module] = nn.GELU,
+        stem_layer: Optional[Callable[[int, int], nn.Module]] = None,
+        downsample_layer: Optional[Callable[[int, int], nn.Module]] = None,
+        block_kwargs: Optional[Dict[str, Any]] = None,
+        layer_scale_init: Union[None, float, Sequence[Optional[float]]] = None,
+        final_layer: Optional[Callable[[int], nn.Module]] = None,
     ):
         super().__init__()
         depths, dims, num_heads = tuple(depths), tuple(dims), tuple(num_heads)
         if not len(depths) == len(dims) == len(num_heads):
             raise ValueError(f"depths, dims, num_heads: lengths differ ({len(depths)}, {len(dims)}, {len(num_heads)})")
+        if layer_scale_init is None or isinstance(layer_scale_init, (int, float)):
+            layer_scale_init = (layer_scale_init,) * len(depths)
+        if len(layer_scale_init) != len(depths):
+            raise ValueError(f"layer_scale_init: {len(layer_scale_init)} values for {len(depths)} stages")
+        stem_layer = stem_layer or partial(Stem, norm_layer=norm_layer, act_layer=act_layer)
+        downsample_layer = downsample_layer or partial(Downsample, norm_layer=norm_layer)
+        block_kwargs = dict(dict(cpe=True), **(block_kwargs or {}))
         self.token_mixers = parse_mixer_list(token_mixers, len(depths))
         self.num_classes = num_classes
         self.in_chans = in_chans
@@ -143,7 +165,7 @@ class LinHier(nn.Module):
         self.output_fmt = "NHWC"
         shared = dict(_DEFAULT_MIXER_KWARGS, **(mixer_kwargs or {}))
 
-        self.stem = Stem(in_chans, dims[0], norm_layer, act_layer)
+        self.stem = stem_layer(in_chans, dims[0])
         rates = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
         self.stages = nn.Sequential()
         self.feature_info = []
@@ -152,16 +174,24 @@ class LinHier(nn.Module):
             stride *= 2 if i > 0 else 1
             options = {k: v for k, v in shared.items() if k in mixer_options(mixer)}
             self.stages.append(HierStage(
-                in_dim, dim, depth, heads, mixer, options, i > 0, mlp_ratio, rates[start:start + depth],
-                norm_layer, act_layer,
+                dim, depth, heads, mixer, options, downsample_layer(in_dim, dim) if i > 0 else None, mlp_ratio,
+                rates[start:start + depth], norm_layer, act_layer,
+                dict(block_kwargs, layer_scale_init=layer_scale_init[i]),
             ))
             self.feature_info.append(dict(num_chs=dim, reduction=stride, module=f"stages.{i}"))
             in_dim, start = dim, start + depth
-        self.num_features = dims[-1]
-        self.head = ClNormMlpClassifierHead(
-            self.num_features, num_classes, pool_type=global_pool, drop_rate=drop_rate, norm_layer=norm_layer,
-            input_fmt="NHWC",
-        )
+        if final_layer is None:
+            self.final = nn.Identity()
+            self.num_features = dims[-1]
+            self.head = ClNormMlpClassifierHead(
+                self.num_features, num_classes, pool_type=global_pool, drop_rate=drop_rate, norm_layer=norm_layer,
+                input_fmt="NHWC",
+            )
+        else:
+            self.final = final_layer(dims[-1])
+            self.num_features = getattr(self.final, "out_chs", dims[-1])
+            self.head = ClassifierHead(self.num_features, num_classes, pool_type=global_pool, drop_rate=drop_rate,
+                                       input_fmt="NHWC")
         self.head_hidden_size = self.head.num_features
         self.apply(init_linear_weights)
 
@@ -205,7 +235,8 @@ class LinHier(nn.Module):
         intermediates_only: bool = False,
     ) -> Union[List[Tensor], Tuple[Tensor, List[Tensor]]]:
         """Stage outputs. indices: last n stages (int), all (None) or the listed ones; ``norm`` has no effect
-        (stage outputs carry no norm of their own). output_fmt: 'NCHW' or 'NHWC'.
+        (stage outputs carry no norm of their own; the final features returned beside them pass through the
+        final layer, as :meth:`forward_features`'s do). output_fmt: 'NCHW' or 'NHWC'.
         Returns intermediates, or (final features, intermediates). Raises ValueError for another output_fmt."""
         if output_fmt not in ("NCHW", "NHWC"):
             raise ValueError(f"output_fmt: {output_fmt!r}; allowed: 'NCHW', 'NHWC'")
@@ -219,7 +250,7 @@ class LinHier(nn.Module):
                 intermediates.append(_to_nchw(x).contiguous() if output_fmt == "NCHW" else x)
         if intermediates_only:
             return intermediates
-        return x, intermediates
+        return self.final(x), intermediates
 
     def prune_intermediate_layers(
         self, indices: Union[int, List[int]] = 1, prune_norm: bool = False, prune_head: bool = True,
@@ -229,14 +260,15 @@ class LinHier(nn.Module):
         prune_end = max_index < len(self.stages) - 1
         self.stages = self.stages[: max_index + 1]
         if prune_end:
+            self.final = nn.Identity()
             self.num_features = self.head_hidden_size = self.feature_info[max_index]["num_chs"]
         if prune_head or prune_end:
             self.reset_classifier(0, "", reset_other=True)
         return take_indices
 
     def forward_features(self, x: Tensor) -> Tensor:
-        """(B, in_chans, H, W) -> (B, H/32, W/32, C) channels-last."""
-        return self.stages(self.stem(x))
+        """(B, in_chans, H, W) -> (B, H/32, W/32, num_features) channels-last."""
+        return self.final(self.stages(self.stem(x)))
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         return self.head(x, pre_logits=pre_logits)

@@ -27,6 +27,7 @@ from .rope import (
     check_grid,
     check_rope,
     grid_positions,
+    halves_from_interleaved,
     mixed_rope_freqs,
     rope_1d,
     rotate_pairs,

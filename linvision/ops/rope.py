@@ -8,7 +8,8 @@ head h at grid position (row, col) is rotated by the angle ``freqs_x[h, t] * col
 - 2D mixed RoPE (same paper): every pair of every head has its own learnable (fx, fy); axial is the special
   case where one of the two is zero for each pair.
 
-Channel pairs are split in halves: pair t is (x[..., t], x[..., t + D/2]). Prefix tokens (e.g. a class
+Channel pairs are split in halves: pair t is (x[..., t], x[..., t + D/2]) (the interleaved pairs of published
+models map onto these by a reordering of channels, :func:`halves_from_interleaved`). Prefix tokens (e.g. a class
 token) are not rotated. Angles and tables are fp32 whatever the input dtype, and are computed for the grid
 given at call time (any H x W, never a fixed square).
 
@@ -34,6 +35,7 @@ __all__ = [
     "mixed_rope_freqs",
     "apply_rope",
     "rotate_pairs",
+    "halves_from_interleaved",
     "check_rope",
     "check_grid",
 ]
@@ -97,6 +99,18 @@ def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
+def halves_from_interleaved(head_dim: int, num_heads: int = 1) -> Tensor:
+    """Channel order that turns interleaved pairs (2t, 2t + 1) into this module's pairs (t, t + D/2), per head:
+    ``x[..., order]`` of a (..., num_heads * head_dim) tensor whose heads are consecutive. Features of q and k
+    reordered this way (the same for both, so every dot product is unchanged) are rotated here as the published
+    interleaved convention rotates the originals; checkpoints of such models are converted by reordering the rows
+    of the q and k projections."""
+    if head_dim % 2:
+        raise ValueError(f"head_dim: pairs need an even head dim, got {head_dim}")
+    within = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+    return (torch.arange(num_heads)[:, None] * head_dim + within).flatten()
+
+
 def apply_rope(x: Tensor, rope: Rope) -> Tensor:
     """Rotate x of shape (B, heads, N, D) by ``rope``; computed in fp32, returned in fp32 (or float64)."""
     check_rope(rope, x.shape[-1], x.shape[-2], x.shape[1])
@@ -105,17 +119,36 @@ def apply_rope(x: Tensor, rope: Rope) -> Tensor:
     return rotate_pairs(x.to(cdt), cos, sin)
 
 
-def _rope_magnitudes(dim: int, theta: float) -> Tensor:
+def _rope_magnitudes(dim: int, theta: float, endpoint: bool = False) -> Tensor:
+    """The dim/4 frequencies of one axis: theta^(-i / (dim/4)), i < dim/4 (RoPE-ViT, MLLA), or with ``endpoint``
+    theta^(-linspace(0, 1, dim/4)) (RAVLT: the last one is exactly 1/theta)."""
     if dim % 4 != 0:
         raise ValueError(f"dim: 2D RoPE needs a head dim divisible by 4, got {dim}")
+    if endpoint:
+        return 1.0 / theta ** torch.linspace(0, 1, dim // 4, dtype=torch.float32)
     return 1.0 / theta ** (torch.arange(0, dim, 4, dtype=torch.float32) / dim)  # (dim/4,)
 
 
-def axial_rope_freqs(dim: int, theta: float = 100.0) -> Tuple[Tensor, Tensor]:
-    """Axial frequencies (fx, fy), each (dim/2,): the first half of the pairs follow the column, the rest the row."""
-    mag = _rope_magnitudes(dim, theta)
+def axial_rope_freqs(dim: int, theta: float = 100.0, *, row_first: bool = False, endpoint: bool = False,
+                     num_heads: int = 1) -> Tuple[Tensor, Tensor]:
+    """Axial frequencies (fx, fy): half of the dim/2 channel pairs follow the column, the other half the row, each
+    half with the frequencies of :func:`_rope_magnitudes`.
+
+    row_first: the first half of the pairs follows the row (MLLA, RAVLT) instead of the column (RoPE-ViT).
+    num_heads: 1 gives one table of shape (dim/2,) for every head. More than one makes ``dim`` the channels of
+        all heads together (MLLA's table over the whole channel dimension) and splits the pairs into per-head
+        tables of shape (num_heads, dim/2/num_heads), heads taking consecutive pairs.
+    """
+    if num_heads < 1 or dim % (2 * num_heads) != 0:
+        raise ValueError(f"num_heads: {num_heads} must be >= 1 and divide the {dim // 2} channel pairs of dim={dim}")
+    mag = _rope_magnitudes(dim, theta, endpoint)
     zeros = torch.zeros_like(mag)
-    return torch.cat([mag, zeros]), torch.cat([zeros, mag])
+    fx, fy = torch.cat([mag, zeros]), torch.cat([zeros, mag])
+    if row_first:
+        fx, fy = fy, fx
+    if num_heads > 1:
+        fx, fy = fx.reshape(num_heads, -1), fy.reshape(num_heads, -1)
+    return fx, fy
 
 
 def mixed_rope_freqs(
@@ -138,12 +171,14 @@ def rope_1d(dim: int, num_tokens: int, theta: float = 10000.0, num_prefix_tokens
     return Rope(fx, torch.zeros_like(fx), (1, num_tokens), num_prefix_tokens)
 
 
-def axial_rope(dim: int, grid: Tuple[int, int], theta: float = 100.0, num_prefix_tokens: int = 0, device=None) -> Rope:
-    """2D axial RoPE for an H x W grid; the object and its fp32 tables are cached per (dim, H, W, theta,
-    prefix, device)."""
+def axial_rope(dim: int, grid: Tuple[int, int], theta: float = 100.0, num_prefix_tokens: int = 0, device=None, *,
+               row_first: bool = False, endpoint: bool = False, num_heads: int = 1) -> Rope:
+    """2D axial RoPE for an H x W grid (frequencies: :func:`axial_rope_freqs`); the object and its fp32 tables are
+    cached per (dim, H, W, theta, prefix, device, row_first, endpoint, num_heads)."""
     grid = check_grid(grid)
-    key = (dim, grid, float(theta), num_prefix_tokens, str(torch.device(device or "cpu")))
+    key = (dim, grid, float(theta), num_prefix_tokens, str(torch.device(device or "cpu")), row_first, endpoint,
+           num_heads)
     if key not in _AXIAL_CACHE:
-        fx, fy = axial_rope_freqs(dim, theta)
+        fx, fy = axial_rope_freqs(dim, theta, row_first=row_first, endpoint=endpoint, num_heads=num_heads)
         _AXIAL_CACHE[key] = Rope(fx.to(device), fy.to(device), grid, num_prefix_tokens)
     return _AXIAL_CACHE[key]

@@ -1,0 +1,144 @@
+"""Published checkpoint files: read with no code run from the file, and loaded into linvision's models.
+
+Research checkpoints (``.pth`` written by ``torch.save``) are pickles: next to the weights they hold whatever the
+training script saved (a yacs config, an argparse Namespace, numpy scalars, optimizer state). ``torch.load`` with
+``weights_only=True`` refuses such a file, and ``weights_only=False`` runs whatever the pickle names. Here the
+pickle is read by an unpickler that builds tensors, plain containers and a few harmless torch values only; every
+other object the file names becomes an inert placeholder (:class:`NotLoaded`) that records the name and runs
+nothing: its construction, state and items are ignored. The weights come out intact; nothing else is trusted.
+
+:func:`load_published` is what a family's ``load_pretrained`` (timm's ``custom_load`` hook) and
+``pretrained_cfg_overlay=dict(file=...)`` run: read the file, hand it to the family's ``checkpoint_filter_fn``
+(which chooses the weights and maps the published names), keep the model's own classifier where the class count
+differs (timm's rule for a new head), and load strictly: a tensor missing, left over or of another shape fails
+in one line that names it.
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from typing import Any, Callable, Dict, Optional
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["NotLoaded", "read_checkpoint", "unwrap_state_dict", "load_published"]
+
+# (module, name) pairs the reader may build: tensor rebuilders and values that run no user code.
+_ALLOWED = {
+    ("torch._utils", "_rebuild_tensor"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch._utils", "_rebuild_parameter"),
+    ("torch", "Size"),
+    ("torch", "device"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "complex"),
+    ("builtins", "slice"),
+    ("_codecs", "encode"),
+}
+
+
+class NotLoaded:
+    """What a checkpoint's non-tensor object becomes: its global name (``self.global_name``), nothing else.
+    Construction arguments, pickled state, items and appended values are all ignored."""
+
+    global_name = "?"
+
+    def __new__(cls, *args, **kwargs):
+        return object.__new__(cls)
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"<not loaded: {self.global_name}>"
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return getattr(__import__(module, fromlist=[name]), name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        return type(f"NotLoaded[{module}.{name}]", (NotLoaded,), {"global_name": f"{module}.{name}"})
+
+
+class _RestrictedPickleModule:
+    """The ``pickle_module`` interface torch.load uses (``Unpickler``, ``load``), with the restricted unpickler."""
+
+    Unpickler = _RestrictedUnpickler
+    __name__ = "linvision_restricted_pickle"
+
+    @staticmethod
+    def load(file, **kwargs):
+        return _RestrictedUnpickler(file, **kwargs).load()
+
+
+def read_checkpoint(path: str, what: str = "checkpoint") -> Any:
+    """The contents of a ``torch.save`` file with tensors on the CPU and every other object an inert
+    :class:`NotLoaded` (no code from the file runs). FileNotFoundError for a missing file; ValueError in one line,
+    naming ``what`` and the file, for one that cannot be read (truncated, not a torch file)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{what}: file not found: {path}")
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False,
+                          pickle_module=_RestrictedPickleModule)
+    except Exception as e:  # torch and pickle raise many types for unreadable files
+        reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{what}: cannot read {path} ({reason})") from None
+
+
+def unwrap_state_dict(checkpoint: Any, keys=("model", "state_dict")) -> Dict[str, Tensor]:
+    """The first of ``keys`` that holds a dict in ``checkpoint`` (or the checkpoint itself when it is a state
+    dict), with ``module.`` prefixes (DistributedDataParallel) removed. ValueError when there is none."""
+    if not isinstance(checkpoint, dict):
+        raise ValueError(f"checkpoint: expected a dict of tensors, got {type(checkpoint).__name__}")
+    state = next((checkpoint[k] for k in keys if isinstance(checkpoint.get(k), dict)), None)
+    if state is None:
+        if not any(isinstance(v, Tensor) for v in checkpoint.values()):
+            raise ValueError(f"checkpoint: no weights under {list(keys)} (keys: {sorted(map(str, checkpoint))[:8]})")
+        state = checkpoint
+    return {k.removeprefix("module."): v for k, v in state.items() if isinstance(v, Tensor)}
+
+
+def load_published(model: nn.Module, path: str, filter_fn: Callable[[Any, nn.Module], Dict[str, Tensor]],
+                   classifier: Optional[str] = None) -> None:
+    """Load the published file ``path`` into ``model``: :func:`read_checkpoint`, then ``filter_fn(checkpoint,
+    model)`` (the family's mapping to linvision's names), then a strict load. The classifier's tensors (names
+    starting with ``classifier``) are left at the model's own values when their shape differs (another class
+    count). ValueError in one line naming the first tensor that is missing, unexpected or of another shape."""
+    state = filter_fn(read_checkpoint(path, "pretrained file"), model)
+    own = model.state_dict()
+    if classifier:
+        for name in [k for k in state if k.startswith(classifier + ".")]:
+            if name in own and own[name].shape != state[name].shape:
+                state[name] = own[name]
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    wrong = [k for k in state if k in own and state[k].shape != own[k].shape]
+    for problem, names in (("has no tensor", missing), ("has a tensor the model lacks", unexpected)):
+        if names:
+            raise ValueError(f"pretrained file {path}: {problem} {names[0]!r} ({len(names)} such; "
+                             f"a checkpoint of another model?)")
+    if wrong:
+        k = wrong[0]
+        raise ValueError(f"pretrained file {path}: tensor {k!r} has shape {tuple(state[k].shape)}, the model's is "
+                         f"{tuple(own[k].shape)} (a checkpoint of another model?)")
+    model.load_state_dict(state, strict=True)

@@ -86,10 +86,16 @@ def test_wrong_and_truncated_files_give_clear_errors(tmp_path):
 
 
 def test_pretrained_tags_point_at_timm_softmax_weights():
+    """The DeiT conversion is an explicit tag; no model's default names weights, and pretrained=True without a
+    tag fails in one line naming the tag that does (no download is attempted)."""
     for name in timm.list_models("linvit*"):
         size = name.split("_")[1]
-        cfg = timm.create_model(name, pretrained=False, depth=1).pretrained_cfg
+        cfg = timm.create_model(f"{name}.deit_fb_in1k", pretrained=False, depth=1).pretrained_cfg
         assert cfg["hf_hub_id"] == f"timm/deit_{size}_patch16_224.fb_in1k" and cfg["tag"] == "deit_fb_in1k"
+        default = timm.create_model(name, pretrained=False, depth=1).pretrained_cfg
+        assert not any(default.get(k) for k in ("url", "hf_hub_id", "file")), name
+        with pytest.raises(ValueError, match=rf"{name} has no trained weights; '{name}\.deit_fb_in1k'"):
+            timm.create_model(name, pretrained=True, depth=1)
         teacher_cfg = timm.models.get_pretrained_cfg(f"deit_{size}_patch16_224.fb_in1k")
         assert tuple(cfg["mean"]) == tuple(teacher_cfg.mean) and tuple(cfg["std"]) == tuple(teacher_cfg.std)
 

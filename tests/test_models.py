@@ -19,6 +19,8 @@ FAMILY_NAMES = {
     "linhier": [
         "linhier_tiny_224", "linhier_small_224", "linhier_base_224", "linhier_gcnn_femto_224", "linhier_gcnn_tiny_224",
     ],
+    "mlla": ["mlla_tiny", "mlla_small", "mlla_base"],
+    "ravlt": ["ravlt_tiny", "ravlt_small", "ravlt_base", "ravlt_large"],
 }
 ALL_NAMES = [n for names in FAMILY_NAMES.values() for n in names]
 
@@ -83,8 +85,9 @@ def _fx_model(model):
 
 
 def test_import_registers_every_model():
-    assert sorted(timm.list_models("lin*")) == sorted(ALL_NAMES)
-    assert all(name in timm.list_models(module="linvit") + timm.list_models(module="linhier") for name in ALL_NAMES)
+    assert sorted(timm.list_models([f"{family}*" for family in ("lin", "mlla", "ravlt")])) == sorted(ALL_NAMES)
+    for family, names in FAMILY_NAMES.items():
+        assert sorted(timm.list_models(module=family)) == sorted(names)
 
 
 @pytest.mark.parametrize("name", ALL_NAMES)

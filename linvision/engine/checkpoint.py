@@ -29,6 +29,8 @@ from safetensors.torch import load_file, save_file
 from timm.utils import unwrap_model
 from torch import nn
 
+from linvision.models.published import read_checkpoint, unwrap_state_dict
+
 from .factory import create_model
 from .files import write_checkpoint_folder
 
@@ -50,19 +52,22 @@ def load_torch_file(path: str, what: str) -> Any:
         raise ValueError(f"{what}: cannot read {path} ({reason})") from None
 
 
-def _read_state_dict(path: str) -> Dict[str, torch.Tensor]:
+# Where weights sit in a training checkpoint, most preferred first (EMA weights first, as timm's train.py keeps
+# them); a model module's WEIGHT_KEYS overrides this (the published families name the weights their authors report).
+DEFAULT_WEIGHT_KEYS = ("state_dict_ema", "model_ema", "state_dict", "model")
+
+
+def _read_state_dict(path: str, keys=DEFAULT_WEIGHT_KEYS) -> Dict[str, torch.Tensor]:
+    """The weights in ``path``: a checkpoint folder, a .safetensors file or a torch file, read with no code run
+    (:func:`linvision.models.published.read_checkpoint`: other objects in the pickle stay inert), unwrapped from
+    the first of ``keys`` it has."""
     if os.path.isdir(path):
         path = os.path.join(resolve_checkpoint(path), "model.safetensors")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"pretrained_path: file not found: {path}")
     if path.endswith(".safetensors"):
         return load_file(path)
-    state = load_torch_file(path, "pretrained_path")
-    for key in ("state_dict_ema", "model_ema", "state_dict", "model"):  # common wrappers of saved weights
-        if isinstance(state, dict) and isinstance(state.get(key), dict):
-            state = state[key]
-            break
-    return strip_module_prefix(state)
+    return unwrap_state_dict(read_checkpoint(path, "pretrained_path"), keys)
 
 
 def strip_module_prefix(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -70,12 +75,17 @@ def strip_module_prefix(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tenso
     return {k.removeprefix("module."): v for k, v in state.items()}
 
 
-def _filter_state_dict(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """The model module's ``checkpoint_filter_fn`` (timm's convention: resample position embeddings and patch
-    kernels to this model) applied to ``state``, where the module defines one."""
+def _model_module(model: nn.Module):
     import sys
 
-    filter_fn = getattr(sys.modules.get(type(unwrap_model(model)).__module__), "checkpoint_filter_fn", None)
+    return sys.modules.get(type(unwrap_model(model)).__module__)
+
+
+def _filter_state_dict(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The model module's ``checkpoint_filter_fn`` (timm's convention: resample position embeddings and patch
+    kernels to this model, map a published layout onto this one) applied to ``state``, where the module defines
+    one."""
+    filter_fn = getattr(_model_module(model), "checkpoint_filter_fn", None)
     return filter_fn(state, unwrap_model(model)) if filter_fn is not None else state
 
 
@@ -86,7 +96,8 @@ def load_pretrained(model: nn.Module, path: str) -> Dict[str, list]:
     tensor is an integer where the model has a float, or when fewer than half of the model's tensors fit (not
     weights of this model).
     """
-    state = _filter_state_dict(model, _read_state_dict(path))
+    keys = getattr(_model_module(model), "WEIGHT_KEYS", DEFAULT_WEIGHT_KEYS)
+    state = _filter_state_dict(model, _read_state_dict(path, keys))
     own = model.state_dict()
     for k, v in state.items():
         if k in own and own[k].is_floating_point() and not v.is_floating_point():

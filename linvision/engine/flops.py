@@ -67,11 +67,15 @@ def count_params(model: nn.Module, trainable_only: bool = False) -> int:
     return sum(seen.values())
 
 
-def count_gflops(model: nn.Module, input_size: Union[int, Sequence[int]] = 224, batch_size: int = 1) -> float:
+def count_gflops(model: nn.Module, input_size: Union[int, Sequence[int]] = 224, batch_size: int = 1,
+                 attention: bool = True) -> float:
     """GFLOPs (10^9 multiply-accumulates) of one forward pass per image.
 
     input_size: an int (square RGB image), (H, W) for RGB, or (C, H, W). The model runs in eval mode on its
     own device and dtype, under ``torch.no_grad``; its training flag is restored afterwards.
+    attention: False leaves out the products of two activations, batched matmuls and SDPA, which is how attention
+    multiplies tokens with tokens; projections and convolutions remain (the convention of papers whose tables
+    count only convolutions and linear layers, e.g. RAVLT's).
     Raises ValueError for another input_size shape.
     """
     if isinstance(input_size, int):
@@ -92,4 +96,12 @@ def count_gflops(model: nn.Module, input_size: Union[int, Sequence[int]] = 224, 
             model(x)
     finally:
         model.train(was_training)
-    return counter.get_total_flops() / 2 / 1e9 / batch_size
+    total = counter.get_total_flops()
+    if not attention:
+        total -= sum(n for op, n in counter.get_flop_counts()["Global"].items() if _is_attention_product(op))
+    return total / 2 / 1e9 / batch_size
+
+
+def _is_attention_product(op) -> bool:
+    name = str(op).rsplit(".", 1)[-1]  # aten.bmm -> bmm
+    return name in ("bmm", "baddbmm") or any(name in pair for pair in SDPA_OPS) or "linear_attention" in str(op)

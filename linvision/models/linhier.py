@@ -33,6 +33,8 @@ from timm.models._features import feature_take_indices
 from linvision.layers import MixerBlock, init_linear_weights, mixer_options, no_weight_decay_of, parse_mixer_list
 from linvision.layers.registry import MixerSpec
 
+from .published import require_weights
+
 __all__ = ["LinHier"]
 
 # Options every attention stage receives unless ``mixer_kwargs`` overrides them (the gate of the MLLA block);
@@ -315,6 +317,7 @@ default_cfgs = generate_default_cfgs({
 
 
 def _create_linhier(variant: str, pretrained: bool = False, **kwargs) -> LinHier:
+    require_weights(variant, pretrained, kwargs, hint="the mlla_* and ravlt_* models have published ImageNet weights")
     return build_model_with_cfg(
         LinHier, variant, pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,

@@ -12,8 +12,8 @@ Position information comes from either
 - 2D RoPE inside every attention mixer (``rope="axial"`` or ``"mixed"``, RoPE-ViT, Heo et al. 2024,
   arXiv:2403.13298), with no absolute embedding: the weights fit any grid and aspect ratio.
 
-There are no linvit weights of its own: the ``.deit_fb_in1k`` tags point at timm's DeiT softmax weights of the
-same shape, which ``checkpoint_filter_fn`` converts (:func:`convert_vit_state_dict`) into the start of
+There are no linvit weights of its own (``pretrained=True`` without a tag fails and says so): the ``.deit_fb_in1k``
+tags point at timm's DeiT softmax weights of the same shape, which ``checkpoint_filter_fn`` converts (:func:`convert_vit_state_dict`) into the start of
 linearization (``linvision.engine.linearize``); a local copy loads with ``pretrained_cfg_overlay=dict(file=...)``.
 
 The token mixer is one argument (``token_mixer="softmax"`` for the softmax twin of a model); the model hands
@@ -37,6 +37,8 @@ from timm.models._features import feature_take_indices
 
 from linvision.layers import MixerBlock, init_linear_weights, mixer_options, no_weight_decay_of
 from linvision.layers.mixers import ROPE_TYPES
+
+from .published import require_weights
 
 __all__ = ["LinViT", "checkpoint_filter_fn", "convert_vit_state_dict"]
 
@@ -347,15 +349,11 @@ def _cfg(**kwargs) -> Dict[str, Any]:
 
 # The absolute-position variants run at the size they were built for (timm reads fixed_input_size to build them at
 # the size asked for, as for its own ViTs); the RoPE variants run at any multiple of the patch size.
+# Linearization starts: DeiT's softmax ViT weights of the same shape, converted by checkpoint_filter_fn. Their
+# attention was trained as softmax attention, so they are not trained classifiers of these models: each model's
+# default is its untagged cfg, which names no weights (pretrained=True without a tag fails and says so). timm makes
+# the first tag with weights the default unless a tag ending in "*" comes after it, hence this order.
 default_cfgs = generate_default_cfgs({
-    "linvit_tiny_patch16_224": _cfg(fixed_input_size=True),
-    "linvit_small_patch16_224": _cfg(fixed_input_size=True),
-    "linvit_base_patch16_224": _cfg(fixed_input_size=True),
-    "linvit_tiny_patch16_rope_224": _cfg(),
-    "linvit_small_patch16_rope_224": _cfg(),
-    "linvit_base_patch16_rope_224": _cfg(),
-    "linvit_small_patch16_rope_mixed_224": _cfg(),
-    # Linearization starts: DeiT's softmax ViT weights of the same shape, converted by checkpoint_filter_fn.
     **{
         f"linvit_{size}_patch16{variant}_224.deit_fb_in1k": _cfg(
             hf_hub_id=f"timm/deit_{size}_patch16_224.fb_in1k", license="apache-2.0",
@@ -365,6 +363,13 @@ default_cfgs = generate_default_cfgs({
     },
     "linvit_small_patch16_rope_mixed_224.deit_fb_in1k": _cfg(
         hf_hub_id="timm/deit_small_patch16_224.fb_in1k", license="apache-2.0"),
+    "linvit_tiny_patch16_224.*": _cfg(fixed_input_size=True),
+    "linvit_small_patch16_224.*": _cfg(fixed_input_size=True),
+    "linvit_base_patch16_224.*": _cfg(fixed_input_size=True),
+    "linvit_tiny_patch16_rope_224.*": _cfg(),
+    "linvit_small_patch16_rope_224.*": _cfg(),
+    "linvit_base_patch16_rope_224.*": _cfg(),
+    "linvit_small_patch16_rope_mixed_224.*": _cfg(),
 })
 
 
@@ -375,6 +380,8 @@ def _create_linvit(variant: str, pretrained: bool = False, **kwargs) -> LinViT:
     source = kwargs.get("pretrained_cfg")  # a dict from timm.create_model; a PretrainedCfg or a tag when called directly
     file = (kwargs.get("pretrained_cfg_overlay") or {}).get("file") or (
         source.get("file") if isinstance(source, dict) else getattr(source, "file", None))
+    require_weights(variant, pretrained, kwargs, hint=f"'{variant}.deit_fb_in1k' loads DeiT's softmax weights "
+                    "converted as the start of linearization (not a trained linear-attention classifier)")
     try:
         return build_model_with_cfg(
             LinViT, variant, pretrained,

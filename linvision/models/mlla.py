@@ -41,6 +41,10 @@ from .published import load_published, unwrap_state_dict
 
 __all__ = ["Mlla", "MllaStem", "MllaDownsample", "checkpoint_filter_fn"]
 
+# The weights taken from a training checkpoint: the raw weights under "model". The authors' evaluation prints the
+# accuracy of both the raw and the EMA copy and neither their README nor their paper says which one is published;
+# their own detection and segmentation code start from "model", so that is what a fine-tuning user gets here.
+WEIGHT_KEYS = ("model", "state_dict")
 HEAD_DIM = 32  # every published size
 
 
@@ -99,11 +103,11 @@ def _published_names(name: str) -> str:
 
 
 def checkpoint_filter_fn(checkpoint: Dict[str, Any], model: LinHier) -> Dict[str, Tensor]:
-    """The authors' checkpoint (weights under ``model``; ``state_dict_ema`` is ignored, see the module's cfgs) in
+    """The authors' checkpoint (weights under ``model``, see WEIGHT_KEYS) in
     linvision's names: stage ``i``'s downsample moves to the start of stage ``i + 1``, the q/k projection rows are
     reordered from interleaved RoPE pairs to halves (the same outputs), the RoPE buffers built for 224 px are
     dropped (recomputed for each input). A state dict in linvision's own names passes unchanged."""
-    state = unwrap_state_dict(checkpoint)
+    state = unwrap_state_dict(checkpoint, WEIGHT_KEYS)
     if not any(k.startswith("layers.") or k.startswith("patch_embed.") for k in state):
         return state
     out = {}
@@ -123,6 +127,8 @@ def _cfg(**kwargs) -> Dict[str, Any]:
     return {
         "num_classes": 1000,
         "input_size": (3, 224, 224),
+        "test_input_size": (3, 224, 224),
+        "fixed_input_size": False,
         "pool_size": (7, 7),
         "crop_pct": 0.875,
         "interpolation": "bicubic",
@@ -144,8 +150,6 @@ def _published(url: str, top1: float) -> Dict[str, Any]:
                 description=f"the authors' ImageNet-1k weights (top-1 {top1}% as published)")
 
 
-# The published files hold the raw weights under "model" (and the EMA copy under "state_dict_ema"); the authors'
-# evaluation, detection and segmentation code read "model", the weights their tables report.
 default_cfgs = generate_default_cfgs({
     "mlla_tiny.in1k": _published("https://cloud.tsinghua.edu.cn/f/7a19712877cb4242889c/?dl=1", 83.5),
     "mlla_small.in1k": _published("https://cloud.tsinghua.edu.cn/f/0e5d0b1409d540aaa80c/?dl=1", 84.4),

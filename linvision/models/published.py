@@ -21,9 +21,10 @@ import pickle
 from typing import Any, Callable, Dict, Optional
 
 import torch
+from timm.models import resolve_pretrained_cfg
 from torch import Tensor, nn
 
-__all__ = ["NotLoaded", "read_checkpoint", "unwrap_state_dict", "load_published"]
+__all__ = ["NotLoaded", "read_checkpoint", "unwrap_state_dict", "load_published", "require_weights"]
 
 # (module, name) pairs the reader may build: tensor rebuilders and values that run no user code.
 _ALLOWED = {
@@ -142,3 +143,16 @@ def load_published(model: nn.Module, path: str, filter_fn: Callable[[Any, nn.Mod
         raise ValueError(f"pretrained file {path}: tensor {k!r} has shape {tuple(state[k].shape)}, the model's is "
                          f"{tuple(own[k].shape)} (a checkpoint of another model?)")
     model.load_state_dict(state, strict=True)
+
+
+def require_weights(variant: str, pretrained: bool, kwargs: Dict[str, Any], hint: str = "") -> None:
+    """With ``pretrained=True``, ValueError in one line unless the pretrained cfg that ``timm.create_model`` resolved
+    for ``variant`` (its tag, with any ``pretrained_cfg_overlay``) names weights: timm would otherwise warn and
+    return random weights, which a user takes for a trained model. ``hint`` says what to use instead."""
+    if not pretrained:
+        return
+    cfg = resolve_pretrained_cfg(variant, kwargs.get("pretrained_cfg"), kwargs.get("pretrained_cfg_overlay"))
+    if not cfg.has_weights:
+        tag = f"{variant}.{cfg.tag}" if cfg.tag else variant
+        raise ValueError(f"pretrained: {tag} has no trained weights{'; ' + hint if hint else ''} "
+                         f"(or pretrained_cfg_overlay=dict(file=...) for a local checkpoint)")

@@ -39,6 +39,10 @@ from .published import load_published, unwrap_state_dict
 
 __all__ = ["Ravlt", "ChannelsLastConv", "RavltStem", "checkpoint_filter_fn"]
 
+# The weights taken from a training checkpoint: the raw weights under "model". The authors' evaluation prints the
+# accuracy of both the raw and the EMA copy and neither their README nor their paper says which one is published;
+# their own detection and segmentation code start from "model", so that is what a fine-tuning user gets here.
+WEIGHT_KEYS = ("model", "state_dict")
 _MIXER_KWARGS = dict(
     rope="axial", rope_theta=10000.0, rope_row_first=True, rope_endpoint=True, lepe=True, lepe_kernel=5, gate=True,
     gate_act="identity", modulation=False,
@@ -98,7 +102,7 @@ def checkpoint_filter_fn(checkpoint: Dict[str, Any], model: LinHier) -> Dict[str
     start of stage ``i + 1``; each 1x1 conv becomes a linear weight; the qkvo conv splits into the q/k/v projection
     (q and k rows reordered from interleaved RoPE pairs to halves: the same outputs) and the output modulation;
     the RoPE frequency buffers are dropped (recomputed). A state dict in linvision's own names passes unchanged."""
-    state = unwrap_state_dict(checkpoint)
+    state = unwrap_state_dict(checkpoint, WEIGHT_KEYS)
     if not any(k.startswith("layers.") or k.startswith("patch_embed.") for k in state):
         return state
     out = {}
@@ -131,6 +135,8 @@ def _cfg(filename: str, top1: float, **kwargs) -> Dict[str, Any]:
         "url": f"https://huggingface.co/aldjalkdf/RAVLT/resolve/main/{filename}",
         "num_classes": 1000,
         "input_size": (3, 224, 224),
+        "test_input_size": (3, 224, 224),
+        "fixed_input_size": False,
         "pool_size": (7, 7),
         "crop_pct": 0.875,
         "interpolation": "bicubic",

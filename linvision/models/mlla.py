@@ -37,7 +37,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from linvision.ops import halves_from_interleaved
 
 from .linhier import LinHier
-from .published import load_published, unwrap_state_dict
+from .published import load_published, published_file_overlay, unwrap_state_dict
 
 __all__ = ["Mlla", "MllaStem", "MllaDownsample", "checkpoint_filter_fn"]
 
@@ -173,7 +173,7 @@ def _create_mlla(variant: str, pretrained: bool = False, **kwargs) -> LinHier:
         Mlla, variant, pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,
         feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls="getter"),
-        **dict(args, **kwargs),
+        **published_file_overlay(dict(args, **kwargs)),
     )
 
 

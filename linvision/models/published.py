@@ -24,7 +24,8 @@ import torch
 from timm.models import resolve_pretrained_cfg
 from torch import Tensor, nn
 
-__all__ = ["NotLoaded", "read_checkpoint", "unwrap_state_dict", "load_published", "require_weights"]
+__all__ = ["NotLoaded", "read_checkpoint", "unwrap_state_dict", "load_published", "require_weights",
+           "published_file_overlay"]
 
 # (module, name) pairs the reader may build: tensor rebuilders and values that run no user code.
 _ALLOWED = {
@@ -156,3 +157,13 @@ def require_weights(variant: str, pretrained: bool, kwargs: Dict[str, Any], hint
         tag = f"{variant}.{cfg.tag}" if cfg.tag else variant
         raise ValueError(f"pretrained: {tag} has no trained weights{'; ' + hint if hint else ''} "
                          f"(or pretrained_cfg_overlay=dict(file=...) for a local checkpoint)")
+
+
+def published_file_overlay(kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """``kwargs`` of a model entrypoint with ``custom_load=True`` added to a ``pretrained_cfg_overlay`` that names a
+    file or url: timm resets ``custom_load`` when an overlay gives a weight source, and these families read every
+    source with :func:`load_published` (the authors' pickles need it). An explicit ``custom_load`` is kept."""
+    overlay = kwargs.get("pretrained_cfg_overlay")
+    if overlay and (overlay.get("file") or overlay.get("url")) and "custom_load" not in overlay:
+        kwargs = dict(kwargs, pretrained_cfg_overlay=dict(overlay, custom_load=True))
+    return kwargs

@@ -35,7 +35,7 @@ from linvision.layers import DwConvMlp
 from linvision.ops import halves_from_interleaved
 
 from .linhier import LinHier
-from .published import load_published, unwrap_state_dict
+from .published import load_published, published_file_overlay, unwrap_state_dict
 
 __all__ = ["Ravlt", "ChannelsLastConv", "RavltStem", "checkpoint_filter_fn"]
 
@@ -181,7 +181,7 @@ def _create_ravlt(variant: str, pretrained: bool = False, **kwargs) -> LinHier:
         Ravlt, variant, pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,
         feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls="getter"),
-        **dict(args, **kwargs),
+        **published_file_overlay(dict(args, **kwargs)),
     )
 
 

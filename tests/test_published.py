@@ -1,0 +1,323 @@
+"""The published backbones (MLLA, RAVLT): the authors' checkpoint layout loads with every tensor used, the sizes
+match the published tables, blocks equal explicit float64 formulas of the authors' definitions (their RoPE
+conventions included) at any grid, and checkpoint pickles run no code.
+
+tests/data/published/<model>.txt lists the tensor names, shapes and dtypes of each authors' checkpoint; the files
+built here from them hold random values."""
+import argparse
+import math
+import os
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+import linvision
+from linvision.engine.checkpoint import load_pretrained
+from linvision.engine.flops import count_gflops, count_params
+from linvision.models.published import NotLoaded, read_checkpoint
+from support import run_tool, write_image_folder
+
+DATA = Path(__file__).parent / "data" / "published"
+# Published params (M), GFLOPs at 224 and whether the published count includes the attention products (MLLA's
+# does; RAVLT's counts convolutions and projections only).
+PUBLISHED = {
+    "mlla_tiny": (25, 4.2, True), "mlla_small": (43, 7.3, True), "mlla_base": (96, 16.2, True),
+    "ravlt_tiny": (15, 2.4, False), "ravlt_small": (26, 4.6, False), "ravlt_base": (48, 9.9, False),
+    "ravlt_large": (95, 16.0, False),
+}
+SLOW = ("mlla_base", "ravlt_base", "ravlt_large")
+NAMES = [pytest.param(n, id=n, marks=[pytest.mark.slow] if n in SLOW else []) for n in PUBLISHED]
+RESOLUTION_BUFFERS = (".attn.rope.rotations", ".RoPE.angle")  # rebuilt per input, never loaded
+
+
+def published_layout(name, seed=0, one_block=False):
+    """A state dict with the authors' names and shapes for ``name`` (random values; BN variances positive). With
+    ``one_block`` only the first block of every stage (the layout of ``depths=(1, 1, 1, 1)``)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for line in (DATA / f"{name}.txt").read_text().splitlines():
+        if line.startswith("#"):
+            continue
+        key, shape, dtype = line.split()
+        if one_block and any(int(i) > 0 for i in __import__("re").findall(r"\.blocks\.(\d+)\.", key)):
+            continue
+        shape = () if shape == "-" else tuple(int(s) for s in shape.split(","))
+        if dtype == "int64":
+            out[key] = torch.tensor(100)
+        elif key.endswith("running_var"):
+            out[key] = torch.rand(shape, generator=g, dtype=torch.float64).float() + 0.5
+        else:
+            out[key] = (torch.randn(shape, generator=g, dtype=torch.float64) * 0.2).float()
+    return out
+
+
+class _TrainingConfig:
+    """Stands for the yacs config / namespace objects the authors pickle beside the weights."""
+
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+
+
+class _Crafted:
+    """An object whose unpickling would create ``marker`` if the reader ran code from the file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def save_published(path, state, **extra):
+    """A file laid out as the authors' training script writes it (weights under 'model', an EMA copy beside them,
+    a pickled config, optimizer state), plus ``extra`` entries."""
+    ema = {k: v + 1 if v.is_floating_point() else v for k, v in state.items()}
+    torch.save({"model": state, "state_dict_ema": ema, "model_ema": ema, "config": _TrainingConfig(lr=1e-3),
+                "args": argparse.Namespace(epochs=300), "optimizer": {"state": {}, "param_groups": [{"lr": 0.1}]},
+                "epoch": 299, **extra}, path)
+
+
+def _sorted_values(tensors):
+    return torch.sort(torch.cat([t.double().flatten() for t in tensors])).values
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_published_layout_loads_every_tensor(name, tmp_path):
+    """Every tensor of the file lands in the model (a bijection: the sorted values are equal, so nothing is missing,
+    duplicated or changed), from the raw weights, not the EMA copy; the q/k rows follow the pairs of RoPE."""
+    state = published_layout(name)
+    path = tmp_path / f"{name}.pth"
+    save_published(path, state)
+    model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
+    own = {k: v for k, v in model.state_dict().items() if v.is_floating_point()}
+    used = [v for k, v in state.items() if v.is_floating_point() and not k.endswith(RESOLUTION_BUFFERS)]
+    torch.testing.assert_close(_sorted_values(own.values()), _sorted_values(used), rtol=0, atol=0)
+    # interleaved pairs (2t, 2t+1) of each head become (t, t + D/2): q row t of head 0 is the file's row 2t
+    attn = model.stages[0].blocks[0].mixer
+    attn = attn.attn if hasattr(attn, "attn") else attn
+    key = "layers.0.blocks.0.attn.qk.weight" if name.startswith("mlla") else "layers.0.blocks.0.attn.qkvo.weight"
+    d = attn.head_dim
+    source = state[key].flatten(1)
+    for t in range(d // 2):
+        torch.testing.assert_close(attn.qkv.weight[t], source[2 * t], rtol=0, atol=0)
+        torch.testing.assert_close(attn.qkv.weight[t + d // 2], source[2 * t + 1], rtol=0, atol=0)
+        torch.testing.assert_close(attn.qkv.weight[attn.dim + t], source[attn.dim + 2 * t], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_sizes_match_the_published_tables(name):
+    params, gflops, with_attention = PUBLISHED[name]
+    model = timm.create_model(name)
+    assert abs(count_params(model) / 1e6 - params) <= 1.0
+    assert count_gflops(model, 224, attention=with_attention) == pytest.approx(gflops, rel=0.03)
+
+
+def test_files_of_another_model_and_bad_files_fail_in_one_line(tmp_path):
+    tiny = tmp_path / "mlla_tiny.pth"
+    save_published(tiny, published_layout("mlla_tiny"))
+    with pytest.raises(ValueError, match=r"mlla_tiny\.pth: has no tensor 'stages\.0\.blocks\.2\.cpe1\.proj\.weight'"):
+        timm.create_model("mlla_small", pretrained=True, pretrained_cfg_overlay=dict(file=str(tiny)))
+    ravlt = tmp_path / "ravlt_tiny.pth"
+    save_published(ravlt, published_layout("ravlt_tiny"))
+    with pytest.raises(ValueError, match=r"ravlt_tiny\.pth: has no tensor 'stem\.conv1\.conv\.weight'"):
+        timm.create_model("mlla_tiny", pretrained=True, pretrained_cfg_overlay=dict(file=str(ravlt)))
+    truncated = tmp_path / "truncated.pth"
+    truncated.write_bytes(tiny.read_bytes()[:10000])
+    with pytest.raises(ValueError, match=r"pretrained file: cannot read .*truncated\.pth"):
+        timm.create_model("mlla_tiny", pretrained=True, pretrained_cfg_overlay=dict(file=str(truncated)))
+
+
+def test_a_crafted_pickle_runs_no_code(tmp_path):
+    marker = tmp_path / "marker"
+    path = tmp_path / "crafted.pth"
+    save_published(path, published_layout("ravlt_tiny", one_block=True), payload=_Crafted(str(marker)))
+    checkpoint = read_checkpoint(str(path))
+    assert not marker.exists()
+    assert isinstance(checkpoint["payload"], NotLoaded) and checkpoint["payload"].global_name == "io.open"
+    assert isinstance(checkpoint["config"], NotLoaded) and isinstance(checkpoint["args"], NotLoaded)
+    assert checkpoint["epoch"] == 299 and checkpoint["optimizer"]["param_groups"][0]["lr"] == 0.1
+    model = timm.create_model("ravlt_tiny", depths=(1, 1, 1, 1), pretrained=True,
+                              pretrained_cfg_overlay=dict(file=str(path)))
+    assert not marker.exists()
+    torch.testing.assert_close(model.stem.convs[0].conv.weight, checkpoint["model"]["patch_embed.proj.0.weight"])
+    # the pickle module itself would have run it
+    torch.load(path, weights_only=False)
+    assert marker.exists()
+
+
+# --- the blocks against the authors' definitions, written out in float64 on their layout ---
+
+def _interleaved_rotate(x, angles):
+    """Rotate consecutive pairs (2p, 2p+1) of x (..., N, 2P) by angles (N, P)."""
+    cos, sin = angles.cos(), angles.sin()
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
+
+
+def _grid(h, w):
+    rows = torch.arange(h, dtype=torch.float64).repeat_interleave(w)
+    cols = torch.arange(w, dtype=torch.float64).repeat(h)
+    return rows, cols
+
+
+def _dwconv(x_nhwc, weight, bias):
+    c = x_nhwc.shape[-1]
+    k = weight.shape[-1]
+    return F.conv2d(x_nhwc.permute(0, 3, 1, 2), weight, bias, padding=k // 2, groups=c).permute(0, 2, 3, 1)
+
+
+def _linear_attention_explicit(q, k, v, rq, rk, eps):
+    """o_i = sum_j (rq_i . rk_j) v_j / N / (q_i . mean_j k_j + eps), per head, with the N x N matrix."""
+    n = k.shape[-2]
+    scores = rq @ rk.transpose(-1, -2) / n
+    den = q @ k.mean(dim=-2, keepdim=True).transpose(-1, -2) + eps
+    return scores @ v / den
+
+
+def _heads(t, heads):  # (B, N, C) -> (B, heads, N, D)
+    b, n, c = t.shape
+    return t.reshape(b, n, heads, c // heads).transpose(1, 2)
+
+
+def _merge(t):  # (B, heads, N, D) -> (B, N, C)
+    b, h, n, d = t.shape
+    return t.transpose(1, 2).reshape(b, n, h * d)
+
+
+def _published_model(name, tmp_path, **kwargs):
+    state = {k: v.double() if v.is_floating_point() else v for k, v in published_layout(name, one_block=True).items()}
+    path = tmp_path / f"{name}.pth"
+    torch.save({"model": state}, path)
+    model = timm.create_model(name, depths=(1, 1, 1, 1), pretrained=True, pretrained_cfg_overlay=dict(file=str(path)),
+                              **kwargs).double().eval()
+    return model, state
+
+
+def test_mlla_block_equals_the_authors_formula_at_any_grid(tmp_path):
+    """MLLA's block: RoPE over the whole channel dimension (pairs (2p, 2p+1); the first C/4 pairs turn with the row,
+    the rest with the column, frequencies 10000^(-p / (C/4))), numerator only; elu+1; v = the attention input."""
+    model, sd = _published_model("mlla_tiny", tmp_path)
+    for stage, (h, w) in ((0, (3, 5)), (1, (4, 4)), (0, (7, 2))):
+        p = f"layers.{stage}.blocks.0."
+        w_ = lambda n: sd[p + n]  # noqa: E731
+        c = w_("norm1.weight").shape[0]
+        heads = model.stages[stage].blocks[0].mixer.attn.num_heads
+        x = torch.randn(2, h, w, c, dtype=torch.float64)
+        y = x + _dwconv(x, w_("cpe1.weight"), w_("cpe1.bias"))
+        t = F.layer_norm(y, (c,), w_("norm1.weight"), w_("norm1.bias"), eps=1e-5)
+        gate = F.silu(F.linear(t, w_("act_proj.weight"), w_("act_proj.bias"))).reshape(2, h * w, c)
+        u = F.silu(_dwconv(F.linear(t, w_("in_proj.weight"), w_("in_proj.bias")), w_("dwc.weight"), w_("dwc.bias")))
+        u = u.reshape(2, h * w, c)
+        q, k = (F.elu(z) + 1 for z in F.linear(u, w_("attn.qk.weight"), w_("attn.qk.bias")).chunk(2, dim=-1))
+        kmax = c // 4
+        freqs = 10000.0 ** (-torch.arange(kmax, dtype=torch.float64) / kmax)
+        rows, cols = _grid(h, w)
+        angles = torch.cat([rows[:, None] * freqs, cols[:, None] * freqs], dim=1)  # (N, C/2)
+        rq, rk = _interleaved_rotate(q, angles), _interleaved_rotate(k, angles)  # whole channel dim, then heads
+        att = _merge(_linear_attention_explicit(*(_heads(z, heads) for z in (q, k, u, rq, rk)), eps=1e-6))
+        lepe = _dwconv(u.reshape(2, h, w, c), w_("attn.lepe.weight"), w_("attn.lepe.bias")).reshape(2, h * w, c)
+        mixed = F.linear((att + lepe) * gate, w_("out_proj.weight"), w_("out_proj.bias")).reshape(2, h, w, c)
+        y = y + mixed
+        y = y + _dwconv(y, w_("cpe2.weight"), w_("cpe2.bias"))
+        t = F.layer_norm(y, (c,), w_("norm2.weight"), w_("norm2.bias"), eps=1e-5)
+        expected = y + F.linear(F.gelu(F.linear(t, w_("mlp.fc1.weight"), w_("mlp.fc1.bias"))),
+                                w_("mlp.fc2.weight"), w_("mlp.fc2.bias"))
+        with torch.no_grad():
+            got = model.stages[stage].blocks[0](x)
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-8)  # RoPE tables are fp32 by design
+
+
+def _conv1x1(x, weight, bias):
+    return F.linear(x, weight.flatten(1), bias)
+
+
+@pytest.mark.parametrize("stage, kind", [(0, "rala"), (1, "rala"), (2, "softmax")])
+def test_ravlt_blocks_equal_the_authors_formulas_at_any_grid(stage, kind, tmp_path):
+    """RAVLT's blocks: RoPE per head (pairs (2t, 2t+1); the first D/4 pairs turn with the row, the rest with the
+    column, frequencies 10000^-linspace(0, 1, D/4)); RALA reweights the keys by softmax(D^-1/2 qbar.k_j) * N;
+    softmax stages rotate q and k; LePE 5x5 on v; (attention + LePE) * o with o a linear projection; layer scale."""
+    model, sd = _published_model("ravlt_tiny", tmp_path)
+    p = f"layers.{stage}.blocks.0."
+    w_ = lambda n: sd[p + n]  # noqa: E731
+    c = w_("norm1.norm.weight").shape[0]
+    heads = model.stages[stage].blocks[0].mixer.num_heads
+    d = c // heads
+    for h, w in ((3, 5), (6, 4)):
+        x = torch.randn(2, h, w, c, dtype=torch.float64)
+        y = x + _dwconv(x, w_("pos.weight"), w_("pos.bias"))
+        t = F.layer_norm(y, (c,), w_("norm1.norm.weight"), w_("norm1.norm.bias"), eps=1e-6).reshape(2, h * w, c)
+        q, k, v, o = _conv1x1(t, w_("attn.qkvo.weight"), w_("attn.qkvo.bias")).chunk(4, dim=-1)
+        lepe = _dwconv(v.reshape(2, h, w, c), w_("attn.lepe.weight"), w_("attn.lepe.bias")).reshape(2, h * w, c)
+        q, k, v = (_heads(z, heads) for z in (q, k, v))
+        freqs = 10000.0 ** -torch.linspace(0, 1, d // 4, dtype=torch.float64)
+        rows, cols = _grid(h, w)
+        angles = torch.cat([rows[:, None] * freqs, cols[:, None] * freqs], dim=1)  # (N, D/2), every head
+        n = h * w
+        if kind == "rala":
+            q, k = F.elu(q) + 1, F.elu(k) + 1
+            weights = torch.softmax(d ** -0.5 * q.mean(dim=-2, keepdim=True) @ k.transpose(-1, -2), dim=-1)
+            k = k * weights.transpose(-1, -2) * n
+            att = _linear_attention_explicit(q, k, v, _interleaved_rotate(q, angles), _interleaved_rotate(k, angles),
+                                             eps=1e-6)
+        else:
+            rq, rk = _interleaved_rotate(q, angles), _interleaved_rotate(k, angles)
+            att = torch.softmax(d ** -0.5 * rq @ rk.transpose(-1, -2), dim=-1) @ v
+        mixed = _conv1x1((_merge(att) + lepe) * o, w_("attn.proj.weight"), w_("attn.proj.bias")).reshape(2, h, w, c)
+        y = y + w_("gamma_1").flatten() * mixed
+        t = F.layer_norm(y, (c,), w_("norm2.norm.weight"), w_("norm2.norm.bias"), eps=1e-6)
+        hidden = F.gelu(_conv1x1(t, w_("ffn.fc1.weight"), w_("ffn.fc1.bias")))
+        hidden = hidden + _dwconv(hidden, w_("ffn.dwconv.weight"), w_("ffn.dwconv.bias"))
+        expected = y + w_("gamma_2").flatten() * _conv1x1(hidden, w_("ffn.fc2.weight"), w_("ffn.fc2.bias"))
+        with torch.no_grad():
+            got = model.stages[stage].blocks[0](x)
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-8)  # RoPE tables are fp32 by design
+
+
+def test_ravlt_head_equals_the_authors_conv_head(tmp_path):
+    """1x1 conv to 1024, BN, SiLU, average pool, 1x1 conv classifier."""
+    model, sd = _published_model("ravlt_tiny", tmp_path)
+    x = torch.randn(2, 2, 3, 512, dtype=torch.float64)
+    z = _conv1x1(x, sd["proj.weight"], sd["proj.bias"])
+    z = (z - sd["norm.running_mean"]) / torch.sqrt(sd["norm.running_var"] + 1e-5) * sd["norm.weight"] + sd["norm.bias"]
+    expected = _conv1x1(F.silu(z).mean(dim=(1, 2)), sd["head.weight"], sd["head.bias"])
+    with torch.no_grad():
+        torch.testing.assert_close(model.forward_head(model.final(x)), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["mlla_tiny", "ravlt_tiny"])
+def test_published_weights_run_at_any_multiple_of_the_stride(name, tmp_path):
+    model, _ = _published_model(name, tmp_path)
+    for size in ((224, 224), (320, 320), (256, 384), (96, 160)):
+        with torch.no_grad():
+            logits = model(torch.randn(1, 3, *size, dtype=torch.float64))
+        assert logits.shape == (1, 1000) and torch.isfinite(logits).all(), size
+
+
+def test_engine_and_train_fine_tune_from_a_published_file(tmp_path):
+    """linvision-train --pretrained-path with a published-layout file: the backbone starts from the file's raw
+    weights (a learning rate of 1e-12 keeps them), the head is new (4 classes)."""
+    kwargs = {"depths": [1, 1, 1, 1]}
+    state = published_layout("ravlt_tiny", one_block=True)
+    path = tmp_path / "RAVLT_T.pth"
+    save_published(path, state)
+    model = timm.create_model("ravlt_tiny", num_classes=4, **kwargs)
+    report = load_pretrained(model, str(path))
+    assert report["skipped"] == report["missing"] == ["head.fc.weight", "head.fc.bias"] and not report["unexpected"]
+    expected = {k: v for k, v in model.state_dict().items() if not k.startswith("head.")}
+
+    data = write_image_folder(tmp_path / "data", classes=4)
+    run_tool("train.py", "--dataset", "folder", "--data-dir", data, "--img-size", "32", "--model", "ravlt_tiny",
+             "--model-kwargs", '{"depths": [1, 1, 1, 1]}', "--batch-size", "4", "--output", str(tmp_path),
+             "--no-progress", "--device", "cpu", "--epochs", "1", "--experiment", "ft", "--lr", "1e-12",
+             "--warmup-lr", "1e-12", "--min-lr", "1e-12", "--pretrained-path", str(path))
+    tuned = load_file(str(tmp_path / "ft" / "last" / "model.safetensors"))
+    assert tuned["head.fc.weight"].shape == (4, 1024)
+    params = [k for k in expected if not k.endswith(("running_mean", "running_var", "num_batches_tracked"))]
+    assert len(params) > 100
+    for key in params:
+        torch.testing.assert_close(tuned[key], expected[key], rtol=0, atol=1e-6, msg=key)
+    assert not math.isnan(float(tuned["stem.convs.0.conv.weight"].sum()))

@@ -353,16 +353,17 @@ def _cfg(**kwargs) -> Dict[str, Any]:
 # attention was trained as softmax attention, so they are not trained classifiers of these models: each model's
 # default is its untagged cfg, which names no weights (pretrained=True without a tag fails and says so). timm makes
 # the first tag with weights the default unless a tag ending in "*" comes after it, hence this order.
+_DEIT = "DeiT's softmax weights, converted: a start for linearization, not a trained linear-attention model"
 default_cfgs = generate_default_cfgs({
     **{
         f"linvit_{size}_patch16{variant}_224.deit_fb_in1k": _cfg(
             hf_hub_id=f"timm/deit_{size}_patch16_224.fb_in1k", license="apache-2.0",
-            fixed_input_size=not variant,
+            fixed_input_size=not variant, description=_DEIT,
         )
         for size in ("tiny", "small", "base") for variant in ("", "_rope")
     },
     "linvit_small_patch16_rope_mixed_224.deit_fb_in1k": _cfg(
-        hf_hub_id="timm/deit_small_patch16_224.fb_in1k", license="apache-2.0"),
+        hf_hub_id="timm/deit_small_patch16_224.fb_in1k", license="apache-2.0", description=_DEIT),
     "linvit_tiny_patch16_224.*": _cfg(fixed_input_size=True),
     "linvit_small_patch16_224.*": _cfg(fixed_input_size=True),
     "linvit_base_patch16_224.*": _cfg(fixed_input_size=True),

@@ -150,7 +150,7 @@ def _cfg(filename: str, top1: float, **kwargs) -> Dict[str, Any]:
         "origin_url": "https://github.com/qhfan/RALA",
         "custom_load": True,
         "notes": notes,
-        "description": "the authors' ImageNet-1k weights",
+        "description": f"the authors' ImageNet-1k weights (top-1 {top1}% as published)",
         **kwargs,
     }
 

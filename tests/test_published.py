@@ -330,3 +330,54 @@ def test_model_table_says_what_pretrained_loads():
         "ravlt_tiny"]
     assert "an error (no trained weights); `.deit_fb_in1k` loads DeiT's softmax weights" in rows[
         "linvit_tiny_patch16_224"]
+
+
+@pytest.mark.parametrize("family", ["mlla", "ravlt"])
+def test_published_attention_runs_on_the_fused_kernels(family):
+    """The families' linear attention with their RoPE conventions (MLLA: one table across heads, per-head
+    frequency tensors; RAVLT: per-head linspace table, RALA's reweighted keys through the identity map) gives the
+    PyTorch path's output and gradients on the fused kernels (Triton interpreter on CPU)."""
+    pytest.importorskip("triton")
+    from linvision.ops import axial_rope, linear_attention, rank_augmented_linear_attention
+
+    torch.manual_seed(0)
+    heads, d, grid = 2, 32, (3, 5)
+    q, k, v = (torch.randn(1, heads, 15, d, requires_grad=True) for _ in range(3))
+    if family == "mlla":
+        rope = axial_rope(heads * d, grid, theta=1e4, row_first=True, num_heads=heads)
+        assert rope.freqs_x.shape == (heads, d // 2)
+
+        def run(backend):
+            return linear_attention(q, k, v, "elu", rope=rope, eps=1e-6, backend=backend)
+    else:
+        rope = axial_rope(d, grid, theta=1e4, row_first=True, endpoint=True)
+
+        def run(backend):
+            return rank_augmented_linear_attention(q, k, v, rope=rope, backend=backend)
+    outs, grads = [], []
+    for backend in ("torch", "triton"):
+        out = run(backend)
+        grads.append(torch.autograd.grad((out * torch.linspace(-1, 1, d)).sum(), (q, k, v)))
+        outs.append(out.detach())
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
+    for g_kernel, g_ref in zip(grads[1], grads[0]):
+        torch.testing.assert_close(g_kernel, g_ref, rtol=1e-4, atol=1e-5)
+
+
+def test_pretrained_true_downloads_the_published_url_and_adapts_head_and_channels(tmp_path, monkeypatch):
+    """pretrained=True reads the cfg's url (the download is replaced by a local file here); a new class count keeps
+    the model's head, one input channel gets the RGB kernel summed (timm's adapt_input_conv)."""
+    import timm.models._builder as builder
+
+    state = published_layout("mlla_tiny", one_block=True)
+    path = tmp_path / "mlla_t.pth"
+    save_published(path, state)
+    asked = []
+    monkeypatch.setattr(builder, "download_cached_file", lambda url, **kw: asked.append(url) or str(path))
+    model = timm.create_model("mlla_tiny", depths=(1, 1, 1, 1), pretrained=True, num_classes=5, in_chans=1)
+    assert asked == ["https://cloud.tsinghua.edu.cn/f/7a19712877cb4242889c/?dl=1"]
+    assert model.pretrained_cfg["license"] == "mit" and "83.5" in model.pretrained_cfg["description"]
+    torch.testing.assert_close(model.stem.conv1.conv.weight, state["patch_embed.conv1.conv.weight"].sum(1, True))
+    torch.testing.assert_close(model.final.weight, state["norm.weight"], rtol=0, atol=0)
+    assert model.head.fc.weight.shape == (5, 512)
+    assert model(torch.randn(1, 1, 64, 96)).shape == (1, 5)

@@ -161,7 +161,7 @@ class Mlla(LinHier):
     """:class:`LinHier` with MLLA's layers; loads the authors' files (timm's ``custom_load``)."""
 
     def load_pretrained(self, path: str) -> None:
-        load_published(self, path, checkpoint_filter_fn, classifier="head.fc")
+        load_published(self, path, checkpoint_filter_fn)
 
 
 def _create_mlla(variant: str, pretrained: bool = False, **kwargs) -> LinHier:

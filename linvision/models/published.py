@@ -21,7 +21,7 @@ import pickle
 from typing import Any, Callable, Dict, Optional
 
 import torch
-from timm.models import resolve_pretrained_cfg
+from timm.models import adapt_input_conv, resolve_pretrained_cfg
 from torch import Tensor, nn
 
 __all__ = ["NotLoaded", "read_checkpoint", "unwrap_state_dict", "load_published", "require_weights",
@@ -120,14 +120,20 @@ def unwrap_state_dict(checkpoint: Any, keys=("model", "state_dict")) -> Dict[str
     return {k.removeprefix("module."): v for k, v in state.items() if isinstance(v, Tensor)}
 
 
-def load_published(model: nn.Module, path: str, filter_fn: Callable[[Any, nn.Module], Dict[str, Tensor]],
-                   classifier: Optional[str] = None) -> None:
+def load_published(model: nn.Module, path: str, filter_fn: Callable[[Any, nn.Module], Dict[str, Tensor]]) -> None:
     """Load the published file ``path`` into ``model``: :func:`read_checkpoint`, then ``filter_fn(checkpoint,
-    model)`` (the family's mapping to linvision's names), then a strict load. The classifier's tensors (names
-    starting with ``classifier``) are left at the model's own values when their shape differs (another class
-    count). ValueError in one line naming the first tensor that is missing, unexpected or of another shape."""
+    model)`` (the family's mapping to linvision's names), then a strict load. As timm adapts its own pretrained
+    weights (the model's ``pretrained_cfg`` names the layers): the classifier keeps the model's own values when
+    the class count differs, and the first conv is adapted to another ``in_chans`` (``adapt_input_conv``).
+    ValueError in one line naming the first tensor that is missing, unexpected or of another shape."""
     state = filter_fn(read_checkpoint(path, "pretrained file"), model)
     own = model.state_dict()
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    first_conv, classifier = cfg.get("first_conv"), cfg.get("classifier")
+    if first_conv and f"{first_conv}.weight" in state and f"{first_conv}.weight" in own:
+        weight, target = state[f"{first_conv}.weight"], own[f"{first_conv}.weight"]
+        if weight.ndim == 4 and weight.shape[1] != target.shape[1]:
+            state[f"{first_conv}.weight"] = adapt_input_conv(target.shape[1], weight)
     if classifier:
         for name in [k for k in state if k.startswith(classifier + ".")]:
             if name in own and own[name].shape != state[name].shape:

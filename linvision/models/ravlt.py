@@ -167,7 +167,7 @@ class Ravlt(LinHier):
     """:class:`LinHier` with RAVLT's layers; loads the authors' files (timm's ``custom_load``)."""
 
     def load_pretrained(self, path: str) -> None:
-        load_published(self, path, checkpoint_filter_fn, classifier="head.fc")
+        load_published(self, path, checkpoint_filter_fn)
 
 
 def _create_ravlt(variant: str, pretrained: bool = False, **kwargs) -> LinHier:

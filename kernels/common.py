@@ -97,14 +97,15 @@ def check_int(name: str, value: int, minimum: int) -> int:
 
 def check_grid(grid, num_tokens: Optional[int] = None, name: str = "grid") -> Tuple[int, int]:
     """(H, W) as ints; ValueError unless ``grid`` is two positive ints and, when ``num_tokens`` is given, has
-    exactly that many cells."""
+    exactly that many cells. Symbolic ints (``torch.SymInt``, traced sizes) are accepted and returned as they are."""
     if (
         not isinstance(grid, (tuple, list))
         or len(grid) != 2
-        or not all(isinstance(g, int) and not isinstance(g, bool) and g > 0 for g in grid)
+        or not all(isinstance(g, (int, torch.SymInt)) and not isinstance(g, bool) and g > 0 for g in grid)
     ):
         raise ValueError(f"{name}: expected (H, W) with two positive ints, got {grid!r}")
-    h, w = int(grid[0]), int(grid[1])
+    # symbolic sizes (torch.export with dynamic H, W) stay symbolic: int() would fix them to the traced size
+    h, w = (g if isinstance(g, torch.SymInt) else int(g) for g in grid)
     if num_tokens is not None and h * w != num_tokens:
         raise ValueError(f"{name}: grid {(h, w)} has {h * w} cells, but the input has N={num_tokens} tokens")
     return h, w

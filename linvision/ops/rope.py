@@ -44,15 +44,28 @@ _POSITION_CACHE: Dict[Tuple[int, int, str], Tuple[Tensor, Tensor]] = {}
 _AXIAL_CACHE: Dict[tuple, "Rope"] = {}
 
 
+def _tracing(*sizes) -> bool:
+    """True while torch.compile or torch.export traces, or when a size is symbolic: tensors made then are part of a
+    graph (fake, or to be recomputed for every input), so nothing is cached or taken from a cache."""
+    return (torch.compiler.is_compiling() or torch.compiler.is_exporting()
+            or any(isinstance(s, torch.SymInt) for s in sizes))
+
+
 def grid_positions(height: int, width: int, device=None) -> Tuple[Tensor, Tensor]:
-    """(rows, cols) of the H*W grid in raster order, fp32, each of shape (H*W,). Cached per (H, W, device)."""
+    """(rows, cols) of the H*W grid in raster order, fp32, each of shape (H*W,). Cached per (H, W, device), except
+    while a graph is traced (the positions are then computed in the graph)."""
     device = torch.device(device or "cpu")
-    key = (height, width, str(device))
-    if key not in _POSITION_CACHE:
-        rows = torch.arange(height, dtype=torch.float32, device=device).repeat_interleave(width)
-        cols = torch.arange(width, dtype=torch.float32, device=device).repeat(height)
+    tracing = _tracing(height, width)
+    key = None if tracing else (height, width, str(device))
+    if key in _POSITION_CACHE:
+        return _POSITION_CACHE[key]
+    # expand + reshape rather than repeat/repeat_interleave: the same values, and an ONNX export of symbolic
+    # sizes gets a plain broadcast
+    rows = torch.arange(height, dtype=torch.float32, device=device)[:, None].expand(height, width).reshape(-1)
+    cols = torch.arange(width, dtype=torch.float32, device=device)[None, :].expand(height, width).reshape(-1)
+    if not tracing:
         _POSITION_CACHE[key] = (rows, cols)
-    return _POSITION_CACHE[key]
+    return rows, cols
 
 
 @dataclass(eq=False)
@@ -86,7 +99,7 @@ class Rope(RopeSpec):
             return self._tables
         ang = self.angles()
         tables = (ang.cos(), ang.sin())
-        if not (self.freqs_x.requires_grad or self.freqs_y.requires_grad):
+        if not (self.freqs_x.requires_grad or self.freqs_y.requires_grad or _tracing(*self.grid)):
             self._tables = tables
         return tables
 
@@ -174,8 +187,11 @@ def rope_1d(dim: int, num_tokens: int, theta: float = 10000.0, num_prefix_tokens
 def axial_rope(dim: int, grid: Tuple[int, int], theta: float = 100.0, num_prefix_tokens: int = 0, device=None, *,
                row_first: bool = False, endpoint: bool = False, num_heads: int = 1) -> Rope:
     """2D axial RoPE for an H x W grid (frequencies: :func:`axial_rope_freqs`); the object and its fp32 tables are
-    cached per (dim, H, W, theta, prefix, device, row_first, endpoint, num_heads)."""
+    cached per (dim, H, W, theta, prefix, device, row_first, endpoint, num_heads), except while a graph is traced."""
     grid = check_grid(grid)
+    if _tracing(*grid):  # a traced graph computes the tables itself: nothing cached, nothing taken from the cache
+        fx, fy = axial_rope_freqs(dim, theta, row_first=row_first, endpoint=endpoint, num_heads=num_heads)
+        return Rope(fx.to(device), fy.to(device), grid, num_prefix_tokens)
     key = (dim, grid, float(theta), num_prefix_tokens, str(torch.device(device or "cpu")), row_first, endpoint,
            num_heads)
     if key not in _AXIAL_CACHE:

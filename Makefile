@@ -35,6 +35,6 @@ test-latest:
 	.venv-latest/bin/python -m pip install -q --upgrade pip
 	.venv-latest/bin/python -m pip install -q -e ".[dev]"
 	.venv-latest/bin/python -m pip install -q --upgrade torch torchvision timm triton einops safetensors pyyaml \
-		tqdm numpy pillow matplotlib scikit-learn pytest diffusers
+		tqdm numpy pillow matplotlib scikit-learn pytest diffusers onnx onnxscript onnxruntime
 	.venv-latest/bin/python -m pip list | grep -iE "^(torch|torchvision|timm|triton) "
 	.venv-latest/bin/python -m pytest -q

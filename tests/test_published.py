@@ -149,6 +149,36 @@ def test_a_crafted_pickle_runs_no_code(tmp_path):
     assert marker.exists()
 
 
+def test_a_torchscript_archive_is_refused_before_its_code_runs(tmp_path):
+    """torch.load hands an archive with TorchScript code to torch.jit.load (which runs the archive's code, e.g. a
+    scripted __setstate__, whatever the pickle module); the reader refuses such a file in one line."""
+    path = tmp_path / "scripted.pth"
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), str(path))
+    with pytest.raises(ValueError, match=r"cannot read .*scripted\.pth \(a TorchScript archive"):
+        read_checkpoint(str(path))
+    with pytest.raises(ValueError, match="TorchScript archive"):
+        timm.create_model("ravlt_tiny", depths=(1, 1, 1, 1), pretrained=True,
+                          pretrained_cfg_overlay=dict(file=str(path)))
+
+
+def test_other_layouts_fail_in_one_line_and_safetensors_load(tmp_path):
+    """A file with more blocks than the model names the first extra tensor (no error from inside the mapping); the
+    model's own safetensors loads through the same overlay."""
+    full = tmp_path / "RAVLT_T.pth"
+    save_published(full, published_layout("ravlt_tiny"))
+    with pytest.raises(ValueError, match=r"has a tensor the model lacks 'stages\.0\.blocks\.1\."):
+        timm.create_model("ravlt_tiny", depths=(1, 1, 1, 1), pretrained=True, pretrained_cfg_overlay=dict(file=str(full)))
+    from safetensors.torch import save_file
+
+    source = timm.create_model("ravlt_tiny", depths=(1, 1, 1, 1))
+    own = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, str(own))
+    loaded = timm.create_model("ravlt_tiny", depths=(1, 1, 1, 1), pretrained=True,
+                               pretrained_cfg_overlay=dict(file=str(own)))
+    for k, v in source.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[k], v, rtol=0, atol=0)
+
+
 # --- the blocks against the authors' definitions, written out in float64 on their layout ---
 
 def _interleaved_rotate(x, angles):
@@ -367,17 +397,30 @@ def test_published_attention_runs_on_the_fused_kernels(family):
 
 
 def test_pretrained_true_downloads_the_published_url_and_adapts_head_and_channels(tmp_path, monkeypatch):
-    """pretrained=True reads the cfg's url (the download is replaced by a local file here); a new class count keeps
-    the model's head, one input channel gets the RGB kernel summed (timm's adapt_input_conv)."""
-    import timm.models._builder as builder
+    """pretrained=True fetches the cfg's url into timm's cache under a file name (only the network transfer is
+    replaced by a copy of a local file here); a new class count keeps the model's head, no classifier drops it,
+    one input channel gets the RGB kernel summed (timm's adapt_input_conv)."""
+    import shutil
+
+    import timm.models._hub as hub
 
     state = published_layout("mlla_tiny", one_block=True)
     path = tmp_path / "mlla_t.pth"
     save_published(path, state)
     asked = []
-    monkeypatch.setattr(builder, "download_cached_file", lambda url, **kw: asked.append(url) or str(path))
+
+    def fetch(url, dst, hash_prefix=None, progress=True):
+        asked.append(url)
+        shutil.copy(path, dst)
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    monkeypatch.setattr(hub, "download_url_to_file", fetch)
     model = timm.create_model("mlla_tiny", depths=(1, 1, 1, 1), pretrained=True, num_classes=5, in_chans=1)
     assert asked == ["https://cloud.tsinghua.edu.cn/f/7a19712877cb4242889c/?dl=1"]
+    assert (tmp_path / "torch_home" / "hub" / "checkpoints" / "mlla_tiny_in1k.pth").is_file()
+    headless = timm.create_model("mlla_tiny", depths=(1, 1, 1, 1), pretrained=True, num_classes=0)
+    assert len(asked) == 1  # the cached file is used
+    torch.testing.assert_close(headless.final.weight, state["norm.weight"], rtol=0, atol=0)
     assert model.pretrained_cfg["license"] == "mit" and "83.5" in model.pretrained_cfg["description"]
     torch.testing.assert_close(model.stem.conv1.conv.weight, state["patch_embed.conv1.conv.weight"].sum(1, True))
     torch.testing.assert_close(model.final.weight, state["norm.weight"], rtol=0, atol=0)

@@ -30,11 +30,14 @@ MAX_BATCH = 1024
 
 def input_constraints(model: nn.Module) -> Tuple[int, Optional[Tuple[int, int]]]:
     """(stride, fixed (H, W) or None): the multiple every side must be, and the only size a fixed-size model takes."""
-    from timm.models import get_model_input_config
-
     stride = max(info["reduction"] for info in model.feature_info)
-    cfg = get_model_input_config(model)
-    fixed = tuple(cfg["input_size"][1:]) if cfg["fixed_input_size"] else None
+    try:  # timm >= 1.0.2x: the model's own size (a linvit built with img_size=96 is fixed to 96, not its cfg's 224)
+        from timm.models import get_model_input_config
+
+        cfg = get_model_input_config(model)
+    except ImportError:
+        cfg = getattr(model, "pretrained_cfg", None) or {}
+    fixed = tuple(cfg.get("input_size", (3, 224, 224))[1:]) if cfg.get("fixed_input_size") else None
     return stride, fixed
 
 

@@ -87,7 +87,7 @@ class MixerBlock(nn.Module):
         self.mixer = create_mixer(token_mixer, dim, num_heads, **(mixer_kwargs or {}))
         self.ls1 = scale()
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-        self.cpe2 = ConvPosEnc(dim) if cpe is True else nn.Identity()
+        self.cpe2 = ConvPosEnc(dim) if cpe and cpe != "first" else nn.Identity()
         self.norm2 = norm_layer(dim)
         self.mlp = mlp_layer(dim, int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop)
         self.ls2 = scale()

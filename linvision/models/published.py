@@ -2,7 +2,8 @@
 
 Research checkpoints (``.pth`` written by ``torch.save``) are pickles: next to the weights they hold whatever the
 training script saved (a yacs config, an argparse Namespace, numpy scalars, optimizer state). ``torch.load`` with
-``weights_only=True`` refuses such a file, and ``weights_only=False`` runs whatever the pickle names. Here the
+``weights_only=True`` refuses such a file, and ``weights_only=False`` runs whatever the pickle names. Here a
+TorchScript archive (which torch.load would hand to ``torch.jit.load``, running its code) is refused, and the
 pickle is read by an unpickler that builds tensors, plain containers and a few harmless torch values only; every
 other object the file names becomes an inert placeholder (:class:`NotLoaded`) that records the name and runs
 nothing: its construction, state and items are ignored. The weights come out intact; nothing else is trusted.
@@ -100,11 +101,23 @@ def read_checkpoint(path: str, what: str = "checkpoint") -> Any:
     try:
         with open(path, "rb") as f:
             data = f.read()
+        _refuse_torchscript(data)
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False,
                           pickle_module=_RestrictedPickleModule)
     except Exception as e:  # torch and pickle raise many types for unreadable files
         reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise ValueError(f"{what}: cannot read {path} ({reason})") from None
+
+
+def _refuse_torchscript(data: bytes) -> None:
+    """A zip archive that holds TorchScript (a ``constants.pkl`` record, code) is handed by torch.load to
+    ``torch.jit.load`` without the pickle module, which runs the archive's code: refuse it. The archive is read
+    with torch's own reader, the one torch.load decides with."""
+    if not data.startswith(b"PK"):
+        return  # not a zip: the legacy format, read through the restricted unpickler
+    records = torch._C.PyTorchFileReader(io.BytesIO(data)).get_all_records()
+    if any(r == "constants.pkl" or r.endswith("/constants.pkl") or "/code/" in f"/{r}" for r in records):
+        raise ValueError("a TorchScript archive (it holds code), not a checkpoint of weights")
 
 
 def unwrap_state_dict(checkpoint: Any, keys=("model", "state_dict")) -> Dict[str, Tensor]:
@@ -121,12 +134,18 @@ def unwrap_state_dict(checkpoint: Any, keys=("model", "state_dict")) -> Dict[str
 
 
 def load_published(model: nn.Module, path: str, filter_fn: Callable[[Any, nn.Module], Dict[str, Tensor]]) -> None:
-    """Load the published file ``path`` into ``model``: :func:`read_checkpoint`, then ``filter_fn(checkpoint,
-    model)`` (the family's mapping to linvision's names), then a strict load. As timm adapts its own pretrained
-    weights (the model's ``pretrained_cfg`` names the layers): the classifier keeps the model's own values when
-    the class count differs, and the first conv is adapted to another ``in_chans`` (``adapt_input_conv``).
+    """Load the published file ``path`` into ``model``: :func:`read_checkpoint` (a .safetensors file is read as
+    it is), then ``filter_fn(checkpoint, model)`` (the family's mapping to linvision's names), then a strict load.
+    As timm adapts its own pretrained weights (the model's ``pretrained_cfg`` names the layers): the classifier
+    keeps the model's own values when the class count differs and is dropped when the model has none
+    (``num_classes=0``), and the first conv is adapted to another ``in_chans`` (``adapt_input_conv``).
     ValueError in one line naming the first tensor that is missing, unexpected or of another shape."""
-    state = filter_fn(read_checkpoint(path, "pretrained file"), model)
+    if path.endswith(".safetensors"):  # linvision's own checkpoints: tensors only, nothing to unpickle
+        from safetensors.torch import load_file
+
+        state = filter_fn(load_file(path), model)
+    else:
+        state = filter_fn(read_checkpoint(path, "pretrained file"), model)
     own = model.state_dict()
     cfg = getattr(model, "pretrained_cfg", None) or {}
     first_conv, classifier = cfg.get("first_conv"), cfg.get("classifier")
@@ -136,7 +155,9 @@ def load_published(model: nn.Module, path: str, filter_fn: Callable[[Any, nn.Mod
             state[f"{first_conv}.weight"] = adapt_input_conv(target.shape[1], weight)
     if classifier:
         for name in [k for k in state if k.startswith(classifier + ".")]:
-            if name in own and own[name].shape != state[name].shape:
+            if name not in own:  # no classifier (num_classes=0)
+                del state[name]
+            elif own[name].shape != state[name].shape:
                 state[name] = own[name]
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]

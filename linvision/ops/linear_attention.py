@@ -148,7 +148,7 @@ def _fused(
     reason when ``backend="triton"`` is forced on such a call."""
     if backend == "torch" or (backend == "auto" and q.device.type not in _AUTO_DEVICES):
         return None
-    if torch.compiler.is_exporting():
+    if getattr(torch.compiler, "is_exporting", lambda: False)():  # torch >= 2.6
         reason = "the call is being exported, and the fused kernels are not part of an exported graph"
         if backend == "triton":
             raise ValueError(f"backend: 'triton' cannot run this call: {reason}")

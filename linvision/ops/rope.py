@@ -47,8 +47,8 @@ _AXIAL_CACHE: Dict[tuple, "Rope"] = {}
 def _tracing(*sizes) -> bool:
     """True while torch.compile or torch.export traces, or when a size is symbolic: tensors made then are part of a
     graph (fake, or to be recomputed for every input), so nothing is cached or taken from a cache."""
-    return (torch.compiler.is_compiling() or torch.compiler.is_exporting()
-            or any(isinstance(s, torch.SymInt) for s in sizes))
+    exporting = getattr(torch.compiler, "is_exporting", lambda: False)  # torch >= 2.6
+    return torch.compiler.is_compiling() or exporting() or any(isinstance(s, torch.SymInt) for s in sizes)
 
 
 def grid_positions(height: int, width: int, device=None) -> Tuple[Tensor, Tensor]:

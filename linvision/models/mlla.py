@@ -30,14 +30,13 @@ from typing import Any, Dict
 import torch
 from torch import Tensor, nn
 
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import ConvNormAct, LayerNorm
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
 from linvision.ops import halves_from_interleaved
 
 from .linhier import LinHier
-from .published import load_published, published_file_overlay, unwrap_state_dict
+from .published import load_published, published_cfg, published_file_overlay, unwrap_state_dict
 
 __all__ = ["Mlla", "MllaStem", "MllaDownsample", "checkpoint_filter_fn"]
 
@@ -127,32 +126,13 @@ def checkpoint_filter_fn(checkpoint: Dict[str, Any], model: LinHier) -> Dict[str
     return out
 
 
-def _cfg(**kwargs) -> Dict[str, Any]:
-    return {
-        "num_classes": 1000,
-        "input_size": (3, 224, 224),
-        "test_input_size": (3, 224, 224),
-        "fixed_input_size": False,
-        "pool_size": (7, 7),
-        "crop_pct": 0.875,
-        "interpolation": "bicubic",
-        "mean": IMAGENET_DEFAULT_MEAN,
-        "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "stem.conv1.conv",
-        "classifier": "head.fc",
-        "license": "mit",
-        "paper_ids": "arXiv:2405.16605",
-        "paper_name": "Demystify Mamba in Vision: A Linear Attention Perspective",
-        "origin_url": "https://github.com/LeapLabTHU/MLLA",
-        "custom_load": True,
-        **kwargs,
-    }
-
-
 def _published(url: str, filename: str, top1: float) -> Dict[str, Any]:
     # (url, file name): the links end in "/?dl=1", from which timm's download cache cannot name a file
-    return _cfg(url=(url, filename), notes=(f"published ImageNet-1k top-1 {top1} (224 px)",),
-                description=f"the authors' ImageNet-1k weights (top-1 {top1}% as published)")
+    return published_cfg(
+        top1, url=(url, filename), first_conv="stem.conv1.conv", license="mit", paper_ids="arXiv:2405.16605",
+        paper_name="Demystify Mamba in Vision: A Linear Attention Perspective",
+        origin_url="https://github.com/LeapLabTHU/MLLA",
+    )
 
 
 default_cfgs = generate_default_cfgs({

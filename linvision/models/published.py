@@ -26,7 +26,7 @@ from timm.models import adapt_input_conv, resolve_pretrained_cfg
 from torch import Tensor, nn
 
 __all__ = ["NotLoaded", "read_checkpoint", "unwrap_state_dict", "load_published", "require_weights",
-           "published_file_overlay"]
+           "published_file_overlay", "published_cfg"]
 
 # (module, name) pairs the reader may build: tensor rebuilders and values that run no user code.
 _ALLOWED = {
@@ -184,6 +184,30 @@ def require_weights(variant: str, pretrained: bool, kwargs: Dict[str, Any], hint
         tag = f"{variant}.{cfg.tag}" if cfg.tag else variant
         raise ValueError(f"pretrained: {tag} has no trained weights{'; ' + hint if hint else ''} "
                          f"(or pretrained_cfg_overlay=dict(file=...) for a local checkpoint)")
+
+
+def published_cfg(top1: float, **kwargs) -> Dict[str, Any]:
+    """The pretrained cfg of a published ImageNet-1k classifier evaluated at 224 px (ImageNet mean/std, bicubic,
+    crop 0.875, stride 32, classifier ``head.fc``), read by :func:`load_published` (``custom_load``); ``kwargs``
+    give the source (url, licence, paper, first conv). The published top-1 goes into notes and description."""
+    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
+    return {
+        "num_classes": 1000,
+        "input_size": (3, 224, 224),
+        "test_input_size": (3, 224, 224),
+        "fixed_input_size": False,
+        "pool_size": (7, 7),
+        "crop_pct": 0.875,
+        "interpolation": "bicubic",
+        "mean": IMAGENET_DEFAULT_MEAN,
+        "std": IMAGENET_DEFAULT_STD,
+        "classifier": "head.fc",
+        "custom_load": True,
+        "notes": (f"published ImageNet-1k top-1 {top1} (224 px)",),
+        "description": f"the authors' ImageNet-1k weights (top-1 {top1}% as published)",
+        **kwargs,
+    }
 
 
 def published_file_overlay(kwargs: Dict[str, Any]) -> Dict[str, Any]:

@@ -27,7 +27,6 @@ from typing import Any, Dict
 import torch
 from torch import Tensor, nn
 
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import ConvNormAct
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
@@ -35,7 +34,7 @@ from linvision.layers import DwConvMlp
 from linvision.ops import halves_from_interleaved
 
 from .linhier import LinHier
-from .published import load_published, published_file_overlay, unwrap_state_dict
+from .published import load_published, published_cfg, published_file_overlay, unwrap_state_dict
 
 __all__ = ["Ravlt", "ChannelsLastConv", "RavltStem", "checkpoint_filter_fn"]
 
@@ -133,30 +132,12 @@ def checkpoint_filter_fn(checkpoint: Dict[str, Any], model: LinHier) -> Dict[str
     return out
 
 
-def _cfg(filename: str, top1: float, **kwargs) -> Dict[str, Any]:
-    notes = (f"published ImageNet-1k top-1 {top1} (224 px)",)
-    return {
-        "url": f"https://huggingface.co/aldjalkdf/RAVLT/resolve/main/{filename}",
-        "num_classes": 1000,
-        "input_size": (3, 224, 224),
-        "test_input_size": (3, 224, 224),
-        "fixed_input_size": False,
-        "pool_size": (7, 7),
-        "crop_pct": 0.875,
-        "interpolation": "bicubic",
-        "mean": IMAGENET_DEFAULT_MEAN,
-        "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "stem.convs.0.conv",
-        "classifier": "head.fc",
-        "license": "unknown (no licence file: load, do not redistribute)",
-        "paper_ids": "arXiv:2411.07635",
-        "paper_name": "Breaking the Low-Rank Dilemma of Linear Attention",
-        "origin_url": "https://github.com/qhfan/RALA",
-        "custom_load": True,
-        "notes": notes,
-        "description": f"the authors' ImageNet-1k weights (top-1 {top1}% as published)",
-        **kwargs,
-    }
+def _cfg(filename: str, top1: float) -> Dict[str, Any]:
+    return published_cfg(
+        top1, url=f"https://huggingface.co/aldjalkdf/RAVLT/resolve/main/{filename}", first_conv="stem.convs.0.conv",
+        license="unknown (no licence file: load, do not redistribute)", paper_ids="arXiv:2411.07635",
+        paper_name="Breaking the Low-Rank Dilemma of Linear Attention", origin_url="https://github.com/qhfan/RALA",
+    )
 
 
 default_cfgs = generate_default_cfgs({

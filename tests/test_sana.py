@@ -272,10 +272,9 @@ def test_latents_are_scaled_as_diffusers_pipelines_scale_them(tmp_path, kind):
 
 
 def test_latent_training_resumes_exactly_and_samples_decode_to_images(tmp_path):
-    from safetensors.torch import load_file
-
     from linvision.diffusion.checkpoint import load_dit
     from linvision.diffusion.data import load_images
+    from linvision.diffusion.latent_cache import LatentCache
     from linvision.diffusion.latents import encode_images, load_autoencoder
     from linvision.diffusion.sampling import decoder_for, sample_classes
     from linvision.diffusion.train import DiffusionTrainConfig, train_dit
@@ -296,7 +295,7 @@ def test_latent_training_resumes_exactly_and_samples_decode_to_images(tmp_path):
     for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
         torch.testing.assert_close(pa, pb, rtol=0, atol=0, msg=name)
     # the cache holds the autoencoder's latents of the 16 px digits (grey repeated to RGB)
-    cached = load_file(str(tmp_path / "full" / "latents.safetensors"))["latents"]
+    cached = LatentCache(str(tmp_path / "full" / "latents")).latents(range(64))
     images, _, _ = load_images("digits", 16, 1)
     ae = load_autoencoder(str(tmp_path / "ae"))
     torch.testing.assert_close(cached[:64], encode_images(ae, images[:64].expand(-1, 3, -1, -1)))

@@ -4,10 +4,15 @@
     python tools/train_diffusion.py --config configs/diffusion_digits.yaml --resume
     python tools/train_diffusion.py --dataset folder --data-dir /data/pets/train --model digits \
         --model-kwargs img_size=64 in_chans=3 patch_size=4 num_classes=37 --steps 20000
+    torchrun --nproc_per_node 4 tools/train_diffusion.py --config configs/diffusion_digits.yaml          # DDP
+    torchrun --nproc_per_node 8 tools/train_diffusion.py --model sana_600m ... --parallel fsdp \
+        --grad-checkpointing                                                                    # FSDP2
 
 The recipe flags are the fields of linvision.diffusion.DiffusionTrainConfig (YAML keys too). The run folder
 <output>/<experiment> receives config.yaml and the checkpoint last/ (model.safetensors, ema.safetensors,
-model.json, train_state.pt); sample from it with tools/sample_diffusion.py.
+model.json, train_state.pt; with --parallel fsdp the sharded dcp/ instead of the .safetensors files); sample
+from it with tools/sample_diffusion.py. Under torchrun --batch-size is still the images per step over all ranks,
+so a run (and its resume, at any world size) takes the same steps; rank 0 owns the run folder and the log.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import torch
 from linvision.diffusion.train import DiffusionTrainConfig, train_dit
 from linvision.engine.cli import run_cli
 from linvision.engine.config import parse_args, parse_kwargs, save_yaml
+from linvision.engine.distributed import broadcast_object, cleanup, init_distributed
 from linvision.engine.files import atomic_write
 from linvision.engine.run_folder import claim_run_folder
 
@@ -71,18 +77,26 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = recipe_from_args(args)
-    folder = claim_run_folder(os.path.join(args.output, args.experiment), resume=args.resume,
-                              overwrite=args.overwrite)
+    info = init_distributed("auto", group=cfg.parallel == "fsdp")
+    folder = None
     try:
-        for note in folder.notes:
-            print(note, flush=True)
-        run_dir = folder.path
-        recipe = {k: v for k, v in vars(args).items() if k not in ("config", "overwrite", "resume")}
-        atomic_write(os.path.join(run_dir, "config.yaml"), lambda p: save_yaml(p, recipe))
+        run_dir = os.path.join(args.output, args.experiment)
+        if info.is_main:  # one process owns the folder; the others write only their checkpoint shards there
+            folder = claim_run_folder(run_dir, resume=args.resume, overwrite=args.overwrite)
+            for note in folder.notes:
+                print(note, flush=True)
+            run_dir = folder.path
+            recipe = {k: v for k, v in vars(args).items() if k not in ("config", "overwrite", "resume")}
+            atomic_write(os.path.join(run_dir, "config.yaml"), lambda p: save_yaml(p, recipe))
+        run_dir = broadcast_object(run_dir, info)
         result = train_dit(cfg, run_dir, resume=args.resume)
-        print(f"done: step {result['step']}, {result['elapsed_s']:.0f}s, checkpoint {os.path.join(run_dir, 'last')}")
+        if info.is_main:
+            print(f"done: step {result['step']}, {result['elapsed_s']:.0f}s, checkpoint "
+                  f"{os.path.join(run_dir, 'last')}")
     finally:
-        folder.release()
+        if folder is not None:
+            folder.release()
+        cleanup(info)
     return 0
 
 

@@ -2,10 +2,21 @@
 (``<run>/last``) with model.safetensors (the trained weights), ema.safetensors (their exponential moving
 average, what sampling uses by default), model.json ({"model": "lindit", "num_classes", "model_config": the
 DiTConfig fields, "data", "step", ...}) and train_state.pt, written as one unit.
+
+A sharded (FSDP) run writes the weights, the EMA and the optimizer with ``torch.distributed.checkpoint``
+instead: every rank writes its shards into ``dcp/`` of the same folder (model.json and train_state.pt beside
+it), still swapped in as one unit. Such a checkpoint loads at any world size, a single process included
+(:func:`load_dit`, :func:`load_train_state`).
 """
 from __future__ import annotations
 
+import json
+import os
+import warnings
 from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch import nn
 
 from linvision.engine.checkpoint import (
     load_checkpoint_weights,
@@ -13,30 +24,115 @@ from linvision.engine.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
+from linvision.engine.distributed import DistInfo, barrier, broadcast_object
+from linvision.engine.files import begin_checkpoint_folder, commit_checkpoint_folder
 
 from .model import LinDiT, create_dit
 
-__all__ = ["DIT_MODEL_NAME", "save_dit_checkpoint", "load_dit"]
+__all__ = ["DIT_MODEL_NAME", "SHARDED_FOLDER", "save_dit_checkpoint", "save_sharded_dit_checkpoint",
+           "is_sharded_checkpoint", "load_train_state", "load_dit"]
 
 DIT_MODEL_NAME = "lindit"
+SHARDED_FOLDER = "dcp"
+
+
+def _description(model: LinDiT, meta: Dict[str, Any]) -> Dict[str, Any]:
+    return {"model": DIT_MODEL_NAME, "num_classes": model.cfg.num_classes, "model_config": model.cfg.to_dict(),
+            **meta}
 
 
 def save_dit_checkpoint(folder: str, model: LinDiT, ema: LinDiT, meta: Dict[str, Any],
                         train_state: Optional[Dict[str, Any]] = None) -> None:
     """:func:`linvision.engine.checkpoint.save_checkpoint` of a LinDiT, its EMA copy and ``meta``."""
-    description = {"model": DIT_MODEL_NAME, "num_classes": model.cfg.num_classes,
-                   "model_config": model.cfg.to_dict(), **meta}
-    save_checkpoint(folder, model, description, train_state, ema=ema)
+    save_checkpoint(folder, model, _description(model, meta), train_state, ema=ema)
+
+
+def is_sharded_checkpoint(folder: str) -> bool:
+    """Whether ``folder`` holds its weights as torch.distributed.checkpoint shards."""
+    return os.path.isdir(os.path.join(folder, SHARDED_FOLDER))
+
+
+def save_sharded_dit_checkpoint(folder: str, model: LinDiT, ema: LinDiT, optimizer: torch.optim.Optimizer,
+                                meta: Dict[str, Any], train_state: Dict[str, Any], info: DistInfo) -> None:
+    """Collective (every rank calls it): the weights, EMA weights and optimizer state of a sharded ``model``
+    through ``torch.distributed.checkpoint`` into ``folder/dcp``, model.json and ``train_state`` (scheduler,
+    generators, step: no tensors of the model) from rank 0, the whole folder swapped in as one unit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    new = broadcast_object(begin_checkpoint_folder(folder) if info.is_main else None, info)
+    weights, optim = get_state_dict(model, optimizer)
+    dcp.save({"model": weights, "ema": get_model_state_dict(ema), "optim": optim},
+             checkpoint_id=os.path.join(new, SHARDED_FOLDER))
+    barrier(info)
+    if info.is_main:
+        with open(os.path.join(new, "model.json"), "w") as f:
+            json.dump(_description(model, meta), f, indent=2)
+        torch.save(train_state, os.path.join(new, "train_state.pt"))
+        commit_checkpoint_folder(folder)
+    barrier(info)
+
+
+def _load_sharded(folder: str, state: Dict[str, Any]) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    path = os.path.join(folder, SHARDED_FOLDER)
+    try:
+        with warnings.catch_warnings():  # one process reading shards is what no_dist asks for, not a surprise
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    except Exception as e:  # torch raises several types for missing, truncated or mismatched shards
+        reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise ValueError(f"checkpoint: cannot read the sharded weights in {path} ({reason})") from None
+
+
+def load_train_state(folder: str, model: nn.Module, ema: LinDiT, optimizer: torch.optim.Optimizer) -> None:
+    """Load a checkpoint's weights, EMA weights and optimizer state into a run of any layout (a single
+    process, DDP or FSDP at any world size; call it on every rank): from ``dcp/`` (resharded to this run) or
+    from model.safetensors, ema.safetensors and train_state.pt's optimizer. ValueError in one line naming the
+    folder when they do not fit."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    from linvision.engine.checkpoint import load_torch_file
+
+    weights, optim = get_state_dict(model, optimizer)
+    if is_sharded_checkpoint(folder):
+        state = {"model": weights, "ema": get_model_state_dict(ema), "optim": optim}
+        _load_sharded(folder, state)
+        weights, ema_weights, optim = state["model"], state["ema"], state["optim"]
+    else:
+        inner = model.module if hasattr(model, "module") else model
+        if any(type(p).__name__ == "DTensor" for p in inner.parameters()):
+            raise ValueError(f"resume: {folder} was written by a single-process or DDP run; a sharded (fsdp) run "
+                             f"resumes from a sharded checkpoint (resume it with parallel 'ddp')")
+        load_checkpoint_weights(inner, folder, DIT_MODEL_NAME)
+        load_checkpoint_weights(ema, folder, DIT_MODEL_NAME, "ema.safetensors")
+        optimizer.load_state_dict(load_torch_file(os.path.join(folder, "train_state.pt"), "resume")["optimizer"])
+        return
+    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optim)
+    set_model_state_dict(ema, ema_weights)
 
 
 def load_dit(path: str, ema: bool = True, device: str = "cpu") -> Tuple[LinDiT, Dict[str, Any]]:
-    """Rebuild a trained LinDiT (EMA weights unless ``ema=False``) from a checkpoint or run folder, in eval
-    mode. Returns (model, meta) with meta the content of model.json."""
+    """Rebuild a trained LinDiT (EMA weights unless ``ema=False``) from a checkpoint or run folder, sharded or
+    not, in eval mode. Returns (model, meta) with meta the content of model.json."""
     folder = resolve_checkpoint(path)
     meta = read_checkpoint_meta(folder)
     if meta["model"] != DIT_MODEL_NAME or "model_config" not in meta:
         raise ValueError(f"checkpoint: {folder} holds a {meta['model']!r}, not a {DIT_MODEL_NAME} (tools/train.py "
                          f"checkpoints load with linvision.engine.load_model)")
     model = create_dit(meta["model_config"])
-    load_checkpoint_weights(model, folder, DIT_MODEL_NAME, "ema.safetensors" if ema else "model.safetensors")
+    if is_sharded_checkpoint(folder):
+        key = "ema" if ema else "model"
+        state = {key: model.state_dict()}
+        _load_sharded(folder, state)
+        model.load_state_dict(state[key])
+    else:
+        load_checkpoint_weights(model, folder, DIT_MODEL_NAME, "ema.safetensors" if ema else "model.safetensors")
     return model.to(device).eval(), meta

@@ -7,13 +7,14 @@ Sampling integrates dx/dt = v(x, t) from t = 1 down to t = 0.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["logit_normal_timesteps", "caption_condition", "drop_condition", "flow_matching_loss", "time_grid",
+__all__ = ["logit_normal_timesteps", "caption_condition", "drop_condition", "flow_noise", "flow_matching_loss",
+           "time_grid",
            "guided_velocity", "sample_flow", "SAMPLERS"]
 
 SAMPLERS = ("euler", "heun")
@@ -42,23 +43,38 @@ def drop_condition(model: nn.Module, cond: Dict[str, Tensor], drop: Tensor) -> D
     return {"context": cond["context"], "context_mask": cond["context_mask"] & ~drop[:, None]}
 
 
+def flow_noise(
+    batch: int, shape, class_dropout: float = 0.1, t_mean: float = 0.0, t_std: float = 1.0,
+    generator: Optional[torch.Generator] = None, device=None, dtype=torch.float32,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """The random draws of one training step, in this order: times t (batch,) logit-normal, noise eps
+    (batch, *shape) and the condition drops (batch,) bool with probability ``class_dropout``."""
+    t = logit_normal_timesteps(batch, t_mean, t_std, generator, device)
+    eps = torch.randn((batch, *shape), generator=generator, device=device, dtype=dtype)
+    drop = torch.rand(batch, generator=generator, device=device) < class_dropout
+    return t, eps, drop
+
+
 def flow_matching_loss(
     model: nn.Module, x0: Tensor, y: Optional[Tensor], class_dropout: float = 0.1, null_class: Optional[int] = None,
     t_mean: float = 0.0, t_std: float = 1.0, generator: Optional[torch.Generator] = None,
     context: Optional[Tensor] = None, context_mask: Optional[Tensor] = None,
+    noise: Optional[Tuple[Tensor, Tensor, Tensor]] = None,
 ) -> Tensor:
     """Mean squared error between model(x_t, t, y') and eps - x0; scalar fp32.
 
     With probability ``class_dropout`` a label is replaced by ``null_class`` (defaults to ``model.null_class``)
     so that the same network learns the unconditional velocity used by classifier-free guidance. A caption model
     takes ``context`` (B, L, C') and ``context_mask`` instead of ``y``; a dropped caption becomes all padding.
+    ``noise``: the step's (t, eps, drop) of :func:`flow_noise`, drawn here from ``generator`` when None (a rank
+    of a data-parallel run passes its slice of the whole batch's draws).
     """
     if not 0.0 <= class_dropout < 1.0:
         raise ValueError(f"class_dropout: must lie in [0, 1), got {class_dropout}")
     b = x0.shape[0]
-    t = logit_normal_timesteps(b, t_mean, t_std, generator, x0.device)
-    eps = torch.randn(x0.shape, generator=generator, device=x0.device, dtype=x0.dtype)
-    drop = torch.rand(b, generator=generator, device=x0.device) < class_dropout
+    if noise is None:
+        noise = flow_noise(b, x0.shape[1:], class_dropout, t_mean, t_std, generator, x0.device, x0.dtype)
+    t, eps, drop = noise
     if y is not None:
         null_class = model.null_class if null_class is None else null_class
         y = torch.where(drop, torch.full_like(y, null_class), y)

@@ -26,6 +26,7 @@ import torch
 from einops import rearrange
 from timm.layers import Mlp
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from linvision.layers import no_weight_decay_of
 
@@ -169,6 +170,7 @@ class LinDiT(nn.Module):
             for _ in range(cfg.depth)
         )
         self.final_layer = FinalLayer(c, cfg.patch_size ** 2 * cfg.out_channels)
+        self.grad_checkpointing = False
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -193,6 +195,11 @@ class LinDiT(nn.Module):
         nn.init.zeros_(self.final_layer.linear.bias)
 
     @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each block's activations in the backward instead of keeping them (timm's name)."""
+        self.grad_checkpointing = enable
+
+    @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:
         """The modulation tables (2-D, but offsets rather than weights) and what the mixers exclude."""
         tables = {n for n, _ in self.named_parameters() if n.endswith("scale_shift_table")}
@@ -214,7 +221,7 @@ class LinDiT(nn.Module):
             raise ValueError("context: this model is conditioned on class labels (y), not captions")
         if context.dim() != 3 or context.shape[-1] != self.cfg.caption_channels:
             raise ValueError(f"context: expected (B, L, {self.cfg.caption_channels}), got {tuple(context.shape)}")
-        return self.caption_norm(self.caption_proj(context))
+        return self.caption_norm(self.caption_proj(context.to(self.caption_proj.fc1.weight.dtype)))
 
     def forward(self, x: Tensor, t: Tensor, y: Optional[Tensor] = None, *, context: Optional[Tensor] = None,
                 context_mask: Optional[Tensor] = None, guidance: Optional[Tensor] = None) -> Tensor:
@@ -230,14 +237,18 @@ class LinDiT(nn.Module):
         if (guidance is not None) != (self.guidance_embedder is not None):
             raise ValueError("guidance: required by a model with guidance_embeds, refused by one without")
         hw = (x.shape[2] // p, x.shape[3] // p)
-        tokens = rearrange(self.patch_embed(x), "b c h w -> b (h w) c")
+        # inputs in the weights' dtype (a sharded run may hold them in bf16); t stays fp32 for the sinusoids
+        tokens = rearrange(self.patch_embed(x.to(self.patch_embed.weight.dtype)), "b c h w -> b (h w) c")
         t_emb = self.t_embedder(t)
         if guidance is not None:
             t_emb = t_emb + self.guidance_embedder(guidance)
         t_mod = self.t_block(t_emb)
         cond = (self.condition(y) if y is not None else self.caption(context)).to(tokens.dtype)
         for blk in self.blocks:
-            tokens = blk(tokens, hw, t_mod, cond, context_mask)
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                tokens = checkpoint(blk, tokens, hw, t_mod, cond, context_mask, use_reentrant=False)
+            else:
+                tokens = blk(tokens, hw, t_mod, cond, context_mask)
         out = self.final_layer(tokens, t_emb)  # (B, N, p*p*out_chans)
         return rearrange(out, "b (h w) (p1 p2 c) -> b c (h p1) (w p2)", h=hw[0], w=hw[1], p1=p, p2=p)
 

@@ -14,19 +14,29 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from timm.optim import create_optimizer_v2
 from timm.utils import ModelEmaV3
 from torch import Tensor, nn
 
-from linvision.engine.checkpoint import load_checkpoint_weights, load_torch_file
-from linvision.engine.files import atomic_write, recover_checkpoint_folder
+from linvision.engine.checkpoint import load_torch_file
+from linvision.engine.distributed import (
+    DistInfo,
+    all_reduce_max,
+    all_reduce_sum,
+    barrier,
+    cleanup,
+    init_distributed,
+)
+from linvision.engine.files import recover_checkpoint_folder
 from linvision.engine.interrupt import StopFlag, TrainInterrupted
 
-from .checkpoint import DIT_MODEL_NAME, save_dit_checkpoint
-from .data import load_images
-from .flow import flow_matching_loss
+from .checkpoint import load_train_state, save_dit_checkpoint, save_sharded_dit_checkpoint
+from .data import ImageSet
+from .flow import flow_matching_loss, flow_noise
+from .latent_cache import LatentCache, build_latent_cache
 from .model import DIT_CONFIGS, DiTConfig, LinDiT
+from .parallel import parallelize
 
 __all__ = ["DiffusionTrainConfig", "train_dit", "lr_factor", "create_ema", "ema_step"]
 
@@ -50,7 +60,8 @@ class DiffusionTrainConfig:
     data_dir: Optional[str] = _opt(None, "the image folder of dataset 'folder'")
     steps: int = _opt(2000, "optimizer steps")
     max_minutes: Optional[float] = _opt(None, "stop after this much training time")
-    batch_size: int = _opt(64, "images per step")
+    batch_size: int = _opt(64, "images per optimizer step over all ranks (each of N torchrun ranks takes "
+                                "batch_size / N of them, so a run takes the same steps at any world size)")
     lr: float = _opt(1e-3, "peak learning rate")
     weight_decay: float = _opt(0.0, "AdamW weight decay (not on biases, norms and modulation tables)")
     warmup_steps: int = _opt(100, "linear warm-up steps before the cosine decay to 10%")
@@ -62,12 +73,25 @@ class DiffusionTrainConfig:
                                             "train on its latents of the images, encoded once and cached in the "
                                             "run folder; the model's img_size and in_chans are the latents'")
     encode_batch_size: int = _opt(32, "images per autoencoder call when encoding the latents")
+    cache_latents: bool = _opt(True, "encode the latents once into a cache (latent_cache) and train on it; off: "
+                                     "encode each batch when it is drawn (no cache, images read from disk per step)")
+    latent_cache: Optional[str] = _opt(None, "folder of the latent cache (default <run>/latents): later runs that "
+                                             "name it with the same autoencoder, data and size reuse it; a run "
+                                             "killed while encoding keeps the shards it finished")
+    cache_shard_size: int = _opt(1024, "images per file of the latent cache")
     captions: Optional[str] = _opt(None, "a safetensors file of caption embeddings, one per training image in the "
                                          "dataset's order: 'context' (N, L, caption_channels) and 'mask' (N, L); "
                                          "for a caption model (num_classes 0, caption_channels > 0)")
     init_from: Optional[str] = _opt(None, "a local diffusers SanaTransformer2DModel folder whose config and weights "
                                           "start the run (fine-tuning; model is then ignored, model_kwargs may set "
                                           "options such as eps=1e-15 eps_form=sum)")
+    parallel: str = _opt("ddp", "under torchrun: 'ddp' (each rank holds the model, gradients averaged) or 'fsdp' "
+                                "(FSDP2: weights, gradients and optimizer states sharded over the ranks, each block "
+                                "gathered only while it runs; checkpoints through torch.distributed.checkpoint)")
+    fsdp_param_dtype: str = _opt("bf16", "dtype an fsdp run computes in (bf16, fp16, fp32); its sharded weights "
+                                         "and optimizer states stay fp32 and gradients are reduced in fp32")
+    grad_checkpointing: bool = _opt(False, "recompute each block's activations in the backward (less memory, "
+                                           "about a third more compute)")
     seed: int = _opt(0, "seed of the initialisation, the data order and the noise")
     log_every: int = _opt(50, "log the mean loss every this many steps")
     save_every: int = _opt(500, "checkpoint every this many steps (0: only at the end)")
@@ -93,7 +117,7 @@ class DiffusionTrainConfig:
             if not ok:
                 raise ValueError(f"{key}: {what}, got {getattr(self, key)!r}")
 
-        for key in ("steps", "batch_size", "log_every", "encode_batch_size"):
+        for key in ("steps", "batch_size", "log_every", "encode_batch_size", "cache_shard_size"):
             need(isinstance(getattr(self, key), int) and getattr(self, key) >= 1, key, "must be an integer >= 1")
         for key in ("save_every", "warmup_steps"):
             need(isinstance(getattr(self, key), int) and getattr(self, key) >= 0, key, "must be an integer >= 0")
@@ -103,6 +127,10 @@ class DiffusionTrainConfig:
         need(0 < self.ema_decay < 1, "ema_decay", "must be within (0, 1)")
         need(0 <= self.class_dropout < 1, "class_dropout", "must be within [0, 1)")
         need(self.max_minutes is None or self.max_minutes > 0, "max_minutes", "must be > 0")
+        from .parallel import PARALLEL_MODES, PARAM_DTYPES
+
+        need(self.parallel in PARALLEL_MODES, "parallel", f"must be one of {', '.join(PARALLEL_MODES)}")
+        need(self.fsdp_param_dtype in PARAM_DTYPES, "fsdp_param_dtype", f"must be one of {', '.join(PARAM_DTYPES)}")
         self.model_config()
 
     def to_dict(self) -> Dict[str, Any]:
@@ -118,36 +146,47 @@ def lr_factor(step: int, cfg: DiffusionTrainConfig) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-LATENT_CACHE = "latents.safetensors"
+@dataclass
+class _TrainingData:
+    """What the model learns to generate: ``inputs(indices)`` -> (len, C, H, W) fp32 (images, cached latents or
+    latents encoded on the spot), with the labels and class names of all N images."""
+
+    inputs: Callable[[Tensor], Tensor]
+    labels: Tensor
+    classes: List[str]
 
 
-def _training_data(cfg: DiffusionTrainConfig, model_cfg: DiTConfig, out_dir: str, device: str, resume: bool,
-                   log: Callable[[str], None]) -> Tuple[Tensor, Tensor, List[str]]:
-    """(inputs the model learns to generate, labels, class names): the images themselves, or with
-    ``cfg.autoencoder`` their latents, encoded once into ``out_dir/latents.safetensors`` (which a resumed run
-    reads back)."""
+def _training_data(cfg: DiffusionTrainConfig, model_cfg: DiTConfig, out_dir: str, info: DistInfo,
+                   log: Callable[[str], None]) -> _TrainingData:
+    """The images themselves, or with ``cfg.autoencoder`` their latents: from the latent cache (built or
+    completed here by all ranks, :mod:`linvision.diffusion.latent_cache`) or, without ``cache_latents``,
+    encoded per batch."""
     if cfg.autoencoder is None:
-        return load_images(cfg.dataset, model_cfg.img_size, model_cfg.in_chans, cfg.data_dir)
+        data = ImageSet(cfg.dataset, model_cfg.img_size, model_cfg.in_chans, cfg.data_dir)
+        return _TrainingData(data.images, data.labels, data.classes)
     from .latents import autoencoder_geometry, encode_images, load_autoencoder
 
-    ae = load_autoencoder(cfg.autoencoder, device)
+    ae = load_autoencoder(cfg.autoencoder, str(info.device))
     img_chans, latent_chans, factor = autoencoder_geometry(ae)
     if model_cfg.in_chans != latent_chans:
         raise ValueError(f"model.in_chans: {model_cfg.in_chans}, but the autoencoder's latents have {latent_chans} "
                          f"channels")
     size = model_cfg.img_size * factor
-    x, y, classes = load_images(cfg.dataset, size, 1 if cfg.dataset == "digits" else img_chans, cfg.data_dir)
-    cache = os.path.join(out_dir, LATENT_CACHE)
-    if resume and os.path.isfile(cache):
-        return load_file(cache)["latents"], y, classes
-    if x.shape[1] != img_chans:  # grey digits for an RGB autoencoder
-        x = x.expand(-1, img_chans, -1, -1)
-    start = time.perf_counter()
-    latents = encode_images(ae, x, cfg.encode_batch_size)
-    atomic_write(cache, lambda p: save_file({"latents": latents.contiguous(), "labels": y}, p))
-    log(f"encoded {len(x)} images of {size} px into latents {tuple(latents.shape[1:])} in "
-        f"{time.perf_counter() - start:.0f}s (cached in {cache})")
-    return latents, y, classes
+    data = ImageSet(cfg.dataset, size, 1 if cfg.dataset == "digits" else img_chans, cfg.data_dir)
+
+    def encode(x: Tensor) -> Tensor:
+        # grey digits for an RGB autoencoder
+        return encode_images(ae, x.expand(-1, img_chans, -1, -1), cfg.encode_batch_size)
+
+    if not cfg.cache_latents:
+        return _TrainingData(lambda idx: encode(data.images(idx)), data.labels, data.classes)
+    folder = cfg.latent_cache or os.path.join(out_dir, "latents")
+    source = {"autoencoder": os.path.abspath(cfg.autoencoder), "dataset": cfg.dataset,
+              "data_dir": cfg.data_dir and os.path.abspath(cfg.data_dir), "image_size": size}
+    build_latent_cache(folder, source, len(data), data.images, encode, cfg.cache_shard_size, info.rank,
+                       info.world_size, lambda: barrier(info), log)
+    cache = LatentCache(folder)
+    return _TrainingData(cache.latents, data.labels, data.classes)
 
 
 def _captions(cfg: DiffusionTrainConfig, model_cfg: DiTConfig, count: int) -> Optional[Tuple[Tensor, Tensor]]:
@@ -190,21 +229,40 @@ def ema_step(k: int) -> int:
 
 def train_dit(cfg: DiffusionTrainConfig, out_dir: str, resume: bool = False, stop_after: Optional[int] = None,
               log: Callable[[str], None] = print) -> Dict[str, Any]:
-    """Train on CPU or the current CUDA device; checkpoints to ``out_dir/last``. With ``resume`` the run
-    continues from ``out_dir/last`` (same batches, noise and schedule as an uninterrupted run).
+    """Train on CPU or the current CUDA device, or on every rank of a torchrun job (``cfg.parallel``: DDP or
+    FSDP2); checkpoints to ``out_dir/last``. With ``resume`` the run continues from ``out_dir/last`` (same
+    batches, noise and schedule as an uninterrupted run; a sharded checkpoint resumes at any world size).
     ``stop_after`` ends the run (with a checkpoint) at that step, as an interruption would. SIGINT/SIGTERM
     save a checkpoint at the current step and raise TrainInterrupted.
 
-    Returns {"step", "losses" (the logged means), "elapsed_s"}. Stops at ``cfg.steps`` or after
+    Every rank draws the same global batch of indices and noise and takes its slice of it, so N ranks with
+    ``batch_size`` / N images each take the steps one process takes with ``batch_size``. Only rank 0 logs.
+
+    Returns {"step", "losses" (the logged means over all ranks), "elapsed_s"}. Stops at ``cfg.steps`` or after
     ``cfg.max_minutes`` of training, whichever comes first (a checkpoint is written either way).
     """
     cfg.check()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    info = init_distributed("auto", group=cfg.parallel == "fsdp")
+    try:
+        return _train(cfg, out_dir, resume, stop_after, log if info.is_main else (lambda s: None), info)
+    finally:
+        if info.owns_group:
+            cleanup(info)
+
+
+def _train(cfg: DiffusionTrainConfig, out_dir: str, resume: bool, stop_after: Optional[int],
+           log: Callable[[str], None], info: DistInfo) -> Dict[str, Any]:
+    if cfg.batch_size % info.world_size:
+        raise ValueError(f"batch_size: {cfg.batch_size} images per step do not split over {info.world_size} ranks")
+    per_rank = cfg.batch_size // info.world_size
+    lo, hi = info.rank * per_rank, (info.rank + 1) * per_rank
+    device = info.device
+    sharded = cfg.parallel == "fsdp"
     model_cfg = cfg.model_config()
-    x_all, y_all, classes = _training_data(cfg, model_cfg, out_dir, device, resume, log)
-    captions = _captions(cfg, model_cfg, len(x_all))
-    if captions is None and len(classes) != model_cfg.num_classes:
-        raise ValueError(f"model.num_classes: {model_cfg.num_classes}, but the data has {len(classes)} classes")
+    data = _training_data(cfg, model_cfg, out_dir, info, log)
+    captions = _captions(cfg, model_cfg, len(data.labels))
+    if captions is None and len(data.classes) != model_cfg.num_classes:
+        raise ValueError(f"model.num_classes: {model_cfg.num_classes}, but the data has {len(data.classes)} classes")
     torch.manual_seed(cfg.seed)
     model = LinDiT(model_cfg)
     if cfg.init_from is not None and not resume:
@@ -212,8 +270,9 @@ def train_dit(cfg: DiffusionTrainConfig, out_dir: str, resume: bool = False, sto
 
         load_diffusers_weights(model, cfg.init_from)
         log(f"weights from {cfg.init_from}")
-    model = model.to(device)
+    model.set_grad_checkpointing(cfg.grad_checkpointing)
     ema = create_ema(model, cfg.ema_decay)
+    step_model = parallelize(model, ema.module, cfg.parallel, info, cfg.fsdp_param_dtype)
     opt = create_optimizer_v2(model, opt="adamw", lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_factor(k, cfg))
     data_gen = torch.Generator().manual_seed(cfg.seed)
@@ -221,44 +280,55 @@ def train_dit(cfg: DiffusionTrainConfig, out_dir: str, resume: bool = False, sto
     step = 0
     last = os.path.join(out_dir, "last")
     if resume:
-        recover_checkpoint_folder(last)
+        if info.is_main:
+            recover_checkpoint_folder(last)
+        barrier(info)
         state = load_torch_file(os.path.join(last, "train_state.pt"), "resume")
-        load_checkpoint_weights(model, last, DIT_MODEL_NAME)
-        load_checkpoint_weights(ema.module, last, DIT_MODEL_NAME, "ema.safetensors")
-        opt.load_state_dict(state["optimizer"])
+        load_train_state(last, step_model, ema.module, opt)
         sched.load_state_dict(state["scheduler"])
         data_gen.set_state(state["data_gen"])
         noise_gen.set_state(state["noise_gen"])
         step = state["step"]
         log(f"resumed from {last} at step {step}")
-    meta = {"data": {"dataset": cfg.dataset, "classes": classes, "value_range": [-1.0, 1.0],
+    meta = {"data": {"dataset": cfg.dataset, "classes": data.classes, "value_range": [-1.0, 1.0],
                      "autoencoder": cfg.autoencoder and os.path.abspath(cfg.autoencoder),
-                     "captions": cfg.captions and os.path.abspath(cfg.captions)}}
+                     "captions": cfg.captions and os.path.abspath(cfg.captions)},
+            "parallel": {"mode": cfg.parallel, "world_size": info.world_size}}
 
     def save() -> None:
-        train_state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step,
-                       "data_gen": data_gen.get_state(), "noise_gen": noise_gen.get_state(), "config": cfg.to_dict()}
-        save_dit_checkpoint(last, model, ema.module, {**meta, "step": step}, train_state)
+        train_state = {"scheduler": sched.state_dict(), "step": step, "data_gen": data_gen.get_state(),
+                       "noise_gen": noise_gen.get_state(), "config": cfg.to_dict()}
+        if sharded:
+            save_sharded_dit_checkpoint(last, model, ema.module, opt, {**meta, "step": step}, train_state, info)
+        elif info.is_main:
+            save_dit_checkpoint(last, model, ema.module, {**meta, "step": step},
+                                {**train_state, "optimizer": opt.state_dict()})
 
-    n_params = sum(p.numel() for p in model.parameters())
-    log(f"LinDiT {n_params / 1e6:.2f}M params, {len(y_all)} images{' with captions' if captions else ''}, "
-        f"device {device}")
+    n_params = sum(p.numel() for p in model.parameters()) * (info.world_size if sharded else 1)
+    log(f"LinDiT {n_params / 1e6:.2f}M params, {len(data.labels)} images{' with captions' if captions else ''}, "
+        f"device {device}, {info.world_size} rank(s) x {per_rank} images per step"
+        f"{f', {cfg.parallel}' if info.distributed or sharded else ''}")
     losses: List[float] = []
-    window: List[float] = []
+    window = torch.zeros(2, dtype=torch.float64)  # loss sum over ranks and steps, step count
     start = time.perf_counter()
     model.train()
     with StopFlag() as stop:
         while step < (cfg.steps if stop_after is None else min(cfg.steps, stop_after)):
-            if cfg.max_minutes is not None and time.perf_counter() - start > 60 * cfg.max_minutes:
+            out_of_time = cfg.max_minutes is not None and time.perf_counter() - start > 60 * cfg.max_minutes
+            if all_reduce_max(int(out_of_time), info):  # every rank stops at the same step
                 log(f"time budget of {cfg.max_minutes} min reached at step {step}")
                 break
-            idx = torch.randint(len(y_all), (cfg.batch_size,), generator=data_gen)
-            x0 = x_all[idx].to(device)
+            idx = torch.randint(len(data.labels), (cfg.batch_size,), generator=data_gen)[lo:hi]
+            x0 = data.inputs(idx).to(device)
+            t, eps, drop = flow_noise(cfg.batch_size, x0.shape[1:], cfg.class_dropout, generator=noise_gen,
+                                      device=device, dtype=x0.dtype)
+            noise = (t[lo:hi], eps[lo:hi], drop[lo:hi])
             lr = opt.param_groups[0]["lr"]
             if captions is None:
-                loss = flow_matching_loss(model, x0, y_all[idx].to(device), cfg.class_dropout, generator=noise_gen)
+                loss = flow_matching_loss(step_model, x0, data.labels[idx].to(device), cfg.class_dropout,
+                                          null_class=model.null_class, noise=noise)
             else:
-                loss = flow_matching_loss(model, x0, None, cfg.class_dropout, generator=noise_gen,
+                loss = flow_matching_loss(step_model, x0, None, cfg.class_dropout, noise=noise,
                                           context=captions[0][idx].to(device), context_mask=captions[1][idx].to(device))
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -269,15 +339,17 @@ def train_dit(cfg: DiffusionTrainConfig, out_dir: str, resume: bool = False, sto
             # Short runs would keep the EMA near the random init with a fixed 0.999: the decay is warmed up.
             ema.update(model, step=ema_step(step))
             step += 1
-            window.append(loss.item())
+            window += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
             if step % cfg.log_every == 0 or step == cfg.steps:
-                losses.append(sum(window) / len(window))
+                total = all_reduce_sum(window, info)
+                losses.append(float(total[0] / total[1]))
                 log(f"step {step:6d}  loss {losses[-1]:.4f}  lr {lr:.2e}  "
                     f"{time.perf_counter() - start:.0f}s")
-                window = []
-            if stop.signum:  # saved at this step, then the tool exits with 128 + the signal
+                window.zero_()
+            signum = all_reduce_max(stop.signum, info)  # every rank stops at the same step
+            if signum:  # saved at this step, then the tool exits with 128 + the signal
                 save()
-                raise TrainInterrupted(stop.signum, last)
+                raise TrainInterrupted(signum, last)
             if cfg.save_every and step % cfg.save_every == 0:
                 save()
     save()

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "init_distributed", "all_reduce_sum", "all_reduce_max", "barrier", "cleanup"]
+__all__ = ["DistInfo", "init_distributed", "all_reduce_sum", "all_reduce_max", "broadcast_object", "barrier",
+           "cleanup"]
 
 
 @dataclass
@@ -16,6 +17,7 @@ class DistInfo:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    owns_group: bool = False
 
     @property
     def distributed(self) -> bool:
@@ -26,10 +28,12 @@ class DistInfo:
         return self.rank == 0
 
 
-def init_distributed(device: str = "auto") -> DistInfo:
+def init_distributed(device: str = "auto", group: bool = False) -> DistInfo:
     """Join the process group torchrun describes (WORLD_SIZE > 1), else a single process.
 
-    ``device`` is "auto" (CUDA when available), "cpu" or "cuda". Each rank uses cuda:LOCAL_RANK.
+    ``device`` is "auto" (CUDA when available), "cpu" or "cuda". Each rank uses cuda:LOCAL_RANK. ``group``: a
+    single process gets a process group of its own too (for code that needs one, such as FSDP), in memory when
+    torchrun did not describe one. A group made here is ``DistInfo.owns_group``: :func:`cleanup` ends it.
     """
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device: expected 'auto', 'cpu' or 'cuda', got {device!r}")
@@ -42,9 +46,15 @@ def init_distributed(device: str = "auto") -> DistInfo:
     dev = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(dev)
-    if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo", rank=rank, world_size=world_size)
-    return DistInfo(rank, world_size, local_rank, dev)
+    backend = "nccl" if use_cuda else "gloo"
+    owns = False
+    if (world_size > 1 or group) and not dist.is_initialized():
+        if world_size == 1 and "MASTER_ADDR" not in os.environ:
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+        owns = True
+    return DistInfo(rank, world_size, local_rank, dev, owns)
 
 
 def all_reduce_sum(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
@@ -66,11 +76,21 @@ def all_reduce_max(value: int, info: DistInfo) -> int:
     return int(t.item())
 
 
+def broadcast_object(obj, info: DistInfo):
+    """Rank 0's ``obj`` on every rank (any picklable object)."""
+    if not info.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def barrier(info: DistInfo) -> None:
     if info.distributed:
         dist.barrier()
 
 
 def cleanup(info: DistInfo) -> None:
-    if info.distributed and dist.is_initialized():
+    """End the process group of a multi-process run, or the one :func:`init_distributed` made for a single one."""
+    if (info.distributed or info.owns_group) and dist.is_initialized():
         dist.destroy_process_group()

@@ -8,8 +8,8 @@ import shutil
 import tempfile
 from typing import Any, Dict, Tuple
 
-__all__ = ["atomic_write", "atomic_write_text", "write_checkpoint_folder", "recover_checkpoint_folder",
-           "remove_stale_temporaries"]
+__all__ = ["atomic_write", "atomic_write_text", "write_checkpoint_folder", "begin_checkpoint_folder",
+           "commit_checkpoint_folder", "recover_checkpoint_folder", "remove_stale_temporaries"]
 
 
 def _fsync_dir(folder: str) -> None:
@@ -99,23 +99,37 @@ def recover_checkpoint_folder(folder: str) -> str:
     return done
 
 
-def write_checkpoint_folder(folder: str, files: Dict[str, Any]) -> None:
-    """Write a checkpoint folder as one unit: each ``files[name](path)`` writes one file into
-    ``.<folder>.new/``; the files and that folder are fsync'ed, then ``folder`` is swapped for it by two
-    renames (old one aside, new one in) and the parent fsync'ed. A crash at any moment leaves the previous
-    checkpoint or the new one whole (see :func:`recover_checkpoint_folder`), never files of both."""
-
-
+def begin_checkpoint_folder(folder: str) -> str:
+    """Start writing ``folder`` as one unit: finish or undo an earlier interrupted write, then create and return
+    the hidden ``.<folder>.new/`` that the files (or a collective writer such as torch.distributed.checkpoint)
+    go into before :func:`commit_checkpoint_folder` swaps it in."""
     recover_checkpoint_folder(folder)
-    new, old = _swap_names(folder)
+    new, _ = _swap_names(folder)
     os.makedirs(new)
-    for name, write_fn in files.items():
-        path = os.path.join(new, name)
-        write_fn(path)
-        _fsync_file(path)
-    _fsync_dir(new)
+    return new
+
+
+def commit_checkpoint_folder(folder: str) -> None:
+    """Swap the complete ``.<folder>.new/`` of :func:`begin_checkpoint_folder` in for ``folder``: every file in
+    it (sub-folders included) and the folders are fsync'ed, then two renames (old one aside, new one in) and the
+    parent fsync'ed. A crash at any moment leaves the previous checkpoint or the new one whole (see
+    :func:`recover_checkpoint_folder`), never files of both."""
+    new, old = _swap_names(folder)
+    for root, _, names in os.walk(new):
+        for name in names:
+            _fsync_file(os.path.join(root, name))
+        _fsync_dir(root)
     if os.path.isdir(folder):
         os.replace(folder, old)
     os.replace(new, folder)
     _fsync_dir(os.path.dirname(os.path.abspath(folder)))
     shutil.rmtree(old, ignore_errors=True)
+
+
+def write_checkpoint_folder(folder: str, files: Dict[str, Any]) -> None:
+    """Write a checkpoint folder as one unit: each ``files[name](path)`` writes one file into the new folder of
+    :func:`begin_checkpoint_folder`, then :func:`commit_checkpoint_folder` swaps it in."""
+    new = begin_checkpoint_folder(folder)
+    for name, write_fn in files.items():
+        write_fn(os.path.join(new, name))
+    commit_checkpoint_folder(folder)

@@ -1,0 +1,131 @@
+"""Diffusion training beyond one process, on gloo: DDP and FSDP2 (fully_shard) under torchrun take the steps one
+process takes with the whole batch; a sharded torch.distributed.checkpoint resumes at another world size and
+loads for sampling and export; activation checkpointing changes no gradient."""
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from linvision.diffusion.checkpoint import is_sharded_checkpoint, load_dit
+from linvision.diffusion.model import create_dit
+from support import PY, ROOT, run_tool
+
+MODEL = ["--model", "digits", "--model-kwargs", "depth=2", "dim=32", "num_heads=2", "head_dim=16",
+         "num_cond_tokens=2"]
+# warm-up longer than the run: the learning rate of step k is the same whatever --steps says, so a run that
+# stops at step 2 and resumes to step 4 takes the steps of a 4-step run
+RECIPE = ["--batch-size", "8", "--lr", "3e-3", "--warmup-steps", "100", "--log-every", "1", "--save-every", "0",
+          "--seed", "3", "--threads", "1"]
+
+
+def _flags(out, experiment, steps, *extra):
+    return [*MODEL, *RECIPE, "--output", str(out), "--experiment", experiment, "--steps", str(steps), *extra]
+
+
+def _torchrun(*flags, ranks=2):
+    proc = subprocess.run(
+        [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+         os.path.join(ROOT, "tools", "train_diffusion.py"), *flags],
+        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _losses(stdout):
+    return [float(line.split()[3]) for line in stdout.splitlines() if line.startswith("step ")]
+
+
+def _assert_same_weights(run_a, run_b, atol=2e-6):
+    for ema in (False, True):
+        a, _ = load_dit(str(run_a), ema=ema)
+        b, _ = load_dit(str(run_b), ema=ema)
+        for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
+            torch.testing.assert_close(pb, pa, rtol=0, atol=atol, msg=f"{name} (ema={ema})")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The reference: one process, the whole batch of 8, 4 steps; and the same run's state at step 2."""
+    out = tmp_path_factory.mktemp("one")
+    four = run_tool("train_diffusion.py", *_flags(out, "four", 4))
+    run_tool("train_diffusion.py", *_flags(out, "two", 2))
+    return out, _losses(four.stdout)
+
+
+def test_ddp_two_ranks_take_the_steps_of_one_process(one_process, tmp_path):
+    """torchrun, 2 ranks x 4 images: the same losses (as logged, 4 decimals) and weights within 2e-6."""
+    ref, losses = one_process
+    proc = _torchrun(*_flags(tmp_path, "ddp", 4))
+    assert _losses(proc.stdout) == losses and len(losses) == 4
+    assert proc.stdout.count("done: step 4") == 1  # only rank 0 reports
+    assert "2 rank(s) x 4 images per step, ddp" in proc.stdout
+    _assert_same_weights(ref / "four", tmp_path / "ddp")
+    assert not is_sharded_checkpoint(str(tmp_path / "ddp" / "last"))
+
+
+def test_fsdp_shards_resume_on_two_ranks_and_on_one_process(one_process, tmp_path):
+    """FSDP2 over 2 ranks (fp32 compute) to step 2: a sharded checkpoint (dcp/, no .safetensors) whose weights
+    are the one-process run's at step 2; resumed by FSDP on 2 ranks and by a single process, both reach the
+    one-process run's step-4 weights."""
+    ref, losses = one_process
+    first = _torchrun(*_flags(tmp_path, "fsdp", 2, "--parallel", "fsdp", "--fsdp-param-dtype", "fp32"))
+    assert _losses(first.stdout) == losses[:2]
+    last = tmp_path / "fsdp" / "last"
+    assert is_sharded_checkpoint(str(last)) and not (last / "model.safetensors").exists()
+    assert sorted(os.listdir(last)) == ["dcp", "model.json", "train_state.pt"]
+    _assert_same_weights(ref / "two", tmp_path / "fsdp")  # load_dit reads the shards in one process
+    shutil.copytree(tmp_path / "fsdp", tmp_path / "fsdp_to_one")
+    again = _torchrun(*_flags(tmp_path, "fsdp", 4, "--parallel", "fsdp", "--fsdp-param-dtype", "fp32", "--resume"))
+    assert "resumed from" in again.stdout and _losses(again.stdout) == losses[2:]
+    _assert_same_weights(ref / "four", tmp_path / "fsdp")
+    one = run_tool("train_diffusion.py", *_flags(tmp_path, "fsdp_to_one", 4, "--resume"))
+    assert _losses(one.stdout) == losses[2:]
+    _assert_same_weights(ref / "four", tmp_path / "fsdp_to_one")
+    assert not is_sharded_checkpoint(str(tmp_path / "fsdp_to_one" / "last"))  # a single process writes files
+
+
+@pytest.mark.slow
+def test_fsdp_bf16_with_activation_checkpointing_follows_fp32(one_process, tmp_path):
+    """The default FSDP mode (bf16 compute, fp32 shards and reduction) with activation checkpointing: losses
+    within 2% of the fp32 run's."""
+    _, losses = one_process
+    proc = _torchrun(*_flags(tmp_path, "bf16", 4, "--parallel", "fsdp", "--grad-checkpointing"))
+    assert _losses(proc.stdout) == pytest.approx(losses, rel=2e-2)
+
+
+def test_fsdp_in_one_process_and_bad_settings(one_process, tmp_path):
+    """--parallel fsdp without torchrun shards over a group of one (same steps); a batch that does not split
+    over the ranks and unknown modes fail in one line."""
+    ref, losses = one_process
+    proc = run_tool("train_diffusion.py", *_flags(tmp_path, "solo", 4, "--parallel", "fsdp",
+                                                   "--fsdp-param-dtype", "fp32"))
+    assert _losses(proc.stdout) == losses
+    _assert_same_weights(ref / "four", tmp_path / "solo")
+    bad = run_tool("train_diffusion.py", *_flags(tmp_path, "bad", 1, "--parallel", "zero3"), check=False)
+    assert bad.returncode == 2 and "parallel" in bad.stderr.strip().splitlines()[-1]
+    bad = run_tool("train_diffusion.py", *_flags(tmp_path, "bad", 1, "--fsdp-param-dtype", "fp8"), check=False)
+    assert bad.returncode == 2 and "fsdp_param_dtype" in bad.stderr
+    odd = subprocess.run(
+        [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         os.path.join(ROOT, "tools", "train_diffusion.py"), *_flags(tmp_path, "odd", 1), "--batch-size", "7"],
+        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert odd.returncode != 0 and "do not split over 2 ranks" in odd.stderr
+
+
+def test_activation_checkpointing_changes_no_gradient():
+    torch.manual_seed(0)
+    model = create_dit("digits", depth=2, dim=32, num_heads=2, head_dim=16).double()
+    x, t, y = torch.randn(3, 1, 8, 8, dtype=torch.float64), torch.rand(3, dtype=torch.float64), torch.tensor([0, 4, 9])
+    with torch.no_grad():  # the zero-initialised projections would hide the blocks' gradients
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    grads = []
+    for enable in (False, True):
+        model.zero_grad()
+        model.set_grad_checkpointing(enable)
+        model(x, t, y).square().sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-12, atol=1e-12, msg=name)

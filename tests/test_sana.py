@@ -341,3 +341,75 @@ def test_fine_tuning_starts_from_a_diffusers_folder_and_goes_back(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(tuned(x, t, context=context, context_mask=mask),
                                    _theirs_forward(again, x, t, context, mask), rtol=0, atol=2e-6)
+
+
+def test_latent_cache_keeps_finished_shards_after_a_kill_and_refuses_another_source(tmp_path):
+    """A build killed after three shards leaves them (and no cache.json); the next build encodes only the four
+    missing ones, a third encodes nothing; the cache reads back the autoencoder's latents row by row."""
+    from linvision.diffusion.data import ImageSet
+    from linvision.diffusion.latent_cache import LatentCache, build_latent_cache
+    from linvision.diffusion.latents import encode_images
+
+    ae = _tiny_autoencoder("AutoencoderKL")
+    data = ImageSet("digits", 16, 1)
+    source = {"autoencoder": "tiny", "dataset": "digits", "image_size": 16}
+    calls = []
+
+    def encode(x):
+        calls.append(len(x))
+        if killed and len(calls) > 3:
+            raise KeyboardInterrupt  # as a kill would stop the run
+        return encode_images(ae, x.expand(-1, 3, -1, -1))
+
+    folder = str(tmp_path / "cache")
+    killed = True
+    with pytest.raises(KeyboardInterrupt):
+        build_latent_cache(folder, source, 100, data.images, encode, shard_size=16, log=lambda s: None)
+    assert sorted(n for n in os.listdir(folder) if n.startswith("latents-")) == [
+        f"latents-{i:05d}.safetensors" for i in range(3)]
+    with pytest.raises(FileNotFoundError, match="not a complete latent cache"):
+        LatentCache(folder)
+    killed, calls = False, []
+    build_latent_cache(folder, source, 100, data.images, encode, shard_size=16, log=lambda s: None)
+    assert calls == [16, 16, 16, 4]  # shards 3..6; the last holds images 96..99
+    calls = []
+    build_latent_cache(folder, source, 100, data.images, encode, shard_size=16, log=lambda s: None)
+    assert calls == []
+    cache = LatentCache(folder)
+    want = encode_images(ae, data.images(range(100)).expand(-1, 3, -1, -1))
+    idx = torch.tensor([99, 0, 17, 17, 63])
+    torch.testing.assert_close(cache.latents(idx), want[idx], rtol=1e-5, atol=1e-6)
+    assert len(cache) == 100 and cache.latent_shape == [4, 8, 8]
+    with pytest.raises(ValueError, match="outside the cache's 100 images"):
+        cache.latents([100])
+    with pytest.raises(ValueError, match="image_size=16, this run asks for 32"):
+        build_latent_cache(folder, {**source, "image_size": 32}, 100, data.images, encode, log=lambda s: None)
+
+
+def test_latents_encoded_per_batch_train_as_cached_ones_and_a_named_cache_is_reused(tmp_path):
+    """cache_latents off encodes each batch (no cache written) and trains to the cached run's weights; a second
+    run naming the first run's cache encodes nothing."""
+    from linvision.diffusion.checkpoint import load_dit
+    from linvision.diffusion.train import DiffusionTrainConfig, train_dit
+
+    torch.set_num_threads(1)
+    _tiny_autoencoder("AutoencoderKL", tmp_path / "ae")
+    model = dict(img_size=8, in_chans=4, patch_size=2, dim=32, depth=1, num_heads=2, head_dim=16, num_cond_tokens=2)
+
+    def cfg(**kw):
+        return DiffusionTrainConfig(model=model, autoencoder=str(tmp_path / "ae"), steps=3, batch_size=8,
+                                    warmup_steps=2, log_every=1, save_every=0, encode_batch_size=512, **kw)
+
+    logs = []
+    train_dit(cfg(), str(tmp_path / "cached"), log=logs.append)
+    assert any(s.startswith("latent cache: shard 2/2") for s in logs)
+    train_dit(cfg(cache_latents=False), str(tmp_path / "direct"), log=lambda s: None)
+    assert not (tmp_path / "direct" / "latents").exists()
+    logs = []
+    train_dit(cfg(latent_cache=str(tmp_path / "cached" / "latents")), str(tmp_path / "reuse"), log=logs.append)
+    assert not any(s.startswith("latent cache") for s in logs) and not (tmp_path / "reuse" / "latents").exists()
+    a, _ = load_dit(str(tmp_path / "cached"), ema=False)
+    for other in ("direct", "reuse"):
+        b, _ = load_dit(str(tmp_path / other), ema=False)
+        for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
+            torch.testing.assert_close(pb, pa, rtol=0, atol=1e-5, msg=f"{other}: {name}")

@@ -38,7 +38,7 @@ from .latent_cache import LatentCache, build_latent_cache
 from .model import DIT_CONFIGS, DiTConfig, LinDiT
 from .parallel import parallelize
 
-__all__ = ["DiffusionTrainConfig", "train_dit", "lr_factor", "create_ema", "ema_step"]
+__all__ = ["DiffusionTrainConfig", "train_dit", "lr_factor", "create_ema", "ema_step", "optimizer_step"]
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
@@ -227,6 +227,19 @@ def ema_step(k: int) -> int:
     return k + 2
 
 
+def optimizer_step(loss: Tensor, model: nn.Module, opt: torch.optim.Optimizer, ema: ModelEmaV3, k: int,
+                   grad_clip: float) -> None:
+    """The update of step ``k`` (0-based) from ``loss``: backward, the gradient norm clipped to ``grad_clip``
+    (0: not clipped), the optimizer step, the EMA update."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if grad_clip > 0:
+        nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
+    # Short runs would keep the EMA near the random init with a fixed 0.999: the decay is warmed up.
+    ema.update(model, step=ema_step(k))
+
+
 def train_dit(cfg: DiffusionTrainConfig, out_dir: str, resume: bool = False, stop_after: Optional[int] = None,
               log: Callable[[str], None] = print) -> Dict[str, Any]:
     """Train on CPU or the current CUDA device, or on every rank of a torchrun job (``cfg.parallel``: DDP or
@@ -330,14 +343,8 @@ def _train(cfg: DiffusionTrainConfig, out_dir: str, resume: bool, stop_after: Op
             else:
                 loss = flow_matching_loss(step_model, x0, None, cfg.class_dropout, noise=noise,
                                           context=captions[0][idx].to(device), context_mask=captions[1][idx].to(device))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if cfg.grad_clip > 0:
-                nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
+            optimizer_step(loss, model, opt, ema, step, cfg.grad_clip)
             sched.step()
-            # Short runs would keep the EMA near the random init with a fixed 0.999: the decay is warmed up.
-            ema.update(model, step=ema_step(step))
             step += 1
             window += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
             if step % cfg.log_every == 0 or step == cfg.steps:

@@ -129,3 +129,22 @@ def test_activation_checkpointing_changes_no_gradient():
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_memory_benchmark_shows_fsdp_sharding_the_state(tmp_path):
+    """tools/bench_diffusion_parallel.py: on 2 ranks FSDP holds about half of DDP's weights, gradients and
+    optimizer states per rank; the table and the JSON are written."""
+    import json
+
+    proc = subprocess.run(
+        [PY, os.path.join(ROOT, "tools", "bench_diffusion_parallel.py"), "--model", "digits", "--depth", "2",
+         "--latent", "8", "--batch", "2", "--steps", "2", "--ranks", "2", "--modes", "ddp", "fsdp",
+         "--param-dtype", "fp32", "--out", str(tmp_path / "mem")],
+        capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    points = {p["mode"]: p for p in json.loads((tmp_path / "mem.json").read_text())["points"]}
+    ddp, fsdp = points["ddp"], points["fsdp"]
+    for key in ("weights_mib", "ema_mib", "grads_mib", "optimizer_mib"):
+        assert 0.45 * ddp[key] < fsdp[key] < 0.55 * ddp[key], key
+    assert ddp["optimizer_mib"] == pytest.approx(2 * ddp["weights_mib"])  # AdamW: two moments per weight
+    assert "| fsdp | 2 |" in (tmp_path / "mem.md").read_text()

@@ -413,3 +413,33 @@ def test_latents_encoded_per_batch_train_as_cached_ones_and_a_named_cache_is_reu
         b, _ = load_dit(str(tmp_path / other), ema=False)
         for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
             torch.testing.assert_close(pb, pa, rtol=0, atol=1e-5, msg=f"{other}: {name}")
+
+
+def test_a_sharded_fine_tuning_checkpoint_exports_to_a_diffusers_folder(tmp_path):
+    """A caption model fine-tuned with --parallel fsdp (one rank, fp32) leaves a torch.distributed.checkpoint;
+    load_dit reads it in a plain process and save_diffusers_folder writes what diffusers loads and runs alike."""
+    from safetensors.torch import save_file
+
+    from linvision.diffusion.checkpoint import is_sharded_checkpoint, load_dit
+    from linvision.diffusion.train import DiffusionTrainConfig, train_dit
+
+    torch.set_num_threads(1)
+    theirs = _diffusers_model(in_channels=1, out_channels=1, caption_channels=6)
+    theirs.save_pretrained(tmp_path / "sana")
+    g = torch.Generator().manual_seed(0)
+    save_file({"context": torch.randn(1437, 3, 6, generator=g), "mask": torch.ones(1437, 3, dtype=torch.bool)},
+              str(tmp_path / "captions.safetensors"))
+    cfg = DiffusionTrainConfig(init_from=str(tmp_path / "sana"), captions=str(tmp_path / "captions.safetensors"),
+                               model_kwargs={"eps": 1e-15, "eps_form": "sum"}, steps=2, batch_size=4,
+                               warmup_steps=0, log_every=1, save_every=0, parallel="fsdp", fsdp_param_dtype="fp32")
+    train_dit(cfg, str(tmp_path / "ft"), log=lambda s: None)
+    assert is_sharded_checkpoint(str(tmp_path / "ft" / "last"))
+    tuned, _ = load_dit(str(tmp_path / "ft"))
+    start = state_dict_from_diffusers(theirs.state_dict(), tuned.cfg)
+    assert max((v - start[k]).abs().max() for k, v in tuned.state_dict().items()) > 1e-6  # it trained
+    save_diffusers_folder(tuned, str(tmp_path / "back"))
+    again = diffusers.SanaTransformer2DModel.from_pretrained(str(tmp_path / "back"), low_cpu_mem_usage=False).eval()
+    x, t, context, mask = _inputs(in_chans=1, caption=6)
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(x, t, context=context, context_mask=mask),
+                                   _theirs_forward(again, x, t, context, mask), rtol=0, atol=2e-6)

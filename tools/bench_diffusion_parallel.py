@@ -93,7 +93,7 @@ def worker(args: argparse.Namespace) -> None:
         "peak_mib": (torch.cuda.max_memory_allocated(info.device) / mib if cuda
                      else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base),
         "step_s": sum(times[1:]) / max(1, len(times) - 1),
-        "loss": float(loss),
+        "loss": loss.item(),
     }
     everyone = [None] * info.world_size
     dist.all_gather_object(everyone, mine)
@@ -116,8 +116,9 @@ def run_point(args: argparse.Namespace, mode: str, ranks: int) -> Dict[str, Any]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
                               env={**os.environ, "OMP_NUM_THREADS": str(args.threads or 1)})
-        if proc.returncode != 0:
-            point["error"] = (proc.stderr.strip().splitlines() or ["failed"])[-1][:200]
+        if proc.returncode != 0:  # the rank's exception, not torchrun's summary around it
+            lines = proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"]
+            point["error"] = next((s for s in reversed(lines) if "Error" in s or "error:" in s), lines[-1])[:200]
             return point
         with open(result) as f:
             ranks_figures = json.load(f)

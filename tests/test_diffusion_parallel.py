@@ -80,10 +80,50 @@ def test_fsdp_shards_resume_on_two_ranks_and_on_one_process(one_process, tmp_pat
     again = _torchrun(*_flags(tmp_path, "fsdp", 4, "--parallel", "fsdp", "--fsdp-param-dtype", "fp32", "--resume"))
     assert "resumed from" in again.stdout and _losses(again.stdout) == losses[2:]
     _assert_same_weights(ref / "four", tmp_path / "fsdp")
+    shutil.copytree(tmp_path / "fsdp_to_one", tmp_path / "fsdp_to_fsdp_one")
     one = run_tool("train_diffusion.py", *_flags(tmp_path, "fsdp_to_one", 4, "--resume"))
     assert _losses(one.stdout) == losses[2:]
     _assert_same_weights(ref / "four", tmp_path / "fsdp_to_one")
     assert not is_sharded_checkpoint(str(tmp_path / "fsdp_to_one" / "last"))  # a single process writes files
+    # FSDP at another world size: the 2-rank shards resharded onto a group of one
+    solo = run_tool("train_diffusion.py", *_flags(tmp_path, "fsdp_to_fsdp_one", 4, "--resume", "--parallel", "fsdp",
+                                                   "--fsdp-param-dtype", "fp32"))
+    assert _losses(solo.stdout) == losses[2:]
+    _assert_same_weights(ref / "four", tmp_path / "fsdp_to_fsdp_one")
+
+
+def test_a_single_process_checkpoint_resumes_as_fsdp_on_two_ranks(one_process, tmp_path):
+    """The move after running out of memory: a plain run's checkpoint (weights files, optimizer state by
+    parameter name) resumed by FSDP over 2 ranks reaches the uninterrupted run's step-4 weights."""
+    ref, losses = one_process
+    shutil.copytree(ref / "two", tmp_path / "grow")
+    proc = _torchrun(*_flags(tmp_path, "grow", 4, "--parallel", "fsdp", "--fsdp-param-dtype", "fp32", "--resume"))
+    assert _losses(proc.stdout) == losses[2:]
+    _assert_same_weights(ref / "four", tmp_path / "grow")
+    assert is_sharded_checkpoint(str(tmp_path / "grow" / "last"))
+
+
+def test_two_ranks_split_the_latent_cache(tmp_path):
+    """Under torchrun the ranks encode the missing shards between them: the cache holds what one process
+    encodes, and the run trains on it."""
+    from test_sana import _tiny_autoencoder
+
+    from linvision.diffusion.data import ImageSet
+    from linvision.diffusion.latent_cache import LatentCache
+    from linvision.diffusion.latents import encode_images
+
+    ae = _tiny_autoencoder("AutoencoderKL", tmp_path / "ae")
+    flags = ["--model", "digits", "--model-kwargs", "img_size=8", "in_chans=4", "dim=32", "depth=1", "num_heads=2",
+             "head_dim=16", "num_cond_tokens=2", "--autoencoder", str(tmp_path / "ae"), "--cache-shard-size", "400",
+             "--steps", "2", "--batch-size", "4", "--save-every", "0", "--threads", "1", "--output", str(tmp_path),
+             "--experiment", "latent"]
+    proc = _torchrun(*flags)
+    assert proc.stdout.count("latent cache: shard") == 2  # 1437 images in 4 shards; rank 0 logs its 2 (0 and 2)
+    cache = LatentCache(str(tmp_path / "latent" / "latents"))
+    images = ImageSet("digits", 16, 1)
+    idx = torch.tensor([0, 399, 400, 1436])
+    torch.testing.assert_close(cache.latents(idx), encode_images(ae, images.images(idx).expand(-1, 3, -1, -1)),
+                               rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

@@ -13,9 +13,9 @@ import argparse
 import os
 
 import torch
-from safetensors.torch import load_file
 
 from linvision.diffusion.flow import SAMPLERS
+from linvision.diffusion.data import CaptionEmbeddings
 from linvision.diffusion.sampling import decoder_for, sample_captions, sample_classes, save_grid
 from linvision.diffusion.checkpoint import load_dit
 from linvision.engine.cli import run_cli
@@ -46,10 +46,9 @@ def main() -> int:
         path = args.captions or meta["data"].get("captions")
         if not path:
             raise ValueError("captions: a caption model needs --captions (a safetensors file of 'context', 'mask')")
-        data = load_file(path)
-        rows = slice(0, args.num_captions)
-        context = data["context"][rows].float().repeat_interleave(args.per_class, 0)
-        mask = data["mask"][rows].bool().repeat_interleave(args.per_class, 0)
+        captions = CaptionEmbeddings(path, channels=model.cfg.caption_channels)
+        context, mask = captions.rows(range(min(args.num_captions, len(captions))))
+        context, mask = context.repeat_interleave(args.per_class, 0), mask.repeat_interleave(args.per_class, 0)
         images = sample_captions(model, context, mask, **options)
         what = f"{len(images) // args.per_class} captions of {path}"
     else:

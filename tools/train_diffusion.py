@@ -26,7 +26,7 @@ import torch
 from linvision.diffusion.train import DiffusionTrainConfig, train_dit
 from linvision.engine.cli import run_cli
 from linvision.engine.config import parse_args, parse_kwargs, save_yaml
-from linvision.engine.distributed import broadcast_object, cleanup, init_distributed
+from linvision.engine.distributed import cleanup, init_distributed, on_main
 from linvision.engine.files import atomic_write
 from linvision.engine.run_folder import claim_run_folder
 
@@ -78,23 +78,26 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     cfg = recipe_from_args(args)
     info = init_distributed("auto", group=cfg.parallel == "fsdp")
-    folder = None
+    held = []
+
+    def claim() -> str:  # one process owns the folder; the others write only their checkpoint shards there
+        folder = claim_run_folder(os.path.join(args.output, args.experiment), resume=args.resume,
+                                  overwrite=args.overwrite)
+        held.append(folder)
+        for note in folder.notes:
+            print(note, flush=True)
+        recipe = {k: v for k, v in vars(args).items() if k not in ("config", "overwrite", "resume")}
+        atomic_write(os.path.join(folder.path, "config.yaml"), lambda p: save_yaml(p, recipe))
+        return folder.path
+
     try:
-        run_dir = os.path.join(args.output, args.experiment)
-        if info.is_main:  # one process owns the folder; the others write only their checkpoint shards there
-            folder = claim_run_folder(run_dir, resume=args.resume, overwrite=args.overwrite)
-            for note in folder.notes:
-                print(note, flush=True)
-            run_dir = folder.path
-            recipe = {k: v for k, v in vars(args).items() if k not in ("config", "overwrite", "resume")}
-            atomic_write(os.path.join(run_dir, "config.yaml"), lambda p: save_yaml(p, recipe))
-        run_dir = broadcast_object(run_dir, info)
+        run_dir = on_main(claim, info)
         result = train_dit(cfg, run_dir, resume=args.resume)
         if info.is_main:
             print(f"done: step {result['step']}, {result['elapsed_s']:.0f}s, checkpoint "
                   f"{os.path.join(run_dir, 'last')}")
     finally:
-        if folder is not None:
+        for folder in held:
             folder.release()
         cleanup(info)
     return 0

@@ -16,7 +16,8 @@ import warnings
 from typing import Any, Dict, Optional, Tuple
 
 import torch
-from torch import nn
+from safetensors.torch import load_file
+from torch import Tensor, nn
 
 from linvision.engine.checkpoint import (
     load_checkpoint_weights,
@@ -24,13 +25,13 @@ from linvision.engine.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from linvision.engine.distributed import DistInfo, barrier, broadcast_object
+from linvision.engine.distributed import DistInfo, barrier, on_main
 from linvision.engine.files import begin_checkpoint_folder, commit_checkpoint_folder
 
 from .model import LinDiT, create_dit
 
 __all__ = ["DIT_MODEL_NAME", "SHARDED_FOLDER", "save_dit_checkpoint", "save_sharded_dit_checkpoint",
-           "is_sharded_checkpoint", "load_train_state", "load_dit"]
+           "optimizer_state", "is_sharded_checkpoint", "load_train_state", "load_dit"]
 
 DIT_MODEL_NAME = "lindit"
 SHARDED_FOLDER = "dcp"
@@ -52,6 +53,14 @@ def is_sharded_checkpoint(folder: str) -> bool:
     return os.path.isdir(os.path.join(folder, SHARDED_FOLDER))
 
 
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """The optimizer state keyed by parameter names (torch.distributed.checkpoint's form): what a checkpoint
+    stores, so that a run of another layout (FSDP from a single-process checkpoint) can take it."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    return get_state_dict(model, optimizer)[1]
+
+
 def save_sharded_dit_checkpoint(folder: str, model: LinDiT, ema: LinDiT, optimizer: torch.optim.Optimizer,
                                 meta: Dict[str, Any], train_state: Dict[str, Any], info: DistInfo) -> None:
     """Collective (every rank calls it): the weights, EMA weights and optimizer state of a sharded ``model``
@@ -60,7 +69,7 @@ def save_sharded_dit_checkpoint(folder: str, model: LinDiT, ema: LinDiT, optimiz
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-    new = broadcast_object(begin_checkpoint_folder(folder) if info.is_main else None, info)
+    new = on_main(lambda: begin_checkpoint_folder(folder), info)
     weights, optim = get_state_dict(model, optimizer)
     dcp.save({"model": weights, "ema": get_model_state_dict(ema), "optim": optim},
              checkpoint_id=os.path.join(new, SHARDED_FOLDER))
@@ -73,7 +82,9 @@ def save_sharded_dit_checkpoint(folder: str, model: LinDiT, ema: LinDiT, optimiz
     barrier(info)
 
 
-def _load_sharded(folder: str, state: Dict[str, Any]) -> None:
+def _load_sharded(folder: str, state: Dict[str, Any], collective: bool = False) -> None:
+    """Fill ``state`` from ``folder/dcp``: in this process alone, or (``collective``) with every rank of the
+    process group, each reading the shards of its part."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -81,42 +92,62 @@ def _load_sharded(folder: str, state: Dict[str, Any]) -> None:
     try:
         with warnings.catch_warnings():  # one process reading shards is what no_dist asks for, not a surprise
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+            dcp.load(state, checkpoint_id=path, no_dist=not (collective and dist.is_initialized()))
     except Exception as e:  # torch raises several types for missing, truncated or mismatched shards
         reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise ValueError(f"checkpoint: cannot read the sharded weights in {path} ({reason})") from None
 
 
-def load_train_state(folder: str, model: nn.Module, ema: LinDiT, optimizer: torch.optim.Optimizer) -> None:
+def _read_weights(folder: str, file: str) -> Dict[str, Tensor]:
+    path = os.path.join(folder, file)
+    try:
+        return load_file(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"checkpoint: no {file} in {folder}") from None
+    except Exception as e:  # safetensors raises its own error type for truncated or corrupt files
+        raise ValueError(f"checkpoint: cannot read {path} ({str(e).strip()[:200]})") from None
+
+
+def load_train_state(folder: str, model: nn.Module, ema: LinDiT, optimizer: torch.optim.Optimizer,
+                     train_state: Dict[str, Any]) -> None:
     """Load a checkpoint's weights, EMA weights and optimizer state into a run of any layout (a single
-    process, DDP or FSDP at any world size; call it on every rank): from ``dcp/`` (resharded to this run) or
-    from model.safetensors, ema.safetensors and train_state.pt's optimizer. ValueError in one line naming the
-    folder when they do not fit."""
+    process, DDP or FSDP at any world size; every rank calls it): from ``dcp/`` (resharded to this run) or
+    from model.safetensors, ema.safetensors and ``train_state`` (train_state.pt's content)'s optimizer.
+    ValueError in one line naming the folder when they do not fit."""
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         get_model_state_dict,
         get_state_dict,
         set_model_state_dict,
+        set_optimizer_state_dict,
         set_state_dict,
     )
 
-    from linvision.engine.checkpoint import load_torch_file
-
-    weights, optim = get_state_dict(model, optimizer)
     if is_sharded_checkpoint(folder):
+        weights, optim = get_state_dict(model, optimizer)
         state = {"model": weights, "ema": get_model_state_dict(ema), "optim": optim}
-        _load_sharded(folder, state)
-        weights, ema_weights, optim = state["model"], state["ema"], state["optim"]
-    else:
-        inner = model.module if hasattr(model, "module") else model
-        if any(type(p).__name__ == "DTensor" for p in inner.parameters()):
-            raise ValueError(f"resume: {folder} was written by a single-process or DDP run; a sharded (fsdp) run "
-                             f"resumes from a sharded checkpoint (resume it with parallel 'ddp')")
+        _load_sharded(folder, state, collective=True)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_model_state_dict(ema, state["ema"])
+        return
+    inner = model.module if hasattr(model, "module") else model
+    saved = train_state["optimizer"]
+    by_name = all(isinstance(k, str) for k in saved.get("state", {}))
+    if not any(type(p).__name__ == "DTensor" for p in inner.parameters()):
         load_checkpoint_weights(inner, folder, DIT_MODEL_NAME)
         load_checkpoint_weights(ema, folder, DIT_MODEL_NAME, "ema.safetensors")
-        optimizer.load_state_dict(load_torch_file(os.path.join(folder, "train_state.pt"), "resume")["optimizer"])
+        if by_name:
+            set_optimizer_state_dict(inner, optimizer, saved)
+        else:  # written before optimizer states were keyed by name
+            optimizer.load_state_dict(saved)
         return
-    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optim)
-    set_model_state_dict(ema, ema_weights)
+    if not by_name:
+        raise ValueError(f"resume: {folder} keeps its optimizer state in the older positional form, which a sharded "
+                         f"(fsdp) run cannot take; resume it with parallel 'ddp'")
+    full = StateDictOptions(full_state_dict=True)
+    set_state_dict(model, optimizer, model_state_dict=_read_weights(folder, "model.safetensors"),
+                   optim_state_dict=saved, options=full)
+    set_model_state_dict(ema, _read_weights(folder, "ema.safetensors"), options=full)
 
 
 def load_dit(path: str, ema: bool = True, device: str = "cpu") -> Tuple[LinDiT, Dict[str, Any]]:

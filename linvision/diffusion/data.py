@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["ImageSet", "load_images"]
+__all__ = ["ImageSet", "load_images", "CaptionEmbeddings"]
 
 
 def _digits_tensors(img_size: int, split: str) -> Tuple[Tensor, Tensor]:
@@ -65,6 +65,16 @@ class ImageSet:
     def __len__(self) -> int:
         return len(self.labels)
 
+    def preload(self, max_bytes: int = 2 ** 30) -> bool:
+        """Hold all images in memory when they take at most ``max_bytes`` (a small folder is then decoded once
+        instead of at every batch); returns whether they are held."""
+        if self._tensor is None:
+            first = self.images([0])
+            if len(self) * first.numel() * first.element_size() > max_bytes:
+                return False
+            self._tensor = self.images(range(len(self)))
+        return True
+
     def images(self, indices) -> Tensor:
         """The images at ``indices`` (a sequence or 1-D tensor of ints), in that order."""
         idx = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
@@ -79,3 +89,41 @@ def load_images(dataset: str, img_size: int, in_chans: int, data_dir: Optional[s
     :class:`ImageSet` in memory."""
     data = ImageSet(dataset, img_size, in_chans, data_dir, split)
     return data.images(range(len(data))), data.labels, data.classes
+
+
+class CaptionEmbeddings:
+    """A safetensors file of caption embeddings, one per image: ``context`` (N, L, C') and ``mask`` (N, L),
+    read row by row from the memory-mapped file (``rows(indices)`` -> context fp32, mask bool), so the file
+    need not fit in memory. FileNotFoundError / ValueError in one line naming the file, the tensor and the
+    shape expected (``count`` images, ``channels`` C' when given)."""
+
+    def __init__(self, path: str, count: Optional[int] = None, channels: Optional[int] = None):
+        from safetensors import safe_open
+
+        try:
+            f = safe_open(path, framework="pt")
+        except FileNotFoundError:
+            raise FileNotFoundError(f"captions: file not found: {path}") from None
+        except Exception as e:  # safetensors raises its own error type for corrupt files
+            raise ValueError(f"captions: cannot read {path} ({str(e).strip()[:200]})") from None
+        if not {"context", "mask"} <= set(f.keys()):
+            raise ValueError(f"captions: {path} needs tensors 'context' and 'mask', has {sorted(f.keys())}")
+        self._context, self._mask = f.get_slice("context"), f.get_slice("mask")
+        shape, mask_shape = tuple(self._context.get_shape()), tuple(self._mask.get_shape())
+        if len(shape) != 3 or (count is not None and shape[0] != count) or (channels and shape[2] != channels):
+            want = f"({count if count is not None else 'N'}, L, {channels or 'C'})"
+            raise ValueError(f"captions: 'context' in {path} has shape {shape}; expected {want}"
+                             f"{f' for {count} training images' if count is not None else ''}")
+        if mask_shape != shape[:2]:
+            raise ValueError(f"captions: 'mask' in {path} has shape {mask_shape}; expected {shape[:2]}")
+        self.path, self.count = path, shape[0]
+
+    def __len__(self) -> int:
+        return self.count
+
+    def rows(self, indices) -> Tuple[Tensor, Tensor]:
+        """(context (len, L, C') fp32, mask (len, L) bool) of the captions at ``indices``, in that order."""
+        idx = torch.as_tensor(indices, dtype=torch.int64).reshape(-1).tolist()
+        context = torch.cat([self._context[i:i + 1] for i in idx]).float()
+        mask = torch.cat([self._mask[i:i + 1] for i in idx]).bool()
+        return context, mask

@@ -7,8 +7,8 @@ A cache is a folder::
     cache.json                written last: the cache is complete (source, count, latent shape, shard size)
 
 Each shard is written atomically, so a run killed while encoding keeps every finished shard and the next run
-(any run naming the same folder with the same source) encodes only what is missing. Under torchrun the ranks
-encode alternate shards. Reading takes single rows from the memory-mapped shards: a rank holds only its
+(any run naming the same folder with the same source) encodes only what is missing; runs sharing a folder build
+it one at a time (a lock). Under torchrun the ranks split the missing shards. Reading takes single rows from the memory-mapped shards: a rank holds only its
 batches, never the whole cache.
 """
 from __future__ import annotations
@@ -17,13 +17,14 @@ import json
 import math
 import os
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from linvision.engine.distributed import DistInfo, barrier, on_main
 from linvision.engine.files import atomic_write, atomic_write_text, remove_stale_temporaries
 
 __all__ = ["CACHE_FILE", "SOURCE_FILE", "build_latent_cache", "LatentCache"]
@@ -56,43 +57,70 @@ def _check_source(folder: str, source: Dict[str, Any]) -> None:
                              f"{value!r} (name another folder)")
 
 
+def _lock(folder: str, log: Callable[[str], None]):
+    """An exclusive fcntl lock on ``folder/.lock`` (released when the returned file is closed), waiting for a
+    run that holds it."""
+    import fcntl
+
+    f = open(os.path.join(folder, ".lock"), "a")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        log(f"latent cache: waiting for the run that is building {folder}")
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+    return f
+
+
 def build_latent_cache(folder: str, source: Dict[str, Any], count: int, images: Callable[[range], Tensor],
-                       encode: Callable[[Tensor], Tensor], shard_size: int = 1024, rank: int = 0, world_size: int = 1,
-                       barrier: Callable[[], None] = lambda: None, log: Callable[[str], None] = print) -> None:
+                       encode: Callable[[Tensor], Tensor], shard_size: int = 1024, info: Optional[DistInfo] = None,
+                       log: Callable[[str], None] = print) -> None:
     """Make ``folder`` a complete cache of ``encode(images(range))`` for the ``count`` images ``source``
     describes (a JSON-able dict: autoencoder, dataset, size ...), keeping what an earlier run finished.
 
-    Rank ``rank`` of ``world_size`` encodes shards rank, rank + world_size, ...; every rank must call this
-    (``barrier`` synchronises them). ValueError when ``folder`` holds latents of another source.
+    Every rank of ``info`` calls this; the shards still missing are split between them. Rank 0 holds the
+    folder's lock meanwhile, so runs sharing the folder build it one at a time. ValueError (on every rank) when
+    ``folder`` holds latents of another source or shard size.
     """
-    source = {**source, "count": count}
-    if rank == 0:
+    info = info or DistInfo()
+    source = {**source, "count": count, "shard_size": shard_size}
+    lock = None
+
+    def prepare() -> bool:
+        nonlocal lock
         os.makedirs(folder, exist_ok=True)
+        lock = _lock(folder, log)
         _check_source(folder, source)
-        remove_stale_temporaries(folder)
+        if os.path.isfile(os.path.join(folder, CACHE_FILE)):
+            return True
+        remove_stale_temporaries(folder)  # what a killed run left half written
         if not os.path.isfile(os.path.join(folder, SOURCE_FILE)):
             atomic_write_text(os.path.join(folder, SOURCE_FILE), json.dumps(source, indent=2))
-    barrier()
-    _check_source(folder, source)
-    if os.path.isfile(os.path.join(folder, CACHE_FILE)):
-        return
-    shards = math.ceil(count / shard_size)
-    mine = [i for i in range(rank, shards, world_size) if not os.path.isfile(_shard_path(folder, i))]
-    kept = len(range(rank, shards, world_size)) - len(mine)
-    start = time.perf_counter()
-    for done, i in enumerate(mine):
-        rows = range(i * shard_size, min(count, (i + 1) * shard_size))
-        latents = encode(images(rows)).float().contiguous()
-        atomic_write(_shard_path(folder, i), lambda p: save_file({"latents": latents}, p))
-        log(f"latent cache: shard {i + 1}/{shards} ({len(rows)} images) encoded, {done + 1}/{len(mine)} of this "
-            f"rank's{f' ({kept} kept from an earlier run)' if kept else ''}, {time.perf_counter() - start:.0f}s")
-    barrier()
-    if rank == 0:
-        with safe_open(_shard_path(folder, 0), framework="pt") as f:
-            shape = list(f.get_slice("latents").get_shape()[1:])
-        meta = {"source": source, "count": count, "shard_size": shard_size, "latent_shape": shape}
-        atomic_write_text(os.path.join(folder, CACHE_FILE), json.dumps(meta, indent=2))
-    barrier()
+        return False
+
+    try:
+        if on_main(prepare, info):
+            return
+        shards = math.ceil(count / shard_size)
+        missing = [i for i in range(shards) if not os.path.isfile(_shard_path(folder, i))]
+        barrier(info)  # every rank listed the same files before any writes one
+        mine = missing[info.rank::info.world_size]
+        start = time.perf_counter()
+        for done, i in enumerate(mine):
+            rows = range(i * shard_size, min(count, (i + 1) * shard_size))
+            latents = encode(images(rows)).float().contiguous()
+            atomic_write(_shard_path(folder, i), lambda p: save_file({"latents": latents}, p))
+            log(f"latent cache: shard {i + 1}/{shards} ({len(rows)} images) encoded, {done + 1}/{len(mine)} of "
+                f"this rank's ({shards - len(missing)} kept from an earlier run), {time.perf_counter() - start:.0f}s")
+        barrier(info)
+        if info.is_main:
+            with safe_open(_shard_path(folder, 0), framework="pt") as f:
+                shape = list(f.get_slice("latents").get_shape()[1:])
+            meta = {"source": source, "count": count, "shard_size": shard_size, "latent_shape": shape}
+            atomic_write_text(os.path.join(folder, CACHE_FILE), json.dumps(meta, indent=2))
+        barrier(info)
+    finally:
+        if lock is not None:
+            lock.close()
 
 
 class LatentCache:

@@ -11,10 +11,9 @@ import math
 import os
 import time
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
-from safetensors.torch import load_file
 from timm.optim import create_optimizer_v2
 from timm.utils import ModelEmaV3
 from torch import Tensor, nn
@@ -31,8 +30,8 @@ from linvision.engine.distributed import (
 from linvision.engine.files import recover_checkpoint_folder
 from linvision.engine.interrupt import StopFlag, TrainInterrupted
 
-from .checkpoint import load_train_state, save_dit_checkpoint, save_sharded_dit_checkpoint
-from .data import ImageSet
+from .checkpoint import load_train_state, optimizer_state, save_dit_checkpoint, save_sharded_dit_checkpoint
+from .data import CaptionEmbeddings, ImageSet
 from .flow import flow_matching_loss, flow_noise
 from .latent_cache import LatentCache, build_latent_cache
 from .model import DIT_CONFIGS, DiTConfig, LinDiT
@@ -163,6 +162,7 @@ def _training_data(cfg: DiffusionTrainConfig, model_cfg: DiTConfig, out_dir: str
     encoded per batch."""
     if cfg.autoencoder is None:
         data = ImageSet(cfg.dataset, model_cfg.img_size, model_cfg.in_chans, cfg.data_dir)
+        data.preload()  # up to 1 GiB of images decoded once, a larger folder image by image
         return _TrainingData(data.images, data.labels, data.classes)
     from .latents import autoencoder_geometry, encode_images, load_autoencoder
 
@@ -179,40 +179,23 @@ def _training_data(cfg: DiffusionTrainConfig, model_cfg: DiTConfig, out_dir: str
         return encode_images(ae, x.expand(-1, img_chans, -1, -1), cfg.encode_batch_size)
 
     if not cfg.cache_latents:
+        data.preload()
         return _TrainingData(lambda idx: encode(data.images(idx)), data.labels, data.classes)
     folder = cfg.latent_cache or os.path.join(out_dir, "latents")
     source = {"autoencoder": os.path.abspath(cfg.autoencoder), "dataset": cfg.dataset,
               "data_dir": cfg.data_dir and os.path.abspath(cfg.data_dir), "image_size": size}
-    build_latent_cache(folder, source, len(data), data.images, encode, cfg.cache_shard_size, info.rank,
-                       info.world_size, lambda: barrier(info), log)
+    build_latent_cache(folder, source, len(data), data.images, encode, cfg.cache_shard_size, info, log)
     cache = LatentCache(folder)
     return _TrainingData(cache.latents, data.labels, data.classes)
 
 
-def _captions(cfg: DiffusionTrainConfig, model_cfg: DiTConfig, count: int) -> Optional[Tuple[Tensor, Tensor]]:
-    """(context (N, L, C') fp32, mask (N, L) bool) of ``cfg.captions``, checked against the model and the data;
-    None for a class-conditional run. ValueError naming the file or the field."""
+def _captions(cfg: DiffusionTrainConfig, model_cfg: DiTConfig, count: int) -> Optional[CaptionEmbeddings]:
+    """The caption embeddings of ``cfg.captions``, checked against the model and the data; None for a
+    class-conditional run. ValueError naming the file or the field."""
     if (cfg.captions is None) != (model_cfg.caption_channels <= 0):
         raise ValueError("captions: a caption model (caption_channels > 0) needs a captions file, a "
                          "class-conditional one takes none")
-    if cfg.captions is None:
-        return None
-    try:
-        data = load_file(cfg.captions)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"captions: file not found: {cfg.captions}") from None
-    except Exception as e:  # safetensors raises its own error type for corrupt files
-        raise ValueError(f"captions: cannot read {cfg.captions} ({str(e).strip()[:200]})") from None
-    if "context" not in data or "mask" not in data:
-        raise ValueError(f"captions: {cfg.captions} needs tensors 'context' and 'mask', has {sorted(data)}")
-    context, mask = data["context"].float(), data["mask"].bool()
-    if context.dim() != 3 or context.shape[0] != count or context.shape[2] != model_cfg.caption_channels:
-        raise ValueError(f"captions: 'context' in {cfg.captions} has shape {tuple(context.shape)}; expected "
-                         f"({count}, L, {model_cfg.caption_channels}) for {count} training images")
-    if mask.shape != context.shape[:2]:
-        raise ValueError(f"captions: 'mask' in {cfg.captions} has shape {tuple(mask.shape)}; expected "
-                         f"{tuple(context.shape[:2])}")
-    return context, mask
+    return None if cfg.captions is None else CaptionEmbeddings(cfg.captions, count, model_cfg.caption_channels)
 
 
 def create_ema(model: nn.Module, decay: float) -> ModelEmaV3:
@@ -297,10 +280,14 @@ def _train(cfg: DiffusionTrainConfig, out_dir: str, resume: bool, stop_after: Op
             recover_checkpoint_folder(last)
         barrier(info)
         state = load_torch_file(os.path.join(last, "train_state.pt"), "resume")
-        load_train_state(last, step_model, ema.module, opt)
+        load_train_state(last, step_model, ema.module, opt, state)
         sched.load_state_dict(state["scheduler"])
         data_gen.set_state(state["data_gen"])
-        noise_gen.set_state(state["noise_gen"])
+        try:
+            noise_gen.set_state(state["noise_gen"])
+        except RuntimeError:  # a CUDA generator's state does not fit a CPU one, and the other way round
+            raise ValueError(f"resume: {last} was trained with its noise on another kind of device than this "
+                             f"run's {device.type}; resume it on the same kind") from None
         step = state["step"]
         log(f"resumed from {last} at step {step}")
     meta = {"data": {"dataset": cfg.dataset, "classes": data.classes, "value_range": [-1.0, 1.0],
@@ -315,9 +302,10 @@ def _train(cfg: DiffusionTrainConfig, out_dir: str, resume: bool, stop_after: Op
             save_sharded_dit_checkpoint(last, model, ema.module, opt, {**meta, "step": step}, train_state, info)
         elif info.is_main:
             save_dit_checkpoint(last, model, ema.module, {**meta, "step": step},
-                                {**train_state, "optimizer": opt.state_dict()})
+                                {**train_state, "optimizer": optimizer_state(model, opt)})
+        barrier(info)  # no rank leaves (and ends the job on an interruption) before the checkpoint is whole
 
-    n_params = sum(p.numel() for p in model.parameters()) * (info.world_size if sharded else 1)
+    n_params = sum(p.numel() for p in model.parameters())  # a sharded parameter reports its whole size
     log(f"LinDiT {n_params / 1e6:.2f}M params, {len(data.labels)} images{' with captions' if captions else ''}, "
         f"device {device}, {info.world_size} rank(s) x {per_rank} images per step"
         f"{f', {cfg.parallel}' if info.distributed or sharded else ''}")
@@ -341,8 +329,9 @@ def _train(cfg: DiffusionTrainConfig, out_dir: str, resume: bool, stop_after: Op
                 loss = flow_matching_loss(step_model, x0, data.labels[idx].to(device), cfg.class_dropout,
                                           null_class=model.null_class, noise=noise)
             else:
+                context, mask = captions.rows(idx)
                 loss = flow_matching_loss(step_model, x0, None, cfg.class_dropout, noise=noise,
-                                          context=captions[0][idx].to(device), context_mask=captions[1][idx].to(device))
+                                          context=context.to(device), context_mask=mask.to(device))
             optimizer_step(loss, model, opt, ema, step, cfg.grad_clip)
             sched.step()
             step += 1
@@ -359,5 +348,6 @@ def _train(cfg: DiffusionTrainConfig, out_dir: str, resume: bool, stop_after: Op
                 raise TrainInterrupted(signum, last)
             if cfg.save_every and step % cfg.save_every == 0:
                 save()
-    save()
+    if not (cfg.save_every and step % cfg.save_every == 0 and step > 0):  # else just saved
+        save()
     return {"step": step, "losses": losses, "elapsed_s": time.perf_counter() - start}

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "init_distributed", "all_reduce_sum", "all_reduce_max", "broadcast_object", "barrier",
-           "cleanup"]
+__all__ = ["DistInfo", "init_distributed", "all_reduce_sum", "all_reduce_max", "broadcast_object", "on_main",
+           "barrier", "cleanup"]
 
 
 @dataclass
@@ -83,6 +83,26 @@ def broadcast_object(obj, info: DistInfo):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def on_main(fn, info: DistInfo):
+    """``fn()`` on rank 0, its result on every rank. When it raises ValueError, FileNotFoundError or TypeError,
+    every rank raises the same one-line error (instead of the others waiting in their next collective until
+    torchrun tears the job down)."""
+    if not info.distributed:
+        return fn()
+    outcome = None
+    if info.is_main:
+        try:
+            outcome = ("ok", fn())
+        except (ValueError, FileNotFoundError, TypeError) as e:
+            broadcast_object(("error", type(e).__name__, str(e)), info)
+            raise
+    outcome = broadcast_object(outcome, info)
+    if outcome[0] == "error":
+        raise {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError, "TypeError": TypeError}[
+            outcome[1]](outcome[2])
+    return outcome[1]
 
 
 def barrier(info: DistInfo) -> None:

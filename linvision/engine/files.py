@@ -80,8 +80,6 @@ def recover_checkpoint_folder(folder: str) -> str:
     ``.<name>.new`` beside a present ``<name>`` is an unfinished write (removed); ``<name>`` missing with
     ``.<name>.old`` present means the crash fell between the two renames, after the new folder was complete
     (it is moved in). Call it only while holding the run (its lock)."""
-
-
     new, old = _swap_names(folder)
     done = ""
     if not os.path.isdir(folder) and os.path.isdir(old):

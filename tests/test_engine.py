@@ -233,6 +233,40 @@ def test_sweep_records_failures_and_goes_on(tmp_path):
     assert (tmp_path / "infer_only.png").stat().st_size > 0
 
 
+def test_model_specs_twin_ratios_and_gemm_fraction(tmp_path):
+    """A model spec carries its own options (over the common ones); --twin ratios are each point's figures over
+    the twin's at the same size (1 for the twin); the GEMM fraction is 2 x GFLOPs x batch / forward time / rate."""
+    from linvision.engine.benchmark import add_comparisons, comparison_table, parse_model_spec
+
+    assert parse_model_spec("test_vit") == ("test_vit", {})
+    assert parse_model_spec("m:token_mixer=softmax,depth=2,rope=null") == (
+        "m", {"token_mixer": "softmax", "depth": 2, "rope": None})
+    with pytest.raises(ValueError, match="'depth' is not key=value"):
+        parse_model_spec("m:token_mixer=softmax,depth")
+    seen = []
+
+    def build(name, img_size, kwargs):
+        seen.append(dict(kwargs))
+        return create_model(name, model_kwargs=kwargs)
+
+    common = parse_kwargs(TINY_VIT)
+    specs = ["test_vit", "test_vit:depth=2"]
+    points = run_sweep(specs, [16, 32], None, log=lambda s: None, batch_size=2, iters=1, warmup=0, build_fn=build,
+                       model_kwargs=common)
+    assert [p["model"] for p in points] == [specs[0]] * 2 + [specs[1]] * 2
+    assert seen[0] == common and seen[2] == {**common, "depth": 2}
+    add_comparisons(points, twin=specs[0], gemm=100.0)
+    for p in points:
+        t = next(q for q in points if q["model"] == specs[0] and q["img_size"] == p["img_size"])
+        assert p["train_ms_vs_twin"] == pytest.approx(p["train_ms"] / t["train_ms"])
+        assert p["infer_mem_mb_vs_twin"] == pytest.approx(p["infer_mem_mb"] / t["infer_mem_mb"], nan_ok=True)
+        assert p["gemm_fraction"] == pytest.approx(2 * p["gflops"] * 2 / (p["infer_ms"] / 1e3) / 100.0)
+    assert points[0]["train_ms_vs_twin"] == 1.0
+    assert "| test_vit:depth=2 | 32 |" in comparison_table(points)
+    with pytest.raises(ValueError, match="twin"):
+        add_comparisons(points, twin="other")
+
+
 def test_benchmark_point_gflops_of_a_linear_model():
     class Flat(nn.Module):
         def __init__(self):

@@ -191,6 +191,53 @@ def test_gradients_match_explicit_formula():
                 torch.testing.assert_close(a, b)
 
 
+def _saved_storages(fn, *args):
+    """Data pointers of the storages autograd keeps for the backward of ``fn(*args)``."""
+    kept = set()
+
+    def pack(t):
+        kept.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args)
+    return out, kept
+
+
+@pytest.mark.parametrize("use_rope", [None, "axial", "mixed"])
+def test_training_keeps_only_q_k_v_and_gradients_match_the_formula(use_rope):
+    """Linear attention (every recomputable feature map) and softmax attention with RoPE keep only q, k, v and
+    the learnable leaves for the backward, nothing per token of their own; the gradients, the focused map's
+    scale and mixed-RoPE frequencies included, equal the explicit formula's in float64."""
+    d, n = 8, 12
+    g = torch.Generator().manual_seed(5)
+    fx, fy = (f.double().requires_grad_() for f in mixed_rope_freqs(d, 2, generator=g))
+    rope = {None: None, "axial": axial_rope(d, (3, 4)), "mixed": Rope(fx, fy, grid=(3, 4))}[use_rope]
+    scale = torch.randn(d, generator=g, dtype=torch.float64).requires_grad_()
+    q, k, v = (t.requires_grad_() for t in rand_qkv(2, 2, n, d, 6, seed=4))
+    inputs = {q.untyped_storage().data_ptr(), k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr()}
+    leaves = [q, k, v] + ([fx, fy] if use_rope == "mixed" else [])
+    for name in ["elu", "relu", "exp", "focused"]:
+        phi = FocusedFeatureMap(scale=scale) if name == "focused" else name
+        wrt = leaves + ([scale] if name == "focused" else [])
+        allowed = inputs | {t.untyped_storage().data_ptr() for t in wrt}
+        out, kept = _saved_storages(lambda: linear_attention(q, k, v, phi, rope=rope))
+        assert kept <= allowed, name
+        ref = explicit_linear_attention(q, k, v, phi, rope=rope)
+        w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+        for a, b in zip(torch.autograd.grad((out * w).sum(), wrt), torch.autograd.grad((ref * w).sum(), wrt)):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    if rope is None:
+        return
+    out, kept = _saved_storages(lambda: softmax_attention(q, k, v, rope=rope))
+    assert kept <= inputs | {fx.untyped_storage().data_ptr(), fy.untyped_storage().data_ptr()}
+    rq, rk = apply_rope(q, rope), apply_rope(k, rope)
+    ref = torch.softmax(rq @ rk.transpose(-1, -2) / math.sqrt(d), dim=-1) @ v
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad((out * w).sum(), leaves), torch.autograd.grad((ref * w).sum(), leaves)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 def test_learnable_mixed_frequencies_receive_gradients():
     fx, fy = (f.requires_grad_() for f in mixed_rope_freqs(8, 2))
     q, k, v = rand_qkv(1, 2, 12, 8, 4, dtype=torch.float32)

@@ -3,10 +3,17 @@
     linvision-benchmark                                         # defaults: see configs/benchmark.yaml
     linvision-benchmark --config benchmark_cpu                  # a config shipped with linvision, or a path
     linvision-benchmark --model linhier_tiny_224 mambaout_tiny --img-size 224 512 1024 -b 1
+    linvision-benchmark --model linvit_tiny_patch16_rope_224:token_mixer=softmax \
+        linvit_tiny_patch16_rope_224:token_mixer=linear_rope --model-kwargs patch_size=8 --img-size 96 -b 64 \
+        --twin linvit_tiny_patch16_rope_224:token_mixer=softmax --gemm-rate
 
 (or ``python tools/benchmark.py ...`` in a checkout). Writes results.jsonl (as points finish), results.json,
 results.csv and throughput_memory.png into <output>/<experiment>. Each figure is the mean of --iters timed
-iterations after --warmup untimed ones; its spread ((slowest - fastest) / mean) is printed and stored. A point
+iterations after --warmup untimed ones; its spread ((slowest - fastest) / mean) is printed and stored. A model
+is a timm name, optionally with its own options (name:key=value,key=value; over --model-kwargs). --twin MODEL
+adds each model's time and memory over that model's (a softmax twin, say) at the same size; --gemm-rate measures
+the machine's matrix-multiply rate first and adds each forward's GFLOP/s and its fraction of it; both print a
+table at the end and go into the results files. A point
 that runs out of memory or fails is recorded and the sweep goes on; the exit status is 1 when a point failed
 with an error (an out-of-memory point is a measurement, not a failure), 2 for bad arguments such as an unknown
 model name.
@@ -17,7 +24,16 @@ import time
 
 import torch
 
-from linvision.engine.benchmark import DEFAULT_MODELS, plot_results, run_sweep, write_results
+from linvision.engine.benchmark import (
+    DEFAULT_MODELS,
+    add_comparisons,
+    comparison_table,
+    gemm_gflop_s,
+    parse_model_spec,
+    plot_results,
+    run_sweep,
+    write_results,
+)
 from linvision.engine.factory import check_model_name
 from linvision.engine.cli import add_amp_arg, run_cli
 from linvision.engine.config import parse_args, parse_kwargs
@@ -25,7 +41,11 @@ from linvision.engine.config import parse_args, parse_kwargs
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", "--model", nargs="+", default=DEFAULT_MODELS, help="timm model names")
+    parser.add_argument("--models", "--model", nargs="+", default=DEFAULT_MODELS,
+                        help="timm model names, each optionally with its own options: name:key=value,key=value")
+    parser.add_argument("--twin", default=None, help="one of --models: the others' time and memory over its")
+    parser.add_argument("--gemm-rate", action="store_true",
+                        help="measure the fp32 matrix-multiply rate and each forward's fraction of it")
     parser.add_argument("--img-size", type=int, nargs="+", default=[224, 512, 1024, 2048])
     parser.add_argument("--batch-size", "-b", type=int, default=8)
     parser.add_argument("--model-kwargs", nargs="*", default=None, help="key=value pairs given to every model")
@@ -39,8 +59,10 @@ def main() -> int:
     parser.add_argument("--output", default="output")
     parser.add_argument("--experiment", default=None, help="default: benchmark-<time>")
     args = parse_args(parser)
-    for name in args.models:
-        check_model_name(name)
+    for spec in args.models:
+        check_model_name(parse_model_spec(spec)[0])
+    if args.twin is not None and args.twin not in args.models:
+        raise ValueError(f"twin: {args.twin!r} is not one of --models")
     if args.iters < 1 or args.warmup < 0:
         raise ValueError(f"iters/warmup: need iters >= 1 and warmup >= 0, got {args.iters} and {args.warmup}")
     if args.threads:
@@ -49,9 +71,19 @@ def main() -> int:
     out_dir = os.path.join(args.output, args.experiment or f"benchmark-{time.strftime('%Y%m%d-%H%M%S')}")
     print(f"device {device}, threads {torch.get_num_threads()}, batch {args.batch_size}, amp {args.amp}, "
           f"{args.warmup} warm-up + {args.iters} timed iterations per figure", flush=True)
+    gemm = None
+    if args.gemm_rate:
+        gemm = gemm_gflop_s(device)
+        print(f"fp32 GEMM 4096x384x1536: {gemm:.1f} GFLOP/s", flush=True)
     points = run_sweep(args.models, args.img_size, out_dir, batch_size=args.batch_size, device=device,
                        amp=args.amp, warmup=args.warmup, iters=args.iters, train=args.train,
                        model_kwargs=parse_kwargs(args.model_kwargs))
+    if args.twin is not None or gemm is not None:
+        add_comparisons(points, args.twin, gemm)
+        table = comparison_table(points)
+        print(table, flush=True)
+        with open(os.path.join(out_dir, "comparison.md"), "w") as f:
+            f.write(table + "\n")
     write_results(points, out_dir)
     title = f"{device}, batch {args.batch_size}, amp {args.amp}, mean of {args.iters} iterations"
     plotted = plot_results(points, os.path.join(out_dir, "throughput_memory.png"), title=title)

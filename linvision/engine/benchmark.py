@@ -21,7 +21,7 @@ import json
 import math
 import os
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -31,7 +31,7 @@ from .evaluate import autocast
 from .flops import count_gflops, count_params
 
 __all__ = ["BenchmarkPoint", "benchmark_point", "run_sweep", "write_results", "plot_results", "DEFAULT_MODELS",
-           "MemoryMeter"]
+           "MemoryMeter", "parse_model_spec", "gemm_gflop_s", "add_comparisons", "comparison_table"]
 
 # a linvision model against timm's softmax ViT and timm's MambaOut of about the same size (22-27M parameters)
 DEFAULT_MODELS = ["linhier_tiny_224", "vit_small_patch16_224", "mambaout_tiny"]
@@ -181,16 +181,96 @@ def _print(message: str) -> None:
     print(message, flush=True)
 
 
+def parse_model_spec(spec: str) -> Tuple[str, Dict[str, Any]]:
+    """``"name"`` or ``"name:key=value,key=value"`` (options of this model only, values without commas, e.g.
+    ``linvit_tiny_patch16_rope_224:token_mixer=softmax,patch_size=8``) -> (name, kwargs); values parsed as
+    YAML scalars. ValueError in one line for a malformed option."""
+    from .config import parse_kwargs
+
+    name, _, options = spec.partition(":")
+    if not options:
+        return name, {}
+    pairs = options.split(",")
+    bad = next((p for p in pairs if "=" not in p or not p.split("=", 1)[0]), None)
+    if bad is not None:
+        raise ValueError(f"models: {spec!r}: option {bad!r} is not key=value")
+    return name, parse_kwargs(pairs)
+
+
+def gemm_gflop_s(device: str = "cpu", m: int = 4096, k: int = 384, n: int = 1536, iters: int = 5,
+                 dtype: torch.dtype = torch.float32) -> float:
+    """The machine's matrix-multiply rate, GFLOP/s (2 m k n per product, the fastest of ``iters`` after a
+    warm-up): the yardstick a model's forward is held against. The default shape is a ViT-S MLP layer over
+    4096 tokens."""
+    dev = torch.device(device)
+    a, b = torch.randn(m, k, device=dev, dtype=dtype), torch.randn(k, n, device=dev, dtype=dtype)
+    times = _timed(lambda: a @ b, dev, 1, iters)
+    return 2 * m * k * n / min(times) / 1e9
+
+
+def add_comparisons(points: List[BenchmarkPoint], twin: Optional[str] = None,
+                    gemm: Optional[float] = None) -> None:
+    """Add to each measured point, in place: with ``twin`` (a model spec of the sweep), its training and
+    inference time and memory over the twin's at the same size (``*_vs_twin``); with ``gemm`` (GFLOP/s of
+    :func:`gemm_gflop_s`), the forward's rate ``infer_gflop_s`` (2 x multiply-accumulates per second) and
+    ``gemm_fraction`` = that / gemm. ValueError when ``twin`` is not one of the points' models."""
+    if twin is not None and not any(p["model"] == twin for p in points):
+        raise ValueError(f"twin: {twin!r} is not one of the benchmarked models")
+    for p in points:
+        if p["status"] != "ok":
+            continue
+        if twin is not None:
+            t = next((q for q in points if q["model"] == twin and q["img_size"] == p["img_size"]
+                      and q["status"] == "ok"), None)
+            for key in ("train_ms", "train_mem_mb", "infer_ms", "infer_mem_mb"):
+                p[f"{key}_vs_twin"] = p[key] / t[key] if t is not None and t[key] else float("nan")
+            p["twin"] = twin
+        if gemm is not None:
+            p["infer_gflop_s"] = 2 * p["gflops"] * p["batch_size"] / (p["infer_ms"] / 1e3)
+            p["gemm_gflop_s"] = gemm
+            p["gemm_fraction"] = p["infer_gflop_s"] / gemm
+
+
+def comparison_table(points: List[BenchmarkPoint]) -> str:
+    """A markdown table of the points with :func:`add_comparisons`' columns (where present)."""
+    twin = any("twin" in p for p in points)
+    gemm = any("gemm_fraction" in p for p in points)
+    head = ["model", "px", "train ms", "train MiB"]
+    head += ["train time / twin", "train memory / twin"] if twin else []
+    head += ["infer ms", "infer MiB"] + (["infer time / twin", "infer memory / twin"] if twin else [])
+    head += ["forward GFLOP/s", "of GEMM rate"] if gemm else []
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" + "---:|" * (len(head) - 1)]
+    for p in points:
+        if p["status"] != "ok":
+            rows.append(f"| {p['model']} | {p['img_size']} | {p['status']}: {p['error'][:80]} |")
+            continue
+        cells = [p["model"], str(p["img_size"]), f"{p['train_ms']:.0f}", f"{p['train_mem_mb']:.0f}"]
+        if twin:
+            cells += [f"{p['train_ms_vs_twin']:.2f}", f"{p['train_mem_mb_vs_twin']:.2f}"]
+        cells += [f"{p['infer_ms']:.0f}", f"{p['infer_mem_mb']:.0f}"]
+        if twin:
+            cells += [f"{p['infer_ms_vs_twin']:.2f}", f"{p['infer_mem_mb_vs_twin']:.2f}"]
+        if gemm:
+            cells += [f"{p['infer_gflop_s']:.0f}", f"{100 * p['gemm_fraction']:.0f}%"]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def run_sweep(models: Sequence[str], img_sizes: Sequence[int], out_dir: Optional[str] = None,
               log: Callable[[str], None] = _print, **point_kwargs) -> List[BenchmarkPoint]:
-    """Every model at every size; points go to ``out_dir/results.jsonl`` as they finish (if out_dir)."""
+    """Every model at every size; points go to ``out_dir/results.jsonl`` as they finish (if out_dir). A model
+    is a spec of :func:`parse_model_spec`: its own options go over ``model_kwargs``, and the points keep the
+    spec as their ``model``."""
     points = []
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         open(os.path.join(out_dir, "results.jsonl"), "w").close()
-    for name in models:
+    common = dict(point_kwargs.pop("model_kwargs", None) or {})
+    for spec in models:
+        name, own = parse_model_spec(spec)
         for size in img_sizes:
-            point = benchmark_point(name, size, **point_kwargs)
+            point = benchmark_point(name, size, model_kwargs={**common, **own}, **point_kwargs)
+            point["model"] = spec
             points.append(point)
             if out_dir:
                 with open(os.path.join(out_dir, "results.jsonl"), "a") as f:
@@ -217,7 +297,8 @@ def write_results(points: List[BenchmarkPoint], out_dir: str) -> None:
         json.dump(points, f, indent=2)
     if points:
         with open(os.path.join(out_dir, "results.csv"), "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(points[0]))
+            fields = list(dict.fromkeys(k for p in points for k in p))  # comparison columns only where measured
+            writer = csv.DictWriter(f, fieldnames=fields)
             writer.writeheader()
             writer.writerows(points)
 

@@ -23,6 +23,7 @@ from typing import Optional, Tuple, Type
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from linvision.ops import (
     FocusedFeatureMap,
@@ -31,6 +32,7 @@ from linvision.ops import (
     axial_rope,
     check_grid,
     get_feature_map,
+    is_tracing,
     linear_attention,
     mixed_rope_freqs,
     softmax_attention,
@@ -87,7 +89,16 @@ class AttentionMixer(nn.Module):
             under fp16 autocast can push the projection past the fp16 range, and one inf in a residual stream
             turns the next LayerNorm into NaN). Other dtypes are left alone.
     Raises ValueError for a bad dim/num_heads pair, an unknown ``rope`` or ``gate_act``, or an even lepe_kernel.
+
+    Training memory: a subclass whose ``attend`` builds per-token tensors beyond q, k, v (features, augmented
+    copies, gates, states) has them recomputed in the backward (``recompute_attend``, on by default: the
+    attention's forward then runs twice, its tensors are not kept for every layer); the linear and softmax
+    mixers keep nothing of their own already and turn it off. ``split_value_proj``: v is projected apart from
+    q and k (the same weights), for an attention that keeps its own copies of q and k (softmax with RoPE).
     """
+
+    recompute_attend = True
+    split_value_proj = False
 
     def __init__(
         self, dim: int, num_heads: int, *, rope: Optional[str] = None, rope_theta: float = 100.0,
@@ -157,13 +168,22 @@ class AttentionMixer(nn.Module):
         """x: (B, N, C) tokens on grid hw -> (B, N, C)."""
         h, w = check_grid(hw, x.shape[1], name="hw")
         b, n, c = x.shape
-        if self.value_proj:
+        if self.value_proj and self.split_value_proj and self.rope_type is not None:
+            # v on its own: the attention keeps v and the rotated q, k for the backward; q, k are then free
+            weight, bias = self.qkv.weight, self.qkv.bias
+            q, k = F.linear(x, weight[:2 * c], None if bias is None else bias[:2 * c]).chunk(2, dim=-1)
+            v = F.linear(x, weight[2 * c:], None if bias is None else bias[2 * c:])
+        elif self.value_proj:
             q, k, v = self.qkv(x).chunk(3, dim=-1)  # each (B, N, C), heads of D channels side by side
         else:
             (q, k), v = self.qkv(x).chunk(2, dim=-1), x
         q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        out = self.attend(q, k, v, (h, w), self.make_rope((h, w), x.device), x)
+        rope = self.make_rope((h, w), x.device)
+        if self.recompute_attend and torch.is_grad_enabled() and (x.requires_grad or q.requires_grad) and not is_tracing(n):
+            out = checkpoint(self.attend, q, k, v, (h, w), rope, x, use_reentrant=False)
+        else:
+            out = self.attend(q, k, v, (h, w), rope, x)
         out = out.transpose(1, 2).reshape(b, n, c)
         if self.lepe is not None:
             v_grid = v.transpose(1, 2).reshape(b, h, w, c).permute(0, 3, 1, 2)  # (B, C, H, W)
@@ -194,6 +214,7 @@ class LinearAttention(AttentionMixer):
     """
 
     causal = False
+    recompute_attend = False  # linear_attention keeps only q, k, v itself
 
     def __init__(self, dim: int, num_heads: int, *, feature_map: str = "elu", eps: float = 1e-4,
                  eps_form: str = "mean", **kwargs):
@@ -245,6 +266,10 @@ class CausalLinearAttention(LinearAttention):
 @register_mixer("softmax")
 class SoftmaxAttention(AttentionMixer):
     """Softmax attention through SDPA; with RoPE both q and k are rotated (the usual softmax form)."""
+
+    recompute_attend = False  # SDPA keeps q, k, v and its output, nothing else
+    # with RoPE, SDPA keeps rotated copies of q and k: v computed apart lets the projection's q, k go
+    split_value_proj = True
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
         return softmax_attention(q, k, v, rope=rope)

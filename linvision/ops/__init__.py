@@ -28,6 +28,7 @@ from .rope import (
     check_rope,
     grid_positions,
     halves_from_interleaved,
+    is_tracing,
     mixed_rope_freqs,
     rope_1d,
     rotate_pairs,

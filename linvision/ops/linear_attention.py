@@ -35,7 +35,7 @@ from linvision.kernels.common import DEFAULT_EPS, check_eps, check_int, check_qk
 
 from .feature_maps import FeatureMap, FeatureMapArg, featurize, get_feature_map
 from .recurrent import RecurrentState, _check_state, _gated_pieces, _gated_step
-from .rope import Rope, _tracing, apply_rope, check_rope, rotate_pairs
+from .rope import Rope, is_tracing, apply_rope, check_rope, rotate_pairs
 
 __all__ = [
     "DEFAULT_EPS",
@@ -152,7 +152,7 @@ def _recomputing(q: Tensor, k: Tensor, v: Tensor, phi: FeatureMap, rope: Optiona
     """Whether the call goes through :class:`_LinearAttentionFunction`: a gradient is wanted, the feature map
     is one it knows, and no graph is being traced (compile and export see the plain formula)."""
     wanted = torch.is_grad_enabled() and (any(t.requires_grad for t in (q, k, v)) or bool(_leaves(phi, rope)))
-    return wanted and phi.name in _RECOMPUTABLE_MAPS and not _tracing(*q.shape)
+    return wanted and phi.name in _RECOMPUTABLE_MAPS and not is_tracing(*q.shape)
 
 
 def linear_attention_reference(
@@ -282,15 +282,7 @@ def softmax_attention(
     ``scaled_dot_product_attention``). RoPE, when given, rotates both q and k (the usual softmax form)."""
     check_qkv(q, k, v, same_tokens=causal or rope is not None)
     _check_options(DEFAULT_EPS, "torch", rope)
-    if rope is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal, scale=scale)
-
-    def rotated_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        q, k = apply_rope(q, rope).to(v.dtype), apply_rope(k, rope).to(v.dtype)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal, scale=scale)
-
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)) and not _tracing(*q.shape):
-        # the rotated q and k are recomputed in the backward rather than kept for every token (the attention
-        # itself is then run twice: at N tokens it costs N / D of a projection's work per token)
-        return torch.utils.checkpoint.checkpoint(rotated_attention, q, k, v, use_reentrant=False)
-    return rotated_attention(q, k, v)
+    if rope is not None:
+        q = apply_rope(q, rope).to(v.dtype)
+        k = apply_rope(k, rope).to(v.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal, scale=scale)

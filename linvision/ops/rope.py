@@ -28,6 +28,7 @@ from linvision.kernels.common import RopeSpec, check_grid, check_rope, compute_d
 
 __all__ = [
     "Rope",
+    "is_tracing",
     "grid_positions",
     "rope_1d",
     "axial_rope",
@@ -44,7 +45,7 @@ _POSITION_CACHE: Dict[Tuple[int, int, str], Tuple[Tensor, Tensor]] = {}
 _AXIAL_CACHE: Dict[tuple, "Rope"] = {}
 
 
-def _tracing(*sizes) -> bool:
+def is_tracing(*sizes) -> bool:
     """True while torch.compile or torch.export traces, or when a size is symbolic: tensors made then are part of a
     graph (fake, or to be recomputed for every input), so nothing is cached or taken from a cache."""
     exporting = getattr(torch.compiler, "is_exporting", lambda: False)  # torch >= 2.6
@@ -55,7 +56,7 @@ def grid_positions(height: int, width: int, device=None) -> Tuple[Tensor, Tensor
     """(rows, cols) of the H*W grid in raster order, fp32, each of shape (H*W,). Cached per (H, W, device), except
     while a graph is traced (the positions are then computed in the graph)."""
     device = torch.device(device or "cpu")
-    tracing = _tracing(height, width)
+    tracing = is_tracing(height, width)
     key = None if tracing else (height, width, str(device))
     if key in _POSITION_CACHE:
         return _POSITION_CACHE[key]
@@ -99,7 +100,7 @@ class Rope(RopeSpec):
             return self._tables
         ang = self.angles()
         tables = (ang.cos(), ang.sin())
-        if not (self.freqs_x.requires_grad or self.freqs_y.requires_grad or _tracing(*self.grid)):
+        if not (self.freqs_x.requires_grad or self.freqs_y.requires_grad or is_tracing(*self.grid)):
             self._tables = tables
         return tables
 
@@ -189,7 +190,7 @@ def axial_rope(dim: int, grid: Tuple[int, int], theta: float = 100.0, num_prefix
     """2D axial RoPE for an H x W grid (frequencies: :func:`axial_rope_freqs`); the object and its fp32 tables are
     cached per (dim, H, W, theta, prefix, device, row_first, endpoint, num_heads), except while a graph is traced."""
     grid = check_grid(grid)
-    if _tracing(*grid):  # a traced graph computes the tables itself: nothing cached, nothing taken from the cache
+    if is_tracing(*grid):  # a traced graph computes the tables itself: nothing cached, nothing taken from the cache
         fx, fy = axial_rope_freqs(dim, theta, row_first=row_first, endpoint=endpoint, num_heads=num_heads)
         return Rope(fx.to(device), fy.to(device), grid, num_prefix_tokens)
     key = (dim, grid, float(theta), num_prefix_tokens, str(torch.device(device or "cpu")), row_first, endpoint,

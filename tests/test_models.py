@@ -233,16 +233,21 @@ def test_torch_compile_matches_eager(name, kwargs):
     channels, train-mode BatchNorm is ill-conditioned enough that fp32 eager and fp32 compiled (another variance
     formula) differ by percents in the stem's gradients, while both agree with float64 to 1e-14."""
     model = _create(name, num_classes=5, **kwargs).train().double()
-    x = torch.randn(2, *_input_size(model), dtype=torch.float64)
+    x = torch.randn(2, *_input_size(model), dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     ref = model(x)
     ref.logsumexp(-1).mean().backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     y = torch.compile(model)(x)
-    torch.testing.assert_close(y, ref, rtol=1e-9, atol=1e-10)
+    # RoPE tables are fp32 by design (the kernels' angles); the compiled graph computes them itself, its angle
+    # rounding (a fused multiply-add) differs from eager's by an fp32 ulp, which float64 outputs then show
+    rope = any(getattr(m, "rope_type", None) for m in model.modules())
+    fwd, grad = (dict(rtol=1e-7, atol=1e-9), dict(rtol=1e-6, atol=1e-8)) if rope else (
+        dict(rtol=1e-9, atol=1e-10), dict(rtol=1e-8, atol=1e-10))
+    torch.testing.assert_close(y, ref, **fwd)
     y.logsumexp(-1).mean().backward()
     for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-8, atol=1e-10, msg=n)
+        torch.testing.assert_close(p.grad, ref_grads[n], **grad, msg=n)
 
 
 @pytest.mark.parametrize("name, kwargs", [VIT_ROPE, HIER_MIXERS], ids=["linvit", "linhier"])

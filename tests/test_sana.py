@@ -24,14 +24,17 @@ SMALL = dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_hea
              sample_size=8, patch_size=2)
 
 
-def _diffusers_model(seed=0, **overrides):
-    torch.manual_seed(seed)
-    model = diffusers.SanaTransformer2DModel(**{**SMALL, **overrides}).eval()
+def _randomize(model, seed):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # non-zero values everywhere, of a size that keeps the outputs O(1)
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() < 2 else p.shape[-1] ** -0.5 * 0.5))
     return model
+
+
+def _diffusers_model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return _randomize(diffusers.SanaTransformer2DModel(**{**SMALL, **overrides}).eval(), seed)
 
 
 def _inputs(b=2, hw=(8, 12), l=5, in_chans=4, caption=12, seed=1):
@@ -308,6 +311,17 @@ def test_latent_training_resumes_exactly_and_samples_decode_to_images(tmp_path):
                   str(tmp_path / "bad"), log=lambda s: None)
 
 
+def _assert_diffusers_runs_it_alike(tuned, folder):
+    """``tuned`` (a 1-channel caption LinDiT, exact eps) written as a diffusers folder loads in diffusers and gives
+    linvision's output."""
+    save_diffusers_folder(tuned, str(folder))
+    again = diffusers.SanaTransformer2DModel.from_pretrained(str(folder), low_cpu_mem_usage=False).eval()
+    x, t, context, mask = _inputs(in_chans=1, caption=6)
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(x, t, context=context, context_mask=mask),
+                                   _theirs_forward(again, x, t, context, mask), rtol=0, atol=2e-6)
+
+
 def test_fine_tuning_starts_from_a_diffusers_folder_and_goes_back(tmp_path):
     """--init-from: the run starts from the folder's weights (after two steps at lr 1e-7 every tensor is within
     1e-5 of them, while the model's own init is far); the fine-tuned checkpoint written back as a diffusers folder
@@ -335,12 +349,7 @@ def test_fine_tuning_starts_from_a_diffusers_folder_and_goes_back(tmp_path):
     for k, v in tuned.state_dict().items():
         torch.testing.assert_close(v, start[k], rtol=0, atol=1e-5, msg=k)
     assert max((fresh[k] - start[k]).abs().max() for k in start) > 0.1
-    save_diffusers_folder(tuned, str(tmp_path / "back"))
-    again = diffusers.SanaTransformer2DModel.from_pretrained(str(tmp_path / "back"), low_cpu_mem_usage=False).eval()
-    x, t, context, mask = _inputs(in_chans=1, caption=6)
-    with torch.no_grad():
-        torch.testing.assert_close(tuned(x, t, context=context, context_mask=mask),
-                                   _theirs_forward(again, x, t, context, mask), rtol=0, atol=2e-6)
+    _assert_diffusers_runs_it_alike(tuned, tmp_path / "back")
 
 
 def test_latent_cache_keeps_finished_shards_after_a_kill_and_refuses_another_source(tmp_path):
@@ -437,9 +446,4 @@ def test_a_sharded_fine_tuning_checkpoint_exports_to_a_diffusers_folder(tmp_path
     tuned, _ = load_dit(str(tmp_path / "ft"))
     start = state_dict_from_diffusers(theirs.state_dict(), tuned.cfg)
     assert max((v - start[k]).abs().max() for k, v in tuned.state_dict().items()) > 1e-6  # it trained
-    save_diffusers_folder(tuned, str(tmp_path / "back"))
-    again = diffusers.SanaTransformer2DModel.from_pretrained(str(tmp_path / "back"), low_cpu_mem_usage=False).eval()
-    x, t, context, mask = _inputs(in_chans=1, caption=6)
-    with torch.no_grad():
-        torch.testing.assert_close(tuned(x, t, context=context, context_mask=mask),
-                                   _theirs_forward(again, x, t, context, mask), rtol=0, atol=2e-6)
+    _assert_diffusers_runs_it_alike(tuned, tmp_path / "back")

@@ -16,24 +16,9 @@ from linvision.diffusion.checkpoint import save_dit_checkpoint  # noqa: E402
 from linvision.diffusion.model import LinDiT, create_dit  # noqa: E402
 from linvision.diffusion.pipeline import LinSanaTransformer2DModel  # noqa: E402
 from linvision.diffusion.sana import load_diffusers_folder  # noqa: E402
+from test_sana import SMALL, _diffusers_model, _randomize, _tiny_autoencoder  # noqa: E402
 
-SMALL = dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=2,
-             num_cross_attention_heads=2, cross_attention_head_dim=8, cross_attention_dim=16, caption_channels=12,
-             sample_size=8, patch_size=2)
 SIZE = dict(height=64, width=32)  # the pipeline needs multiples of 32; latents 32 x 16 (the autoencoder's 2x)
-
-
-def _randomize(model, seed):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # non-zero values everywhere, of a size that keeps the outputs O(1)
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() < 2 else p.shape[-1] ** -0.5 * 0.5))
-    return model
-
-
-def _diffusers_model(seed=0, **overrides):
-    torch.manual_seed(seed)
-    return _randomize(diffusers.SanaTransformer2DModel(**{**SMALL, **overrides}), seed).eval()
 
 
 def _scheduler(kind):
@@ -78,14 +63,7 @@ def parts(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sana") / "transformer"
     theirs = _diffusers_model()
     theirs.save_pretrained(folder)
-    torch.manual_seed(0)
-    vae = diffusers.AutoencoderDC(in_channels=3, latent_channels=4, attention_head_dim=4,
-                                  encoder_block_types="ResBlock", decoder_block_types="ResBlock",
-                                  encoder_block_out_channels=(8, 16), decoder_block_out_channels=(8, 16),
-                                  encoder_layers_per_block=(1, 1), decoder_layers_per_block=(1, 1),
-                                  encoder_qkv_multiscales=((), ()), decoder_qkv_multiscales=((), ()),
-                                  upsample_block_type="interpolate", downsample_block_type="Conv",
-                                  scaling_factor=0.4).eval()
+    vae = _tiny_autoencoder("AutoencoderDC")
     ours = LinSanaTransformer2DModel.from_pretrained(folder, exact_eps=True)
     return theirs, folder, ours, vae
 

@@ -180,7 +180,7 @@ class AttentionMixer(nn.Module):
         q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         rope = self.make_rope((h, w), x.device)
-        if self.recompute_attend and torch.is_grad_enabled() and (x.requires_grad or q.requires_grad) and not is_tracing(n):
+        if self.recompute_attend and torch.is_grad_enabled() and q.requires_grad and not is_tracing(n):
             out = checkpoint(self.attend, q, k, v, (h, w), rope, x, use_reentrant=False)
         else:
             out = self.attend(q, k, v, (h, w), rope, x)

@@ -184,6 +184,7 @@ def test_memory_benchmark_shows_fsdp_sharding_the_state(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     points = {p["mode"]: p for p in json.loads((tmp_path / "mem.json").read_text())["points"]}
     ddp, fsdp = points["ddp"], points["fsdp"]
+    assert "error" not in ddp and "error" not in fsdp, (ddp.get("error"), fsdp.get("error"))
     for key in ("weights_mib", "ema_mib", "grads_mib", "optimizer_mib"):
         assert 0.45 * ddp[key] < fsdp[key] < 0.55 * ddp[key], key
     assert ddp["optimizer_mib"] == pytest.approx(2 * ddp["weights_mib"])  # AdamW: two moments per weight

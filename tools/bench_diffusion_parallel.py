@@ -56,7 +56,7 @@ def worker(args: argparse.Namespace) -> None:
     from linvision.diffusion.model import create_dit
     from linvision.diffusion.parallel import parallelize
     from linvision.diffusion.train import create_ema, optimizer_step
-    from linvision.engine.distributed import cleanup, init_distributed
+    from linvision.engine.distributed import barrier, cleanup, init_distributed
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -100,6 +100,7 @@ def worker(args: argparse.Namespace) -> None:
     if info.is_main:
         with open(args.result, "w") as f:
             json.dump(everyone, f)
+    barrier(info)
     cleanup(info)
 
 
@@ -117,8 +118,10 @@ def run_point(args: argparse.Namespace, mode: str, ranks: int) -> Dict[str, Any]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
                               env={**os.environ, "OMP_NUM_THREADS": str(args.threads or 1)})
         if proc.returncode != 0:  # the rank's exception, not torchrun's summary around it
-            lines = proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"]
-            point["error"] = next((s for s in reversed(lines) if "Error" in s or "error:" in s), lines[-1])[:200]
+            lines = [s.strip() for s in proc.stderr.splitlines() if "ChildFailedError" not in s and s.strip()]
+            lines = lines or [f"exit status {proc.returncode}"]
+            signal = next((s for s in lines if s.startswith("exitcode") and "SIGTERM" not in s), lines[-1])
+            point["error"] = next((s for s in reversed(lines) if "Error" in s or "error:" in s), signal)[:200]
             return point
         with open(result) as f:
             ranks_figures = json.load(f)

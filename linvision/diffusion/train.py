@@ -240,7 +240,9 @@ def train_dit(cfg: DiffusionTrainConfig, out_dir: str, resume: bool = False, sto
     cfg.check()
     info = init_distributed("auto", group=cfg.parallel == "fsdp")
     try:
-        return _train(cfg, out_dir, resume, stop_after, log if info.is_main else (lambda s: None), info)
+        result = _train(cfg, out_dir, resume, stop_after, log if info.is_main else (lambda s: None), info)
+        barrier(info)
+        return result
     finally:
         if info.owns_group:
             cleanup(info)

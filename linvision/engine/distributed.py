@@ -106,6 +106,8 @@ def on_main(fn, info: DistInfo):
 
 
 def barrier(info: DistInfo) -> None:
+    """Wait for every rank. Call it at the end of a run's normal path, before :func:`cleanup`: under gloo a rank
+    that ends its group while another is still sending can abort at exit."""
     if info.distributed:
         dist.barrier()
 

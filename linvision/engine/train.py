@@ -311,7 +311,9 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
     """
     info = init_distributed(args.device)
     try:
-        return _train(args, info)
+        result = _train(args, info)
+        barrier(info)
+        return result
     finally:
         cleanup(info)
 

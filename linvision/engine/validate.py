@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from .checkpoint import load_model, read_checkpoint_meta, resolve_checkpoint
 from .cli import add_amp_arg
 from .data import ShardedSampler, build_transform, create_dataset, create_loader
-from .distributed import cleanup, init_distributed
+from .distributed import barrier, cleanup, init_distributed
 from .evaluate import evaluate
 
 __all__ = ["add_validate_args", "validate_checkpoint"]
@@ -76,6 +76,7 @@ def validate_checkpoint(checkpoint: str, dataset: Optional[str] = None, data_dir
             except (RuntimeError, ValueError, AssertionError) as e:  # a model tied to one input size
                 res = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"}
             results.append({"img_size": size, **res})
+        barrier(info)
         return {"checkpoint": checkpoint, "model": meta["model"], "train_img_size": meta["img_size"],
                 "results": results}
     finally:

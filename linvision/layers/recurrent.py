@@ -20,9 +20,9 @@ from linvision.ops import (
     check_int,
     bidirectional_delta_rule_attention,
     bidirectional_gated_linear_attention,
+    compute_dtype,
     get_feature_map,
 )
-
 from linvision.ops.rope import Rope
 
 from .mixers import AttentionMixer
@@ -152,8 +152,8 @@ class BidirGatedAttention(BidirectionalRecurrentMixer):
 
     def scan(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor) -> Tensor:
         b, n, _ = x.shape
-        # fp32 log-gates whatever the autocast dtype: they are summed over many tokens
-        log_gate = F.logsigmoid(self.forget_gate(x).float()) / self.forget_temperature  # (B, N, heads * G)
+        # (B, N, heads * G) log-gates in fp32 whatever the autocast dtype (float64 for float64): they are summed
+        log_gate = F.logsigmoid(self.forget_gate(x).to(compute_dtype(x.dtype))) / self.forget_temperature
         log_gate = log_gate.reshape(b, n, self.num_heads, -1).transpose(1, 2)  # (B, heads, N, G)
         return bidirectional_gated_linear_attention(
             q, k, v, log_gate, self.feature_map, eps=self.eps, chunk_size=self.chunk_size
@@ -181,5 +181,5 @@ class BidirDeltaAttention(BidirectionalRecurrentMixer):
         self.beta = nn.Linear(dim, num_heads)
 
     def scan(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor) -> Tensor:
-        beta = torch.sigmoid(self.beta(x).float()).transpose(1, 2)  # (B, heads, N), in (0, 1)
+        beta = torch.sigmoid(self.beta(x).to(compute_dtype(x.dtype))).transpose(1, 2)  # (B, heads, N), in (0, 1)
         return bidirectional_delta_rule_attention(q, k, v, beta, self.feature_map, chunk_size=self.chunk_size)

@@ -35,6 +35,7 @@ from .rope import (
 )
 from .recurrent import (  # chunked forms, their steps, bidirectional scans
     RecurrentState,
+    compute_dtype,
     decay_linear_attention,
     gated_linear_attention,
     delta_rule_attention,

@@ -118,23 +118,55 @@ def to_chunks(x: Tensor, c: int) -> Tensor:
     return F.pad(x, (0, 0, 0, (-n) % c)).reshape(b, h, -1, c, x.shape[-1])
 
 
+StrictArg = Union[bool, Tensor]
+
+
+def _read_mask(c: int, strict: StrictArg, device: torch.device) -> Tensor:
+    """Which tokens j of its chunk token i reads: j <= i, or j < i where ``strict``. ``strict`` is a bool, or a bool
+    tensor (B,) per sequence (the two scan directions batched together); the mask is (c, c) or (B, 1, 1, c, c)."""
+    lower = torch.ones(c, c, dtype=torch.bool, device=device).tril()
+    if isinstance(strict, bool):
+        return lower.tril(-1) if strict else lower
+    return lower & ~(strict.view(-1, 1, 1, 1, 1) & torch.eye(c, dtype=torch.bool, device=device))
+
+
+def _chunk_states(kv: Tensor, decay: Optional[Tensor], s0: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """States entering each chunk of S_c = decay_c * S_{c-1} + kv_c, and the last state. kv (B, H, nc, D, E);
+    decay (B, H, nc, G, 1) with G 1 or D, or None (no decay: an exclusive cumulative sum); s0 (B, H, D, E) or None.
+    With decay the loop over chunks is one fused multiply-add each."""
+    if decay is None:
+        total = kv.cumsum(dim=2)
+        if s0 is not None:
+            total = total + s0.unsqueeze(2)
+        first = s0.unsqueeze(2) if s0 is not None else torch.zeros_like(kv[:, :, :1])
+        return torch.cat([first, total[:, :, :-1]], dim=2), total[:, :, -1]
+    s = s0 if s0 is not None else kv.new_zeros(kv[:, :, 0].shape)
+    entering = []
+    for decay_c, kv_c in zip(decay.unbind(2), kv.unbind(2)):
+        entering.append(s)
+        s = torch.addcmul(kv_c, decay_c, s)
+    return torch.stack(entering, dim=2), s
+
+
 def _gated_scan(
-    q: Tensor, k: Tensor, v: Tensor, log_gate: Optional[Tensor], chunk_size: int, s0: Optional[Tensor], strict: bool
+    q: Tensor, k: Tensor, v: Tensor, log_gate: Optional[Tensor], chunk_size: int, s0: Optional[Tensor],
+    strict: StrictArg,
 ) -> Tuple[Tensor, Tensor]:
     """Unnormalised gated scan, chunked: o_i = q_i S_i with S_i = diag(exp(log_gate_i)) S_{i-1} + k_i^T v_i.
 
     q, k (B, H, N, D), v (B, H, N, E), log_gate (B, H, N, G) all in the compute dtype; log_gate None is the zero
     log-gate (no decay: plain causal linear attention, without forming any exp); s0 (B, H, D, E) or None.
-    ``strict`` drops the token's own term: o_i = q_i (S_i - k_i^T v_i). Returns (o (B, H, N, E), final state).
-    Padded tokens have log-gate 0 and zero keys, so the final state is that after token N.
+    ``strict`` drops the token's own term: o_i = q_i (S_i - k_i^T v_i) (a bool tensor (B,): per sequence).
+    Returns (o (B, H, N, E), final state). Padded tokens have log-gate 0 and zero keys, so the final state is that
+    after token N.
     """
     b, h, n, d = q.shape
     c = min(chunk_size, n)
     q, k, v = (to_chunks(t, c) for t in (q, k, v))
-    mask = torch.ones(c, c, dtype=torch.bool, device=q.device).tril(-1 if strict else 0)
+    mask = _read_mask(c, strict, q.device)
     if log_gate is None:
         attn = (q @ k.transpose(-1, -2)).masked_fill(~mask, 0)
-        q_in, kv, chunk_decay = q, k.transpose(-1, -2) @ v, q.new_ones(b, h, q.shape[2], 1, 1)
+        q_in, kv, chunk_decay = q, k.transpose(-1, -2) @ v, None
     else:
         cum = to_chunks(log_gate, c).cumsum(dim=3)  # (B, H, nc, c, G): log decay from the chunk start to token i
         total = cum[:, :, :, -1:]  # (B, H, nc, 1, G): log decay over the whole chunk
@@ -148,20 +180,17 @@ def _gated_scan(
         q_in = q * cum.exp()  # reads the state entering the chunk, decayed up to token i
         kv = (k * (total - cum).exp()).transpose(-1, -2) @ v  # (B, H, nc, D, E): chunk's keys decayed to its end
         chunk_decay = total.transpose(-1, -2).exp()  # (B, H, nc, G, 1)
-    out = attn @ v
-    s = s0 if s0 is not None else q.new_zeros(b, h, d, v.shape[-1])
-    inter = []
-    # unbind once: indexing inside the loop would allocate a full-size gradient per chunk in the backward
-    for q_c, decay_c, kv_c in zip(q_in.unbind(2), chunk_decay.unbind(2), kv.unbind(2)):
-        inter.append(q_c @ s)
-        s = decay_c * s + kv_c
-    out = out + torch.stack(inter, dim=2)
+    if s0 is None and kv.shape[2] == 1:  # one chunk, nothing entering it
+        out, s = attn @ v, kv[:, :, 0]
+    else:
+        entering, s = _chunk_states(kv, chunk_decay, s0)
+        out = attn @ v + q_in @ entering
     return out.reshape(b, h, -1, v.shape[-1])[:, :, :n], s
 
 
 def _gated_pieces(
     phi_q: Tensor, phi_k: Tensor, v: Tensor, log_gate: Optional[Tensor], chunk_size: int,
-    state: Optional[RecurrentState], strict: bool, rotated: Optional[Tuple[Tensor, Tensor]] = None,
+    state: Optional[RecurrentState], strict: StrictArg, rotated: Optional[Tuple[Tensor, Tensor]] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, RecurrentState]:
     """Numerator (B, H, N, Dv), denominator (B, H, N), decayed count (B, H, N) and final state of the normalised
     gated scan (log_gate None: no decay). ``rotated``: (R phi(q), R phi(k)) for the numerator (RoPE), the
@@ -179,7 +208,8 @@ def _gated_pieces(
     b, h, n = den.shape
     if log_gate is None:  # no decay: the count is the number of tokens seen, exactly
         c0 = den.new_zeros(b, h, 1) if state is None else state.count
-        count, c = c0 + torch.arange(1 - strict, n + 1 - strict, dtype=den.dtype, device=den.device), c0 + n
+        own = 1 - (strict.to(den.dtype).view(-1, 1, 1) if isinstance(strict, Tensor) else float(strict))
+        count, c = c0 + torch.arange(n, dtype=den.dtype, device=den.device) + own, c0 + n
     else:
         unit_q = log_gate.new_full(log_gate.shape, 1.0 / log_gate.shape[-1])  # mean over the G per-channel counts
         c0 = None if state is None else state.count.unsqueeze(-1)
@@ -324,20 +354,28 @@ def bidirectional_gated_linear_attention(
     eps, chunk_size = check_eps(eps), check_int("chunk_size", chunk_size, 1)
     log_gate = _check_log_gate(log_gate, q)
     phi_q, phi_k, vc = featurize(get_feature_map(feature_map, dim=q.shape[-1]), q, k, v)
-
-    def flip(x: Tensor) -> Tensor:
-        return x.flip(2)
-
+    log_gate = log_gate.expand(q.shape[0], q.shape[1], q.shape[2], log_gate.shape[-1])
+    both, strict, merge = _both_directions(q.shape[0], q.device)
     if normalize:
-        num_f, den_f, cnt_f, _ = _gated_pieces(phi_q, phi_k, vc, log_gate, chunk_size, None, strict=False)
-        pieces_b = _gated_pieces(*map(flip, (phi_q, phi_k, vc, log_gate)), chunk_size, None, strict=True)
-        num_b, den_b, cnt_b = (x.flip(2) for x in pieces_b[:3])
-        out = (num_f + num_b) / (den_f + den_b + (cnt_f + cnt_b) * eps).unsqueeze(-1)
+        num, den, cnt, _ = _gated_pieces(*map(both, (phi_q, phi_k, vc, log_gate)), chunk_size, None, strict)
+        out = merge(num) / (merge(den) + merge(cnt) * eps).unsqueeze(-1)
     else:
-        out_f, _ = _gated_scan(phi_q, phi_k, vc, log_gate, chunk_size, None, strict=False)
-        out_b, _ = _gated_scan(*map(flip, (phi_q, phi_k, vc, log_gate)), chunk_size, None, strict=True)
-        out = out_f + out_b.flip(2)
+        out = merge(_gated_scan(*map(both, (phi_q, phi_k, vc, log_gate)), chunk_size, None, strict)[0])
     return out.to(q.dtype)
+
+
+def _both_directions(batch: int, device: torch.device):
+    """The forward and the reversed token order as one batch of 2B sequences, the reversed ones read strictly:
+    returns (both: x (B, H, N, ...) -> (2B, H, N, ...), strict (2B,) bool, merge: (2B, H, N, ...) -> the forward
+    result plus the backward one put back in token order)."""
+
+    def both(x: Tensor) -> Tensor:
+        return torch.cat([x, x.flip(2)], dim=0)
+
+    def merge(x: Tensor) -> Tensor:
+        return x[:batch] + x[batch:].flip(2)
+
+    return both, torch.arange(2 * batch, device=device) >= batch, merge
 
 
 def _check_beta(beta: Tensor, q: Tensor) -> Tensor:
@@ -361,32 +399,43 @@ def _delta_features(
 
 
 def _delta_scan(
-    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, chunk_size: int, s0: Optional[Tensor], strict: bool
+    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, chunk_size: int, s0: Optional[Tensor], strict: StrictArg
 ) -> Tuple[Tensor, Tensor]:
     """Delta-rule scan, chunked with the WY/UT form: o_i = q_i S_i, S_i = (I - b_i k_i^T k_i) S_{i-1} + b_i k_i^T v_i.
 
     Inside a chunk with entering state S0, S_i = S0 + sum_{j<=i} k_j^T u_j with u_i = b_i (v_i - k_i S_{i-1}), i.e.
     (I + tril(diag(b) K K^T, -1)) U = diag(b) (V - K S0): one unit-triangular solve per chunk gives U~ and W with
-    U = U~ - W S0, independent of S0, so only the cheap U, S updates run chunk after chunk.
-    ``strict``: o_i = q_i S_{i-1} (the token's own update left out). Padded tokens (k = 0, b = 0) change nothing.
+    U = U~ - W S0, independent of S0. So the chunk maps its entering state affinely, S = (I - K^T W) S0 + K^T U~,
+    and reads O = (Q - A W) S0 + A U~ (A the masked Q K^T): everything but the chain of states is batched over
+    chunks, and the chain is one fused multiply-add of a (D, D) and a (D, Dv) matrix per chunk.
+    ``strict``: o_i = q_i S_{i-1} (the token's own update left out; a bool tensor (B,): per sequence). Padded
+    tokens (k = 0, b = 0) change nothing.
     """
     b, h, n, d = q.shape
+    e = v.shape[-1]
     c = min(chunk_size, n)
     q, k, v, beta = (to_chunks(t, c) for t in (q, k, v, beta.unsqueeze(-1)))
     kb = k * beta  # (B, H, nc, c, D)
-    eye = torch.eye(c, dtype=q.dtype, device=q.device)
-    lower = eye + (kb @ k.transpose(-1, -2)).tril(-1)
-    rhs = torch.cat([v * beta, kb], dim=-1)
-    u_w = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
-    u_tilde, w = u_w[..., : v.shape[-1]], u_w[..., v.shape[-1] :]
-    attn = (q @ k.transpose(-1, -2)).tril(-1 if strict else 0)
-    s = s0 if s0 is not None else q.new_zeros(b, h, d, v.shape[-1])
-    outs = []
-    for q_c, k_c, u_c, w_c, attn_c in zip(*(t.unbind(2) for t in (q, k, u_tilde, w, attn))):
-        u = u_c - w_c @ s  # (B, H, c, Dv)
-        outs.append(q_c @ s + attn_c @ u)
-        s = s + k_c.transpose(-1, -2) @ u
-    return torch.stack(outs, dim=2).reshape(b, h, -1, v.shape[-1])[:, :, :n], s
+    lower = torch.eye(c, dtype=q.dtype, device=q.device) + (kb @ k.transpose(-1, -2)).tril(-1)
+    u_w = torch.linalg.solve_triangular(lower, torch.cat([v * beta, kb], dim=-1), upper=False, unitriangular=True)
+    attn = (q @ k.transpose(-1, -2)).masked_fill(~_read_mask(c, strict, q.device), 0)
+    # products sharing an operand are formed as one: A [U~ W] and K^T [U~ W]
+    read = attn @ u_w  # [A U~, A W]
+    kt_uw = k.transpose(-1, -2) @ u_w  # (B, H, nc, D, Dv + D): [K^T U~, K^T W]
+    if s0 is None and q.shape[2] == 1:  # one chunk, nothing entering it
+        return read[..., :e].reshape(b, h, -1, e)[:, :, :n], kt_uw[:, :, 0, :, :e]
+    # the chain over chunks: (nc, B*H, D, Dv+D) contiguous, so each step is one batched multiply-add
+    nc = q.shape[2]
+    maps = torch.cat([kt_uw[..., :e], torch.eye(d, dtype=q.dtype, device=q.device) - kt_uw[..., e:]], dim=-1)
+    maps = maps.permute(2, 0, 1, 3, 4).reshape(nc, b * h, d, e + d)
+    s = s0.reshape(b * h, d, e) if s0 is not None else q.new_zeros(b * h, d, e)
+    entering = []
+    for m in maps.unbind(0):
+        entering.append(s)
+        s = torch.baddbmm(m[..., :e], m[..., e:], s)
+    entering = torch.stack(entering, dim=1).reshape(b, h, nc, d, e)
+    out = read[..., :e] + (q - read[..., e:]) @ entering
+    return out.reshape(b, h, -1, e)[:, :, :n], s.reshape(b, h, d, e)
 
 
 def delta_rule_attention(
@@ -442,7 +491,6 @@ def bidirectional_delta_rule_attention(
     chunk_size = check_int("chunk_size", chunk_size, 1)
     beta = _check_beta(beta, q)
     phi_q, phi_k, vc = _delta_features(q, k, v, feature_map, l2_normalize)
-    out_f, _ = _delta_scan(phi_q, phi_k, vc, beta, chunk_size, None, strict=False)
-    flipped = (phi_q.flip(2), phi_k.flip(2), vc.flip(2), beta.flip(2))
-    out_b, _ = _delta_scan(*flipped, chunk_size, None, strict=True)
-    return (out_f + out_b.flip(2)).to(q.dtype)
+    both, strict, merge = _both_directions(q.shape[0], q.device)
+    out, _ = _delta_scan(*map(both, (phi_q, phi_k, vc, beta)), chunk_size, None, strict)
+    return merge(out).to(q.dtype)

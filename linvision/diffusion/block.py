@@ -21,19 +21,18 @@ kernels where they apply.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from linvision.layers import AttentionMixer, create_mixer
+from linvision.layers import AttentionMixer, create_mixer, get_mixer_class, mixer_options
 from linvision.ops import check_grid
 
 __all__ = ["modulate", "self_attention", "CrossAttention", "MixFFN", "TokenMLP", "SanaBlock"]
 
-SELF_ATTN_TYPES = ("linear", "softmax")
 
 
 def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
@@ -44,11 +43,15 @@ def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
 def self_attention(
     dim: int, head_dim: int = 32, attn_type: str = "linear", qk_norm: bool = False, use_rope: bool = False,
     fp16_clamp: bool = False, eps: float = 1e-4, eps_form: str = "mean", qk_norm_eps: float = 1e-6,
+    options: Optional[Dict[str, Any]] = None,
 ) -> AttentionMixer:
     """Sana's self-attention as a layers mixer: :class:`linvision.layers.LinearAttention` with the ReLU feature
-    map (or :class:`linvision.layers.SoftmaxAttention` for ``attn_type="softmax"``), heads of ``head_dim``
-    channels, no qkv bias, q/k RMS-norm over C with ``qk_norm``, 2D axial RoPE with ``use_rope`` (for linear
-    attention it rotates the numerator only), and the fp16 clamp of the projection with ``fp16_clamp``.
+    map (or :class:`linvision.layers.SoftmaxAttention` for ``attn_type="softmax"``, or any other registered
+    token mixer by name, e.g. ``"bidir_delta"`` or ``"bidir_gated"`` for a Sana-Video-style block), heads of
+    ``head_dim`` channels, no qkv bias, q/k RMS-norm over C with ``qk_norm``, 2D axial RoPE with ``use_rope``
+    (for linear attention it rotates the numerator only), and the fp16 clamp of the projection with
+    ``fp16_clamp``. ``options``: further keyword options of the mixer (:func:`linvision.layers.mixer_options`).
+    A mixer without qk_norm, RoPE or the clamp is refused in one line when that flag is set.
 
     ``fp16_clamp``: Sana's released weights were trained under fp16 autocast with this clamp after the output
     projection; reproducing their behaviour in fp16 needs it. ``eps`` / ``eps_form``: see
@@ -57,15 +60,23 @@ def self_attention(
     """
     if head_dim <= 0 or dim % head_dim != 0:
         raise ValueError(f"head_dim: must divide dim={dim}, got {head_dim}")
-    if attn_type not in SELF_ATTN_TYPES:
-        raise ValueError(f"attn_type: unknown {attn_type!r}; allowed: {', '.join(SELF_ATTN_TYPES)}")
+    get_mixer_class(attn_type)  # an unknown name fails here, listing the registered ones
     if use_rope and head_dim % 4 != 0:
         raise ValueError(f"head_dim: 2D RoPE needs a multiple of 4, got {head_dim}")
-    options = dict(rope="axial" if use_rope else None, qkv_bias=False, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,
-                   fp16_clamp=fp16_clamp)
+    accepted = set(mixer_options(attn_type))
+    flags = dict(rope="axial" if use_rope else None, qk_norm=qk_norm, fp16_clamp=fp16_clamp)
+    missing = [name for name, value in flags.items() if value and name not in accepted]
+    if missing:
+        raise ValueError(f"self_attn: the {attn_type!r} mixer has no {', '.join(missing)}")
+    chosen: Dict[str, Any] = dict(qkv_bias=False, qk_norm_eps=qk_norm_eps, **flags)
     if attn_type == "linear":
-        options.update(feature_map="relu", eps=eps, eps_form=eps_form)
-    return create_mixer(attn_type, dim, dim // head_dim, **options)
+        chosen.update(feature_map="relu", eps=eps, eps_form=eps_form)
+    chosen = {k: v for k, v in chosen.items() if k in accepted}
+    unknown = sorted(set(options or {}) - accepted)
+    if unknown:
+        raise ValueError(f"self_attn_options: the {attn_type!r} mixer has no {', '.join(unknown)}; "
+                         f"allowed: {', '.join(sorted(accepted))}")
+    return create_mixer(attn_type, dim, dim // head_dim, **{**chosen, **(options or {})})
 
 
 class CrossAttention(nn.Module):
@@ -146,7 +157,8 @@ class SanaBlock(nn.Module):
         num_heads: heads of the softmax cross-attention (Sana-0.6B: 16 at C=1152).
         head_dim: channels per head of the linear self-attention (Sana: 32).
         mlp_ratio: hidden = int(mlp_ratio * C) of the FFN (Sana: 2.5).
-        self_attn: "linear" (ReLU linear attention) or "softmax" (the same block with softmax self-attention).
+        self_attn: "linear" (ReLU linear attention), "softmax" (the same block with softmax self-attention) or
+            any registered token mixer (:func:`self_attention`); ``self_attn_options``: its further options.
         ffn: "mix" (Mix-FFN, needs the grid) or "mlp" (per-token MLP; the block is then permutation-equivariant).
         cross_attn: build the cross-attention; without it ``context`` must be None.
         qk_norm, qk_norm_eps, use_rope, fp16_clamp, eps, eps_form: see :func:`self_attention` (qk_norm and
@@ -157,6 +169,7 @@ class SanaBlock(nn.Module):
         self, dim: int, num_heads: int, head_dim: int = 32, mlp_ratio: float = 2.5, self_attn: str = "linear",
         ffn: str = "mix", cross_attn: bool = True, qk_norm: bool = False, use_rope: bool = False,
         fp16_clamp: bool = False, eps: float = 1e-4, eps_form: str = "mean", qk_norm_eps: float = 1e-6,
+        self_attn_options: Optional[Dict[str, Any]] = None,
     ):
         super().__init__()
         if ffn not in ("mix", "mlp"):
@@ -165,7 +178,7 @@ class SanaBlock(nn.Module):
         self.norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
         self.attn = self_attention(
             dim, head_dim, attn_type=self_attn, qk_norm=qk_norm, use_rope=use_rope, fp16_clamp=fp16_clamp,
-            eps=eps, eps_form=eps_form, qk_norm_eps=qk_norm_eps,
+            eps=eps, eps_form=eps_form, qk_norm_eps=qk_norm_eps, options=self_attn_options,
         )
         self.cross_attn = CrossAttention(dim, num_heads, qk_norm, qk_norm_eps) if cross_attn else None
         self.norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)

@@ -18,7 +18,7 @@ shapes of Sana-0.6B and Sana-1.6B (caption embeddings of 2304 channels, Gemma-2'
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from typing import Any, Dict, Optional, Set
 
@@ -59,6 +59,7 @@ class DiTConfig:
     qk_norm: bool = False
     use_rope: bool = False
     self_attn: str = "linear"
+    self_attn_options: Dict[str, Any] = field(default_factory=dict)
     fp16_clamp: bool = False
     caption_channels: int = 0
     guidance_embeds: bool = False
@@ -165,7 +166,7 @@ class LinDiT(nn.Module):
             SanaBlock(
                 c, cfg.num_heads, head_dim=cfg.head_dim, mlp_ratio=cfg.mlp_ratio, self_attn=cfg.self_attn,
                 qk_norm=cfg.qk_norm, use_rope=cfg.use_rope, fp16_clamp=cfg.fp16_clamp, eps=cfg.eps,
-                eps_form=cfg.eps_form, qk_norm_eps=cfg.qk_norm_eps,
+                eps_form=cfg.eps_form, qk_norm_eps=cfg.qk_norm_eps, self_attn_options=cfg.self_attn_options,
             )
             for _ in range(cfg.depth)
         )

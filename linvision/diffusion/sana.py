@@ -95,7 +95,8 @@ def config_to_diffusers(cfg: DiTConfig, extra: Optional[Dict[str, Any]] = None) 
     ``guidance_embeds_scale``, ``timestep_scale``). ValueError for a config diffusers' class cannot express."""
     problems = [name for name, bad in (
         ("num_classes (class labels)", cfg.num_classes > 0), ("caption_channels", cfg.caption_channels <= 0),
-        ("self_attn", cfg.self_attn != "linear"), ("use_rope", cfg.use_rope),
+        ("self_attn", cfg.self_attn != "linear"), ("self_attn_options", bool(cfg.self_attn_options)),
+        ("use_rope", cfg.use_rope),
     ) if bad]
     if problems:
         raise ValueError(f"model config: {DIFFUSERS_CLASS} has no counterpart for {', '.join(problems)}")

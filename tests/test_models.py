@@ -18,6 +18,7 @@ FAMILY_NAMES = {
     ],
     "linhier": [
         "linhier_tiny_224", "linhier_small_224", "linhier_base_224", "linhier_gcnn_femto_224", "linhier_gcnn_tiny_224",
+        "linhier_delta_femto_224", "linhier_delta_tiny_224", "linhier_delta_small_224",
     ],
     "mlla": ["mlla_tiny", "mlla_small", "mlla_base"],
     "ravlt": ["ravlt_tiny", "ravlt_small", "ravlt_base", "ravlt_large"],

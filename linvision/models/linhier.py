@@ -313,6 +313,9 @@ default_cfgs = generate_default_cfgs({
     "linhier_base_224": _cfg(),
     "linhier_gcnn_femto_224": _cfg(crop_pct=1.0),
     "linhier_gcnn_tiny_224": _cfg(crop_pct=1.0),
+    "linhier_delta_femto_224": _cfg(),
+    "linhier_delta_tiny_224": _cfg(),
+    "linhier_delta_small_224": _cfg(),
 })
 
 
@@ -354,3 +357,22 @@ def linhier_gcnn_femto_224(pretrained: bool = False, **kwargs) -> LinHier:
 def linhier_gcnn_tiny_224(pretrained: bool = False, **kwargs) -> LinHier:
     args = dict(depths=(2, 2, 7, 2), dims=(80, 160, 320, 576), num_heads=(2, 4, 8, 16), token_mixers="none")
     return _create_linhier("linhier_gcnn_tiny_224", pretrained, **dict(args, **kwargs))
+
+
+# The bidirectional delta rule in every stage: the best hierarchical mixer of the project's comparisons (README).
+@register_model
+def linhier_delta_femto_224(pretrained: bool = False, **kwargs) -> LinHier:
+    args = dict(depths=(2, 2, 5, 2), dims=(48, 96, 192, 288), num_heads=(2, 3, 6, 9), token_mixers="bidir_delta")
+    return _create_linhier("linhier_delta_femto_224", pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def linhier_delta_tiny_224(pretrained: bool = False, **kwargs) -> LinHier:
+    args = dict(depths=(3, 5, 9, 4), dims=(64, 128, 256, 512), num_heads=(2, 4, 8, 16), token_mixers="bidir_delta")
+    return _create_linhier("linhier_delta_tiny_224", pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def linhier_delta_small_224(pretrained: bool = False, **kwargs) -> LinHier:
+    args = dict(depths=(3, 6, 21, 6), dims=(64, 128, 256, 512), num_heads=(2, 4, 8, 16), token_mixers="bidir_delta")
+    return _create_linhier("linhier_delta_small_224", pretrained, **dict(args, **kwargs))

@@ -118,16 +118,9 @@ def to_chunks(x: Tensor, c: int) -> Tensor:
     return F.pad(x, (0, 0, 0, (-n) % c)).reshape(b, h, -1, c, x.shape[-1])
 
 
-StrictArg = Union[bool, Tensor]
-
-
-def _read_mask(c: int, strict: StrictArg, device: torch.device) -> Tensor:
-    """Which tokens j of its chunk token i reads: j <= i, or j < i where ``strict``. ``strict`` is a bool, or a bool
-    tensor (B,) per sequence (the two scan directions batched together); the mask is (c, c) or (B, 1, 1, c, c)."""
-    lower = torch.ones(c, c, dtype=torch.bool, device=device).tril()
-    if isinstance(strict, bool):
-        return lower.tril(-1) if strict else lower
-    return lower & ~(strict.view(-1, 1, 1, 1, 1) & torch.eye(c, dtype=torch.bool, device=device))
+def _read_mask(c: int, strict: bool, device: torch.device) -> Tensor:
+    """(c, c): which tokens j of its chunk token i reads: j <= i, or j < i with ``strict``."""
+    return torch.ones(c, c, dtype=torch.bool, device=device).tril(-1 if strict else 0)
 
 
 def _chunk_states(kv: Tensor, decay: Optional[Tensor], s0: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
@@ -150,13 +143,13 @@ def _chunk_states(kv: Tensor, decay: Optional[Tensor], s0: Optional[Tensor]) -> 
 
 def _gated_scan(
     q: Tensor, k: Tensor, v: Tensor, log_gate: Optional[Tensor], chunk_size: int, s0: Optional[Tensor],
-    strict: StrictArg,
+    strict: bool,
 ) -> Tuple[Tensor, Tensor]:
     """Unnormalised gated scan, chunked: o_i = q_i S_i with S_i = diag(exp(log_gate_i)) S_{i-1} + k_i^T v_i.
 
     q, k (B, H, N, D), v (B, H, N, E), log_gate (B, H, N, G) all in the compute dtype; log_gate None is the zero
     log-gate (no decay: plain causal linear attention, without forming any exp); s0 (B, H, D, E) or None.
-    ``strict`` drops the token's own term: o_i = q_i (S_i - k_i^T v_i) (a bool tensor (B,): per sequence).
+    ``strict`` drops the token's own term: o_i = q_i (S_i - k_i^T v_i).
     Returns (o (B, H, N, E), final state). Padded tokens have log-gate 0 and zero keys, so the final state is that
     after token N.
     """
@@ -190,7 +183,7 @@ def _gated_scan(
 
 def _gated_pieces(
     phi_q: Tensor, phi_k: Tensor, v: Tensor, log_gate: Optional[Tensor], chunk_size: int,
-    state: Optional[RecurrentState], strict: StrictArg, rotated: Optional[Tuple[Tensor, Tensor]] = None,
+    state: Optional[RecurrentState], strict: bool, rotated: Optional[Tuple[Tensor, Tensor]] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, RecurrentState]:
     """Numerator (B, H, N, Dv), denominator (B, H, N), decayed count (B, H, N) and final state of the normalised
     gated scan (log_gate None: no decay). ``rotated``: (R phi(q), R phi(k)) for the numerator (RoPE), the
@@ -208,8 +201,7 @@ def _gated_pieces(
     b, h, n = den.shape
     if log_gate is None:  # no decay: the count is the number of tokens seen, exactly
         c0 = den.new_zeros(b, h, 1) if state is None else state.count
-        own = 1 - (strict.to(den.dtype).view(-1, 1, 1) if isinstance(strict, Tensor) else float(strict))
-        count, c = c0 + torch.arange(n, dtype=den.dtype, device=den.device) + own, c0 + n
+        count, c = c0 + torch.arange(1 - strict, n + 1 - strict, dtype=den.dtype, device=den.device), c0 + n
     else:
         unit_q = log_gate.new_full(log_gate.shape, 1.0 / log_gate.shape[-1])  # mean over the G per-channel counts
         c0 = None if state is None else state.count.unsqueeze(-1)
@@ -354,28 +346,21 @@ def bidirectional_gated_linear_attention(
     eps, chunk_size = check_eps(eps), check_int("chunk_size", chunk_size, 1)
     log_gate = _check_log_gate(log_gate, q)
     phi_q, phi_k, vc = featurize(get_feature_map(feature_map, dim=q.shape[-1]), q, k, v)
-    log_gate = log_gate.expand(q.shape[0], q.shape[1], q.shape[2], log_gate.shape[-1])
-    both, strict, merge = _both_directions(q.shape[0], q.device)
+
+    def flip(x: Tensor) -> Tensor:
+        return x.flip(2)
+
+    # one direction after the other: batching the two would double the peak memory of the chunk tensors
     if normalize:
-        num, den, cnt, _ = _gated_pieces(*map(both, (phi_q, phi_k, vc, log_gate)), chunk_size, None, strict)
-        out = merge(num) / (merge(den) + merge(cnt) * eps).unsqueeze(-1)
+        num_f, den_f, cnt_f, _ = _gated_pieces(phi_q, phi_k, vc, log_gate, chunk_size, None, strict=False)
+        pieces_b = _gated_pieces(*map(flip, (phi_q, phi_k, vc, log_gate)), chunk_size, None, strict=True)
+        num_b, den_b, cnt_b = (x.flip(2) for x in pieces_b[:3])
+        out = (num_f + num_b) / (den_f + den_b + (cnt_f + cnt_b) * eps).unsqueeze(-1)
     else:
-        out = merge(_gated_scan(*map(both, (phi_q, phi_k, vc, log_gate)), chunk_size, None, strict)[0])
+        out_f, _ = _gated_scan(phi_q, phi_k, vc, log_gate, chunk_size, None, strict=False)
+        out_b, _ = _gated_scan(*map(flip, (phi_q, phi_k, vc, log_gate)), chunk_size, None, strict=True)
+        out = out_f + out_b.flip(2)
     return out.to(q.dtype)
-
-
-def _both_directions(batch: int, device: torch.device):
-    """The forward and the reversed token order as one batch of 2B sequences, the reversed ones read strictly:
-    returns (both: x (B, H, N, ...) -> (2B, H, N, ...), strict (2B,) bool, merge: (2B, H, N, ...) -> the forward
-    result plus the backward one put back in token order)."""
-
-    def both(x: Tensor) -> Tensor:
-        return torch.cat([x, x.flip(2)], dim=0)
-
-    def merge(x: Tensor) -> Tensor:
-        return x[:batch] + x[batch:].flip(2)
-
-    return both, torch.arange(2 * batch, device=device) >= batch, merge
 
 
 def _check_beta(beta: Tensor, q: Tensor) -> Tensor:
@@ -399,7 +384,7 @@ def _delta_features(
 
 
 def _delta_scan(
-    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, chunk_size: int, s0: Optional[Tensor], strict: StrictArg
+    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, chunk_size: int, s0: Optional[Tensor], strict: bool
 ) -> Tuple[Tensor, Tensor]:
     """Delta-rule scan, chunked with the WY/UT form: o_i = q_i S_i, S_i = (I - b_i k_i^T k_i) S_{i-1} + b_i k_i^T v_i.
 
@@ -408,8 +393,7 @@ def _delta_scan(
     U = U~ - W S0, independent of S0. So the chunk maps its entering state affinely, S = (I - K^T W) S0 + K^T U~,
     and reads O = (Q - A W) S0 + A U~ (A the masked Q K^T): everything but the chain of states is batched over
     chunks, and the chain is one fused multiply-add of a (D, D) and a (D, Dv) matrix per chunk.
-    ``strict``: o_i = q_i S_{i-1} (the token's own update left out; a bool tensor (B,): per sequence). Padded
-    tokens (k = 0, b = 0) change nothing.
+    ``strict``: o_i = q_i S_{i-1} (the token's own update left out). Padded tokens (k = 0, b = 0) change nothing.
     """
     b, h, n, d = q.shape
     e = v.shape[-1]
@@ -418,15 +402,19 @@ def _delta_scan(
     kb = k * beta  # (B, H, nc, c, D)
     lower = torch.eye(c, dtype=q.dtype, device=q.device) + (kb @ k.transpose(-1, -2)).tril(-1)
     u_w = torch.linalg.solve_triangular(lower, torch.cat([v * beta, kb], dim=-1), upper=False, unitriangular=True)
+    del kb, lower, v, beta  # (the names only: without autograd this frees them before the next products)
     attn = (q @ k.transpose(-1, -2)).masked_fill(~_read_mask(c, strict, q.device), 0)
     # products sharing an operand are formed as one: A [U~ W] and K^T [U~ W]
     read = attn @ u_w  # [A U~, A W]
+    del attn
     kt_uw = k.transpose(-1, -2) @ u_w  # (B, H, nc, D, Dv + D): [K^T U~, K^T W]
+    del u_w
     if s0 is None and q.shape[2] == 1:  # one chunk, nothing entering it
         return read[..., :e].reshape(b, h, -1, e)[:, :, :n], kt_uw[:, :, 0, :, :e]
     # the chain over chunks: (nc, B*H, D, Dv+D) contiguous, so each step is one batched multiply-add
     nc = q.shape[2]
     maps = torch.cat([kt_uw[..., :e], torch.eye(d, dtype=q.dtype, device=q.device) - kt_uw[..., e:]], dim=-1)
+    del kt_uw
     maps = maps.permute(2, 0, 1, 3, 4).reshape(nc, b * h, d, e + d)
     s = s0.reshape(b * h, d, e) if s0 is not None else q.new_zeros(b * h, d, e)
     entering = []
@@ -491,6 +479,7 @@ def bidirectional_delta_rule_attention(
     chunk_size = check_int("chunk_size", chunk_size, 1)
     beta = _check_beta(beta, q)
     phi_q, phi_k, vc = _delta_features(q, k, v, feature_map, l2_normalize)
-    both, strict, merge = _both_directions(q.shape[0], q.device)
-    out, _ = _delta_scan(*map(both, (phi_q, phi_k, vc, beta)), chunk_size, None, strict)
-    return merge(out).to(q.dtype)
+    out = _delta_scan(phi_q, phi_k, vc, beta, chunk_size, None, strict=False)[0]
+    flipped = (phi_q.flip(2), phi_k.flip(2), vc.flip(2), beta.flip(2))
+    out = out + _delta_scan(*flipped, chunk_size, None, strict=True)[0].flip(2)
+    return out.to(q.dtype)

@@ -143,8 +143,8 @@ def _chunk_states(kv: Tensor, decay: Optional[Tensor], s0: Optional[Tensor]) -> 
 
 def _gated_scan(
     q: Tensor, k: Tensor, v: Tensor, log_gate: Optional[Tensor], chunk_size: int, s0: Optional[Tensor],
-    strict: bool,
-) -> Tuple[Tensor, Tensor]:
+    strict: bool, count0: Optional[Tensor] = None, with_count: bool = False,
+) -> Tuple[Tensor, ...]:
     """Unnormalised gated scan, chunked: o_i = q_i S_i with S_i = diag(exp(log_gate_i)) S_{i-1} + k_i^T v_i.
 
     q, k (B, H, N, D), v (B, H, N, E), log_gate (B, H, N, G) all in the compute dtype; log_gate None is the zero
@@ -152,33 +152,57 @@ def _gated_scan(
     ``strict`` drops the token's own term: o_i = q_i (S_i - k_i^T v_i).
     Returns (o (B, H, N, E), final state). Padded tokens have log-gate 0 and zero keys, so the final state is that
     after token N.
+
+    ``with_count`` (log_gate given) also returns the decayed token count c_i = mean_g sum_j w_ij^g (the weights
+    of the same decay matrix, so no second scan) and its final per-channel state (B, H, G), starting from
+    ``count0`` (B, H, G) or zero: the count rides through the chain of states as one more value column.
     """
     b, h, n, d = q.shape
+    e = v.shape[-1]
     c = min(chunk_size, n)
     q, k, v = (to_chunks(t, c) for t in (q, k, v))
     mask = _read_mask(c, strict, q.device)
+    count = None
     if log_gate is None:
         attn = (q @ k.transpose(-1, -2)).masked_fill(~mask, 0)
         q_in, kv, chunk_decay = q, k.transpose(-1, -2) @ v, None
     else:
+        g = log_gate.shape[-1]
         cum = to_chunks(log_gate, c).cumsum(dim=3)  # (B, H, nc, c, G): log decay from the chunk start to token i
         total = cum[:, :, :, -1:]  # (B, H, nc, 1, G): log decay over the whole chunk
         # Decay from token j to token i (j <= i) inside a chunk; masked before exp so no positive exponent is formed.
-        if log_gate.shape[-1] == 1:
-            diff = (cum - cum.transpose(-1, -2)).masked_fill(~mask, float("-inf"))  # (B, H, nc, c, c)
-            attn = (q @ k.transpose(-1, -2)) * diff.exp()
+        if g == 1:
+            weight = (cum - cum.transpose(-1, -2)).masked_fill(~mask, float("-inf")).exp()  # (B, H, nc, c, c)
+            attn = (q @ k.transpose(-1, -2)) * weight
         else:
             diff = (cum.unsqueeze(-2) - cum.unsqueeze(-3)).masked_fill(~mask.unsqueeze(-1), float("-inf"))
-            attn = torch.einsum("bhnid,bhnjd,bhnijd->bhnij", q, k, diff.exp())  # (B, H, nc, c, c)
+            weight = diff.exp()  # (B, H, nc, c, c, G)
+            attn = torch.einsum("bhnid,bhnjd,bhnijd->bhnij", q, k, weight)  # (B, H, nc, c, c)
         q_in = q * cum.exp()  # reads the state entering the chunk, decayed up to token i
-        kv = (k * (total - cum).exp()).transpose(-1, -2) @ v  # (B, H, nc, D, E): chunk's keys decayed to its end
+        to_end = (total - cum).exp()  # (B, H, nc, c, G): decay from token j to the chunk's end
+        kv = (k * to_end).transpose(-1, -2) @ v  # (B, H, nc, D, E): chunk's keys decayed to its end
         chunk_decay = total.transpose(-1, -2).exp()  # (B, H, nc, G, 1)
+        if with_count:
+            count = weight.sum(-1) if g == 1 else weight.sum(-2).mean(-1)  # (B, H, nc, c): inside the chunk
+            real = (torch.arange(kv.shape[2] * c, device=q.device) < n).to(q.dtype).view(-1, c, 1)
+            tail = (to_end * real).sum(3).unsqueeze(-1)  # (B, H, nc, G, 1): real tokens only
+            # one more value column: per channel for G = D, the same number in every row for G = 1
+            kv = torch.cat([kv, tail.expand(b, h, kv.shape[2], d, 1)], dim=-1)
+            if s0 is not None or count0 is not None:
+                s0 = q.new_zeros(b, h, d, e) if s0 is None else s0
+                c0 = q.new_zeros(b, h, g) if count0 is None else count0
+                s0 = torch.cat([s0, c0.unsqueeze(-1).expand(b, h, d, 1)], dim=-1)
     if s0 is None and kv.shape[2] == 1:  # one chunk, nothing entering it
         out, s = attn @ v, kv[:, :, 0]
     else:
         entering, s = _chunk_states(kv, chunk_decay, s0)
-        out = attn @ v + q_in @ entering
-    return out.reshape(b, h, -1, v.shape[-1])[:, :, :n], s
+        out = attn @ v + q_in @ entering[..., :e]
+        if count is not None:
+            count = count + (cum.exp() * entering[..., :g, e].unsqueeze(3)).mean(-1)
+    out = out.reshape(b, h, -1, e)[:, :, :n]
+    if count is None:
+        return out, s
+    return out, s[..., :e], count.reshape(b, h, -1)[:, :, :n], s[..., :g, e]
 
 
 def _gated_pieces(
@@ -190,23 +214,24 @@ def _gated_pieces(
     denominator keeping phi(q), phi(k). Without it the denominator rides along the numerator as an extra value
     column of ones."""
     ones = v.new_ones(*v.shape[:-1], 1)
+    counted = log_gate is not None  # the decayed count comes with the scan that has the denominator
+    c0 = None if state is None else state.count
     if rotated is None:
         s0 = None if state is None else torch.cat([state.s, state.z.unsqueeze(-1)], dim=-1)
-        out, s = _gated_scan(phi_q, phi_k, torch.cat([v, ones], dim=-1), log_gate, chunk_size, s0, strict)
+        out, s, *count = _gated_scan(phi_q, phi_k, torch.cat([v, ones], dim=-1), log_gate, chunk_size, s0, strict,
+                                     c0, counted)
         num, den, s, z = out[..., :-1], out[..., -1], s[..., :-1], s[..., -1]
     else:
         num, s = _gated_scan(*rotated, v, log_gate, chunk_size, None if state is None else state.s, strict)
         z0 = None if state is None else state.z.unsqueeze(-1)
-        den, z = (t[..., 0] for t in _gated_scan(phi_q, phi_k, ones, log_gate, chunk_size, z0, strict))
+        den, z, *count = _gated_scan(phi_q, phi_k, ones, log_gate, chunk_size, z0, strict, c0, counted)
+        den, z = den[..., 0], z[..., 0]
     b, h, n = den.shape
     if log_gate is None:  # no decay: the count is the number of tokens seen, exactly
         c0 = den.new_zeros(b, h, 1) if state is None else state.count
         count, c = c0 + torch.arange(1 - strict, n + 1 - strict, dtype=den.dtype, device=den.device), c0 + n
     else:
-        unit_q = log_gate.new_full(log_gate.shape, 1.0 / log_gate.shape[-1])  # mean over the G per-channel counts
-        c0 = None if state is None else state.count.unsqueeze(-1)
-        count, c = (t[..., 0] for t in _gated_scan(unit_q, torch.ones_like(log_gate), ones, log_gate, chunk_size, c0,
-                                                   strict))
+        count, c = count
     return num, den, count, RecurrentState(s, z, c, n + (0 if state is None else state.num_tokens))
 
 

@@ -50,17 +50,33 @@ def _local_bytes(tensors) -> int:
 def worker(args: argparse.Namespace) -> None:
     """One rank of one point: train ``args.steps`` steps and write every rank's figures to ``args.result``."""
     import torch.distributed as dist
+
+    from linvision.engine.distributed import barrier, cleanup, init_distributed
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    info = init_distributed("auto", group=True)
+    try:
+        mine = _measure(args, info)  # the model, optimizer and EMA are gone when it returns
+        everyone = [None] * info.world_size
+        dist.all_gather_object(everyone, mine)
+        if info.is_main:
+            with open(args.result, "w") as f:
+                json.dump(everyone, f)
+        barrier(info)
+    finally:
+        cleanup(info)
+
+
+def _measure(args: argparse.Namespace, info) -> Dict[str, Any]:
+    """Train ``args.steps`` steps of one rank; its figures."""
     from timm.optim import create_optimizer_v2
 
     from linvision.diffusion.flow import flow_matching_loss
     from linvision.diffusion.model import create_dit
     from linvision.diffusion.parallel import parallelize
     from linvision.diffusion.train import create_ema, optimizer_step
-    from linvision.engine.distributed import barrier, cleanup, init_distributed
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    info = init_distributed("auto", group=True)
     cuda = info.device.type == "cuda"
     base = _rss_mib()
     torch.manual_seed(0)
@@ -95,13 +111,7 @@ def worker(args: argparse.Namespace) -> None:
         "step_s": sum(times[1:]) / max(1, len(times) - 1),
         "loss": loss.item(),
     }
-    everyone = [None] * info.world_size
-    dist.all_gather_object(everyone, mine)
-    if info.is_main:
-        with open(args.result, "w") as f:
-            json.dump(everyone, f)
-    barrier(info)
-    cleanup(info)
+    return mine
 
 
 def run_point(args: argparse.Namespace, mode: str, ranks: int) -> Dict[str, Any]:

@@ -1,6 +1,7 @@
 """Process-group helpers for runs launched with ``torchrun`` (gloo on CPU, nccl on CUDA)."""
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -113,6 +114,9 @@ def barrier(info: DistInfo) -> None:
 
 
 def cleanup(info: DistInfo) -> None:
-    """End the process group of a multi-process run, or the one :func:`init_distributed` made for a single one."""
+    """End the process group of a multi-process run, or the one :func:`init_distributed` made for a single one.
+    Modules that only reference cycles keep alive (FSDP's hooks) are collected first: under gloo, freeing them
+    after the group has ended aborted the process at exit."""
     if (info.distributed or info.owns_group) and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()

@@ -329,16 +329,20 @@ def _create_linhier(variant: str, pretrained: bool = False, **kwargs) -> LinHier
     )
 
 
+# Sizes shared by the families that differ only in their token mixer.
+_FEMTO = dict(depths=(2, 2, 5, 2), dims=(48, 96, 192, 288), num_heads=(2, 3, 6, 9))
+_TINY = dict(depths=(3, 5, 9, 4), dims=(64, 128, 256, 512), num_heads=(2, 4, 8, 16))
+_SMALL = dict(depths=(3, 6, 21, 6), dims=(64, 128, 256, 512), num_heads=(2, 4, 8, 16))
+
+
 @register_model
 def linhier_tiny_224(pretrained: bool = False, **kwargs) -> LinHier:
-    args = dict(depths=(3, 5, 9, 4), dims=(64, 128, 256, 512), num_heads=(2, 4, 8, 16))
-    return _create_linhier("linhier_tiny_224", pretrained, **dict(args, **kwargs))
+    return _create_linhier("linhier_tiny_224", pretrained, **dict(_TINY, **kwargs))
 
 
 @register_model
 def linhier_small_224(pretrained: bool = False, **kwargs) -> LinHier:
-    args = dict(depths=(3, 6, 21, 6), dims=(64, 128, 256, 512), num_heads=(2, 4, 8, 16))
-    return _create_linhier("linhier_small_224", pretrained, **dict(args, **kwargs))
+    return _create_linhier("linhier_small_224", pretrained, **dict(_SMALL, **kwargs))
 
 
 @register_model
@@ -349,8 +353,7 @@ def linhier_base_224(pretrained: bool = False, **kwargs) -> LinHier:
 
 @register_model
 def linhier_gcnn_femto_224(pretrained: bool = False, **kwargs) -> LinHier:
-    args = dict(depths=(2, 2, 5, 2), dims=(48, 96, 192, 288), num_heads=(2, 3, 6, 9), token_mixers="none")
-    return _create_linhier("linhier_gcnn_femto_224", pretrained, **dict(args, **kwargs))
+    return _create_linhier("linhier_gcnn_femto_224", pretrained, **dict(_FEMTO, token_mixers="none", **kwargs))
 
 
 @register_model
@@ -360,19 +363,19 @@ def linhier_gcnn_tiny_224(pretrained: bool = False, **kwargs) -> LinHier:
 
 
 # The bidirectional delta rule in every stage: the best hierarchical mixer of the project's comparisons (README).
+_DELTA = dict(token_mixers="bidir_delta")
+
+
 @register_model
 def linhier_delta_femto_224(pretrained: bool = False, **kwargs) -> LinHier:
-    args = dict(depths=(2, 2, 5, 2), dims=(48, 96, 192, 288), num_heads=(2, 3, 6, 9), token_mixers="bidir_delta")
-    return _create_linhier("linhier_delta_femto_224", pretrained, **dict(args, **kwargs))
+    return _create_linhier("linhier_delta_femto_224", pretrained, **dict(_FEMTO, **_DELTA, **kwargs))
 
 
 @register_model
 def linhier_delta_tiny_224(pretrained: bool = False, **kwargs) -> LinHier:
-    args = dict(depths=(3, 5, 9, 4), dims=(64, 128, 256, 512), num_heads=(2, 4, 8, 16), token_mixers="bidir_delta")
-    return _create_linhier("linhier_delta_tiny_224", pretrained, **dict(args, **kwargs))
+    return _create_linhier("linhier_delta_tiny_224", pretrained, **dict(_TINY, **_DELTA, **kwargs))
 
 
 @register_model
 def linhier_delta_small_224(pretrained: bool = False, **kwargs) -> LinHier:
-    args = dict(depths=(3, 6, 21, 6), dims=(64, 128, 256, 512), num_heads=(2, 4, 8, 16), token_mixers="bidir_delta")
-    return _create_linhier("linhier_delta_small_224", pretrained, **dict(args, **kwargs))
+    return _create_linhier("linhier_delta_small_224", pretrained, **dict(_SMALL, **_DELTA, **kwargs))

@@ -218,20 +218,20 @@ def _gated_pieces(
     c0 = None if state is None else state.count
     if rotated is None:
         s0 = None if state is None else torch.cat([state.s, state.z.unsqueeze(-1)], dim=-1)
-        out, s, *count = _gated_scan(phi_q, phi_k, torch.cat([v, ones], dim=-1), log_gate, chunk_size, s0, strict,
-                                     c0, counted)
+        out, s, *counts = _gated_scan(phi_q, phi_k, torch.cat([v, ones], dim=-1), log_gate, chunk_size, s0, strict,
+                                      c0, counted)
         num, den, s, z = out[..., :-1], out[..., -1], s[..., :-1], s[..., -1]
     else:
         num, s = _gated_scan(*rotated, v, log_gate, chunk_size, None if state is None else state.s, strict)
         z0 = None if state is None else state.z.unsqueeze(-1)
-        den, z, *count = _gated_scan(phi_q, phi_k, ones, log_gate, chunk_size, z0, strict, c0, counted)
+        den, z, *counts = _gated_scan(phi_q, phi_k, ones, log_gate, chunk_size, z0, strict, c0, counted)
         den, z = den[..., 0], z[..., 0]
     b, h, n = den.shape
     if log_gate is None:  # no decay: the count is the number of tokens seen, exactly
         c0 = den.new_zeros(b, h, 1) if state is None else state.count
         count, c = c0 + torch.arange(1 - strict, n + 1 - strict, dtype=den.dtype, device=den.device), c0 + n
     else:
-        count, c = count
+        count, c = counts  # (B, H, N) per token and (B, H, G) final, from the scan with the denominator
     return num, den, count, RecurrentState(s, z, c, n + (0 if state is None else state.num_tokens))
 
 
@@ -507,7 +507,7 @@ def bidirectional_delta_rule_attention(
     chunk_size = check_int("chunk_size", chunk_size, 1)
     beta = _check_beta(beta, q)
     phi_q, phi_k, vc = _delta_features(q, k, v, feature_map, l2_normalize)
-    out = _delta_scan(phi_q, phi_k, vc, beta, chunk_size, None, strict=False)[0]
+    out_f, _ = _delta_scan(phi_q, phi_k, vc, beta, chunk_size, None, strict=False)
     flipped = (phi_q.flip(2), phi_k.flip(2), vc.flip(2), beta.flip(2))
-    out = out + _delta_scan(*flipped, chunk_size, None, strict=True)[0].flip(2)
-    return out.to(q.dtype)
+    out_b, _ = _delta_scan(*flipped, chunk_size, None, strict=True)
+    return (out_f + out_b.flip(2)).to(q.dtype)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from linvision.layers import create_mixer, list_mixers, mixer_options
+from linvision.layers import MixerBlock, create_mixer, list_mixers, mixer_options, takes_prefix_tokens
 from linvision.layers.mixers import GatedConvMixer, HybridAttention, window_merge, window_partition
 from linvision.ops import axial_rope
 
@@ -32,9 +32,17 @@ def _axial_tables(d, h, w):
     return ang.cos(), ang.sin()
 
 
-def _explicit_linear(mixer, x, hw, rope_tables=None, causal=False):
+def _with_prefix_rows(tables, prefix):
+    """RoPE tables with ``prefix`` leading rows of the identity rotation (cos 1, sin 0): prefix tokens unrotated."""
+    cos, sin = tables
+    return (torch.cat([torch.ones_like(cos[:prefix].expand(prefix, -1)), cos]),
+            torch.cat([torch.zeros_like(sin[:prefix].expand(prefix, -1)), sin]))
+
+
+def _explicit_linear(mixer, x, hw, rope_tables=None, causal=False, prefix=0):
     """o_i = sum_j (R_i phi(q_i)).(R_j phi(k_j)) v_j / (sum_j phi(q_i).phi(k_j) + n_i * eps), written as N x N
-    matrices; n_i = number of keys token i sees."""
+    matrices; n_i = number of keys token i sees. The first ``prefix`` tokens are plain tokens (``rope_tables`` must
+    cover them) that LePE, a convolution of the grid's v, adds nothing to."""
     q, k, v = _qkv(mixer, x)
     fq, fk = F.elu(q) + 1, F.elu(k) + 1
     rq, rk = fq, fk
@@ -52,8 +60,8 @@ def _explicit_linear(mixer, x, hw, rope_tables=None, causal=False):
     out = out.transpose(1, 2).reshape(x.shape)
     if mixer.lepe is not None:
         b, c = x.shape[0], x.shape[2]
-        v_grid = v.transpose(1, 2).reshape(b, *hw, c).permute(0, 3, 1, 2)
-        out = out + mixer.lepe(v_grid).flatten(2).transpose(1, 2)
+        v_grid = v[:, :, prefix:].transpose(1, 2).reshape(b, *hw, c).permute(0, 3, 1, 2)
+        out[:, prefix:] = out[:, prefix:] + mixer.lepe(v_grid).flatten(2).transpose(1, 2)
     if mixer.gate is not None:
         out = out * F.silu(mixer.gate(x))
     return mixer.proj(out)
@@ -75,6 +83,50 @@ def test_linear_mixers_match_explicit_formula(name, kwargs, causal):
     # RoPE tables are fp32 by design (angles of large grids), hence the looser tolerance with RoPE.
     tol = dict(rtol=1e-9, atol=1e-10) if tables is None else dict(rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(mixer(x, hw), expected, **tol)
+
+
+@pytest.mark.parametrize("name, kwargs", [("linear", dict(gate=True, lepe=True)), ("linear_rope", {}),
+                                          ("linear", dict(rope="axial"))])
+def test_linear_mixers_with_prefix_tokens_match_explicit_formula(name, kwargs):
+    """Prefix tokens (class / register tokens) are keys and queries like the grid's tokens; RoPE leaves them
+    unrotated and LePE adds nothing to them."""
+    torch.manual_seed(2)
+    hw, prefix = (3, 5), 2
+    mixer = create_mixer(name, 32, 2, **kwargs).double()
+    x = torch.randn(2, prefix + 15, 32, dtype=torch.float64)
+    tables = _with_prefix_rows(_axial_tables(16, *hw), prefix) if mixer.rope_type == "axial" else None
+    expected = _explicit_linear(mixer, x, hw, tables, prefix=prefix)
+    tol = dict(rtol=1e-9, atol=1e-10) if tables is None else dict(rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(mixer(x, hw, num_prefix_tokens=prefix), expected, **tol)
+
+
+def test_softmax_mixer_with_prefix_tokens_matches_explicit_formula():
+    torch.manual_seed(3)
+    mixer = create_mixer("softmax", 32, 4, rope="axial").double()
+    x = torch.randn(2, 1 + 12, 32, dtype=torch.float64)
+    q, k, v = _qkv(mixer, x)
+    cos, sin = _with_prefix_rows(_axial_tables(8, 3, 4), 1)
+    scores = _rotate(q, cos, sin) @ _rotate(k, cos, sin).transpose(-1, -2) / math.sqrt(8)
+    expected = mixer.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(x.shape))
+    torch.testing.assert_close(mixer(x, (3, 4), num_prefix_tokens=1), expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", list_mixers())
+def test_prefix_tokens_taken_or_refused_in_one_line(name):
+    """A mixer that takes prefix tokens and has no RoPE or LePE treats them as tokens: the same output as the whole
+    sequence on a one-row grid. A mixer that works on the grid refuses them, naming itself."""
+    torch.manual_seed(4)
+    options = {k: v for k, v in dict(rope=None, lepe=False).items() if k in mixer_options(name)}
+    mixer = create_mixer(name, 32, 2, **options).double()
+    x = torch.randn(2, 2 + 12, 32, dtype=torch.float64)
+    if not takes_prefix_tokens(name):
+        block = MixerBlock(32, 2, name, options).double()
+        with pytest.raises(ValueError, match=f"token mixer {name!r} cannot take prefix tokens"):
+            block(x, (3, 4), num_prefix_tokens=2)
+        return
+    torch.testing.assert_close(mixer(x, (3, 4), num_prefix_tokens=2), mixer(x, (1, 14)), rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="hw"):
+        mixer(x, (3, 4), num_prefix_tokens=1)
 
 
 def test_axial_tables_written_out_match_ops():

@@ -25,18 +25,70 @@ def _vit(seed=0, **kwargs):
     return model
 
 
-@pytest.mark.parametrize("vit_kwargs", [{}, dict(init_values=0.5)], ids=["plain", "layer-scale"])
-def test_converted_softmax_model_reproduces_timm_vit(tmp_path, vit_kwargs):
-    """A ViT without class token, pooled by the mean of the normalised tokens (the linvit head), loaded from a local
-    file into linvit with the softmax mixer gives timm's output (layer scale folded into the projections)."""
-    vit = _vit(class_token=False, global_pool="avg", fc_norm=False, **vit_kwargs)
+# timm ViT heads and linvit's options of the same name: no class token with the mean of the normalised tokens (the
+# linvit default), the class token, the mean then fc_norm (timm's "avg" default), register tokens without position
+# rows for the prefix tokens (DeiT-III / reg4 models).
+HEADS = {
+    "mean-pool": dict(class_token=False, global_pool="avg", fc_norm=False),
+    "class-token": dict(class_token=True, global_pool="token"),
+    "mean-fc-norm": dict(class_token=True, global_pool="avg", fc_norm=True),
+    "registers-no-embed-class": dict(class_token=True, reg_tokens=2, no_embed_class=True, global_pool="token"),
+}
+
+
+@pytest.mark.parametrize("vit_kwargs, head", [({}, "mean-pool"), (dict(init_values=0.5), "mean-pool"),
+                                              ({}, "class-token"), ({}, "mean-fc-norm"),
+                                              ({}, "registers-no-embed-class")],
+                         ids=["plain", "layer-scale", "class-token", "mean-fc-norm", "registers"])
+def test_converted_softmax_model_reproduces_timm_vit(tmp_path, vit_kwargs, head):
+    """A timm ViT loaded from a local file into linvit with the softmax mixer and the same head options gives
+    timm's logits, features and intermediates (prefix tokens included), in float64 (layer scale folded into the
+    projections)."""
+    vit = _vit(**HEADS[head], **vit_kwargs).double()
     path = tmp_path / "vit.safetensors"
     save_file({k: v.contiguous() for k, v in vit.state_dict().items()}, str(path))
     lin = timm.create_model("linvit_small_patch16_224", pretrained=True, token_mixer="softmax", num_classes=10,
-                            pretrained_cfg_overlay=dict(file=str(path), num_classes=10), **SHAPE).eval()
-    x = torch.randn(2, 3, 224, 224)
+                            pretrained_cfg_overlay=dict(file=str(path), num_classes=10), **SHAPE,
+                            **HEADS[head]).eval().double()
+    x = torch.randn(2, 3, 224, 224, dtype=torch.float64)
+    # layer scale is folded into the fp32 file's projections, in fp32; otherwise only float64 rounding differs
+    tol = dict(rtol=1e-6, atol=1e-8) if vit_kwargs else dict(rtol=1e-12, atol=1e-12)
     with torch.no_grad():
-        torch.testing.assert_close(lin(x), vit(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lin(x), vit(x), **tol)
+        torch.testing.assert_close(lin.forward_features(x), vit.forward_features(x), **tol)
+        for ours, theirs in zip(lin.forward_intermediates(x, indices=2, return_prefix_tokens=True)[1],
+                                vit.forward_intermediates(x, indices=2, return_prefix_tokens=True)[1]):
+            if isinstance(theirs, tuple):  # (patch tokens as a map, prefix tokens)
+                torch.testing.assert_close(ours[1], theirs[1], **tol)
+                ours, theirs = ours[0], theirs[0]
+            torch.testing.assert_close(ours, theirs, **tol)
+
+
+def test_student_with_a_class_token_keeps_the_teachers_and_its_attention():
+    """Linearization into a linvit with class_token=True keeps DeiT's class token and its position row, and the
+    layer losses feed the student's mixers the prefix token too: the softmax twin then reproduces every layer
+    of the teacher exactly, and a linear student has a finite error to learn."""
+    vit = _vit()
+    sd = vit.state_dict()
+    twin = build_student("linvit_small_patch16_224", vit, 224, token_mixer="softmax", class_token=True,
+                         global_pool="token", **SHAPE).eval()
+    torch.testing.assert_close(twin.cls_token, sd["cls_token"], rtol=0, atol=0)
+    torch.testing.assert_close(twin.pos_embed, sd["pos_embed"], rtol=0, atol=0)
+    images = torch.randn(2, 3, 224, 224)
+    errors = attention_errors(twin, vit, [images])
+    assert len(errors) == SHAPE["depth"] and max(errors) < 1e-10
+    with torch.no_grad():
+        torch.testing.assert_close(twin(images), vit(images), rtol=1e-5, atol=1e-5)
+    linear = build_student("linvit_small_patch16_rope_224", vit, 224, class_token=True, global_pool="token", **SHAPE)
+    torch.testing.assert_close(linear.cls_token, sd["cls_token"], rtol=0, atol=0)
+    errors = attention_errors(linear, vit, [images])
+    assert all(0 < e < 10 for e in errors)
+    with pytest.raises(ValueError, match="cls_token"):
+        build_student("linvit_small_patch16_224", _vit(class_token=False, global_pool="avg"), 224,
+                      class_token=True, global_pool="token", **SHAPE)
+    with pytest.raises(ValueError, match="'bidir_delta' cannot take prefix tokens"):
+        build_student("linvit_small_patch16_224", vit, 224, token_mixer="bidir_delta", class_token=True,
+                      global_pool="token", **SHAPE)
 
 
 def test_class_token_vit_mapping_and_rope_student():

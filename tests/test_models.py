@@ -50,6 +50,12 @@ CONTRACT = [pytest.param(n, _reduced(n), id=n) for n in ALL_NAMES] + [
                  id="linvit-hybrid"),
     pytest.param("linvit_small_patch16_rope_224", dict(SMALL_VIT, token_mixer="causal"), id="linvit-causal"),
     pytest.param("linvit_small_patch16_rope_224", dict(SMALL_VIT, token_mixer="softmax"), id="linvit-softmax"),
+    pytest.param("linvit_small_patch16_224", dict(SMALL_VIT, img_size=64, class_token=True, global_pool="token"),
+                 id="linvit-abs-class-token"),
+    pytest.param("linvit_small_patch16_224", dict(SMALL_VIT, class_token=True, reg_tokens=2, global_pool="token",
+                                                  dynamic_img_size=True), id="linvit-abs-dynamic-class-registers"),
+    pytest.param("linvit_small_patch16_rope_224", dict(SMALL_VIT, class_token=True, reg_tokens=1, fc_norm=True),
+                 id="linvit-rope-class-register-fc-norm"),
     pytest.param(*HIER_MIXERS, id="linhier-none-linear-softmax"),
     pytest.param("linhier_tiny_224", dict(SMALL_HIER, token_mixers="hybrid,causal,linear_rope,linear"),
                  id="linhier-hybrid-causal"),
@@ -127,8 +133,8 @@ def test_default_cfg(name, kwargs):
     with torch.no_grad():
         feats = model.forward_features(x)
         grid = (h // stride, w // stride)
-        if name.startswith("linvit"):  # tokens (B, N, C), like timm's ViTs
-            assert feats.shape == (2, grid[0] * grid[1], model.num_features)
+        if name.startswith("linvit"):  # tokens (B, prefix + N, C), like timm's ViTs
+            assert feats.shape == (2, model.num_prefix_tokens + grid[0] * grid[1], model.num_features)
         else:  # channels-last map, as output_fmt says
             assert model.output_fmt == "NHWC" and feats.shape == (2, *grid, model.num_features)
         logits = model(x)
@@ -140,8 +146,8 @@ def test_default_cfg(name, kwargs):
         torch.testing.assert_close(model.forward_head(feats, pre_logits=True), pooled)
         model.reset_classifier(0, "")
         unpooled = model(x)
-        if name.startswith("linvit"):
-            torch.testing.assert_close(unpooled, feats, rtol=0, atol=0)
+        if name.startswith("linvit"):  # the tokens, through the norm after pooling where fc_norm put it (as timm)
+            torch.testing.assert_close(unpooled, model.fc_norm(feats), rtol=0, atol=0)
         else:
             assert unpooled.shape == feats.shape
 
@@ -211,7 +217,8 @@ def test_forward_intermediates_match_forward_features(name, kwargs):
 @pytest.mark.parametrize("name, kwargs", CONTRACT)
 def test_features_only(name, kwargs):
     """features_only gives at least three levels (timm's default out_indices) equal to forward_intermediates; the FX
-    feature extractor (feature_cls="fx") returns the same maps in the blocks' channels-last layout."""
+    feature extractor (feature_cls="fx") returns the same maps in the blocks' layout: a channels-last grid, or
+    (linvit, as timm's ViT) tokens with the prefix tokens first."""
     full = _create(name, **kwargs).eval()
     x = torch.randn(1, *_input_size(full))
     model = _create(name, features_only=True, **kwargs).eval()
@@ -224,7 +231,11 @@ def test_features_only(name, kwargs):
                                        model.feature_info.reduction()):
         assert out.shape == (1, ch, x.shape[2] // red, x.shape[3] // red)
         torch.testing.assert_close(out, r, rtol=0, atol=0)
-        torch.testing.assert_close(fx_out.permute(0, 3, 1, 2), r, rtol=0, atol=0)
+        if fx_out.dim() == 3:
+            grid = fx_out[:, getattr(full, "num_prefix_tokens", 0):].unflatten(1, r.shape[2:])
+        else:
+            grid = fx_out
+        torch.testing.assert_close(grid.permute(0, 3, 1, 2), r, rtol=0, atol=0)
 
 
 @pytest.mark.slow

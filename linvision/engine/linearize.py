@@ -1,13 +1,14 @@
 """Linearization: a linear-attention linvit started from a softmax ViT and taught to attend like it.
 
 1. Conversion. The student is built with the teacher's weights (patch embedding, qkv, projection, MLP, norms,
-   head) through linvit's ``checkpoint_filter_fn``, which also drops the class token, resamples or drops the
-   position embedding, and starts LePE at zero and an output gate at identity.
+   head) through linvit's ``checkpoint_filter_fn``, which also keeps the class token when the student has one
+   (``class_token=True``; else drops it), resamples or drops the position embedding, and starts LePE at zero and
+   an output gate at identity.
 2. Attention transfer (:func:`attention_transfer`). The teacher is frozen; at every block its attention
    module's input (the normalised tokens) and output are recorded, and the student's mixer of that block is fed
-   the same input (patch tokens only: the student has no class token) and trained to give the same output
-   (mean squared error over the patch tokens, each layer scaled by its target's mean square, summed over
-   layers). Only the selected mixer parameters are trained: ``"new"`` (what a softmax ViT does not have: LePE,
+   the same input (with the class token when the student keeps it, else the patch tokens only) and trained to
+   give the same output (mean squared error over those tokens, each layer scaled by its target's mean square,
+   summed over layers). Only the selected mixer parameters are trained: ``"new"`` (what a softmax ViT does not have: LePE,
    gate, feature-map and RoPE parameters) or ``"mixer"`` (every mixer parameter, qkv and projection included).
    Each layer learns from the teacher's inputs, not from the student's own earlier layers, so the layers are
    independent problems (as in LoLCATs, Zhang et al. 2024, arXiv:2410.10254).
@@ -89,7 +90,8 @@ class _Recorder:
 
 def _layer_losses(student: nn.Module, teacher: nn.Module, images: Tensor) -> List[Tensor]:
     """Per layer: mean squared error between the student's mixer and the teacher's attention output on the
-    teacher's input, over the patch tokens, divided by the target's mean square."""
+    teacher's input, over the patch tokens (and the prefix tokens when the student keeps them), divided by the
+    target's mean square."""
     teacher_modules, student_modules = attention_modules(teacher), attention_modules(student)
     if len(teacher_modules) != len(student_modules):
         raise ValueError(f"teacher: {len(teacher_modules)} blocks, student: {len(student_modules)}")
@@ -100,12 +102,18 @@ def _layer_losses(student: nn.Module, teacher: nn.Module, images: Tensor) -> Lis
     finally:
         recorder.close()
     prefix = getattr(teacher, "num_prefix_tokens", 0)
+    kept = getattr(student, "num_prefix_tokens", 0)  # the prefix tokens the student keeps (a class token)
+    if kept not in (0, prefix):
+        raise ValueError(f"student: {kept} prefix tokens, teacher: {prefix}; the student keeps all or none of them")
     patch = student.patch_embed.patch_size
     grid = (images.shape[2] // patch[0], images.shape[3] // patch[1])
     losses = []
     for mixer, (inputs, target) in zip(student_modules, recorder.records):
-        tokens, target = inputs[:, prefix:], target[:, prefix:]  # (B, H*W, C)
-        out = mixer(tokens, grid)
+        if kept:  # every token, the prefix tokens included: (B, P + H*W, C)
+            out = mixer(inputs, grid, num_prefix_tokens=kept)
+        else:
+            inputs, target = inputs[:, prefix:], target[:, prefix:]  # (B, H*W, C)
+            out = mixer(inputs, grid)
         losses.append((out - target).pow(2).mean() / target.pow(2).mean().clamp_min(1e-12))
     return losses
 

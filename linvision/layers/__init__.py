@@ -1,5 +1,6 @@
 """nn.Modules built on linvision.ops: token mixers (selected by name through the registry), FFNs, blocks."""
 from .registry import (
+    check_prefix_tokens,
     create_mixer,
     get_mixer_class,
     list_mixers,
@@ -7,6 +8,7 @@ from .registry import (
     no_weight_decay_of,
     parse_mixer_list,
     register_mixer,
+    takes_prefix_tokens,
 )
 from .weight_init import init_linear_weights
 from .mixers import (

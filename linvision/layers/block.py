@@ -1,4 +1,5 @@
-"""The pre-norm block every model family is built from, on channels-last tokens (B, H, W, C):
+"""The pre-norm block every model family is built from, on channels-last tokens (B, H, W, C), or on a token
+sequence (B, P + H*W, C) with P prefix tokens (class / register tokens) before the grid, given with its grid:
 
     x = x + cpe1(x)                                     (with ``cpe``) 3x3 depthwise conv, conditional position encoding
     x = x + drop_path(ls1 * mixer(norm1(x), (H, W)))    any registered token mixer, or a mixer class
@@ -12,12 +13,12 @@ al. 2025, arXiv:2411.07635).
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Type, Union
+from typing import Dict, Optional, Tuple, Type, Union
 
 from timm.layers import DropPath, LayerNorm, LayerScale, Mlp
 from torch import Tensor, nn
 
-from .registry import create_mixer
+from .registry import check_prefix_tokens, create_mixer
 
 __all__ = ["ConvPosEnc", "DwConvMlp", "MixerBlock"]
 
@@ -82,6 +83,7 @@ class MixerBlock(nn.Module):
         if cpe not in CPE_MODES:
             raise ValueError(f"cpe: unknown {cpe!r}; allowed: {CPE_MODES}")
         scale = (lambda: LayerScale(dim, layer_scale_init)) if layer_scale_init is not None else nn.Identity
+        self.cpe = cpe
         self.cpe1 = ConvPosEnc(dim) if cpe else nn.Identity()
         self.norm1 = norm_layer(dim)
         self.mixer = create_mixer(token_mixer, dim, num_heads, **(mixer_kwargs or {}))
@@ -93,10 +95,23 @@ class MixerBlock(nn.Module):
         self.ls2 = scale()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
-    def forward(self, x: Tensor) -> Tensor:
-        b, h, w, c = x.shape
-        x = self.cpe1(x)
-        mixed = self.mixer(self.norm1(x).reshape(b, h * w, c), (h, w)).reshape(b, h, w, c)
-        x = x + self.drop_path1(self.ls1(mixed))
-        x = self.cpe2(x)
+    def forward(self, x: Tensor, hw: Optional[Tuple[int, int]] = None, num_prefix_tokens: int = 0) -> Tensor:
+        """x: a channels-last grid (B, H, W, C) (``hw`` None), or tokens (B, P + H*W, C) on the grid ``hw`` after
+        P = ``num_prefix_tokens`` prefix tokens (class / register tokens; the mixer must take them). Returns x's
+        layout. Raises ValueError for tokens given to a block with CPE, which convolves a grid."""
+        if hw is None:
+            b, h, w, c = x.shape
+            x = self.cpe1(x)
+            mixed = self.mixer(self.norm1(x).reshape(b, h * w, c), (h, w)).reshape(b, h, w, c)
+            x = x + self.drop_path1(self.ls1(mixed))
+            x = self.cpe2(x)
+        else:
+            if self.cpe:
+                raise ValueError("hw: a block with CPE runs on a channels-last grid (B, H, W, C), not on tokens")
+            if num_prefix_tokens:
+                mixed = self.mixer(self.norm1(x), hw, num_prefix_tokens=check_prefix_tokens(self.mixer,
+                                                                                            num_prefix_tokens))
+            else:
+                mixed = self.mixer(self.norm1(x), hw)
+            x = x + self.drop_path1(self.ls1(mixed))
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))

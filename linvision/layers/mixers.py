@@ -3,7 +3,11 @@ linear attention, local-window softmax + global linear attention, and the Gated 
 
 Every mixer is built as ``cls(dim, num_heads, **options)`` and maps tokens x (B, N, C) on a grid hw = (H, W),
 N = H * W in raster order, to (B, N, C). The grid is given at call time, so a mixer runs at any resolution
-and aspect ratio with the same weights.
+and aspect ratio with the same weights. A mixer whose class sets ``takes_prefix_tokens`` also takes
+``num_prefix_tokens=P``: x then holds P prefix tokens (class and register tokens, as in timm's ViT) before the
+H * W grid tokens. They are mixed as tokens like any other; RoPE leaves them unrotated and LePE, a convolution on
+the grid, adds nothing to them. Mixers that work on the grid itself (windows, convolutions, scans along the
+raster order) do not take them and say so.
 
 The attention mixers share one skeleton (:class:`AttentionMixer`): a qkv projection, optional 2D RoPE
 (axial: fixed frequencies; mixed: learnable frequencies per head), optional LePE (3x3 depthwise conv on V
@@ -38,7 +42,7 @@ from linvision.ops import (
     softmax_attention,
 )
 
-from .registry import register_mixer
+from .registry import check_prefix_tokens, register_mixer
 
 __all__ = [
     "ROPE_TYPES",
@@ -99,6 +103,7 @@ class AttentionMixer(nn.Module):
 
     recompute_attend = True
     split_value_proj = False
+    takes_prefix_tokens = True  # subclasses whose mixing depends on the grid set False
 
     def __init__(
         self, dim: int, num_heads: int, *, rope: Optional[str] = None, rope_theta: float = 100.0,
@@ -150,23 +155,27 @@ class AttentionMixer(nn.Module):
         frequencies; subclasses add their own. Models collect these with :func:`no_weight_decay_of`."""
         return {"rope_freqs_x", "rope_freqs_y"} if self.rope_type == "mixed" else set()
 
-    def make_rope(self, hw: Tuple[int, int], device: torch.device) -> Optional[Rope]:
-        """The rotation for grid ``hw`` (None without RoPE); mixed frequencies stay in the autograd graph."""
+    def make_rope(self, hw: Tuple[int, int], device: torch.device, num_prefix_tokens: int = 0) -> Optional[Rope]:
+        """The rotation for grid ``hw`` after ``num_prefix_tokens`` unrotated tokens (None without RoPE); mixed
+        frequencies stay in the autograd graph."""
         if self.rope_type is None:
             return None
         if self.rope_type == "axial":
             heads = self.num_heads if self.rope_across_heads else 1
-            return axial_rope(self.rope_dim * heads, hw, device=device, num_heads=heads, **self.rope_axial)
-        return Rope(self.rope_freqs_x, self.rope_freqs_y, hw)
+            return axial_rope(self.rope_dim * heads, hw, num_prefix_tokens=num_prefix_tokens, device=device,
+                              num_heads=heads, **self.rope_axial)
+        return Rope(self.rope_freqs_x, self.rope_freqs_y, hw, num_prefix_tokens)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
         """q, k, v: (B, heads, N, D) -> (B, heads, N, D). x: the mixer's input tokens (B, N, C), for mixers whose
         mixing depends on the data beyond q, k, v (e.g. forget gates)."""
         raise NotImplementedError
 
-    def forward(self, x: Tensor, hw: Tuple[int, int]) -> Tensor:
-        """x: (B, N, C) tokens on grid hw -> (B, N, C)."""
-        h, w = check_grid(hw, x.shape[1], name="hw")
+    def forward(self, x: Tensor, hw: Tuple[int, int], num_prefix_tokens: int = 0) -> Tensor:
+        """x: (B, N, C) tokens, ``num_prefix_tokens`` prefix tokens then the grid hw -> (B, N, C). Raises
+        ValueError for prefix tokens when the class does not take them, or a token count that does not fit."""
+        p = check_prefix_tokens(self, num_prefix_tokens)
+        h, w = check_grid(hw, x.shape[1] - p, name="hw")
         b, n, c = x.shape
         if self.value_proj and self.split_value_proj and self.rope_type is not None:
             # v on its own: the attention keeps v and the rotated q, k for the backward; q, k are then free
@@ -179,15 +188,16 @@ class AttentionMixer(nn.Module):
             (q, k), v = self.qkv(x).chunk(2, dim=-1), x
         q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        rope = self.make_rope((h, w), x.device)
+        rope = self.make_rope((h, w), x.device, p)
         if self.recompute_attend and torch.is_grad_enabled() and q.requires_grad and not is_tracing(n):
             out = checkpoint(self.attend, q, k, v, (h, w), rope, x, use_reentrant=False)
         else:
             out = self.attend(q, k, v, (h, w), rope, x)
         out = out.transpose(1, 2).reshape(b, n, c)
         if self.lepe is not None:
-            v_grid = v.transpose(1, 2).reshape(b, h, w, c).permute(0, 3, 1, 2)  # (B, C, H, W)
-            out = out + self.lepe(v_grid).flatten(2).transpose(1, 2)
+            v_grid = v[:, :, p:].transpose(1, 2).reshape(b, h, w, c).permute(0, 3, 1, 2)  # (B, C, H, W)
+            lepe = self.lepe(v_grid).flatten(2).transpose(1, 2)  # (B, H*W, C): nothing for the prefix tokens
+            out = out + (F.pad(lepe, (0, 0, p, 0)) if p else lepe)
         if self.gate is not None:
             g = self.gate(x)
             out = out * (F.silu(g) if self.gate_act == "silu" else g)
@@ -258,9 +268,11 @@ class LinearRopeAttention(LinearAttention):
 
 @register_mixer("causal")
 class CausalLinearAttention(LinearAttention):
-    """Causal linear attention over the raster order of the grid (token i sees tokens j <= i)."""
+    """Causal linear attention over the raster order of the grid (token i sees tokens j <= i). No prefix
+    tokens: a class token first in the order would see no other token."""
 
     causal = True
+    takes_prefix_tokens = False
 
 
 @register_mixer("softmax")
@@ -304,8 +316,11 @@ class HybridAttention(LinearAttention):
     compressive memory, with the memory replaced by the non-causal linear-attention state of the image).
 
     window: side of the square windows (the grid is padded to a multiple; padded keys are masked).
-    RoPE, when set, rotates q and k of the local softmax branch and the numerator of the global branch.
+    RoPE, when set, rotates q and k of the local softmax branch and the numerator of the global branch. No prefix
+    tokens (they have no window).
     """
+
+    takes_prefix_tokens = False
 
     def __init__(self, dim: int, num_heads: int, *, window: int = 7, **kwargs):
         super().__init__(dim, num_heads, **kwargs)

@@ -55,6 +55,8 @@ class BidirectionalRecurrentMixer(AttentionMixer):
     Raises ValueError for a bad dim/num_heads pair, chunk_size or an unknown feature map.
     """
 
+    takes_prefix_tokens = False  # the scans run along the raster order of the grid
+
     def __init__(
         self, dim: int, num_heads: int, *, feature_map: str = "elu", column_major: bool = False,
         chunk_size: int = 32, lepe: bool = False, gate: bool = False, qkv_bias: bool = True, proj_drop: float = 0.0,

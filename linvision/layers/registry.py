@@ -5,7 +5,10 @@ tokens x of shape (B, N, C) on a grid hw = (H, W) with N = H * W to (B, N, C).
 
 Every registered mixer is also registered with timm as a leaf of FX tracing (``register_notrace_module``): a
 mixer builds its RoPE tables and checks the token count against the grid with Python ints, which symbolic
-tracing cannot see. A traced model calls the mixer as one module (its parameters stay in the graph module), and
+tracing cannot see.
+
+A mixer class that sets ``takes_prefix_tokens = True`` also takes ``forward(x, hw, num_prefix_tokens=P)``: x then
+holds P prefix tokens (class / register tokens) before the H * W grid tokens, N = P + H * W. A traced model calls the mixer as one module (its parameters stay in the graph module), and
 those checks still run on every call.
 """
 from __future__ import annotations
@@ -17,7 +20,7 @@ from timm.layers import register_notrace_module
 from torch import nn
 
 __all__ = ["register_mixer", "create_mixer", "get_mixer_class", "list_mixers", "mixer_options", "parse_mixer_list",
-           "no_weight_decay_of"]
+           "no_weight_decay_of", "takes_prefix_tokens", "check_prefix_tokens"]
 
 _MIXERS: Dict[str, Type[nn.Module]] = {}
 
@@ -54,6 +57,32 @@ def get_mixer_class(mixer: MixerSpec) -> Type[nn.Module]:
 def create_mixer(mixer: MixerSpec, dim: int, num_heads: int, **kwargs) -> nn.Module:
     """Build the mixer registered as ``mixer`` (or the class ``mixer``) as ``cls(dim, num_heads, **kwargs)``."""
     return get_mixer_class(mixer)(dim, num_heads, **kwargs)
+
+
+def takes_prefix_tokens(mixer: Union[MixerSpec, nn.Module]) -> bool:
+    """Whether a mixer (a registered name, a class or a built mixer) takes prefix tokens before its grid tokens."""
+    cls = mixer if isinstance(mixer, nn.Module) else get_mixer_class(mixer)
+    return bool(getattr(cls, "takes_prefix_tokens", False))
+
+
+def check_prefix_tokens(mixer: Union[MixerSpec, nn.Module], num_prefix_tokens: int) -> int:
+    """``num_prefix_tokens`` as an int; ValueError, naming the mixer, for a negative count or for prefix tokens
+    given to a mixer that works on the grid itself (windows, convolutions, scans along the raster order)."""
+    if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
+        raise ValueError(f"num_prefix_tokens: must be an int >= 0, got {num_prefix_tokens!r}")
+    if num_prefix_tokens and not takes_prefix_tokens(mixer):
+        name = _mixer_name(mixer)
+        raise ValueError(f"token mixer {name!r} cannot take prefix tokens (class / register tokens): it works on "
+                         "the token grid itself; use a model without class_token / reg_tokens")
+    return num_prefix_tokens
+
+
+def _mixer_name(mixer: Union[MixerSpec, nn.Module]) -> str:
+    """The registered name of a mixer (a name, a class or a built mixer), else its class name."""
+    cls = type(mixer) if isinstance(mixer, nn.Module) else mixer
+    if isinstance(cls, str):
+        return cls
+    return next((n for n, c in _MIXERS.items() if c is cls), cls.__name__)
 
 
 def mixer_options(mixer: MixerSpec) -> List[str]:

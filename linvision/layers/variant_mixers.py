@@ -16,7 +16,8 @@
   many positions and has no single rotation) and no agent bias tables (the model's CPE/LePE give positions).
 
 All are :class:`~linvision.layers.mixers.AttentionMixer` subclasses (qkv projection, optional LePE, output gate,
-projection), so every model family and the ablation take them by name. Which run on the fused kernels: see
+projection), so every model family and the ablation take them by name. pola, rala and mala take prefix tokens
+(class / register tokens); inline and agent, which work on the grid, do not. Which run on the fused kernels: see
 :mod:`linvision.ops.attention_variants`.
 """
 from __future__ import annotations
@@ -91,6 +92,8 @@ class InLineAttention(AttentionMixer):
     scale: score scale (default head_dim^-1/2). RoPE (if set) rotates q and k before the scores.
     """
 
+    takes_prefix_tokens = False  # the local residual convolves the grid
+
     def __init__(self, dim: int, num_heads: int, *, local: bool = True, scale: Optional[float] = None, **kwargs):
         super().__init__(dim, num_heads, **kwargs)
         self.scale = scale
@@ -161,6 +164,8 @@ class MALAttention(AttentionMixer):
 @register_mixer("agent")
 class AgentAttention(AttentionMixer):
     """Agent attention. agent_grid: (rows, cols) of the agent pool (default (7, 7)); no RoPE (ValueError)."""
+
+    takes_prefix_tokens = False  # the agents are pooled from the grid
 
     def __init__(self, dim: int, num_heads: int, *, agent_grid: Tuple[int, int] = (7, 7), lepe: bool = True,
                  rope: Optional[str] = None, **kwargs):

@@ -1,9 +1,16 @@
 """Isotropic (ViT/DeiT-shaped) backbones with linear attention.
 
-Patch embedding (16x16), ``depth`` pre-norm blocks (:class:`linvision.layers.MixerBlock` without CPE)
-``x + drop_path(mixer(norm1(x), (H, W)))``, ``x + drop_path(mlp(norm2(x)))``, a final norm, global average pooling over the patch tokens (no class
-token) and a linear head. Shapes follow DeiT (Touvron et al. 2021, arXiv:2012.12877): tiny 192 wide with 3
-heads, small 384 / 6, base 768 / 12, all 12 blocks deep.
+Patch embedding (16x16), optional prefix tokens (a class token, register tokens), ``depth`` pre-norm blocks
+(:class:`linvision.layers.MixerBlock` without CPE) ``x + drop_path(mixer(norm1(x), (H, W)))``,
+``x + drop_path(mlp(norm2(x)))``, a final norm, pooling and a linear head. Shapes follow DeiT (Touvron et al.
+2021, arXiv:2012.12877): tiny 192 wide with 3 heads, small 384 / 6, base 768 / 12, all 12 blocks deep.
+
+The head follows timm's VisionTransformer and its option names: ``class_token`` and ``reg_tokens`` put prefix
+tokens before the patch tokens (their position-embedding rows too, unless ``no_embed_class``); ``global_pool``
+is "token" (the class token), "avg" (the mean of the patch tokens), "max", "avgmax" or "" (the tokens);
+``fc_norm`` moves the final norm after the pooling (None: as timm, for the pooled kinds "avg", "max" and
+"avgmax"). The prefix tokens go through every mixer as tokens (RoPE leaves them unrotated), so only mixers that
+take prefix tokens (:func:`linvision.layers.takes_prefix_tokens`) build with them.
 
 Position information comes from either
 - a learned absolute position embedding (``rope=None``): the model runs at the size it was built for (its
@@ -31,11 +38,12 @@ from torch.utils.checkpoint import checkpoint
 
 from safetensors import SafetensorError
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import LayerNorm, PatchEmbed, resample_abs_pos_embed, resample_patch_embed, trunc_normal_
+from timm.layers import LayerNorm, PatchEmbed, global_pool_nlc, resample_abs_pos_embed, resample_patch_embed, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
-from linvision.layers import MixerBlock, init_linear_weights, mixer_options, no_weight_decay_of
+from linvision.layers import (MixerBlock, check_prefix_tokens, init_linear_weights, mixer_options,
+                              no_weight_decay_of)
 from linvision.layers.mixers import ROPE_TYPES
 
 from .published import require_weights
@@ -50,14 +58,22 @@ class LinViT(nn.Module):
         img_size: training size; fixes the absolute position embedding grid (unused with RoPE).
         patch_size, in_chans, num_classes, embed_dim, depth, num_heads, mlp_ratio, drop_rate (before the
             head), proj_drop_rate, drop_path_rate (linear over blocks): as in timm's VisionTransformer.
-        global_pool: 'avg' (mean over patch tokens) or '' (forward_head returns the tokens).
+        global_pool: 'avg' (mean over patch tokens), 'max', 'avgmax', 'token' (the class token) or '' (forward_head
+            returns the tokens), as timm's VisionTransformer.
+        class_token: a learned class token before the patch tokens (timm's ViT; needed by global_pool='token').
+        reg_tokens: number of learned register tokens after the class token (Darcet et al. 2024).
+        no_embed_class: the position embedding covers the patch tokens only (DeiT-III); otherwise it has rows for
+            the prefix tokens too (timm's and DeiT's ViT).
+        fc_norm: the final norm after the pooling instead of before it; None as timm: for 'avg', 'max' and
+            'avgmax' pooling.
         token_mixer: a registered mixer name ("linear", "linear_rope", "softmax", "causal", "hybrid", "none", ...)
             or a mixer class (built as ``cls(dim, num_heads, **mixer_kwargs)``).
         mixer_kwargs: extra options for the mixer (e.g. feature_map="relu", lepe=True).
         rope: None (absolute position embedding), "axial" or "mixed" (2D RoPE in the mixer, no absolute
             embedding); passed to the mixer when it has a ``rope`` option.
         dynamic_img_size: resample the absolute position embedding to the input's grid at every call.
-    Raises ValueError for an unknown rope or global_pool.
+    Raises ValueError for an unknown rope or global_pool, global_pool='token' without a class token, or prefix
+    tokens with a mixer that cannot take them.
     """
 
     def __init__(
@@ -67,6 +83,10 @@ class LinViT(nn.Module):
         in_chans: int = 3,
         num_classes: int = 1000,
         global_pool: str = "avg",
+        class_token: bool = False,
+        reg_tokens: int = 0,
+        no_embed_class: bool = False,
+        fc_norm: Optional[bool] = False,
         embed_dim: int = 384,
         depth: int = 12,
         num_heads: int = 6,
@@ -84,13 +104,17 @@ class LinViT(nn.Module):
         super().__init__()
         if rope not in ROPE_TYPES:
             raise ValueError(f"rope: unknown {rope!r}; allowed: {ROPE_TYPES}")
-        if global_pool not in ("avg", ""):
-            raise ValueError(f"global_pool: {global_pool!r}; allowed: 'avg', ''")
+        _check_pool(global_pool, class_token)
+        if isinstance(reg_tokens, bool) or not isinstance(reg_tokens, int) or reg_tokens < 0:
+            raise ValueError(f"reg_tokens: must be an int >= 0, got {reg_tokens!r}")
         self.num_classes = num_classes
         self.in_chans = in_chans
         self.global_pool = global_pool
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
-        self.num_prefix_tokens = 0
+        self.num_reg_tokens = reg_tokens
+        self.num_prefix_tokens = int(class_token) + reg_tokens
+        self.no_embed_class = no_embed_class
+        check_prefix_tokens(token_mixer, self.num_prefix_tokens)
         self.dynamic_img_size = dynamic_img_size
         self.rope = rope
         self.token_mixer = token_mixer
@@ -99,9 +123,10 @@ class LinViT(nn.Module):
             img_size, patch_size, in_chans, embed_dim, output_fmt="NHWC",
             strict_img_size=rope is None and not dynamic_img_size,
         )
-        self.pos_embed = (
-            nn.Parameter(torch.zeros(1, self.patch_embed.num_patches, embed_dim)) if rope is None else None
-        )
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
+        self.reg_token = nn.Parameter(torch.zeros(1, reg_tokens, embed_dim)) if reg_tokens else None
+        embed_len = self.patch_embed.num_patches + (0 if no_embed_class else self.num_prefix_tokens)
+        self.pos_embed = nn.Parameter(torch.zeros(1, embed_len, embed_dim)) if rope is None else None
         options = dict(mixer_kwargs or {})
         if rope is not None and "rope" in mixer_options(token_mixer):
             options["rope"] = rope
@@ -113,23 +138,30 @@ class LinViT(nn.Module):
         ])
         reduction = self.patch_embed.patch_size[0]
         self.feature_info = [dict(module=f"blocks.{i}", num_chs=embed_dim, reduction=reduction) for i in range(depth)]
-        self.norm = norm_layer(embed_dim)
+        use_fc_norm = global_pool in ("avg", "max", "avgmax") if fc_norm is None else fc_norm
+        self.norm = nn.Identity() if use_fc_norm else norm_layer(embed_dim)
+        self.fc_norm = norm_layer(embed_dim) if use_fc_norm else nn.Identity()
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
         self.grad_checkpointing = False
 
         if self.pos_embed is not None:
             trunc_normal_(self.pos_embed, std=0.02)
+        for token in (self.cls_token, self.reg_token):
+            if token is not None:
+                nn.init.normal_(token, std=1e-6)
         self.apply(init_linear_weights)
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set:
-        """The position embedding and what the mixers exclude (mixed-RoPE frequencies, hybrid gate logits)."""
-        return no_weight_decay_of(self) | ({"pos_embed"} if self.pos_embed is not None else set())
+        """The position embedding, the prefix tokens and what the mixers exclude (mixed-RoPE frequencies, hybrid
+        gate logits)."""
+        own = {n for n in ("pos_embed", "cls_token", "reg_token") if getattr(self, n) is not None}
+        return no_weight_decay_of(self) | own
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
-        return dict(stem=r"^pos_embed|patch_embed", blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
+        return dict(stem=r"^cls_token|^reg_token|^pos_embed|^patch_embed", blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
@@ -141,31 +173,37 @@ class LinViT(nn.Module):
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
         if global_pool is not None:
-            if global_pool not in ("avg", ""):
-                raise ValueError(f"global_pool: {global_pool!r}; allowed: 'avg', ''")
+            _check_pool(global_pool, self.cls_token is not None)
             self.global_pool = global_pool
         self.num_classes = num_classes
         self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
 
-    def _embed(self, x: Tensor) -> Tensor:
-        """(B, C_in, H, W) -> patch tokens (B, H/p, W/p, C) with the absolute position embedding added."""
+    def _embed(self, x: Tensor) -> Tuple[Tensor, Tuple[int, int]]:
+        """(B, C_in, H, W) -> (tokens (B, prefix + H/p * W/p, C) with the absolute position embedding added, the
+        patch grid (H/p, W/p)); timm's ViT order: class token, register tokens, patch tokens in raster order."""
         x = self.patch_embed(x)
-        if self.pos_embed is None:
-            return x
         b, h, w, c = x.shape
+        x = x.reshape(b, h * w, c)
+        prefix = [t.expand(b, -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
+        if self.pos_embed is None:
+            return (torch.cat(prefix + [x], dim=1) if prefix else x), (h, w)
         pos = self.pos_embed
         if self.dynamic_img_size:
             # timm's resampler returns the embedding unchanged on the training grid; it is an FX leaf, so the grid
             # comparison stays out of the traced path.
             pos = resample_abs_pos_embed(pos, new_size=(h, w), old_size=self.patch_embed.grid_size,
-                                         num_prefix_tokens=0)
-        return x + pos.reshape(1, h, w, c)
+                                         num_prefix_tokens=0 if self.no_embed_class else self.num_prefix_tokens)
+        if self.no_embed_class or not prefix:
+            x = x + pos
+            return (torch.cat(prefix + [x], dim=1) if prefix else x), (h, w)
+        return torch.cat(prefix + [x], dim=1) + pos, (h, w)
 
-    def _run_blocks(self, x: Tensor, blocks: nn.Sequential, take: Optional[List[int]] = None,
+    def _run_blocks(self, x: Tensor, hw: Tuple[int, int], blocks: nn.Sequential, take: Optional[List[int]] = None,
                     norm: bool = False) -> Tuple[Tensor, List[Tensor]]:
         intermediates = []
+        p = self.num_prefix_tokens
         for i, blk in enumerate(blocks):
-            x = checkpoint(blk, x, use_reentrant=False) if self.grad_checkpointing else blk(x)
+            x = checkpoint(blk, x, hw, p, use_reentrant=False) if self.grad_checkpointing else blk(x, hw, p)
             if take is not None and i in take:
                 intermediates.append(self.norm(x) if norm else x)
         return x, intermediates
@@ -174,27 +212,33 @@ class LinViT(nn.Module):
         self,
         x: Tensor,
         indices: Optional[Union[int, List[int]]] = None,
+        return_prefix_tokens: bool = False,
         norm: bool = False,
         stop_early: bool = False,
         output_fmt: str = "NCHW",
         intermediates_only: bool = False,
     ) -> Union[List[Tensor], Tuple[Tensor, List[Tensor]]]:
-        """Block outputs. indices: last n blocks (int), all (None) or the listed ones; norm: apply the final
-        norm to them; output_fmt: 'NCHW' (B, C, H/p, W/p) or 'NLC' (B, N, C).
+        """Block outputs of the patch tokens, as timm's VisionTransformer. indices: last n blocks (int), all (None)
+        or the listed ones; return_prefix_tokens: each intermediate is (patch tokens, prefix tokens (B, P, C));
+        norm: apply the final norm to them; output_fmt: 'NCHW' (B, C, H/p, W/p) or 'NLC' (B, N, C).
         Returns intermediates, or (forward_features output, intermediates). Raises ValueError for another
         output_fmt."""
         if output_fmt not in ("NCHW", "NLC"):
             raise ValueError(f"output_fmt: {output_fmt!r}; allowed: 'NCHW', 'NLC'")
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
         blocks = self.blocks[: max_index + 1] if stop_early else self.blocks
-        x, intermediates = self._run_blocks(self._embed(x), blocks, take_indices, norm)
+        x, (h, w) = self._embed(x)
+        x, intermediates = self._run_blocks(x, (h, w), blocks, take_indices, norm)
+        p = self.num_prefix_tokens
+        prefix_tokens = [y[:, :p] for y in intermediates]
+        intermediates = [y[:, p:] for y in intermediates] if p else intermediates
         if output_fmt == "NCHW":
-            intermediates = [y.permute(0, 3, 1, 2).contiguous() for y in intermediates]
-        else:
-            intermediates = [y.flatten(1, 2) for y in intermediates]
+            intermediates = [y.reshape(y.shape[0], h, w, -1).permute(0, 3, 1, 2).contiguous() for y in intermediates]
+        if return_prefix_tokens and p:
+            intermediates = list(zip(intermediates, prefix_tokens))
         if intermediates_only:
             return intermediates
-        return self.norm(x).flatten(1, 2), intermediates
+        return self.norm(x), intermediates
 
     def prune_intermediate_layers(
         self, indices: Union[int, List[int]] = 1, prune_norm: bool = False, prune_head: bool = True,
@@ -205,22 +249,35 @@ class LinViT(nn.Module):
         if prune_norm:
             self.norm = nn.Identity()
         if prune_head:
+            self.fc_norm = nn.Identity()
             self.reset_classifier(0, "")
         return take_indices
 
     def forward_features(self, x: Tensor) -> Tensor:
-        """(B, in_chans, H, W) -> normalised tokens (B, H/p * W/p, C) in raster order."""
-        x, _ = self._run_blocks(self._embed(x), self.blocks)
-        return self.norm(x).flatten(1, 2)
+        """(B, in_chans, H, W) -> tokens (B, prefix + H/p * W/p, C): the prefix tokens, then the patch tokens in
+        raster order, through the final norm (unless ``fc_norm`` moved it after the pooling)."""
+        x, hw = self._embed(x)
+        x, _ = self._run_blocks(x, hw, self.blocks)
+        return self.norm(x)
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        if self.global_pool == "avg":
-            x = x.mean(dim=1)
+        x = global_pool_nlc(x, pool_type=self.global_pool, num_prefix_tokens=self.num_prefix_tokens)
+        x = self.fc_norm(x)
         x = self.head_drop(x)
         return x if pre_logits else self.head(x)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.forward_head(self.forward_features(x))
+
+
+_POOLS = ("", "avg", "max", "avgmax", "token")
+
+
+def _check_pool(global_pool: str, class_token: bool) -> None:
+    if global_pool not in _POOLS:
+        raise ValueError(f"global_pool: {global_pool!r}; allowed: {', '.join(repr(p) for p in _POOLS)}")
+    if global_pool == "token" and not class_token:
+        raise ValueError("global_pool: 'token' pools the class token; build the model with class_token=True")
 
 
 # Silu(b) = b * sigmoid(b) = 1: an output gate with zero weights and this bias passes the attention output unchanged.
@@ -232,15 +289,29 @@ def _is_softmax_vit(state_dict: Dict[str, Tensor]) -> bool:
     return any(k.startswith("blocks.") and ".attn.qkv." in k for k in state_dict)
 
 
-def _strip_prefix_rows(pos_embed: Tensor, num_prefix_tokens: int, name: str = "pos_embed") -> Tensor:
-    """Drop the rows of a ViT position embedding (1, prefix + H*W, C) that belong to class / register tokens;
-    embeddings without them (DeiT-III's ``no_embed_class``) are returned as they are."""
+def _split_prefix_rows(pos_embed: Tensor, num_prefix_tokens: int, name: str = "pos_embed") -> Tuple[Tensor, Tensor]:
+    """(prefix rows, grid rows) of a ViT position embedding (1, prefix + H*W, C); embeddings without rows for the
+    class / register tokens (DeiT-III's ``no_embed_class``) have no prefix rows."""
     n = pos_embed.shape[1]
     for prefix in (num_prefix_tokens, 0):
         side = math.isqrt(n - prefix)
         if side * side == n - prefix:
-            return pos_embed[:, prefix:]
+            return pos_embed[:, :prefix], pos_embed[:, prefix:]
     raise ValueError(f"{name}: {n} rows are not a square grid with or without {num_prefix_tokens} prefix rows")
+
+
+def _position_embedding_for(model: LinViT, prefix_rows: Tensor, grid_rows: Tensor) -> Tensor:
+    """A teacher's position embedding, split into (prefix rows, grid rows), as ``model`` holds it: the grid rows
+    resampled to the model's grid, the prefix rows kept where the model has rows for its prefix tokens."""
+    if grid_rows.shape[1] != model.patch_embed.num_patches:
+        grid_rows = resample_abs_pos_embed(grid_rows, new_size=model.patch_embed.grid_size, num_prefix_tokens=0)
+    wanted = 0 if model.no_embed_class else model.num_prefix_tokens
+    if wanted == 0:
+        return grid_rows
+    if prefix_rows.shape[1] != wanted:
+        raise ValueError(f"pos_embed: the model has position rows for {wanted} prefix tokens, the softmax ViT for "
+                         f"{prefix_rows.shape[1]}; build the model with no_embed_class=True or matching prefix tokens")
+    return torch.cat([prefix_rows, grid_rows], dim=1)
 
 
 def convert_vit_state_dict(state_dict: Dict[str, Tensor], model: LinViT) -> Dict[str, Tensor]:
@@ -249,31 +320,39 @@ def convert_vit_state_dict(state_dict: Dict[str, Tensor], model: LinViT) -> Dict
     - patch_embed, blocks.i.norm1 / norm2 / mlp, norm and head keep their names; blocks.i.attn.qkv and attn.proj
       become blocks.i.mixer.qkv and mixer.proj; layer-scale factors (blocks.i.ls1 / ls2.gamma) are folded into
       attn.proj and mlp.fc2 (exact).
-    - cls_token and reg_token are dropped (linvit has no prefix tokens and pools the patch tokens by their
-      mean; the head, trained on the class token, is kept as a starting point). The position embedding loses its
-      prefix-token rows and is resampled to the model's grid; models with RoPE (no absolute embedding) drop it.
+    - cls_token and reg_token are kept when the model has them (``class_token=True``, the same ``reg_tokens``), and
+      dropped when it has none (it then pools the patch tokens; the head, trained on the class token, is kept as
+      a starting point). The position embedding keeps its prefix-token rows where the model has rows for its
+      prefix tokens, loses them otherwise, and is resampled to the model's grid; models with RoPE (no absolute
+      embedding) drop it.
     - Parameters a softmax ViT does not have start where the block computes what the teacher's attention
       computes as nearly as it can: LePE at zero (it adds nothing), an output gate at weight 0 and
       bias b with silu(b) = 1 (it passes the attention through); feature-map and RoPE parameters keep the
       model's own initialisation.
     Raises ValueError for teacher weights this mapping cannot carry (q/k norms, a pre-norm, fc_norm, other
-    depths or widths).
+    depths or widths), or for prefix tokens the model has and the teacher has not.
     """
     model_state = model.state_dict()
     num_prefix = sum(state_dict[k].shape[1] for k in ("cls_token", "reg_token") if k in state_dict)
     gammas = {k: v for k, v in state_dict.items() if k.endswith((".ls1.gamma", ".ls2.gamma"))}
     out: Dict[str, Tensor] = {}
     unsupported = []
+    for token in ("cls_token", "reg_token"):
+        mine = getattr(model, token)
+        if mine is not None and (token not in state_dict or state_dict[token].shape != mine.shape):
+            have = tuple(state_dict[token].shape) if token in state_dict else "none"
+            raise ValueError(f"state_dict: the model has {token} of shape {tuple(mine.shape)}, the softmax ViT "
+                             f"{have}; build it with class_token / reg_tokens as the ViT has them")
     for name, value in state_dict.items():
-        if name in ("cls_token", "reg_token") or name in gammas:
+        if name in gammas:
+            continue
+        if name in ("cls_token", "reg_token"):
+            if getattr(model, name) is not None:
+                out[name] = value
             continue
         if name == "pos_embed":
-            if model.pos_embed is None:
-                continue
-            value = _strip_prefix_rows(value, num_prefix)
-            if value.shape != model.pos_embed.shape:
-                value = resample_abs_pos_embed(value, new_size=model.patch_embed.grid_size, num_prefix_tokens=0)
-            out[name] = value
+            if model.pos_embed is not None:
+                out[name] = _position_embedding_for(model, *_split_prefix_rows(value, num_prefix))
             continue
         target = name.replace(".attn.qkv.", ".mixer.qkv.").replace(".attn.proj.", ".mixer.proj.")
         if target not in model_state and not target.startswith("head."):
@@ -319,9 +398,10 @@ def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: LinViT) -> Dict[s
     if _is_softmax_vit(state_dict):
         state_dict = convert_vit_state_dict(state_dict, model)
     out = {}
+    rows = 0 if model.no_embed_class else model.num_prefix_tokens
     for name, value in state_dict.items():
         if name == "pos_embed" and model.pos_embed is not None and value.shape != model.pos_embed.shape:
-            value = resample_abs_pos_embed(value, new_size=model.patch_embed.grid_size, num_prefix_tokens=0)
+            value = _position_embedding_for(model, value[:, :rows], value[:, rows:])
         elif name == "patch_embed.proj.weight" and value.shape[-2:] != model.patch_embed.proj.weight.shape[-2:]:
             value = resample_patch_embed(value, model.patch_embed.patch_size)
         out[name] = value

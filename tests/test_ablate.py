@@ -81,7 +81,8 @@ def test_photos_set_is_offline_disjoint_and_balanced():
 
 def test_isotropic_family_takes_one_mixer_for_every_block(data, tmp_path):
     args = _args(data, tmp_path, "--mixers", "inline", "--model", "linvit_tiny_patch16_224", "--model-kwargs",
-                 '{"patch_size": 8, "embed_dim": 16, "depth": 1, "num_heads": 2, "dynamic_img_size": true}',
+                 '{"patch_size": 8, "embed_dim": 16, "depth": 1, "num_heads": 2, "dynamic_img_size": true, '
+                 '"class_token": false, "global_pool": "avg"}',
                  "--eval-sizes", "32", "48")
     (row,) = run_ablation(args, log=lambda m: None)["rows"]
     saved = (tmp_path / "ab" / "runs" / "inline" / "config.yaml").read_text()

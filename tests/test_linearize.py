@@ -25,9 +25,10 @@ def _vit(seed=0, **kwargs):
     return model
 
 
-# timm ViT heads and linvit's options of the same name: no class token with the mean of the normalised tokens (the
-# linvit default), the class token, the mean then fc_norm (timm's "avg" default), register tokens without position
-# rows for the prefix tokens (DeiT-III / reg4 models).
+# timm ViT heads and linvit's options of the same name: no class token with the mean of the normalised tokens
+# (linvit's head for the mixers that cannot take a class token), the class token (the default of both), the mean
+# then fc_norm (timm's "avg" default), register tokens without position rows for the prefix tokens (DeiT-III /
+# reg4 models).
 HEADS = {
     "mean-pool": dict(class_token=False, global_pool="avg", fc_norm=False),
     "class-token": dict(class_token=True, global_pool="token"),
@@ -92,11 +93,12 @@ def test_student_with_a_class_token_keeps_the_teachers_and_its_attention():
 
 
 def test_class_token_vit_mapping_and_rope_student():
-    """A class-token ViT: cls_token dropped, its position row stripped; qkv/proj/MLP/norm/head copied; the RoPE
+    """A class-token ViT into a linvit without one: cls_token dropped, its position row stripped;
+    qkv/proj/MLP/norm/head copied; the RoPE
     student drops the position embedding and starts LePE at zero and the gate at identity."""
     vit = _vit()
     sd = vit.state_dict()
-    lin = timm.create_model("linvit_small_patch16_224", num_classes=10, **SHAPE)
+    lin = timm.create_model("linvit_small_patch16_224", num_classes=10, class_token=False, global_pool="avg", **SHAPE)
     out = checkpoint_filter_fn(sd, lin)
     assert "cls_token" not in out
     torch.testing.assert_close(out["pos_embed"], sd["pos_embed"][:, 1:], rtol=0, atol=0)

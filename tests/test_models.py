@@ -32,6 +32,7 @@ VIT_ABS = ("linvit_small_patch16_224", dict(SMALL_VIT, img_size=64))
 VIT_ROPE = ("linvit_small_patch16_rope_224", SMALL_VIT)
 VIT_MIXED = ("linvit_small_patch16_rope_mixed_224", SMALL_VIT)
 HIER = ("linhier_tiny_224", SMALL_HIER)
+MEAN_POOL = dict(class_token=False, global_pool="avg")  # the linvit head of the mixers that cannot take a class token
 HIER_MIXERS = ("linhier_tiny_224", dict(SMALL_HIER, token_mixers="none,none,linear,softmax"))
 
 
@@ -46,12 +47,12 @@ CONTRACT = [pytest.param(n, _reduced(n), id=n) for n in ALL_NAMES] + [
 ] + [
     pytest.param(*VIT_ABS, id="linvit-abs-img64"),
     pytest.param("linvit_small_patch16_224", dict(SMALL_VIT, dynamic_img_size=True), id="linvit-abs-dynamic"),
-    pytest.param("linvit_small_patch16_rope_224", dict(SMALL_VIT, token_mixer="hybrid", mixer_kwargs=dict(window=2)),
-                 id="linvit-hybrid"),
-    pytest.param("linvit_small_patch16_rope_224", dict(SMALL_VIT, token_mixer="causal"), id="linvit-causal"),
+    pytest.param("linvit_small_patch16_rope_224", dict(SMALL_VIT, token_mixer="hybrid", mixer_kwargs=dict(window=2),
+                                                       **MEAN_POOL), id="linvit-hybrid"),
+    pytest.param("linvit_small_patch16_rope_224", dict(SMALL_VIT, token_mixer="causal", **MEAN_POOL),
+                 id="linvit-causal"),
     pytest.param("linvit_small_patch16_rope_224", dict(SMALL_VIT, token_mixer="softmax"), id="linvit-softmax"),
-    pytest.param("linvit_small_patch16_224", dict(SMALL_VIT, img_size=64, class_token=True, global_pool="token"),
-                 id="linvit-abs-class-token"),
+    pytest.param("linvit_small_patch16_224", dict(SMALL_VIT, img_size=64, **MEAN_POOL), id="linvit-abs-mean-pool"),
     pytest.param("linvit_small_patch16_224", dict(SMALL_VIT, class_token=True, reg_tokens=2, global_pool="token",
                                                   dynamic_img_size=True), id="linvit-abs-dynamic-class-registers"),
     pytest.param("linvit_small_patch16_rope_224", dict(SMALL_VIT, class_token=True, reg_tokens=1, fc_norm=True),
@@ -81,6 +82,14 @@ def _input_size(model):
     stride = max(info["reduction"] for info in model.feature_info)
     side = max(stride, min(cfg["input_size"][1], FLEXIBLE_TEST_SIZE) // stride * stride)
     return (cfg["input_size"][0], side, side)
+
+
+def _unreached(model):
+    """Name prefixes of the parameters that cannot reach the logits: with the class token pooled, the last block's
+    LePE (it adds to the patch tokens only)."""
+    if getattr(model, "global_pool", None) == "token":
+        return (f"blocks.{len(model.blocks) - 1}.mixer.lepe.",)
+    return ()
 
 
 def _fx_model(model):
@@ -160,10 +169,11 @@ def test_forward_backward_all_parameters_get_gradients(name, kwargs):
     y = model(x)
     assert y.shape == (2, 5) and torch.isfinite(y).all()
     y.logsumexp(-1).mean().backward()
+    unreached = _unreached(model)
     for pname, p in model.named_parameters():
         assert p.grad is not None, pname
         assert torch.isfinite(p.grad).all(), pname
-        assert p.grad.abs().sum() > 0, pname
+        assert (p.grad.abs().sum() == 0) if pname.startswith(unreached) else (p.grad.abs().sum() > 0), pname
 
 
 @pytest.mark.parametrize("name, kwargs", CONTRACT)
@@ -194,9 +204,10 @@ def test_fx_trace_backward(name, kwargs):
     y = graph_model(x)[last]
     torch.testing.assert_close(y, model(x), rtol=0, atol=0)
     y.logsumexp(-1).mean().backward()
+    unreached = _unreached(model)
     for pname, p in graph_model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), pname
-        assert p.grad.abs().sum() > 0, pname
+        assert (p.grad.abs().sum() == 0) if pname.startswith(unreached) else (p.grad.abs().sum() > 0), pname
 
 
 @pytest.mark.parametrize("name, kwargs", CONTRACT)
@@ -297,11 +308,21 @@ def test_reset_classifier_prune_and_global_pool():
     assert kept == [1] and len(model.stages) == 2 and model.num_features == SMALL_HIER["dims"][1]
 
     vit = _create("linvit_small_patch16_rope_224", num_classes=5, **SMALL_VIT).eval()
+    x = torch.randn(1, 3, 64, 32)
+    torch.testing.assert_close(vit.forward_head(vit.forward_features(x), pre_logits=True),
+                               vit.forward_features(x)[:, 0], rtol=0, atol=0)  # the class token, by default
     vit.reset_classifier(0, global_pool="")
-    assert vit(torch.randn(1, 3, 64, 32)).shape == (1, 8, SMALL_VIT["embed_dim"])
+    assert vit(x).shape == (1, 1 + 8, SMALL_VIT["embed_dim"])
     assert vit.prune_intermediate_layers(indices=1) == [2] and len(vit.blocks) == 3
     with pytest.raises(ValueError, match="global_pool"):
-        vit.reset_classifier(0, global_pool="token")
+        vit.reset_classifier(0, global_pool="mean")
+    no_class = _create("linvit_small_patch16_rope_224", num_classes=5, **SMALL_VIT, **MEAN_POOL).eval()
+    torch.testing.assert_close(no_class.forward_head(no_class.forward_features(x), pre_logits=True),
+                               no_class.forward_features(x).mean(1), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="global_pool: 'token' pools the class token"):
+        no_class.reset_classifier(0, global_pool="token")
+    with pytest.raises(ValueError, match="token mixer 'hybrid' cannot take prefix tokens"):
+        _create("linvit_small_patch16_rope_224", token_mixer="hybrid", **SMALL_VIT)
 
 
 @pytest.mark.parametrize("name, kwargs", [VIT_ROPE, HIER], ids=["linvit", "linhier"])
@@ -318,8 +339,8 @@ def test_group_matcher_and_no_weight_decay_cover_real_parameters(name, kwargs):
 def test_mixed_rope_frequencies_are_not_decayed():
     model = _create("linvit_small_patch16_rope_mixed_224", **SMALL_VIT)
     nwd = model.no_weight_decay()
-    assert nwd and all("rope_freqs" in n for n in nwd)
-    assert "pos_embed" in _create("linvit_small_patch16_224", **SMALL_VIT).no_weight_decay()
+    assert "cls_token" in nwd and all("rope_freqs" in n for n in nwd - {"cls_token"})
+    assert {"pos_embed", "cls_token"} <= _create("linvit_small_patch16_224", **SMALL_VIT).no_weight_decay()
     # the models collect what each mixer excludes: every hybrid gate logit, and nothing else of a hybrid linhier
     hybrid = _create(HIER[0], **{**HIER[1], "token_mixers": "hybrid"})
     logits = {n for n, _ in hybrid.named_parameters() if n.endswith("mixer.mix_logit")}
@@ -393,8 +414,8 @@ def test_round_trip_safetensors_other_classes_and_one_channel(tmp_path):
         for key, value in src_sd.items():
             if key == first_conv or key.startswith(classifier + "."):
                 continue
-            if key == "pos_embed":
-                value = resample_abs_pos_embed(value, new_size=(6, 6), num_prefix_tokens=0)
+            if key == "pos_embed":  # the class token's row kept, the grid's resampled
+                value = resample_abs_pos_embed(value, new_size=(6, 6), num_prefix_tokens=src.num_prefix_tokens)
             torch.testing.assert_close(dst_sd[key], value, msg=key)
         assert dst(torch.randn(1, 1, 96, 96)).shape == (1, 3)
 
@@ -402,14 +423,16 @@ def test_round_trip_safetensors_other_classes_and_one_channel(tmp_path):
 def test_checkpoint_filter_unwraps_and_resamples_patch_kernel():
     from linvision.models.linvit import checkpoint_filter_fn
 
-    model = _create("linvit_small_patch16_224", img_size=64, **SMALL_VIT)
-    sd = {k: v.clone() for k, v in model.state_dict().items()}
-    sd["patch_embed.proj.weight"] = torch.randn(SMALL_VIT["embed_dim"], 3, 8, 8)
-    sd["pos_embed"] = torch.randn(1, 64, SMALL_VIT["embed_dim"])
-    out = checkpoint_filter_fn({"model": sd}, model)
-    assert out["patch_embed.proj.weight"].shape == model.patch_embed.proj.weight.shape
-    assert out["pos_embed"].shape == model.pos_embed.shape
-    model.load_state_dict(out)
+    for head, prefix in ((MEAN_POOL, 0), ({}, 1)):  # without and with the class token (its row is kept)
+        model = _create("linvit_small_patch16_224", img_size=64, **SMALL_VIT, **head)
+        sd = {k: v.clone() for k, v in model.state_dict().items()}
+        sd["patch_embed.proj.weight"] = torch.randn(SMALL_VIT["embed_dim"], 3, 8, 8)
+        sd["pos_embed"] = torch.randn(1, prefix + 64, SMALL_VIT["embed_dim"])
+        out = checkpoint_filter_fn({"model": sd}, model)
+        assert out["patch_embed.proj.weight"].shape == model.patch_embed.proj.weight.shape
+        assert out["pos_embed"].shape == model.pos_embed.shape == (1, prefix + 16, SMALL_VIT["embed_dim"])
+        torch.testing.assert_close(out["pos_embed"][:, :prefix], sd["pos_embed"][:, :prefix], rtol=0, atol=0)
+        model.load_state_dict(out)
 
 
 def test_channels_last_and_drop_args():

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from linvision.layers import create_mixer, list_mixers
+from linvision.layers import create_mixer, list_mixers, takes_prefix_tokens
 from linvision.ops import axial_rope
 from linvision.ops.attention_variants import (
     agent_attention,
@@ -220,8 +220,9 @@ def test_mixers_registered_and_trainable_in_both_families(name):
 
     assert name in list_mixers()
     torch.manual_seed(0)
+    head = {} if takes_prefix_tokens(name) else dict(class_token=False, global_pool="avg")
     for model in (LinViT(img_size=64, patch_size=8, embed_dim=32, depth=1, num_heads=2, num_classes=3,
-                         token_mixer=name),
+                         token_mixer=name, **head),
                   LinHier(depths=(1, 1, 1, 1), dims=(16, 32, 32, 32), num_heads=(1, 2, 2, 2), num_classes=3,
                           token_mixers=name)):
         x = torch.randn(2, 3, 64, 64)

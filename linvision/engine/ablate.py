@@ -116,6 +116,11 @@ def _run_ablation(args: argparse.Namespace, run_dir: str, log) -> Dict[str, Any]
               "seed": args.seed, "seeds": seeds, "dataset": args.dataset, "eval_sizes": eval_sizes,
               "bench_sizes": bench_sizes, "bench_batch_size": args.bench_batch_size, "device": str(_device(args)),
               "rows": rows}
+    # every model is built once before any training, so that a mixer the model cannot take (a grid mixer in a
+    # linvit with a class token) fails at once, not after the mixers before it have trained
+    for mixer in args.mixers:
+        create_model(args.model, num_classes=2, in_chans=args.in_chans,
+                     model_kwargs={**base_kwargs, _mixer_key(args.model): mixer}, img_size=args.img_size)
     start = time.time()
     for index, mixer in enumerate(args.mixers):
         label = _mixer_label(mixer)

@@ -250,7 +250,8 @@ def test_img_size_reaches_a_model_with_a_fixed_grid(data, tmp_path):
     run_tool("train.py", *_tiny_linvit_flags(data, str(tmp_path), "linvit_tiny_patch16_224", 32, "--epochs", "1",
                                              "--experiment", "fixed"))
     state = load_file(str(tmp_path / "fixed" / "best" / "model.safetensors"))
-    assert state["pos_embed"].numel() == 2 * 2 * 16  # a 2 x 2 grid of 16 channels at 32 px, not 14 x 14
+    # a 2 x 2 grid of 16 channels at 32 px, not 14 x 14, and the class token's row (timm's layout)
+    assert tuple(state["pos_embed"].shape) == (1, 1 + 2 * 2, 16)
     proc = run_tool("validate.py", "--checkpoint", str(tmp_path / "fixed"), "--data-dir", data,
                     "--img-size", "48", "32")  # the training size after another: the model is rebuilt for each
     at48, at32 = json.loads(proc.stdout)["results"]

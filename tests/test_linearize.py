@@ -93,9 +93,9 @@ def test_student_with_a_class_token_keeps_the_teachers_and_its_attention():
 
 
 def test_class_token_vit_mapping_and_rope_student():
-    """A class-token ViT into a linvit without one: cls_token dropped, its position row stripped;
-    qkv/proj/MLP/norm/head copied; the RoPE
-    student drops the position embedding and starts LePE at zero and the gate at identity."""
+    """A class-token ViT into a linvit without one: cls_token dropped, its position row stripped; qkv/proj/MLP/
+    norm/head copied; the RoPE student drops the position embedding and starts LePE at zero and the gate at
+    identity."""
     vit = _vit()
     sd = vit.state_dict()
     lin = timm.create_model("linvit_small_patch16_224", num_classes=10, class_token=False, global_pool="avg", **SHAPE)

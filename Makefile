@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-all test-latest
+.PHONY: install demo test test-all test-latest docs
 
 # The tested versions: constraints.txt pins every package (pyproject.toml keeps the ranges users install into).
 $(STAMP): pyproject.toml constraints.txt
@@ -27,6 +27,10 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q --runslow
 
+# The manual, with every warning an error, into site/ (open site/index.html); the test suite builds it the same way.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
+
 # Not for CI: the suite against the newest releases of every dependency (upper bounds of pyproject.toml
 # ignored), in its own .venv-latest, to see the next breakage before a user does. When it passes,
 # `.venv-latest/bin/pip freeze --exclude-editable > constraints.txt` moves the pins forward.
@@ -35,6 +39,7 @@ test-latest:
 	.venv-latest/bin/python -m pip install -q --upgrade pip
 	.venv-latest/bin/python -m pip install -q -e ".[dev]"
 	.venv-latest/bin/python -m pip install -q --upgrade torch torchvision timm triton einops safetensors pyyaml \
-		tqdm numpy pillow matplotlib scikit-learn pytest diffusers onnx onnxscript onnxruntime
+		tqdm numpy pillow matplotlib scikit-learn pytest diffusers onnx onnxscript onnxruntime mkdocs \
+		mkdocs-material "mkdocstrings[python]"
 	.venv-latest/bin/python -m pip list | grep -iE "^(torch|torchvision|timm|triton) "
 	.venv-latest/bin/python -m pytest -q

@@ -61,7 +61,8 @@ import triton.language as tl
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from .common import DEFAULT_EPS, RopeSpec, check_eps, check_int, check_qkv, check_rope, feature_map_name
+from .common import (DEFAULT_EPS, KERNEL_NAMES, RopeSpec, check_eps, check_int, check_qkv, check_rope,
+                     feature_map_name)
 
 __all__ = ["linear_attention_triton", "unsupported_reason", "FUSED_FEATURE_MAPS", "MIN_HEAD_DIM", "MAX_HEAD_DIM"]
 
@@ -520,7 +521,6 @@ def _key_bwd_kernel(K, V, DS, DZ, TAB, DK, DV_OUT, DF, stride_kb, stride_kh, str
         tl.atomic_add(df_ptrs + D_HALF, dfy, mask=(offs_p < D_HALF) & valid)
 
 
-KERNEL_NAMES = ("_state_fwd_kernel", "_output_fwd_kernel", "_query_bwd_kernel", "_key_bwd_kernel")
 TOKEN_POINTERS = {"K", "V", "Q", "O", "DO", "DQ", "DK", "DV_OUT"}  # in the input dtype
 FP32_POINTERS = {"S", "Z", "DS", "DZ", "S_PART", "Z_PART", "DS_PART", "DZ_PART", "TAB", "DF_PART", "DF"}
 FLOAT_SCALARS = {"eps", "inv_n", "off_row", "off_col"}

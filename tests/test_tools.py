@@ -355,6 +355,27 @@ def test_installed_console_scripts():
     assert proc.returncode == 0 and "usage: linvision-benchmark" in proc.stdout
 
 
+def test_every_command_has_a_parser_with_help_for_each_flag():
+    """Each console script of pyproject.toml that runs linvision.tools.<tool> has <tool>.build_parser(), the
+    parser the command runs: named as the command is typed, and with a help line for every flag."""
+    import importlib
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        scripts = tomllib.load(f)["project"]["scripts"]
+    tools = {name: target.split(":")[0] for name, target in scripts.items()
+             if target.split(":")[0].startswith("linvision.tools.")}
+    assert {"linvision-train", "linvision-validate", "linvision-benchmark", "linvision-export"} <= set(tools)
+    for name, module in tools.items():
+        parser = importlib.import_module(module).build_parser()
+        assert isinstance(parser, argparse.ArgumentParser), name
+        assert parser.prog == name
+        assert parser.format_help().startswith(f"usage: {name} ")
+        bare = [a.option_strings for a in parser._actions
+                if a.option_strings and not isinstance(a, argparse._HelpAction) and not (a.help or "").strip()]
+        assert not bare, f"{name}: flags without a help string: {bare}"
+
+
 def test_distilling_a_teacher_into_its_own_copy_starts_at_zero_loss(trained, data, tmp_path):
     """The student starts from the teacher's weights and is trained on the distillation term alone: its first
     loss is the KL divergence of two equal distributions, 0; a teacher with another head is refused."""

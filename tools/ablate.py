@@ -9,12 +9,18 @@ import argparse
 
 from linvision.engine.ablate import add_ablate_args, run_ablation
 from linvision.engine.cli import run_cli
-from linvision.engine.config import parse_args
+from linvision.engine.config import add_config_arg, parse_args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of linvision-ablate: the training flags, the ablation's own and --config."""
+    parser = argparse.ArgumentParser(prog="linvision-ablate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    return add_config_arg(add_ablate_args(parser))
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    args = parse_args(add_ablate_args(parser))
+    args = parse_args(build_parser())
     result = run_ablation(args)
     print(result["table"])
     print(f"table and plots in {result['run_dir']}")

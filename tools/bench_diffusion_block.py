@@ -191,24 +191,34 @@ def compare_diffusers(args: argparse.Namespace) -> Dict:
     return result
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of linvision-bench-diffusion-block."""
+    p = argparse.ArgumentParser(prog="linvision-bench-diffusion-block", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="sana_600m", choices=list(DIT_CONFIGS), help="block shape to take")
-    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
-    p.add_argument("--attn", nargs="+", default=["linear", "softmax"], choices=["linear", "softmax"])
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384, 65536],
+                   help="token counts to measure, each on the most square H x W grid")
+    p.add_argument("--attn", nargs="+", default=["linear", "softmax"], choices=["linear", "softmax"],
+                   help="self-attentions to measure at each token count")
+    p.add_argument("--batch", type=int, default=1, help="images per forward")
     p.add_argument("--context", type=int, default=300, help="condition tokens (Sana: 300 text tokens)")
-    p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="dtype of the weights and inputs")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed forwards per point (one from 16k tokens on); with --vs-diffusers, per model")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per point")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="device to run on (default: cuda when available, else cpu)")
     p.add_argument("--parts", action="store_true", help="also time the self-attention and the Mix-FFN alone")
     p.add_argument("--json", default=None, help="also write the results to this file")
     p.add_argument("--vs-diffusers", action="store_true",
                    help="time and agree the whole Sana transformer against diffusers' (a caption model config)")
     p.add_argument("--latent", type=int, nargs=2, default=[32, 32], help="latent H W of --vs-diffusers")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.vs_diffusers:
         if args.model == "sana_600m":
             args.model = "sana_600m_t2i"

@@ -162,14 +162,18 @@ def table(points: List[Dict[str, Any]], args: argparse.Namespace) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The parser of linvision-bench-diffusion-parallel (and of its torchrun workers: the hidden flags)."""
+    p = argparse.ArgumentParser(prog="linvision-bench-diffusion-parallel", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="sana_600m", help="a config of linvision.diffusion.DIT_CONFIGS")
     p.add_argument("--depth", type=int, default=4, help="blocks (sana_600m has 28)")
     p.add_argument("--latent", type=int, default=16, help="latent height and width")
     p.add_argument("--batch", type=int, default=2, help="images per step over all ranks")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--steps", type=int, default=3, help="training steps per point (the step time leaves out the first)")
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2],
+                   help="world sizes to measure (each must divide --batch)")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
+                   help="ddp: replicated; fsdp: FSDP2 shards; fsdp+ckpt: FSDP2 with activation checkpointing")
     p.add_argument("--param-dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="fsdp compute dtype")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per point")

@@ -13,26 +13,37 @@ stores (masked lanes excluded) and prints them as a multiple of the minimal traf
 import argparse
 import os
 import sys
+from typing import Optional, Sequence
 
 import torch
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of linvision-bench-kernels."""
+    p = argparse.ArgumentParser(prog="linvision-bench-kernels", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--traffic", action="store_true", help="count bytes in the interpreter (default without GPU)")
     p.add_argument("--n", type=int, nargs="+", default=None, help="token counts (default 1k..256k on GPU, "
                    "1k..16k when counting)")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", type=int, default=1, help="batch size B")
     p.add_argument("--heads", type=int, default=None, help="default 16 on GPU, 2 when counting")
     p.add_argument("--dim", type=int, default=64, help="head dim D (= Dv)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--feature-map", default="elu", choices=["identity", "relu", "elu"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the queries, keys and values")
+    p.add_argument("--feature-map", default="elu", choices=["identity", "relu", "elu"],
+                   help="feature map applied to the queries and keys")
     p.add_argument("--rope", action="store_true", help="2D axial RoPE on a grid of N / 64 x 64 tokens")
     p.add_argument("--split-tokens", type=int, nargs="+", default=None,
                    help="split lengths of the N reductions to count (0 = none); default 0 and 1024")
     p.add_argument("--hbm-tbps", type=float, default=None, help="HBM bandwidth in TB/s (default by GPU name)")
     p.add_argument("--sdpa-max-n", type=int, default=65536, help="skip SDPA above this N (quadratic cost)")
-    return p.parse_args()
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """The flags of ``argv`` (default: the command line), as given (main fills in the defaults that depend on
+    the device)."""
+    return build_parser().parse_args(argv)
 
 
 _HBM_TBPS = {"H200": 4.8, "H100": 3.35, "A100": 2.0, "L40S": 0.864, "4090": 1.008}

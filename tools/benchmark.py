@@ -36,29 +36,37 @@ from linvision.engine.benchmark import (
 )
 from linvision.engine.factory import check_model_name
 from linvision.engine.cli import add_amp_arg, run_cli
-from linvision.engine.config import parse_args, parse_kwargs
+from linvision.engine.config import add_config_arg, parse_args, parse_kwargs
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of linvision-benchmark, --config included."""
+    parser = argparse.ArgumentParser(prog="linvision-benchmark", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", "--model", nargs="+", default=DEFAULT_MODELS,
                         help="timm model names, each optionally with its own options: name:key=value,key=value")
     parser.add_argument("--twin", default=None, help="one of --models: the others' time and memory over its")
     parser.add_argument("--gemm-rate", action="store_true",
                         help="measure the fp32 matrix-multiply rate and each forward's fraction of it")
-    parser.add_argument("--img-size", type=int, nargs="+", default=[224, 512, 1024, 2048])
-    parser.add_argument("--batch-size", "-b", type=int, default=8)
+    parser.add_argument("--img-size", type=int, nargs="+", default=[224, 512, 1024, 2048],
+                        help="square input sides in pixels; every model is measured at each")
+    parser.add_argument("--batch-size", "-b", type=int, default=8, help="images per forward and per training step")
     parser.add_argument("--model-kwargs", nargs="*", default=None, help="key=value pairs given to every model")
     add_amp_arg(parser)
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="'auto': CUDA when available, else CPU")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations before the timed ones")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations per figure")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--train", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure training steps")
-    parser.add_argument("--output", default="output")
+    parser.add_argument("--output", default="output", help="parent folder of the results folder <output>/<experiment>")
     parser.add_argument("--experiment", default=None, help="default: benchmark-<time>")
-    args = parse_args(parser)
+    return add_config_arg(parser)
+
+
+def main() -> int:
+    args = parse_args(build_parser())
     for spec in args.models:
         check_model_name(parse_model_spec(spec)[0])
     if args.twin is not None and args.twin not in args.models:

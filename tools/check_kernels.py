@@ -187,17 +187,26 @@ HEADER = ["kernel", "D", "dtype", "rope", "BN/w/st", "regs", "spill B", "smem KB
 WIDTHS = (17, 4, 9, 5, 10, 5, 7, 7, 9, 5)
 
 
-def parse_args(argv: Optional[Sequence[str]] = None):
-    from linvision.kernels import linear_attention as m
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of linvision-check-kernels (imports no Triton)."""
+    from linvision.kernels.common import KERNEL_NAMES
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kernel", nargs="+", default=list(m.KERNEL_NAMES), choices=list(m.KERNEL_NAMES))
+    p = argparse.ArgumentParser(prog="linvision-check-kernels", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kernel", nargs="+", default=list(KERNEL_NAMES), choices=list(KERNEL_NAMES),
+                   help="kernels to compile (default: all)")
     p.add_argument("--d", type=int, nargs="+", default=list(HEAD_DIMS), help="head dims D = Dv")
-    p.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=list(DTYPES))
-    p.add_argument("--rope", nargs="+", default=["off", "on", "learn"], choices=["off", "on", "learn"])
+    p.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=list(DTYPES), help="input dtypes")
+    p.add_argument("--rope", nargs="+", default=["off", "on", "learn"], choices=["off", "on", "learn"],
+                   help="RoPE off, on, and 'learn': the backward kernels with the gradient of learnable frequencies")
     p.add_argument("--candidates", action="store_true", help="every candidate configuration, not only the offered")
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """The flags of ``argv`` (default: the command line)."""
+    return build_parser().parse_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -23,19 +23,26 @@ from linvision.engine import load_model
 from linvision.engine.cli import run_cli
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of linvision-eval-diffusion-samples."""
+    p = argparse.ArgumentParser(prog="linvision-eval-diffusion-samples", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dit", help="DiT run or checkpoint folder (tools/train_diffusion.py)")
     p.add_argument("classifier", help="classifier run or checkpoint folder (tools/train.py)")
-    p.add_argument("--per-class", type=int, default=50)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--cfg-scale", type=float, default=3.0)
-    p.add_argument("--sampler", choices=SAMPLERS, default="euler")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--per-class", type=int, default=50, help="samples drawn and classified per class")
+    p.add_argument("--steps", type=int, default=20, help="sampler steps from noise to image")
+    p.add_argument("--cfg-scale", type=float, default=3.0, help="classifier-free guidance scale (1 = no guidance)")
+    p.add_argument("--sampler", choices=SAMPLERS, default="euler",
+                   help="ODE integrator: euler (one model call per step) or heun (two, but one in the last step)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the starting noise")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--grid", default=None, help="also write the first 10 samples of each class as a PNG grid")
     p.add_argument("--json", default=None, help="write the figures to this JSON file")
-    args = p.parse_args()
+    return p
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     dit, dit_meta = load_dit(args.dit)

@@ -25,7 +25,9 @@ from linvision.engine.files import atomic_write_text
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The parser of linvision-export."""
+    p = argparse.ArgumentParser(prog="linvision-export", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("model")
     src.add_argument("--model", default=None, help="a timm name of a registered model")
     src.add_argument("--model-kwargs", nargs="*", default=None, help="key=value pairs or a JSON object for the model")

@@ -17,28 +17,39 @@ from safetensors.torch import save_file
 
 from linvision.engine.checkpoint import load_model
 from linvision.engine.cli import run_cli
-from linvision.engine.config import parse_args, parse_kwargs
+from linvision.engine.config import add_config_arg, parse_args, parse_kwargs
 from linvision.engine.data import build_transform, create_dataset
 from linvision.engine.linearize import TRANSFER_PARAMS, attention_errors, attention_transfer, build_student
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of linvision-linearize, --config included."""
+    parser = argparse.ArgumentParser(prog="linvision-linearize", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--teacher", default=None, help="checkpoint or run folder of the softmax ViT")
     parser.add_argument("--model", default=None, help="linvit model name of the student")
     parser.add_argument("--model-kwargs", nargs="*", default=None, help="key=value options of the student")
-    parser.add_argument("--dataset", default="digits")
-    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--dataset", default="digits",
+                        help="images of the transfer and the error report: 'digits', 'photos', 'folder' or a "
+                             "torchvision dataset, as in linvision-train")
+    parser.add_argument("--data-dir", default=None,
+                        help="folder with train/ and val/ class sub-folders, or a torchvision dataset's root "
+                             "(digits and photos need none)")
     parser.add_argument("--img-size", type=int, default=None, help="default: the teacher's training size")
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=64, help="images per transfer step and per held-out batch")
     parser.add_argument("--steps", type=int, default=200, help="attention-transfer steps")
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate of the attention transfer")
     parser.add_argument("--params", default="new", choices=TRANSFER_PARAMS,
                         help="'new': parameters a softmax ViT lacks (LePE, gate, feature map); 'mixer': all")
     parser.add_argument("--eval-batches", type=int, default=4, help="held-out batches for the error report")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="random seed of the student's new parameters and the data order")
     parser.add_argument("--output", default=None, help="student weights (.safetensors)")
-    args = parse_args(parser)
+    return add_config_arg(parser)
+
+
+def main() -> int:
+    args = parse_args(build_parser())
     missing = [flag for flag in ("teacher", "model", "output") if not getattr(args, flag)]
     if missing:
         raise ValueError(f"{', '.join(missing)}: required (on the command line or in --config)")

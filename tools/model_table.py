@@ -1,36 +1,130 @@
-"""Print the params / GFLOPs Markdown table of every registered linvision model, and what pretrained=True loads.
+"""Params / GFLOPs of every registered linvision model, and what pretrained=True loads, as a Markdown table.
 
-    .venv/bin/python tools/model_table.py            # at 224 x 224
-    .venv/bin/python tools/model_table.py --size 512
-    .venv/bin/python tools/model_table.py --filter "mlla*" "ravlt*"
+    linvision-model-table                                   # measure, print the full table (at 224 x 224)
+    linvision-model-table --size 512 --filter "mlla*"
+    linvision-model-table --json docs/models.json           # measure and store: the manual's table and cards
+    linvision-model-table --from-json docs/models.json --style front   # README's table, nothing measured
 
 GFLOPs are multiply-accumulates of one forward pass of one image (see linvision.engine.flops); the column without
 attention leaves out the products of two activations (batched matmuls, SDPA), as papers that count convolutions
-and projections only do.
+and projections only do. Measuring builds every model (a minute or two on a CPU); --from-json renders stored rows.
 """
 import argparse
+import json
+import os
+import re
+from typing import Dict, List, Optional, Sequence
 
 import timm
 import torch
 
 import linvision
+from linvision.engine.files import atomic_write_text
 from linvision.engine.flops import count_gflops, count_params
 
+DEFAULT_FILTER = ("lin*", "mlla*", "ravlt*")
+COMMAND = "linvision-model-table --json docs/models.json"
+FAMILIES = (("linvit_", "linvit"), ("linhier_delta_", "linhier (delta rule)"), ("linhier_gcnn_", "linhier (Gated CNN)"),
+            ("linhier_", "linhier"), ("mlla_", "MLLA"), ("ravlt_", "RAVLT"))  # first matching prefix names the family
+FRONT_ORDER = ("MLLA", "RAVLT", "linhier (delta rule)", "linhier", "linhier (Gated CNN)", "linvit")  # trained first
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", type=int, default=224, help="square input side (default 224)")
-    parser.add_argument("--filter", nargs="+", default=["lin*", "mlla*", "ravlt*"],
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of linvision-model-table."""
+    parser = argparse.ArgumentParser(prog="linvision-model-table", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", type=int, default=224, help="square input side in pixels (default 224)")
+    parser.add_argument("--filter", nargs="+", default=list(DEFAULT_FILTER),
                         help="timm name patterns (default: every linvision family)")
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    print(f"| model | token mixers | params (M) | GFLOPs @ {args.size} | without attention | pretrained=True loads |")
-    print("|---|---|---:|---:|---:|---|")
-    for name in timm.list_models(args.filter):
+    parser.add_argument("--json", default=None, metavar="FILE",
+                        help="also write the measured rows to FILE (JSON), as docs/models.json holds them")
+    parser.add_argument("--from-json", default=None, metavar="FILE",
+                        help="render the rows stored in FILE instead of measuring (--size and --filter ignored)")
+    parser.add_argument("--style", default="full", choices=["full", "front"],
+                        help="full: mixers, params, GFLOPs with and without attention, weights; front: README's "
+                             "table (family, params, GFLOPs, weights, published top-1)")
+    return parser
+
+
+def measure(names: Sequence[str], size: int = 224) -> List[Dict]:
+    """One row per model: its token mixers, params (M) and GFLOPs at ``size``, with and without attention."""
+    rows = []
+    for name in names:
+        torch.manual_seed(0)
         kwargs = dict(dynamic_img_size=True) if name.startswith("linvit") else {}
         model = timm.create_model(name, **kwargs)
-        print(f"| {name} | {_mixers(model)} | {count_params(model) / 1e6:.1f} | {count_gflops(model, args.size):.2f} | "
-              f"{count_gflops(model, args.size, attention=False):.2f} | {_weights(name)} |")
+        rows.append(dict(model=name, mixers=_mixers(model), size=size, params_m=round(count_params(model) / 1e6, 1),
+                         gflops=round(count_gflops(model, size), 2),
+                         gflops_no_attention=round(count_gflops(model, size, attention=False), 2)))
+    return rows
+
+
+def read_rows(path: str) -> List[Dict]:
+    """The rows a ``--json`` run stored; a missing or malformed file is a ValueError naming it."""
+    try:
+        with open(path) as f:
+            rows = json.load(f)["models"]
+        for r in rows:
+            missing = {"model", "mixers", "size", "params_m", "gflops", "gflops_no_attention"} - set(r)
+            if missing:
+                raise KeyError(", ".join(sorted(missing)))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a model table written by `{COMMAND}` ({type(e).__name__}: {e})") from None
+    return rows
+
+
+def full_table(rows: List[Dict]) -> str:
+    size = rows[0]["size"] if rows else 224
+    lines = [f"| model | token mixers | params (M) | GFLOPs @ {size} | without attention | pretrained=True loads |",
+             "|---|---|---:|---:|---:|---|"]
+    lines += [f"| {r['model']} | {r['mixers']} | {r['params_m']:.1f} | {r['gflops']:.2f} | "
+              f"{r['gflops_no_attention']:.2f} | {weights_text(r['model'])} |" for r in rows]
+    return "\n".join(lines)
+
+
+def front_table(rows: List[Dict]) -> str:
+    size = rows[0]["size"] if rows else 224
+    lines = [f"| family | model | params (M) | GFLOPs @ {size} | `pretrained=True` loads | published top-1 |",
+             "|---|---|---:|---:|---|---:|"]
+    for r in sorted(rows, key=lambda r: (_family_order(r["model"]), r["params_m"])):
+        top1 = published_top1(r["model"])
+        lines.append(f"| {family(r['model'])} | `{r['model']}` | {r['params_m']:.1f} | {r['gflops']:.2f} | "
+                     f"{_short_weights(r['model'])} | {'—' if top1 is None else f'{top1:.1f}'} |")
+    return "\n".join(lines)
+
+
+def family(name: str) -> str:
+    return next(label for prefix, label in FAMILIES if name.startswith(prefix))
+
+
+def _family_order(name: str) -> int:
+    return FRONT_ORDER.index(family(name))
+
+
+def published_top1(name: str) -> Optional[float]:
+    """The published ImageNet-1k top-1 the model's pretrained config records in its notes, or None."""
+    cfg = timm.models.get_pretrained_cfg(name)
+    for note in (cfg.notes or ()) if cfg is not None else ():
+        m = re.match(r"published ImageNet-1k top-1 ([\d.]+)", note)
+        if m:
+            return float(m.group(1))
+    return None
+
+
+def weights_text(name: str) -> str:
+    cfg = timm.models.get_pretrained_cfg(name)
+    if cfg is not None and cfg.has_weights:
+        return f"`.{cfg.tag}`: {cfg.description}"
+    tagged = [timm.models.get_pretrained_cfg(t) for t in timm.list_pretrained(f"{name}.*")]
+    return "an error (no trained weights)" + "".join(f"; `.{c.tag}` loads {c.description}" for c in tagged)
+
+
+def _short_weights(name: str) -> str:
+    cfg = timm.models.get_pretrained_cfg(name)
+    if cfg is not None and cfg.has_weights:
+        return f"the authors' ImageNet-1k weights (`.{cfg.tag}`)"
+    tags = [timm.models.get_pretrained_cfg(t).tag for t in timm.list_pretrained(f"{name}.*")]
+    return "an error (none yet)" + "".join(f"; `.{t}`: DeiT's softmax weights, converted" for t in tags)
 
 
 def _mixers(model) -> str:
@@ -39,12 +133,16 @@ def _mixers(model) -> str:
     return text + (f" ({model.rope} RoPE)" if getattr(model, "rope", None) else "")
 
 
-def _weights(name: str) -> str:
-    cfg = timm.models.get_pretrained_cfg(name)
-    if cfg is not None and cfg.has_weights:
-        return f"`.{cfg.tag}`: {cfg.description}"
-    tagged = [timm.models.get_pretrained_cfg(t) for t in timm.list_pretrained(f"{name}.*")]
-    return "an error (no trained weights)" + "".join(f"; `.{c.tag}` loads {c.description}" for c in tagged)
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.from_json:
+        rows = read_rows(args.from_json)
+    else:
+        rows = measure(timm.list_models(args.filter), args.size)
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            atomic_write_text(args.json, json.dumps(dict(command=COMMAND, models=rows), indent=1) + "\n")
+    print((front_table if args.style == "front" else full_table)(rows))
 
 
 if __name__ == "__main__":

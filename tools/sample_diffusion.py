@@ -21,22 +21,29 @@ from linvision.diffusion.checkpoint import load_dit
 from linvision.engine.cli import run_cli
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of linvision-sample-diffusion."""
+    p = argparse.ArgumentParser(prog="linvision-sample-diffusion", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="run folder (uses its last/) or checkpoint folder")
     p.add_argument("--classes", type=int, nargs="*", default=None, help="default: every class")
     p.add_argument("--captions", default=None, help="caption model: a safetensors file of 'context' (K, L, C') and "
                    "'mask' (K, L) (default: the training captions)")
     p.add_argument("--num-captions", type=int, default=8, help="caption model: sample the first this many captions")
-    p.add_argument("--per-class", type=int, default=8)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--per-class", type=int, default=8, help="samples per class or caption (the grid's columns)")
+    p.add_argument("--steps", type=int, default=20, help="sampler steps from noise to image")
     p.add_argument("--cfg-scale", type=float, default=3.0, help="1 = no guidance")
-    p.add_argument("--sampler", choices=SAMPLERS, default="euler")
+    p.add_argument("--sampler", choices=SAMPLERS, default="euler",
+                   help="ODE integrator: euler (one model call per step) or heun (two, but one in the last step)")
     p.add_argument("--shift", type=float, default=1.0, help="time shift (> 1: more steps at high noise)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the starting noise")
     p.add_argument("--no-ema", action="store_true", help="sample the raw weights instead of the EMA")
     p.add_argument("--out", default=None, help="PNG path (default: <checkpoint>/samples.png)")
-    args = p.parse_args()
+    return p
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, meta = load_dit(args.checkpoint, ema=not args.no_ema, device=device)
     options = dict(steps=args.steps, cfg_scale=args.cfg_scale, sampler=args.sampler, shift=args.shift, seed=args.seed,

@@ -15,13 +15,19 @@ metrics.jsonl, summary.json and the checkpoints last/ and best/ (load them with 
 import argparse
 
 from linvision.engine.cli import run_cli
-from linvision.engine.config import parse_args
+from linvision.engine.config import add_config_arg, parse_args
 from linvision.engine.train import add_train_args, resume_config, train
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of linvision-train: every training flag and --config."""
+    parser = argparse.ArgumentParser(prog="linvision-train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    return add_config_arg(add_train_args(parser))
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_train_args(parser)
+    parser = build_parser()
     args = parse_args(parser)
     if args.resume:
         args = parse_args(parser, base_config=resume_config(args.resume))

@@ -25,7 +25,7 @@ import torch
 
 from linvision.diffusion.train import DiffusionTrainConfig, train_dit
 from linvision.engine.cli import run_cli
-from linvision.engine.config import parse_args, parse_kwargs, save_yaml
+from linvision.engine.config import add_config_arg, parse_args, parse_kwargs, save_yaml
 from linvision.engine.distributed import cleanup, init_distributed, on_main
 from linvision.engine.files import atomic_write
 from linvision.engine.run_folder import claim_run_folder
@@ -40,7 +40,10 @@ def _flag_type(annotation: typing.Any) -> type:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The parser of linvision-train-diffusion: a flag per DiffusionTrainConfig field, the run's flags and
+    --config."""
+    p = argparse.ArgumentParser(prog="linvision-train-diffusion", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     recipe = p.add_argument_group("recipe (DiffusionTrainConfig)")
     hints = typing.get_type_hints(DiffusionTrainConfig)
     defaults = DiffusionTrainConfig()
@@ -55,12 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             recipe.add_argument(flag, type=_flag_type(hint), default=getattr(defaults, f.name), help=help_)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--output", default="output")
-    p.add_argument("--experiment", default="diffusion_digits")
+    p.add_argument("--output", default="output", help="parent folder of run folders")
+    p.add_argument("--experiment", default="diffusion_digits", help="run folder name under --output")
     p.add_argument("--resume", action="store_true", help="continue from <output>/<experiment>/last")
     p.add_argument("--overwrite", action="store_true",
                    help="delete an earlier run in the folder (without it a new run goes to <experiment>-<k>)")
-    return p
+    return add_config_arg(p)
 
 
 def recipe_from_args(args: argparse.Namespace) -> DiffusionTrainConfig:

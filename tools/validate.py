@@ -6,13 +6,19 @@ import argparse
 import json
 
 from linvision.engine.cli import run_cli
-from linvision.engine.config import parse_args
+from linvision.engine.config import add_config_arg, parse_args
 from linvision.engine.validate import add_validate_args, validate_checkpoint
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of linvision-validate: the validation flags and --config."""
+    parser = argparse.ArgumentParser(prog="linvision-validate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    return add_config_arg(add_validate_args(parser))
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    args = parse_args(add_validate_args(parser))
+    args = parse_args(build_parser())
     if not args.checkpoint:
         raise ValueError("checkpoint: required (a checkpoint folder or a run folder)")
     if args.batch_size < 1 or args.workers < 0 or any(s < 1 for s in args.img_size or []):

@@ -161,8 +161,12 @@ class SanaBlock(nn.Module):
             any registered token mixer (:func:`self_attention`); ``self_attn_options``: its further options.
         ffn: "mix" (Mix-FFN, needs the grid) or "mlp" (per-token MLP; the block is then permutation-equivariant).
         cross_attn: build the cross-attention; without it ``context`` must be None.
-        qk_norm, qk_norm_eps, use_rope, fp16_clamp, eps, eps_form: see :func:`self_attention` (qk_norm and
-            qk_norm_eps also apply to the cross-attention).
+        qk_norm: RMS-normalise q and k (self- and cross-attention), see :func:`self_attention`.
+        use_rope: 2D RoPE in the self-attention's numerator, see :func:`self_attention`.
+        fp16_clamp: clamp the self-attention output in fp16, as Sana does; see :func:`self_attention`.
+        eps: the linear attention's epsilon, see :func:`self_attention`.
+        eps_form: "mean" (linvision's) or "sum" (Sana's) placement of eps, see :func:`self_attention`.
+        qk_norm_eps: epsilon of the q/k RMS norm (self- and cross-attention).
     """
 
     def __init__(

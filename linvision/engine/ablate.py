@@ -46,8 +46,9 @@ def add_ablate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="benchmark resolutions (default: 1x, 2x, 4x and 8x the training size)")
     g.add_argument("--seeds", type=int, nargs="+", default=None,
                    help="train every mixer once per seed; top-1 is the mean and spread over them (default: --seed)")
-    g.add_argument("--bench-batch-size", type=int, default=8)
-    g.add_argument("--bench-iters", type=int, default=2)
+    g.add_argument("--bench-batch-size", type=int, default=8, help="images per batch of the throughput and memory runs")
+    g.add_argument("--bench-iters", type=int, default=2,
+                   help="timed iterations per throughput figure (after one warm-up iteration)")
     return parser
 
 

@@ -12,8 +12,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
-__all__ = ["ConfigError", "parse_args", "load_yaml", "save_yaml", "parse_kwargs", "packaged_config",
-           "list_packaged_configs"]
+__all__ = ["ConfigError", "add_config_arg", "parse_args", "load_yaml", "save_yaml", "parse_kwargs",
+           "packaged_config", "list_packaged_configs"]
 
 
 class ConfigError(ValueError):
@@ -68,19 +68,27 @@ def save_yaml(path: str, data: Dict[str, Any]) -> None:
         yaml.safe_dump(data, f, sort_keys=False)
 
 
+def add_config_arg(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--config``/``-c`` FILE, the YAML file :func:`parse_args` takes defaults from, so that the parser
+    lists it with the other flags (:func:`parse_args` adds it to a parser that lacks it)."""
+    parser.add_argument("--config", "-c", default=None, help="YAML file whose keys mirror these flags")
+    return parser
+
+
 def parse_args(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None,
                base_config: Optional[str] = None) -> argparse.Namespace:
     """Parse ``argv`` with ``parser``, taking defaults from the YAML file given by ``--config``.
 
     ``base_config`` (e.g. a resumed run's saved config.yaml) is applied first, then ``--config``, then the
-    command line. The parser must not define ``--config`` itself. Raises ConfigError when a file has a key
-    that is not one of the parser's flags (the message names the key and the allowed keys).
+    command line. ``--config`` is the flag of :func:`add_config_arg`, added here when the parser lacks it; the
+    parser must not define another flag of that name. Raises ConfigError when a file has a key that is not one
+    of the parser's flags (the message names the key and the allowed keys).
     """
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", "-c", default=None)
     known, _ = pre.parse_known_args(argv)
     if not any(a.dest == "config" for a in parser._actions):
-        parser.add_argument("--config", "-c", default=None, help="YAML file whose keys mirror these flags")
+        add_config_arg(parser)
     dests = {a.dest for a in parser._actions if a.dest not in ("help", "config")}
     for path in (base_config, known.config):
         if not path:

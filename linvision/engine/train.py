@@ -56,8 +56,10 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--crop-pct", type=float, default=1.0, help="validation centre-crop fraction")
     g.add_argument("--no-aug", action="store_true", help="train on resized, centre-cropped images only")
     g.add_argument("--scale", type=float, nargs=2, default=[0.08, 1.0], help="random-resized-crop area range")
-    g.add_argument("--hflip", type=float, default=0.5)
-    g.add_argument("--color-jitter", type=float, default=0.0)
+    g.add_argument("--hflip", type=float, default=0.5, help="horizontal-flip probability of training images")
+    g.add_argument("--color-jitter", type=float, default=0.0,
+                   help="colour-jitter strength of brightness, contrast and saturation (0: off; timm leaves it "
+                        "out when --aa is given)")
     g.add_argument("--aa", default=None, help="timm auto-augment policy, e.g. rand-m9-mstd0.5")
     g.add_argument("--reprob", type=float, default=0.0, help="random-erasing probability")
     g = parser.add_argument_group("model")
@@ -68,22 +70,26 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="local weights (safetensors, .pth/.pth.tar or checkpoint folder); the head is reset when "
                         "the number of classes differs")
     g.add_argument("--num-classes", type=int, default=None, help="default: the dataset's")
-    g.add_argument("--in-chans", type=int, default=3)
-    g.add_argument("--grad-checkpointing", action="store_true")
-    g.add_argument("--channels-last", action="store_true")
+    g.add_argument("--in-chans", type=int, default=3, help="input channels the model is built for")
+    g.add_argument("--grad-checkpointing", action="store_true",
+                   help="recompute activations in the backward pass (less memory, more compute)")
+    g.add_argument("--channels-last", action="store_true", help="model and batches in channels_last memory format")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g = parser.add_argument_group("optimisation")
-    g.add_argument("--epochs", type=int, default=10)
+    g.add_argument("--epochs", type=int, default=10, help="training epochs (the length of the schedule)")
     g.add_argument("--batch-size", "-b", type=int, default=64, help="per rank")
-    g.add_argument("--opt", default="adamw")
-    g.add_argument("--lr", type=float, default=1e-3)
-    g.add_argument("--weight-decay", type=float, default=0.05)
-    g.add_argument("--momentum", type=float, default=0.9)
+    g.add_argument("--opt", default="adamw", help="timm optimizer name (e.g. adamw, sgd, lamb)")
+    g.add_argument("--lr", type=float, default=1e-3,
+                   help="peak learning rate, reached after the warm-up (not scaled by batch size or ranks)")
+    g.add_argument("--weight-decay", type=float, default=0.05, help="weight decay of the optimizer")
+    g.add_argument("--momentum", type=float, default=0.9, help="momentum of the optimizers that take one (e.g. sgd)")
     g.add_argument("--layer-decay", type=float, default=None, help="layer-wise lr decay (needs group_matcher)")
-    g.add_argument("--sched", default="cosine")
-    g.add_argument("--warmup-epochs", type=float, default=0)
-    g.add_argument("--warmup-lr", type=float, default=1e-5)
-    g.add_argument("--min-lr", type=float, default=1e-6)
+    g.add_argument("--sched", default="cosine",
+                   help="timm learning-rate schedule (e.g. cosine, step, poly), updated every step")
+    g.add_argument("--warmup-epochs", type=float, default=0,
+                   help="epochs of linear warm-up from --warmup-lr to --lr (fractions allowed; 0: none)")
+    g.add_argument("--warmup-lr", type=float, default=1e-5, help="learning rate at the start of the warm-up")
+    g.add_argument("--min-lr", type=float, default=1e-6, help="learning rate the schedule decays to")
     g.add_argument("--clip-grad", type=float, default=None, help="max gradient norm")
     g.add_argument("--smoothing", type=float, default=0.0, help="label smoothing")
     g.add_argument("--mixup", type=float, default=0.0, help="Mixup alpha (0: off)")
@@ -96,7 +102,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="weight w of the distillation term: (1 - w) * task loss + w * T^2 * KL")
     g.add_argument("--distill-temperature", type=float, default=1.0, help="softmax temperature T of distillation")
     g.add_argument("--model-ema", action="store_true", help="keep an EMA of the weights (ModelEmaV3)")
-    g.add_argument("--model-ema-decay", type=float, default=0.999)
+    g.add_argument("--model-ema-decay", type=float, default=0.999, help="decay of the weight EMA (with --model-ema)")
     add_amp_arg(g)
     g = parser.add_argument_group("run")
     g.add_argument("--output", default="output", help="parent folder of run folders")
@@ -106,8 +112,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--resume", default=None,
                    help="continue a run: its folder, its last/ checkpoint or a file in it; or start from a "
                         "timm train.py checkpoint file (.pth.tar: weights, optimizer, EMA and epoch)")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--seed", type=int, default=0, help="random seed of the initialisation, data order and augmentation")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="'auto': CUDA when available, else CPU; under torchrun each rank takes cuda:LOCAL_RANK")
     g.add_argument("--log-interval", type=int, default=10, help="steps between step records in metrics.jsonl")
     g.add_argument("--stop-after-steps", type=int, default=None,
                    help="save a resumable checkpoint and stop after this many steps in total (the schedule "

@@ -22,15 +22,19 @@ __all__ = ["add_validate_args", "validate_checkpoint"]
 def add_validate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint", required=False, default=None, help="checkpoint or run folder")
     parser.add_argument("--dataset", default=None, help="default: the dataset the checkpoint was trained on")
-    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--data-dir", default=None,
+                        help="folder with the val/ class sub-folders, or a torchvision dataset's root (digits and "
+                             "photos need none)")
     parser.add_argument("--img-size", type=int, nargs="+", default=None,
                         help="resolutions to evaluate (default: the training one)")
-    parser.add_argument("--batch-size", "-b", type=int, default=64)
-    parser.add_argument("--workers", "-j", type=int, default=0)
+    parser.add_argument("--batch-size", "-b", type=int, default=64, help="images per batch on each rank")
+    parser.add_argument("--workers", "-j", type=int, default=0, help="data-loading worker processes per rank")
     add_amp_arg(parser)
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="'auto': CUDA when available, else CPU")
     parser.add_argument("--output", default=None, help="write the JSON results to this file as well")
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False,
+                        help="progress bars (default: off)")
     return parser
 
 

@@ -59,7 +59,8 @@ class MixerBlock(nn.Module):
     """Pre-norm token mixer and MLP residuals on channels-last x (B, H, W, C), optionally with CPE.
 
     Args:
-        dim, num_heads: channels and heads of the mixer.
+        dim: channels of the block.
+        num_heads: heads of the mixer.
         token_mixer: a registered mixer name or a mixer class (built as ``cls(dim, num_heads, **mixer_kwargs)``).
         mixer_kwargs: options of the mixer.
         mlp_ratio: MLP hidden size / dim.

@@ -51,7 +51,10 @@ class BidirectionalRecurrentMixer(AttentionMixer):
         feature_map: name of a feature map of :func:`linvision.ops.get_feature_map` applied to q and k.
         column_major: also scan the column-major order and average with the raster-order result.
         chunk_size: chunk length of the chunked scans (32 was 10-20% faster than 64 on CPU at head dim 32).
-        lepe, gate, qkv_bias, proj_drop: as :class:`AttentionMixer`.
+        lepe: a 3x3 depthwise conv of v added to the output, as :class:`AttentionMixer`.
+        gate: a SiLU output gate, as :class:`AttentionMixer`.
+        qkv_bias: bias of the q, k, v projection.
+        proj_drop: dropout after the output projection.
     Raises ValueError for a bad dim/num_heads pair, chunk_size or an unknown feature map.
     """
 

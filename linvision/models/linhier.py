@@ -108,16 +108,22 @@ class LinHier(nn.Module):
     """Four-stage backbone with a token mixer per stage.
 
     Args:
-        in_chans, num_classes, global_pool ('avg', 'max', 'avgmax' or '' for none), drop_rate (before the
-            classifier), drop_path_rate (stochastic depth, linear over blocks): as in timm.
-        depths, dims, num_heads: per stage (4 each).
+        in_chans: input channels.
+        num_classes: classes of the head (0: no head).
+        global_pool: 'avg', 'max', 'avgmax' or '' (none), as in timm.
+        drop_rate: dropout before the classifier.
+        drop_path_rate: stochastic depth of the last block (linear over blocks).
+        depths: blocks per stage (4 values).
+        dims: channels per stage (4 values).
+        num_heads: heads per stage (4 values).
         token_mixers: one mixer (a registered name or a mixer class), 4 comma-separated names, or a sequence of 4.
         mixer_kwargs: options for the mixers (default: gate=True); each mixer receives the options it has.
         mlp_ratio: MLP hidden size / dim.
         img_size: nominal input size (recorded; nothing depends on it).
-        stem_layer, downsample_layer: built as ``stem_layer(in_chans, dims[0])`` and ``downsample_layer(in_dim,
-            dim)`` (default: :class:`Stem`, :class:`Downsample` with ``norm_layer`` and ``act_layer``); both map to
-            and from channels-last tensors.
+        stem_layer: built as ``stem_layer(in_chans, dims[0])`` (default: :class:`Stem` with ``norm_layer`` and
+            ``act_layer``); maps an NCHW image to channels-last features.
+        downsample_layer: built as ``downsample_layer(in_dim, dim)`` between stages (default: :class:`Downsample`
+            with ``norm_layer``); maps channels-last to channels-last features.
         block_kwargs: further options of every :class:`MixerBlock` (default: ``cpe=True``).
         layer_scale_init: initial layer scale of the blocks, one value or one per stage (None: no layer scale).
         final_layer: built as ``final_layer(dims[-1])`` after the last stage, on channels-last features (a norm

@@ -60,8 +60,16 @@ class LinViT(nn.Module):
 
     Args:
         img_size: training size; fixes the absolute position embedding grid (unused with RoPE).
-        patch_size, in_chans, num_classes, embed_dim, depth, num_heads, mlp_ratio, drop_rate (before the
-            head), proj_drop_rate, drop_path_rate (linear over blocks): as in timm's VisionTransformer.
+        patch_size: side of the square patches (as in timm's VisionTransformer, as are the next nine).
+        in_chans: input channels.
+        num_classes: classes of the head (0: no head).
+        embed_dim: width C.
+        depth: number of blocks.
+        num_heads: heads of every mixer.
+        mlp_ratio: MLP hidden size / embed_dim.
+        drop_rate: dropout before the head.
+        proj_drop_rate: dropout inside the blocks.
+        drop_path_rate: stochastic depth of the last block (linear over blocks).
         global_pool: 'token' (the class token; default), 'avg' (mean over patch tokens), 'max', 'avgmax' or ''
             (forward_head returns the tokens), as timm's VisionTransformer.
         class_token: a learned class token before the patch tokens (default, as timm's ViT; needed by

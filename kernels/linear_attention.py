@@ -525,7 +525,7 @@ TOKEN_POINTERS = {"K", "V", "Q", "O", "DO", "DQ", "DK", "DV_OUT"}  # in the inpu
 FP32_POINTERS = {"S", "Z", "DS", "DZ", "S_PART", "Z_PART", "DS_PART", "DZ_PART", "TAB", "DF_PART", "DF"}
 FLOAT_SCALARS = {"eps", "inv_n", "off_row", "off_col"}
 # Chosen from `python tools/check_kernels.py --candidates` (sm_90, bf16 with RoPE, the heaviest case) and checked for
-# fp16/bf16 with RoPE on and off by `python tools/check_kernels.py` (README); keyed on the head-dim bucket.
+# fp16/bf16 with RoPE on and off by `python tools/check_kernels.py` (docs/kernels.md); keyed on the head-dim bucket.
 _OFFERED.update({
     "_state_fwd_kernel": {32: ((64, 8, 3), (128, 8, 2)), 64: ((64, 8, 2), (64, 8, 3), (128, 8, 2)),
                           128: ((32, 8, 2), (64, 8, 2), (64, 8, 3))},

@@ -123,3 +123,63 @@ def test_export_tool_checks_its_file_and_answers_bad_input(tmp_path):
     ):
         proc = run_tool("export.py", *args, check=False)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+class _OnGrid(torch.nn.Module):
+    """A token mixer on a channels-last grid (B, H, W, C), as the blocks call it."""
+
+    def __init__(self, mixer):
+        super().__init__()
+        self.mixer = mixer
+
+    def forward(self, x):
+        b, h, w, c = x.shape
+        return self.mixer(x.reshape(b, h * w, c), (h, w)).reshape(b, h, w, c)
+
+
+RECURRENT = ("bidir_delta", "bidir_gated", "bidir_decay")
+# traced at 8 x 12 (96 tokens: three whole chunks of 32), run where the last chunk is partial, where there is a
+# single short chunk, and at many chunks
+OTHER_GRIDS = [(6, 6), (5, 7), (1, 3), (40, 33)]
+
+
+def _grid_mixer(name):
+    from linvision.layers import create_mixer
+    torch.manual_seed(0)
+    return _OnGrid(create_mixer(name, 32, 2)).eval()
+
+
+@pytest.mark.parametrize("name", RECURRENT)
+def test_recurrent_mixers_export_with_dynamic_sizes(name):
+    """The chunked scans keep the number of chunks symbolic (torch's scan operator instead of a Python loop, padding
+    that is never empty): one graph gives eager's outputs at every grid, whatever the traced one was."""
+    module = _grid_mixer(name)
+    dims = ({0: torch.export.Dim("b", min=1, max=64), 1: torch.export.Dim("h", min=1, max=512),
+             2: torch.export.Dim("w", min=1, max=512)},)
+    program = torch.export.export(module, (torch.randn(2, 8, 12, 32),), dynamic_shapes=dims).module()
+    for grid in [(8, 12)] + OTHER_GRIDS:
+        x = torch.randn(3 if grid == (5, 7) else 1, *grid, 32)
+        with torch.no_grad():
+            expected = module(x)
+        torch.testing.assert_close(program(x), expected, rtol=0, atol=TOLERANCE * max(1.0, expected.abs().max()))
+
+
+@pytest.mark.parametrize("name", ["bidir_delta", "bidir_gated"])
+def test_recurrent_mixers_run_in_onnx_runtime_at_other_sizes(name, tmp_path):
+    """ONNX has no triangular solve: exported, the delta rule's chunk solve is the same solution from products."""
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    module = _grid_mixer(name)
+    dims = ({1: torch.export.Dim("h", min=1, max=512), 2: torch.export.Dim("w", min=1, max=512)},)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(module, (torch.randn(1, 8, 12, 32),), dynamo=True, dynamic_shapes=dims,
+                                    input_names=["x"], verbose=False)
+    program.save(str(tmp_path / "mixer.onnx"))
+    session = ort.InferenceSession(str(tmp_path / "mixer.onnx"), providers=["CPUExecutionProvider"])
+    for grid in OTHER_GRIDS:
+        x = torch.randn(1, *grid, 32)
+        with torch.no_grad():
+            expected = module(x)
+        got = torch.from_numpy(session.run(None, {"x": x.numpy()})[0])
+        torch.testing.assert_close(got, expected, rtol=0, atol=TOLERANCE * max(1.0, expected.abs().max()))

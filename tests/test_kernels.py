@@ -700,7 +700,7 @@ def test_compile_check_verdicts():
 
 # Compiles kernels for an sm_90 target with Triton's bundled ptxas (no GPU needed), in a process without
 # TRITON_INTERPRET: GPU-only constraints (dot shapes, types) are checked and the offered configurations of a
-# subset are held to the rule above. The full table: python tools/check_kernels.py (README).
+# subset are held to the rule above. The full table: python tools/check_kernels.py (docs/kernels.md).
 @pytest.mark.slow
 @pytest.mark.parametrize("args", [
     ["--d", "64", "--dtype", "bfloat16", "--rope", "on"],

@@ -346,3 +346,16 @@ def test_mixer_bf16_autocast_and_backward(name):
     assert torch.isfinite(out.float()).all() and torch.isfinite(x.grad).all()
     for pname, p in mixer.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, pname
+
+
+@pytest.mark.parametrize("c", [1, 2, 3, 5, 8, 32, 33])
+def test_unit_lower_solve_is_the_triangular_solve(c):
+    """The product form of (I + L)^-1 rhs (used where a graph cannot hold a triangular solve) against LAPACK's
+    solve, float64."""
+    from linvision.ops.recurrent import unit_lower_solve
+    g = torch.Generator().manual_seed(c)
+    strict = torch.randn(3, c, c, generator=g, dtype=torch.float64).tril(-1)
+    rhs = torch.randn(3, c, 5, generator=g, dtype=torch.float64)
+    expected = torch.linalg.solve_triangular(torch.eye(c, dtype=torch.float64) + strict, rhs, upper=False,
+                                             unitriangular=True)
+    torch.testing.assert_close(unit_lower_solve(strict, rhs), expected, rtol=1e-12, atol=1e-12)

@@ -10,7 +10,7 @@ with zero spills, shared memory within 227 KB and, for kernels with a loop, a pi
 
     python tools/check_kernels.py                        # the configurations the autotuner is offered
     python tools/check_kernels.py --candidates --d 128   # every candidate (what the offered lists came from)
-    python tools/check_kernels.py --markdown             # the README table
+    python tools/check_kernels.py --markdown             # the table of docs/kernels.md
 
 Exit status 1 when an offered configuration fails. Each compilation takes a few seconds on one CPU core.
 """

@@ -368,7 +368,7 @@ def linhier_gcnn_tiny_224(pretrained: bool = False, **kwargs) -> LinHier:
     return _create_linhier("linhier_gcnn_tiny_224", pretrained, **dict(args, **kwargs))
 
 
-# The bidirectional delta rule in every stage: the best hierarchical mixer of the project's comparisons (README).
+# The bidirectional delta rule in every stage: the best hierarchical mixer of the project's comparisons (docs/results.md).
 _DELTA = dict(token_mixers="bidir_delta")
 
 

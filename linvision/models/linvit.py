@@ -14,7 +14,7 @@ them unrotated), so only mixers that take prefix tokens (:func:`linvision.layers
 with them; a mixer that works on the grid (windows, convolutions, scans) needs ``class_token=False,
 global_pool="avg"``. The class token is the default because it measured better: pooling it instead of the
 mean of the normalised patch tokens took the softmax twin from 2.7 points below timm's ViT-Tiny/8 to level
-with it (photo crops, 3 seeds; README, "The isotropic family against timm's ViT").
+with it (photo crops, 3 seeds; docs/results.md, "The isotropic family against timm's ViT").
 
 Position information comes from either
 - a learned absolute position embedding (``rope=None``): the model runs at the size it was built for (its

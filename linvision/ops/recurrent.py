@@ -113,9 +113,34 @@ def _decay_log_gate(decay: DecayArg, q: Tensor) -> Tensor:
 
 
 def to_chunks(x: Tensor, c: int) -> Tensor:
-    """(B, H, N, X) -> (B, H, ceil(N/c), c, X), zero-padded at the end."""
+    """(B, H, N, X) -> (B, H, ceil(N/c), c, X), zero-padded at the end (one chunk more while exported with dynamic
+    sizes)."""
     b, h, n, _ = x.shape
-    return F.pad(x, (0, 0, 0, (-n) % c)).reshape(b, h, -1, c, x.shape[-1])
+    # With a symbolic n (torch.export with dynamic sizes) one more chunk of padding: a padding that is never empty
+    # keeps the graph from assuming that every size is, like the traced one, a multiple of c.
+    extra = c if isinstance(n, torch.SymInt) else 0
+    return F.pad(x, (0, 0, 0, (-n) % c + extra)).reshape(b, h, -1, c, x.shape[-1])
+
+
+def chunk_length(chunk_size: int, n) -> int:
+    """The chunk length of a scan over n tokens: chunk_size, or n when shorter. With a symbolic n (torch.export with
+    dynamic sizes) always chunk_size, so that the graph holds for every n, shorter ones padded."""
+    return chunk_size if isinstance(n, torch.SymInt) else min(chunk_size, n)
+
+
+def _exporting() -> bool:
+    return getattr(torch.compiler, "is_exporting", lambda: False)()  # torch >= 2.6
+
+
+def unit_lower_solve(strict_lower: Tensor, rhs: Tensor) -> Tensor:
+    """(I + L)^-1 rhs for L strictly lower triangular (..., c, c), by matrix products only: L^c = 0, so
+    (I + L)^-1 = sum_{k<c} (-L)^k = prod_{j<m} (I + (-L)^(2^j)) with 2^m >= c, m = ceil(log2 c) factors."""
+    power = -strict_lower
+    out = rhs + power @ rhs
+    for _ in range((strict_lower.shape[-1] - 1).bit_length() - 1):
+        power = power @ power
+        out = out + power @ out
+    return out
 
 
 def _read_mask(c: int, strict: bool, device: torch.device) -> Tensor:
@@ -134,11 +159,26 @@ def _chunk_states(kv: Tensor, decay: Optional[Tensor], s0: Optional[Tensor]) -> 
         first = s0.unsqueeze(2) if s0 is not None else torch.zeros_like(kv[:, :, :1])
         return torch.cat([first, total[:, :, :-1]], dim=2), total[:, :, -1]
     s = s0 if s0 is not None else kv.new_zeros(kv[:, :, 0].shape)
+    entering, s = chain(lambda s, decay_c, kv_c: torch.addcmul(kv_c, decay_c, s), s,
+                        decay.movedim(2, 0), kv.movedim(2, 0))
+    return entering.movedim(0, 2), s
+
+
+def chain(step, s: Tensor, *xs: Tensor) -> Tuple[Tensor, Tensor]:
+    """s <- step(s, x_0[t], x_1[t], ...) for t along the first dim of every x: returns the states entering each step,
+    stacked (T, *s.shape), and the last state.
+
+    A Python loop, except when the number of steps is symbolic (torch.export with dynamic sizes, where a loop would
+    fix it to the traced size): then torch's scan operator, which keeps it symbolic in the graph."""
+    if isinstance(xs[0].shape[0], torch.SymInt):
+        from torch._higher_order_ops.scan import scan
+        last, entering = scan(lambda c, x: (step(c, *x), c.clone()), s, list(xs))
+        return entering, last
     entering = []
-    for decay_c, kv_c in zip(decay.unbind(2), kv.unbind(2)):
+    for x in zip(*(t.unbind(0) for t in xs)):
         entering.append(s)
-        s = torch.addcmul(kv_c, decay_c, s)
-    return torch.stack(entering, dim=2), s
+        s = step(s, *x)
+    return torch.stack(entering), s
 
 
 def _gated_scan(
@@ -159,7 +199,7 @@ def _gated_scan(
     """
     b, h, n, d = q.shape
     e = v.shape[-1]
-    c = min(chunk_size, n)
+    c = chunk_length(chunk_size, n)
     q, k, v = (to_chunks(t, c) for t in (q, k, v))
     mask = _read_mask(c, strict, q.device)
     count = None
@@ -422,14 +462,17 @@ def _delta_scan(
     """
     b, h, n, d = q.shape
     e = v.shape[-1]
-    c = min(chunk_size, n)
+    c = chunk_length(chunk_size, n)
     q, k, v, beta = (to_chunks(t, c) for t in (q, k, v, beta.unsqueeze(-1)))
     kb = k * beta  # (B, H, nc, c, D)
     lower = torch.eye(c, dtype=q.dtype, device=q.device) + (kb @ k.transpose(-1, -2)).tril(-1)
     # the same solve posed on the transposes (X A^T = R^T, A^T upper), which LAPACK reads without copies:
     # 2.5x faster on CPU for 1024 chunks of 32
     rhs = torch.cat([v * beta, kb], dim=-1)
-    u_w = torch.linalg.solve_triangular(lower.mT, rhs.mT, upper=True, left=False, unitriangular=True).mT
+    if _exporting():  # ONNX has no triangular solve: the same solution from products alone
+        u_w = unit_lower_solve(lower - torch.eye(c, dtype=q.dtype, device=q.device), rhs)
+    else:
+        u_w = torch.linalg.solve_triangular(lower.mT, rhs.mT, upper=True, left=False, unitriangular=True).mT
     del kb, lower, rhs, v, beta  # (the names only: without autograd this frees them before the next products)
     attn = (q @ k.transpose(-1, -2)).masked_fill(~_read_mask(c, strict, q.device), 0)
     # products sharing an operand are formed as one: A [U~ W] and K^T [U~ W]
@@ -445,11 +488,8 @@ def _delta_scan(
     del kt_uw
     maps = maps.permute(2, 0, 1, 3, 4).reshape(nc, b * h, d, e + d)
     s = s0.reshape(b * h, d, e) if s0 is not None else q.new_zeros(b * h, d, e)
-    entering = []
-    for m in maps.unbind(0):
-        entering.append(s)
-        s = torch.baddbmm(m[..., :e], m[..., e:], s)
-    entering = torch.stack(entering, dim=1).reshape(b, h, nc, d, e)
+    entering, s = chain(lambda s, m: torch.baddbmm(m[..., :e], m[..., e:], s), s, maps)
+    entering = entering.transpose(0, 1).reshape(b, h, nc, d, e)
     out = read[..., :e] + (q - read[..., e:]) @ entering
     return out.reshape(b, h, -1, e)[:, :, :n], s.reshape(b, h, d, e)
 

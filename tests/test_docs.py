@@ -118,3 +118,16 @@ def test_model_table_refuses_a_damaged_file(tmp_path):
     bad.write_text('{"models": [{"model": "x"}]}')
     with pytest.raises(ValueError, match="mixers"):
         _model_table().read_rows(str(bad))
+
+
+def test_every_list_and_table_renders(site):
+    """Markdown that GitHub renders but the site's Markdown would print as text: a list without a blank line before
+    it, a table inside an HTML block without markdown="1"."""
+    import glob
+    for path in glob.glob(os.path.join(site, "**", "*.html"), recursive=True):
+        if os.sep + "api" + os.sep in path:
+            continue
+        html = _text(site, path)
+        page = os.path.relpath(path, site)
+        assert "|---" not in html, f"{page}: a Markdown table printed as text"
+        assert not re.search(r"<p>[^<]*\n(- |\d+\. )", html), f"{page}: a list printed as a paragraph"

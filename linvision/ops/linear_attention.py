@@ -35,7 +35,7 @@ from linvision.kernels.common import DEFAULT_EPS, check_eps, check_int, check_qk
 
 from .feature_maps import FeatureMap, FeatureMapArg, featurize, get_feature_map
 from .recurrent import RecurrentState, _check_state, _gated_pieces, _gated_step
-from .rope import Rope, is_tracing, apply_rope, check_rope, rotate_pairs
+from .rope import Rope, is_exporting, is_tracing, apply_rope, check_rope, rotate_pairs
 
 __all__ = [
     "DEFAULT_EPS",
@@ -224,7 +224,7 @@ def _fused(
     reason when ``backend="triton"`` is forced on such a call."""
     if backend == "torch" or (backend == "auto" and q.device.type not in _AUTO_DEVICES):
         return None
-    if getattr(torch.compiler, "is_exporting", lambda: False)():  # torch >= 2.6
+    if is_exporting():
         reason = "the call is being exported, and the fused kernels are not part of an exported graph"
         if backend == "triton":
             raise ValueError(f"backend: 'triton' cannot run this call: {reason}")

@@ -28,6 +28,7 @@ from linvision.kernels.common import RopeSpec, check_grid, check_rope, compute_d
 
 __all__ = [
     "Rope",
+    "is_exporting",
     "is_tracing",
     "grid_positions",
     "rope_1d",
@@ -45,11 +46,15 @@ _POSITION_CACHE: Dict[Tuple[int, int, str], Tuple[Tensor, Tensor]] = {}
 _AXIAL_CACHE: Dict[tuple, "Rope"] = {}
 
 
+def is_exporting() -> bool:
+    """True while torch.export traces (torch >= 2.6; always False before)."""
+    return getattr(torch.compiler, "is_exporting", lambda: False)()
+
+
 def is_tracing(*sizes) -> bool:
     """True while torch.compile or torch.export traces, or when a size is symbolic: tensors made then are part of a
     graph (fake, or to be recomputed for every input), so nothing is cached or taken from a cache."""
-    exporting = getattr(torch.compiler, "is_exporting", lambda: False)  # torch >= 2.6
-    return torch.compiler.is_compiling() or exporting() or any(isinstance(s, torch.SymInt) for s in sizes)
+    return torch.compiler.is_compiling() or is_exporting() or any(isinstance(s, torch.SymInt) for s in sizes)
 
 
 def grid_positions(height: int, width: int, device=None) -> Tuple[Tensor, Tensor]:

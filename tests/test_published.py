@@ -5,6 +5,7 @@ conventions included) at any grid, and checkpoint pickles run no code.
 tests/data/published/<model>.txt lists the tensor names, shapes and dtypes of each authors' checkpoint; the files
 built here from them hold random values."""
 import argparse
+import json
 import math
 import os
 from pathlib import Path
@@ -426,3 +427,77 @@ def test_pretrained_true_downloads_the_published_url_and_adapts_head_and_channel
     torch.testing.assert_close(model.final.weight, state["norm.weight"], rtol=0, atol=0)
     assert model.head.fc.weight.shape == (5, 512)
     assert model(torch.randn(1, 1, 64, 96)).shape == (1, 5)
+
+
+def _serve_from(monkeypatch, tmp_path, path):
+    """timm's hub download with only the network transfer replaced by a copy of ``path``; returns the list of urls
+    asked for."""
+    import shutil
+
+    import timm.models._hub as hub
+
+    asked = []
+
+    def fetch(url, dst, hash_prefix=None, progress=True):
+        asked.append(url)
+        shutil.copy(path, dst)
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    monkeypatch.setattr(hub, "download_url_to_file", fetch)
+    return asked
+
+
+def test_train_pretrained_fine_tunes_from_the_downloaded_weights_and_resumes(tmp_path, monkeypatch):
+    """linvision-train --pretrained: the model's published file comes through timm's cache, two fine-tuning
+    steps start from exactly its weights (a learning rate of 1e-12 keeps them; every tensor but the new head
+    and BatchNorm's running statistics compared), the head is new (4 classes), and the run resumes from its own
+    checkpoint without downloading again."""
+    state = published_layout("mlla_tiny", one_block=True)
+    path = tmp_path / "mlla_t.pth"
+    save_published(path, state)
+    asked = _serve_from(monkeypatch, tmp_path, path)
+    kwargs = '{"depths": [1, 1, 1, 1]}'
+    expected = timm.create_model("mlla_tiny", depths=(1, 1, 1, 1), pretrained=True, num_classes=4,
+                                 pretrained_cfg_overlay=dict(file=str(path))).state_dict()
+    data = write_image_folder(tmp_path / "data", classes=4, size=32)
+    flags = ["--dataset", "folder", "--data-dir", data, "--img-size", "32", "--model", "mlla_tiny.in1k",
+             "--model-kwargs", kwargs, "--batch-size", "4", "--output", str(tmp_path), "--no-progress",
+             "--device", "cpu", "--epochs", "2", "--experiment", "ft", "--lr", "1e-12", "--warmup-lr", "1e-12",
+             "--min-lr", "1e-12", "--weight-decay", "0"]
+    out = run_tool("train.py", *flags, "--pretrained", "--stop-after-steps", "2").stdout
+    assert asked == ["https://cloud.tsinghua.edu.cn/f/7a19712877cb4242889c/?dl=1"]
+    assert (tmp_path / "torch_home" / "hub" / "checkpoints" / "mlla_tiny_in1k.pth").is_file()
+    assert "pretrained: mlla_tiny.in1k from" in out and "a new classifier for 4 classes (the weights' has 1000)" in out
+    tuned = load_file(str(tmp_path / "ft" / "last" / "model.safetensors"))
+    assert tuned["head.fc.weight"].shape == (4, 512) and tuned["head.fc.bias"].shape == (4,)
+    compared = 0
+    for key, value in expected.items():
+        if key.startswith("head.") or key.endswith(("running_mean", "running_var", "num_batches_tracked")) \
+                or not value.is_floating_point() or key.endswith(RESOLUTION_BUFFERS):
+            continue
+        torch.testing.assert_close(tuned[key], value, rtol=0, atol=1e-7, msg=key)
+        compared += 1
+    assert compared > 50
+    torch.testing.assert_close(tuned["final.weight"], state["norm.weight"], rtol=0, atol=1e-7)
+
+    resumed = run_tool("train.py", "--resume", str(tmp_path / "ft"), "--no-progress").stdout
+    assert "resume:" in resumed and "pretrained:" not in resumed and len(asked) == 1
+    summary = json.loads((tmp_path / "ft" / "summary.json").read_text())
+    assert summary["epochs"] == 2 and summary["num_classes"] == 4
+    steps = [json.loads(line)["step"] for line in (tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "step"]
+    assert steps[-1] == 8 and steps == sorted(set(steps))  # 4 steps an epoch, none twice
+
+
+def test_train_pretrained_refuses_a_model_without_weights_in_one_line(tmp_path):
+    data = write_image_folder(tmp_path / "data", classes=2, size=32)
+    proc = run_tool("train.py", "--dataset", "folder", "--data-dir", data, "--img-size", "32", "--model",
+                    "linhier_delta_femto_224", "--pretrained", "--output", str(tmp_path), "--no-progress",
+                    "--device", "cpu", check=False)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert proc.stderr.startswith("error: pretrained: linhier_delta_femto_224 has no trained weights")
+    assert "mlla_tiny.in1k" in proc.stderr and "ravlt_small.in1k" in proc.stderr
+    assert not (tmp_path / "torch_home").exists() and not list(tmp_path.glob("linhier*"))  # no run folder left
+    both = run_tool("train.py", "--dataset", "folder", "--data-dir", data, "--model", "mlla_tiny", "--pretrained",
+                    "--pretrained-path", str(tmp_path / "w.pth"), "--output", str(tmp_path), check=False)
+    assert both.returncode == 2 and "not both" in both.stderr

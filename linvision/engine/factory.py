@@ -1,16 +1,20 @@
 """Building models by name: timm's factory (linvision's models registered), at the input size asked for.
 
-:func:`create_model` is what every tool builds a model with; :func:`check_img_size` turns a size the model
-cannot run at into one line before any work starts.
+:func:`create_model` is what every tool builds a model with, from random or from trained weights;
+:func:`check_pretrained` and :func:`check_img_size` turn a model without weights or a size the model cannot run
+at into one line before any work starts.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
 
-__all__ = ["check_model_name", "create_model", "check_img_size"]
+__all__ = ["check_model_name", "check_pretrained", "models_with_weights", "create_model", "check_img_size"]
+
+# the timm module names linvision registers its models under (linvision.models.<module>)
+_OWN_MODULES = ("mlla", "ravlt", "linhier", "linvit")
 
 
 def check_model_name(name: str) -> None:
@@ -25,9 +29,42 @@ def check_model_name(name: str) -> None:
         raise ValueError(f"model: unknown {name!r}{hint}")
 
 
+def models_with_weights() -> List[str]:
+    """linvision's models that ``pretrained=True`` loads, as ``name.tag`` (the published MLLA and RAVLT weights,
+    and DeiT's softmax weights under linvit's ``.deit_fb_in1k``)."""
+    import timm
+
+    import linvision.models  # noqa: F401
+
+    own = set(timm.list_models(module=list(_OWN_MODULES)))
+    return [n for n in timm.list_pretrained() if n.split(".")[0] in own]
+
+
+def check_pretrained(name: str) -> None:
+    """ValueError in one line, naming the models that have weights, unless ``name`` (with its ``.tag``, or the
+    model's default tag) has trained weights that ``timm.create_model(name, pretrained=True)`` can load."""
+    from timm.models import get_pretrained_cfg
+
+    check_model_name(name)
+    cfg = get_pretrained_cfg(name)
+    if cfg is None or not cfg.has_weights:
+        base = name.split(".")[0]
+        tags = [n for n in models_with_weights() if n.split(".")[0] == base]
+        other = f"; {base} loads weights under {', '.join(tags)}" if tags else ""
+        raise ValueError(f"pretrained: {name} has no trained weights{other}; models with weights: "
+                         f"{', '.join(n for n in models_with_weights() if n not in tags)} (or --pretrained-path "
+                         f"FILE for a local checkpoint)")
+
+
 def create_model(name: str, num_classes: Optional[int] = None, in_chans: int = 3,
-                 model_kwargs: Optional[Dict[str, Any]] = None, img_size: Optional[int] = None) -> nn.Module:
+                 model_kwargs: Optional[Dict[str, Any]] = None, img_size: Optional[int] = None,
+                 pretrained: bool = False) -> nn.Module:
     """A timm model by name (linvision's models are registered by importing linvision.models).
+
+    ``pretrained`` loads the trained weights of ``name`` (``mlla_tiny.in1k``, or a name whose default tag has
+    weights) as ``timm.create_model(pretrained=True)`` does: through timm's hub cache (downloaded once into
+    ``$TORCH_HOME/hub/checkpoints``; a ``pretrained_cfg_overlay`` in ``model_kwargs`` can name a local file), with
+    the classifier replaced when ``num_classes`` differs from the weights' and the stem adapted to ``in_chans``.
 
     ``img_size`` is passed to models that take it (ViTs: the position-embedding grid; an ``img_size`` in
     ``model_kwargs`` wins), and ignored by models that run at any size without it (convolutional networks).
@@ -36,19 +73,21 @@ def create_model(name: str, num_classes: Optional[int] = None, in_chans: int = 3
     """
     import timm
 
+    if pretrained and not (model_kwargs or {}).get("pretrained_cfg_overlay"):
+        check_pretrained(name)
     check_model_name(name)
     kwargs = dict(model_kwargs or {})
     if num_classes is not None:
         kwargs["num_classes"] = num_classes
     if img_size is not None and "img_size" not in kwargs:
         try:
-            model = timm.create_model(name, pretrained=False, in_chans=in_chans, img_size=img_size, **kwargs)
+            model = timm.create_model(name, pretrained=pretrained, in_chans=in_chans, img_size=img_size, **kwargs)
         except TypeError as e:  # a model without an img_size argument runs at any size
             if "img_size" not in str(e):
                 raise
-            model = timm.create_model(name, pretrained=False, in_chans=in_chans, **kwargs)
+            model = timm.create_model(name, pretrained=pretrained, in_chans=in_chans, **kwargs)
     else:
-        model = timm.create_model(name, pretrained=False, in_chans=in_chans, **kwargs)
+        model = timm.create_model(name, pretrained=pretrained, in_chans=in_chans, **kwargs)
     return model
 
 

@@ -34,7 +34,7 @@ from .data import ShardedSampler, build_transform, create_dataset, create_loader
 from .distill import distillation_loss, load_teacher
 from .distributed import DistInfo, all_reduce_max, all_reduce_sum, barrier, cleanup, init_distributed
 from .evaluate import autocast, evaluate
-from .factory import check_img_size, create_model
+from .factory import check_img_size, check_pretrained, create_model
 from .files import atomic_write, atomic_write_text
 from .interrupt import StopFlag, TrainInterrupted
 from .run_folder import claim_run_folder
@@ -63,7 +63,12 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--aa", default=None, help="timm auto-augment policy, e.g. rand-m9-mstd0.5")
     g.add_argument("--reprob", type=float, default=0.0, help="random-erasing probability")
     g = parser.add_argument_group("model")
-    g.add_argument("--model", default="resnet18", help="any timm model name (linvision's are registered)")
+    g.add_argument("--model", default="mlla_tiny",
+                   help="any timm model name, with a weight tag where it has several (linvision's are registered)")
+    g.add_argument("--pretrained", action="store_true",
+                   help="start from the model's trained weights, as timm's pretrained=True loads them (e.g. "
+                        "mlla_tiny.in1k: downloaded once into timm's cache), with a new classifier for the data's "
+                        "classes")
     g.add_argument("--model-kwargs", nargs="*", default=None,
                    help="key=value pairs or a JSON object passed to the model, e.g. token_mixers=none,linear")
     g.add_argument("--pretrained-path", "--initial-checkpoint", default=None,
@@ -251,6 +256,11 @@ def _check_args(args: argparse.Namespace) -> None:
     need(args.stop_after_steps is None or args.stop_after_steps >= 1, "stop_after_steps", "must be >= 1")
     need(0 <= args.distill_weight <= 1, "distill_weight", "must be within [0, 1]")
     need(args.distill_temperature > 0, "distill_temperature", "must be > 0")
+    if args.pretrained and args.pretrained_path:
+        raise ValueError("pretrained: give --pretrained (the model's own weights through timm's cache) or "
+                         "--pretrained-path FILE (a local file), not both")
+    if args.pretrained and not parse_kwargs(args.model_kwargs).get("pretrained_cfg_overlay"):
+        check_pretrained(args.model)  # before the run folder or the data are touched
 
 
 def _check_classes(train_set, val_set, num_classes: Optional[int]) -> List[str]:
@@ -302,6 +312,17 @@ def _report_load(report: Dict[str, list], path: str, model: nn.Module) -> None:
           + (f"; new (shape changed): {some(skipped)}" if skipped else "")
           + (f"; missing: {some(missing)}" if missing else "")
           + (f"; unused: {some(unexpected)}" if unexpected else ""), flush=True)
+
+
+def _report_pretrained(model: nn.Module, num_classes: int) -> None:
+    """Print which trained weights ``--pretrained`` loaded and whether the classifier is new."""
+    cfg = getattr(model, "pretrained_cfg", {}) or {}
+    name = cfg.get("architecture", "the model") + (f".{cfg['tag']}" if cfg.get("tag") else "")
+    source = cfg.get("file") or cfg.get("url") or cfg.get("hf_hub_id") or "timm's cache"
+    trained = cfg.get("num_classes")
+    head = (f"; a new classifier for {num_classes} classes (the weights' has {trained})"
+            if trained and trained != num_classes else "")
+    print(f"pretrained: {name} from {source}{head}", flush=True)
 
 
 def _append_jsonl(path: str, record: Dict[str, Any]) -> None:
@@ -373,9 +394,18 @@ def _train_in_folder(args: argparse.Namespace, info: DistInfo, run_dir: str, res
     model_kwargs = parse_kwargs(args.model_kwargs)
     if args.drop_path is not None:
         model_kwargs["drop_path_rate"] = args.drop_path
+    # a resumed run takes every weight from its checkpoint: nothing is downloaded or read again
+    fresh = not (state or external)
+    download = args.pretrained and fresh
+    if download and not info.is_main:
+        barrier(info)  # rank 0 fills timm's cache first; the others read the file it wrote
     model = create_model(args.model, num_classes=num_classes, in_chans=args.in_chans, model_kwargs=model_kwargs,
-                         img_size=args.img_size)
-    if args.pretrained_path and not (state or external):
+                         img_size=args.img_size, pretrained=download)
+    if download and info.is_main:
+        barrier(info)
+    if args.pretrained and fresh and info.is_main:
+        _report_pretrained(model, num_classes)
+    if args.pretrained_path and fresh:
         report = load_pretrained(model, args.pretrained_path)
         if info.is_main:
             _report_load(report, args.pretrained_path, model)

@@ -501,3 +501,34 @@ def test_train_pretrained_refuses_a_model_without_weights_in_one_line(tmp_path):
     both = run_tool("train.py", "--dataset", "folder", "--data-dir", data, "--model", "mlla_tiny", "--pretrained",
                     "--pretrained-path", str(tmp_path / "w.pth"), "--output", str(tmp_path), check=False)
     assert both.returncode == 2 and "not both" in both.stderr
+
+
+def test_validate_pretrained_evaluates_the_downloaded_weights(tmp_path, monkeypatch):
+    """linvision-validate --model mlla_tiny.in1k --pretrained: the weights come through timm's cache and the
+    reported loss and top-1 are those of the model built from the same file, on the same images transformed as
+    its pretrained cfg says (crop 0.875, ImageNet mean and std)."""
+    from linvision.engine.data import build_transform, create_dataset
+
+    state = published_layout("mlla_tiny")
+    path = tmp_path / "mlla_t.pth"
+    save_published(path, state)
+    asked = _serve_from(monkeypatch, tmp_path, path)
+    data = write_image_folder(tmp_path / "data", classes=3, size=48)
+    out = run_tool("validate.py", "--model", "mlla_tiny.in1k", "--pretrained", "--data-dir", data,
+                   "--img-size", "32", "--device", "cpu").stdout
+    result = json.loads(out)["results"][0]
+    assert len(asked) == 1 and result["img_size"] == 32 and result["count"] == 6
+
+    model = timm.create_model("mlla_tiny", pretrained=True, pretrained_cfg_overlay=dict(file=str(path))).eval()
+    cfg = model.pretrained_cfg
+    val = create_dataset("folder", data, "val", transform=build_transform(32, False, list(cfg["mean"]),
+                                                                         list(cfg["std"]), crop_pct=0.875))
+    images = torch.stack([val[i][0] for i in range(len(val))])
+    targets = torch.tensor([val[i][1] for i in range(len(val))])
+    with torch.no_grad():
+        logits = model(images)
+    assert result["loss"] == pytest.approx(F.cross_entropy(logits, targets).item(), rel=1e-5)
+    assert result["top1"] == pytest.approx(100 * (logits.argmax(1) == targets).float().mean().item())
+
+    none = run_tool("validate.py", "--model", "linhier_tiny_224", "--pretrained", "--data-dir", data, check=False)
+    assert none.returncode == 2 and "has no trained weights" in none.stderr and "mlla_tiny.in1k" in none.stderr

@@ -19,13 +19,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> int:
     args = parse_args(build_parser())
-    if not args.checkpoint:
-        raise ValueError("checkpoint: required (a checkpoint folder or a run folder)")
+    if bool(args.checkpoint) == bool(args.pretrained):
+        raise ValueError("checkpoint: give --checkpoint FOLDER (a checkpoint or run folder), or --model NAME "
+                         "--pretrained (the model's trained weights)")
+    if args.pretrained and not args.model:
+        raise ValueError("model: --pretrained needs --model NAME (e.g. mlla_tiny.in1k)")
+    if args.model and not args.pretrained:
+        raise ValueError("model: --model is for --pretrained; a checkpoint names its own model")
     if args.batch_size < 1 or args.workers < 0 or any(s < 1 for s in args.img_size or []):
         raise ValueError(f"batch_size/workers/img_size: need batch_size >= 1, workers >= 0 and sizes >= 1, got "
                          f"{args.batch_size}, {args.workers}, {args.img_size}")
     out = validate_checkpoint(args.checkpoint, args.dataset, args.data_dir, args.img_size, args.batch_size,
-                              args.workers, args.amp, args.device, args.progress)
+                              args.workers, args.amp, args.device, args.progress,
+                              pretrained=args.model if args.pretrained else None)
     text = json.dumps(out, indent=2)
     print(text)
     if args.output:

@@ -15,12 +15,19 @@ from .cli import add_amp_arg
 from .data import ShardedSampler, build_transform, create_dataset, create_loader
 from .distributed import barrier, cleanup, init_distributed
 from .evaluate import evaluate
+from .factory import check_pretrained, create_model
 
 __all__ = ["add_validate_args", "validate_checkpoint"]
 
 
 def add_validate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint", required=False, default=None, help="checkpoint or run folder")
+    parser.add_argument("--model", default=None,
+                        help="with --pretrained instead of --checkpoint: a timm model name whose trained weights "
+                             "are evaluated (e.g. mlla_tiny.in1k)")
+    parser.add_argument("--pretrained", action="store_true",
+                        help="evaluate --model's trained weights, as timm's pretrained=True loads them (downloaded "
+                             "once into timm's cache); the data's classes must be the weights' (e.g. ImageNet's)")
     parser.add_argument("--dataset", default=None, help="default: the dataset the checkpoint was trained on")
     parser.add_argument("--data-dir", default=None,
                         help="folder with the val/ class sub-folders, or a torchvision dataset's root (digits and "
@@ -52,27 +59,50 @@ def _check_classes(meta: Dict[str, Any], val_set, checkpoint: str) -> None:
         raise ValueError(f"dataset: {len(data)} classes, but {checkpoint} has a head of {meta['num_classes']}")
 
 
-def validate_checkpoint(checkpoint: str, dataset: Optional[str] = None, data_dir: Optional[str] = None,
+def _pretrained_meta(name: str) -> Dict[str, Any]:
+    """What validation needs to know of ``name``'s trained weights, from its pretrained cfg (as a checkpoint's
+    model.json says it of a trained run)."""
+    from timm.models import get_pretrained_cfg
+
+    check_pretrained(name)
+    cfg = get_pretrained_cfg(name)
+    return {"model": name, "num_classes": cfg.num_classes, "img_size": cfg.input_size[-1], "mean": list(cfg.mean),
+            "std": list(cfg.std), "crop_pct": cfg.crop_pct, "classes": [], "dataset": "folder"}
+
+
+def validate_checkpoint(checkpoint: Optional[str], dataset: Optional[str] = None, data_dir: Optional[str] = None,
                         img_sizes: Optional[Sequence[int]] = None, batch_size: int = 64, workers: int = 0,
-                        amp: str = "none", device: str = "auto", progress: bool = False) -> Dict[str, Any]:
-    """Evaluate ``checkpoint`` on the validation split at each of ``img_sizes``.
+                        amp: str = "none", device: str = "auto", progress: bool = False,
+                        pretrained: Optional[str] = None) -> Dict[str, Any]:
+    """Evaluate ``checkpoint`` (or, with ``pretrained`` naming a model, that model's trained weights as
+    ``timm.create_model(pretrained=True)`` loads them) on the validation split at each of ``img_sizes``.
 
     Returns {"checkpoint", "model", "results": [{"img_size", "top1", "top5", "loss", "count"} or
-    {"img_size", "error"}]}. Raises FileNotFoundError for a missing checkpoint or data folder. Runs under
-    torchrun too (each rank evaluates a shard; the figures are reduced).
+    {"img_size", "error"}]}. Raises FileNotFoundError for a missing checkpoint or data folder, ValueError for a
+    model without trained weights. Runs under torchrun too (each rank evaluates a shard; the figures are reduced).
     """
+    if (checkpoint is None) == (pretrained is None):
+        raise ValueError("checkpoint: give a checkpoint (or run folder), or a model name with --pretrained")
     info = init_distributed(device)
     try:
-        meta = read_checkpoint_meta(resolve_checkpoint(checkpoint))
+        meta = read_checkpoint_meta(resolve_checkpoint(checkpoint)) if checkpoint else _pretrained_meta(pretrained)
+        source = checkpoint or f"{pretrained} (trained weights)"
         dataset = dataset or meta.get("dataset", "folder")
         sizes: List[int] = list(img_sizes or [meta["img_size"]])
         results = []
         for size in sizes:
             # built for each size (a fixed position-embedding grid is resampled to it)
-            model, _ = load_model(checkpoint, device=str(info.device), img_size=size)
+            if checkpoint:
+                model, _ = load_model(checkpoint, device=str(info.device), img_size=size)
+            else:
+                if size == sizes[0] and not info.is_main:
+                    barrier(info)  # rank 0 fills timm's cache first
+                model = create_model(pretrained, img_size=size, pretrained=True).to(info.device).eval()
+                if size == sizes[0] and info.is_main:
+                    barrier(info)
             transform = build_transform(size, False, meta["mean"], meta["std"], crop_pct=meta.get("crop_pct", 1.0))
             val_set = create_dataset(dataset, data_dir, "val", transform=transform, digits_size=size)
-            _check_classes(meta, val_set, checkpoint)
+            _check_classes(meta, val_set, source)
             sampler = ShardedSampler(len(val_set), info.rank, info.world_size, shuffle=False)
             loader = create_loader(val_set, batch_size, sampler, workers)
             try:
@@ -81,7 +111,7 @@ def validate_checkpoint(checkpoint: str, dataset: Optional[str] = None, data_dir
                 res = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"}
             results.append({"img_size": size, **res})
         barrier(info)
-        return {"checkpoint": checkpoint, "model": meta["model"], "train_img_size": meta["img_size"],
+        return {"checkpoint": checkpoint or "pretrained", "model": meta["model"], "train_img_size": meta["img_size"],
                 "results": results}
     finally:
         cleanup(info)

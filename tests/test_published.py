@@ -448,7 +448,8 @@ def _serve_from(monkeypatch, tmp_path, path):
 
 
 def test_train_pretrained_fine_tunes_from_the_downloaded_weights_and_resumes(tmp_path, monkeypatch):
-    """linvision-train --pretrained: the model's published file comes through timm's cache, two fine-tuning
+    """linvision-train --config finetune_mlla_tiny (--pretrained): the model's published file comes through timm's
+    cache, two fine-tuning
     steps start from exactly its weights (a learning rate of 1e-12 keeps them; every tensor but the new head
     and BatchNorm's running statistics compared), the head is new (4 classes), and the run resumes from its own
     checkpoint without downloading again."""
@@ -460,11 +461,12 @@ def test_train_pretrained_fine_tunes_from_the_downloaded_weights_and_resumes(tmp
     expected = timm.create_model("mlla_tiny", depths=(1, 1, 1, 1), pretrained=True, num_classes=4,
                                  pretrained_cfg_overlay=dict(file=str(path))).state_dict()
     data = write_image_folder(tmp_path / "data", classes=4, size=32)
-    flags = ["--dataset", "folder", "--data-dir", data, "--img-size", "32", "--model", "mlla_tiny.in1k",
-             "--model-kwargs", kwargs, "--batch-size", "4", "--output", str(tmp_path), "--no-progress",
-             "--device", "cpu", "--epochs", "2", "--experiment", "ft", "--lr", "1e-12", "--warmup-lr", "1e-12",
-             "--min-lr", "1e-12", "--weight-decay", "0"]
-    out = run_tool("train.py", *flags, "--pretrained", "--stop-after-steps", "2").stdout
+    # the shipped recipe (RandAugment, random erasing, smoothing, layer decay, clipping, EMA), at a tiny size
+    flags = ["--config", "finetune_mlla_tiny", "--data-dir", data, "--img-size", "32", "--model-kwargs", kwargs,
+             "--batch-size", "4", "--output", str(tmp_path), "--no-progress", "--device", "cpu", "--epochs", "2",
+             "--experiment", "ft", "--lr", "1e-12", "--warmup-lr", "1e-12", "--min-lr", "1e-12",
+             "--weight-decay", "0"]
+    out = run_tool("train.py", *flags, "--stop-after-steps", "2").stdout
     assert asked == ["https://cloud.tsinghua.edu.cn/f/7a19712877cb4242889c/?dl=1"]
     assert (tmp_path / "torch_home" / "hub" / "checkpoints" / "mlla_tiny_in1k.pth").is_file()
     assert "pretrained: mlla_tiny.in1k from" in out and "a new classifier for 4 classes (the weights' has 1000)" in out
@@ -532,3 +534,25 @@ def test_validate_pretrained_evaluates_the_downloaded_weights(tmp_path, monkeypa
 
     none = run_tool("validate.py", "--model", "linhier_tiny_224", "--pretrained", "--data-dir", data, check=False)
     assert none.returncode == 2 and "has no trained weights" in none.stderr and "mlla_tiny.in1k" in none.stderr
+
+
+@pytest.mark.parametrize("config", ["finetune_mlla_tiny", "finetune_ravlt_small"])
+def test_fine_tuning_recipes_name_weights_and_decay_by_layer(config):
+    """The shipped fine-tuning configs parse with linvision-train's parser, start from weights that exist, and
+    their layer-wise decay gives the stem the smallest and the head the full learning rate."""
+    import importlib
+
+    from timm.optim import create_optimizer_v2
+
+    from linvision.engine.config import parse_args
+    from linvision.engine.factory import check_pretrained
+
+    parser = importlib.import_module("linvision.tools.train").build_parser()
+    args = parse_args(parser, ["--config", config, "--data-dir", "/data/pets"])
+    assert args.pretrained and args.dataset == "folder" and args.layer_decay == 0.8
+    check_pretrained(args.model)  # raises for a model without weights
+    model = timm.create_model(args.model.split(".")[0], depths=(1, 1, 1, 1), num_classes=5)
+    groups = create_optimizer_v2(model, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
+                                 layer_decay=args.layer_decay).param_groups
+    scales = {g["lr_scale"] for g in groups}
+    assert max(scales) == 1.0 and min(scales) == pytest.approx(0.8 ** (len(scales) - 1)) and len(scales) >= 5

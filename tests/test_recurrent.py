@@ -359,3 +359,35 @@ def test_unit_lower_solve_is_the_triangular_solve(c):
     expected = torch.linalg.solve_triangular(torch.eye(c, dtype=torch.float64) + strict, rhs, upper=False,
                                              unitriangular=True)
     torch.testing.assert_close(unit_lower_solve(strict, rhs), expected, rtol=1e-12, atol=1e-12)
+
+
+def _forget_gate_start(num_heads, width=1, temperature=16.0, decay_range=(3.0, 10.0)):
+    """b_h = logit(gamma_h^T) for gamma_h = 1 - 2^-e_h, e_h evenly spaced over decay_range, in float64."""
+    e = torch.linspace(decay_range[0], decay_range[1], num_heads, dtype=torch.float64)
+    gamma = 1 - 2.0 ** -e
+    return torch.logit(gamma ** temperature).repeat_interleave(width)
+
+
+def test_models_keep_the_gated_mixers_own_start():
+    """The forget gate starts at W = 0 and b = logit(gamma_h^T) alone and inside every model family (linhier,
+    linvit, the DiT): the models' generic Linear init runs before each module's own init_weights, not after."""
+    import timm
+
+    import linvision  # noqa: F401
+    from linvision.diffusion import create_dit
+    from linvision.layers.recurrent import BidirGatedAttention
+
+    alone = create_mixer("bidir_gated", 64, 4)
+    models = [timm.create_model("linhier_tiny_224", token_mixers="bidir_gated"),
+              timm.create_model("linvit_tiny_patch16_rope_224", token_mixer="bidir_gated", class_token=False,
+                                global_pool="avg"),
+              create_dit("digits", self_attn="bidir_gated")]
+    gates = [alone] + [m for model in models for m in model.modules() if isinstance(m, BidirGatedAttention)]
+    assert len(gates) > 1 + 12 + 4
+    for gate in gates:
+        expected = _forget_gate_start(gate.num_heads).float()
+        assert torch.equal(gate.forget_gate.weight, torch.zeros_like(gate.forget_gate.weight))
+        torch.testing.assert_close(gate.forget_gate.bias, expected, rtol=1e-6, atol=1e-6)
+    # the generic init still reaches every other Linear: trunc-normal std 0.02 in linhier, not PyTorch's default
+    qkv = next(m for m in models[0].modules() if isinstance(m, BidirGatedAttention)).qkv.weight
+    assert 0.015 < qkv.std().item() < 0.025

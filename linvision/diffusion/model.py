@@ -28,7 +28,7 @@ from timm.layers import Mlp
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from linvision.layers import no_weight_decay_of
+from linvision.layers import init_model_weights, no_weight_decay_of
 
 from .block import SanaBlock, modulate
 
@@ -133,6 +133,13 @@ class FinalLayer(nn.Module):
         return self.linear(modulate(self.norm(x), shift, scale))
 
 
+def _xavier_linear(m: nn.Module) -> None:
+    if isinstance(m, nn.Linear):
+        nn.init.xavier_uniform_(m.weight)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+
 class LinDiT(nn.Module):
     """Linear-attention DiT. ``forward(x (B, in_chans, H, W), t (B,) in [0, 1], y (B,) int64)`` -> velocity
     (B, out_chans, H, W) for a class-conditional model (label ``num_classes`` is the null class);
@@ -175,11 +182,8 @@ class LinDiT(nn.Module):
         self._init_weights()
 
     def _init_weights(self) -> None:
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.xavier_uniform_(m.weight)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+        # Xavier for every Linear, then each module's own start (init_weights), then the DiT's own choices below
+        init_model_weights(self, _xavier_linear)
         w = self.patch_embed.weight
         nn.init.xavier_uniform_(w.view(w.shape[0], -1))
         if self.class_tokens is not None:

@@ -10,7 +10,7 @@ from .registry import (
     register_mixer,
     takes_prefix_tokens,
 )
-from .weight_init import init_linear_weights
+from .weight_init import init_linear_weights, init_model_weights
 from .mixers import (
     AttentionMixer,
     CausalLinearAttention,

@@ -148,12 +148,19 @@ class BidirGatedAttention(BidirectionalRecurrentMixer):
         self.forget_per_channel = forget_per_channel
         self.forget_temperature = float(forget_temperature)
         width = self.head_dim if forget_per_channel else 1
+        self.decay_range = decay_range
         self.forget_gate = nn.Linear(dim, num_heads * width)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """The forget gate's start: W zero and b at RetNet's per-head decays (a model's generic init runs before
+        this, see :func:`~linvision.layers.init_model_weights`)."""
+        width = self.forget_gate.out_features // self.num_heads
         nn.init.zeros_(self.forget_gate.weight)
         # sigmoid(b)^(1/T) = gamma_h  <=>  b = logit(gamma_h^T)
-        p = (retnet_log_decays(num_heads, decay_range) * self.forget_temperature).exp()
+        p = (retnet_log_decays(self.num_heads, self.decay_range) * self.forget_temperature).exp()
         with torch.no_grad():
-            self.forget_gate.bias.copy_(torch.logit(p).repeat_interleave(width))
+            self.forget_gate.bias.copy_(torch.logit(p).repeat_interleave(width).to(self.forget_gate.bias))
 
     def scan(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor) -> Tensor:
         b, n, _ = x.shape

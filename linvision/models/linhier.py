@@ -30,7 +30,7 @@ from timm.layers import ClassifierHead, ClNormMlpClassifierHead, LayerNorm
 from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
-from linvision.layers import MixerBlock, init_linear_weights, mixer_options, no_weight_decay_of, parse_mixer_list
+from linvision.layers import MixerBlock, init_model_weights, mixer_options, no_weight_decay_of, parse_mixer_list
 from linvision.layers.registry import MixerSpec
 
 from .published import require_weights
@@ -201,7 +201,7 @@ class LinHier(nn.Module):
             self.head = ClassifierHead(self.num_features, num_classes, pool_type=global_pool, drop_rate=drop_rate,
                                        input_fmt="NHWC")
         self.head_hidden_size = self.head.num_features
-        self.apply(init_linear_weights)
+        init_model_weights(self)
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:

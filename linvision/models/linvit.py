@@ -46,7 +46,7 @@ from timm.layers import LayerNorm, PatchEmbed, global_pool_nlc, resample_abs_pos
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
-from linvision.layers import (MixerBlock, check_prefix_tokens, init_linear_weights, mixer_options,
+from linvision.layers import (MixerBlock, check_prefix_tokens, init_model_weights, mixer_options,
                               no_weight_decay_of)
 from linvision.layers.mixers import ROPE_TYPES
 
@@ -163,7 +163,7 @@ class LinViT(nn.Module):
         for token in (self.cls_token, self.reg_token):
             if token is not None:
                 nn.init.normal_(token, std=1e-6)
-        self.apply(init_linear_weights)
+        init_model_weights(self)
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set:

@@ -17,6 +17,9 @@ def pytest_addoption(parser):
 
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--runslow"):
+        for item in items:  # their own deadline, longer than the default of pyproject.toml's timeout
+            if "slow" in item.keywords and item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(3600))
         return
     skip = pytest.mark.skip(reason="slow: run with --runslow (make test-all)")
     for item in items:

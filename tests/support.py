@@ -6,6 +6,7 @@ import os
 import runpy
 import subprocess
 import sys
+import time
 
 import numpy as np
 from PIL import Image
@@ -13,6 +14,41 @@ from PIL import Image
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 TINY_VIT = ["img_size=16", "patch_size=4", "dynamic_img_size=true"]
+# Every subprocess a test starts gets a deadline: a hang on a busy machine fails one test, not the whole run.
+SUBPROCESS_TIMEOUT = 600
+
+
+def spawn(args, log_dir, name, **kwargs):
+    """Start ``args`` with stdout and stderr going to files in ``log_dir`` (``name``.out / ``name``.err), so the
+    child never blocks on a full pipe while the test polls; read them back with :func:`logs`."""
+    out = open(os.path.join(log_dir, f"{name}.out"), "w")
+    err = open(os.path.join(log_dir, f"{name}.err"), "w")
+    try:
+        return subprocess.Popen(args, stdout=out, stderr=err, text=True, **kwargs)
+    finally:
+        out.close()
+        err.close()
+
+
+def logs(log_dir, name):
+    """(stdout, stderr) that :func:`spawn` wrote for ``name``."""
+    return tuple(open(os.path.join(log_dir, f"{name}.{ext}")).read() for ext in ("out", "err"))
+
+
+def wait_until(condition, proc, timeout=SUBPROCESS_TIMEOUT, what="the condition", interval=0.2):
+    """Poll until ``condition()`` holds or ``proc`` has exited; kill ``proc`` and fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and not condition():
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait(timeout=60)
+            raise AssertionError(f"gave up after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def run_subprocess(args, timeout=SUBPROCESS_TIMEOUT, **kwargs):
+    """``subprocess.run`` with output captured as text and a deadline."""
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kwargs)
 
 
 def write_image_folder(root, classes=3, train_per_class=4, val_per_class=2, size=16, seed=0):

@@ -3,14 +3,13 @@ process takes with the whole batch; a sharded torch.distributed.checkpoint resum
 loads for sampling and export; activation checkpointing changes no gradient."""
 import os
 import shutil
-import subprocess
 
 import pytest
 import torch
 
 from linvision.diffusion.checkpoint import is_sharded_checkpoint, load_dit
 from linvision.diffusion.model import create_dit
-from support import PY, ROOT, run_tool
+from support import PY, ROOT, run_subprocess, run_tool
 
 MODEL = ["--model", "digits", "--model-kwargs", "depth=2", "dim=32", "num_heads=2", "head_dim=16",
          "num_cond_tokens=2"]
@@ -25,10 +24,10 @@ def _flags(out, experiment, steps, *extra):
 
 
 def _torchrun(*flags, ranks=2):
-    proc = subprocess.run(
+    proc = run_subprocess(
         [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
          os.path.join(ROOT, "tools", "train_diffusion.py"), *flags],
-        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -147,10 +146,10 @@ def test_fsdp_in_one_process_and_bad_settings(one_process, tmp_path):
     assert bad.returncode == 2 and "parallel" in bad.stderr.strip().splitlines()[-1]
     bad = run_tool("train_diffusion.py", *_flags(tmp_path, "bad", 1, "--fsdp-param-dtype", "fp8"), check=False)
     assert bad.returncode == 2 and "fsdp_param_dtype" in bad.stderr
-    odd = subprocess.run(
+    odd = run_subprocess(
         [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          os.path.join(ROOT, "tools", "train_diffusion.py"), *_flags(tmp_path, "odd", 1), "--batch-size", "7"],
-        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert odd.returncode != 0 and "do not split over 2 ranks" in odd.stderr
 
 
@@ -176,11 +175,11 @@ def test_memory_benchmark_shows_fsdp_sharding_the_state(tmp_path):
     optimizer states per rank; the table and the JSON are written."""
     import json
 
-    proc = subprocess.run(
+    proc = run_subprocess(
         [PY, os.path.join(ROOT, "tools", "bench_diffusion_parallel.py"), "--model", "digits", "--depth", "2",
          "--latent", "8", "--batch", "2", "--steps", "2", "--ranks", "2", "--modes", "ddp", "fsdp",
          "--param-dtype", "fp32", "--out", str(tmp_path / "mem")],
-        capture_output=True, text=True, cwd=ROOT)
+        cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     points = {p["mode"]: p for p in json.loads((tmp_path / "mem.json").read_text())["points"]}
     ddp, fsdp = points["ddp"], points["fsdp"]

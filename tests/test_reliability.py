@@ -2,7 +2,6 @@
 import json
 import os
 import signal
-import subprocess
 import time
 
 import numpy as np
@@ -12,7 +11,8 @@ from PIL import Image
 
 from linvision.engine.files import recover_checkpoint_folder, write_checkpoint_folder
 from linvision.engine.run_folder import claim_run_folder
-from support import PY, ROOT, TINY_VIT, run_tool, step_losses, tiny_train_flags, write_image_folder
+from support import (PY, ROOT, SUBPROCESS_TIMEOUT, TINY_VIT, logs, run_tool, spawn, step_losses,
+                     tiny_train_flags, wait_until, write_image_folder)
 
 
 def _summary(run):
@@ -256,19 +256,20 @@ def test_a_last_batch_of_one_trains_with_batchnorm(tmp_path):
 # --- signals
 
 def _wait_for_steps(proc, metrics, n):
-    while proc.poll() is None and not (metrics.exists() and metrics.read_text().count('"step"') >= n):
-        time.sleep(0.2)
+    wait_until(lambda: metrics.exists() and metrics.read_text().count('"step"') >= n, proc,
+               what=f"{n} step records in {metrics}")
 
 
 def test_sigterm_to_the_process_group_with_workers_saves(data, tmp_path):
     """timeout, SLURM and shells signal the whole group: the loader workers must not die first."""
     args = tiny_train_flags(data, str(tmp_path), "--epochs", "200", "--experiment", "grp", "--log-interval", "1",
                             "-j", "2")
-    proc = subprocess.Popen([PY, os.path.join(ROOT, "tools", "train.py"), *args], cwd=ROOT, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = spawn([PY, os.path.join(ROOT, "tools", "train.py"), *args], tmp_path, "grp", cwd=ROOT,
+                 start_new_session=True)
     _wait_for_steps(proc, tmp_path / "grp" / "metrics.jsonl", 2)
     os.killpg(proc.pid, signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    proc.wait(timeout=120)
+    _, err = logs(tmp_path, "grp")
     assert proc.returncode == 128 + signal.SIGTERM, err
     state = torch.load(tmp_path / "grp" / "last" / "train_state.pt", weights_only=True)
     assert state["global_step"] == step_losses(str(tmp_path / "grp"))[-1][0]
@@ -278,14 +279,12 @@ def test_sigterm_saves_the_diffusion_trainer(tmp_path):
     cfg = tmp_path / "d.yaml"
     cfg.write_text("steps: 100000\nbatch_size: 8\nlog_every: 1\nsave_every: 0\nthreads: 1\n"
                    "model_kwargs: {dim: 32, depth: 1, num_heads: 2, head_dim: 16}\n")
-    proc = subprocess.Popen([PY, os.path.join(ROOT, "tools", "train_diffusion.py"), "--config", str(cfg),
-                             "--output", str(tmp_path), "--experiment", "dit"], cwd=ROOT, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out = ""
-    while proc.poll() is None and out.count("step ") < 3:
-        out += proc.stdout.readline()
+    proc = spawn([PY, os.path.join(ROOT, "tools", "train_diffusion.py"), "--config", str(cfg), "--output",
+                  str(tmp_path), "--experiment", "dit"], tmp_path, "dit-log", cwd=ROOT, start_new_session=True)
+    wait_until(lambda: logs(tmp_path, "dit-log")[0].count("step ") >= 3, proc, what="3 steps")
     os.killpg(proc.pid, signal.SIGTERM)
-    rest, err = proc.communicate(timeout=120)
+    proc.wait(timeout=120)
+    _, err = logs(tmp_path, "dit-log")
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "checkpoint saved" in err
     meta = json.loads((tmp_path / "dit" / "last" / "model.json").read_text())
@@ -301,9 +300,17 @@ def test_random_kills_lose_nothing(data, tmp_path, kills):
     exactly once with the uninterrupted run's loss (augmentation on: its RNG state is part of the checkpoint)."""
     import random
 
+    starts = iter(range(10_000))
+
     def start(*args):
-        return subprocess.Popen([PY, os.path.join(ROOT, "tools", "train.py"), *args], cwd=ROOT,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        name = f"start{next(starts)}"
+        proc = spawn([PY, os.path.join(ROOT, "tools", "train.py"), *args], tmp_path, name, cwd=ROOT)
+        proc.log_name = name
+        return proc
+
+    def finish(proc, timeout=SUBPROCESS_TIMEOUT):
+        proc.wait(timeout=timeout)
+        return logs(tmp_path, proc.log_name)[1]
 
     def records(run_dir):  # metrics lines written so far (a line cut by a kill counts)
         path = run_dir / "metrics.jsonl"
@@ -314,11 +321,11 @@ def test_random_kills_lose_nothing(data, tmp_path, kills):
     # the uninterrupted run, and its start-up time (until its first metrics line)
     t0, t_startup = time.monotonic(), None
     proc = start(*flags, "--experiment", "ref")
-    while proc.poll() is None:
+    while proc.poll() is None and time.monotonic() - t0 < SUBPROCESS_TIMEOUT:
         if t_startup is None and records(tmp_path / "ref"):
             t_startup = time.monotonic() - t0
         time.sleep(0.01)
-    _, err = proc.communicate()
+    err = finish(proc, timeout=60)
     assert proc.returncode == 0 and t_startup is not None, err
     total = records(tmp_path / "ref")
     run = tmp_path / "k"
@@ -335,13 +342,12 @@ def test_random_kills_lose_nothing(data, tmp_path, kills):
             else:  # a moment after a random one of the records still to come: in a step, evaluation or checkpoint
                 # (a resume first drops records past its checkpoint); kills spread over the whole run
                 target = rng.randint(before + 1, min(total - 1, before + max(2, total // kills)))
-                while proc.poll() is None and records(run) < target:
-                    time.sleep(0.005)
+                wait_until(lambda: records(run) >= target, proc, what=f"record {target}", interval=0.005)
                 time.sleep(rng.uniform(0.0, 0.03))
             if proc.poll() is None:
                 proc.kill()
                 killed += 1
-        _, err = proc.communicate(timeout=300)
+        err = finish(proc, timeout=300)
         if proc.returncode == 0:
             break
         assert proc.returncode == -signal.SIGKILL, err

@@ -334,3 +334,30 @@ def test_one_state_type_carries_the_position():
     assert state.num_tokens == 6
     with pytest.raises(ValueError, match="rope: describes 6 tokens, step 6 is past its end"):
         linear_attention_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], state, "elu", rope=rope)
+
+
+def test_rope_caches_stay_bounded_over_many_grids():
+    """A model run at 50 grid sizes keeps the RoPE tables of its last CACHE_SIZE grids only, and what the caches
+    return is still the rotation of the formula (angles col * fx + row * fy, in float64)."""
+    import timm
+
+    import linvision  # noqa: F401
+    from linvision.ops import rope as rope_mod
+
+    model = timm.create_model("linvit_tiny_patch16_rope_224", dynamic_img_size=True, depth=1, embed_dim=32,
+                              num_heads=2).eval()
+    for i in range(50):
+        with torch.no_grad():
+            model(torch.randn(1, 3, 16 * (1 + i % 10), 16 * (1 + i // 10)))
+    assert 0 < len(rope_mod._AXIAL_CACHE) <= rope_mod.CACHE_SIZE
+    assert 0 < len(rope_mod._POSITION_CACHE) <= rope_mod.CACHE_SIZE
+    for _ in range(2):  # computed, then from the cache
+        rope = axial_rope(8, (3, 5))
+        cos, sin = rope.tables()
+        fx, fy = rope.freqs_x.double(), rope.freqs_y.double()
+        rows, cols = torch.meshgrid(torch.arange(3.0, dtype=torch.float64), torch.arange(5.0, dtype=torch.float64),
+                                    indexing="ij")
+        angles = cols.reshape(-1, 1) * fx + rows.reshape(-1, 1) * fy
+        torch.testing.assert_close(cos[0].double(), angles.cos(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(sin[0].double(), angles.sin(), rtol=0, atol=1e-6)
+    assert rope_mod._AXIAL_CACHE.lookup(next(reversed(rope_mod._AXIAL_CACHE))) is rope

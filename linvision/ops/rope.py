@@ -18,8 +18,9 @@ Linear attention applies the rotation to the numerator only (see ``linear_attent
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -42,8 +43,32 @@ __all__ = [
     "check_grid",
 ]
 
-_POSITION_CACHE: Dict[Tuple[int, int, str], Tuple[Tensor, Tensor]] = {}
-_AXIAL_CACHE: Dict[tuple, "Rope"] = {}
+class _RecentCache(OrderedDict):
+    """A dict that keeps only its ``size`` most recently used entries: a model run at many input sizes keeps the
+    tables of its last few grids (each stage of a hierarchical model has its own), not of every grid it saw."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = size
+
+    def lookup(self, key):
+        if key not in self:
+            return None
+        self.move_to_end(key)
+        return self[key]
+
+    def store(self, key, value):
+        self[key] = value
+        self.move_to_end(key)
+        while len(self) > self.size:
+            self.popitem(last=False)
+        return value
+
+
+# Tensors on the device they are used on: bounded, so varied input sizes do not hold memory without end.
+CACHE_SIZE = 32
+_POSITION_CACHE: _RecentCache = _RecentCache(CACHE_SIZE)  # (H, W, device) -> (rows, cols)
+_AXIAL_CACHE: _RecentCache = _RecentCache(CACHE_SIZE)  # axial_rope's arguments -> Rope (with its tables)
 
 
 def is_exporting() -> bool:
@@ -58,19 +83,20 @@ def is_tracing(*sizes) -> bool:
 
 
 def grid_positions(height: int, width: int, device=None) -> Tuple[Tensor, Tensor]:
-    """(rows, cols) of the H*W grid in raster order, fp32, each of shape (H*W,). Cached per (H, W, device), except
-    while a graph is traced (the positions are then computed in the graph)."""
+    """(rows, cols) of the H*W grid in raster order, fp32, each of shape (H*W,). Cached per (H, W, device) for the
+    last ``CACHE_SIZE`` grids, except while a graph is traced (the positions are then computed in the graph)."""
     device = torch.device(device or "cpu")
     tracing = is_tracing(height, width)
     key = None if tracing else (height, width, str(device))
-    if key in _POSITION_CACHE:
-        return _POSITION_CACHE[key]
+    cached = None if tracing else _POSITION_CACHE.lookup(key)
+    if cached is not None:
+        return cached
     # expand + reshape rather than repeat/repeat_interleave: the same values, and an ONNX export of symbolic
     # sizes gets a plain broadcast
     rows = torch.arange(height, dtype=torch.float32, device=device)[:, None].expand(height, width).reshape(-1)
     cols = torch.arange(width, dtype=torch.float32, device=device)[None, :].expand(height, width).reshape(-1)
     if not tracing:
-        _POSITION_CACHE[key] = (rows, cols)
+        _POSITION_CACHE.store(key, (rows, cols))
     return rows, cols
 
 
@@ -193,14 +219,16 @@ def rope_1d(dim: int, num_tokens: int, theta: float = 10000.0, num_prefix_tokens
 def axial_rope(dim: int, grid: Tuple[int, int], theta: float = 100.0, num_prefix_tokens: int = 0, device=None, *,
                row_first: bool = False, endpoint: bool = False, num_heads: int = 1) -> Rope:
     """2D axial RoPE for an H x W grid (frequencies: :func:`axial_rope_freqs`); the object and its fp32 tables are
-    cached per (dim, H, W, theta, prefix, device, row_first, endpoint, num_heads), except while a graph is traced."""
+    cached per (dim, H, W, theta, prefix, device, row_first, endpoint, num_heads) for the last ``CACHE_SIZE`` such
+    keys, except while a graph is traced."""
     grid = check_grid(grid)
     if is_tracing(*grid):  # a traced graph computes the tables itself: nothing cached, nothing taken from the cache
         fx, fy = axial_rope_freqs(dim, theta, row_first=row_first, endpoint=endpoint, num_heads=num_heads)
         return Rope(fx.to(device), fy.to(device), grid, num_prefix_tokens)
     key = (dim, grid, float(theta), num_prefix_tokens, str(torch.device(device or "cpu")), row_first, endpoint,
            num_heads)
-    if key not in _AXIAL_CACHE:
+    cached = _AXIAL_CACHE.lookup(key)
+    if cached is None:
         fx, fy = axial_rope_freqs(dim, theta, row_first=row_first, endpoint=endpoint, num_heads=num_heads)
-        _AXIAL_CACHE[key] = Rope(fx.to(device), fy.to(device), grid, num_prefix_tokens)
-    return _AXIAL_CACHE[key]
+        cached = _AXIAL_CACHE.store(key, Rope(fx.to(device), fy.to(device), grid, num_prefix_tokens))
+    return cached

@@ -1,21 +1,21 @@
-"""Throughput and memory of one Sana-style block: ReLU linear self-attention against softmax self-attention;
+r"""Throughput and memory of one Sana-style block: ReLU linear self-attention against softmax self-attention;
 with --vs-diffusers, the whole Sana transformer in linvision against diffusers' SanaTransformer2DModel.
 
-    python tools/bench_diffusion_block.py                       # C 1152 (Sana-0.6B), 1k/4k/16k/64k tokens
-    python tools/bench_diffusion_block.py --tokens 1024 4096 --dtype bf16 --repeats 5
-    python tools/bench_diffusion_block.py --vs-diffusers --model sana_600m_t2i --latent 32 32 --repeats 3
+    linvision-bench-diffusion-block                      # C 1152 (Sana-0.6B), 1k/4k/16k/64k tokens
+    linvision-bench-diffusion-block --tokens 1024 4096 --dtype bf16 --repeats 5
+    linvision-bench-diffusion-block --vs-diffusers --model sana_600m_t2i --latent 32 32 --repeats 3
 
 --vs-diffusers builds diffusers' model with random weights for the config, converts them into linvision's
 (linvision.diffusion.sana), and times forwards of each (after a warm-up; interleaved) on the same latents,
 timestep and a caption of --context tokens whose last third is padding; it reports the agreement of the
 outputs, with the exact (diffusers) eps and with linvision's default eps. Needs diffusers.
 
-Each (attention, token count) point runs in its own process, so an out-of-memory or a time-out (``--timeout``
+Each (attention, token count) point runs in its own process, so an out-of-memory or a time-out (--timeout
 seconds) is recorded for that point and the others still run. A point builds one block (cross-attention to
-``--context`` condition tokens, Mix-FFN) on a square-ish grid and times ``--repeats`` forwards under no_grad
-after one warm-up forward (from 16k tokens on: one cold forward, no warm-up), and reports the mean time,
-tokens per second and peak memory: CUDA's max allocated bytes on a GPU, on CPU the process's peak resident set minus
-the resident set before the first forward (so activations and workspace, not the weights or the library).
+--context condition tokens, Mix-FFN) on a square-ish grid and times --repeats forwards under no_grad after one
+warm-up forward (from 16k tokens on: one cold forward, no warm-up), and reports the mean time, tokens per
+second and peak memory: CUDA's max allocated bytes on a GPU, on CPU the process's peak resident set minus the
+resident set before the first forward (so activations and workspace, not the weights or the library).
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ import torch
 
 from linvision.diffusion.block import SanaBlock
 from linvision.diffusion.model import DIT_CONFIGS
+from linvision.engine.cli import tool_parser
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -193,8 +194,7 @@ def compare_diffusers(args: argparse.Namespace) -> Dict:
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of linvision-bench-diffusion-block."""
-    p = argparse.ArgumentParser(prog="linvision-bench-diffusion-block", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = tool_parser("linvision-bench-diffusion-block", __doc__)
     p.add_argument("--model", default="sana_600m", choices=list(DIT_CONFIGS), help="block shape to take")
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384, 65536],
                    help="token counts to measure, each on the most square H x W grid")

@@ -1,21 +1,21 @@
-"""Memory per rank of diffusion training, replicated (DDP) against sharded (FSDP2), at several world sizes.
+r"""Memory per rank of diffusion training, replicated (DDP) against sharded (FSDP2), at several world sizes.
 
-    python tools/bench_diffusion_parallel.py                     # sana_600m's blocks, depth 4, 16 x 16 latents
-    python tools/bench_diffusion_parallel.py --depth 8 --ranks 1 2 4 --latent 32 --batch 8 --out results/fsdp_mem
+    linvision-bench-diffusion-parallel                   # sana_600m's blocks, depth 4, 16 x 16 latents
+    linvision-bench-diffusion-parallel --depth 8 --ranks 1 2 4 --latent 32 --batch 8 --out results/fsdp_mem
 
 Each (mode, ranks) point is its own torchrun job (gloo on CPU, nccl with one GPU per rank) that builds the
-model of ``--model`` at ``--depth``, the EMA copy and AdamW as linvision-train-diffusion does, spreads them with
-linvision.diffusion.parallel and takes ``--steps`` training steps (linvision.diffusion.train.optimizer_step) of
-``--batch`` images over all ranks on random latents. Modes: ``ddp`` (every rank holds the whole model; one rank
-is a plain process), ``fsdp`` (FSDP2, ``--param-dtype`` compute), ``fsdp+ckpt`` (the same with activation
-checkpointing). Every rank reports:
+model of --model at --depth, the EMA copy and AdamW as linvision-train-diffusion does, spreads them with
+linvision.diffusion.parallel and takes --steps training steps (linvision.diffusion.train.optimizer_step) of
+--batch images over all ranks on random latents. Modes: ddp (every rank holds the whole model; one rank is a
+plain process), fsdp (FSDP2, --param-dtype compute), fsdp+ckpt (the same with activation checkpointing).
+Every rank reports:
 
-* state: the bytes it holds of weights, EMA weights, gradients and optimizer states (its shards under FSDP);
-* peak: CUDA's max allocated bytes on a GPU; on CPU the process's peak resident set minus the resident set
-  before the model was built (so it includes the gathered blocks, activations and communication buffers);
-* step time (the mean of the steps after the first).
+  - state: the bytes it holds of weights, EMA weights, gradients and optimizer states (its shards under FSDP);
+  - peak: CUDA's max allocated bytes on a GPU; on CPU the process's peak resident set minus the resident set
+    before the model was built (so it includes the gathered blocks, activations and communication buffers);
+  - step time (the mean of the steps after the first).
 
-The largest rank's figures make the table (printed, and written as ``<out>.md`` and ``<out>.json``).
+The largest rank's figures make the table (printed, and written as <out>.md and <out>.json).
 """
 from __future__ import annotations
 
@@ -163,8 +163,9 @@ def table(points: List[Dict[str, Any]], args: argparse.Namespace) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of linvision-bench-diffusion-parallel (and of its torchrun workers: the hidden flags)."""
-    p = argparse.ArgumentParser(prog="linvision-bench-diffusion-parallel", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from linvision.engine.cli import tool_parser
+
+    p = tool_parser("linvision-bench-diffusion-parallel", __doc__)
     p.add_argument("--model", default="sana_600m", help="a config of linvision.diffusion.DIT_CONFIGS")
     p.add_argument("--depth", type=int, default=4, help="blocks (sana_600m has 28)")
     p.add_argument("--latent", type=int, default=16, help="latent height and width")

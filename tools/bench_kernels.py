@@ -1,4 +1,4 @@
-"""Benchmark the fused linear-attention kernels against their HBM floor.
+r"""Benchmark the fused linear-attention kernels against their HBM floor.
 
 On a GPU: times forward, backward and forward+backward of the Triton kernels, the PyTorch reference path and
 softmax attention (SDPA) for N from 1k to 256k tokens, and prints the kernels' achieved bytes/s (minimal
@@ -7,8 +7,8 @@ traffic / time) as a percentage of the HBM bandwidth.
 Without a GPU: runs the kernels in the Triton interpreter, counts the distinct bytes each launch loads and
 stores (masked lanes excluded) and prints them as a multiple of the minimal traffic.
 
-    python tools/bench_kernels.py                       # GPU timing, or traffic counting without a GPU
-    python tools/bench_kernels.py --traffic --n 1024 2048 4096 8192 16384 --heads 2
+    linvision-bench-kernels                              # GPU timing, or traffic counting without a GPU
+    linvision-bench-kernels --traffic --n 1024 2048 4096 8192 16384 --heads 2
 """
 import argparse
 import os
@@ -17,11 +17,12 @@ from typing import Optional, Sequence
 
 import torch
 
+from linvision.engine.cli import tool_parser
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of linvision-bench-kernels."""
-    p = argparse.ArgumentParser(prog="linvision-bench-kernels", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = tool_parser("linvision-bench-kernels", __doc__)
     p.add_argument("--traffic", action="store_true", help="count bytes in the interpreter (default without GPU)")
     p.add_argument("--n", type=int, nargs="+", default=None, help="token counts (default 1k..256k on GPU, "
                    "1k..16k when counting)")

@@ -1,22 +1,21 @@
-"""Throughput, latency, peak memory, parameters and GFLOPs of models across resolutions.
+r"""Throughput, latency, peak memory, parameters and GFLOPs of models across resolutions.
 
-    linvision-benchmark                                         # defaults: see configs/benchmark.yaml
-    linvision-benchmark --config benchmark_cpu                  # a config shipped with linvision, or a path
+    linvision-benchmark                          # linhier_tiny_224, vit_small_patch16_224, mambaout_tiny; 224-2048 px
+    linvision-benchmark --config benchmark_cpu   # a config shipped with linvision (or a path): 224-896 px, batch 1
     linvision-benchmark --model linhier_tiny_224 mambaout_tiny --img-size 224 512 1024 -b 1
     linvision-benchmark --model linvit_tiny_patch16_rope_224:token_mixer=softmax \
         linvit_tiny_patch16_rope_224:token_mixer=linear_rope --model-kwargs patch_size=8 --img-size 96 -b 64 \
         --twin linvit_tiny_patch16_rope_224:token_mixer=softmax --gemm-rate
 
-(or ``python tools/benchmark.py ...`` in a checkout). Writes results.jsonl (as points finish), results.json,
-results.csv and throughput_memory.png into <output>/<experiment>. Each figure is the mean of --iters timed
-iterations after --warmup untimed ones; its spread ((slowest - fastest) / mean) is printed and stored. A model
-is a timm name, optionally with its own options (name:key=value,key=value; over --model-kwargs). --twin MODEL
-adds each model's time and memory over that model's (a softmax twin, say) at the same size; --gemm-rate measures
-the machine's matrix-multiply rate first and adds each forward's GFLOP/s and its fraction of it; both print a
-table at the end and go into the results files. A point
-that runs out of memory or fails is recorded and the sweep goes on; the exit status is 1 when a point failed
-with an error (an out-of-memory point is a measurement, not a failure), 2 for bad arguments such as an unknown
-model name.
+Writes results.jsonl (as points finish), results.json, results.csv and throughput_memory.png into
+<output>/<experiment>. Each figure is the mean of --iters timed iterations after --warmup untimed ones; its
+spread ((slowest - fastest) / mean) is printed and stored. A model is a timm name, optionally with its own
+options (name:key=value,key=value; over --model-kwargs). --twin MODEL adds each model's time and memory over
+that model's (a softmax twin, say) at the same size; --gemm-rate measures the machine's matrix-multiply rate
+first and adds each forward's GFLOP/s and its fraction of it; both print a table at the end and go into the
+results files. A point that runs out of memory or fails is recorded and the sweep goes on; the exit status is
+1 when a point failed with an error (an out-of-memory point is a measurement, not a failure), 2 for bad
+arguments such as an unknown model name.
 """
 import argparse
 import os
@@ -35,14 +34,13 @@ from linvision.engine.benchmark import (
     write_results,
 )
 from linvision.engine.factory import check_model_name
-from linvision.engine.cli import add_amp_arg, run_cli
+from linvision.engine.cli import add_amp_arg, run_cli, tool_parser
 from linvision.engine.config import add_config_arg, parse_args, parse_kwargs
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of linvision-benchmark, --config included."""
-    parser = argparse.ArgumentParser(prog="linvision-benchmark", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = tool_parser("linvision-benchmark", __doc__)
     parser.add_argument("--models", "--model", nargs="+", default=DEFAULT_MODELS,
                         help="timm model names, each optionally with its own options: name:key=value,key=value")
     parser.add_argument("--twin", default=None, help="one of --models: the others' time and memory over its")

@@ -1,16 +1,16 @@
-"""Compile the fused linear-attention kernels for an H100 (sm_90) without a GPU and print what the GPU would see.
+r"""Compile the fused linear-attention kernels for an H100 (sm_90) without a GPU and print what the GPU would see.
 
-For every kernel x head dim D = Dv x dtype x RoPE (off, on, and "learn": the backward kernels with the gradient of
-learnable frequencies) x autotune configuration, and the query backward also in its variant without dq (queries
-that need no gradient): registers per thread and
-spill bytes (Triton's bundled ``ptxas -v --gpu-name sm_90a`` on the PTX), shared memory (the compiled
-kernel's metadata; an H100 block may use 227 KB) and whether the token loop is pipelined (asynchronous copies
-or TMA in the TTGIR; kernels that handle one token block per program have no loop). A configuration passes
-with zero spills, shared memory within 227 KB and, for kernels with a loop, a pipelined loop.
+For every kernel x head dim D = Dv x dtype x RoPE (off, on, and "learn": the backward kernels with the gradient
+of learnable frequencies) x autotune configuration, and the query backward also in its variant without dq
+(queries that need no gradient): registers per thread and spill bytes (Triton's bundled
+"ptxas -v --gpu-name sm_90a" on the PTX), shared memory (the compiled kernel's metadata; an H100 block may use
+227 KB) and whether the token loop is pipelined (asynchronous copies or TMA in the TTGIR; kernels that handle
+one token block per program have no loop). A configuration passes with zero spills, shared memory within
+227 KB and, for kernels with a loop, a pipelined loop.
 
-    python tools/check_kernels.py                        # the configurations the autotuner is offered
-    python tools/check_kernels.py --candidates --d 128   # every candidate (what the offered lists came from)
-    python tools/check_kernels.py --markdown             # the table of docs/kernels.md
+    linvision-check-kernels                              # the configurations the autotuner is offered
+    linvision-check-kernels --candidates --d 128         # every candidate (what the offered lists came from)
+    linvision-check-kernels --markdown                   # the table of the manual's Triton kernels page
 
 Exit status 1 when an offered configuration fails. Each compilation takes a few seconds on one CPU core.
 """
@@ -189,10 +189,10 @@ WIDTHS = (17, 4, 9, 5, 10, 5, 7, 7, 9, 5)
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of linvision-check-kernels (imports no Triton)."""
+    from linvision.engine.cli import tool_parser
     from linvision.kernels.common import KERNEL_NAMES
 
-    p = argparse.ArgumentParser(prog="linvision-check-kernels", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = tool_parser("linvision-check-kernels", __doc__)
     p.add_argument("--kernel", nargs="+", default=list(KERNEL_NAMES), choices=list(KERNEL_NAMES),
                    help="kernels to compile (default: all)")
     p.add_argument("--d", type=int, nargs="+", default=list(HEAD_DIMS), help="head dims D = Dv")

@@ -1,9 +1,9 @@
-"""How often does a classifier recognise the class a DiT sample was conditioned on?
+r"""How often does a classifier recognise the class a DiT sample was conditioned on?
 
-    python tools/eval_diffusion_samples.py output/diffusion_digits output/digits_linvit_cls --per-class 50
+    linvision-eval-diffusion-samples output/diffusion_digits output/digits_linvit_cls --per-class 50
 
-Samples ``--per-class`` images of every class from the DiT (EMA weights, fixed seed), classifies them with a
-checkpoint of tools/train.py (grey samples repeated to RGB, resized to the classifier's size if needed,
+Samples --per-class images of every class from the DiT (EMA weights, fixed seed), classifies them with a
+checkpoint of linvision-train (grey samples repeated to RGB, resized to the classifier's size if needed,
 normalised as it was trained) and prints the fraction assigned to the conditioning class, overall and per
 class. As a yardstick it also prints the classifier's accuracy on the real digits validation split, read
 with the same preprocessing path.
@@ -20,15 +20,14 @@ from linvision.diffusion.sampling import classify_images, decoder_for, sample_cl
 from linvision.diffusion.checkpoint import load_dit
 from linvision.diffusion.data import load_images
 from linvision.engine import load_model
-from linvision.engine.cli import run_cli
+from linvision.engine.cli import run_cli, tool_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of linvision-eval-diffusion-samples."""
-    p = argparse.ArgumentParser(prog="linvision-eval-diffusion-samples", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("dit", help="DiT run or checkpoint folder (tools/train_diffusion.py)")
-    p.add_argument("classifier", help="classifier run or checkpoint folder (tools/train.py)")
+    p = tool_parser("linvision-eval-diffusion-samples", __doc__)
+    p.add_argument("dit", help="DiT run or checkpoint folder (of linvision-train-diffusion)")
+    p.add_argument("classifier", help="classifier run or checkpoint folder (of linvision-train)")
     p.add_argument("--per-class", type=int, default=50, help="samples drawn and classified per class")
     p.add_argument("--steps", type=int, default=20, help="sampler steps from noise to image")
     p.add_argument("--cfg-scale", type=float, default=3.0, help="classifier-free guidance scale (1 = no guidance)")

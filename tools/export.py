@@ -1,10 +1,10 @@
-"""Export a model to ONNX (or a torch.export program) with dynamic batch, height and width, and check the file
+r"""Export a model to ONNX (or a torch.export program) with dynamic batch, height and width, and check the file
 against eager PyTorch in one line; optionally time ONNX Runtime (CPU) next to eager.
 
-    python tools/export.py --model mlla_tiny --pretrained --output mlla_tiny.onnx
-    python tools/export.py --model ravlt_small --pretrained-path RAVLT_S.pth --output ravlt_s.onnx \\
+    linvision-export --model mlla_tiny --pretrained --output mlla_tiny.onnx
+    linvision-export --model ravlt_small --pretrained-path RAVLT_S.pth --output ravlt_s.onnx \
         --check-sizes 224 320 512 --bench-sizes 512 1024 --bench-out bench.json
-    python tools/export.py --checkpoint output/digits_demo --output digits.pt2      # a trained run, as a program
+    linvision-export --checkpoint output/digits_demo --output digits.pt2      # a trained run, as a program
 
 Height and width may be any multiple of the model's stride (32 for the hierarchical families, 16 for linvit) up
 to 8192; a model with a fixed input size (linvit with an absolute position embedding) exports with a dynamic
@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from linvision.engine.cli import run_cli
+from linvision.engine.cli import run_cli, tool_parser
 from linvision.engine.config import parse_kwargs
 from linvision.engine.export import (FORMATS, compare_with_eager, export_onnx, export_program, input_constraints,
                                      load_exported, save_program, time_runner)
@@ -26,8 +26,7 @@ from linvision.engine.files import atomic_write_text
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of linvision-export."""
-    p = argparse.ArgumentParser(prog="linvision-export", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = tool_parser("linvision-export", __doc__)
     src = p.add_argument_group("model")
     src.add_argument("--model", default=None, help="a timm name of a registered model")
     src.add_argument("--model-kwargs", nargs="*", default=None, help="key=value pairs or a JSON object for the model")

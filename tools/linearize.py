@@ -1,13 +1,18 @@
-"""Linearize a trained softmax ViT: build a linvit from its weights and run attention transfer (stage 1).
+r"""Linearize a trained softmax ViT: build a linvit from its weights and run attention transfer (stage 1).
 
-    python tools/linearize.py --teacher output/vit_digits --model linvit_tiny_patch16_rope_224 \\
-        --model-kwargs patch_size=4 embed_dim=64 depth=4 num_heads=2 --dataset digits --img-size 32 \\
+    linvision-linearize --config linearize_digits            # the digits example of the manual, 200 steps
+    linvision-linearize --teacher output/vit_digits --model linvit_tiny_patch16_rope_224 \
+        --model-kwargs patch_size=4 embed_dim=64 depth=4 num_heads=2 --dataset digits --img-size 32 \
         --steps 200 --output output/linearized.safetensors
 
-The teacher is a checkpoint or run folder of tools/train.py (a timm VisionTransformer or a linvit with the
-softmax mixer). The student's weights (safetensors) go to --output; stage 2 fine-tunes them on the target data:
-``tools/train.py --model <same> --model-kwargs <same> --initial-checkpoint <output>``. Prints JSON with the
-per-layer attention-output error (relative mean squared error on held-out images) before and after stage 1.
+The teacher is a checkpoint or run folder of linvision-train (a timm VisionTransformer or a linvit with the
+softmax mixer). The student's weights (safetensors) go to --output; stage 2 fine-tunes them on the target data
+(the same --model and --model-kwargs in linvision-train, with --initial-checkpoint naming the student's file):
+
+    linvision-train --config linearize_digits_student --initial-checkpoint output/linearized_digits.safetensors
+
+Prints JSON with the per-layer attention-output error (relative mean squared error on held-out images) before
+and after stage 1.
 """
 import argparse
 import json
@@ -16,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from linvision.engine.checkpoint import load_model
-from linvision.engine.cli import run_cli
+from linvision.engine.cli import run_cli, tool_parser
 from linvision.engine.config import add_config_arg, parse_args, parse_kwargs
 from linvision.engine.data import build_transform, create_dataset
 from linvision.engine.linearize import TRANSFER_PARAMS, attention_errors, attention_transfer, build_student
@@ -24,8 +29,7 @@ from linvision.engine.linearize import TRANSFER_PARAMS, attention_errors, attent
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of linvision-linearize, --config included."""
-    parser = argparse.ArgumentParser(prog="linvision-linearize", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = tool_parser("linvision-linearize", __doc__)
     parser.add_argument("--teacher", default=None, help="checkpoint or run folder of the softmax ViT")
     parser.add_argument("--model", default=None, help="linvit model name of the student")
     parser.add_argument("--model-kwargs", nargs="*", default=None, help="key=value options of the student")

@@ -1,4 +1,4 @@
-"""Params / GFLOPs of every registered linvision model, and what pretrained=True loads, as a Markdown table.
+r"""Params / GFLOPs of every registered linvision model, and what pretrained=True loads, as a Markdown table.
 
     linvision-model-table                                   # measure, print the full table (at 224 x 224)
     linvision-model-table --size 512 --filter "mlla*"
@@ -19,6 +19,7 @@ import timm
 import torch
 
 import linvision
+from linvision.engine.cli import tool_parser
 from linvision.engine.files import atomic_write_text
 from linvision.engine.flops import count_gflops, count_params
 
@@ -31,8 +32,7 @@ FRONT_ORDER = ("MLLA", "RAVLT", "linhier (delta rule)", "linhier", "linhier (Gat
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of linvision-model-table."""
-    parser = argparse.ArgumentParser(prog="linvision-model-table", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = tool_parser("linvision-model-table", __doc__)
     parser.add_argument("--size", type=int, default=224, help="square input side in pixels (default 224)")
     parser.add_argument("--filter", nargs="+", default=list(DEFAULT_FILTER),
                         help="timm name patterns (default: every linvision family)")

@@ -1,10 +1,10 @@
-"""Sample a trained linear-attention DiT with classifier-free guidance and write a PNG grid.
+r"""Sample a trained linear-attention DiT with classifier-free guidance and write a PNG grid.
 
-    python tools/sample_diffusion.py output/diffusion_digits --per-class 8 --steps 20 --cfg-scale 3 \
+    linvision-sample-diffusion output/diffusion_digits --per-class 8 --steps 20 --cfg-scale 3 \
         --out output/diffusion_digits/samples.png
 
-One row per class (``--classes`` picks them), ``--per-class`` columns; Euler or Heun over ``--steps``. A caption
-model samples one row per caption (``--captions``, default: its training captions). A model trained on latents is
+One row per class (--classes picks them), --per-class columns; Euler or Heun over --steps. A caption model
+samples one row per caption (--captions, default: its training captions). A model trained on latents is
 decoded with the autoencoder its checkpoint names.
 """
 from __future__ import annotations
@@ -18,13 +18,12 @@ from linvision.diffusion.flow import SAMPLERS
 from linvision.diffusion.data import CaptionEmbeddings
 from linvision.diffusion.sampling import decoder_for, sample_captions, sample_classes, save_grid
 from linvision.diffusion.checkpoint import load_dit
-from linvision.engine.cli import run_cli
+from linvision.engine.cli import run_cli, tool_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of linvision-sample-diffusion."""
-    p = argparse.ArgumentParser(prog="linvision-sample-diffusion", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = tool_parser("linvision-sample-diffusion", __doc__)
     p.add_argument("checkpoint", help="run folder (uses its last/) or checkpoint folder")
     p.add_argument("--classes", type=int, nargs="*", default=None, help="default: every class")
     p.add_argument("--captions", default=None, help="caption model: a safetensors file of 'context' (K, L, C') and "

@@ -1,28 +1,37 @@
-"""Train (or fine-tune) an image classifier.
+r"""Train or fine-tune an image classifier: any timm model, on a folder of images or a torchvision dataset.
 
-    python tools/train.py --config configs/digits_demo.yaml
-    python tools/train.py --dataset folder --data-dir /data/pets --model linhier_tiny_224 \
-        --pretrained-path weights.safetensors --img-size 224 --epochs 30 --amp bf16
-    torchrun --nproc_per_node 2 tools/train.py --config configs/digits_demo.yaml
+Fine-tune from trained weights (MLLA's and RAVLT's are the authors' ImageNet-1k weights, downloaded once):
 
-A resumed run (--resume RUN_FOLDER, its last/ or a file in it) takes its saved config.yaml as defaults, so the
-folder alone is enough; --resume FILE.pth.tar starts a new run from a timm train.py checkpoint (weights,
-optimizer, EMA, epoch) with the recipe given on the command line. timm's spellings work: -b, -j, a bare --amp,
---initial-checkpoint, --dataset torch/<name>.
-Flags and YAML keys are listed by --help; the run folder (<output>/<experiment>) receives config.yaml,
-metrics.jsonl, summary.json and the checkpoints last/ and best/ (load them with linvision.engine.load_model).
+    linvision-train --config finetune_mlla_tiny --data-dir /data/pets        # the recipe of the shipped config
+    linvision-train --model mlla_tiny --pretrained --dataset folder --data-dir /data/pets --img-size 224 \
+        --epochs 30 --amp
+
+More:
+
+    linvision-train --config digits_demo                  # offline digits, about 15 s on a CPU
+    linvision-train --model ravlt_small --pretrained-path RAVLT_S.pth --dataset folder --data-dir /data/pets \
+        --img-size 224 --epochs 30 --amp                   # weights from a local file
+    torchrun --nproc_per_node 2 -m linvision.tools.train --config digits_demo      # DDP, 2 processes
+    linvision-train --resume output/digits_demo --epochs 10                         # continue a run
+
+--dataset folder reads <data-dir>/train/<class>/ and <data-dir>/val/<class>/. A resumed run (--resume with
+its run folder, its last/ or a file in it) takes its saved config.yaml as defaults, so the folder alone is
+enough; --resume FILE.pth.tar starts a new run from a timm train.py checkpoint (weights, optimizer, EMA, epoch)
+with the recipe given on the command line. timm's spellings work: -b, -j, a bare --amp (bf16),
+--initial-checkpoint, --dataset torch/<name>. Every flag is also a key of a --config YAML file (img_size or
+img-size); the command line wins. The run folder <output>/<experiment> receives config.yaml, metrics.jsonl,
+summary.json and the checkpoints last/ and best/ (load them with linvision.engine.load_model).
 """
 import argparse
 
-from linvision.engine.cli import run_cli
+from linvision.engine.cli import run_cli, tool_parser
 from linvision.engine.config import add_config_arg, parse_args
 from linvision.engine.train import add_train_args, resume_config, train
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of linvision-train: every training flag and --config."""
-    parser = argparse.ArgumentParser(prog="linvision-train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = tool_parser("linvision-train", __doc__)
     return add_config_arg(add_train_args(parser))
 
 

@@ -1,18 +1,19 @@
-"""Train a class-conditional linear-attention DiT (Sana-style blocks) with rectified flow.
+r"""Train a class-conditional linear-attention DiT (Sana-style blocks) with rectified flow.
 
-    python tools/train_diffusion.py --config configs/diffusion_digits.yaml
-    python tools/train_diffusion.py --config configs/diffusion_digits.yaml --resume
-    python tools/train_diffusion.py --dataset folder --data-dir /data/pets/train --model digits \
+    linvision-train-diffusion --config diffusion_digits                       # offline digits, a few minutes
+    linvision-train-diffusion --config diffusion_digits --resume
+    linvision-train-diffusion --dataset folder --data-dir /data/pets/train --model digits \
         --model-kwargs img_size=64 in_chans=3 patch_size=4 num_classes=37 --steps 20000
-    torchrun --nproc_per_node 4 tools/train_diffusion.py --config configs/diffusion_digits.yaml          # DDP
-    torchrun --nproc_per_node 8 tools/train_diffusion.py --model sana_600m ... --parallel fsdp \
-        --grad-checkpointing                                                                    # FSDP2
+    torchrun --nproc_per_node 4 -m linvision.tools.train_diffusion --config diffusion_digits    # DDP
+    torchrun --nproc_per_node 8 -m linvision.tools.train_diffusion --config diffusion_sana_600m \
+        --parallel fsdp --grad-checkpointing                                                   # FSDP2
 
 The recipe flags are the fields of linvision.diffusion.DiffusionTrainConfig (YAML keys too). The run folder
 <output>/<experiment> receives config.yaml and the checkpoint last/ (model.safetensors, ema.safetensors,
 model.json, train_state.pt; with --parallel fsdp the sharded dcp/ instead of the .safetensors files); sample
-from it with tools/sample_diffusion.py. Under torchrun --batch-size is still the images per step over all ranks,
-so a run (and its resume, at any world size) takes the same steps; rank 0 owns the run folder and the log.
+from it with linvision-sample-diffusion. Under torchrun --batch-size is still the images per step over all
+ranks, so a run (and its resume, at any world size) takes the same steps; rank 0 owns the run folder and the
+log.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from dataclasses import fields
 import torch
 
 from linvision.diffusion.train import DiffusionTrainConfig, train_dit
-from linvision.engine.cli import run_cli
+from linvision.engine.cli import run_cli, tool_parser
 from linvision.engine.config import add_config_arg, parse_args, parse_kwargs, save_yaml
 from linvision.engine.distributed import cleanup, init_distributed, on_main
 from linvision.engine.files import atomic_write
@@ -42,8 +43,7 @@ def _flag_type(annotation: typing.Any) -> type:
 def build_parser() -> argparse.ArgumentParser:
     """The parser of linvision-train-diffusion: a flag per DiffusionTrainConfig field, the run's flags and
     --config."""
-    p = argparse.ArgumentParser(prog="linvision-train-diffusion", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = tool_parser("linvision-train-diffusion", __doc__)
     recipe = p.add_argument_group("recipe (DiffusionTrainConfig)")
     hints = typing.get_type_hints(DiffusionTrainConfig)
     defaults = DiffusionTrainConfig()

@@ -1,19 +1,25 @@
-"""Top-1 / top-5 accuracy and loss of a checkpoint at one or several resolutions, printed as JSON.
+r"""Top-1 / top-5 accuracy and loss of a checkpoint at one or several resolutions, printed as JSON.
 
-    python tools/validate.py --checkpoint output/digits_demo --img-size 32 64 128
+    linvision-validate --checkpoint output/digits_demo --img-size 32 64 128     # a run's weights at 3 sizes
+    linvision-validate --model mlla_tiny.in1k --pretrained --data-dir /data/imagenet   # published weights
+
+--checkpoint takes a run folder (its best/, else last/) or a checkpoint folder; the data, size, crop and
+normalisation default to the checkpoint's. --model NAME --pretrained evaluates a model's trained weights as
+timm's pretrained=True loads them, on data with the weights' classes (e.g. ImageNet's val/<class>/ folders),
+with the crop and normalisation of their pretrained config, at its size unless --img-size is given. A size the
+model cannot run at is reported as an error entry; the other sizes are still evaluated.
 """
 import argparse
 import json
 
-from linvision.engine.cli import run_cli
+from linvision.engine.cli import run_cli, tool_parser
 from linvision.engine.config import add_config_arg, parse_args
 from linvision.engine.validate import add_validate_args, validate_checkpoint
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of linvision-validate: the validation flags and --config."""
-    parser = argparse.ArgumentParser(prog="linvision-validate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = tool_parser("linvision-validate", __doc__)
     return add_config_arg(add_validate_args(parser))
 
 

@@ -1,11 +1,51 @@
-"""What the tools share: turning expected failures into one clear line and a non-zero exit status, and the
-flags every tool spells the same way."""
+"""What the tools share: their argument parsers' make, turning expected failures into one clear line and a
+non-zero exit status, and the flags every tool spells the same way."""
 from __future__ import annotations
 
+import argparse
+import re
 import sys
-from typing import Callable
+from typing import Callable, Optional
 
-__all__ = ["run_cli", "add_amp_arg", "AMP_CHOICES", "DEFAULT_AMP"]
+__all__ = ["run_cli", "tool_parser", "HelpFormatter", "add_amp_arg", "AMP_CHOICES", "DEFAULT_AMP"]
+
+
+def _default_text(action: argparse.Action) -> Optional[str]:
+    """A flag's default as --help shows it, or None where showing it would say nothing: no default (None,
+    False, empty), a switch without a value (store_true and the like), a required or hidden argument."""
+    default = action.default
+    if action.required or action.help is argparse.SUPPRESS or default is argparse.SUPPRESS:
+        return None
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return "on" if default is True else None
+    if action.nargs == 0 or default is None or default is False or (not action.option_strings and
+                                                                    action.nargs not in ("?", "*")):
+        return None
+    if isinstance(default, (list, tuple)):
+        return " ".join(map(str, default)) if default else None
+    text = str(default)
+    return text if text else None
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The tools' --help: the description printed as written (its examples keep their lines and their
+    continuation backslashes), and each flag's default after its help, as argparse's ArgumentDefaultsHelpFormatter
+    adds it, but only where it tells something: not for switches, for flags without a default, or where the
+    help already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        value = _default_text(action)
+        if value is None or "%(default)" in text or re.search(r"\bdefault\b", text, re.I):
+            return text
+        return f"{text} (default: {value.replace('%', '%%')})".lstrip()
+
+
+def tool_parser(prog: str, doc: Optional[str]) -> argparse.ArgumentParser:
+    """The argument parser of the command ``prog``, described by ``doc`` (the tool's module docstring): the help
+    of :class:`HelpFormatter`, and no abbreviated flags (``--pretrained`` is not taken for ``--pretrained-path``;
+    an unknown flag is an error)."""
+    return argparse.ArgumentParser(prog=prog, description=doc, formatter_class=HelpFormatter, allow_abbrev=False)
 
 AMP_CHOICES = ("none", "bf16", "fp16")
 # A bare --amp: bfloat16 needs no loss scaling and autocasts on CPUs and recent GPUs alike (timm's bare --amp

@@ -307,15 +307,21 @@ def plot_results(points: List[BenchmarkPoint], path: str, title: str = "", label
     """PNG with inference and training throughput and peak memory against resolution (log axes), one line per
     distinct ``point[label_key]``; returns whether it was written (False when no point measured anything).
 
-    Failed points are left out of the lines and marked with an x at the bottom of the panel.
+    The panels sit two to a row with one legend below them all, so no line is hidden behind it; every measured
+    resolution has a tick, and a tick label that would run into its neighbour is left out (the largest size keeps
+    its label). Failed points are left out of the lines and marked with an x at the bottom of the panel.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter, NullLocator
 
     def measured(p: BenchmarkPoint, key: str) -> bool:
         return p["status"] == "ok" and math.isfinite(p[key]) and p[key] > 0
+
+    def number(value: float, _pos=None) -> str:
+        return f"{value:g}"
 
     panels = [("infer_img_s", "inference images/s"), ("train_img_s", "training images/s"),
               ("infer_mem_mb", "inference peak memory (MiB)"), ("train_mem_mb", "training peak memory (MiB)")]
@@ -323,28 +329,64 @@ def plot_results(points: List[BenchmarkPoint], path: str, title: str = "", label
     panels = [(key, label) for key, label in panels if any(measured(p, key) for p in points)]
     if not panels:
         return False
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
-    axes = axes[0]
-    names = list(dict.fromkeys(p[label_key] for p in points))
-    for ax, (key, label) in zip(axes, panels):
-        for name in names:
-            rows = [p for p in points if p[label_key] == name]
+    names = list(dict.fromkeys(str(p[label_key]) for p in points))
+    ncols = min(2, len(panels))
+    nrows = math.ceil(len(panels) / ncols)
+    # legend columns: as many as fit the figure's width (about 16 characters per inch at fontsize 9)
+    width = 4.6 * ncols
+    legend_cols = max(1, min(len(names), int(16 * width) // (max(map(len, names)) + 6)))
+    legend_rows = math.ceil(len(names) / legend_cols)
+    legend_h = 0.25 + 0.22 * legend_rows
+    title_h = 0.35 if title else 0.0
+    height = 3.2 * nrows + legend_h + title_h
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width, height), squeeze=False)
+    sizes = sorted({p["img_size"] for p in points})
+    handles = []
+    for i, (key, label) in enumerate(panels):
+        ax = axes[i // ncols][i % ncols]
+        for n, name in enumerate(names):
+            rows = [p for p in points if str(p[label_key]) == name]
             ok = [(p["img_size"], p[key]) for p in rows if measured(p, key)]
-            line = ax.plot([s for s, _ in ok], [v for _, v in ok], marker="o", label=name)[0]
+            # ten colours, then the same colours dashed with square markers: no two lines look alike
+            line = ax.plot([s for s, _ in ok], [v for _, v in ok], color=f"C{n % 10}", ms=4, label=name,
+                           marker="o" if n < 10 else "s", linestyle="-" if n < 10 else "--")[0]
+            if i == 0:
+                handles.append(line)
             failed = [p["img_size"] for p in rows if p["status"] != "ok"]
             if failed:
-                ax.plot(failed, [ax.get_ylim()[0]] * len(failed), "x", color=line.get_color(), ms=9)
+                ax.plot(failed, [ax.get_ylim()[0]] * len(failed), "x", color=line.get_color(), ms=8)
         ax.set_xscale("log", base=2)
-        sizes = sorted({p["img_size"] for p in points})
+        ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xticks(sizes, [str(s) for s in sizes])
         ax.set_yscale("log")
-        ax.set_xlabel("resolution (px)")
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0), numticks=12))
+        ax.yaxis.set_major_formatter(FuncFormatter(number))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.tick_params(labelsize=8)
+        ax.set_xlabel("resolution (px)", fontsize=9)
         ax.set_title(label, fontsize=10)
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend(fontsize=8)
+        ax.grid(True, which="major", alpha=0.3)
+    for j in range(len(panels), nrows * ncols):
+        axes[j // ncols][j % ncols].set_visible(False)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.legend(handles=handles, loc="lower center", ncol=legend_cols, fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, legend_h / height, 1, 1 - title_h / height * 0.3))
+    # tick labels that would overlap their neighbour are blanked, keeping the largest size's
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for i in range(len(panels)):
+        ax = axes[i // ncols][i % ncols]
+        labels = ax.get_xticklabels()
+        boxes = [t.get_window_extent(renderer) for t in labels]
+        keep = [True] * len(labels)
+        right = math.inf
+        for k in range(len(labels) - 1, -1, -1):  # from the largest size leftwards
+            if boxes[k].x1 + 3 > right:
+                keep[k] = False
+            else:
+                right = boxes[k].x0
+        ax.set_xticks(sizes, [str(s) if kept else "" for s, kept in zip(sizes, keep)])
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True

@@ -149,6 +149,9 @@ def test_formatter_shows_only_defaults_that_say_something():
     parser.add_argument("--flag", action="store_true", help="a switch")
     parser.add_argument("--on", action=argparse.BooleanOptionalAction, default=True, help="a feature")
     parser.add_argument("--off", action=argparse.BooleanOptionalAction, default=False, help="off")
+    # what Python 3.10's BooleanOptionalAction makes of help="old"
+    parser.add_argument("--old", action=argparse.BooleanOptionalAction, default=False,
+                        help="old (default: %(default)s)")
     parser.add_argument("--said", type=int, default=5, help="said (default 5)")
     parser.add_argument("--pct", default="10%", help="a percentage")
     parser.add_argument("--hidden", default=1, help=argparse.SUPPRESS)
@@ -159,6 +162,7 @@ def test_formatter_shows_only_defaults_that_say_something():
     assert entries["--sizes"] == "--sizes SIZES [SIZES ...] sizes (default: 32 64)"
     assert entries["--empty"].endswith("a list") and entries["--none"].endswith("nothing")
     assert entries["--flag"].endswith("a switch") and entries["--off"].endswith("off")
+    assert entries["--old"] == "--old, --no-old old"
     assert entries["--on"] == "--on, --no-on a feature (default: on)"
     assert entries["--said"].endswith("said (default 5)") and entries["--req"].endswith("required")
     assert entries["--pct"].endswith("a percentage (default: 10%)")

@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, nargs="+", default=None, help="token counts (default 1k..256k on GPU, "
                    "1k..16k when counting)")
     p.add_argument("--batch", type=int, default=1, help="batch size B")
-    p.add_argument("--heads", type=int, default=None, help="default 16 on GPU, 2 when counting")
+    p.add_argument("--heads", type=int, default=None, help="attention heads H (default 16 on GPU, 2 when counting)")
     p.add_argument("--dim", type=int, default=64, help="head dim D (= Dv)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="dtype of the queries, keys and values")

@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--train", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure training steps")
     parser.add_argument("--output", default="output", help="parent folder of the results folder <output>/<experiment>")
-    parser.add_argument("--experiment", default=None, help="default: benchmark-<time>")
+    parser.add_argument("--experiment", default=None,
+                        help="results folder name under --output (default: benchmark-<time>)")
     return add_config_arg(parser)
 
 

@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--checkpoint", default=None, help="a linvision checkpoint or run folder instead of --model")
     out = p.add_argument_group("export")
     out.add_argument("--output", required=True, help="the file to write (.onnx or .pt2)")
-    out.add_argument("--format", choices=FORMATS, default=None, help="default: from the output's suffix")
+    out.add_argument("--format", choices=FORMATS, default=None,
+                     help="file format (default: from the suffix of --output)")
     out.add_argument("--img-size", type=int, nargs="+", default=None,
                      help="example size H [W] traced (default: the model's input size)")
     out.add_argument("--static", action="store_true", help="fix batch, height and width to the example's")

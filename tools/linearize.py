@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data-dir", default=None,
                         help="folder with train/ and val/ class sub-folders, or a torchvision dataset's root "
                              "(digits and photos need none)")
-    parser.add_argument("--img-size", type=int, default=None, help="default: the teacher's training size")
+    parser.add_argument("--img-size", type=int, default=None,
+                        help="image side in pixels (default: the teacher's training size)")
     parser.add_argument("--batch-size", type=int, default=64, help="images per transfer step and per held-out batch")
     parser.add_argument("--steps", type=int, default=200, help="attention-transfer steps")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate of the attention transfer")

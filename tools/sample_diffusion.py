@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of linvision-sample-diffusion."""
     p = tool_parser("linvision-sample-diffusion", __doc__)
     p.add_argument("checkpoint", help="run folder (uses its last/) or checkpoint folder")
-    p.add_argument("--classes", type=int, nargs="*", default=None, help="default: every class")
+    p.add_argument("--classes", type=int, nargs="*", default=None,
+                   help="class indices to sample, a row each (default: every class)")
     p.add_argument("--captions", default=None, help="caption model: a safetensors file of 'context' (K, L, C') and "
                    "'mask' (K, L) (default: the training captions)")
     p.add_argument("--num-captions", type=int, default=8, help="caption model: sample the first this many captions")

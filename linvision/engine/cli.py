@@ -1,5 +1,5 @@
-"""What the tools share: their argument parsers' make, turning expected failures into one clear line and a
-non-zero exit status, and the flags every tool spells the same way."""
+"""What the tools share: the argument parser each is built on, turning expected failures into one clear line and
+a non-zero exit status, and the flags every tool spells the same way."""
 from __future__ import annotations
 
 import argparse
@@ -35,6 +35,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
+        if isinstance(action, argparse.BooleanOptionalAction):  # Python 3.10 appends its own, for False too
+            text = text.removesuffix(" (default: %(default)s)")
         value = _default_text(action)
         if value is None or "%(default)" in text or re.search(r"\bdefault\b", text, re.I):
             return text
@@ -46,6 +48,7 @@ def tool_parser(prog: str, doc: Optional[str]) -> argparse.ArgumentParser:
     of :class:`HelpFormatter`, and no abbreviated flags (``--pretrained`` is not taken for ``--pretrained-path``;
     an unknown flag is an error)."""
     return argparse.ArgumentParser(prog=prog, description=doc, formatter_class=HelpFormatter, allow_abbrev=False)
+
 
 AMP_CHOICES = ("none", "bf16", "fp16")
 # A bare --amp: bfloat16 needs no loss scaling and autocasts on CPUs and recent GPUs alike (timm's bare --amp

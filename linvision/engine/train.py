@@ -74,7 +74,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--pretrained-path", "--initial-checkpoint", default=None,
                    help="local weights (safetensors, .pth/.pth.tar or checkpoint folder); the head is reset when "
                         "the number of classes differs")
-    g.add_argument("--num-classes", type=int, default=None, help="default: the dataset's")
+    g.add_argument("--num-classes", type=int, default=None,
+                   help="classes of the classifier (default: the dataset's)")
     g.add_argument("--in-chans", type=int, default=3, help="input channels the model is built for")
     g.add_argument("--grad-checkpointing", action="store_true",
                    help="recompute activations in the backward pass (less memory, more compute)")
@@ -82,7 +83,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g = parser.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, default=10, help="training epochs (the length of the schedule)")
-    g.add_argument("--batch-size", "-b", type=int, default=64, help="per rank")
+    g.add_argument("--batch-size", "-b", type=int, default=64, help="images per step on each rank")
     g.add_argument("--opt", default="adamw", help="timm optimizer name (e.g. adamw, sgd, lamb)")
     g.add_argument("--lr", type=float, default=1e-3,
                    help="peak learning rate, reached after the warm-up (not scaled by batch size or ranks)")

@@ -28,7 +28,9 @@ def add_validate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--pretrained", action="store_true",
                         help="evaluate --model's trained weights, as timm's pretrained=True loads them (downloaded "
                              "once into timm's cache); the data's classes must be the weights' (e.g. ImageNet's)")
-    parser.add_argument("--dataset", default=None, help="default: the dataset the checkpoint was trained on")
+    parser.add_argument("--dataset", default=None,
+                        help="'folder', 'digits' or a torchvision dataset, as in linvision-train (default: the "
+                             "dataset the checkpoint was trained on; with --pretrained, 'folder')")
     parser.add_argument("--data-dir", default=None,
                         help="folder with the val/ class sub-folders, or a torchvision dataset's root (digits and "
                              "photos need none)")

@@ -27,6 +27,12 @@ DEFAULT_FILTER = ("lin*", "mlla*", "ravlt*")
 COMMAND = "linvision-model-table --json docs/models.json"
 FAMILIES = (("linvit_", "linvit"), ("linhier_delta_", "linhier (delta rule)"), ("linhier_gcnn_", "linhier (Gated CNN)"),
             ("linhier_", "linhier"), ("mlla_", "MLLA"), ("ravlt_", "RAVLT"))  # first matching prefix names the family
+UNTRAINED_USE = {  # what each family without trained weights is for, in README's line about them
+    "linhier (delta rule)": "the bidirectional delta rule in every stage",
+    "linhier": "linear attention with 2D RoPE in every stage",
+    "linhier (Gated CNN)": "MambaOut's Gated CNN, no token mixer: the baseline of ablations",
+    "linvit": "isotropic ViTs; `.deit_fb_in1k` loads DeiT's softmax weights as the start of linearization",
+}
 FRONT_ORDER = ("MLLA", "RAVLT", "linhier (delta rule)", "linhier", "linhier (Gated CNN)", "linvit")  # trained first
 
 
@@ -83,14 +89,30 @@ def full_table(rows: List[Dict]) -> str:
 
 
 def front_table(rows: List[Dict]) -> str:
+    """README's table: the models with trained weights, then one paragraph naming the others by family."""
     size = rows[0]["size"] if rows else 224
-    lines = [f"| family | model | params (M) | GFLOPs @ {size} | `pretrained=True` loads | published top-1 |",
-             "|---|---|---:|---:|---|---:|"]
-    for r in sorted(rows, key=lambda r: (_family_order(r["model"]), r["params_m"])):
+    lines = [f"| model | params (M) | GFLOPs @ {size} | `pretrained=True` loads | published top-1 |",
+             "|---|---:|---:|---|---:|"]
+    trained = [r for r in rows if _has_weights(r["model"])]
+    for r in sorted(trained, key=lambda r: (_family_order(r["model"]), r["params_m"])):
+        cfg = timm.models.get_pretrained_cfg(r["model"])
         top1 = published_top1(r["model"])
-        lines.append(f"| {family(r['model'])} | `{r['model']}` | {r['params_m']:.1f} | {r['gflops']:.2f} | "
-                     f"{_short_weights(r['model'])} | {'—' if top1 is None else f'{top1:.1f}'} |")
+        lines.append(f"| `{r['model']}.{cfg.tag}` | {r['params_m']:.1f} | {r['gflops']:.2f} | "
+                     f"{cfg.description.split(' (')[0]} | {'—' if top1 is None else f'{top1:.1f}'} |")
+    rest: Dict[str, List[str]] = {}
+    for r in sorted(rows, key=lambda r: (_family_order(r["model"]), r["params_m"])):
+        if not _has_weights(r["model"]):
+            rest.setdefault(family(r["model"]), []).append(f"`{r['model']}`")
+    if rest:
+        parts = [f"{label}: {', '.join(names)} ({UNTRAINED_USE[label]})" for label, names in rest.items()]
+        lines += ["", "Without trained weights, to train from scratch (`pretrained=True` is an error naming the "
+                      "models above): " + "; ".join(parts) + "."]
     return "\n".join(lines)
+
+
+def _has_weights(name: str) -> bool:
+    cfg = timm.models.get_pretrained_cfg(name)
+    return bool(cfg is not None and cfg.has_weights)
 
 
 def family(name: str) -> str:
@@ -117,14 +139,6 @@ def weights_text(name: str) -> str:
         return f"`.{cfg.tag}`: {cfg.description}"
     tagged = [timm.models.get_pretrained_cfg(t) for t in timm.list_pretrained(f"{name}.*")]
     return "an error (no trained weights)" + "".join(f"; `.{c.tag}` loads {c.description}" for c in tagged)
-
-
-def _short_weights(name: str) -> str:
-    cfg = timm.models.get_pretrained_cfg(name)
-    if cfg is not None and cfg.has_weights:
-        return f"the authors' ImageNet-1k weights (`.{cfg.tag}`)"
-    tags = [timm.models.get_pretrained_cfg(t).tag for t in timm.list_pretrained(f"{name}.*")]
-    return "an error (none yet)" + "".join(f"; `.{t}`: DeiT's softmax weights, converted" for t in tags)
 
 
 def _mixers(model) -> str:

@@ -477,3 +477,31 @@ def test_token_mixer_takes_a_class_as_well_as_a_name(name, kwargs, arg):
         torch.testing.assert_close(by_class(x), by_name(x), rtol=0, atol=0)
     with pytest.raises(ValueError, match="unknown.*'linear_ropee'"):
         _create(name, **{**kwargs, arg: "linear_ropee"})
+
+
+def test_entry_point_defaults_give_way_and_options_never_vanish():
+    """Any entry-point default can be overridden through timm.create_model (token_mixers, sizes); a caller's mixer
+    option reaches every stage whose mixer takes it, merged with the family's defaults (RAVLT keeps its RoPE and
+    LePE with a new feature map); an option no stage's mixer takes fails in one line naming it and the mixer."""
+    from linvision.layers import LinearRopeAttention
+
+    model = timm.create_model("linhier_delta_femto_224", token_mixers="linear_rope", depths=(1, 1, 1, 1))
+    assert model.token_mixers == ("linear_rope",) * 4 and [len(s.blocks) for s in model.stages] == [1, 1, 1, 1]
+    assert isinstance(model.stages[0].blocks[0].mixer, LinearRopeAttention)
+    vit = timm.create_model("linvit_small_patch16_rope_mixed_224", rope="axial", depth=2, embed_dim=64, num_heads=2)
+    assert vit.blocks[0].mixer.rope_type == "axial" and len(vit.blocks) == 2
+
+    ravlt = timm.create_model("ravlt_tiny", depths=(1, 1, 1, 1), mixer_kwargs=dict(feature_map="relu"))
+    rala = ravlt.stages[0].blocks[0].mixer
+    assert rala.feature_map_name == "relu" and rala.rope_type == "axial" and rala.lepe is not None
+    default = timm.create_model("ravlt_tiny", depths=(1, 1, 1, 1)).stages[0].blocks[0].mixer
+    assert default.feature_map_name != "relu" and default.rope_type == "axial"
+
+    with pytest.raises(ValueError, match=r"^mixer_kwargs: 'feture_map' is not an option of the bidir_delta mixer"):
+        timm.create_model("linhier_delta_femto_224", mixer_kwargs=dict(feture_map="relu"))
+    with pytest.raises(ValueError, match=r"'lepee' is not an option of the linear_rope mixer"):
+        timm.create_model("linvit_tiny_patch16_rope_224", mixer_kwargs=dict(lepee=True))
+    # an option of one stage's mixer is accepted and reaches that stage only (the Gated CNN has no feature map)
+    mixed = timm.create_model("linhier_tiny_224", token_mixers="none,none,linear,linear", depths=(1, 1, 1, 1),
+                              mixer_kwargs=dict(feature_map="relu"))
+    assert mixed.stages[2].blocks[0].mixer.feature_map_name == "relu"

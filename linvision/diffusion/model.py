@@ -28,7 +28,7 @@ from timm.layers import Mlp
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from linvision.layers import init_model_weights, no_weight_decay_of
+from linvision.layers import init_model_weights, merge_options, no_weight_decay_of
 
 from .block import SanaBlock, modulate
 
@@ -270,5 +270,4 @@ def create_dit(config: "str | DiTConfig | Dict[str, Any]", **overrides: Any) -> 
         cfg = dict(config)
     else:
         raise TypeError(f"config: expected a name, a DiTConfig or a dict, got {type(config).__name__}")
-    cfg.update(overrides)
-    return LinDiT(DiTConfig.from_dict(cfg))
+    return LinDiT(DiTConfig.from_dict(merge_options(cfg, **overrides)))

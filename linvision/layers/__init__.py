@@ -11,6 +11,7 @@ from .registry import (
     takes_prefix_tokens,
 )
 from .weight_init import init_linear_weights, init_model_weights
+from .options import merge_options, stage_mixer_options
 from .mixers import (
     AttentionMixer,
     CausalLinearAttention,

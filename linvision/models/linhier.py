@@ -30,15 +30,16 @@ from timm.layers import ClassifierHead, ClNormMlpClassifierHead, LayerNorm
 from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
-from linvision.layers import MixerBlock, init_model_weights, mixer_options, no_weight_decay_of, parse_mixer_list
+from linvision.layers import (MixerBlock, init_model_weights, merge_options, no_weight_decay_of, parse_mixer_list,
+                              stage_mixer_options)
 from linvision.layers.registry import MixerSpec
 
 from .published import require_weights
 
 __all__ = ["LinHier"]
 
-# Options every attention stage receives unless ``mixer_kwargs`` overrides them (the gate of the MLLA block);
-# mixers without such an option (the Gated CNN) do not receive it.
+# The family's default mixer options: every stage whose mixer takes one receives it (the gate of the MLLA block);
+# mixers without it (the Gated CNN) do not. ``mixer_kwargs`` overrides them.
 _DEFAULT_MIXER_KWARGS = dict(gate=True)
 
 
@@ -117,7 +118,10 @@ class LinHier(nn.Module):
         dims: channels per stage (4 values).
         num_heads: heads per stage (4 values).
         token_mixers: one mixer (a registered name or a mixer class), 4 comma-separated names, or a sequence of 4.
-        mixer_kwargs: options for the mixers (default: gate=True); each mixer receives the options it has.
+        mixer_kwargs: the caller's options for the mixers; each stage's mixer receives those it has, and each must
+            be an option of at least one stage's mixer (ValueError naming it otherwise).
+        mixer_defaults: the family's options (default: gate=True), given to the stages whose mixer takes them and
+            overridden by ``mixer_kwargs``.
         mlp_ratio: MLP hidden size / dim.
         img_size: nominal input size (recorded; nothing depends on it).
         stem_layer: built as ``stem_layer(in_chans, dims[0])`` (default: :class:`Stem` with ``norm_layer`` and
@@ -142,6 +146,7 @@ class LinHier(nn.Module):
         num_heads: Sequence[int] = (2, 4, 8, 16),
         token_mixers: Union[MixerSpec, Sequence[MixerSpec]] = "linear_rope",
         mixer_kwargs: Optional[Dict[str, Any]] = None,
+        mixer_defaults: Optional[Dict[str, Any]] = None,
         mlp_ratio: float = 4.0,
         drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
@@ -171,7 +176,8 @@ class LinHier(nn.Module):
         self.img_size = img_size
         self.drop_rate = drop_rate
         self.output_fmt = "NHWC"
-        shared = dict(_DEFAULT_MIXER_KWARGS, **(mixer_kwargs or {}))
+        stage_options = stage_mixer_options(
+            self.token_mixers, mixer_kwargs, _DEFAULT_MIXER_KWARGS if mixer_defaults is None else mixer_defaults)
 
         self.stem = stem_layer(in_chans, dims[0])
         rates = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
@@ -180,9 +186,8 @@ class LinHier(nn.Module):
         in_dim, stride, start = dims[0], 4, 0
         for i, (depth, dim, heads, mixer) in enumerate(zip(depths, dims, num_heads, self.token_mixers)):
             stride *= 2 if i > 0 else 1
-            options = {k: v for k, v in shared.items() if k in mixer_options(mixer)}
             self.stages.append(HierStage(
-                dim, depth, heads, mixer, options, downsample_layer(in_dim, dim) if i > 0 else None, mlp_ratio,
+                dim, depth, heads, mixer, stage_options[i], downsample_layer(in_dim, dim) if i > 0 else None, mlp_ratio,
                 rates[start:start + depth], norm_layer, act_layer,
                 dict(block_kwargs, layer_scale_init=layer_scale_init[i]),
             ))
@@ -343,29 +348,30 @@ _SMALL = dict(depths=(3, 6, 21, 6), dims=(64, 128, 256, 512), num_heads=(2, 4, 8
 
 @register_model
 def linhier_tiny_224(pretrained: bool = False, **kwargs) -> LinHier:
-    return _create_linhier("linhier_tiny_224", pretrained, **dict(_TINY, **kwargs))
+    return _create_linhier("linhier_tiny_224", pretrained, **merge_options(_TINY, **kwargs))
 
 
 @register_model
 def linhier_small_224(pretrained: bool = False, **kwargs) -> LinHier:
-    return _create_linhier("linhier_small_224", pretrained, **dict(_SMALL, **kwargs))
+    return _create_linhier("linhier_small_224", pretrained, **merge_options(_SMALL, **kwargs))
 
 
 @register_model
 def linhier_base_224(pretrained: bool = False, **kwargs) -> LinHier:
     args = dict(depths=(3, 6, 21, 6), dims=(96, 192, 384, 768), num_heads=(3, 6, 12, 24))
-    return _create_linhier("linhier_base_224", pretrained, **dict(args, **kwargs))
+    return _create_linhier("linhier_base_224", pretrained, **merge_options(args, **kwargs))
 
 
 @register_model
 def linhier_gcnn_femto_224(pretrained: bool = False, **kwargs) -> LinHier:
-    return _create_linhier("linhier_gcnn_femto_224", pretrained, **dict(_FEMTO, token_mixers="none", **kwargs))
+    args = merge_options(_FEMTO, dict(token_mixers="none"), **kwargs)
+    return _create_linhier("linhier_gcnn_femto_224", pretrained, **args)
 
 
 @register_model
 def linhier_gcnn_tiny_224(pretrained: bool = False, **kwargs) -> LinHier:
     args = dict(depths=(2, 2, 7, 2), dims=(80, 160, 320, 576), num_heads=(2, 4, 8, 16), token_mixers="none")
-    return _create_linhier("linhier_gcnn_tiny_224", pretrained, **dict(args, **kwargs))
+    return _create_linhier("linhier_gcnn_tiny_224", pretrained, **merge_options(args, **kwargs))
 
 
 # The bidirectional delta rule in every stage: the best hierarchical mixer of the project's comparisons (docs/results.md).
@@ -374,14 +380,14 @@ _DELTA = dict(token_mixers="bidir_delta")
 
 @register_model
 def linhier_delta_femto_224(pretrained: bool = False, **kwargs) -> LinHier:
-    return _create_linhier("linhier_delta_femto_224", pretrained, **dict(_FEMTO, **_DELTA, **kwargs))
+    return _create_linhier("linhier_delta_femto_224", pretrained, **merge_options(_FEMTO, _DELTA, **kwargs))
 
 
 @register_model
 def linhier_delta_tiny_224(pretrained: bool = False, **kwargs) -> LinHier:
-    return _create_linhier("linhier_delta_tiny_224", pretrained, **dict(_TINY, **_DELTA, **kwargs))
+    return _create_linhier("linhier_delta_tiny_224", pretrained, **merge_options(_TINY, _DELTA, **kwargs))
 
 
 @register_model
 def linhier_delta_small_224(pretrained: bool = False, **kwargs) -> LinHier:
-    return _create_linhier("linhier_delta_small_224", pretrained, **dict(_SMALL, **_DELTA, **kwargs))
+    return _create_linhier("linhier_delta_small_224", pretrained, **merge_options(_SMALL, _DELTA, **kwargs))

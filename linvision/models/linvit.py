@@ -46,8 +46,8 @@ from timm.layers import LayerNorm, PatchEmbed, global_pool_nlc, resample_abs_pos
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
-from linvision.layers import (MixerBlock, check_prefix_tokens, init_model_weights, mixer_options,
-                              no_weight_decay_of)
+from linvision.layers import (MixerBlock, check_prefix_tokens, init_model_weights, merge_options,
+                              no_weight_decay_of, stage_mixer_options)
 from linvision.layers.mixers import ROPE_TYPES
 
 from .published import require_weights
@@ -140,9 +140,8 @@ class LinViT(nn.Module):
         self.reg_token = nn.Parameter(torch.zeros(1, reg_tokens, embed_dim)) if reg_tokens else None
         embed_len = self.patch_embed.num_patches + (0 if no_embed_class else self.num_prefix_tokens)
         self.pos_embed = nn.Parameter(torch.zeros(1, embed_len, embed_dim)) if rope is None else None
-        options = dict(mixer_kwargs or {})
-        if rope is not None and "rope" in mixer_options(token_mixer):
-            options["rope"] = rope
+        # the RoPE variant reaches a mixer that takes it; the caller's options must all fit the mixer
+        options = stage_mixer_options([token_mixer], mixer_kwargs, dict(rope=rope) if rope is not None else None)[0]
         rates = torch.linspace(0, drop_path_rate, depth).tolist()
         self.blocks = nn.Sequential(*[
             MixerBlock(embed_dim, num_heads, token_mixer, options, mlp_ratio, rates[i], proj_drop_rate,
@@ -496,35 +495,35 @@ _ROPE = dict(token_mixer="linear_rope", rope="axial")
 
 @register_model
 def linvit_tiny_patch16_224(pretrained: bool = False, **kwargs) -> LinViT:
-    return _create_linvit("linvit_tiny_patch16_224", pretrained, **dict(_TINY, **kwargs))
+    return _create_linvit("linvit_tiny_patch16_224", pretrained, **merge_options(_TINY, **kwargs))
 
 
 @register_model
 def linvit_small_patch16_224(pretrained: bool = False, **kwargs) -> LinViT:
-    return _create_linvit("linvit_small_patch16_224", pretrained, **dict(_SMALL, **kwargs))
+    return _create_linvit("linvit_small_patch16_224", pretrained, **merge_options(_SMALL, **kwargs))
 
 
 @register_model
 def linvit_base_patch16_224(pretrained: bool = False, **kwargs) -> LinViT:
-    return _create_linvit("linvit_base_patch16_224", pretrained, **dict(_BASE, **kwargs))
+    return _create_linvit("linvit_base_patch16_224", pretrained, **merge_options(_BASE, **kwargs))
 
 
 @register_model
 def linvit_tiny_patch16_rope_224(pretrained: bool = False, **kwargs) -> LinViT:
-    return _create_linvit("linvit_tiny_patch16_rope_224", pretrained, **dict(_TINY, **_ROPE) | kwargs)
+    return _create_linvit("linvit_tiny_patch16_rope_224", pretrained, **merge_options(_TINY, _ROPE, **kwargs))
 
 
 @register_model
 def linvit_small_patch16_rope_224(pretrained: bool = False, **kwargs) -> LinViT:
-    return _create_linvit("linvit_small_patch16_rope_224", pretrained, **dict(_SMALL, **_ROPE) | kwargs)
+    return _create_linvit("linvit_small_patch16_rope_224", pretrained, **merge_options(_SMALL, _ROPE, **kwargs))
 
 
 @register_model
 def linvit_base_patch16_rope_224(pretrained: bool = False, **kwargs) -> LinViT:
-    return _create_linvit("linvit_base_patch16_rope_224", pretrained, **dict(_BASE, **_ROPE) | kwargs)
+    return _create_linvit("linvit_base_patch16_rope_224", pretrained, **merge_options(_BASE, _ROPE, **kwargs))
 
 
 @register_model
 def linvit_small_patch16_rope_mixed_224(pretrained: bool = False, **kwargs) -> LinViT:
-    args = dict(_SMALL, **_ROPE) | dict(rope="mixed")
-    return _create_linvit("linvit_small_patch16_rope_mixed_224", pretrained, **args | kwargs)
+    args = merge_options(_SMALL, _ROPE, dict(rope="mixed"), **kwargs)
+    return _create_linvit("linvit_small_patch16_rope_mixed_224", pretrained, **args)

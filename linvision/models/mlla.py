@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from timm.layers import ConvNormAct, LayerNorm
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
+from linvision.layers import merge_options
 from linvision.ops import halves_from_interleaved
 
 from .linhier import LinHier
@@ -161,7 +162,7 @@ def _create_mlla(variant: str, pretrained: bool = False, **kwargs) -> LinHier:
         Mlla, variant, pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,
         feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls="getter"),
-        **published_file_overlay(dict(args, **kwargs)),
+        **published_file_overlay(merge_options(args, **kwargs)),
     )
 
 
@@ -173,18 +174,18 @@ def _heads(dims):
 def mlla_tiny(pretrained: bool = False, **kwargs) -> LinHier:
     dims = (64, 128, 256, 512)
     args = dict(depths=(2, 4, 8, 4), dims=dims, num_heads=_heads(dims))
-    return _create_mlla("mlla_tiny", pretrained, **dict(args, **kwargs))
+    return _create_mlla("mlla_tiny", pretrained, **merge_options(args, **kwargs))
 
 
 @register_model
 def mlla_small(pretrained: bool = False, **kwargs) -> LinHier:
     dims = (64, 128, 256, 512)
     args = dict(depths=(3, 6, 21, 6), dims=dims, num_heads=_heads(dims))
-    return _create_mlla("mlla_small", pretrained, **dict(args, **kwargs))
+    return _create_mlla("mlla_small", pretrained, **merge_options(args, **kwargs))
 
 
 @register_model
 def mlla_base(pretrained: bool = False, **kwargs) -> LinHier:
     dims = (96, 192, 384, 768)
     args = dict(depths=(3, 6, 21, 6), dims=dims, num_heads=_heads(dims))
-    return _create_mlla("mlla_base", pretrained, **dict(args, **kwargs))
+    return _create_mlla("mlla_base", pretrained, **merge_options(args, **kwargs))

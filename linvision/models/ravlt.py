@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from timm.layers import ConvNormAct
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
-from linvision.layers import DwConvMlp
+from linvision.layers import DwConvMlp, merge_options
 from linvision.ops import halves_from_interleaved
 
 from .linhier import LinHier
@@ -157,7 +157,7 @@ class Ravlt(LinHier):
 
 def _create_ravlt(variant: str, pretrained: bool = False, **kwargs) -> LinHier:
     args = dict(
-        token_mixers="rala,rala,softmax,softmax", mixer_kwargs=_MIXER_KWARGS, mlp_ratio=3.5, stem_layer=RavltStem,
+        token_mixers="rala,rala,softmax,softmax", mixer_defaults=_MIXER_KWARGS, mlp_ratio=3.5, stem_layer=RavltStem,
         downsample_layer=partial(ChannelsLastConv, kernel_size=3, stride=2, apply_act=False),
         block_kwargs=dict(cpe="first", mlp_layer=DwConvMlp),
         final_layer=partial(ChannelsLastConv, out_chs=1024, act_layer=nn.SiLU),
@@ -166,7 +166,7 @@ def _create_ravlt(variant: str, pretrained: bool = False, **kwargs) -> LinHier:
         Ravlt, variant, pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,
         feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls="getter"),
-        **published_file_overlay(dict(args, **kwargs)),
+        **published_file_overlay(merge_options(args, **kwargs)),
     )
 
 
@@ -176,25 +176,25 @@ def _create_ravlt(variant: str, pretrained: bool = False, **kwargs) -> LinHier:
 def ravlt_tiny(pretrained: bool = False, **kwargs) -> LinHier:
     dims = (64, 128, 256, 512)
     args = dict(depths=(2, 2, 6, 2), dims=dims, num_heads=(1, 2, 4, 8), layer_scale_init=1.0)
-    return _create_ravlt("ravlt_tiny", pretrained, **dict(args, **kwargs))
+    return _create_ravlt("ravlt_tiny", pretrained, **merge_options(args, **kwargs))
 
 
 @register_model
 def ravlt_small(pretrained: bool = False, **kwargs) -> LinHier:
     dims = (64, 128, 320, 512)
     args = dict(depths=(3, 5, 9, 3), dims=dims, num_heads=(1, 2, 5, 8), layer_scale_init=1.0)
-    return _create_ravlt("ravlt_small", pretrained, **dict(args, **kwargs))
+    return _create_ravlt("ravlt_small", pretrained, **merge_options(args, **kwargs))
 
 
 @register_model
 def ravlt_base(pretrained: bool = False, **kwargs) -> LinHier:
     dims = (96, 192, 384, 512)
     args = dict(depths=(4, 6, 12, 6), dims=dims, num_heads=(1, 2, 6, 8), layer_scale_init=(1.0, 1.0, 1e-6, 1e-6))
-    return _create_ravlt("ravlt_base", pretrained, **dict(args, **kwargs))
+    return _create_ravlt("ravlt_base", pretrained, **merge_options(args, **kwargs))
 
 
 @register_model
 def ravlt_large(pretrained: bool = False, **kwargs) -> LinHier:
     dims = (96, 192, 448, 640)
     args = dict(depths=(4, 7, 19, 8), dims=dims, num_heads=(1, 2, 7, 10), layer_scale_init=1e-6)
-    return _create_ravlt("ravlt_large", pretrained, **dict(args, **kwargs))
+    return _create_ravlt("ravlt_large", pretrained, **merge_options(args, **kwargs))

@@ -9,10 +9,16 @@ A page asks for one with a marker line:
 - ``<!-- model-cards: PATTERN -->``: a card per model whose timm name matches PATTERN, from its pretrained config
   and ``docs/models.json``.
 
-A marker naming an unknown command or matching no model fails the build.
+A marker naming an unknown command or matching no model fails the build. Every generated cell is Markdown whose
+text outside code spans has ``&``, ``<`` and ``>`` escaped, so a placeholder such as ``torch/<name>`` prints as
+written instead of vanishing as an unknown HTML tag.
+
+The hooks also render the formulas: ``$...$`` and ``$$...$$`` (pymdownx.arithmatex, generic mode) become MathML
+with latex2mathml when the page is built, so the manual needs neither a network nor JavaScript to show them.
 """
 import argparse
 import fnmatch
+import html
 import importlib
 import os
 import re
@@ -30,8 +36,20 @@ def _scripts() -> dict:
     return {name: target.split(":")[0] for name, target in scripts.items()}
 
 
+CODE_SPAN = re.compile(r"(`+)(.+?)\1")
+
+
+def _escape(text: str) -> str:
+    """HTML-escape ``&``, ``<`` and ``>`` outside Markdown code spans (inside them Markdown escapes them itself)."""
+    out, pos = [], 0
+    for m in CODE_SPAN.finditer(text):
+        out += [html.escape(text[pos:m.start()], quote=False), m.group(0)]
+        pos = m.end()
+    return "".join(out + [html.escape(text[pos:], quote=False)])
+
+
 def _cell(text) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
+    return _escape(str(text).replace("|", "\\|").replace("\n", " "))
 
 
 def _default(action: argparse.Action) -> str:
@@ -41,14 +59,28 @@ def _default(action: argparse.Action) -> str:
     return f"`{value}`" if str(value) != "" else "`''`"
 
 
+USAGE_WIDTH = 96  # columns of the printed usage: the code block fits the content column of a 1400 px window
+
+
+def _usage(parser: argparse.ArgumentParser) -> str:
+    """The parser's usage as a terminal USAGE_WIDTH columns wide prints it, a list of choices too long for a line
+    shown by the flag's name (the table below lists the choices)."""
+    for action in parser._actions:
+        if action.choices is not None and action.metavar is None and len(",".join(map(str, action.choices))) > 40:
+            action.metavar = action.dest.upper()
+    formatter = parser.formatter_class(prog=parser.prog, width=USAGE_WIDTH)
+    formatter.add_usage(parser.usage, parser._actions, parser._mutually_exclusive_groups)
+    return formatter.format_help()
+
+
 def flags_table(command: str) -> str:
     scripts = _scripts()
     if command not in scripts:
         raise ValueError(f"docs: flags marker names {command!r}, not a command of pyproject.toml "
                          f"({', '.join(sorted(scripts))})")
     parser = importlib.import_module(scripts[command]).build_parser()
-    usage = textwrap.dedent(" " * 7 + parser.format_usage().strip().removeprefix("usage: "))
     rows = ["| flag | default | what it sets |", "|---|---|---|"]
+    usage = textwrap.dedent(" " * 7 + _usage(parser).strip().removeprefix("usage: "))
     for action in parser._actions:
         if isinstance(action, argparse._HelpAction):
             continue
@@ -58,7 +90,7 @@ def flags_table(command: str) -> str:
             helptext += f" (one of: {', '.join(map(str, action.choices))})"
         rows.append(f"| {names} | {_cell(_default(action))} | {_cell(helptext)} |")
     return (f"```\n{usage}\n```\n\nGenerated from the command's own parser when this manual is built "
-            f"(`{command} --help` prints the same).\n\n" + "\n".join(rows) + "\n")
+            f"(`{command} --help` prints the same flags).\n\n" + "\n".join(rows) + "\n")
 
 
 def _models() -> list:
@@ -66,9 +98,23 @@ def _models() -> list:
     return read_rows(os.path.join(ROOT, "docs", "models.json"))
 
 
+TAG_LOADS = re.compile(r"; `\.([\w-]+)` loads (.+?) \|$")
+
+
 def model_table() -> str:
+    """The table of every model. A tag's description that repeats down the last column (the same weights for
+    every model of a family) is printed once under the table, and the cells name the tag."""
     from linvision.tools.model_table import COMMAND, full_table
-    return f"Made by `{COMMAND}` (stored in `docs/models.json`):\n\n" + full_table(_models()) + "\n"
+    lines, notes = [], {}
+    for line in full_table(_models()).splitlines():
+        m = TAG_LOADS.search(line)
+        if m:
+            notes.setdefault(m.group(1), m.group(2))
+            line = line[:m.start()] + f"; `.{m.group(1)}`: see below |"
+        lines.append(_escape(line))
+    below = "".join(f"\n`.{tag}` loads {_escape(text)}." for tag, text in notes.items())
+    return (f"Made by `{COMMAND}` (stored in `docs/models.json`):\n\n" + "\n".join(lines) + "\n"
+            + (f"\n{below.strip()}\n" if below else ""))
 
 
 def model_cards(pattern: str) -> str:
@@ -83,7 +129,7 @@ def model_cards(pattern: str) -> str:
         source = f"[{cfg.origin_url}]({cfg.origin_url})" if cfg.origin_url else "linvision"
         paper = f"{cfg.paper_name} ({cfg.paper_ids})" if cfg.paper_name else "—"
         top1 = published_top1(r["model"])
-        out += [f"### `{r['model']}`", "",
+        out += [f"### `{r['model']}`", "", '<div class="model-card" markdown="1">', "",
                 "| | |", "|---|---|",
                 f"| token mixers | {_cell(r['mixers'])} |",
                 f"| params | {r['params_m']:.1f} M |",
@@ -93,7 +139,7 @@ def model_cards(pattern: str) -> str:
                 f"| source | {source} |", f"| paper | {_cell(paper)} |",
                 f"| licence | {_cell(cfg.license or '—')} |",
                 f"| `pretrained=True` loads | {_cell(weights_text(r['model']))} |",
-                f"| published ImageNet-1k top-1 | {top1 if top1 is not None else '—'} |", ""]
+                f"| published ImageNet-1k top-1 | {top1 if top1 is not None else '—'} |", "", "</div>", ""]
     out.append(f"Params and GFLOPs made by `{COMMAND}`; the rest is the model's pretrained config.")
     return "\n".join(out) + "\n"
 
@@ -107,3 +153,29 @@ def on_page_markdown(markdown, page, config, files):
             return model_table()
         return model_cards(arg)
     return MARKER.sub(replace, markdown)
+
+
+MATH = re.compile(r'<(span|div) class="arithmatex">(.*?)</\1>', re.S)
+
+
+def _mathml(m, page) -> str:
+    from latex2mathml.converter import convert
+    block = m.group(1) == "div"
+    tex = html.unescape(m.group(2)).strip()
+    opener, closer = (r"\[", r"\]") if block else (r"\(", r"\)")
+    if not (tex.startswith(opener) and tex.endswith(closer)):
+        raise ValueError(f"docs: {page}: unexpected math markup {m.group(0)[:80]!r}")
+    tex = tex[2:-2].strip()
+    try:
+        mathml = convert(tex, display="block" if block else "inline")
+    except Exception as e:
+        raise ValueError(f"docs: {page}: latex2mathml cannot convert {tex!r}: {e!r}") from e
+    unknown = re.findall(r"\\[A-Za-z]+", mathml)  # a command latex2mathml does not know is printed as written
+    if unknown:
+        raise ValueError(f"docs: {page}: latex2mathml does not know {', '.join(unknown)} in {tex!r}")
+    return f'<div class="math">{mathml}</div>' if block else mathml
+
+
+def on_page_content(html_text, page, config, files):
+    name = getattr(getattr(page, "file", None), "src_uri", page)
+    return MATH.sub(lambda m: _mathml(m, name), html_text)

@@ -131,3 +131,149 @@ def test_every_list_and_table_renders(site):
         page = os.path.relpath(path, site)
         assert "|---" not in html, f"{page}: a Markdown table printed as text"
         assert not re.search(r"<p>[^<]*\n(- |\d+\. )", html), f"{page}: a list printed as a paragraph"
+
+
+def _hooks():
+    spec = importlib.util.spec_from_file_location("docs_hooks", os.path.join(ROOT, "docs", "hooks.py"))
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    return hooks
+
+
+def _pages(site):
+    """Relative path -> HTML of every page of the manual (the API reference and the 404 page left out)."""
+    import glob
+    pages = {}
+    for path in glob.glob(os.path.join(site, "**", "*.html"), recursive=True):
+        page = os.path.relpath(path, site)
+        if not page.startswith("api" + os.sep) and page != "404.html":
+            pages[page] = _text(site, page)
+    return pages
+
+
+def _markdown_of(page: str) -> str:
+    with open(os.path.join(ROOT, "docs", page[:-len(".html")] + ".md")) as f:
+        return f.read()
+
+
+def test_placeholders_in_generated_cells_print_as_written(site):
+    """``<name>`` in a flag's help is text, not an unknown HTML tag that the browser drops."""
+    html = _text(site, "tools.html")
+    row = re.search(r"<td><code>--dataset</code></td>\s*<td><code>folder</code></td>\s*<td>([^\n]*?)</td>", html)
+    assert row, "tools page: no --dataset row of linvision-train"
+    assert "'torch/&lt;name&gt;' (timm's spelling, e.g. torch/cifar10) or 'torchvision/&lt;Name&gt;'" in row.group(1)
+    assert "default: benchmark-&lt;time&gt;" in html
+    assert "<name>" not in html and "<time>" not in html
+    escape = _hooks()._escape
+    assert escape("a <b> & `c <d>` e>") == "a &lt;b&gt; &amp; `c <d>` e&gt;"
+
+
+def test_usage_blocks_fit_the_page():
+    """The printed usage of every command wraps at the hooks' width, long lists of choices named by the flag."""
+    hooks = _hooks()
+    for command in _scripts():
+        usage = hooks.flags_table(command).split("```")[1]
+        assert max(map(len, usage.splitlines())) <= hooks.USAGE_WIDTH, command
+    assert "[--kernel KERNEL [KERNEL ...]]" in hooks.flags_table("linvision-check-kernels")
+
+
+CODE_WIDTH = 104  # characters of a code line that fit the content column of a 1400 px window (docs/stylesheets)
+
+
+def test_code_lines_of_the_pages_fit_the_column():
+    import glob
+    for path in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True):
+        inside = False
+        with open(path) as f:
+            for number, line in enumerate(f, 1):
+                if line.startswith("```"):
+                    inside = not inside
+                elif inside:
+                    assert len(line.rstrip("\n")) <= CODE_WIDTH, \
+                        f"{os.path.relpath(path, ROOT)}:{number}: a code line of {len(line.rstrip())} characters"
+
+
+def test_no_raw_rest_role_in_the_site(site):
+    """The docstrings' :func:`x` and the like are links (or code), never printed as written."""
+    import glob
+    role = re.compile(r":(?:py:)?(?:func|class|meth|mod|attr|data|exc|obj):")
+    for path in glob.glob(os.path.join(site, "**", "*.html"), recursive=True):
+        assert not role.search(_text(site, path)), f"{os.path.relpath(path, site)}: a raw reST role"
+    ops = _text(site, "api/ops.html")
+    links = re.findall(r'<a class="autorefs autorefs-internal"[^>]* href="([^"]*)"><code>([^<]*)</code></a>', ops)
+    assert ("#linvision.ops.linear_attention.linear_attention", "linear_attention()") in links
+    assert ("#linvision.ops.rope.Rope", "Rope") in links
+    assert len(links) >= 25
+    # the kernels' module is documented under its source name: a role naming linvision.kernels links there
+    assert 'href="kernels.html#kernels.common.RopeSpec"><code>RopeSpec</code></a>' in ops
+
+
+def test_ops_reference_opens_with_linear_attention(site):
+    ops = _text(site, "api/ops.html")
+    order = [ops.index(f'id="linvision.ops.{name}"') for name in
+             ("linear_attention", "feature_maps", "rope", "recurrent", "attention_variants")]
+    assert order == sorted(order)
+
+
+def test_every_table_and_figure_of_the_pages_is_built(site):
+    """Each page shows as many tables as its Markdown holds once the generated ones are in, and every figure."""
+    hooks = _hooks()
+    separator = re.compile(r"^\|(?:\s*:?-+:?\s*\|)+\s*$", re.M)
+    for page, html in _pages(site).items():
+        markdown = hooks.on_page_markdown(_markdown_of(page), None, None, None)
+        assert html.count("<table>") == len(separator.findall(markdown)), f"{page}: tables"
+        for src in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", markdown):
+            assert f'src="{src}"' in html, f"{page}: figure {src} missing"
+            built = os.path.join(site, os.path.dirname(page), src)
+            with open(built, "rb") as a, open(os.path.join(ROOT, "docs", os.path.dirname(page), src), "rb") as b:
+                assert a.read() == b.read(), f"{page}: {src} differs from docs/"
+    assert _text(site, "results.html").count('src="figures/') == 5
+
+
+def test_formulas_render_as_mathml(site):
+    core = _text(site, "core-op.html")
+    assert core.count("<math") >= 15
+    assert '<math xmlns="http://www.w3.org/1998/Math/MathML" display="block">' in core and "<mfrac>" in core
+    assert "<math" in _text(site, "index.html")
+    for page, html in _pages(site).items():
+        assert 'class="arithmatex"' not in html and "\\frac" not in html and "\\phi" not in html, page
+    hooks = _hooks()
+    assert hooks.on_page_content('<p><span class="arithmatex">\\(a &lt; b\\)</span></p>', None, None, None) == \
+        '<p><math xmlns="http://www.w3.org/1998/Math/MathML" display="inline"><mrow><mi>a</mi><mo>&#x0003C;</mo>' \
+        '<mi>b</mi></mrow></math></p>'
+    with pytest.raises(ValueError, match="cannot convert"):
+        hooks.on_page_content('<span class="arithmatex">\\(\\left(\\)</span>', None, None, None)
+    with pytest.raises(ValueError, match="does not know .*nosuchcommand"):
+        hooks.on_page_content('<span class="arithmatex">\\(\\nosuchcommand x\\)</span>', None, None, None)
+
+
+def test_search_works_from_the_files(site):
+    """Opened from site/index.html (no server): the index is a script, every page loads the Worker stand-in
+    before the theme's bundle, and nothing is fetched from the network."""
+    import json
+    with open(os.path.join(site, "search", "search_index.js")) as f:
+        script = f.read()
+    assert script.startswith("var __index = ")
+    index = json.loads(script[len("var __index = "):])
+    assert {"index.html", "core-op.html", "tools.html", "api/ops.html"} <= {d["location"] for d in index["docs"]}
+    assert os.path.isfile(os.path.join(site, "javascripts", "iframe-worker.js"))
+    for page, prefix in (("index.html", ""), ("models/index.html", "../"), ("api/ops.html", "../")):
+        html = _text(site, page)
+        shim = html.index(f'<script src="{prefix}javascripts/iframe-worker.js"></script>')
+        assert shim < html.index(f'<script src="{prefix}assets/javascripts/bundle.')
+        assert 'class="md-search__input"' in html
+        assert not re.search(r'(src|href)="https?://(fonts|unpkg)', html), page
+
+
+def test_home_page_starts_with_the_quickstart(site):
+    import html as html_module
+    page = _text(site, "index.html")
+    start, end = page.index('id="quickstart"'), page.index('id="the-manual"')
+    quickstart = html_module.unescape(re.sub(r"<[^>]+>", "", page[start:end]))
+    for command in ("pip install .", "import timm, linvision",
+                    'model = timm.create_model("mlla_tiny.in1k", pretrained=True).eval()',
+                    "linvision-train --config finetune_mlla_tiny --data-dir /data/pets",
+                    "linvision-train --model mlla_tiny --pretrained --dataset folder --data-dir /data/pets \\\n"
+                    "    --img-size 224 --epochs 30",
+                    "linvision-benchmark --config benchmark_twin_cpu"):
+        assert command in quickstart, command

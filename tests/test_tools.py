@@ -6,14 +6,13 @@ import json
 import math
 import os
 import signal
-import subprocess
-import time
 
 import pytest
 
 from linvision.engine.config import parse_args
 from linvision.engine.train import add_train_args
-from support import PY, ROOT, run_tool, step_losses, tiny_train_flags, write_image_folder
+from support import (PY, ROOT, logs, run_subprocess, run_tool, spawn, step_losses, tiny_train_flags, wait_until,
+                     write_image_folder)
 
 @pytest.fixture(scope="module")
 def trained(data, tmp_path_factory):
@@ -103,13 +102,12 @@ def test_fine_tune_from_pretrained_path_with_new_head(trained, tmp_path):
 
 def test_sigterm_saves_a_checkpoint_that_resumes(data, tmp_path):
     args = tiny_train_flags(data, str(tmp_path), "--epochs", "200", "--experiment", "sig", "--log-interval", "1")
-    proc = subprocess.Popen([PY, os.path.join(ROOT, "tools", "train.py"), *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = spawn([PY, os.path.join(ROOT, "tools", "train.py"), *args], tmp_path, "sig-log", cwd=ROOT)
     metrics = tmp_path / "sig" / "metrics.jsonl"
-    while proc.poll() is None and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-        time.sleep(0.2)
+    wait_until(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, proc, what="2 metric records")
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    proc.wait(timeout=120)
+    _, err = logs(tmp_path, "sig-log")
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "checkpoint saved" in err
     import torch
@@ -218,11 +216,11 @@ def test_torchrun_two_processes_match_one_process(tmp_path):
     data = write_image_folder(tmp_path / "data", classes=2, train_per_class=8, val_per_class=3)
     flags = ["--epochs", "2", "--no-aug", "--log-interval", "1", "--lr", "0.003", "--seed", "3"]
     run_tool("train.py", *tiny_train_flags(data, str(tmp_path), "--experiment", "one", *flags, "--batch-size", "8"))
-    proc = subprocess.run(
+    proc = run_subprocess(
         [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          os.path.join(ROOT, "tools", "train.py"),
          *tiny_train_flags(data, str(tmp_path), "--experiment", "two", *flags, "--batch-size", "4")],
-        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, two = step_losses(str(tmp_path / "one")), step_losses(str(tmp_path / "two"))
     assert [s for s, _ in two] == [1, 2, 3, 4]
@@ -351,7 +349,7 @@ def test_installed_console_scripts():
     for ep in scripts.values():
         assert callable(ep.load()), ep.name
     script = os.path.join(os.path.dirname(PY), "linvision-benchmark")
-    proc = subprocess.run([script, "--help"], capture_output=True, text=True, cwd="/")
+    proc = run_subprocess([script, "--help"], cwd="/", timeout=120)
     assert proc.returncode == 0 and "usage: linvision-benchmark" in proc.stdout
 
 

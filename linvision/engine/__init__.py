@@ -5,3 +5,4 @@
 from .checkpoint import load_model, save_checkpoint
 from .config import ConfigError, parse_args
 from .factory import create_model
+from .train_config import TrainConfig

@@ -28,7 +28,7 @@ from .factory import create_model
 from .config import parse_kwargs
 from .flops import count_gflops, count_params
 from .run_folder import claim_run_folder
-from .train import add_train_args, train
+from .train import TrainConfig, add_train_args, train
 from .validate import validate_checkpoint
 
 __all__ = ["add_ablate_args", "run_ablation", "markdown_table"]
@@ -112,7 +112,7 @@ def _run_ablation(args: argparse.Namespace, run_dir: str, log) -> Dict[str, Any]
     bench_sizes = args.bench_sizes or [args.img_size * f for f in (1, 2, 4, 8)]
     seeds = list(getattr(args, "seeds", None) or [args.seed])
     rows, bench_points = [], []
-    train_keys = vars(add_train_args(argparse.ArgumentParser()).parse_args([]))
+    recipe = TrainConfig.from_namespace(args)  # the training flags; each run changes what differs with replace
     result = {"model": args.model, "model_kwargs": base_kwargs, "img_size": args.img_size, "epochs": args.epochs,
               "seed": args.seed, "seeds": seeds, "dataset": args.dataset, "eval_sizes": eval_sizes,
               "bench_sizes": bench_sizes, "bench_batch_size": args.bench_batch_size, "device": str(_device(args)),
@@ -130,14 +130,13 @@ def _run_ablation(args: argparse.Namespace, run_dir: str, log) -> Dict[str, Any]
         for seed in seeds:
             log(f"== token mixer {mixer} ({index + 1} of {len(args.mixers)}), seed {seed}; "
                 f"{time.time() - start:.0f} s so far: training {args.epochs} epochs at {args.img_size} px")
-            # only the training flags, so each run folder can be resumed or inspected with tools/train.py
-            run_args = argparse.Namespace(**{k: getattr(args, k) for k in train_keys})
-            run_args.model_kwargs, run_args.seed = mixer_kwargs, seed
-            run_args.output, run_args.resume = os.path.join(run_dir, "runs"), None
-            run_args.experiment = label if len(seeds) == 1 else f"{label}-s{seed}"
-            run_args.overwrite = False  # a fresh ablation folder holds no runs
+            # only the training flags, so each run folder can be resumed or inspected with linvision-train; a
+            # fresh ablation folder holds no runs to overwrite
+            run_cfg = recipe.replace(model_kwargs=mixer_kwargs, seed=seed, output=os.path.join(run_dir, "runs"),
+                                     resume=None, experiment=label if len(seeds) == 1 else f"{label}-s{seed}",
+                                     overwrite=False)
             t0 = time.time()
-            summary = train(run_args)
+            summary = train(run_cfg)
             train_s = time.time() - t0
             log(f"   evaluating at {', '.join(map(str, eval_sizes))} px")
             val = validate_checkpoint(summary["run_dir"], args.dataset, args.data_dir, eval_sizes, args.batch_size,

@@ -7,7 +7,8 @@ import re
 import sys
 from typing import Callable, Optional
 
-__all__ = ["run_cli", "tool_parser", "HelpFormatter", "add_amp_arg", "AMP_CHOICES", "DEFAULT_AMP"]
+__all__ = ["run_cli", "tool_parser", "HelpFormatter", "add_amp_arg", "amp_flag_options", "AMP_CHOICES", "AMP_HELP",
+           "DEFAULT_AMP"]
 
 
 def _default_text(action: argparse.Action) -> Optional[str]:
@@ -61,11 +62,18 @@ def _amp_value(value: str) -> str:
     return _AMP_ALIASES.get(str(value).lower(), str(value).lower())
 
 
+AMP_HELP = f"mixed precision; a bare --amp means {DEFAULT_AMP} (also: bfloat16, float16)"
+
+
+def amp_flag_options() -> dict:
+    """The ``add_argument`` options of ``--amp`` besides its default and help: an optional value (a bare ``--amp``
+    means DEFAULT_AMP), timm's dtype names accepted."""
+    return dict(nargs="?", const=DEFAULT_AMP, type=_amp_value, choices=AMP_CHOICES)
+
+
 def add_amp_arg(parser) -> None:
-    """``--amp [none|bf16|fp16]``: a bare ``--amp`` means DEFAULT_AMP; timm's dtype names are accepted."""
-    parser.add_argument("--amp", nargs="?", const=DEFAULT_AMP, default="none", type=_amp_value,
-                        choices=AMP_CHOICES,
-                        help=f"mixed precision; a bare --amp means {DEFAULT_AMP} (also: bfloat16, float16)")
+    """``--amp [none|bf16|fp16]``, default none (:func:`amp_flag_options`)."""
+    parser.add_argument("--amp", default="none", help=AMP_HELP, **amp_flag_options())
 
 
 def run_cli(main: Callable[[], int]) -> None:

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 import linvision
 from linvision.engine.checkpoint import load_pretrained
 from linvision.engine.flops import count_gflops, count_params
-from linvision.models.published import NotLoaded, read_checkpoint
+from linvision.safe_pickle import NotLoaded, read_checkpoint
 from support import run_tool, write_image_folder
 
 DATA = Path(__file__).parent / "data" / "published"

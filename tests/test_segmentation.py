@@ -20,7 +20,7 @@ import linvision  # noqa: F401  (registers the models with timm)
 from linvision.engine import mosaic_data
 from linvision.engine.mosaic_data import (CLASSES, IGNORE_INDEX, MEAN, STD, WINDOW, MosaicSegmentation,
                                           SegmentationFolder, make_mosaic, render_window, write_mosaic_folders)
-from linvision.engine.texture_data import _photo, photo_parts
+from linvision.engine.texture_data import photo_parts, photograph
 
 smp = pytest.importorskip("segmentation_models_pytorch")
 
@@ -212,7 +212,7 @@ def test_published_mlla_weights_reach_the_encoder_through_timms_cache(tmp_path, 
 # --- the mosaic set ---
 
 def _photo_array(c):
-    return np.asarray(_photo(CLASSES[c]))
+    return np.asarray(photograph(CLASSES[c]))
 
 
 def test_mosaic_pixels_are_their_labelled_photographs_pixels():

@@ -29,7 +29,8 @@ from safetensors.torch import load_file, save_file
 from timm.utils import unwrap_model
 from torch import nn
 
-from linvision.models.published import read_checkpoint, unwrap_state_dict
+from linvision.models.published import unwrap_state_dict
+from linvision.safe_pickle import read_checkpoint
 
 from .factory import create_model
 from .files import write_checkpoint_folder

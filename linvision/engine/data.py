@@ -26,6 +26,8 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from .in_memory import InMemoryImages
+
 __all__ = [
     "BadImageError", "InMemoryImages", "DigitsDataset", "create_dataset", "ShardedSampler", "create_loader", "build_transform",
 ]
@@ -52,23 +54,6 @@ def _load_rgb(path: str) -> Image.Image:
             return _to_8bit(img).convert("RGB")
     except Exception as e:  # PIL raises several types (UnidentifiedImageError, OSError, SyntaxError, ...)
         raise BadImageError(f"cannot read image file {path}: {type(e).__name__}: {e}") from None
-
-
-class InMemoryImages(Dataset):
-    """A dataset held as lists ``images`` (PIL) and ``targets`` (ints), with an optional ``transform``."""
-
-    images: List[Image.Image]
-    targets: List[int]
-    transform: Optional[Callable] = None
-
-    def __len__(self) -> int:
-        return len(self.targets)
-
-    def __getitem__(self, index: int):
-        img = self.images[index]
-        if self.transform is not None:
-            img = self.transform(img)
-        return img, self.targets[index]
 
 
 class DigitsDataset(InMemoryImages):

@@ -44,7 +44,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from .files import atomic_write_text
-from .texture_data import CLASSES, _photo, photo_parts
+from .texture_data import CLASSES, photo_parts, photograph
 
 __all__ = ["Mosaic", "make_mosaic", "render_window", "MosaicSegmentation", "SegmentationFolder",
            "write_mosaic_folders", "to_tensors", "CLASSES", "IGNORE_INDEX", "WINDOW", "MIN_SIZE", "MAX_SIZE", "MEAN", "STD"]
@@ -124,7 +124,7 @@ def _regions(points: np.ndarray, warp, size: int) -> np.ndarray:
 def render_window(class_index: int, window: Tuple[int, int, int, int], size: int) -> Image.Image:
     """The ``window`` of photograph ``class_index`` cropped, then resized (bilinear) to ``size`` x ``size``:
     what every pixel of a region showing that window is taken from."""
-    crop = _photo(CLASSES[class_index]).crop(window)
+    crop = photograph(CLASSES[class_index]).crop(window)
     return crop if crop.size == (size, size) else crop.resize((size, size), Image.BILINEAR)
 
 

@@ -24,9 +24,9 @@ from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 from PIL import Image
-from .data import InMemoryImages
+from .in_memory import InMemoryImages
 
-__all__ = ["PhotoCropsDataset", "photo_parts", "CLASSES", "CROP", "TRAIN_FRACTION"]
+__all__ = ["PhotoCropsDataset", "photograph", "photo_parts", "CLASSES", "CROP", "TRAIN_FRACTION"]
 
 CROP = 64
 TRAIN_FRACTION = 2 / 3
@@ -38,7 +38,7 @@ CLASSES = SKIMAGE_PHOTOS + tuple(n.split(".")[0] for n in SKLEARN_PHOTOS)
 
 
 @lru_cache(maxsize=None)
-def _photo(name: str) -> Image.Image:
+def photograph(name: str) -> Image.Image:
     """The photograph of class ``name`` as an RGB PIL image (decoded once per process)."""
     if name in SKIMAGE_PHOTOS:
         try:
@@ -58,7 +58,7 @@ def photo_parts(split: str) -> List[Tuple[str, Tuple[int, int, int, int]]]:
     """(class name, (left, top, right, bottom)) of the part of every photograph that ``split`` crops from."""
     parts = []
     for name in CLASSES:
-        w, h = _photo(name).size
+        w, h = photograph(name).size
         cut = int(round(w * TRAIN_FRACTION))
         parts.append((name, (0, 0, cut, h) if split == "train" else (cut, 0, w, h)))
     return parts
@@ -84,7 +84,7 @@ class PhotoCropsDataset(InMemoryImages):
             rng = np.random.RandomState(1000 * label + (0 if split == "train" else 1))
             xs = rng.randint(left, right - CROP + 1, size=PER_CLASS[split])
             ys = rng.randint(top, bottom - CROP + 1, size=PER_CLASS[split])
-            photo = _photo(name)
+            photo = photograph(name)
             for x, y in zip(xs.tolist(), ys.tolist()):
                 box = (x, y, x + CROP, y + CROP)
                 self.boxes.append(box)

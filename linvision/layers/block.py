@@ -1,7 +1,7 @@
 """The pre-norm block every model family is built from, on channels-last tokens (B, H, W, C), or on a token
 sequence (B, P + H*W, C) with P prefix tokens (class / register tokens) before the grid, given with its grid:
 
-    x = x + cpe1(x)                                     (with ``cpe``) 3x3 depthwise conv, conditional position encoding
+    x = x + cpe1(x)                                     (with ``cpe``) 3x3 depthwise conv: conditional pos. enc.
     x = x + drop_path(ls1 * mixer(norm1(x), (H, W)))    any registered token mixer, or a mixer class
     x = x + cpe2(x)                                     (with ``cpe=True``, not with ``cpe="first"``)
     x = x + drop_path(ls2 * mlp(norm2(x)))

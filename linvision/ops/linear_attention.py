@@ -159,7 +159,7 @@ def linear_attention_reference(
     q: Tensor, k: Tensor, v: Tensor, feature_map: FeatureMapArg = "elu", *, rope: Optional[Rope] = None,
     eps: float = DEFAULT_EPS,
 ) -> Tensor:
-    """Non-causal linear attention in plain PyTorch; memory O(N*D + D*Dv), no N x N matrix. With a gradient
+    """Non-causal linear attention in plain PyTorch; memory ``O(N*D + D*Dv)``, no N x N matrix. With a gradient
     wanted, the features are recomputed in the backward (:class:`_LinearAttentionFunction`) rather than kept."""
     phi = get_feature_map(feature_map, dim=q.shape[-1])
     if _recomputing(q, k, v, phi, rope):

@@ -4,8 +4,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from linvision.layers import MixerBlock, create_mixer, list_mixers, mixer_options, takes_prefix_tokens
+from linvision.layers import (MixerBlock, check_prefix_tokens, create_mixer, get_mixer_class, list_mixers,
+                              mixer_options, takes_prefix_tokens)
 from linvision.layers.mixers import GatedConvMixer, HybridAttention, window_merge, window_partition
 from linvision.ops import axial_rope
 
@@ -312,3 +314,43 @@ def test_mixer_block_with_cpe_matches_its_formula():
     y = y + F.linear(hidden, block.mlp.fc2.weight, block.mlp.fc2.bias)
     torch.testing.assert_close(block(x), y, rtol=1e-12, atol=1e-12)
     assert not any("cpe" in k for k in MixerBlock(16, 2, "linear").state_dict())
+
+
+@pytest.mark.parametrize("name", list_mixers())
+def test_every_registered_mixer_keeps_the_token_mixer_contract(name):
+    """Each registered mixer is a TokenMixer: built as cls(dim, num_heads) from its name, maps (B, N, C) on a
+    non-square grid to (B, N, C) and gives each image what it gives it alone; takes prefix tokens exactly when it
+    says so; lists its options; its init_weights and no_weight_decay run."""
+    from linvision.layers import TokenMixer, mixer_options
+
+    cls = get_mixer_class(name)
+    assert issubclass(cls, TokenMixer) and cls.options() == mixer_options(name)
+    torch.manual_seed(0)
+    mixer = create_mixer(name, 32, 2).double().eval()
+    x = torch.randn(2, 12, 32, dtype=torch.float64)
+    with torch.no_grad():
+        out = mixer(x, (3, 4))
+        alone = mixer(x[1:], (3, 4))
+    assert out.shape == x.shape and torch.isfinite(out).all()
+    torch.testing.assert_close(out[1:], alone, rtol=1e-9, atol=1e-9)
+    with_prefix = torch.randn(1, 13, 32, dtype=torch.float64)
+    if cls.takes_prefix_tokens:
+        with torch.no_grad():
+            assert mixer(with_prefix, (3, 4), num_prefix_tokens=1).shape == with_prefix.shape
+    else:
+        with pytest.raises(ValueError, match="cannot take prefix tokens"):
+            check_prefix_tokens(mixer, 1)
+    mixer.init_weights()
+    assert isinstance(mixer.no_weight_decay(), set)
+
+
+def test_register_mixer_refuses_a_class_outside_the_contract():
+    from linvision.layers import register_mixer
+
+    class Plain(nn.Module):
+        def forward(self, x, hw):
+            return x
+
+    with pytest.raises(TypeError, match="is not a TokenMixer subclass"):
+        register_mixer("plain_test")(Plain)
+    assert "plain_test" not in list_mixers()

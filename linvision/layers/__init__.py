@@ -1,5 +1,6 @@
 """nn.Modules built on linvision.ops: token mixers (selected by name through the registry), FFNs, blocks."""
 from .registry import (
+    TokenMixer,
     check_prefix_tokens,
     create_mixer,
     get_mixer_class,

@@ -42,7 +42,7 @@ from linvision.ops import (
     softmax_attention,
 )
 
-from .registry import check_prefix_tokens, register_mixer
+from .registry import TokenMixer, check_prefix_tokens, register_mixer
 
 __all__ = [
     "ROPE_TYPES",
@@ -67,7 +67,7 @@ EPS_FORMS = ("mean", "sum")
 FP16_MAX = 65504.0
 
 
-class AttentionMixer(nn.Module):
+class AttentionMixer(TokenMixer):
     """Skeleton of the attention mixers; subclasses implement :meth:`attend`.
 
     Args:
@@ -354,7 +354,7 @@ class HybridAttention(LinearAttention):
 
 
 @register_mixer("none")
-class GatedConvMixer(nn.Module):
+class GatedConvMixer(TokenMixer):
     """MambaOut's Gated CNN as a token mixer (no attention): fc1 expands C to 2 * hidden channels split into
     a gate g (hidden), an identity part i (hidden - conv) and a conv part c (conv = conv_ratio * C channels);
     out = fc2(act(g) * concat(i, dwconv_k(c))). ``num_heads`` is accepted for the common interface only.
@@ -389,7 +389,7 @@ class GatedConvMixer(nn.Module):
 
 
 @register_mixer("mlla")
-class MllaMixer(nn.Module):
+class MllaMixer(TokenMixer):
     """MLLA's Mamba-like token mixer (Han et al. 2024, arXiv:2405.16605): linear attention on a convolved input,
     gated by the input, as Mamba gates its scan:
 

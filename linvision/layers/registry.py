@@ -16,19 +16,56 @@ from __future__ import annotations
 import inspect
 from typing import Callable, Dict, List, Sequence, Tuple, Type, Union
 
+import torch
 from timm.layers import register_notrace_module
 from torch import nn
 
-__all__ = ["register_mixer", "create_mixer", "get_mixer_class", "list_mixers", "mixer_options", "parse_mixer_list",
+__all__ = ["TokenMixer", "register_mixer", "create_mixer", "get_mixer_class", "list_mixers", "mixer_options", "parse_mixer_list",
            "no_weight_decay_of", "takes_prefix_tokens", "check_prefix_tokens"]
 
 _MIXERS: Dict[str, Type[nn.Module]] = {}
 
 
+class TokenMixer(nn.Module):
+    """What every registered token mixer is; :func:`register_mixer` refuses a class that does not derive from it.
+
+    - Built as ``cls(dim, num_heads, **options)``; its options are the keyword arguments of its ``__init__`` (and
+      of the bases it hands ``**kwargs`` to), as :meth:`options` lists them. Models give each mixer only the
+      options it has (:func:`linvision.layers.stage_mixer_options`).
+    - ``forward(x, hw)`` maps tokens x (B, N, C) on the grid hw = (H, W), N = H * W in raster order, to (B, N, C);
+      a class with ``takes_prefix_tokens = True`` also takes ``forward(x, hw, num_prefix_tokens=P)``, x holding P
+      prefix tokens before the grid (the others refuse them through :func:`check_prefix_tokens`).
+    - ``init_weights()``: its own start (a gate's biases, ...), which models re-apply after their generic
+      initialisation (:func:`linvision.layers.init_model_weights`); nothing by default.
+    - ``no_weight_decay()``: names (relative to the mixer) of parameters weight decay must leave alone.
+
+    A mixer handed to a model as a class (timm's layer arguments take classes too) only needs the ``forward``
+    of this contract.
+    """
+
+    takes_prefix_tokens = False
+
+    def init_weights(self) -> None:
+        """Re-apply the mixer's own initialisation (none here)."""
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set:
+        return set()
+
+    @classmethod
+    def options(cls) -> List[str]:
+        """The keyword options this mixer takes besides dim and num_heads."""
+        return mixer_options(cls)
+
+
 def register_mixer(name: str) -> Callable[[Type[nn.Module]], Type[nn.Module]]:
-    """Class decorator that registers a token mixer under ``name`` (and with timm as an FX leaf module)."""
+    """Class decorator that registers a token mixer under ``name`` (and with timm as an FX leaf module); TypeError
+    for a class that is not a :class:`TokenMixer`."""
 
     def wrap(cls: Type[nn.Module]) -> Type[nn.Module]:
+        if not (isinstance(cls, type) and issubclass(cls, TokenMixer)):
+            raise TypeError(f"register_mixer: {getattr(cls, '__name__', cls)!r} is not a TokenMixer subclass "
+                            f"(linvision.layers.TokenMixer: the contract every registered mixer keeps)")
         if name in _MIXERS and _MIXERS[name] is not cls:
             raise ValueError(f"name: token mixer {name!r} is already registered by {_MIXERS[name].__name__}")
         _MIXERS[name] = cls

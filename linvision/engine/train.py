@@ -1,6 +1,13 @@
-"""Supervised image-classification training behind ``linvision-train``: :func:`train` runs a
-:class:`~linvision.engine.train_config.TrainConfig`, in named steps (set up, restore, a step, an epoch, its end,
+"""The trainer behind ``linvision-train`` and ``linvision-train-seg``: :func:`train` runs a recipe (a
+:class:`~linvision.engine.train_config.TrainConfig`, or another task's, such as
+:class:`~linvision.engine.seg_config.SegTrainConfig`) in named steps (set up, restore, a step, an epoch, its end,
 finish) over a :class:`_Run` that holds the run's parts and position.
+
+What differs between tasks is a :class:`Task` the recipe names (``cfg.task()``): the data with its transforms and
+the model (:meth:`Task.build`), the loss, the evaluation and the figure that picks ``best/``.
+:class:`ClassificationTask` is image classification; ``linvision.engine.seg_task.SegmentationTask`` is semantic
+segmentation. Everything else is shared: the run folder and its records, the checkpoints, exact resumption,
+saving on a signal, AMP, DistributedDataParallel, the EMA of the weights, progress bars and ``stop_after_steps``.
 
 The recipe reuses timm's parts: ``create_optimizer_v2`` (layer decay through the model's ``group_matcher``),
 ``create_scheduler_v2`` (stepped every update), ``Mixup`` (Mixup/CutMix and label smoothing), ``ModelEmaV3``,
@@ -17,11 +24,12 @@ mid-epoch gets different augmentations for the rest of that epoch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -40,15 +48,16 @@ from .interrupt import StopFlag, TrainInterrupted
 from .resume import (gather_rng, is_external_checkpoint, load_timm_checkpoint, read_timm_checkpoint,
                      resume_config, resume_folder, set_rng_state, truncate_metrics)
 from .run_folder import claim_run_folder
-from .train_config import TrainConfig, add_train_args
+from .train_config import Recipe, TrainConfig, add_train_args
 
-__all__ = ["TrainConfig", "add_train_args", "train", "resume_config", "TrainInterrupted"]
+__all__ = ["TrainConfig", "add_train_args", "train", "resume_config", "TrainInterrupted", "Task", "TaskParts",
+           "ClassificationTask", "rank0_first"]
 
 
-def _run_folder(cfg: TrainConfig) -> str:
+def _run_folder(cfg: Recipe, task: "Task") -> str:
     if cfg.resume and not is_external_checkpoint(cfg.resume):
         return resume_folder(cfg.resume)
-    name = cfg.experiment or f"{cfg.model}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = cfg.experiment or f"{task.run_name(cfg)}-{time.strftime('%Y%m%d-%H%M%S')}"
     return os.path.join(cfg.output, name)
 
 
@@ -93,20 +102,185 @@ def _report_pretrained(model: nn.Module, num_classes: int) -> None:
     print(f"pretrained: {name} from {source}{head}", flush=True)
 
 
+@contextlib.contextmanager
+def rank0_first(info: DistInfo, active: bool = True):
+    """Rank 0 runs the block first, then the other ranks (a download into timm's cache that they then read)."""
+    if active and not info.is_main:
+        barrier(info)
+    yield
+    if active and info.is_main:
+        barrier(info)
+
+
+@dataclass
+class TaskParts:
+    """What :meth:`Task.build` makes: the datasets with their transforms, the model on its device, what
+    model.json records (``meta``) and the number of classes."""
+
+    train_set: Any
+    val_set: Any
+    model: nn.Module
+    meta: Dict[str, Any]
+    num_classes: int
+
+
+class Task:
+    """The task-specific parts of a run; the trainer does the rest. A run makes one instance (``cfg.task()``),
+    which may keep what it builds (a teacher) between the calls.
+
+    Attributes:
+        score: the figure of :meth:`evaluate` that picks ``best/`` (higher is better).
+        score_label: how the log lines name it.
+        record_keys: the figures of :meth:`evaluate` an epoch record keeps (``val_<key>``, ``ema_val_<key>``) and
+            ``best`` in summary.json holds.
+        timm_checkpoints: whether ``--resume FILE.pth.tar`` (a checkpoint of timm's train.py) can start a run.
+        val_collate: the validation loader's ``collate_fn``, when not the default.
+    """
+
+    score: str
+    score_label: str
+    record_keys: Tuple[str, ...]
+    timm_checkpoints: bool = False
+    val_collate: Optional[Callable] = None
+
+    def run_name(self, cfg: Recipe) -> str:
+        """The start of a run folder's default name."""
+        raise NotImplementedError
+
+    def build(self, cfg: Recipe, info: DistInfo, fresh: bool) -> TaskParts:
+        """The data with its transforms and the model on ``info.device``, from trained weights when ``fresh`` and
+        the recipe asks for them. Called right after the trainer seeds the RNG with ``cfg.seed`` on every rank."""
+        raise NotImplementedError
+
+    def optimizer_options(self, cfg: Recipe) -> Dict[str, Any]:
+        """Further keyword arguments of timm's ``create_optimizer_v2``."""
+        return {}
+
+    def criterion(self, cfg: Recipe, parts: TaskParts, info: DistInfo) -> Tuple[nn.Module, Optional[Callable]]:
+        """(the training loss, a transform of every training batch on the device, e.g. Mixup, or None)."""
+        raise NotImplementedError
+
+    def loss(self, run: "_Run", images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss of one batch through ``run.train_model`` (called under autocast)."""
+        return run.criterion(run.train_model(images), targets)
+
+    def evaluate(self, run: "_Run", model: nn.Module) -> Dict[str, Any]:
+        """The figures of ``model`` on ``run.val_loader``, exact over all ranks; they include :attr:`score` and
+        :attr:`record_keys`."""
+        raise NotImplementedError
+
+    def summary(self, run: "_Run") -> Dict[str, Any]:
+        """What summary.json says the run trained, before the epochs and the best score."""
+        raise NotImplementedError
+
+
+class ClassificationTask(Task):
+    """Image classification (``linvision-train``): image folders, torchvision datasets, digits or photos; any timm
+    model with a classifier for the data's classes; timm's transforms, Mixup/CutMix, label smoothing and
+    distillation; top-1 picks ``best/``."""
+
+    score, score_label, record_keys = "top1", "top-1", ("top1", "top5", "loss")
+    timm_checkpoints = True
+
+    def __init__(self):
+        self.teacher: Optional[nn.Module] = None
+
+    def run_name(self, cfg: TrainConfig) -> str:
+        return cfg.model
+
+    def build(self, cfg: TrainConfig, info: DistInfo, fresh: bool) -> TaskParts:
+        train_set = create_dataset(cfg.dataset, cfg.data_dir, "train", digits_size=cfg.img_size)
+        val_set = create_dataset(cfg.dataset, cfg.data_dir, "val", digits_size=cfg.img_size)
+        classes = _check_classes(train_set, val_set, cfg.num_classes)
+        num_classes = cfg.num_classes or len(classes)
+        if not num_classes:
+            raise ValueError("num_classes: the dataset does not list its classes; give --num-classes")
+        model_kwargs = parse_kwargs(cfg.model_kwargs)
+        if cfg.drop_path is not None:
+            model_kwargs["drop_path_rate"] = cfg.drop_path
+        # a resumed run takes every weight from its checkpoint: nothing is downloaded or read again
+        download = cfg.pretrained and fresh
+        with rank0_first(info, download):  # rank 0 fills timm's cache first; the others read the file it wrote
+            model = create_model(cfg.model, num_classes=num_classes, in_chans=cfg.in_chans,
+                                 model_kwargs=model_kwargs, img_size=cfg.img_size, pretrained=download)
+        if download and info.is_main:
+            _report_pretrained(model, num_classes)
+        if cfg.pretrained_path and fresh:
+            report = load_pretrained(model, cfg.pretrained_path)
+            if info.is_main:
+                _report_load(report, cfg.pretrained_path, model)
+        pretrained_cfg = getattr(model, "pretrained_cfg", {}) or {}
+        mean = list(cfg.mean or pretrained_cfg.get("mean", (0.485, 0.456, 0.406)))
+        std = list(cfg.std or pretrained_cfg.get("std", (0.229, 0.224, 0.225)))
+        train_set.transform = build_transform(cfg.img_size, True, mean, std, scale=cfg.scale, hflip=cfg.hflip,
+                                              color_jitter=cfg.color_jitter, auto_augment=cfg.aa,
+                                              re_prob=cfg.reprob, no_aug=cfg.no_aug)
+        val_set.transform = build_transform(cfg.img_size, False, mean, std, crop_pct=cfg.crop_pct)
+        if cfg.grad_checkpointing:
+            model.set_grad_checkpointing(True)
+        model.to(info.device)
+        check_img_size(model, cfg.img_size, cfg.in_chans)  # one line now rather than a traceback at step 1
+        if cfg.channels_last:
+            model.to(memory_format=torch.channels_last)
+        meta = {"model": cfg.model, "num_classes": num_classes, "in_chans": cfg.in_chans,
+                "model_kwargs": model_kwargs, "img_size": cfg.img_size, "mean": mean, "std": std,
+                "crop_pct": cfg.crop_pct, "classes": classes, "dataset": cfg.dataset}
+        return TaskParts(train_set, val_set, model, meta, num_classes)
+
+    def optimizer_options(self, cfg: TrainConfig) -> Dict[str, Any]:
+        return {"layer_decay": cfg.layer_decay}
+
+    def criterion(self, cfg: TrainConfig, parts: TaskParts, info: DistInfo):
+        from timm.data import Mixup
+        from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+
+        mixup = None
+        if cfg.mixup > 0 or cfg.cutmix > 0:
+            mixup = Mixup(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, label_smoothing=cfg.smoothing,
+                          num_classes=parts.num_classes)
+            criterion = SoftTargetCrossEntropy()
+        elif cfg.smoothing > 0:
+            criterion = LabelSmoothingCrossEntropy(cfg.smoothing)
+        else:
+            criterion = nn.CrossEntropyLoss()
+        self.teacher = (load_teacher(cfg.distill_teacher, parts.num_classes, cfg.img_size, info.device)
+                        if cfg.distill_teacher else None)
+        return criterion, mixup
+
+    def loss(self, run: "_Run", images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        cfg = run.cfg
+        logits = run.train_model(images)
+        loss = run.criterion(logits, targets)
+        if self.teacher is not None:
+            with torch.no_grad():
+                teacher_logits = self.teacher(images)
+            loss = distillation_loss(logits, teacher_logits, loss, cfg.distill_weight, cfg.distill_temperature)
+        return loss
+
+    def evaluate(self, run: "_Run", model: nn.Module) -> Dict[str, Any]:
+        cfg = run.cfg
+        return evaluate(model, run.val_loader, run.info, cfg.amp, cfg.channels_last, cfg.progress)
+
+    def summary(self, run: "_Run") -> Dict[str, Any]:
+        return {"model": run.cfg.model, "num_classes": run.num_classes}
+
+
 def _append_jsonl(path: str, record: Dict[str, Any]) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
 
 
-def train(cfg: Union[TrainConfig, argparse.Namespace]) -> Dict[str, Any]:
-    """Run training as ``cfg`` (a :class:`TrainConfig`, or the flags of :func:`add_train_args`) says; returns the
-    summary it also writes.
+def train(cfg: Union[Recipe, argparse.Namespace]) -> Dict[str, Any]:
+    """Run training as ``cfg`` says: a recipe (a :class:`TrainConfig`, a
+    :class:`~linvision.engine.seg_config.SegTrainConfig`, ...) trains the task it names; parsed flags of
+    :func:`add_train_args` are a :class:`TrainConfig`. Returns the summary it also writes.
 
     Writes into the run folder: config.yaml, metrics.jsonl (step and epoch records), summary.json, and the
     checkpoints ``last/`` and ``best/`` (rank 0 only). Raises TrainInterrupted after saving when SIGINT or
     SIGTERM arrived; ValueError / FileNotFoundError for bad arguments and missing data.
     """
-    cfg = TrainConfig.from_namespace(cfg)
+    if not isinstance(cfg, Recipe):
+        cfg = TrainConfig.from_namespace(cfg)
     info = init_distributed(cfg.device)
     try:
         result = _train(cfg, info)
@@ -116,10 +290,14 @@ def train(cfg: Union[TrainConfig, argparse.Namespace]) -> Dict[str, Any]:
         cleanup(info)
 
 
-def _train(cfg: TrainConfig, info: DistInfo) -> Dict[str, Any]:
+def _train(cfg: Recipe, info: DistInfo) -> Dict[str, Any]:
     cfg.check()
+    task = cfg.task()
     resuming_run = bool(cfg.resume) and not is_external_checkpoint(cfg.resume)
-    run_dir, folder = _run_folder(cfg), None
+    if cfg.resume and not resuming_run and not task.timm_checkpoints:
+        raise ValueError(f"resume: {cfg.resume} is not a file of a run folder; give the run folder (or its last/) "
+                         f"to continue")
+    run_dir, folder = _run_folder(cfg, task), None
     if info.is_main:  # one process owns the folder; the others write nothing there
         folder = claim_run_folder(run_dir, resume=resuming_run, overwrite=cfg.overwrite)
         run_dir = folder.path
@@ -130,17 +308,18 @@ def _train(cfg: TrainConfig, info: DistInfo) -> Dict[str, Any]:
         dist.broadcast_object_list(shared, src=0)
         run_dir = shared[0]
     try:
-        return _train_in_folder(cfg, info, run_dir, resuming_run)
+        return _train_in_folder(cfg, task, info, run_dir, resuming_run)
     finally:
         if folder is not None:
             folder.release()
 
 
-def _train_in_folder(cfg: TrainConfig, info: DistInfo, run_dir: str, resuming_run: bool) -> Dict[str, Any]:
+def _train_in_folder(cfg: Recipe, task: Task, info: DistInfo, run_dir: str,
+                     resuming_run: bool) -> Dict[str, Any]:
     """The run, step by step: what to resume from, the parts, their restored state, the folder's files, then the
     epochs; each step is one function below."""
     state, external = _read_resume_state(cfg, run_dir, resuming_run)
-    run = _set_up(cfg, info, run_dir, fresh=not (state or external))
+    run = _set_up(cfg, task, info, run_dir, fresh=not (state or external))
     _restore(run, state, external)
     _wrap_for_training(run)
     _open_records(run, resumed=bool(state))
@@ -157,7 +336,8 @@ def _train_in_folder(cfg: TrainConfig, info: DistInfo, run_dir: str, resuming_ru
 class _Run:
     """What one training run holds while it runs: its parts (built by :func:`_set_up`) and its position."""
 
-    cfg: TrainConfig
+    cfg: Recipe
+    task: Task
     info: DistInfo
     run_dir: str
     model: nn.Module
@@ -166,9 +346,8 @@ class _Run:
     optimizer: Any
     scheduler: Any
     criterion: nn.Module
-    mixup: Any
+    batch_transform: Optional[Callable]  # of every training batch on the device (Mixup / CutMix)
     ema: Any
-    teacher: Optional[nn.Module]
     scaler: Any
     sampler: ShardedSampler
     loader: Any
@@ -179,13 +358,13 @@ class _Run:
     start_epoch: int = 0
     start_step: int = 0
     global_step: int = 0
-    best: Dict[str, Any] = field(default_factory=lambda: {"top1": -1.0, "epoch": -1})
+    best: Dict[str, Any] = field(default_factory=dict)  # {task.score: -1.0, "epoch": -1} until an epoch ends
     # loss sum, sample count of the epoch so far (this rank)
     running: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
     epoch_start: float = 0.0
 
 
-def _read_resume_state(cfg: TrainConfig, run_dir: str, resuming_run: bool):
+def _read_resume_state(cfg: Recipe, run_dir: str, resuming_run: bool):
     """(the run's own last/train_state.pt, or None; what a timm checkpoint to start from holds, or None)."""
     if cfg.resume and not resuming_run:
         return None, read_timm_checkpoint(cfg.resume)
@@ -197,80 +376,33 @@ def _read_resume_state(cfg: TrainConfig, run_dir: str, resuming_run: bool):
     return None, None
 
 
-def _set_up(cfg: TrainConfig, info: DistInfo, run_dir: str, fresh: bool) -> _Run:
-    """Data, model (from trained weights when ``fresh`` and asked for), transforms, optimizer, loss, EMA, teacher,
-    loss scaler, loaders and schedule."""
-    from timm.data import Mixup
-    from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+def _set_up(cfg: Recipe, task: Task, info: DistInfo, run_dir: str, fresh: bool) -> _Run:
+    """The task's data and model (from trained weights when ``fresh`` and asked for) and its loss, then the
+    optimizer, EMA, loss scaler, loaders and schedule."""
     from timm.optim import create_optimizer_v2
     from timm.scheduler import create_scheduler_v2
     from timm.utils import ModelEmaV3
 
     # same seed on every rank for the model's initialisation (the EMA copy is taken before DDP broadcasts)
     random_seed(cfg.seed)
-    train_set = create_dataset(cfg.dataset, cfg.data_dir, "train", digits_size=cfg.img_size)
-    val_set = create_dataset(cfg.dataset, cfg.data_dir, "val", digits_size=cfg.img_size)
-    classes = _check_classes(train_set, val_set, cfg.num_classes)
-    num_classes = cfg.num_classes or len(classes)
-    if not num_classes:
-        raise ValueError("num_classes: the dataset does not list its classes; give --num-classes")
-    model_kwargs = parse_kwargs(cfg.model_kwargs)
-    if cfg.drop_path is not None:
-        model_kwargs["drop_path_rate"] = cfg.drop_path
-    # a resumed run takes every weight from its checkpoint: nothing is downloaded or read again
-    download = cfg.pretrained and fresh
-    if download and not info.is_main:
-        barrier(info)  # rank 0 fills timm's cache first; the others read the file it wrote
-    model = create_model(cfg.model, num_classes=num_classes, in_chans=cfg.in_chans, model_kwargs=model_kwargs,
-                         img_size=cfg.img_size, pretrained=download)
-    if download and info.is_main:
-        barrier(info)
-        _report_pretrained(model, num_classes)
-    if cfg.pretrained_path and fresh:
-        report = load_pretrained(model, cfg.pretrained_path)
-        if info.is_main:
-            _report_load(report, cfg.pretrained_path, model)
-    pretrained_cfg = getattr(model, "pretrained_cfg", {}) or {}
-    mean = list(cfg.mean or pretrained_cfg.get("mean", (0.485, 0.456, 0.406)))
-    std = list(cfg.std or pretrained_cfg.get("std", (0.229, 0.224, 0.225)))
-    train_set.transform = build_transform(cfg.img_size, True, mean, std, scale=cfg.scale, hflip=cfg.hflip,
-                                          color_jitter=cfg.color_jitter, auto_augment=cfg.aa,
-                                          re_prob=cfg.reprob, no_aug=cfg.no_aug)
-    val_set.transform = build_transform(cfg.img_size, False, mean, std, crop_pct=cfg.crop_pct)
-    if cfg.grad_checkpointing:
-        model.set_grad_checkpointing(True)
-    model.to(info.device)
-    check_img_size(model, cfg.img_size, cfg.in_chans)  # one line now rather than a traceback at step 1
-    if cfg.channels_last:
-        model.to(memory_format=torch.channels_last)
-    meta = {"model": cfg.model, "num_classes": num_classes, "in_chans": cfg.in_chans,
-            "model_kwargs": model_kwargs, "img_size": cfg.img_size, "mean": mean, "std": std,
-            "crop_pct": cfg.crop_pct, "classes": classes, "dataset": cfg.dataset}
-
+    parts = task.build(cfg, info, fresh)
+    model, train_set, val_set = parts.model, parts.train_set, parts.val_set
     optimizer = create_optimizer_v2(model, opt=cfg.opt, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                    momentum=cfg.momentum, layer_decay=cfg.layer_decay)
-    mixup = None
-    if cfg.mixup > 0 or cfg.cutmix > 0:
-        mixup = Mixup(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, label_smoothing=cfg.smoothing,
-                      num_classes=num_classes)
-        criterion = SoftTargetCrossEntropy()
-    elif cfg.smoothing > 0:
-        criterion = LabelSmoothingCrossEntropy(cfg.smoothing)
-    else:
-        criterion = nn.CrossEntropyLoss()
+                                    momentum=cfg.momentum, **task.optimizer_options(cfg))
+    criterion, batch_transform = task.criterion(cfg, parts, info)
     ema = ModelEmaV3(model, decay=cfg.model_ema_decay) if cfg.model_ema else None
-    teacher = (load_teacher(cfg.distill_teacher, num_classes, cfg.img_size, info.device)
-               if cfg.distill_teacher else None)
     scaler = torch.amp.GradScaler(info.device.type) if cfg.amp == "fp16" else None
 
     sampler = ShardedSampler(len(train_set), info.rank, info.world_size, shuffle=True, seed=cfg.seed)
     # a loader-owned generator keeps the loader from drawing on the global RNG (exact resumption)
     # a last batch of one sample would break BatchNorm in training mode: drop it (it returns next epoch)
-    drop_last = mixup is not None or len(sampler) % cfg.batch_size == 1
+    drop_last = batch_transform is not None or len(sampler) % cfg.batch_size == 1
     loader = create_loader(train_set, cfg.batch_size, sampler, cfg.workers, drop_last=drop_last,
                            pin_memory=info.device.type == "cuda", generator=torch.Generator())
     val_loader = create_loader(val_set, cfg.batch_size, ShardedSampler(len(val_set), info.rank, info.world_size,
                                                                        shuffle=False), cfg.workers)
+    if task.val_collate is not None:  # e.g. padding validation images of several sizes into one batch
+        val_loader.collate_fn = task.val_collate
     steps_per_epoch = len(loader)
     if steps_per_epoch == 0:
         raise ValueError(f"batch_size: {cfg.batch_size} leaves no full batch of {len(sampler)} training images "
@@ -278,9 +410,10 @@ def _set_up(cfg: TrainConfig, info: DistInfo, run_dir: str, fresh: bool) -> _Run
     scheduler, _ = create_scheduler_v2(optimizer, sched=cfg.sched, num_epochs=cfg.epochs,
                                        warmup_epochs=cfg.warmup_epochs, warmup_lr=cfg.warmup_lr,
                                        min_lr=cfg.min_lr, step_on_epochs=False, updates_per_epoch=steps_per_epoch)
-    return _Run(cfg=cfg, info=info, run_dir=run_dir, model=model, num_classes=num_classes, meta=meta,
-                optimizer=optimizer, scheduler=scheduler, criterion=criterion, mixup=mixup, ema=ema, teacher=teacher,
-                scaler=scaler, sampler=sampler, loader=loader, val_loader=val_loader, steps_per_epoch=steps_per_epoch)
+    return _Run(cfg=cfg, task=task, info=info, run_dir=run_dir, model=model, num_classes=parts.num_classes,
+                meta=parts.meta, optimizer=optimizer, scheduler=scheduler, criterion=criterion,
+                batch_transform=batch_transform, ema=ema, scaler=scaler, sampler=sampler, loader=loader,
+                val_loader=val_loader, steps_per_epoch=steps_per_epoch, best={task.score: -1.0, "epoch": -1})
 
 
 def _restore(run: _Run, state: Optional[Dict[str, Any]], external: Optional[Dict[str, Any]]) -> None:
@@ -314,7 +447,8 @@ def _restore(run: _Run, state: Optional[Dict[str, Any]], external: Optional[Dict
         set_rng_state(state["rng"][info.rank])
         if info.is_main:
             print(f"resume: {run.run_dir}/last at epoch {run.start_epoch}, step {run.start_step} of "
-                  f"{run.steps_per_epoch} (update {run.global_step}), best top-1 so far {run.best['top1']:.2f}",
+                  f"{run.steps_per_epoch} (update {run.global_step}), best {run.task.score_label} so far "
+                  f"{run.best[run.task.score]:.2f}",
                   flush=True)
     else:
         random_seed(cfg.seed, info.rank)
@@ -370,21 +504,16 @@ def _save_last(run: _Run, epoch: int, step_in_epoch: int) -> None:
 
 
 def _train_step(run: _Run, images: torch.Tensor, targets: torch.Tensor) -> float:
-    """One optimizer update on one batch (Mixup, AMP, distillation, clipping, the schedule and the EMA); returns
-    the batch's loss."""
+    """One optimizer update on one batch (the task's batch transform and loss, AMP, clipping, the schedule and the
+    EMA); returns the batch's loss."""
     cfg, info = run.cfg, run.info
     images, targets = images.to(info.device), targets.to(info.device)
-    if run.mixup is not None:
-        images, targets = run.mixup(images, targets)
+    if run.batch_transform is not None:
+        images, targets = run.batch_transform(images, targets)
     if cfg.channels_last:
         images = images.contiguous(memory_format=torch.channels_last)
     with autocast(info.device, cfg.amp):
-        logits = run.train_model(images)
-        loss = run.criterion(logits, targets)
-        if run.teacher is not None:
-            with torch.no_grad():
-                teacher_logits = run.teacher(images)
-            loss = distillation_loss(logits, teacher_logits, loss, cfg.distill_weight, cfg.distill_temperature)
+        loss = run.task.loss(run, images, targets)
     run.optimizer.zero_grad(set_to_none=True)
     if run.scaler is not None:
         run.scaler.scale(loss).backward()
@@ -446,39 +575,40 @@ def _train_epoch(run: _Run, epoch: int, stop: StopFlag) -> Optional[Dict[str, An
 def _end_of_epoch(run: _Run, epoch: int) -> None:
     """The epoch's record: mean training loss, the schedule's epoch step, evaluation of the weights (and of their
     EMA), the best checkpoint, then last/."""
-    cfg, info = run.cfg, run.info
+    info = run.info
     train_loss = all_reduce_sum(run.running, info)
     run.running = torch.zeros(2, dtype=torch.float64)
     record = {"kind": "epoch", "epoch": epoch, "train_loss": (train_loss[0] / train_loss[1]).item(),
               "lr": run.optimizer.param_groups[0]["lr"], "time_s": round(time.time() - run.epoch_start, 2)}
     run.scheduler.step(epoch + 1)
-    results = {"model": evaluate(run.model, run.val_loader, info, cfg.amp, cfg.channels_last, cfg.progress)}
+    task, score, label = run.task, run.task.score, run.task.score_label
+    results = {"model": task.evaluate(run, run.model)}
     if run.ema is not None:
-        results["ema"] = evaluate(run.ema.module, run.val_loader, info, cfg.amp, cfg.channels_last, cfg.progress)
+        results["ema"] = task.evaluate(run, run.ema.module)
     for which, res in results.items():
         prefix = "val" if which == "model" else "ema_val"
-        record.update({f"{prefix}_top1": res["top1"], f"{prefix}_top5": res["top5"], f"{prefix}_loss": res["loss"]})
-    which, res = max(results.items(), key=lambda kv: kv[1]["top1"])
-    if res["top1"] > run.best["top1"]:
-        run.best = {"top1": res["top1"], "top5": res["top5"], "loss": res["loss"], "epoch": epoch, "weights": which}
+        record.update({f"{prefix}_{key}": res[key] for key in task.record_keys})
+    which, res = max(results.items(), key=lambda kv: kv[1][score])
+    if res[score] > run.best[score]:
+        run.best = {**{key: res[key] for key in task.record_keys}, "epoch": epoch, "weights": which}
         if info.is_main:
             weights = run.model if which == "model" else run.ema.module
             save_checkpoint(os.path.join(run.run_dir, "best"), weights, {**run.meta, "weights": which,
                                                                          "epoch": epoch, **res})
     if info.is_main:
         _append_jsonl(run.metrics_path, record)
-        print(f"epoch {epoch}: train loss {record['train_loss']:.4f}, val top-1 {results['model']['top1']:.2f}"
-              + (f", EMA top-1 {results['ema']['top1']:.2f}" if run.ema else ""), flush=True)
+        print(f"epoch {epoch}: train loss {record['train_loss']:.4f}, val {label} {results['model'][score]:.2f}"
+              + (f", EMA {label} {results['ema'][score]:.2f}" if run.ema else ""), flush=True)
     _save_last(run, epoch + 1, 0)
 
 
 def _finish(run: _Run) -> Dict[str, Any]:
     """summary.json and the closing line; returns the summary."""
-    best = run.best
-    summary = {"run_dir": run.run_dir, "model": run.cfg.model, "num_classes": run.num_classes,
-               "epochs": run.cfg.epochs, "best_top1": best["top1"], "best_epoch": best["epoch"], "best": best}
+    best, score = run.best, run.task.score
+    summary = {"run_dir": run.run_dir, **run.task.summary(run), "epochs": run.cfg.epochs,
+               f"best_{score}": best[score], "best_epoch": best["epoch"], "best": best}
     if run.info.is_main:
         atomic_write_text(os.path.join(run.run_dir, "summary.json"), json.dumps(summary, indent=2))
-        print(f"best top-1 {best['top1']:.2f} at epoch {best['epoch']} ({best.get('weights', 'model')} weights); "
+        print(f"best {run.task.score_label} {best[score]:.2f} at epoch {best['epoch']} ({best.get('weights', 'model')} weights); "
               f"checkpoints in {run.run_dir}", flush=True)
     return summary

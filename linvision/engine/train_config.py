@@ -2,7 +2,10 @@
 the keys of their YAML configs and the keyword arguments of :func:`linvision.engine.train.train` are its fields.
 
 A field's metadata holds its command-line spelling (timm's: ``-b``, ``-j``, ``--initial-checkpoint``), help and
-group; :func:`add_train_args` makes the flags from them, so a new option is one field here.
+group; :func:`add_config_args` makes the flags of any such dataclass from them (:func:`add_train_args`: those of
+:class:`TrainConfig`), so a new option is one field. Another task's recipe
+(:class:`~linvision.engine.seg_config.SegTrainConfig`) is a dataclass beside this one, on the same base
+(:class:`Recipe`), taking the fields both share from here with :func:`shared_field`.
 """
 from __future__ import annotations
 
@@ -13,14 +16,15 @@ from typing import Any, Dict, List, Optional
 
 from .cli import AMP_HELP, amp_flag_options
 
-__all__ = ["TrainConfig", "add_train_args", "RUN_ONLY_KEYS"]
+__all__ = ["TrainConfig", "Recipe", "add_train_args", "add_config_args", "recipe_field", "shared_field", "require",
+           "RUN_ONLY_KEYS"]
 
 # Options of one invocation, not of the recipe: left out of a run's saved config.yaml, so that a resumed run does
 # not take them as its defaults.
 RUN_ONLY_KEYS = ("config", "resume", "stop_after_steps", "overwrite")
 
 
-def _opt(default: Any, help: str, *aliases: str, group: str, **argparse_kwargs: Any) -> Any:
+def recipe_field(default: Any, help: str, *aliases: str, group: str, **argparse_kwargs: Any) -> Any:
     """A recipe field: its default, help, extra flag spellings, help group and further add_argument options."""
     meta = {"help": help, "aliases": aliases, "group": group, "argparse": argparse_kwargs}
     if isinstance(default, list):
@@ -28,8 +32,41 @@ def _opt(default: Any, help: str, *aliases: str, group: str, **argparse_kwargs: 
     return field(default=default, metadata=meta)
 
 
+_opt = recipe_field
+
+
+def require(cfg: Any, ok: bool, key: str, what: str) -> None:
+    """ValueError naming the field ``key`` (its flag and YAML key) and its value unless ``ok``."""
+    if not ok:
+        raise ValueError(f"{key}: {what}, got {getattr(cfg, key)!r}")
+
+
+class Recipe:
+    """What every training recipe dataclass has besides its fields: built from parsed flags, copied with changes,
+    and saved as a run's config.yaml. A subclass is a dataclass whose fields are made with :func:`recipe_field` or
+    :func:`shared_field`, and has ``check()`` and ``task()`` (the :class:`~linvision.engine.train.Task` it trains)."""
+
+    @classmethod
+    def from_namespace(cls, args: Any):
+        """The config of parsed flags (or any object with these attributes; other attributes are ignored)."""
+        if isinstance(args, cls):
+            return args
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+    def replace(self, **changes: Any):
+        """A copy with ``changes`` (``dataclasses.replace``)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def recipe(self) -> Dict[str, Any]:
+        """The fields a run saves as its config.yaml: everything but this invocation's one-off options."""
+        return {k: v for k, v in self.to_dict().items() if k not in RUN_ONLY_KEYS}
+
+
 @dataclass
-class TrainConfig:
+class TrainConfig(Recipe):
     """Everything a classification run is made of (see the flags of ``linvision-train --help``)."""
 
     # data
@@ -124,8 +161,7 @@ class TrainConfig:
         from .factory import check_pretrained
 
         def need(ok: bool, key: str, what: str) -> None:
-            if not ok:
-                raise ValueError(f"{key}: {what}, got {getattr(self, key)!r}")
+            require(self, ok, key, what)
 
         for key in ("epochs", "batch_size", "log_interval", "img_size", "in_chans"):
             need(isinstance(getattr(self, key), int) and getattr(self, key) >= 1, key, "must be an integer >= 1")
@@ -153,30 +189,18 @@ class TrainConfig:
         if self.pretrained and not parse_kwargs(self.model_kwargs).get("pretrained_cfg_overlay"):
             check_pretrained(self.model)
 
-    @classmethod
-    def from_namespace(cls, args: Any) -> "TrainConfig":
-        """The config of parsed flags (or any object with these attributes; other attributes are ignored)."""
-        if isinstance(args, cls):
-            return args
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+    def task(self):
+        """The task this recipe trains: image classification."""
+        from .train import ClassificationTask
 
-    def replace(self, **changes: Any) -> "TrainConfig":
-        """A copy with ``changes`` (``dataclasses.replace``)."""
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    def recipe(self) -> Dict[str, Any]:
-        """The fields a run saves as its config.yaml: everything but this invocation's one-off options."""
-        return {k: v for k, v in self.to_dict().items() if k not in RUN_ONLY_KEYS}
+        return ClassificationTask()
 
 
-def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Every training flag, made from :class:`TrainConfig`'s fields; YAML configs use the same names
-    (``img_size`` or ``img-size``)."""
+def add_config_args(parser: argparse.ArgumentParser, config_class: type) -> argparse.ArgumentParser:
+    """A flag for every field of ``config_class`` (a :class:`Recipe` dataclass), in groups by the fields'
+    metadata; YAML configs use the same names (``img_size`` or ``img-size``)."""
     groups: Dict[str, Any] = {}
-    for f in fields(TrainConfig):
+    for f in fields(config_class):
         meta = f.metadata
         group = groups.get(meta["group"]) or groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
         kwargs = dict(meta["argparse"])
@@ -186,3 +210,23 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         group.add_argument(f"--{f.name.replace('_', '-')}", *meta["aliases"], default=default, help=meta["help"],
                            **kwargs)
     return parser
+
+
+def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Every training flag, made from :class:`TrainConfig`'s fields; YAML configs use the same names
+    (``img_size`` or ``img-size``)."""
+    return add_config_args(parser, TrainConfig)
+
+
+_UNSET: Any = object()
+
+
+def shared_field(name: str, default: Any = _UNSET, help: Optional[str] = None) -> Any:
+    """:class:`TrainConfig`'s field ``name`` for another recipe dataclass: the same flag spellings, group and
+    argparse options, with its own ``default`` or ``help`` where given."""
+    f = {g.name: g for g in fields(TrainConfig)}[name]
+    meta = f.metadata
+    if default is _UNSET:
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    return recipe_field(default, meta["help"] if help is None else help, *meta["aliases"], group=meta["group"],
+                **meta["argparse"])

@@ -63,3 +63,61 @@ def test_every_package_imports_downward_only():
                 checked += 1
                 assert RANK[other] <= RANK[own], f"{'/'.join(rel)} ({own}) imports {module} ({other})"
     assert checked > 40
+
+
+def test_safe_pickle_imports_nothing_of_linvision():
+    """The checkpoint reader that models and engine share sits below both: it imports nothing of linvision."""
+    assert not [m for m, _ in _imports(ROOT / "linvision" / "safe_pickle.py") if m.startswith(("linvision", "."))]
+
+
+def _module_files():
+    """{dotted module name: (path, is a package's __init__)} for linvision and the kernels it installs."""
+    out = {}
+    for top, prefix in (("linvision", ("linvision",)), ("kernels", ("linvision", "kernels"))):
+        for path in (ROOT / top).rglob("*.py"):
+            parts = prefix + path.relative_to(ROOT / top).with_suffix("").parts
+            init = parts[-1] == "__init__"
+            out[".".join(parts[:-1] if init else parts)] = (path, init)
+    return out
+
+
+def _imported_modules(module, path, init):
+    """The module names an import statement of the file names, relative imports resolved (``from X import Y``
+    counts X and X.Y), imports inside functions included."""
+    package = module if init else module.rsplit(".", 1)[0]
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module or ""
+            names += [origin] + [f"{origin}.{a.name}" for a in node.names]
+    return names
+
+
+def test_no_import_circle_between_modules():
+    """No two modules import each other, directly or round a circle, not even from inside a function (a lazy
+    import that hides a circle still ties the two modules together)."""
+    modules = _module_files()
+    graph = {m: {n for n in _imported_modules(m, path, init) if n in modules and n != m and not modules[n][1]}
+             for m, (path, init) in modules.items() if not init}
+    assert "linvision.engine.in_memory" in graph["linvision.engine.texture_data"]
+    state, circles = {}, []
+
+    def visit(m, trail):
+        state[m] = "open"
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == "open":
+                circles.append(" -> ".join(trail[trail.index(n):] + [n]))
+            elif n not in state:
+                visit(n, trail + [n])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not circles, circles

@@ -3,8 +3,8 @@
 :class:`~linvision.engine.seg_config.SegTrainConfig`) in named steps (set up, restore, a step, an epoch, its end,
 finish) over a :class:`_Run` that holds the run's parts and position.
 
-What differs between tasks is a :class:`Task` the recipe names (``cfg.task()``): the data with its transforms and
-the model (:meth:`Task.build`), the loss, the evaluation and the figure that picks ``best/``.
+What differs between tasks is a :class:`Task` given with the recipe: the data with its transforms and the model
+(:meth:`Task.build`), the loss, the evaluation and the figure that picks ``best/``.
 :class:`ClassificationTask` is image classification; ``linvision.engine.seg_task.SegmentationTask`` is semantic
 segmentation. Everything else is shared: the run folder and its records, the checkpoints, exact resumption,
 saving on a signal, AMP, DistributedDataParallel, the EMA of the weights, progress bars and ``stop_after_steps``.
@@ -125,8 +125,8 @@ class TaskParts:
 
 
 class Task:
-    """The task-specific parts of a run; the trainer does the rest. A run makes one instance (``cfg.task()``),
-    which may keep what it builds (a teacher) between the calls.
+    """The task-specific parts of a run; the trainer does the rest. A run takes one instance, which may keep what
+    it builds (a teacher) between the calls.
 
     Attributes:
         score: the figure of :meth:`evaluate` that picks ``best/`` (higher is better).
@@ -270,29 +270,31 @@ def _append_jsonl(path: str, record: Dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def train(cfg: Union[Recipe, argparse.Namespace]) -> Dict[str, Any]:
-    """Run training as ``cfg`` says: a recipe (a :class:`TrainConfig`, a
-    :class:`~linvision.engine.seg_config.SegTrainConfig`, ...) trains the task it names; parsed flags of
-    :func:`add_train_args` are a :class:`TrainConfig`. Returns the summary it also writes.
+def train(cfg: Union[Recipe, argparse.Namespace], task: Optional[Task] = None) -> Dict[str, Any]:
+    """Run training as ``cfg`` says for ``task``: by default image classification (:class:`ClassificationTask`)
+    with a :class:`TrainConfig` or the flags of :func:`add_train_args`; another task comes with its own recipe
+    (:func:`linvision.engine.seg_task.train_segmentation`: a ``SegmentationTask`` and a ``SegTrainConfig``).
+    Returns the summary it also writes.
 
     Writes into the run folder: config.yaml, metrics.jsonl (step and epoch records), summary.json, and the
     checkpoints ``last/`` and ``best/`` (rank 0 only). Raises TrainInterrupted after saving when SIGINT or
     SIGTERM arrived; ValueError / FileNotFoundError for bad arguments and missing data.
     """
-    if not isinstance(cfg, Recipe):
-        cfg = TrainConfig.from_namespace(cfg)
+    if task is None:
+        if isinstance(cfg, Recipe) and not isinstance(cfg, TrainConfig):
+            raise TypeError(f"train: a {type(cfg).__name__} needs the task it is the recipe of")
+        cfg, task = TrainConfig.from_namespace(cfg), ClassificationTask()
     info = init_distributed(cfg.device)
     try:
-        result = _train(cfg, info)
+        result = _train(cfg, task, info)
         barrier(info)
         return result
     finally:
         cleanup(info)
 
 
-def _train(cfg: Recipe, info: DistInfo) -> Dict[str, Any]:
+def _train(cfg: Recipe, task: Task, info: DistInfo) -> Dict[str, Any]:
     cfg.check()
-    task = cfg.task()
     resuming_run = bool(cfg.resume) and not is_external_checkpoint(cfg.resume)
     if cfg.resume and not resuming_run and not task.timm_checkpoints:
         raise ValueError(f"resume: {cfg.resume} is not a file of a run folder; give the run folder (or its last/) "
@@ -572,6 +574,16 @@ def _train_epoch(run: _Run, epoch: int, stop: StopFlag) -> Optional[Dict[str, An
     return None
 
 
+def _share_buffers(run: _Run) -> None:
+    """Rank 0's buffers (BatchNorm's running statistics) on every rank, for the model and its EMA: each rank's own
+    were updated by its last batch, and every rank must evaluate the weights rank 0 saves."""
+    if not run.info.distributed:
+        return
+    for module in [run.model] + ([run.ema.module] if run.ema is not None else []):
+        for buffer in unwrap_model(module).buffers():
+            dist.broadcast(buffer.data, src=0)
+
+
 def _end_of_epoch(run: _Run, epoch: int) -> None:
     """The epoch's record: mean training loss, the schedule's epoch step, evaluation of the weights (and of their
     EMA), the best checkpoint, then last/."""
@@ -582,6 +594,7 @@ def _end_of_epoch(run: _Run, epoch: int) -> None:
               "lr": run.optimizer.param_groups[0]["lr"], "time_s": round(time.time() - run.epoch_start, 2)}
     run.scheduler.step(epoch + 1)
     task, score, label = run.task, run.task.score, run.task.score_label
+    _share_buffers(run)
     results = {"model": task.evaluate(run, run.model)}
     if run.ema is not None:
         results["ema"] = task.evaluate(run, run.ema.module)

@@ -44,7 +44,7 @@ def require(cfg: Any, ok: bool, key: str, what: str) -> None:
 class Recipe:
     """What every training recipe dataclass has besides its fields: built from parsed flags, copied with changes,
     and saved as a run's config.yaml. A subclass is a dataclass whose fields are made with :func:`recipe_field` or
-    :func:`shared_field`, and has ``check()`` and ``task()`` (the :class:`~linvision.engine.train.Task` it trains)."""
+    :func:`shared_field`, and has ``check()``, which raises ValueError naming the first field it cannot use."""
 
     @classmethod
     def from_namespace(cls, args: Any):
@@ -188,12 +188,6 @@ class TrainConfig(Recipe):
                              "--pretrained-path FILE (a local file), not both")
         if self.pretrained and not parse_kwargs(self.model_kwargs).get("pretrained_cfg_overlay"):
             check_pretrained(self.model)
-
-    def task(self):
-        """The task this recipe trains: image classification."""
-        from .train import ClassificationTask
-
-        return ClassificationTask()
 
 
 def add_config_args(parser: argparse.ArgumentParser, config_class: type) -> argparse.ArgumentParser:

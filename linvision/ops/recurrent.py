@@ -34,6 +34,10 @@ Bidirectional forms (for images, which have no natural order) run the scan forwa
 order and add the two, with the backward scan strictly anti-causal so that the diagonal counts once; the
 normalised forms merge numerators, denominators and counts before dividing, so with gamma = 1 the bidirectional
 decay form is exactly non-causal linear attention.
+
+Kernels: the chunked forms take ``backend=`` as :func:`linvision.ops.linear_attention` does: "auto" runs CUDA tensors
+on fla-core's chunked Triton kernels where they apply (:mod:`linvision.ops.recurrent_kernels`: what runs where, the
+precision), "triton" forces them, "torch" is the PyTorch chunk loop here. The step forms are PyTorch.
 """
 from __future__ import annotations
 
@@ -46,7 +50,9 @@ from torch import Tensor
 
 from linvision.kernels.common import DEFAULT_EPS, check_eps, check_int, check_qkv, compute_dtype
 
+from . import recurrent_kernels
 from .feature_maps import FeatureMapArg, featurize, get_feature_map
+from .recurrent_kernels import kernel_path
 from .rope import is_exporting
 
 __all__ = [
@@ -297,7 +303,7 @@ def _check_state(state: Optional[RecurrentState], q: Tensor, v: Tensor, g: Optio
 def gated_linear_attention(
     q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, feature_map: FeatureMapArg = "elu", *,
     normalize: bool = True, eps: float = DEFAULT_EPS, chunk_size: int = 64, state: Optional[RecurrentState] = None,
-    return_state: bool = False,
+    return_state: bool = False, backend: str = "auto",
 ) -> Union[Tensor, Tuple[Tensor, RecurrentState]]:
     """Causal gated linear attention, chunked: S_t = diag(gamma_t) S_{t-1} + phi(k_t)^T v_t, gamma_t = exp(log_gate_t).
 
@@ -307,15 +313,28 @@ def gated_linear_attention(
     normalize: divide by the decayed normaliser (module docstring); False gives o_t = phi(q_t) S_t.
     state: the state after earlier tokens (continues a sequence); return_state: also return the final state.
     Per-channel gates form a (chunk, chunk, D) decay tensor per chunk: prefer chunk_size 16-32 for them.
+    backend: "auto" (fla's kernels for CUDA tensors where they apply, else PyTorch with a warning once per reason),
+    "triton" (the kernels; ImportError or ValueError saying why when they cannot run the call) or "torch" (the
+    chunk loop); chunk_size is the PyTorch path's (the kernels chunk by 64).
 
     Returns (B, H, N, Dv) in q's dtype (and a :class:`RecurrentState`). Raises TypeError for bad dtypes or
-    arguments, ValueError for mismatched shapes, a bad chunk_size or eps, or a state that does not fit.
+    arguments, ValueError for mismatched shapes, a bad chunk_size, eps or backend, or a state that does not fit.
     """
     check_qkv(q, k, v)
     eps, chunk_size = check_eps(eps), check_int("chunk_size", chunk_size, 1)
     log_gate = _check_log_gate(log_gate, q)
     state = _check_state(state, q, v, log_gate.shape[-1] if normalize else None)
     phi_q, phi_k, vc = featurize(get_feature_map(feature_map, dim=q.shape[-1]), q, k, v)
+    if kernel_path(backend, q, v, "gated_linear_attention", gated=True):
+        o, s, z, count = recurrent_kernels.gated_scan(
+            phi_q, phi_k, vc, log_gate, dtype=q.dtype, normalize=normalize, eps=eps,
+            s0=None if state is None else state.s, z0=None if state is None else state.z,
+            count0=None if state is None else state.count, return_state=return_state,
+        )
+        out = o.to(q.dtype)
+        if not return_state:
+            return out
+        return out, RecurrentState(s, z, count, q.shape[2] + (0 if state is None else state.num_tokens))
     if normalize:
         num, den, count, final = _gated_pieces(phi_q, phi_k, vc, log_gate, chunk_size, state, strict=False)
         out = num / (den + count * eps).unsqueeze(-1)
@@ -369,7 +388,7 @@ def gated_linear_attention_step(
 def decay_linear_attention(
     q: Tensor, k: Tensor, v: Tensor, decay: DecayArg, feature_map: FeatureMapArg = "elu", *,
     normalize: bool = True, eps: float = DEFAULT_EPS, chunk_size: int = 64, state: Optional[RecurrentState] = None,
-    return_state: bool = False,
+    return_state: bool = False, backend: str = "auto",
 ) -> Union[Tensor, Tuple[Tensor, RecurrentState]]:
     """Causal linear attention with a fixed decay gamma in (0, 1] (a float, or a tensor with one per head):
     S_t = gamma * S_{t-1} + phi(k_t)^T v_t. With gamma = 1 and ``normalize`` it is :func:`causal_linear_attention`.
@@ -377,7 +396,7 @@ def decay_linear_attention(
     check_qkv(q, k, v)
     return gated_linear_attention(
         q, k, v, _decay_log_gate(decay, q), feature_map, normalize=normalize, eps=eps, chunk_size=chunk_size,
-        state=state, return_state=return_state,
+        state=state, return_state=return_state, backend=backend,
     )
 
 
@@ -393,7 +412,7 @@ def decay_linear_attention_step(
 
 def bidirectional_gated_linear_attention(
     q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, feature_map: FeatureMapArg = "elu", *,
-    normalize: bool = True, eps: float = DEFAULT_EPS, chunk_size: int = 64,
+    normalize: bool = True, eps: float = DEFAULT_EPS, chunk_size: int = 64, backend: str = "auto",
 ) -> Tensor:
     """Gated linear attention scanned forward and backward over the token order, diagonal counted once.
 
@@ -407,6 +426,9 @@ def bidirectional_gated_linear_attention(
     eps, chunk_size = check_eps(eps), check_int("chunk_size", chunk_size, 1)
     log_gate = _check_log_gate(log_gate, q)
     phi_q, phi_k, vc = featurize(get_feature_map(feature_map, dim=q.shape[-1]), q, k, v)
+    if kernel_path(backend, q, v, "bidirectional_gated_linear_attention", gated=True):
+        return recurrent_kernels.bidirectional_gated(
+            phi_q, phi_k, vc, log_gate, dtype=q.dtype, normalize=normalize, eps=eps).to(q.dtype)
 
     def flip(x: Tensor) -> Tensor:
         return x.flip(2)
@@ -495,14 +517,14 @@ def _delta_scan(
 def delta_rule_attention(
     q: Tensor, k: Tensor, v: Tensor, beta: Tensor, feature_map: FeatureMapArg = "identity", *,
     l2_normalize: bool = True, chunk_size: int = 64, state: Optional[RecurrentState] = None,
-    return_state: bool = False,
+    return_state: bool = False, backend: str = "auto",
 ) -> Union[Tensor, Tuple[Tensor, RecurrentState]]:
     """Causal delta-rule (DeltaNet) linear attention, chunked: S_t = (I - beta_t k_t^T k_t) S_{t-1} + beta_t k_t^T v_t,
     o_t = q_t S_t, where q, k are the feature-mapped (and, by default, L2-normalised) queries and keys.
 
     q, k: (B, H, N, D); v: (B, H, N, Dv); beta: (B, H, N) writing strength, in [0, 1] for a stable state
     (e.g. a sigmoid; not checked); beta = 0 leaves the state unchanged, beta = 1 with unit keys overwrites the
-    value stored for k_t. Unnormalised (no z). state / return_state as
+    value stored for k_t. Unnormalised (no z). state / return_state / backend as
     :func:`gated_linear_attention`. Returns (B, H, N, Dv) in q's dtype. Raises TypeError for bad dtypes,
     ValueError for mismatched shapes, a bad chunk_size or a state that does not fit.
     """
@@ -511,7 +533,11 @@ def delta_rule_attention(
     beta = _check_beta(beta, q)
     state = _check_state(state, q, v, None)
     phi_q, phi_k, vc = _delta_features(q, k, v, feature_map, l2_normalize)
-    out, s = _delta_scan(phi_q, phi_k, vc, beta, chunk_size, None if state is None else state.s, False)
+    s0 = None if state is None else state.s
+    if kernel_path(backend, q, v, "delta_rule_attention", gated=False):
+        out, s = recurrent_kernels.delta_scan(phi_q, phi_k, vc, beta, dtype=q.dtype, s0=s0, return_state=return_state)
+    else:
+        out, s = _delta_scan(phi_q, phi_k, vc, beta, chunk_size, s0, False)
     out = out.to(q.dtype)
     final = RecurrentState(s, num_tokens=q.shape[2] + (0 if state is None else state.num_tokens))
     return (out, final) if return_state else out
@@ -536,7 +562,7 @@ def delta_rule_step(
 
 def bidirectional_delta_rule_attention(
     q: Tensor, k: Tensor, v: Tensor, beta: Tensor, feature_map: FeatureMapArg = "identity", *,
-    l2_normalize: bool = True, chunk_size: int = 64,
+    l2_normalize: bool = True, chunk_size: int = 64, backend: str = "auto",
 ) -> Tensor:
     """Delta-rule attention scanned forward (o_i = q_i S_i) and backward over the reversed order, the backward
     read strictly before token i's own update (q_i S'_{i+1}), so the diagonal counts once; the two are added.
@@ -545,6 +571,8 @@ def bidirectional_delta_rule_attention(
     chunk_size = check_int("chunk_size", chunk_size, 1)
     beta = _check_beta(beta, q)
     phi_q, phi_k, vc = _delta_features(q, k, v, feature_map, l2_normalize)
+    if kernel_path(backend, q, v, "bidirectional_delta_rule_attention", gated=False):
+        return recurrent_kernels.bidirectional_delta(phi_q, phi_k, vc, beta, dtype=q.dtype).to(q.dtype)
     out_f, _ = _delta_scan(phi_q, phi_k, vc, beta, chunk_size, None, strict=False)
     flipped = (phi_q.flip(2), phi_k.flip(2), vc.flip(2), beta.flip(2))
     out_b, _ = _delta_scan(*flipped, chunk_size, None, strict=True)

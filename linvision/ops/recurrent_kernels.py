@@ -1,0 +1,338 @@
+"""The decay, gated and delta-rule recurrences of :mod:`linvision.ops.recurrent` on fla-core's chunked Triton kernels.
+
+fla-core (the kernel package of flash-linear-attention, ``pip install "linvision[kernels]"``) has forward and
+backward kernels for three causal scans, called here on features that :mod:`linvision.ops.recurrent` has already
+formed (feature map, L2 normalisation, gates in fp32):
+
+- ``chunk_simple_gla``: S_t = gamma_t S_{t-1} + k_t^T v_t with one gate per head (the decay form and per-head gates),
+- ``chunk_gla``: the same with a gate per key channel,
+- ``chunk_delta_rule``: S_t = (I - beta_t k_t^T k_t) S_{t-1} + beta_t k_t^T v_t,
+
+all read as o_t = q_t S_t. fla has no non-causal form; the bidirectional ops are built from two of its causal scans,
+run as one call over 2B sequences: the raster order, and the reversed order with each query moved one token on.
+The reversed scan of :mod:`~linvision.ops.recurrent` leaves the token itself out, q_i S'_{i+1} (delta rule) or
+q_i diag(gamma_i) S'_{i+1} (gated), which is the inclusive reversed scan's read at the token before, taken with
+token i's query (times its gate): so the reversed sequence's queries are shifted by one and its first output is 0.
+
+The normalised gated forms need a denominator phi(q_i) . z_i and a decayed token count c_i. The denominator rides
+through the same kernel as one more value column of ones (and a zero column: fla's backward takes even value
+widths). The count depends on the gates only, sum_j prod(gates crossed from j to i); it is formed in float64 from
+cumulative log-gates, c_i = exp(C_i + logcumsumexp(-C)_i) forwards and likewise backwards, O(N) and exact to fp32.
+
+Precision. fla's operands are fp16 or bf16 (it refuses fp32 for the delta rule) with fp32 accumulation; its chunk
+states are stored in the operand dtype. fp16 and bf16 inputs run in their dtype; fp32 inputs run with fp16 operands
+(bf16 or fp16 under ``torch.autocast``, its dtype), fp32 accumulation and an fp32 result and final state; float64
+stays in PyTorch. The gated forms' sums grow with the decayed count, so their operands are scaled by powers of two,
+which is exact: keys by 2^-ceil(log2 max c) per (batch, head) (the largest entry of an entering state, if larger,
+takes the count's place), so that the state is at most max phi(k) max |v|, and each query by
+2^-ceil(log2 |phi(q_i)|_1); the results are divided by the same factors in fp32 (the normalised forms scale the eps
+term instead). The delta rule needs no scaling: with unit keys and beta in [0, 1] its state stays of the size of v.
+
+Dispatch (:func:`kernel_path`): ``backend="auto"`` takes the kernels for CUDA tensors when fla-core imports and the
+call fits them, else PyTorch with a ``RuntimeWarning`` once per reason (CPU tensors go to PyTorch without one);
+``"triton"`` forces them (ImportError without fla-core, ValueError for a call they cannot run, each in one line);
+``"torch"`` is the PyTorch path. fla-core is imported on the first call that runs the kernels, never before.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Callable, Optional, Set, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .rope import is_exporting
+
+__all__ = [
+    "BACKENDS",
+    "REQUIREMENT",
+    "check_backend",
+    "kernel_path",
+    "kernel_reason",
+    "operand_dtype",
+    "decayed_counts",
+    "gated_scan",
+    "bidirectional_gated",
+    "delta_scan",
+    "bidirectional_delta",
+]
+
+BACKENDS = ("auto", "torch", "triton")
+REQUIREMENT = "fla-core>=0.6,<0.7"
+MAX_HEAD_DIM = 256  # fla's state kernels take head dims up to 256
+_AUTO_DEVICES = ("cuda",)
+_HALF = (torch.float16, torch.bfloat16)
+_WARNED: Set[str] = set()
+_KERNELS = {}  # name -> fla function, filled on the first kernel call
+_IMPORT_ERROR: list = []  # the reason fla-core could not be imported, once known
+
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: unknown {backend!r}; allowed: {', '.join(BACKENDS)}")
+    return backend
+
+
+def _kernel(name: str) -> Callable:
+    """fla's chunked kernel ``name`` ("delta_rule", "gla", "simple_gla"), imported on first use."""
+    if name not in _KERNELS:
+        if name == "delta_rule":
+            from fla.ops.delta_rule import chunk_delta_rule as fn
+        elif name == "gla":
+            from fla.ops.gla import chunk_gla as fn
+        else:
+            from fla.ops.simple_gla import chunk_simple_gla as fn
+        _KERNELS[name] = fn
+    return _KERNELS[name]
+
+
+def _import_reason() -> Optional[str]:
+    """None when fla-core's kernels import, else why not (tried once per process)."""
+    if _KERNELS:
+        return None
+    if not _IMPORT_ERROR:
+        try:
+            for name in ("delta_rule", "gla", "simple_gla"):
+                _kernel(name)
+            _IMPORT_ERROR.append(None)
+        except ImportError as exc:  # fla-core or Triton missing
+            _IMPORT_ERROR.append(f"fla-core cannot be imported ({exc}); install {REQUIREMENT!r} "
+                                 "(pip install 'linvision[kernels]')")
+    return _IMPORT_ERROR[0]
+
+
+def kernel_reason(q: Tensor, v: Tensor, gated: bool) -> Optional[str]:
+    """None when fla's kernels can run a recurrence on q (B, H, N, D) and v (B, H, N, Dv) (already validated; a
+    ``gated`` form or the delta rule), else a short reason. The import of fla-core is checked last (and only then
+    attempted)."""
+    if is_exporting():
+        return "the call is being exported, and fla's kernels are not part of an exported graph"
+    if q.dtype not in (*_HALF, torch.float32):
+        return f"dtype {q.dtype} runs in PyTorch (the kernels take float16, bfloat16 or float32)"
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if q.device.type != "cuda" and not (interpret and q.device.type == "cpu"):
+        return f"tensors are on {q.device.type} and TRITON_INTERPRET is not set"
+    if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] + 2 > MAX_HEAD_DIM:
+        return f"head dims D={q.shape[-1]}, Dv={v.shape[-1]} exceed fla's {MAX_HEAD_DIM} (Dv + 2 for the denominator)"
+    if gated and q.shape[-1] % 2:
+        return f"head dim D={q.shape[-1]} is odd, and fla's gated kernels take even head dims"
+    return _import_reason()
+
+
+def _warn_once(op: str, reason: str) -> None:
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(
+            f"{op}: backend='auto' runs this call in PyTorch, not fla's kernels: {reason} "
+            "(said once per reason; backend='torch' chooses PyTorch without this warning)",
+            RuntimeWarning, stacklevel=4,
+        )
+
+
+def kernel_path(backend: str, q: Tensor, v: Tensor, op: str, gated: bool) -> bool:
+    """Whether the recurrence ``op`` (a ``gated`` form or the delta rule) on q, v runs on fla's kernels: ``backend``
+    "torch" never, "auto" for CUDA
+    tensors the kernels can take (a warning once per reason otherwise), "triton" always (ImportError when fla-core
+    does not import, ValueError when the call does not fit the kernels)."""
+    check_backend(backend)
+    if backend == "torch" or (backend == "auto" and q.device.type not in _AUTO_DEVICES):
+        return False
+    reason = kernel_reason(q, v, gated)
+    if reason is None:
+        return True
+    if backend == "triton":
+        error = ImportError if reason.startswith("fla-core cannot") else ValueError
+        raise error(f"backend: 'triton' cannot run {op}: {reason}")
+    _warn_once(op, reason)
+    return False
+
+
+def operand_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The kernels' operand dtype for inputs of ``dtype``: fp16 and bf16 as they are; fp32 as autocast would run it
+    (its dtype when ``torch.autocast`` is on for the device, else fp16)."""
+    if dtype in _HALF:
+        return dtype
+    if torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type) in _HALF:
+        return torch.get_autocast_dtype(device.type)
+    return torch.float16
+
+
+# --- layout: linvision's (B, H, N, X) as fla's (B * H, N, 1, X), heads folded into the batch ---
+
+def _fla(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """(B, H, N, X) -> contiguous (B * H, N, 1, X) in ``dtype`` (one copy at most)."""
+    b, h, n, c = x.shape
+    return x.to(dtype=dtype, memory_format=torch.contiguous_format).view(b * h, n, 1, c)
+
+
+def _gate(log_gate: Tensor) -> Tensor:
+    """(B, H, N, G) fp32 log-gates -> (B * H, N, 1) for per-head gates, (B * H, N, 1, G) per key channel."""
+    b, h, n, g = log_gate.shape
+    x = log_gate.contiguous().view(b * h, n, 1, g)
+    return x[..., 0] if g == 1 else x
+
+
+def _state(s: Optional[Tensor]) -> Optional[Tensor]:
+    """(B, H, K, V) -> fp32 (B * H, 1, K, V)."""
+    return None if s is None else s.float().contiguous().view(-1, 1, *s.shape[-2:])
+
+
+def _run(name: str, q: Tensor, k: Tensor, v: Tensor, extra: Tensor, s0: Optional[Tensor], want_state: bool
+         ) -> Tuple[Tensor, Optional[Tensor]]:
+    """One fla call on (B, H, N, .) tensors already in the operand dtype; ``extra`` the gate or beta in fla's
+    layout. Returns (o (B, H, N, V) in the operand dtype, final state (B, H, K, V) fp32 or None)."""
+    b, h, n, _ = q.shape
+    kwargs = dict(scale=1.0, initial_state=_state(s0), output_final_state=want_state)
+    o, s = _kernel(name)(*(_fla(t, q.dtype) for t in (q, k, v)), extra, **kwargs)
+    o = o.view(b, h, n, v.shape[-1])
+    return o, None if s is None else s.view(b, h, *s.shape[-2:])
+
+
+def _shift(x: Tensor) -> Tensor:
+    """x_{t+1} at t along dim 2, zero at the end: the reversed scan's queries moved one token on."""
+    return F.pad(x[:, :, 1:], (0, 0, 0, 1))
+
+
+def _unshift(x: Tensor) -> Tensor:
+    """The reversed scan's reads back in raster order: read t of the reversed sequence is token N - 2 - t's, and
+    the last token reads nothing."""
+    return F.pad(x[:, :, :-1].flip(2), (0, 0, 0, 1))
+
+
+def _pow2_inverse(x: Tensor) -> Tensor:
+    """2^-ceil(log2 x) for x > 0: the power of two p with p * x in (1/2, 1]; no gradient."""
+    return torch.exp2(-torch.ceil(torch.log2(x.detach())))
+
+
+def _pad_even(x: Tensor) -> Tensor:
+    """A zero channel more when the last dim is odd (fla's backward takes even widths); exact."""
+    return F.pad(x, (0, x.shape[-1] % 2))
+
+
+# --- gated and decay forms ---
+
+def decayed_counts(log_gate: Tensor, count0: Optional[Tensor] = None, backward: bool = False
+                   ) -> Tuple[Tensor, Optional[Tensor]]:
+    """Per-channel decayed token counts of log-gates (B, H, N, G), float64: the forward scan's
+    c_i = sum_{j <= i} exp(C_i - C_j) (+ exp(C_i) count0, count0 (B, H, G)) with C the cumulative log-gate, and with
+    ``backward`` the reversed scan's, token i left out: sum_{j > i} exp(C_{j-1} - C_{i-1}). Both from logcumsumexp,
+    with no exp of a positive number; differentiable."""
+    g = log_gate.double()
+    cum = g.cumsum(2)
+    fwd = torch.exp(cum + torch.logcumsumexp(-cum, 2))
+    if count0 is not None:
+        fwd = fwd + cum.exp() * count0.double().unsqueeze(2)
+    if not backward:
+        return fwd, None
+    prev = cum - g  # C_{i-1}
+    after = torch.logcumsumexp(prev.flip(2), 2).flip(2)  # log sum_{j >= i} exp(C_{j-1})
+    return fwd, F.pad(torch.exp(after[:, :, 1:] - prev[:, :, :-1]), (0, 0, 0, 1))
+
+
+def _gated_operands(phi_q: Tensor, phi_k: Tensor, v: Tensor, normalize: bool, top_count: Tensor
+                    ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Scaled queries and keys, the value columns (with the denominator's ones column when normalised) and the
+    scales (per-token query scale (B, H, N, 1), per-head key scale (B, H, 1, 1)), all fp32."""
+    key_scale = _pow2_inverse(top_count.float()).view(*top_count.shape[:2], 1, 1)
+    query_scale = _pow2_inverse(phi_q.abs().sum(-1, keepdim=True).clamp_min(2.0 ** -100))
+    if normalize:
+        v = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
+    return phi_q * query_scale, phi_k * key_scale, _pad_even(v), query_scale, key_scale
+
+
+def _gated_kernel(log_gate: Tensor) -> str:
+    return "simple_gla" if log_gate.shape[-1] == 1 else "gla"
+
+
+def _gated_output(out: Tensor, dv: int, normalize: bool, eps: float, count: Optional[Tensor], scale: Tensor
+                  ) -> Tensor:
+    """fp32 result from the kernels' scaled sums: num / (den + eps c scale), or out / scale."""
+    out = out.float()
+    if normalize:
+        return out[..., :dv] / (out[..., dv] + eps * count * scale[..., 0]).unsqueeze(-1)
+    return out[..., :dv] / scale
+
+
+def gated_scan(
+    phi_q: Tensor, phi_k: Tensor, v: Tensor, log_gate: Tensor, *, dtype: torch.dtype, normalize: bool, eps: float,
+    s0: Optional[Tensor] = None, z0: Optional[Tensor] = None, count0: Optional[Tensor] = None,
+    return_state: bool = False,
+) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """The causal gated scan on fla's kernels. Features phi_q, phi_k (B, H, N, D) and v (B, H, N, Dv) and log-gates
+    (B, H, N, G) in fp32; ``dtype`` the inputs' dtype (for :func:`operand_dtype`); s0 (B, H, D, Dv), z0 (B, H, D),
+    count0 (B, H, G): the state entering (z0 and count0 only when normalised).
+    Returns (o (B, H, N, Dv) fp32, s, z, count), the final state's parts (None unless ``return_state``)."""
+    dv = v.shape[-1]
+    counts, _ = decayed_counts(log_gate if normalize else log_gate.detach(), count0)
+    top = counts.detach().amax(dim=(2, 3))
+    if s0 is not None:  # the entering state's own size counts too
+        top = torch.maximum(top, s0.detach().abs().amax(dim=(2, 3)).double())
+    q, k, vv, q_scale, k_scale = _gated_operands(phi_q, phi_k, v, normalize, top)
+    if s0 is not None:
+        if normalize:
+            s0 = torch.cat([s0, z0.unsqueeze(-1)], dim=-1)
+        s0 = _pad_even(s0) * k_scale
+    op_dtype = operand_dtype(dtype, phi_q.device)
+    out, s = _run(_gated_kernel(log_gate), q.to(op_dtype), k.to(op_dtype), vv.to(op_dtype), _gate(log_gate), s0,
+                  return_state)
+    count = counts.mean(-1).float() if normalize else None
+    o = _gated_output(out, dv, normalize, eps, count, q_scale * k_scale)
+    if not return_state:
+        return o, None, None, None
+    s = s / k_scale
+    if not normalize:
+        return o, s[..., :dv], None, None
+    return o, s[..., :dv], s[..., dv], counts[:, :, -1].float()
+
+
+def bidirectional_gated(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_gate: Tensor, *, dtype: torch.dtype,
+                        normalize: bool, eps: float) -> Tensor:
+    """The bidirectional gated form of :func:`linvision.ops.bidirectional_gated_linear_attention` on fla's kernels:
+    both scans as one call over 2B sequences. Arguments as :func:`gated_scan`; returns (B, H, N, Dv) fp32."""
+    b, dv = phi_q.shape[0], v.shape[-1]
+    fwd, bwd = decayed_counts(log_gate if normalize else log_gate.detach(), backward=True)
+    counts = fwd + bwd
+    q, k, vv, q_scale, k_scale = _gated_operands(phi_q, phi_k, v, normalize, counts.detach().amax(dim=(2, 3)))
+    op_dtype = operand_dtype(dtype, phi_q.device)
+    gate_b = log_gate.flip(2)
+    # reversed order: token i's query, times its own gate, reads the state after token i + 1
+    q_b = _shift(q.flip(2) * gate_b.exp())
+    out, _ = _run(
+        _gated_kernel(log_gate),
+        torch.cat([q.to(op_dtype), q_b.to(op_dtype)]),
+        torch.cat([k.to(op_dtype), k.flip(2).to(op_dtype)]),
+        torch.cat([vv.to(op_dtype), vv.flip(2).to(op_dtype)]),
+        _gate(torch.cat([log_gate, gate_b])), None, False,
+    )
+    both = out[:b].float() + _unshift(out[b:].float())
+    return _gated_output(both, dv, normalize, eps, counts.mean(-1).float() if normalize else None,
+                         q_scale * k_scale)
+
+
+# --- delta rule ---
+
+def delta_scan(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, *, dtype: torch.dtype,
+               s0: Optional[Tensor] = None, return_state: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+    """The causal delta rule on fla's kernels: features (B, H, N, D) (already L2-normalised where wanted), v
+    (B, H, N, Dv), beta (B, H, N) in fp32, s0 (B, H, D, Dv) or None. Returns (o fp32, final state or None)."""
+    op_dtype = operand_dtype(dtype, phi_q.device)
+    b, h, n = beta.shape
+    out, s = _run("delta_rule", phi_q.to(op_dtype), phi_k.to(op_dtype), v.to(op_dtype),
+                  beta.contiguous().view(b * h, n, 1), s0, return_state)
+    return out.float(), s
+
+
+def bidirectional_delta(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, *, dtype: torch.dtype) -> Tensor:
+    """The bidirectional delta rule of :func:`linvision.ops.bidirectional_delta_rule_attention` on fla's kernels,
+    both scans as one call over 2B sequences. Arguments as :func:`delta_scan`; returns (B, H, N, Dv) fp32."""
+    op_dtype = operand_dtype(dtype, phi_q.device)
+    b, h, n = beta.shape
+    q, k, vv = (t.to(op_dtype) for t in (phi_q, phi_k, v))
+    # reversed order: token i's query reads the state after token i + 1
+    out, _ = _run(
+        "delta_rule", torch.cat([q, _shift(q.flip(2))]), torch.cat([k, k.flip(2)]), torch.cat([vv, vv.flip(2)]),
+        torch.cat([beta, beta.flip(2)]).contiguous().view(2 * b * h, n, 1), None, False,
+    )
+    return out[:b].float() + _unshift(out[b:].float())

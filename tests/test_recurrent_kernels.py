@@ -1,0 +1,353 @@
+"""The decay, gated and delta-rule recurrences on fla-core's kernels (``backend="triton"``) against the PyTorch path and
+per-token float64 loops: outputs, gradients and final states, the bidirectional forms built from causal scans, the
+fp32 policy and the dispatch.
+
+Without a GPU fla's Triton kernels run in the interpreter (tests/conftest.py sets TRITON_INTERPRET=1), in fp16 (the
+interpreter's bf16 arithmetic is not the GPU's); two things the interpreter lacks are bridged here, in the test set-up
+only: a benchmarker for the autotuner (each autotuned kernel gets one configuration) and a loop index with ``.to``
+(``for i_t in range(NT)`` gives Python ints there)."""
+import builtins
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from linvision.ops import (
+    RecurrentState,
+    bidirectional_delta_rule_attention,
+    bidirectional_gated_linear_attention,
+    decay_linear_attention,
+    delta_rule_attention,
+    gated_linear_attention,
+)
+from linvision.ops import recurrent_kernels
+from test_recurrent import naive_delta, naive_gated, phi
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = [
+    pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET, reason="needs a GPU or TRITON_INTERPRET=1"),
+    pytest.mark.filterwarnings("ignore:Triton is not supported on current platform"),
+]
+pytest.importorskip("triton")
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # fla says once that it found no GPU
+    pytest.importorskip("fla.ops.delta_rule", reason="fla-core is not installed (pip install 'linvision[kernels]')")
+    import fla.ops.gla  # noqa: E402,F401
+    import fla.ops.simple_gla  # noqa: E402,F401  (imported here, so that the bridge below reaches their kernels)
+
+EPS = 1e-4
+# Largest error relative to the largest reference value, fp16 operands against float64 on the same (fp16) inputs.
+TOL_OUT, TOL_GRAD = 3e-3, 1e-2
+
+
+class _Index(int):
+    """A loop index as the compiled kernels see it (``i_t.to(tl.int64)`` is a no-op on a Python int)."""
+
+    def to(self, *args, **kwargs):
+        return self
+
+
+def _interpreter_range(*args):
+    return [_Index(i) for i in builtins.range(*args)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter_bridge():
+    """Under TRITON_INTERPRET=1: one configuration per autotuned fla kernel (the interpreter has no benchmarker) and
+    a ``range`` of indices with ``.to`` in fla's kernel modules; undone after this module."""
+    if not INTERPRET:
+        yield
+        return
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import KernelInterface
+
+    undo, seen = [], set()
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("fla."):
+            continue
+        has_kernels = False
+        for value in list(vars(module).values()):
+            while isinstance(value, KernelInterface) and id(value) not in seen:
+                seen.add(id(value))
+                has_kernels = True
+                if isinstance(value, Autotuner):
+                    prune = value.prune_configs
+                    value.prune_configs = (lambda prune: lambda kwargs: prune(kwargs)[:1])(prune)
+                    undo.append(lambda value=value: vars(value).pop("prune_configs"))
+                value = getattr(value, "fn", None)
+        if has_kernels and "range" not in vars(module):
+            module.range = _interpreter_range
+            undo.append(lambda module=module: delattr(module, "range"))
+    yield
+    for step in undo:
+        step()
+
+
+def _inputs(b=1, h=3, n=100, d=32, dv=32, seed=0, gate=None):
+    """float64 q, k, v on the fp16 grid (both paths then see the same inputs), beta in (0, 1) and log-gates
+    (None, "head" or "channel"; between log sigmoid(0) and log sigmoid(4))."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, h, n, x, generator=g, dtype=torch.float64).half().double() for x in (d, d, dv))
+    beta = torch.rand(b, h, n, generator=g, dtype=torch.float64).float().double()
+    lg = None
+    if gate is not None:
+        lg = F.logsigmoid(torch.rand(b, h, n, 1 if gate == "head" else d, generator=g, dtype=torch.float64) * 4)
+        lg = lg.float().double()
+    return q, k, v, beta, lg
+
+
+def _rel(x, ref):
+    return ((x.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+
+
+def _with_grads(fn, inputs, dtypes, seed=7):
+    """fn's output and the gradients of a fixed random projection of it, inputs cast to ``dtypes``."""
+    leaves = [t.to(dt).to(DEVICE).requires_grad_() for t, dt in zip(inputs, dtypes)]
+    out = fn(*leaves)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(DEVICE)
+    grads = torch.autograd.grad((out.double() * w).sum(), leaves)
+    return out.detach().cpu(), [x.cpu() for x in grads]
+
+
+def _assert_close_to(name, got, want, tol):
+    err = _rel(got, want)
+    assert err < tol, f"{name}: error {err:.2e} of the largest value, allowed {tol:.0e}"
+
+
+def naive_bidirectional_gated(q, k, v, lg, normalize=True, eps=EPS):
+    """Per-token loops of the bidirectional gated form, float64: forward S_i = diag(g_i) S_{i-1} + phi(k_i)^T v_i read
+    at i, backward over the reversed order read before token i's own term, q_i diag(g_i) S'_{i+1}; z and the count
+    likewise; the pieces added before dividing."""
+    b, h, n, d = q.shape
+    gates = lg.exp().expand(b, h, n, lg.shape[-1])
+
+    def scan(order, strict):
+        s = q.new_zeros(b, h, d, v.shape[-1])
+        z, c = q.new_zeros(b, h, d), q.new_zeros(b, h, gates.shape[-1])
+        out = [None] * n
+        for t in order:
+            g, pk, pq = gates[:, :, t], phi(k[:, :, t]), phi(q[:, :, t])
+            s, z, c = g.unsqueeze(-1) * s, g * z, g * c
+            if strict:
+                out[t] = (torch.einsum("bhd,bhde->bhe", pq, s), (pq * z).sum(-1), c.mean(-1))
+            s, z, c = s + pk.unsqueeze(-1) * v[:, :, t].unsqueeze(-2), z + pk, c + 1
+            if not strict:
+                out[t] = (torch.einsum("bhd,bhde->bhe", pq, s), (pq * z).sum(-1), c.mean(-1))
+        return [torch.stack(x, 2) for x in zip(*out)]
+
+    (nf, df, cf), (nb, db, cb) = scan(range(n), False), scan(range(n - 1, -1, -1), True)
+    if not normalize:
+        return nf + nb
+    return (nf + nb) / (df + db + eps * (cf + cb)).unsqueeze(-1)
+
+
+def naive_bidirectional_delta(q, k, v, beta):
+    fwd, _ = naive_delta(q, k, v, beta)
+    bwd, _ = naive_delta(q.flip(2), k.flip(2), v.flip(2), beta.flip(2), strict=True)
+    return fwd + bwd.flip(2)
+
+
+HALF = (torch.float16, torch.float16, torch.float16, torch.float32)  # q, k, v and the fp32 gate or beta
+
+
+@pytest.mark.parametrize("d", [32, 64])
+def test_bidirectional_delta_on_kernels(d):
+    """The bidirectional delta rule on fla's kernels (one call over the forward and the shifted reversed sequences):
+    outputs and gradients of q, k, v and beta against float64 loops and the PyTorch path; N = 100 is not a multiple
+    of fla's chunk of 64, three heads, Dv != D."""
+    inputs = _inputs(n=100, d=d, dv=d // 2 + 8)[:4]
+    out, grads = _with_grads(lambda *t: bidirectional_delta_rule_attention(*t, backend="triton"), inputs, HALF)
+    assert out.dtype == torch.float16 and out.shape == inputs[2].shape
+    ref, ref_grads = _with_grads(naive_bidirectional_delta, inputs, [torch.float64] * 4)
+    torch_out = bidirectional_delta_rule_attention(*(t.to(dt) for t, dt in zip(inputs, HALF)), backend="torch")
+    _assert_close_to("output", out, ref, TOL_OUT)
+    _assert_close_to("output against the PyTorch path", out, torch_out, TOL_OUT)
+    for name, x, y in zip(("q", "k", "v", "beta"), grads, ref_grads):
+        _assert_close_to(f"d{name}", x, y, TOL_GRAD)
+
+
+@pytest.mark.parametrize("gate,d", [("head", 32), ("head", 64), ("channel", 32),
+                                    pytest.param("channel", 64, marks=pytest.mark.slow)])
+def test_bidirectional_gated_on_kernels(gate, d):
+    """The normalised bidirectional gated form (simple GLA per head, GLA per key channel; the denominator a value
+    column, the decayed count from the log-gates): outputs and gradients of q, k, v and the log-gates against
+    float64 loops and the PyTorch path."""
+    q, k, v, _, lg = _inputs(n=100, d=d, dv=d, gate=gate)
+    inputs = (q, k, v, lg)
+    out, grads = _with_grads(lambda *t: bidirectional_gated_linear_attention(*t, backend="triton"), inputs, HALF)
+    ref, ref_grads = _with_grads(naive_bidirectional_gated, inputs, [torch.float64] * 4)
+    torch_out = bidirectional_gated_linear_attention(*(t.to(dt) for t, dt in zip(inputs, HALF)), backend="torch")
+    _assert_close_to("output", out, ref, TOL_OUT)
+    _assert_close_to("output against the PyTorch path", out, torch_out, TOL_OUT)
+    for name, x, y in zip(("q", "k", "v", "log_gate"), grads, ref_grads):
+        _assert_close_to(f"d{name}", x, y, TOL_GRAD)
+
+
+def test_bidirectional_gated_unnormalised_and_decay_on_kernels():
+    """normalize=False (retention) with per-channel gates, and the fixed decay per head through the bidirectional op
+    (the bidir_decay mixer's call), against float64 loops."""
+    q, k, v, _, lg = _inputs(b=2, n=70, gate="channel")
+    out = bidirectional_gated_linear_attention(q.half(), k.half(), v.half(), lg.float(), normalize=False,
+                                               backend="triton")
+    _assert_close_to("unnormalised", out, naive_bidirectional_gated(q, k, v, lg, normalize=False), TOL_OUT)
+    decay = torch.tensor([0.5, 0.9, 1 - 2.0 ** -10], dtype=torch.float64)
+    lg = decay.log().view(1, 3, 1)
+    out = bidirectional_gated_linear_attention(q.half(), k.half(), v.half(), lg.float(), backend="triton")
+    _assert_close_to("decay", out, naive_bidirectional_gated(q, k, v, lg.unsqueeze(-1)), TOL_OUT)
+
+
+@pytest.mark.parametrize("gate", ["head", "channel"])
+def test_causal_gated_on_kernels_with_state(gate):
+    """The causal gated form on the kernels, normalised and not, handing its state from a first to a second part:
+    outputs and the final state (S, z, decayed count) against a float64 loop and the PyTorch path."""
+    q, k, v, _, lg = _inputs(n=90, gate=gate)
+    head, tail = ([t[:, :, part].half() for t in (q, k, v)] + [lg[:, :, part].float()]
+                  for part in (slice(0, 40), slice(40, None)))
+    for normalize in (True, False):
+        ref = naive_gated(q, k, v, lg, normalize)
+        first, mid = gated_linear_attention(*head, normalize=normalize, return_state=True, backend="triton")
+        second, end = gated_linear_attention(*tail, normalize=normalize, state=mid, return_state=True,
+                                             backend="triton")
+        _assert_close_to(f"normalize={normalize}", torch.cat([first, second], 2), ref, TOL_OUT)
+        _, want = gated_linear_attention(q, k, v, lg, normalize=normalize, return_state=True, backend="torch")
+        assert (mid.num_tokens, end.num_tokens) == (40, 90)
+        for name in ("s", "z", "count") if normalize else ("s",):
+            got = getattr(end, name)
+            assert got.dtype == torch.float32
+            _assert_close_to(f"state.{name}", got, getattr(want, name), TOL_OUT)
+
+
+def test_causal_delta_and_decay_on_kernels():
+    """The causal delta rule with an entering state and its final state, its gradients, and the decay form, on the
+    kernels against float64 loops."""
+    q, k, v, beta, _ = _inputs(n=80, d=64, dv=48)
+    s0 = torch.randn(1, 3, 64, 48, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 0.1
+    out, state = delta_rule_attention(q.half(), k.half(), v.half(), beta.float(), state=RecurrentState(s0.float()),
+                                      return_state=True, backend="triton")
+    ref, s_ref = naive_delta(q, k, v, beta, s0=s0)
+    _assert_close_to("delta", out, ref, TOL_OUT)
+    _assert_close_to("delta state", state.s, s_ref, TOL_OUT)
+    out, grads = _with_grads(lambda *t: delta_rule_attention(*t, backend="triton"), (q, k, v, beta), HALF)
+    ref, ref_grads = _with_grads(lambda *t: naive_delta(*t)[0], (q, k, v, beta), [torch.float64] * 4)
+    for name, x, y in zip(("q", "k", "v", "beta"), grads, ref_grads):
+        _assert_close_to(f"d{name}", x, y, TOL_GRAD)
+    decay = torch.tensor([0.8, 0.97, 1.0], dtype=torch.float64)
+    out = decay_linear_attention(q.half(), k.half(), v.half(), decay, backend="triton")
+    lg = decay.log().view(1, 3, 1, 1).expand(1, 3, 80, 1)
+    _assert_close_to("decay", out, naive_gated(q, k, v, lg), TOL_OUT)
+
+
+def test_fp32_inputs_run_with_fp16_operands():
+    """fp32 inputs run with fp16 operands, fp32 accumulation and an fp32 result (as autocast would run them), within
+    the fp16 tolerance of float64; under bf16 autocast the operands are bf16."""
+    q, k, v, beta, lg = _inputs(n=100, gate="head")
+    x = [t.float() for t in (q, k, v)]
+    out = bidirectional_delta_rule_attention(*x, beta.float(), backend="triton")
+    assert out.dtype == torch.float32
+    _assert_close_to("delta fp32", out, naive_bidirectional_delta(q, k, v, beta), TOL_OUT)
+    out = bidirectional_gated_linear_attention(*x, lg.float(), backend="triton")
+    assert out.dtype == torch.float32
+    _assert_close_to("gated fp32", out, naive_bidirectional_gated(q, k, v, lg), TOL_OUT)
+    assert recurrent_kernels.operand_dtype(torch.float32, torch.device(DEVICE)) == torch.float16
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        assert recurrent_kernels.operand_dtype(torch.float32, torch.device(DEVICE)) == torch.bfloat16
+    assert recurrent_kernels.operand_dtype(torch.bfloat16, torch.device(DEVICE)) == torch.bfloat16
+
+
+def test_half_precision_range_of_the_gated_sums():
+    """Keys and queries are scaled by powers of two so that fp16 sums over 2048 tokens of gates equal to 1 stay
+    finite: unscaled, the state (count x phi(k) x v ~ 1e5) and the outputs (~3e6) would overflow fp16."""
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.rand(1, 1, 2048, 16, generator=g, dtype=torch.float64) * 2 + 1 for _ in range(2))
+    v = torch.rand(1, 1, 2048, 16, generator=g, dtype=torch.float64) * 16 + 16
+    lg = torch.zeros(1, 1, 1, dtype=torch.float64)  # gamma = 1
+    ref = bidirectional_gated_linear_attention(q.half().double(), k.half().double(), v.half().double(), lg,
+                                               normalize=False, feature_map="identity", backend="torch")
+    assert ref.abs().max() > 1e6  # the output itself is past fp16: the caller's fp16 output saturates
+    out = bidirectional_gated_linear_attention(q.float(), k.float(), v.float(), lg.float(), normalize=False,
+                                               feature_map="identity", backend="triton")
+    _assert_close_to("fp32 result of fp16 operands", out, ref, TOL_OUT)
+    out = bidirectional_gated_linear_attention(q.half(), k.half(), v.half(), lg.float(), feature_map="identity",
+                                               backend="triton")
+    ref = bidirectional_gated_linear_attention(q.half().double(), k.half().double(), v.half().double(), lg,
+                                               feature_map="identity", backend="torch")
+    assert torch.isfinite(out).all()
+    _assert_close_to("normalised fp16", out, ref, TOL_OUT)
+
+
+def test_dispatch():
+    """backend validation, "triton" refusing what the kernels cannot run in one line, "auto" leaving CPU tensors to
+    PyTorch without a word (and with a warning, once per reason, for tensors it would send to the kernels)."""
+    q, k, v, beta, lg = _inputs(n=20)
+    with pytest.raises(ValueError, match="backend: unknown 'cuda'"):
+        bidirectional_delta_rule_attention(q, k, v, beta, backend="cuda")
+    with pytest.raises(ValueError, match=r"backend: 'triton' cannot run bidirectional_delta_rule_attention: dtype "
+                                         r"torch.float64"):
+        bidirectional_delta_rule_attention(q, k, v, beta, backend="triton")
+    with pytest.raises(ValueError, match="odd"):
+        gated_linear_attention(*(t[..., :5].half() for t in (q, k, v)), torch.zeros(1, 3, 20), backend="triton")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = bidirectional_delta_rule_attention(q.half(), k.half(), v.half(), beta, backend="auto")  # CPU: PyTorch
+    if DEVICE == "cpu":
+        torch.testing.assert_close(out, bidirectional_delta_rule_attention(q.half(), k.half(), v.half(), beta,
+                                                                           backend="torch"), rtol=0, atol=0)
+
+
+def test_auto_warns_once_per_reason(monkeypatch):
+    """Where "auto" would take the kernels (CUDA tensors; here the test's device), a call they cannot run warns once
+    per reason and runs PyTorch; one they can run takes them."""
+    monkeypatch.setattr(recurrent_kernels, "_AUTO_DEVICES", (DEVICE,))
+    monkeypatch.setattr(recurrent_kernels, "_WARNED", set())
+    q, k, v, beta, lg = (t.to(DEVICE) for t in _inputs(n=20, gate="head"))
+    with pytest.warns(RuntimeWarning, match="runs this call in PyTorch, not fla's kernels: dtype torch.float64"):
+        bidirectional_delta_rule_attention(q, k, v, beta)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bidirectional_gated_linear_attention(q, k, v, lg)  # the same reason: no second warning
+    calls = []
+    monkeypatch.setattr(recurrent_kernels, "bidirectional_delta",
+                        lambda *a, **kw: calls.append(1) or torch.zeros(q.shape[:3] + v.shape[-1:]))
+    bidirectional_delta_rule_attention(q.half(), k.half(), v.half(), beta.float())
+    assert calls == [1]
+
+
+def test_missing_fla_core(monkeypatch):
+    """Without fla-core, "triton" raises ImportError saying what to install, and "auto" falls back."""
+    monkeypatch.setattr(recurrent_kernels, "_KERNELS", {})
+    monkeypatch.setattr(recurrent_kernels, "_IMPORT_ERROR", [])
+    monkeypatch.setitem(sys.modules, "fla.ops.delta_rule", None)  # import of it fails
+    q, k, v, beta = (t.to(DEVICE) for t in _inputs(n=10)[:4])
+    with pytest.raises(ImportError, match=r"fla-core cannot be imported .*linvision\[kernels\]"):
+        bidirectional_delta_rule_attention(q.half(), k.half(), v.half(), beta, backend="triton")
+
+
+def test_cpu_calls_import_no_fla():
+    """The PyTorch path never imports fla-core: a CPU call with the default backend, in a fresh process."""
+    code = ("import sys, torch; from linvision.ops import bidirectional_delta_rule_attention as f; "
+            "x = torch.randn(1, 2, 9, 8); f(x, x, x, torch.rand(1, 2, 9)); import linvision.models; "
+            "assert not any(m == 'fla' or m.startswith('fla.') for m in sys.modules), 'fla imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("form", ["delta", "head", "channel"])
+def test_longer_sequences_on_kernels(form, d):
+    """N = 1000 (16 chunks, the last ragged), two batches, four heads, D 32/64/128: outputs and gradients against
+    the PyTorch path in float64 (slow in the interpreter)."""
+    q, k, v, beta, lg = _inputs(b=2, h=4, n=1000, d=d, dv=d, gate=None if form == "delta" else form, seed=d)
+    if form == "delta":
+        fn, inputs = bidirectional_delta_rule_attention, (q, k, v, beta)
+    else:
+        fn, inputs = bidirectional_gated_linear_attention, (q, k, v, lg)
+    out, grads = _with_grads(lambda *t: fn(*t, backend="triton"), inputs, HALF)
+    ref, ref_grads = _with_grads(lambda *t: fn(*t, backend="torch"), inputs, [torch.float64] * 4)
+    _assert_close_to("output", out, ref, TOL_OUT)
+    for name, x, y in zip(("q", "k", "v", "gate"), grads, ref_grads):
+        _assert_close_to(f"d{name}", x, y, TOL_GRAD)

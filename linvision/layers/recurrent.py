@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from linvision.ops import (
+    BACKENDS,
     DEFAULT_EPS,
     check_int,
     bidirectional_delta_rule_attention,
@@ -55,7 +56,9 @@ class BidirectionalRecurrentMixer(AttentionMixer):
         gate: a SiLU output gate, as :class:`AttentionMixer`.
         qkv_bias: bias of the q, k, v projection.
         proj_drop: dropout after the output projection.
-    Raises ValueError for a bad dim/num_heads pair, chunk_size or an unknown feature map.
+        backend: the scans' backend, "auto" (fla-core's Triton kernels for CUDA tensors, see
+            :mod:`linvision.ops.recurrent_kernels`), "triton" or "torch" (the PyTorch chunk loop).
+    Raises ValueError for a bad dim/num_heads pair, chunk_size, backend or an unknown feature map.
     """
 
     takes_prefix_tokens = False  # the scans run along the raster order of the grid
@@ -63,9 +66,13 @@ class BidirectionalRecurrentMixer(AttentionMixer):
     def __init__(
         self, dim: int, num_heads: int, *, feature_map: str = "elu", column_major: bool = False,
         chunk_size: int = 32, lepe: bool = False, gate: bool = False, qkv_bias: bool = True, proj_drop: float = 0.0,
+        backend: str = "auto",
     ):
         super().__init__(dim, num_heads, lepe=lepe, gate=gate, qkv_bias=qkv_bias, proj_drop=proj_drop)
         check_int("chunk_size", chunk_size, 1)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: unknown {backend!r}; allowed: {', '.join(BACKENDS)}")
+        self.backend = backend
         get_feature_map(feature_map, dim=self.head_dim)  # fail at construction for an unknown name
         self.feature_map = feature_map
         self.column_major = column_major
@@ -103,11 +110,11 @@ class BidirDecayAttention(BidirectionalRecurrentMixer):
     def __init__(
         self, dim: int, num_heads: int, *, decay_range: Tuple[float, float] = (3.0, 10.0), eps: float = DEFAULT_EPS,
         feature_map: str = "elu", column_major: bool = False, chunk_size: int = 32, lepe: bool = False,
-        gate: bool = False, qkv_bias: bool = True, proj_drop: float = 0.0,
+        gate: bool = False, qkv_bias: bool = True, proj_drop: float = 0.0, backend: str = "auto",
     ):
         super().__init__(
             dim, num_heads, feature_map=feature_map, column_major=column_major, chunk_size=chunk_size, lepe=lepe,
-            gate=gate, qkv_bias=qkv_bias, proj_drop=proj_drop,
+            gate=gate, qkv_bias=qkv_bias, proj_drop=proj_drop, backend=backend,
         )
         self.eps = eps
         self.register_buffer("log_decay", retnet_log_decays(num_heads, decay_range), persistent=False)
@@ -115,7 +122,7 @@ class BidirDecayAttention(BidirectionalRecurrentMixer):
     def scan(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor) -> Tensor:
         log_gate = self.log_decay.reshape(1, -1, 1)  # (1, heads, 1)
         return bidirectional_gated_linear_attention(
-            q, k, v, log_gate, self.feature_map, eps=self.eps, chunk_size=self.chunk_size
+            q, k, v, log_gate, self.feature_map, eps=self.eps, chunk_size=self.chunk_size, backend=self.backend
         )
 
 
@@ -134,13 +141,13 @@ class BidirGatedAttention(BidirectionalRecurrentMixer):
         self, dim: int, num_heads: int, *, forget_per_channel: bool = False, forget_temperature: float = 16.0,
         decay_range: Tuple[float, float] = (3.0, 10.0), eps: float = DEFAULT_EPS, feature_map: str = "elu",
         column_major: bool = False, chunk_size: Optional[int] = None, lepe: bool = False, gate: bool = False,
-        qkv_bias: bool = True, proj_drop: float = 0.0,
+        qkv_bias: bool = True, proj_drop: float = 0.0, backend: str = "auto",
     ):
         if chunk_size is None:
             chunk_size = 16 if forget_per_channel else 32
         super().__init__(
             dim, num_heads, feature_map=feature_map, column_major=column_major, chunk_size=chunk_size, lepe=lepe,
-            gate=gate, qkv_bias=qkv_bias, proj_drop=proj_drop,
+            gate=gate, qkv_bias=qkv_bias, proj_drop=proj_drop, backend=backend,
         )
         if not forget_temperature > 0:
             raise ValueError(f"forget_temperature: must be positive, got {forget_temperature!r}")
@@ -168,7 +175,7 @@ class BidirGatedAttention(BidirectionalRecurrentMixer):
         log_gate = F.logsigmoid(self.forget_gate(x).to(compute_dtype(x.dtype))) / self.forget_temperature
         log_gate = log_gate.reshape(b, n, self.num_heads, -1).transpose(1, 2)  # (B, heads, N, G)
         return bidirectional_gated_linear_attention(
-            q, k, v, log_gate, self.feature_map, eps=self.eps, chunk_size=self.chunk_size
+            q, k, v, log_gate, self.feature_map, eps=self.eps, chunk_size=self.chunk_size, backend=self.backend
         )
 
     def extra_repr(self) -> str:
@@ -185,13 +192,15 @@ class BidirDeltaAttention(BidirectionalRecurrentMixer):
     def __init__(
         self, dim: int, num_heads: int, *, feature_map: str = "identity", column_major: bool = False,
         chunk_size: int = 32, lepe: bool = False, gate: bool = False, qkv_bias: bool = True, proj_drop: float = 0.0,
+        backend: str = "auto",
     ):
         super().__init__(
             dim, num_heads, feature_map=feature_map, column_major=column_major, chunk_size=chunk_size, lepe=lepe,
-            gate=gate, qkv_bias=qkv_bias, proj_drop=proj_drop,
+            gate=gate, qkv_bias=qkv_bias, proj_drop=proj_drop, backend=backend,
         )
         self.beta = nn.Linear(dim, num_heads)
 
     def scan(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor) -> Tensor:
         beta = torch.sigmoid(self.beta(x).to(compute_dtype(x.dtype))).transpose(1, 2)  # (B, heads, N), in (0, 1)
-        return bidirectional_delta_rule_attention(q, k, v, beta, self.feature_map, chunk_size=self.chunk_size)
+        return bidirectional_delta_rule_attention(q, k, v, beta, self.feature_map, chunk_size=self.chunk_size,
+                                                  backend=self.backend)

@@ -11,17 +11,30 @@ Memory is what a pass adds above the model and its input:
   minus its resident size before the pass, after glibc's ``malloc_trim`` has handed freed memory back to the
   system (otherwise buffers kept from an earlier point would hide this one's). It is coarser than the CUDA
   figure (it sees pages, not tensors) and depends on the allocator; it is NaN off Linux.
+
+A size is a side in pixels (a square image) or (height, width); a point's ``img_size`` is the side for a square
+and the label ``"HxW"`` otherwise, and ``height``, ``width`` and ``pixels`` hold the size as measured.
+
+With ``decoder`` a point measures the backbone as the encoder of a segmentation head of
+segmentation_models_pytorch (smp, the ``seg`` extra): ``smp.UPerNet("tu-<name>", encoder_weights=None,
+classes=N, **options)``, the backbone's options passed through smp to timm; its training step is the
+cross-entropy of the per-pixel logits against random labels of the output's size.
+
+With ``point_timeout`` (seconds) each point runs in a process of its own and is stopped when it runs past the
+budget; it is then recorded with status ``"timeout"`` and keeps the figures it finished (the inference figures
+when only the training step ran over).
 """
 from __future__ import annotations
 
 import csv
 import ctypes
+import functools
 import gc
 import json
 import math
 import os
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -31,12 +44,67 @@ from .evaluate import autocast
 from .flops import count_gflops, count_params
 
 __all__ = ["BenchmarkPoint", "benchmark_point", "run_sweep", "write_results", "plot_results", "DEFAULT_MODELS",
-           "MemoryMeter", "parse_model_spec", "gemm_gflop_s", "add_comparisons", "comparison_table"]
+           "MemoryMeter", "parse_model_spec", "gemm_gflop_s", "add_comparisons", "comparison_table",
+           "parse_img_size", "size_label", "DECODERS", "check_decoder", "build_segmenter"]
 
 # a linvision model against timm's softmax ViT and timm's MambaOut of about the same size (22-27M parameters)
 DEFAULT_MODELS = ["linhier_tiny_224", "vit_small_patch16_224", "mambaout_tiny"]
 
 BenchmarkPoint = Dict[str, Any]
+Size = Union[int, Tuple[int, int]]
+
+# --decoder name -> smp class: the heads that take any timm encoder's stage outputs (DPT: isotropic encoders)
+DECODERS = {"unet": "Unet", "fpn": "FPN", "segformer": "Segformer", "upernet": "UPerNet", "dpt": "DPT"}
+SEG_EXTRA = 'pip install "linvision[seg]"'
+
+
+def parse_img_size(value: Any) -> Size:
+    """``512``, ``"512"``, ``"2048x1024"`` (height x width) or ``(2048, 1024)`` -> a side (int) for a square, or
+    (height, width); ValueError in one line for anything else."""
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        h, w = value
+    elif isinstance(value, int) and not isinstance(value, bool):
+        h = w = value
+    else:
+        parts = str(value).strip().lower().split("x")
+        if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f"img_size: {value!r} is neither a side nor HxW (e.g. 512 or 2048x1024)")
+        h, w = int(parts[0]), int(parts[-1])
+    if not (isinstance(h, int) and isinstance(w, int) and h >= 1 and w >= 1):
+        raise ValueError(f"img_size: {value!r}: height and width must be positive integers")
+    return h if h == w else (h, w)
+
+
+def size_label(size: Any) -> Union[int, str]:
+    """A point's ``img_size``: the side of a square, ``"HxW"`` otherwise."""
+    size = parse_img_size(size)
+    return size if isinstance(size, int) else f"{size[0]}x{size[1]}"
+
+
+def _hw(size: Any) -> Tuple[int, int]:
+    size = parse_img_size(size)
+    return (size, size) if isinstance(size, int) else size
+
+
+def check_decoder(decoder: str) -> None:
+    """ValueError in one line unless ``decoder`` is one of :data:`DECODERS` and smp can be imported."""
+    if decoder not in DECODERS:
+        raise ValueError(f"decoder: unknown {decoder!r}; one of {', '.join(DECODERS)}")
+    try:
+        import segmentation_models_pytorch  # noqa: F401
+    except ImportError:
+        raise ValueError(f"decoder: --decoder needs segmentation_models_pytorch: {SEG_EXTRA}") from None
+
+
+def build_segmenter(decoder: str, classes: int, name: str, img_size: Any, model_kwargs: Dict[str, Any]) -> nn.Module:
+    """``smp.<Decoder>("tu-<name>", encoder_weights=None, classes=classes, **model_kwargs)``: the backbone's
+    options go through smp to ``timm.create_model`` (``token_mixers="softmax"``, ``depths=(1, 1, 1, 1)``)."""
+    check_decoder(decoder)
+    import segmentation_models_pytorch as smp
+
+    import linvision.models  # noqa: F401  (registers linvision's models with timm)
+
+    return getattr(smp, DECODERS[decoder])(f"tu-{name}", encoder_weights=None, classes=classes, **model_kwargs)
 
 
 def _rss_kb(field: str) -> int:
@@ -84,7 +152,7 @@ class MemoryMeter:
             self.peak_mb = (_rss_kb("VmHWM") - self._base) / 1024
 
 
-def _build(name: str, img_size: int, model_kwargs: Dict[str, Any]) -> nn.Module:
+def _build(name: str, img_size: Size, model_kwargs: Dict[str, Any]) -> nn.Module:
     return create_model(name, model_kwargs=model_kwargs, img_size=img_size)
 
 
@@ -109,34 +177,55 @@ def _spread_pct(times: List[float]) -> float:
     return 100.0 * (max(times) - min(times)) / (sum(times) / len(times))
 
 
-def benchmark_point(name: str, img_size: int, batch_size: int = 8, device: str = "cpu", amp: str = "none",
+def _empty_point(name: str, img_size: Any, batch_size: int, device: str, amp: str, iters: int,
+                 decoder: Optional[str] = None, classes: int = 19) -> BenchmarkPoint:
+    nan = float("nan")
+    h, w = _hw(img_size)
+    point: BenchmarkPoint = {"model": name, "img_size": size_label(img_size), "height": h, "width": w,
+                             "pixels": h * w}
+    if decoder is not None:
+        point.update(decoder=decoder, classes=classes)
+    point.update({"batch_size": batch_size, "device": str(device), "amp": amp, "status": "ok", "error": "",
+                  "params_m": nan, "gflops": nan, "iters": iters, "infer_img_s": nan, "infer_ms": nan,
+                  "infer_spread_pct": nan, "infer_mem_mb": nan, "train_img_s": nan, "train_ms": nan,
+                  "train_spread_pct": nan, "train_mem_mb": nan})
+    return point
+
+
+def benchmark_point(name: str, img_size: Size, batch_size: int = 8, device: str = "cpu", amp: str = "none",
                     warmup: int = 1, iters: int = 3, train: bool = True, flops: bool = True,
                     model_kwargs: Optional[Dict[str, Any]] = None,
-                    build_fn: Callable[[str, int, Dict[str, Any]], nn.Module] = _build) -> BenchmarkPoint:
-    """Measure one model at one resolution; never raises for a failure of the model or an OOM.
+                    build_fn: Optional[Callable[[str, Size, Dict[str, Any]], nn.Module]] = None,
+                    decoder: Optional[str] = None, classes: int = 19,
+                    report: Optional[Callable[[BenchmarkPoint], None]] = None) -> BenchmarkPoint:
+    """Measure one model at one size (a side, ``"HxW"`` or (H, W)); never raises for a failure of the model or
+    an OOM.
 
-    Returns a dict with model, img_size, batch_size, device, amp, status ("ok", "oom" or "error"), error,
+    Returns a dict with model, img_size (the side of a square, "HxW" otherwise), height, width, pixels,
+    (decoder, classes with a decoder), batch_size, device, amp, status ("ok", "oom" or "error"), error,
     params_m, gflops (per image, multiply-accumulates), iters (timed iterations per figure), infer_img_s,
     infer_ms (mean per batch), infer_spread_pct ((slowest - fastest) / mean of the iterations), infer_mem_mb,
     train_img_s, train_ms (forward, backward and SGD step per batch), train_spread_pct, train_mem_mb. Figures
-    not reached before a failure are NaN.
+    not reached before a failure are NaN. ``build_fn(name, size, kwargs)`` gets the side of a square or (H, W);
+    by default timm's model, or with ``decoder`` (one of :data:`DECODERS`) :func:`build_segmenter`'s, whose
+    training loss is per-pixel cross-entropy against random labels in [0, classes). ``report`` is called with
+    the point once its inference figures are in.
     """
     if iters < 1:
         raise ValueError(f"iters: at least 1 timed iteration, got {iters}")
     dev = torch.device(device)
-    nan = float("nan")
-    point: BenchmarkPoint = {"model": name, "img_size": img_size, "batch_size": batch_size, "device": str(dev),
-                             "amp": amp, "status": "ok", "error": "", "params_m": nan, "gflops": nan,
-                             "iters": iters, "infer_img_s": nan, "infer_ms": nan, "infer_spread_pct": nan,
-                             "infer_mem_mb": nan, "train_img_s": nan, "train_ms": nan, "train_spread_pct": nan,
-                             "train_mem_mb": nan}
+    size = parse_img_size(img_size)
+    h, w = _hw(size)
+    point = _empty_point(name, size, batch_size, str(dev), amp, iters, decoder, classes)
+    if build_fn is None:
+        build_fn = functools.partial(build_segmenter, decoder, classes) if decoder is not None else _build
     model = x = None
     try:
-        model = build_fn(name, img_size, dict(model_kwargs or {})).to(dev)
+        model = build_fn(name, size, dict(model_kwargs or {})).to(dev)
         point["params_m"] = count_params(model) / 1e6
         if flops:
-            point["gflops"] = count_gflops(model, img_size)
-        x = torch.randn(batch_size, 3, img_size, img_size, device=dev)
+            point["gflops"] = count_gflops(model, (h, w))
+        x = torch.randn(batch_size, 3, h, w, device=dev)
         model.eval()
         with torch.no_grad():
             def infer():
@@ -148,13 +237,23 @@ def benchmark_point(name: str, img_size: int, batch_size: int = 8, device: str =
         seconds = sum(times) / len(times)
         point.update(infer_ms=seconds * 1e3, infer_img_s=batch_size / seconds, infer_spread_pct=_spread_pct(times),
                      infer_mem_mb=mem.peak_mb)
+        if report is not None:
+            report(point)
         if train:
             model.train()
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+            labels = {}
+
+            def loss_of(out: torch.Tensor) -> torch.Tensor:
+                if decoder is None:
+                    return out.float().mean()
+                if "y" not in labels:  # random labels of the output's own size, drawn once
+                    labels["y"] = torch.randint(0, out.shape[1], (out.shape[0], *out.shape[2:]), device=dev)
+                return torch.nn.functional.cross_entropy(out.float(), labels["y"])
 
             def step():
                 with autocast(dev, amp):
-                    loss = model(x).float().mean()
+                    loss = loss_of(model(x))
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -174,6 +273,66 @@ def benchmark_point(name: str, img_size: int, batch_size: int = 8, device: str =
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    return point
+
+
+def _point_child(conn, threads: int, name: str, size: Size, kwargs: Dict[str, Any]) -> None:
+    """A point in a process of its own: sends the point after inference, the final point, then None."""
+    torch.set_num_threads(threads)
+    point = benchmark_point(name, size, report=lambda p: conn.send(dict(p)), **kwargs)
+    conn.send(point)
+    conn.send(None)
+    conn.close()
+
+
+def benchmark_point_with_timeout(name: str, img_size: Size, timeout: float, **kwargs) -> BenchmarkPoint:
+    """:func:`benchmark_point` in a spawned process (the same torch threads), stopped after ``timeout``
+    seconds (model building and the FLOP count included). A point stopped is recorded with status "timeout"
+    and keeps what it finished; a process that dies without a word (the kernel's out-of-memory killer) is
+    recorded as "oom" when killed by SIGKILL, else "error". ``build_fn`` must be picklable."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_point_child, args=(send, torch.get_num_threads(), name, img_size, kwargs),
+                       daemon=True)
+    start = time.monotonic()
+    proc.start()
+    send.close()
+    last, done, stopped = None, False, False
+    try:
+        while not done:
+            left = timeout - (time.monotonic() - start)
+            if left <= 0:
+                break
+            if receive.poll(min(left, 1.0)):
+                try:
+                    message = receive.recv()
+                except EOFError:  # the process died
+                    break
+                done = message is None
+                last = message if message is not None else last
+            elif not proc.is_alive() and not receive.poll():
+                break
+    finally:  # also on Ctrl-C: the point's process never outlives the sweep
+        if not done and proc.is_alive():
+            proc.kill()
+            stopped = True
+        proc.join()
+        receive.close()
+    if done:
+        return last
+    point = last or _empty_point(name, img_size, kwargs.get("batch_size", 8), kwargs.get("device", "cpu"),
+                                 kwargs.get("amp", "none"), kwargs.get("iters", 3), kwargs.get("decoder"),
+                                 kwargs.get("classes", 19))
+    reached = "inference measured, not the training step" if last else "inference not finished"
+    if stopped:
+        point.update(status="timeout", error=f"stopped at the {timeout:g} s budget: {reached}")
+    elif proc.exitcode == -9:
+        point.update(status="oom", error=f"the process was killed (SIGKILL, the kernel's out-of-memory killer); "
+                                         f"{reached}")
+    else:
+        point.update(status="error", error=f"the process ended with exit code {proc.exitcode}; {reached}")
     return point
 
 
@@ -208,22 +367,29 @@ def gemm_gflop_s(device: str = "cpu", m: int = 4096, k: int = 384, n: int = 1536
     return 2 * m * k * n / min(times) / 1e9
 
 
+def _figure(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
 def add_comparisons(points: List[BenchmarkPoint], twin: Optional[str] = None,
                     gemm: Optional[float] = None) -> None:
-    """Add to each measured point, in place: with ``twin`` (a model spec of the sweep), its training and
-    inference time and memory over the twin's at the same size (``*_vs_twin``); with ``gemm`` (GFLOP/s of
-    :func:`gemm_gflop_s`), the forward's rate ``infer_gflop_s`` (2 x multiply-accumulates per second) and
-    ``gemm_fraction`` = that / gemm. ValueError when ``twin`` is not one of the points' models."""
+    """Add to each point with figures, in place: with ``twin`` (a model spec of the sweep), its training and
+    inference time and memory over the twin's at the same size (``*_vs_twin``, NaN where either was not
+    measured); with ``gemm`` (GFLOP/s of :func:`gemm_gflop_s`), the forward's rate ``infer_gflop_s``
+    (2 x multiply-accumulates per second) and ``gemm_fraction`` = that / gemm. A point stopped at the time
+    budget after its inference counts with its inference figures. ValueError when ``twin`` is not one of the
+    points' models."""
     if twin is not None and not any(p["model"] == twin for p in points):
         raise ValueError(f"twin: {twin!r} is not one of the benchmarked models")
     for p in points:
-        if p["status"] != "ok":
+        if p["status"] != "ok" and not _figure(p["infer_ms"]):
             continue
         if twin is not None:
             t = next((q for q in points if q["model"] == twin and q["img_size"] == p["img_size"]
-                      and q["status"] == "ok"), None)
+                      and (q["status"] == "ok" or _figure(q["infer_ms"]))), None)
             for key in ("train_ms", "train_mem_mb", "infer_ms", "infer_mem_mb"):
-                p[f"{key}_vs_twin"] = p[key] / t[key] if t is not None and t[key] else float("nan")
+                ok = t is not None and _figure(p[key]) and _figure(t[key]) and t[key]
+                p[f"{key}_vs_twin"] = p[key] / t[key] if ok else float("nan")
             p["twin"] = twin
         if gemm is not None:
             p["infer_gflop_s"] = 2 * p["gflops"] * p["batch_size"] / (p["infer_ms"] / 1e3)
@@ -232,7 +398,8 @@ def add_comparisons(points: List[BenchmarkPoint], twin: Optional[str] = None,
 
 
 def comparison_table(points: List[BenchmarkPoint]) -> str:
-    """A markdown table of the points with :func:`add_comparisons`' columns (where present)."""
+    """A markdown table of the points with :func:`add_comparisons`' columns (where present); a figure not
+    measured shows the point's status (e.g. ``timeout``)."""
     twin = any("twin" in p for p in points)
     gemm = any("gemm_fraction" in p for p in points)
     head = ["model", "px", "train ms", "train MiB"]
@@ -241,35 +408,49 @@ def comparison_table(points: List[BenchmarkPoint]) -> str:
     head += ["forward GFLOP/s", "of GEMM rate"] if gemm else []
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" + "---:|" * (len(head) - 1)]
     for p in points:
-        if p["status"] != "ok":
+        if p["status"] != "ok" and not _figure(p["infer_ms"]):
             rows.append(f"| {p['model']} | {p['img_size']} | {p['status']}: {p['error'][:80]} |")
             continue
-        cells = [p["model"], str(p["img_size"]), f"{p['train_ms']:.0f}", f"{p['train_mem_mb']:.0f}"]
+
+        def cell(key: str, fmt: str = ".0f", scale: float = 1.0) -> str:
+            value = p.get(key, float("nan"))
+            if _figure(value):
+                return f"{scale * value:{fmt}}"
+            return p["status"] if p["status"] != "ok" else "nan"
+
+        cells = [p["model"], str(p["img_size"]), cell("train_ms"), cell("train_mem_mb")]
         if twin:
-            cells += [f"{p['train_ms_vs_twin']:.2f}", f"{p['train_mem_mb_vs_twin']:.2f}"]
-        cells += [f"{p['infer_ms']:.0f}", f"{p['infer_mem_mb']:.0f}"]
+            cells += [cell("train_ms_vs_twin", ".2f"), cell("train_mem_mb_vs_twin", ".2f")]
+        cells += [cell("infer_ms"), cell("infer_mem_mb")]
         if twin:
-            cells += [f"{p['infer_ms_vs_twin']:.2f}", f"{p['infer_mem_mb_vs_twin']:.2f}"]
+            cells += [cell("infer_ms_vs_twin", ".2f"), cell("infer_mem_mb_vs_twin", ".2f")]
         if gemm:
-            cells += [f"{p['infer_gflop_s']:.0f}", f"{100 * p['gemm_fraction']:.0f}%"]
+            cells += [cell("infer_gflop_s"), cell("gemm_fraction", ".0f", 100.0) + "%"]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
-def run_sweep(models: Sequence[str], img_sizes: Sequence[int], out_dir: Optional[str] = None,
-              log: Callable[[str], None] = _print, **point_kwargs) -> List[BenchmarkPoint]:
-    """Every model at every size; points go to ``out_dir/results.jsonl`` as they finish (if out_dir). A model
-    is a spec of :func:`parse_model_spec`: its own options go over ``model_kwargs``, and the points keep the
-    spec as their ``model``."""
+def run_sweep(models: Sequence[str], img_sizes: Sequence[Any], out_dir: Optional[str] = None,
+              log: Callable[[str], None] = _print, point_timeout: Optional[float] = None,
+              **point_kwargs) -> List[BenchmarkPoint]:
+    """Every model at every size (a side, ``"HxW"`` or (H, W)); points go to ``out_dir/results.jsonl`` as they
+    finish (if out_dir). A model is a spec of :func:`parse_model_spec`: its own options go over
+    ``model_kwargs``, and the points keep the spec as their ``model``. ``point_timeout`` (seconds): each point
+    in a process of its own, stopped at that budget (:func:`benchmark_point_with_timeout`)."""
     points = []
+    sizes = [parse_img_size(s) for s in img_sizes]
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         open(os.path.join(out_dir, "results.jsonl"), "w").close()
     common = dict(point_kwargs.pop("model_kwargs", None) or {})
     for spec in models:
         name, own = parse_model_spec(spec)
-        for size in img_sizes:
-            point = benchmark_point(name, size, model_kwargs={**common, **own}, **point_kwargs)
+        for size in sizes:
+            if point_timeout is None:
+                point = benchmark_point(name, size, model_kwargs={**common, **own}, **point_kwargs)
+            else:
+                point = benchmark_point_with_timeout(name, size, point_timeout, model_kwargs={**common, **own},
+                                                     **point_kwargs)
             point["model"] = spec
             points.append(point)
             if out_dir:
@@ -281,11 +462,13 @@ def run_sweep(models: Sequence[str], img_sizes: Sequence[int], out_dir: Optional
 
 def _format(p: BenchmarkPoint) -> str:
     head = f"{p['model']:<28} {p['img_size']:>5}px"
-    if p["status"] != "ok":
+    if p["status"] != "ok" and not _figure(p["infer_ms"]):
         return f"{head}  {p['status']}: {p['error']}"
-    return (f"{head}  infer {p['infer_img_s']:9.2f} img/s {p['infer_ms']:9.1f} ms "
-            f"(spread {p['infer_spread_pct']:4.0f}%) {p['infer_mem_mb']:8.1f} MiB"
-            f" | train {p['train_img_s']:8.2f} img/s (spread {p['train_spread_pct']:4.0f}%) "
+    line = (f"{head}  infer {p['infer_img_s']:9.2f} img/s {p['infer_ms']:9.1f} ms "
+            f"(spread {p['infer_spread_pct']:4.0f}%) {p['infer_mem_mb']:8.1f} MiB")
+    if p["status"] != "ok":
+        return f"{line} | {p['status']}: {p['error']}"
+    return (f"{line} | train {p['train_img_s']:8.2f} img/s (spread {p['train_spread_pct']:4.0f}%) "
             f"{p['train_mem_mb']:8.1f} MiB | {p['params_m']:6.2f} M params {p['gflops']:8.2f} GFLOPs"
             f" | {p['iters']} timed iterations")
 
@@ -305,7 +488,8 @@ def write_results(points: List[BenchmarkPoint], out_dir: str) -> None:
 
 def plot_results(points: List[BenchmarkPoint], path: str, title: str = "", label_key: str = "model") -> bool:
     """PNG with inference and training throughput and peak memory against resolution (log axes), one line per
-    distinct ``point[label_key]``; returns whether it was written (False when no point measured anything).
+    distinct ``point[label_key]``; returns whether it was written (False when no point measured anything). The
+    x axis is the side when every size is square, else the pixel count, each tick labelled with its size.
 
     The panels sit two to a row with one legend below them all, so no line is hidden behind it; every measured
     resolution has a tick, and a tick label that would run into its neighbour is left out (the largest size keeps
@@ -317,8 +501,16 @@ def plot_results(points: List[BenchmarkPoint], path: str, title: str = "", label
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter, NullLocator
 
-    def measured(p: BenchmarkPoint, key: str) -> bool:
-        return p["status"] == "ok" and math.isfinite(p[key]) and p[key] > 0
+    def measured(p: BenchmarkPoint, key: str) -> bool:  # a point stopped after its inference keeps those figures
+        return (p["status"] == "ok" or p["status"] == "timeout") and _figure(p[key]) and p[key] > 0
+
+    square = all(isinstance(p["img_size"], int) for p in points)
+
+    def x_of(p: BenchmarkPoint) -> int:
+        if square:
+            return p["img_size"]
+        h, w = _hw(p["img_size"])
+        return h * w
 
     def number(value: float, _pos=None) -> str:
         return f"{value:g}"
@@ -340,30 +532,31 @@ def plot_results(points: List[BenchmarkPoint], path: str, title: str = "", label
     title_h = 0.35 if title else 0.0
     height = 3.2 * nrows + legend_h + title_h
     fig, axes = plt.subplots(nrows, ncols, figsize=(width, height), squeeze=False)
-    sizes = sorted({p["img_size"] for p in points})
+    ticks = {x_of(p): str(p["img_size"]) for p in points}
+    sizes = sorted(ticks)
     handles = []
     for i, (key, label) in enumerate(panels):
         ax = axes[i // ncols][i % ncols]
         for n, name in enumerate(names):
             rows = [p for p in points if str(p[label_key]) == name]
-            ok = [(p["img_size"], p[key]) for p in rows if measured(p, key)]
+            ok = [(x_of(p), p[key]) for p in rows if measured(p, key)]
             # ten colours, then the same colours dashed with square markers: no two lines look alike
             line = ax.plot([s for s, _ in ok], [v for _, v in ok], color=f"C{n % 10}", ms=4, label=name,
                            marker="o" if n < 10 else "s", linestyle="-" if n < 10 else "--")[0]
             if i == 0:
                 handles.append(line)
-            failed = [p["img_size"] for p in rows if p["status"] != "ok"]
+            failed = [x_of(p) for p in rows if not measured(p, key) and p["status"] != "ok"]
             if failed:
                 ax.plot(failed, [ax.get_ylim()[0]] * len(failed), "x", color=line.get_color(), ms=8)
         ax.set_xscale("log", base=2)
         ax.xaxis.set_minor_locator(NullLocator())
-        ax.set_xticks(sizes, [str(s) for s in sizes])
+        ax.set_xticks(sizes, [ticks[s] for s in sizes])
         ax.set_yscale("log")
         ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0), numticks=12))
         ax.yaxis.set_major_formatter(FuncFormatter(number))
         ax.yaxis.set_minor_formatter(NullFormatter())
         ax.tick_params(labelsize=8)
-        ax.set_xlabel("resolution (px)", fontsize=9)
+        ax.set_xlabel("resolution (px)" if square else "pixels (ticks: side or height x width)", fontsize=9)
         ax.set_title(label, fontsize=10)
         ax.grid(True, which="major", alpha=0.3)
     for j in range(len(panels), nrows * ncols):
@@ -386,7 +579,7 @@ def plot_results(points: List[BenchmarkPoint], path: str, title: str = "", label
                 keep[k] = False
             else:
                 right = boxes[k].x0
-        ax.set_xticks(sizes, [str(s) if kept else "" for s, kept in zip(sizes, keep)])
+        ax.set_xticks(sizes, [ticks[s] if kept else "" for s, kept in zip(sizes, keep)])
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True

@@ -339,8 +339,8 @@ def test_linhier_delta_on_kernels():
     """linhier_delta_femto_224 (one block per stage) at 64 px in fp32 (fp16 operands), forward and backward, its
     bidir_delta mixers forced onto the kernels, against the same weights on the PyTorch path: every mixer's output
     (head dims 24 and 32, 256 to 4 tokens), the features, the input's gradient and every parameter's gradient. The
-    mixers' own parameters sum their gradients over all tokens with much cancellation: measured, the kernels'
-    largest normwise error there is 6% (fp16 operands alone, emulated in float64: 2%)."""
+    mixers' own parameters sum their gradients over all tokens with much cancellation: measured here, the largest
+    normwise error is 2.7% (stage 1's beta weight; with batch 2, 6%, where fp16 operands alone give 2%)."""
     import timm
 
     import linvision  # noqa: F401
@@ -353,12 +353,17 @@ def test_linhier_delta_on_kernels():
         mixers = {name: m for name, m in model.named_modules() if type(m).__name__ == "BidirDeltaAttention"}
         assert len(mixers) == 4 and {m.backend for m in mixers.values()} == {backend}
         outputs = {}
-        for name, m in mixers.items():  # the first call's output (the backward recomputes the mixer)
-            m.register_forward_hook(lambda mod, args, out, name=name: outputs.setdefault(name, out.detach()))
+
+        def keep(module, args, out, outputs=outputs):  # the first call's output (the backward recomputes it)
+            outputs.setdefault(module, out.detach())  # returns None: the output itself goes on unchanged
+
+        for m in mixers.values():
+            m.register_forward_hook(keep)
         x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(0)).to(DEVICE).requires_grad_()
         feats = model.forward_features(x)
         w = torch.randn(feats.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
         (model.forward_head(feats).square().mean() + (feats * w).mean()).backward()
+        outputs = {name: outputs[m] for name, m in mixers.items()}
         results.append((outputs, feats.detach(), x.grad, {n: p.grad for n, p in model.named_parameters()}))
     (outputs, feats, x_grad, grads), (ref_outputs, ref_feats, ref_x_grad, ref_grads) = results
     for name in ref_outputs:
@@ -367,9 +372,7 @@ def test_linhier_delta_on_kernels():
     _assert_close_to("input gradient", x_grad, ref_x_grad, 1e-3)
     assert set(grads) == set(ref_grads)
     for name, ref in ref_grads.items():
-        assert (grads[name] is None) == (ref is None), name
-        if ref is None or ref.norm() == 0:  # a parameter the loss does not reach
-            continue
+        assert ref is not None and ref.norm() > 0 and grads[name] is not None, name
         err = ((grads[name] - ref).norm() / ref.norm()).item()
         assert err < 0.1, f"{name}: gradient error {err:.3f}"
 

@@ -36,8 +36,8 @@ normalised forms merge numerators, denominators and counts before dividing, so w
 decay form is exactly non-causal linear attention.
 
 Kernels: the chunked forms take ``backend=`` as :func:`linvision.ops.linear_attention` does: "auto" runs CUDA tensors
-on fla-core's chunked Triton kernels where they apply (:mod:`linvision.ops.recurrent_kernels`: what runs where, the
-precision), "triton" forces them, "torch" is the PyTorch chunk loop here. The step forms are PyTorch.
+on fla-core's chunked Triton kernels where they apply (``linvision.ops.recurrent_kernels`` says what runs where, and
+with what precision), "triton" forces them, "torch" is the PyTorch chunk loop here. The step forms are PyTorch.
 """
 from __future__ import annotations
 

@@ -2,12 +2,18 @@ r"""Token-mixer ablation: one macro-architecture, one recipe and seed, only the 
 
     linvision-ablate --config ablate_digits                  # the offline demo, a few minutes on 2 CPU cores
     linvision-ablate --config ablate_digits --seeds 0 1 2 --experiment ablate_digits_3seeds
+    linvision-ablate --config ablate_seg_mosaics --mixers none linear_rope softmax --seeds 0 1   # segmentation
+    linvision-ablate --task segment --dataset mosaic --model mlla_tiny --decoder upernet --img-size 256 \
+        --mosaic-size 256 --mixers mlla softmax --epochs 20 --experiment mosaics_mixers
     linvision-ablate --dataset folder --data-dir /data/pets --model linhier_tiny_224 --img-size 224 \
         --mixers linear linear_rope softmax none --epochs 30 --amp --experiment pets_mixers
 
 Each mixer (--mixers) is trained with the training flags of linvision-train, evaluated at --eval-sizes
 without fine-tuning and benchmarked at --bench-sizes. Writes ablation.md (the table), ablation.json,
 accuracy.png, throughput_memory.png and one training run per mixer (runs/) into <output>/<experiment>.
+--task segment trains the encoder --model in the smp head --decoder on the offline mosaics (--dataset mosaic)
+with the flags of linvision-train-seg, and reports mIoU and pixel accuracy of each run's best/ on the validation
+mosaics rendered at each --eval-sizes (128 to 1024 px).
 """
 import argparse
 

@@ -9,6 +9,15 @@ with the sample standard deviation and the per-seed values. Throughput and memor
 at several resolutions, plus parameters and FLOPs. A mixer that cannot run at a size gets that failure in the
 table, not a crash.
 
+``task: segment`` asks the same of semantic segmentation: the encoder ``model`` (with each mixer) in the smp
+head ``decoder`` is trained on the offline texture mosaics (``dataset: mosaic``) by
+:func:`linvision.engine.seg_task.train_segmentation` with the segmentation recipe
+(:class:`~linvision.engine.seg_config.SegTrainConfig`: the training flags plus ``decoder``,
+``decoder_kwargs``, ``mosaic_size``, ``mosaic_train``, ``mosaic_val``, ``ignore_index``); the run's ``best/``
+is evaluated (mIoU and pixel accuracy over the whole validation set) on the validation mosaics rendered at each
+evaluation size, the same layouts at a finer resolution, and the segmenter is benchmarked (training step:
+backward of the mean logit) at the benchmark sizes.
+
 Outputs in the run folder: ``ablation.md`` (the table), ``ablation.json``, ``accuracy.png`` (top-1 against
 evaluation resolution, error bars: the seeds' standard deviation), ``throughput_memory.png``, and one training
 run folder per mixer and seed under ``runs/`` (``<mixer>`` for a single seed, ``<mixer>-s<seed>`` for several).
@@ -21,6 +30,7 @@ import json
 import math
 import os
 import time
+from dataclasses import MISSING, fields
 from typing import Any, Dict
 
 from .benchmark import benchmark_point, plot_results
@@ -28,16 +38,29 @@ from .factory import create_model
 from .config import parse_kwargs
 from .flops import count_gflops, count_params
 from .run_folder import claim_run_folder
+from .seg_config import SegTrainConfig
 from .train import TrainConfig, add_train_args, train
 from .validate import validate_checkpoint
 
-__all__ = ["add_ablate_args", "run_ablation", "markdown_table"]
+__all__ = ["add_ablate_args", "run_ablation", "markdown_table", "evaluate_segmenter_sizes"]
+
+# the segmentation recipe's fields that the training flags lack (the encoder is --model)
+SEG_FIELDS = ("decoder", "decoder_kwargs", "mosaic_size", "mosaic_train", "mosaic_val", "ignore_index")
 
 
 def add_ablate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The training flags plus the ablation's own."""
     add_train_args(parser)
     g = parser.add_argument_group("ablation")
+    g.add_argument("--task", choices=["classify", "segment"], default="classify",
+                   help="classify: top-1 of a classifier; segment: mIoU and pixel accuracy of the encoder --model "
+                        "in the smp head --decoder, trained on --dataset mosaic")
+    segment = parser.add_argument_group("segmentation (--task segment)")
+    for f in fields(SegTrainConfig):  # the flags of linvision-train-seg, spelled and explained as there
+        if f.name in SEG_FIELDS:
+            default = f.default_factory() if f.default_factory is not MISSING else f.default
+            segment.add_argument(f"--{f.name.replace('_', '-')}", *f.metadata["aliases"], default=default,
+                                 help=f.metadata["help"], **f.metadata["argparse"])
     g.add_argument("--mixers", nargs="+", default=["none", "linear", "linear_rope", "softmax", "causal", "hybrid"],
                    help="token mixers to compare (registry names, or 4 comma-separated per-stage names)")
     g.add_argument("--eval-sizes", type=int, nargs="+", default=None,
@@ -49,6 +72,9 @@ def add_ablate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--bench-batch-size", type=int, default=8, help="images per batch of the throughput and memory runs")
     g.add_argument("--bench-iters", type=int, default=2,
                    help="timed iterations per throughput figure (after one warm-up iteration)")
+    g.add_argument("--bench-time-limit", type=float, default=None,
+                   help="seconds: a benchmark size is skipped (recorded as such) when the previous size's point, "
+                        "scaled by the ratio of pixels, would take longer (default: no limit)")
     return parser
 
 
@@ -83,6 +109,9 @@ def run_ablation(args: argparse.Namespace, log=_log) -> Dict[str, Any]:
     seeds = getattr(args, "seeds", None)
     if seeds is not None and (not seeds or len(set(seeds)) != len(seeds)):
         raise ValueError(f"seeds: give distinct seeds (at least one), got {seeds!r}")
+    if getattr(args, "task", "classify") == "segment" and args.dataset != "mosaic":
+        raise ValueError(f"dataset: the segmentation ablation evaluates on the mosaics rendered at each size; "
+                         f"give --dataset mosaic, got {args.dataset!r}")
     if args.bench_iters < 1 or args.bench_batch_size < 1:
         raise ValueError(f"bench_iters/bench_batch_size: must be >= 1, got {args.bench_iters} and "
                          f"{args.bench_batch_size}")
@@ -107,21 +136,48 @@ def _seed_stats(values) -> Dict[str, Any]:
 
 
 def _run_ablation(args: argparse.Namespace, run_dir: str, log) -> Dict[str, Any]:
+    segment = getattr(args, "task", "classify") == "segment"
     base_kwargs = parse_kwargs(args.model_kwargs)
     eval_sizes = args.eval_sizes or [args.img_size * f for f in (1, 2, 4)]
     bench_sizes = args.bench_sizes or [args.img_size * f for f in (1, 2, 4, 8)]
     seeds = list(getattr(args, "seeds", None) or [args.seed])
     rows, bench_points = [], []
-    recipe = TrainConfig.from_namespace(args)  # the training flags; each run changes what differs with replace
-    result = {"model": args.model, "model_kwargs": base_kwargs, "img_size": args.img_size, "epochs": args.epochs,
-              "seed": args.seed, "seeds": seeds, "dataset": args.dataset, "eval_sizes": eval_sizes,
-              "bench_sizes": bench_sizes, "bench_batch_size": args.bench_batch_size, "device": str(_device(args)),
-              "rows": rows}
+    result = {"task": "segment" if segment else "classify", "model": args.model, "model_kwargs": base_kwargs,
+              "img_size": args.img_size, "epochs": args.epochs, "seed": args.seed, "seeds": seeds,
+              "dataset": args.dataset, "eval_sizes": eval_sizes, "bench_sizes": bench_sizes,
+              "bench_batch_size": args.bench_batch_size, "device": str(_device(args)), "rows": rows}
+    if segment:
+        from .mosaic_data import MAX_SIZE, MIN_SIZE
+        from .seg_task import train_segmentation
+        from .segmenter import build_segmenter
+
+        bad = [s for s in eval_sizes if not MIN_SIZE <= s <= MAX_SIZE]
+        if bad:
+            raise ValueError(f"eval_sizes: the mosaics are rendered at {MIN_SIZE} to {MAX_SIZE} px, got {bad}")
+        # the segmentation flags; each run changes what differs with replace
+        recipe = SegTrainConfig.from_namespace(args).replace(encoder=args.model)
+        decoder_kwargs = parse_kwargs(recipe.decoder_kwargs, "decoder_kwargs")
+        result.update(decoder=recipe.decoder, decoder_kwargs=decoder_kwargs, mosaic_size=recipe.mosaic_size,
+                      mosaic_train=recipe.mosaic_train, mosaic_val=recipe.mosaic_val)
+
+        def build(kwargs, num_classes, size):
+            return build_segmenter(recipe.decoder, args.model, num_classes, kwargs, decoder_kwargs)
+
+        def fit(cfg):
+            return train_segmentation(cfg)
+    else:
+        recipe = TrainConfig.from_namespace(args)  # the training flags; each run changes what differs with replace
+
+        def build(kwargs, num_classes, size):
+            return create_model(args.model, num_classes=num_classes, in_chans=args.in_chans, model_kwargs=kwargs,
+                                img_size=size)
+
+        fit = train
+    score = "miou" if segment else "accuracy"
     # every model is built once before any training, so that a mixer the model cannot take (a grid mixer in a
     # linvit with a class token) fails at once, not after the mixers before it have trained
     for mixer in args.mixers:
-        create_model(args.model, num_classes=2, in_chans=args.in_chans,
-                     model_kwargs={**base_kwargs, _mixer_key(args.model): mixer}, img_size=args.img_size)
+        build({**base_kwargs, _mixer_key(args.model): mixer}, 2, args.img_size)
     start = time.time()
     for index, mixer in enumerate(args.mixers):
         label = _mixer_label(mixer)
@@ -130,58 +186,126 @@ def _run_ablation(args: argparse.Namespace, run_dir: str, log) -> Dict[str, Any]
         for seed in seeds:
             log(f"== token mixer {mixer} ({index + 1} of {len(args.mixers)}), seed {seed}; "
                 f"{time.time() - start:.0f} s so far: training {args.epochs} epochs at {args.img_size} px")
-            # only the training flags, so each run folder can be resumed or inspected with linvision-train; a
-            # fresh ablation folder holds no runs to overwrite
+            # only the training flags, so each run folder can be resumed or inspected with linvision-train (-seg);
+            # a fresh ablation folder holds no runs to overwrite
             run_cfg = recipe.replace(model_kwargs=mixer_kwargs, seed=seed, output=os.path.join(run_dir, "runs"),
                                      resume=None, experiment=label if len(seeds) == 1 else f"{label}-s{seed}",
                                      overwrite=False)
             t0 = time.time()
-            summary = train(run_cfg)
+            summary = fit(run_cfg)
             train_s = time.time() - t0
             log(f"   evaluating at {', '.join(map(str, eval_sizes))} px")
+            if segment:
+                val = evaluate_segmenter_sizes(summary["run_dir"], eval_sizes, recipe.mosaic_val, args.batch_size,
+                                               args.workers, args.amp, str(_device(args)), args.progress)
+                runs.append({"seed": seed, "train_s": train_s, "best_miou": summary["best_miou"],
+                             "num_classes": summary["num_classes"],
+                             "miou": {str(r["img_size"]): r.get("miou", r.get("error")) for r in val},
+                             "pixel_acc": {str(r["img_size"]): r.get("pixel_acc", r.get("error")) for r in val}})
+                continue
             val = validate_checkpoint(summary["run_dir"], args.dataset, args.data_dir, eval_sizes, args.batch_size,
                                       args.workers, args.amp, args.device, args.progress)
             runs.append({"seed": seed, "train_s": train_s, "best_top1": summary["best_top1"],
                          "num_classes": summary["num_classes"],
                          "accuracy": {str(r["img_size"]): r.get("top1", r.get("error")) for r in val["results"]}})
         num_classes = runs[0]["num_classes"]
-        model = create_model(args.model, num_classes=num_classes, in_chans=args.in_chans,
-                             model_kwargs=mixer_kwargs, img_size=args.img_size)
-        stats = {str(s): _seed_stats([r["accuracy"][str(s)] for r in runs]) for s in eval_sizes}
+        model = build(mixer_kwargs, num_classes, args.img_size)
         row = {"mixer": label, "params_m": count_params(model) / 1e6,
-               "gflops": count_gflops(model, (args.in_chans, args.img_size, args.img_size)),
-               "train_s": sum(r["train_s"] for r in runs) / len(runs),
-               "best_top1": _seed_stats([r["best_top1"] for r in runs])["mean"],
-               "accuracy": {s: st["mean"] for s, st in stats.items()},
-               "accuracy_std": {s: st["std"] for s, st in stats.items()},
-               "accuracy_seeds": {s: st["values"] for s, st in stats.items()},
-               "runs": runs, "bench": {}}
+               "gflops": count_gflops(model, (3 if segment else args.in_chans, args.img_size, args.img_size)),
+               "train_s": sum(r["train_s"] for r in runs) / len(runs)}
+        metrics = ("miou", "pixel_acc") if segment else ("accuracy",)
+        if segment:
+            row["best_miou"] = _seed_stats([r["best_miou"] for r in runs])["mean"]
+        else:
+            row["best_top1"] = _seed_stats([r["best_top1"] for r in runs])["mean"]
+        for metric in metrics:
+            stats = {str(s): _seed_stats([r[metric][str(s)] for r in runs]) for s in eval_sizes}
+            row[metric] = {s: st["mean"] for s, st in stats.items()}
+            row[f"{metric}_std"] = {s: st["std"] for s, st in stats.items()}
+            row[f"{metric}_seeds"] = {s: st["values"] for s, st in stats.items()}
+        row.update(runs=runs, bench={})
         del model
         log(f"   benchmarking at {', '.join(map(str, bench_sizes))} px ({args.bench_iters} timed iterations "
             f"of batch {args.bench_batch_size} per figure)")
+        previous = None  # (size, seconds) of the last point measured
         for size in bench_sizes:
-            point = benchmark_point(
-                args.model, size, batch_size=args.bench_batch_size, device=str(_device(args)), amp=args.amp,
-                warmup=1, iters=args.bench_iters, model_kwargs=mixer_kwargs, flops=False,
-                build_fn=lambda name, size, kw: create_model(name, num_classes=num_classes, model_kwargs=kw,
-                                                            img_size=size))
+            limit = getattr(args, "bench_time_limit", None)
+            predicted = previous[1] * (size / previous[0]) ** 2 if previous else 0.0
+            if limit is not None and predicted > limit:
+                point = _skipped_point(args.model, size, args.bench_batch_size, str(_device(args)), args.amp,
+                                       f"the {previous[0]} px point took {previous[1]:.0f} s; {size} px would take "
+                                       f"at least {predicted:.0f} s, over --bench-time-limit {limit:g} s")
+            else:
+                t0 = time.time()
+                point = benchmark_point(
+                    args.model, size, batch_size=args.bench_batch_size, device=str(_device(args)), amp=args.amp,
+                    warmup=1, iters=args.bench_iters, model_kwargs=mixer_kwargs, flops=False,
+                    build_fn=lambda name, size, kw: build(kw, num_classes, size))
+                previous = (size, time.time() - t0)
             point["mixer"] = label
             bench_points.append(point)
             row["bench"][str(size)] = {k: point[k] for k in ("status", "error", "iters", "infer_img_s",
                                                              "infer_spread_pct", "infer_mem_mb", "train_img_s",
                                                              "train_spread_pct", "train_mem_mb")}
         rows.append(row)
-        accuracy = ", ".join(f"{s} px {_cell(v, '.2f')} +- {_cell(row['accuracy_std'][s], '.2f')}"
-                             for s, v in row["accuracy"].items())
-        log(f"   top-1 {accuracy}; {row['params_m']:.3f} M params, {row['gflops']:.4f} GFLOPs, "
+        scores = ", ".join(f"{s} px {_cell(v, '.2f')} +- {_cell(row[score + '_std'][s], '.2f')}"
+                           for s, v in row[score].items())
+        log(f"   {_SCORE_LABEL[score]} {scores}; {row['params_m']:.3f} M params, {row['gflops']:.4f} GFLOPs, "
             f"trained in {row['train_s']:.0f} s per seed")
         table = _write_results(result, run_dir)  # after every mixer: a stopped run keeps what it finished
     _plot_accuracy(result, os.path.join(run_dir, "accuracy.png"))
+    head = f"{args.decoder} on {args.model}" if segment else args.model
     plot_results(bench_points, os.path.join(run_dir, "throughput_memory.png"), label_key="mixer",
-                 title=f"{args.model} {base_kwargs}, batch {args.bench_batch_size}")
+                 title=f"{head} {base_kwargs}, batch {args.bench_batch_size}")
     result["run_dir"] = run_dir
     result["table"] = table
     return result
+
+
+_SCORE_LABEL = {"accuracy": "top-1", "miou": "mIoU", "pixel_acc": "pixel acc"}
+
+
+def _skipped_point(model: str, size: int, batch_size: int, device: str, amp: str, why: str) -> Dict[str, Any]:
+    nan = float("nan")
+    return {"model": model, "img_size": size, "batch_size": batch_size, "device": device, "amp": amp,
+            "status": "skipped", "error": why, "params_m": nan, "gflops": nan, "iters": 0, "infer_img_s": nan,
+            "infer_ms": nan, "infer_spread_pct": nan, "infer_mem_mb": nan, "train_img_s": nan, "train_ms": nan,
+            "train_spread_pct": nan, "train_mem_mb": nan}
+
+
+def evaluate_segmenter_sizes(run_dir: str, sizes, count: int, batch_size: int = 8, workers: int = 0,
+                             amp: str = "none", device: str = "cpu", progress: bool = False):
+    """mIoU and pixel accuracy (percent) of the segmenter of ``run_dir`` (its best/, else last/) on the first
+    ``count`` validation mosaics rendered at each of ``sizes`` (the same layouts as at any other size).
+
+    Returns [{"img_size", "miou", "pixel_acc", "loss", "pixels"} or {"img_size", "error"}]: a size the model
+    cannot run at is recorded, not raised.
+    """
+    import torch
+    from torch.utils.data import DataLoader
+
+    from .distributed import DistInfo
+    from .mosaic_data import MosaicSegmentation
+    from .seg_data import MOSAIC_SEED, JointTransform, PadCollate, SegmentationSamples, pil_pair
+    from .seg_metrics import evaluate_segmentation
+    from .segmenter import STRIDE, load_segmenter
+
+    model, meta = load_segmenter(run_dir, device=device)
+    info = DistInfo(device=torch.device(device))
+    results = []
+    for size in sizes:
+        mosaics = MosaicSegmentation("val", size, count, seed=MOSAIC_SEED, transform=pil_pair)
+        samples = SegmentationSamples(mosaics, meta["num_classes"], meta["ignore_index"],
+                                      JointTransform(meta["mean"], meta["std"]))
+        loader = DataLoader(samples, batch_size=batch_size, shuffle=False, num_workers=workers,
+                            collate_fn=PadCollate(meta["ignore_index"], STRIDE[meta["decoder"]]))
+        try:
+            scores = evaluate_segmentation(model, loader, meta["num_classes"], meta["ignore_index"], info, amp,
+                                           progress=progress)
+            results.append({"img_size": size, **{k: scores[k] for k in ("miou", "pixel_acc", "loss", "pixels")}})
+        except (RuntimeError, torch.OutOfMemoryError) as e:  # recorded in the table as a failure at that size
+            results.append({"img_size": size, "error": f"{type(e).__name__}: {str(e).strip()[:300]}"})
+    return results
 
 
 def _write_results(result: Dict[str, Any], run_dir: str) -> str:
@@ -207,10 +331,18 @@ def _cell(value: Any, fmt: str) -> str:
     return "fails" if isinstance(value, str) else "-"
 
 
+def _metrics(result: Dict[str, Any]):
+    """The per-size scores of the rows: mIoU and pixel accuracy of a segmentation ablation, else top-1."""
+    return ("miou", "pixel_acc") if result.get("task") == "segment" else ("accuracy",)
+
+
 def markdown_table(result: Dict[str, Any]) -> str:
-    """The ablation as a Markdown table: accuracy per evaluation size, speed and memory per benchmark size."""
+    """The ablation as a Markdown table: accuracy (top-1, or mIoU and pixel accuracy) per evaluation size, speed
+    and memory per benchmark size."""
     evals, benches = result["eval_sizes"], result["bench_sizes"]
-    head = (["mixer", "params (M)", f"GFLOPs @{result['img_size']}"] + [f"top-1 @{s}" for s in evals]
+    metrics = _metrics(result)
+    head = (["mixer", "params (M)", f"GFLOPs @{result['img_size']}"]
+            + [f"{_SCORE_LABEL[m]} @{s}" for m in metrics for s in evals]
             + [f"infer img/s @{s}" for s in benches] + [f"train img/s @{benches[-1]}",
                                                         f"infer mem MiB @{benches[-1]}",
                                                         f"train mem MiB @{benches[-1]}"])
@@ -219,13 +351,14 @@ def markdown_table(result: Dict[str, Any]) -> str:
     seeds = result.get("seeds") or [result.get("seed")]
     for row in result["rows"]:
         cells = [row["mixer"], f"{row['params_m']:.3f}", f"{row['gflops']:.4f}"]
-        for s in evals:
-            acc = row["accuracy"][str(s)]
-            std = row.get("accuracy_std", {}).get(str(s))
-            spread = f" ± {_cell(std, '.2f')}" if len(seeds) > 1 and not isinstance(acc, str) else ""
-            cells.append(_cell(acc, ".2f") + spread)
-            if isinstance(acc, str):
-                notes.append(f"{row['mixer']} @{s}: {acc}")
+        for metric in metrics:
+            for s in evals:
+                acc = row[metric][str(s)]
+                std = row.get(f"{metric}_std", {}).get(str(s))
+                spread = f" ± {_cell(std, '.2f')}" if len(seeds) > 1 and not isinstance(acc, str) else ""
+                cells.append(_cell(acc, ".2f") + spread)
+                if isinstance(acc, str) and metric == metrics[0]:
+                    notes.append(f"{row['mixer']} @{s}: {acc}")
         for s in benches:
             b = row["bench"][str(s)]
             cells.append(_cell(b["infer_img_s"], ".1f"))
@@ -236,9 +369,14 @@ def markdown_table(result: Dict[str, Any]) -> str:
                   _cell(last["train_mem_mb"], ".1f")]
         lines.append("| " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
+    names = " and ".join({"accuracy": "Top-1", "miou": "mIoU", "pixel_acc": "pixel accuracy"}[m] for m in metrics)
     if len(seeds) > 1:
-        text += (f"\nTop-1: mean ± sample standard deviation over seeds {', '.join(map(str, seeds))} (one training run "
-                 f"per seed; per-seed values in ablation.json).\n")
+        text += (f"\n{names}: mean ± sample standard deviation over seeds {', '.join(map(str, seeds))} (one training "
+                 f"run per seed; per-seed values in ablation.json).\n")
+    if result.get("task") == "segment":
+        text += (f"\n{result['decoder']} head; mIoU and pixel accuracy (%) of each run's best/ on "
+                 f"{result['mosaic_val']} validation mosaics rendered at each size (trained on {result['img_size']} "
+                 f"px crops of {result['mosaic_size']} px mosaics).\n")
     spreads = sorted(b[key] for row in result["rows"] for b in row["bench"].values()
                      for key in ("infer_spread_pct", "train_spread_pct")
                      if isinstance(b.get(key), (int, float)) and math.isfinite(b[key]))
@@ -261,15 +399,16 @@ def _plot_accuracy(result: Dict[str, Any], path: str) -> None:
     fig, ax = plt.subplots(figsize=(5, 3.6))
     rows = result["rows"]
     colours = plt.cm.tab20(range(len(rows))) if len(rows) > 10 else [None] * len(rows)  # 10: the default cycle
+    metric = _metrics(result)[0]
     for row, colour in zip(rows, colours):
-        pts = [(int(s), v, row.get("accuracy_std", {}).get(s, 0.0)) for s, v in row["accuracy"].items()
+        pts = [(int(s), v, row.get(f"{metric}_std", {}).get(s, 0.0)) for s, v in row[metric].items()
                if isinstance(v, (int, float))]
         ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", capsize=2,
                     label=row["mixer"], color=colour)
     ax.set_xscale("log", base=2)
     ax.set_xticks(result["eval_sizes"], [str(s) for s in result["eval_sizes"]])
     ax.set_xlabel(f"evaluation resolution (px), trained at {result['img_size']}")
-    ax.set_ylabel("top-1 (%)")
+    ax.set_ylabel({"accuracy": "top-1 (%)", "miou": "mIoU (%)"}[metric])
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -29,6 +29,16 @@ from linvision.engine.train import train  # noqa: E402
 from linvision.engine.train_config import TrainConfig  # noqa: E402
 from support import PY, ROOT, run_subprocess, run_tool, step_losses  # noqa: E402
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread, as the torchrun test's ranks have: the models are tiny, and on busy cores a second
+    thread waiting for its share costs far more than it gives."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 TINY = ["--encoder", "linhier_delta_femto_224", "--model-kwargs", "depths=[1,1,1,1]",
         "--decoder-kwargs", "decoder_channels=[32,16,16,8,8]"]
 
@@ -174,7 +184,7 @@ def _direct_scores(model, meta, root, batches):
 
 def test_two_processes_score_the_whole_validation_set(tmp_path):
     """Under torchrun (2 ranks, gloo) each rank scores its share of 5 validation images (3 and 2); the reported
-    figures are those of all 5, computed here from best/ in the same batches, one thread as each rank has."""
+    figures are those of all 5, computed here from best/ in the same batches, with one thread as each rank."""
     root = _with_unlabelled_bands(write_mosaic_folders(str(tmp_path / "data"), size=128, train=8, val=5, seed=0))
     flags = seg_flags(tmp_path, "--epochs", "1", "--experiment", "ddp", "--dataset", "folder", "--data-dir", root,
                       "-b", "2")
@@ -185,13 +195,8 @@ def test_two_processes_score_the_whole_validation_set(tmp_path):
     assert proc.stdout.count("best mIoU") == 1  # only rank 0 reports
     summary = json.loads((tmp_path / "ddp" / "summary.json").read_text())
     model, meta = load_segmenter(str(tmp_path / "ddp"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        miou, pixel_acc, _, loss = _direct_scores(model, meta, root, [[0, 2], [4], [1, 3]])
-        shard_miou, _, _, _ = _direct_scores(model, meta, root, [[0, 2], [4]])
-    finally:
-        torch.set_num_threads(threads)
+    miou, pixel_acc, _, loss = _direct_scores(model, meta, root, [[0, 2], [4], [1, 3]])
+    shard_miou, _, _, _ = _direct_scores(model, meta, root, [[0, 2], [4]])
     assert summary["best"]["miou"] == pytest.approx(miou, rel=1e-12)
     assert summary["best"]["pixel_acc"] == pytest.approx(pixel_acc, rel=1e-12)
     assert summary["best"]["loss"] == pytest.approx(loss, rel=1e-5)

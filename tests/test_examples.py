@@ -36,7 +36,7 @@ def test_pages_have_examples():
 
 
 def skip_reason(code: str):
-    if '"cuda"' in code and not torch.cuda.is_available():
+    if ('"cuda"' in code or ".cuda()" in code) and not torch.cuda.is_available():
         return "needs a GPU"
     if '"output/' in code:
         return "needs a trained run folder (the training command of the same page)"

@@ -44,6 +44,8 @@ def _entries(text: str) -> dict:
 DEFAULTS = {
     "linvision-train": [("--epochs", "10"), ("--workers", "0"), ("--batch-size", "64"), ("--img-size", "224"),
                         ("--lr", "0.001"), ("--scale", "0.08 1.0"), ("--amp", "none"), ("--progress", "on")],
+    "linvision-train-seg": [("--decoder", "unet"), ("--img-size", "512"), ("--batch-size", "8"),
+                            ("--ignore-index", "255"), ("--scale", "0.25 1.0")],
     "linvision-validate": [("--batch-size", "64"), ("--workers", "0"), ("--device", "auto")],
     "linvision-benchmark": [("--models", "linhier_tiny_224 vit_small_patch16_224 mambaout_tiny"),
                             ("--img-size", "224 512 1024 2048"), ("--batch-size", "8"), ("--iters", "5"),

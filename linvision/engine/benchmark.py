@@ -39,8 +39,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from .amp import autocast
 from .factory import create_model
-from .evaluate import autocast
 from .flops import count_gflops, count_params
 
 __all__ = ["BenchmarkPoint", "benchmark_point", "run_sweep", "write_results", "plot_results", "DEFAULT_MODELS",

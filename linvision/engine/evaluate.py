@@ -1,25 +1,16 @@
 """Top-1 / top-5 accuracy and cross-entropy of a classifier over a loader, exact across ranks."""
 from __future__ import annotations
 
-import contextlib
 from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .amp import autocast
 from .distributed import DistInfo, all_reduce_sum
 
-__all__ = ["evaluate", "autocast"]
-
-
-def autocast(device: torch.device, amp: str):
-    """Autocast context for ``amp`` in ("none", "bf16", "fp16"); ValueError names the allowed values."""
-    if amp not in ("none", "bf16", "fp16"):
-        raise ValueError(f"amp: expected 'none', 'bf16' or 'fp16', got {amp!r}")
-    if amp == "none":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
+__all__ = ["evaluate"]
 
 
 @torch.no_grad()

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .amp import autocast
 from .distributed import DistInfo, all_reduce_sum
-from .evaluate import autocast
 from .segmenter import import_smp
 
 __all__ = ["evaluate_segmentation", "segmentation_scores"]

@@ -36,12 +36,13 @@ import torch.distributed as dist
 from timm.utils import random_seed, unwrap_model
 from torch import nn
 
+from .amp import autocast
 from .checkpoint import load_pretrained, load_torch_file, save_checkpoint
 from .config import parse_kwargs, save_yaml
 from .data import ShardedSampler, build_transform, create_dataset, create_loader
 from .distill import distillation_loss, load_teacher
 from .distributed import DistInfo, all_reduce_max, all_reduce_sum, barrier, cleanup, init_distributed
-from .evaluate import autocast, evaluate
+from .evaluate import evaluate
 from .factory import check_img_size, create_model
 from .files import atomic_write, atomic_write_text
 from .interrupt import StopFlag, TrainInterrupted

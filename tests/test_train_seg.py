@@ -125,9 +125,16 @@ def test_training_on_mosaics_lowers_the_loss_and_writes_the_run_folder(tmp_path)
         meta = json.loads((run / folder / "model.json").read_text())
         assert (meta["encoder"], meta["decoder"], meta["num_classes"], meta["img_size"]) == \
             ("linhier_delta_femto_224", "unet", 10, 64)
+        assert (meta["mosaic_size"], meta["mosaic_val"]) == (128, 4)
         assert meta["classes"] == list(MosaicSegmentation.classes) and meta["mean"] == list(MEAN)
     assert (run / "last" / "train_state.pt").is_file() and not (run / "best" / "train_state.pt").exists()
     assert f"best mIoU {summary['best_miou']:.2f} at epoch {summary['best_epoch']}" in out
+    # linvision-validate on the run: by default the 4 validation mosaics at 128 px, which best/ scored on
+    scored = json.loads(run_tool("validate.py", "--checkpoint", str(run), "--device", "cpu").stdout)
+    assert scored["task"] == "segmentation" and scored["model"] == "unet on linhier_delta_femto_224"
+    (at_128,) = scored["results"]
+    assert at_128["img_size"] == 128 and at_128["miou"] == pytest.approx(summary["best_miou"], rel=1e-12)
+    assert at_128["pixel_acc"] == pytest.approx(summary["best"]["pixel_acc"], rel=1e-12)
 
 
 def test_reported_scores_are_those_of_the_best_models_predictions(tmp_path):
@@ -150,6 +157,40 @@ def test_reported_scores_are_those_of_the_best_models_predictions(tmp_path):
     assert meta["pixels"] == 4 * (128 - 16) * 128  # the bands are not counted
 
 
+def test_validate_scores_a_segmenter_at_other_sizes(tmp_path):
+    """linvision-validate on a folder-trained segmenter: as the images are (and at their own shorter side, 128 px)
+    it reports what best/ scored; at 96 and 160 px each image and its mask are resized alike (the mask by nearest
+    neighbour: its values stay class indices and 255) and the figures are those computed here from the resized
+    pairs; a dataset a segmenter cannot be scored on is one line."""
+    root = _with_unlabelled_bands(write_mosaic_folders(str(tmp_path / "data"), size=128, train=8, val=4, seed=0))
+    run_tool("train_seg.py", *seg_flags(tmp_path, "--epochs", "1", "--experiment", "folder", "--dataset", "folder",
+                                        "--data-dir", root))
+    run = str(tmp_path / "folder")
+    out = tmp_path / "scores.json"
+    run_tool("validate.py", "--checkpoint", run, "--img-size", "128", "96", "160", "-b", "2", "--output", str(out))
+    scored = json.loads(out.read_text())
+    summary = json.loads((tmp_path / "folder" / "summary.json").read_text())
+    model, meta = load_segmenter(run)
+    assert meta["data_dir"] == root and scored["dataset"] == "folder"
+    native = json.loads(run_tool("validate.py", "--checkpoint", run).stdout)["results"][0]
+    assert native["img_size"] is None and native["miou"] == pytest.approx(summary["best"]["miou"], rel=1e-12)
+    for entry, size in zip(scored["results"], (128, 96, 160)):
+        miou, pixel_acc, iou, loss = _direct_scores(model, meta, root, [[0, 1], [2, 3]], resize=size)
+        assert entry["img_size"] == size
+        assert entry["miou"] == pytest.approx(miou, rel=1e-12)
+        assert entry["pixel_acc"] == pytest.approx(pixel_acc, rel=1e-12)
+        assert entry["loss"] == pytest.approx(loss, rel=1e-5)
+        if size == 128:  # the images' own size: the bands of 16 rows are not counted
+            assert entry["pixels"] == 4 * (128 - 16) * 128
+    assert scored["results"][0]["miou"] == pytest.approx(native["miou"], rel=1e-12)
+    val = SegmentationFolder(root, "val", transform=JointTransform(meta["mean"], meta["std"], resize=96))
+    image, mask = val[0]
+    assert image.shape == (3, 96, 96) and set(mask.unique().tolist()) <= set(range(10)) | {255}
+    bad = run_tool("validate.py", "--checkpoint", run, "--dataset", "digits", check=False)
+    assert bad.returncode != 0 and "dataset: a segmenter is scored on 'folder' or 'mosaic' data" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+
+
 def _with_unlabelled_bands(root):
     """Set rows 40-55 of every mask of the folder set ``root`` to the ignore index."""
     for split in ("train", "val"):
@@ -161,11 +202,11 @@ def _with_unlabelled_bands(root):
     return root
 
 
-def _direct_scores(model, meta, root, batches):
+def _direct_scores(model, meta, root, batches, resize=None):
     """mIoU and pixel accuracy (percent), per-class IoU and mean loss of ``model`` on the validation images of
-    ``root`` run in ``batches`` (lists of indices): an explicit confusion matrix in float64, classes without pixels
-    in masks or predictions left out."""
-    val = SegmentationFolder(root, "val", transform=JointTransform(meta["mean"], meta["std"]))
+    ``root`` (resized to the shorter side ``resize``) run in ``batches`` (lists of indices): an explicit confusion
+    matrix in float64, classes without pixels in masks or predictions left out."""
+    val = SegmentationFolder(root, "val", transform=JointTransform(meta["mean"], meta["std"], resize=resize))
     confusion, loss_sum = np.zeros((10, 10)), 0.0
     for batch in batches:
         images = torch.stack([val[i][0] for i in batch])

@@ -1,13 +1,19 @@
-r"""Top-1 / top-5 accuracy and loss of a checkpoint at one or several resolutions, printed as JSON.
+r"""Top-1 / top-5 accuracy and loss of a checkpoint at one or several resolutions, printed as JSON; for a
+segmenter's checkpoint (linvision-train-seg), mIoU, pixel accuracy and loss.
 
     linvision-validate --checkpoint output/digits_demo --img-size 32 64 128     # a run's weights at 3 sizes
     linvision-validate --model mlla_tiny.in1k --pretrained --data-dir /data/imagenet   # published weights
+    linvision-validate --checkpoint output/seg_mosaics --img-size 512 1024      # a segmenter at 2 sizes
 
 --checkpoint takes a run folder (its best/, else last/) or a checkpoint folder; the data, size, crop and
 normalisation default to the checkpoint's. --model NAME --pretrained evaluates a model's trained weights as
 timm's pretrained=True loads them, on data with the weights' classes (e.g. ImageNet's val/<class>/ folders),
 with the crop and normalisation of their pretrained config, at its size unless --img-size is given. A size the
 model cannot run at is reported as an error entry; the other sizes are still evaluated.
+
+A segmenter is scored on the validation split it was trained with (or --dataset/--data-dir): mosaics are
+rendered at each --img-size (default: their training size); a folder's val/ images and masks are scored as
+they are, or at a size resized alike (masks by nearest neighbour) so that the shorter side is that size.
 """
 import argparse
 import json

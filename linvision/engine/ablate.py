@@ -42,7 +42,7 @@ from .seg_config import SegTrainConfig
 from .train import TrainConfig, add_train_args, train
 from .validate import validate_checkpoint
 
-__all__ = ["add_ablate_args", "run_ablation", "markdown_table", "evaluate_segmenter_sizes"]
+__all__ = ["add_ablate_args", "run_ablation", "markdown_table"]
 
 # the segmentation recipe's fields that the training flags lack (the encoder is --model)
 SEG_FIELDS = ("decoder", "decoder_kwargs", "mosaic_size", "mosaic_train", "mosaic_val", "ignore_index")
@@ -149,6 +149,7 @@ def _run_ablation(args: argparse.Namespace, run_dir: str, log) -> Dict[str, Any]
     if segment:
         from .mosaic_data import MAX_SIZE, MIN_SIZE
         from .seg_task import train_segmentation
+        from .seg_validate import validate_segmenter
         from .segmenter import build_segmenter
 
         bad = [s for s in eval_sizes if not MIN_SIZE <= s <= MAX_SIZE]
@@ -196,8 +197,9 @@ def _run_ablation(args: argparse.Namespace, run_dir: str, log) -> Dict[str, Any]
             train_s = time.time() - t0
             log(f"   evaluating at {', '.join(map(str, eval_sizes))} px")
             if segment:
-                val = evaluate_segmenter_sizes(summary["run_dir"], eval_sizes, recipe.mosaic_val, args.batch_size,
-                                               args.workers, args.amp, str(_device(args)), args.progress)
+                val = validate_segmenter(summary["run_dir"], "mosaic", None, eval_sizes, args.batch_size,
+                                         args.workers, args.amp, str(_device(args)), args.progress,
+                                         mosaic_val=recipe.mosaic_val)["results"]
                 runs.append({"seed": seed, "train_s": train_s, "best_miou": summary["best_miou"],
                              "num_classes": summary["num_classes"],
                              "miou": {str(r["img_size"]): r.get("miou", r.get("error")) for r in val},
@@ -271,41 +273,6 @@ def _skipped_point(model: str, size: int, batch_size: int, device: str, amp: str
             "status": "skipped", "error": why, "params_m": nan, "gflops": nan, "iters": 0, "infer_img_s": nan,
             "infer_ms": nan, "infer_spread_pct": nan, "infer_mem_mb": nan, "train_img_s": nan, "train_ms": nan,
             "train_spread_pct": nan, "train_mem_mb": nan}
-
-
-def evaluate_segmenter_sizes(run_dir: str, sizes, count: int, batch_size: int = 8, workers: int = 0,
-                             amp: str = "none", device: str = "cpu", progress: bool = False):
-    """mIoU and pixel accuracy (percent) of the segmenter of ``run_dir`` (its best/, else last/) on the first
-    ``count`` validation mosaics rendered at each of ``sizes`` (the same layouts as at any other size).
-
-    Returns [{"img_size", "miou", "pixel_acc", "loss", "pixels"} or {"img_size", "error"}]: a size the model
-    cannot run at is recorded, not raised.
-    """
-    import torch
-    from torch.utils.data import DataLoader
-
-    from .distributed import DistInfo
-    from .mosaic_data import MosaicSegmentation
-    from .seg_data import MOSAIC_SEED, JointTransform, PadCollate, SegmentationSamples, pil_pair
-    from .seg_metrics import evaluate_segmentation
-    from .segmenter import STRIDE, load_segmenter
-
-    model, meta = load_segmenter(run_dir, device=device)
-    info = DistInfo(device=torch.device(device))
-    results = []
-    for size in sizes:
-        mosaics = MosaicSegmentation("val", size, count, seed=MOSAIC_SEED, transform=pil_pair)
-        samples = SegmentationSamples(mosaics, meta["num_classes"], meta["ignore_index"],
-                                      JointTransform(meta["mean"], meta["std"]))
-        loader = DataLoader(samples, batch_size=batch_size, shuffle=False, num_workers=workers,
-                            collate_fn=PadCollate(meta["ignore_index"], STRIDE[meta["decoder"]]))
-        try:
-            scores = evaluate_segmentation(model, loader, meta["num_classes"], meta["ignore_index"], info, amp,
-                                           progress=progress)
-            results.append({"img_size": size, **{k: scores[k] for k in ("miou", "pixel_acc", "loss", "pixels")}})
-        except (RuntimeError, torch.OutOfMemoryError) as e:  # recorded in the table as a failure at that size
-            results.append({"img_size": size, "error": f"{type(e).__name__}: {str(e).strip()[:300]}"})
-    return results
 
 
 def _write_results(result: Dict[str, Any], run_dir: str) -> str:

@@ -36,7 +36,7 @@ from .factory import create_model
 from .files import write_checkpoint_folder
 
 __all__ = ["load_torch_file", "strip_module_prefix", "load_pretrained", "save_checkpoint", "load_model",
-           "resolve_checkpoint", "read_checkpoint_meta", "load_checkpoint_weights"]
+           "resolve_checkpoint", "read_checkpoint_meta", "checkpoint_task", "load_checkpoint_weights"]
 
 
 def load_torch_file(path: str, what: str) -> Any:
@@ -162,6 +162,19 @@ def read_checkpoint_meta(folder: str) -> Dict[str, Any]:
         have = sorted(meta) if isinstance(meta, dict) else type(meta).__name__
         raise ValueError(f"checkpoint: {path} lacks {[k for k in _META_KEYS]} (has {have})")
     return meta
+
+
+def checkpoint_task(path: str) -> str:
+    """The task a checkpoint (or run folder: its best, else last) was trained for: model.json's ``"task"``
+    ("segmentation" for ``linvision-train-seg``), "classification" when it names none. Raises FileNotFoundError
+    for a missing checkpoint, ValueError for a model.json that is not JSON."""
+    path = os.path.join(resolve_checkpoint(path), "model.json")
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"checkpoint: {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    return str(meta.get("task", "classification")) if isinstance(meta, dict) else "classification"
 
 
 def load_model(path: str, device: str = "cpu", img_size: Optional[int] = None,

@@ -74,16 +74,19 @@ class JointTransform:
     With ``crop`` (the training transform): a random resized crop of ``crop`` x ``crop`` px (area fraction in
     ``scale``, aspect ratio 3/4 to 4/3) and a horizontal flip with probability ``hflip``, the same for the image
     and the mask (torchvision's ``transforms.v2`` on an ``Image`` and a ``Mask``: bilinear with antialiasing for
-    the image, nearest neighbour for the mask). Without it, the whole image.
+    the image, nearest neighbour for the mask). Without it, the whole image; with ``resize``, the whole image and
+    its mask resized alike so that the shorter side is ``resize`` px (evaluation at another scale).
     """
 
     def __init__(self, mean: Sequence[float], std: Sequence[float], crop: Optional[int] = None,
                  scale: Sequence[float] = (0.25, 1.0), hflip: float = 0.5,
-                 ratio: Tuple[float, float] = (3 / 4, 4 / 3)):
+                 ratio: Tuple[float, float] = (3 / 4, 4 / 3), resize: Optional[int] = None):
         from torchvision import tv_tensors
         from torchvision.transforms import v2
 
-        ops = []
+        if crop and resize:
+            raise ValueError("JointTransform: crop (training) and resize (evaluation) exclude each other")
+        ops = [v2.Resize(resize, antialias=True)] if resize else []
         if crop:
             ops.append(v2.RandomResizedCrop(crop, scale=tuple(scale), ratio=tuple(ratio), antialias=True))
             if hflip > 0:

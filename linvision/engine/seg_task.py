@@ -79,6 +79,9 @@ class SegmentationTask(Task):
                 "classes": classes or [str(i) for i in range(num_classes)], "in_chans": 3,
                 "model_kwargs": model_kwargs, "decoder_kwargs": decoder_kwargs, "img_size": cfg.img_size,
                 "mean": mean, "std": std, "ignore_index": cfg.ignore_index, "dataset": cfg.dataset}
+        # what linvision-validate needs to score the checkpoint on the same validation set
+        meta.update(dict(mosaic_size=cfg.mosaic_size, mosaic_val=cfg.mosaic_val) if cfg.dataset == "mosaic"
+                    else dict(data_dir=cfg.data_dir))
         return TaskParts(train_set, val_set, model, meta, num_classes)
 
     def criterion(self, cfg: SegTrainConfig, parts: TaskParts, info: DistInfo):

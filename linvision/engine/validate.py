@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Dict, List, Optional, Sequence
 
-from .checkpoint import load_model, read_checkpoint_meta, resolve_checkpoint
+from .checkpoint import checkpoint_task, load_model, read_checkpoint_meta, resolve_checkpoint
 from .cli import add_amp_arg
 from .data import ShardedSampler, build_transform, create_dataset, create_loader
 from .distributed import barrier, cleanup, init_distributed
@@ -29,11 +29,12 @@ def add_validate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         help="evaluate --model's trained weights, as timm's pretrained=True loads them (downloaded "
                              "once into timm's cache); the data's classes must be the weights' (e.g. ImageNet's)")
     parser.add_argument("--dataset", default=None,
-                        help="'folder', 'digits' or a torchvision dataset, as in linvision-train (default: the "
-                             "dataset the checkpoint was trained on; with --pretrained, 'folder')")
+                        help="'folder', 'digits' or a torchvision dataset, as in linvision-train; for a "
+                             "segmenter 'folder' or 'mosaic' (default: the dataset the checkpoint was trained on; "
+                             "with --pretrained, 'folder')")
     parser.add_argument("--data-dir", default=None,
-                        help="folder with the val/ class sub-folders, or a torchvision dataset's root (digits and "
-                             "photos need none)")
+                        help="folder with the val/ class sub-folders (a segmenter's: val/images and val/masks), "
+                             "or a torchvision dataset's root (digits, photos and mosaics need none)")
     parser.add_argument("--img-size", type=int, nargs="+", default=None,
                         help="resolutions to evaluate (default: the training one)")
     parser.add_argument("--batch-size", "-b", type=int, default=64, help="images per batch on each rank")
@@ -80,11 +81,18 @@ def validate_checkpoint(checkpoint: Optional[str], dataset: Optional[str] = None
     ``timm.create_model(pretrained=True)`` loads them) on the validation split at each of ``img_sizes``.
 
     Returns {"checkpoint", "model", "results": [{"img_size", "top1", "top5", "loss", "count"} or
-    {"img_size", "error"}]}. Raises FileNotFoundError for a missing checkpoint or data folder, ValueError for a
-    model without trained weights. Runs under torchrun too (each rank evaluates a shard; the figures are reduced).
+    {"img_size", "error"}]}; a segmenter's checkpoint (``linvision-train-seg``) is scored by
+    :func:`~linvision.engine.seg_validate.validate_segmenter` instead (mIoU and pixel accuracy). Raises
+    FileNotFoundError for a missing checkpoint or data folder, ValueError for a model without trained weights.
+    Runs under torchrun too (each rank evaluates a shard; the figures are reduced).
     """
     if (checkpoint is None) == (pretrained is None):
         raise ValueError("checkpoint: give a checkpoint (or run folder), or a model name with --pretrained")
+    if checkpoint and checkpoint_task(checkpoint) == "segmentation":  # a checkpoint of linvision-train-seg
+        from .seg_validate import validate_segmenter
+
+        return validate_segmenter(checkpoint, dataset, data_dir, img_sizes, batch_size, workers, amp, device,
+                                  progress)
     info = init_distributed(device)
     try:
         meta = read_checkpoint_meta(resolve_checkpoint(checkpoint)) if checkpoint else _pretrained_meta(pretrained)

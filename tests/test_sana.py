@@ -15,7 +15,10 @@ from linvision.diffusion.sana import (
     state_dict_from_diffusers,
     state_dict_to_diffusers,
 )
+from linvision.diffusion.block import sana_attention_class
 from linvision.layers import CausalLinearAttention, LinearAttention
+
+SanaLinearAttention = sana_attention_class(LinearAttention)  # LinearAttention with qk_norm and fp16_clamp
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -192,8 +195,8 @@ def test_sum_eps_form_is_the_explicit_sum_formula(rope):
 
     torch.manual_seed(0)
     hw, c, heads = (3, 5), 16, 2
-    mixer = LinearAttention(c, heads, feature_map="relu", eps=2.0, eps_form="sum", rope=rope,
-                            qk_norm=True, qkv_bias=False).double()
+    mixer = SanaLinearAttention(c, heads, feature_map="relu", eps=2.0, eps_form="sum", rope=rope,
+                                qk_norm=True, qkv_bias=False).double()
     x = torch.randn(2, 15, c, dtype=torch.float64)
     q, k, v = mixer.qkv(x).chunk(3, dim=-1)
     q, k = mixer.q_norm(q), mixer.k_norm(k)
@@ -208,7 +211,8 @@ def test_sum_eps_form_is_the_explicit_sum_formula(rope):
     o = num @ v / (den + 2.0)
     want = mixer.proj(o.transpose(1, 2).reshape(2, 15, c))
     torch.testing.assert_close(mixer(x, hw), want, rtol=1e-10, atol=1e-12)
-    mean = LinearAttention(c, heads, feature_map="relu", eps=2.0, rope=rope, qk_norm=True, qkv_bias=False).double()
+    mean = SanaLinearAttention(c, heads, feature_map="relu", eps=2.0, rope=rope, qk_norm=True,
+                               qkv_bias=False).double()
     mean.load_state_dict(mixer.state_dict())
     assert (mean(x, hw) - want).abs().max() > 1e-2  # the mean form with the same eps is another function
     with pytest.raises(ValueError, match="eps_form"):
@@ -221,7 +225,8 @@ def test_sum_eps_form_is_finite_in_half_precision():
     """diffusers' eps 1e-15 in the sum form: with fp16 inputs at 64 x 64 tokens the fp32 mean-form accumulation
     keeps the output finite and close to the fp32 result."""
     torch.manual_seed(0)
-    mixer = LinearAttention(64, 2, feature_map="relu", eps=1e-15, eps_form="sum", qkv_bias=False, fp16_clamp=True)
+    mixer = SanaLinearAttention(64, 2, feature_map="relu", eps=1e-15, eps_form="sum", qkv_bias=False,
+                                fp16_clamp=True)
     x = torch.randn(1, 4096, 64) * 30
     with torch.no_grad():
         ref = mixer(x, (64, 64))

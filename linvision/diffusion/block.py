@@ -21,7 +21,8 @@ kernels where they apply.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from functools import lru_cache
+from typing import Any, Dict, Optional, Tuple, Type
 
 import torch
 import torch.nn.functional as F
@@ -31,13 +32,55 @@ from torch import Tensor, nn
 from linvision.layers import AttentionMixer, create_mixer, get_mixer_class, mixer_options
 from linvision.ops import check_grid
 
-__all__ = ["modulate", "self_attention", "CrossAttention", "MixFFN", "TokenMLP", "SanaBlock"]
+__all__ = ["modulate", "SanaAttention", "sana_attention_class", "self_attention", "CrossAttention", "MixFFN",
+           "TokenMLP", "SanaBlock"]
 
+FP16_MAX = 65504.0
 
 
 def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
     """x * (1 + scale) + shift; x (B, N, C), shift and scale (B, 1, C)."""
     return x * (1 + scale) + shift
+
+
+class SanaAttention:
+    """Sana's additions to an attention mixer (:class:`linvision.layers.AttentionMixer`), mixed into the mixer's
+    class by :func:`sana_attention_class`:
+
+    qk_norm: RMS-normalise q and k over all C channels (learnable gain, before the heads are split and before any
+        feature map): Sana's layout, diffusers' ``qk_norm="rms_norm_across_heads"``.
+    qk_norm_eps: eps of those RMSNorms (diffusers: 1e-5).
+    fp16_clamp: clamp a float16 output of the mixer to +-65504 (Sana/diffusers do this after the output
+        projection: weights trained under fp16 autocast can push the projection past the fp16 range, and one inf
+        in a residual stream turns the next LayerNorm into NaN). Other dtypes are left alone.
+    """
+
+    def __init__(self, dim: int, num_heads: int, *, qk_norm: bool = False, qk_norm_eps: float = 1e-6,
+                 fp16_clamp: bool = False, **kwargs):
+        super().__init__(dim, num_heads, **kwargs)
+        self.q_norm = nn.RMSNorm(dim, eps=qk_norm_eps) if qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(dim, eps=qk_norm_eps) if qk_norm else nn.Identity()
+        self.fp16_clamp = fp16_clamp
+
+    def project(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        q, k, v = super().project(x)
+        return self.q_norm(q), self.k_norm(k), v
+
+    def forward(self, x: Tensor, hw: Tuple[int, int], num_prefix_tokens: int = 0) -> Tensor:
+        out = super().forward(x, hw, num_prefix_tokens)
+        if self.fp16_clamp and out.dtype == torch.float16:
+            out = out.clamp(-FP16_MAX, FP16_MAX)
+        return out
+
+
+@lru_cache(maxsize=None)
+def sana_attention_class(mixer: Type[AttentionMixer]) -> Type[AttentionMixer]:
+    """The class ``mixer`` with :class:`SanaAttention`'s options (``qk_norm``, ``qk_norm_eps``, ``fp16_clamp``);
+    one class per mixer class. TypeError for a mixer that is not an :class:`linvision.layers.AttentionMixer`."""
+    if not (isinstance(mixer, type) and issubclass(mixer, AttentionMixer)):
+        raise TypeError(f"sana_attention_class: {getattr(mixer, '__name__', mixer)!r} is not an AttentionMixer")
+    return type(f"Sana{mixer.__name__}", (SanaAttention, mixer), {"__module__": __name__,
+                                                                   "__doc__": SanaAttention.__doc__})
 
 
 def self_attention(
@@ -50,8 +93,10 @@ def self_attention(
     token mixer by name, e.g. ``"bidir_delta"`` or ``"bidir_gated"`` for a Sana-Video-style block), heads of
     ``head_dim`` channels, no qkv bias, q/k RMS-norm over C with ``qk_norm``, 2D axial RoPE with ``use_rope``
     (for linear attention it rotates the numerator only), and the fp16 clamp of the projection with
-    ``fp16_clamp``. ``options``: further keyword options of the mixer (:func:`linvision.layers.mixer_options`).
-    A mixer without qk_norm, RoPE or the clamp is refused in one line when that flag is set.
+    ``fp16_clamp`` (both from :class:`SanaAttention`, mixed into the mixer's class when either is set; an
+    attention mixer's class itself otherwise). ``options``: further keyword options of the mixer
+    (:func:`linvision.layers.mixer_options`). A mixer without RoPE, or that is not an attention mixer, is
+    refused in one line when a flag it lacks is set.
 
     ``fp16_clamp``: Sana's released weights were trained under fp16 autocast with this clamp after the output
     projection; reproducing their behaviour in fp16 needs it. ``eps`` / ``eps_form``: see
@@ -60,10 +105,12 @@ def self_attention(
     """
     if head_dim <= 0 or dim % head_dim != 0:
         raise ValueError(f"head_dim: must divide dim={dim}, got {head_dim}")
-    get_mixer_class(attn_type)  # an unknown name fails here, listing the registered ones
+    cls = get_mixer_class(attn_type)  # an unknown name fails here, listing the registered ones
     if use_rope and head_dim % 4 != 0:
         raise ValueError(f"head_dim: 2D RoPE needs a multiple of 4, got {head_dim}")
-    accepted = set(mixer_options(attn_type))
+    if (qk_norm or fp16_clamp) and isinstance(cls, type) and issubclass(cls, AttentionMixer):
+        cls = sana_attention_class(cls)  # the mixer's class with Sana's q/k norm and clamp
+    accepted = set(mixer_options(cls))
     flags = dict(rope="axial" if use_rope else None, qk_norm=qk_norm, fp16_clamp=fp16_clamp)
     missing = [name for name, value in flags.items() if value and name not in accepted]
     if missing:
@@ -76,7 +123,7 @@ def self_attention(
     if unknown:
         raise ValueError(f"self_attn_options: the {attn_type!r} mixer has no {', '.join(unknown)}; "
                          f"allowed: {', '.join(sorted(accepted))}")
-    return create_mixer(attn_type, dim, dim // head_dim, **{**chosen, **(options or {})})
+    return create_mixer(cls, dim, dim // head_dim, **{**chosen, **(options or {})})
 
 
 class CrossAttention(nn.Module):

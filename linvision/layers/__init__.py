@@ -17,7 +17,6 @@ from .mixers import (
     AttentionMixer,
     CausalLinearAttention,
     GatedConvMixer,
-    MllaMixer,
     HybridAttention,
     LinearAttention,
     LinearRopeAttention,

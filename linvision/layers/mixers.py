@@ -46,9 +46,7 @@ from .registry import TokenMixer, check_prefix_tokens, register_mixer
 
 __all__ = [
     "ROPE_TYPES",
-    "GATE_ACTS",
     "EPS_FORMS",
-    "FP16_MAX",
     "LAYER_FEATURE_MAPS",
     "AttentionMixer",
     "LinearAttention",
@@ -57,14 +55,11 @@ __all__ = [
     "CausalLinearAttention",
     "HybridAttention",
     "GatedConvMixer",
-    "MllaMixer",
 ]
 
 ROPE_TYPES = (None, "axial", "mixed")
-GATE_ACTS = ("silu", "identity")
 LAYER_FEATURE_MAPS = ("elu", "relu", "exp", "focused")
 EPS_FORMS = ("mean", "sum")
-FP16_MAX = 65504.0
 
 
 class AttentionMixer(TokenMixer):
@@ -76,23 +71,16 @@ class AttentionMixer(TokenMixer):
         rope: None, "axial" (fixed frequencies) or "mixed" (learnable per-head frequencies); needs D % 4 == 0.
         rope_theta: base of the axial frequencies (default 100, RoPE-ViT; MLLA and RAVLT use 10000).
         rope_row_first: the first half of the axial channel pairs follows the row (MLLA, RAVLT), not the column.
-        rope_endpoint: axial frequencies theta^-linspace(0, 1, D/4) (RAVLT) instead of theta^(-i / (D/4)).
-        rope_across_heads: one axial table over all C channels, split into per-head tables (MLLA), instead of one
-            table per head dim shared by every head.
         lepe: add a depthwise conv of V (on the grid) to the attention output; lepe_kernel its size (default 3).
-        gate: multiply the attention output (with LePE) by gate_act(W_g x) before the output projection; gate_act
-            "silu" (default, MLLA's gate) or "identity" (RAVLT's element-wise output modulation).
+        gate: multiply the attention output (with LePE) by act(W_g x) before the output projection; act is the
+            class's :meth:`gate_activation` (SiLU here, MLLA's gate; RALA's output modulation has none).
         qkv_bias: bias of the qkv projection.
-        value_proj: project v from x (default); False takes v = x (MLLA: ``qkv`` then holds q and k only).
-        out_proj: end with an output projection (default); False leaves it to the caller (an Identity).
         proj_drop: dropout after the output projection.
-        qk_norm: RMS-normalise q and k over all C channels (learnable gain, before the heads are split and
-            before any feature map): Sana's layout, diffusers' ``qk_norm="rms_norm_across_heads"``.
-        qk_norm_eps: eps of those RMSNorms (diffusers: 1e-5).
-        fp16_clamp: clamp a float16 output of the projection to +-65504 (Sana/diffusers do this: weights trained
-            under fp16 autocast can push the projection past the fp16 range, and one inf in a residual stream
-            turns the next LayerNorm into NaN). Other dtypes are left alone.
-    Raises ValueError for a bad dim/num_heads pair, an unknown ``rope`` or ``gate_act``, or an even lepe_kernel.
+    Raises ValueError for a bad dim/num_heads pair, an unknown ``rope`` or an even lepe_kernel.
+
+    What a subclass may change besides :meth:`attend`: :meth:`build_qkv` / :meth:`project` (how q, k, v come
+    from x), :meth:`build_proj` (the output projection), :meth:`make_rope` (the rotation of a grid) and
+    :meth:`gate_activation`. The published models' variants (MLLA's, RAVLT's, Sana's) live beside their models.
 
     Training memory: a subclass whose ``attend`` builds per-token tensors beyond q, k, v (features, augmented
     copies, gates, states) has them recomputed in the backward (``recompute_attend``, on by default: the
@@ -107,47 +95,45 @@ class AttentionMixer(TokenMixer):
 
     def __init__(
         self, dim: int, num_heads: int, *, rope: Optional[str] = None, rope_theta: float = 100.0,
-        rope_row_first: bool = False, rope_endpoint: bool = False, rope_across_heads: bool = False,
-        lepe: bool = False, lepe_kernel: int = 3, gate: bool = False, gate_act: str = "silu", qkv_bias: bool = True,
-        value_proj: bool = True, out_proj: bool = True, proj_drop: float = 0.0, qk_norm: bool = False,
-        qk_norm_eps: float = 1e-6, fp16_clamp: bool = False,
+        rope_row_first: bool = False, lepe: bool = False, lepe_kernel: int = 3, gate: bool = False,
+        qkv_bias: bool = True, proj_drop: float = 0.0,
     ):
         super().__init__()
         if num_heads < 1 or dim % num_heads != 0:
             raise ValueError(f"num_heads: {num_heads} must be >= 1 and divide dim={dim}")
         if rope not in ROPE_TYPES:
             raise ValueError(f"rope: unknown {rope!r}; allowed: {ROPE_TYPES}")
-        if gate_act not in GATE_ACTS:
-            raise ValueError(f"gate_act: unknown {gate_act!r}; allowed: {', '.join(GATE_ACTS)}")
         if lepe_kernel < 1 or lepe_kernel % 2 == 0:
             raise ValueError(f"lepe_kernel: must be an odd size >= 1, got {lepe_kernel}")
         self.dim = dim
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.rope_type = rope
-        self.rope_axial = dict(theta=rope_theta, row_first=rope_row_first, endpoint=rope_endpoint)
-        self.rope_across_heads = rope_across_heads
+        self.rope_axial = dict(theta=rope_theta, row_first=rope_row_first)  # keywords of axial_rope
         if rope is not None and self.rope_dim % 4 != 0:
             raise ValueError(f"rope: 2D RoPE needs a (feature) head dim divisible by 4, got {self.rope_dim}")
-        self.value_proj = value_proj
-        self.qkv = nn.Linear(dim, (3 if value_proj else 2) * dim, bias=qkv_bias)
-        self.q_norm = nn.RMSNorm(dim, eps=qk_norm_eps) if qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(dim, eps=qk_norm_eps) if qk_norm else nn.Identity()
-        self.fp16_clamp = fp16_clamp
+        self.qkv = self.build_qkv(dim, qkv_bias)
         if rope == "mixed":
             fx, fy = mixed_rope_freqs(self.rope_dim, num_heads)
             self.rope_freqs_x = nn.Parameter(fx)  # (heads, D/2)
             self.rope_freqs_y = nn.Parameter(fy)
         self.lepe = nn.Conv2d(dim, dim, lepe_kernel, padding=lepe_kernel // 2, groups=dim) if lepe else None
         self.gate = nn.Linear(dim, dim) if gate else None
-        self.gate_act = gate_act
-        self.proj = nn.Linear(dim, dim) if out_proj else nn.Identity()
+        self.proj = self.build_proj(dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
     @property
     def rope_dim(self) -> int:
         """Head dim that RoPE rotates (the head dim; linear attention rotates phi(q), phi(k) of that size)."""
         return self.head_dim
+
+    def build_qkv(self, dim: int, bias: bool) -> nn.Module:
+        """The input projection ``qkv`` (q, k, v side by side, 3C channels); :meth:`project` reads it."""
+        return nn.Linear(dim, 3 * dim, bias=bias)
+
+    def build_proj(self, dim: int) -> nn.Module:
+        """The output projection ``proj``."""
+        return nn.Linear(dim, dim)
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set:
@@ -156,15 +142,30 @@ class AttentionMixer(TokenMixer):
         return {"rope_freqs_x", "rope_freqs_y"} if self.rope_type == "mixed" else set()
 
     def make_rope(self, hw: Tuple[int, int], device: torch.device, num_prefix_tokens: int = 0) -> Optional[Rope]:
-        """The rotation for grid ``hw`` after ``num_prefix_tokens`` unrotated tokens (None without RoPE); mixed
-        frequencies stay in the autograd graph."""
+        """The rotation for grid ``hw`` after ``num_prefix_tokens`` unrotated tokens (None without RoPE): one
+        axial table per head dim, shared by every head, or the learnable frequencies of each head (kept in the
+        autograd graph)."""
         if self.rope_type is None:
             return None
         if self.rope_type == "axial":
-            heads = self.num_heads if self.rope_across_heads else 1
-            return axial_rope(self.rope_dim * heads, hw, num_prefix_tokens=num_prefix_tokens, device=device,
-                              num_heads=heads, **self.rope_axial)
+            return axial_rope(self.rope_dim, hw, num_prefix_tokens=num_prefix_tokens, device=device, num_heads=1,
+                              **self.rope_axial)
         return Rope(self.rope_freqs_x, self.rope_freqs_y, hw, num_prefix_tokens)
+
+    def project(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """x (B, N, C) -> q, k, v, each (B, N, C) with the heads' D channels side by side."""
+        if self.split_value_proj and self.rope_type is not None:
+            # v on its own: the attention keeps v and the rotated q, k for the backward; q, k are then free
+            c = x.shape[-1]
+            weight, bias = self.qkv.weight, self.qkv.bias
+            q, k = F.linear(x, weight[:2 * c], None if bias is None else bias[:2 * c]).chunk(2, dim=-1)
+            return q, k, F.linear(x, weight[2 * c:], None if bias is None else bias[2 * c:])
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return q, k, v
+
+    def gate_activation(self, g: Tensor) -> Tensor:
+        """The activation of the output gate: SiLU."""
+        return F.silu(g)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
         """q, k, v: (B, heads, N, D) -> (B, heads, N, D). x: the mixer's input tokens (B, N, C), for mixers whose
@@ -177,16 +178,7 @@ class AttentionMixer(TokenMixer):
         p = check_prefix_tokens(self, num_prefix_tokens)
         h, w = check_grid(hw, x.shape[1] - p, name="hw")
         b, n, c = x.shape
-        if self.value_proj and self.split_value_proj and self.rope_type is not None:
-            # v on its own: the attention keeps v and the rotated q, k for the backward; q, k are then free
-            weight, bias = self.qkv.weight, self.qkv.bias
-            q, k = F.linear(x, weight[:2 * c], None if bias is None else bias[:2 * c]).chunk(2, dim=-1)
-            v = F.linear(x, weight[2 * c:], None if bias is None else bias[2 * c:])
-        elif self.value_proj:
-            q, k, v = self.qkv(x).chunk(3, dim=-1)  # each (B, N, C), heads of D channels side by side
-        else:
-            (q, k), v = self.qkv(x).chunk(2, dim=-1), x
-        q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self.project(x)
         q, k, v = (t.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         rope = self.make_rope((h, w), x.device, p)
         if self.recompute_attend and torch.is_grad_enabled() and q.requires_grad and not is_tracing(n):
@@ -199,12 +191,8 @@ class AttentionMixer(TokenMixer):
             lepe = self.lepe(v_grid).flatten(2).transpose(1, 2)  # (B, H*W, C): nothing for the prefix tokens
             out = out + (F.pad(lepe, (0, 0, p, 0)) if p else lepe)
         if self.gate is not None:
-            g = self.gate(x)
-            out = out * (F.silu(g) if self.gate_act == "silu" else g)
-        out = self.proj(out)
-        if self.fp16_clamp and out.dtype == torch.float16:
-            out = out.clamp(-FP16_MAX, FP16_MAX)
-        return self.proj_drop(out)
+            out = out * self.gate_activation(self.gate(x))
+        return self.proj_drop(self.proj(out))
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, num_heads={self.num_heads}, rope={self.rope_type}"
@@ -386,43 +374,3 @@ class GatedConvMixer(TokenMixer):
         b = x.shape[0]
         c = self.conv(c.transpose(1, 2).reshape(b, -1, h, w)).flatten(2).transpose(1, 2)  # (B, N, conv)
         return self.proj_drop(self.fc2(self.act(g) * torch.cat((i, c), dim=-1)))
-
-
-@register_mixer("mlla")
-class MllaMixer(TokenMixer):
-    """MLLA's Mamba-like token mixer (Han et al. 2024, arXiv:2405.16605): linear attention on a convolved input,
-    gated by the input, as Mamba gates its scan:
-
-        u = SiLU(dwconv3x3(in_proj(x)));  out = out_proj(attn(u) * SiLU(act_proj(x)))
-
-    attn: :class:`LinearAttention` with q, k from one projection of u and v = u (no value projection, no output
-    projection of its own), elu+1 map, mean-form eps 1e-6, LePE 3x3 on v, and MLLA's RoPE: one axial table over
-    all C channels (theta 10000, rows in the first half of the pairs), split into per-head tables. MLLA pairs
-    channels (2t, 2t+1); the pairs here are (t, t + D/2), so its checkpoints are loaded with the rows of the q and
-    k projection reordered (:func:`linvision.ops.halves_from_interleaved`), which computes the same outputs.
-
-    Options: feature_map, eps, rope (None drops RoPE), qkv_bias, proj_drop. The grid is given at call time, so
-    the RoPE tables follow any input size (the published model fixed them to the 224 px grid).
-    """
-
-    def __init__(self, dim: int, num_heads: int, *, feature_map: str = "elu", eps: float = 1e-6,
-                 rope: Optional[str] = "axial", qkv_bias: bool = True, proj_drop: float = 0.0):
-        super().__init__()
-        self.in_proj = nn.Linear(dim, dim)
-        self.act_proj = nn.Linear(dim, dim)
-        self.dwc = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
-        self.attn = LinearAttention(
-            dim, num_heads, feature_map=feature_map, eps=eps, rope=rope, rope_theta=10000.0, rope_row_first=True,
-            rope_across_heads=True, lepe=True, qkv_bias=qkv_bias, value_proj=False, out_proj=False,
-        )
-        self.out_proj = nn.Linear(dim, dim)
-        self.proj_drop = nn.Dropout(proj_drop)
-
-    def forward(self, x: Tensor, hw: Tuple[int, int]) -> Tensor:
-        """x: (B, N, C) tokens on grid hw -> (B, N, C)."""
-        h, w = check_grid(hw, x.shape[1], name="hw")
-        b, n, c = x.shape
-        gate = F.silu(self.act_proj(x))
-        u = self.in_proj(x).transpose(1, 2).reshape(b, c, h, w)
-        u = F.silu(self.dwc(u)).flatten(2).transpose(1, 2)  # (B, N, C)
-        return self.proj_drop(self.out_proj(self.attn(u, (h, w)) * gate))

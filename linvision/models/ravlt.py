@@ -10,8 +10,9 @@ attention. The network is :class:`~linvision.models.linhier.LinHier` with RAVLT'
 - downsampling between stages: 3x3/2 conv with bias, BN;
 - blocks: CPE (3x3 depthwise) before the mixer only, LayerNorm (eps 1e-6), the mixer, layer scale, LayerNorm,
   :class:`~linvision.layers.DwConvMlp` (ratio 3.5, a residual 3x3 depthwise conv on the hidden units), layer
-  scale. Both mixers have RAVLT's LePE (5x5 depthwise on v, added to the attention output), its element-wise
-  output modulation (x (W_o x), no activation: ``gate_act="identity"``, after LePE) and an output projection;
+  scale. Both mixers (``"ravlt_rala"`` and ``"ravlt_softmax"``, registered here) have RAVLT's LePE (5x5
+  depthwise on v, added to the attention output), its element-wise output modulation (x (W_o x), no activation,
+  after LePE: the mixer's ``gate``) and an output projection;
 - a 1x1 conv head to 1024 channels with BN and SiLU, average pooling and a linear classifier.
 
 RoPE (RALA's numerator and both sides of softmax attention): per head (64 channels, 96 in the first two stages
@@ -30,22 +31,47 @@ from torch import Tensor, nn
 from timm.layers import ConvNormAct
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
-from linvision.layers import DwConvMlp, merge_options
+from linvision.layers import DwConvMlp, SoftmaxAttention, merge_options, register_mixer
+from linvision.layers.variant_mixers import RALAttention
 from linvision.ops import halves_from_interleaved
 
 from .linhier import LinHier
 from .published import load_published, published_cfg, published_file_overlay, unwrap_state_dict
 
-__all__ = ["Ravlt", "ChannelsLastConv", "RavltStem", "checkpoint_filter_fn"]
+__all__ = ["Ravlt", "RavltAttention", "RavltRala", "RavltSoftmax", "ChannelsLastConv", "RavltStem",
+           "checkpoint_filter_fn"]
 
 # The weights taken from a training checkpoint: the raw weights under "model". The authors' evaluation prints the
 # accuracy of both the raw and the EMA copy and neither their README nor their paper says which one is published;
 # their own detection and segmentation code start from "model", so that is what a fine-tuning user gets here.
 WEIGHT_KEYS = ("model", "state_dict")
-_MIXER_KWARGS = dict(
-    rope="axial", rope_theta=10000.0, rope_row_first=True, rope_endpoint=True, lepe=True, lepe_kernel=5, gate=True,
-    gate_act="identity", modulation=False,
-)
+_MIXER_KWARGS = dict(rope="axial", rope_theta=10000.0, rope_row_first=True, lepe=True, lepe_kernel=5, gate=True)
+
+
+class RavltAttention:
+    """RAVLT's conventions, mixed into an attention mixer (:class:`~linvision.layers.AttentionMixer`): axial RoPE
+    frequencies theta^-linspace(0, 1, D/4) (the last one theta^-1) instead of theta^(-i / (D/4)), and the output
+    gate without activation: RAVLT's element-wise output modulation (LePE added, then times W_o x)."""
+
+    def __init__(self, dim: int, num_heads: int, **kwargs):
+        super().__init__(dim, num_heads, **kwargs)
+        self.rope_axial["endpoint"] = True
+
+    def gate_activation(self, g: Tensor) -> Tensor:
+        return g
+
+
+@register_mixer("ravlt_rala")
+class RavltRala(RavltAttention, RALAttention):
+    """RAVLT's RALA stages: rank-augmented linear attention with RAVLT's RoPE and output modulation."""
+
+    def __init__(self, dim: int, num_heads: int, *, modulation: bool = False, **kwargs):
+        super().__init__(dim, num_heads, modulation=modulation, **kwargs)
+
+
+@register_mixer("ravlt_softmax")
+class RavltSoftmax(RavltAttention, SoftmaxAttention):
+    """RAVLT's softmax stages: softmax attention with RAVLT's RoPE and output modulation."""
 
 
 class ChannelsLastConv(ConvNormAct):
@@ -157,7 +183,8 @@ class Ravlt(LinHier):
 
 def _create_ravlt(variant: str, pretrained: bool = False, **kwargs) -> LinHier:
     args = dict(
-        token_mixers="rala,rala,softmax,softmax", mixer_defaults=_MIXER_KWARGS, mlp_ratio=3.5, stem_layer=RavltStem,
+        token_mixers="ravlt_rala,ravlt_rala,ravlt_softmax,ravlt_softmax", mixer_defaults=_MIXER_KWARGS,
+        mlp_ratio=3.5, stem_layer=RavltStem,
         downsample_layer=partial(ChannelsLastConv, kernel_size=3, stride=2, apply_act=False),
         block_kwargs=dict(cpe="first", mlp_layer=DwConvMlp),
         final_layer=partial(ChannelsLastConv, out_chs=1024, act_layer=nn.SiLU),

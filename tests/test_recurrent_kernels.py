@@ -24,7 +24,7 @@ from linvision.ops import (
     delta_rule_attention,
     gated_linear_attention,
 )
-from linvision.ops import recurrent_kernels
+from linvision.ops.recurrent import kernels as recurrent_kernels
 from test_recurrent import naive_delta, naive_gated, phi
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

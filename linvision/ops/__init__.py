@@ -1,5 +1,20 @@
 """Pure tensor functions: linear attention (non-causal, causal, step), softmax attention, feature maps, RoPE,
-decay/gated/delta-rule recurrences. Dispatches to ``linvision.kernels``; nothing there imports from here."""
+decay/gated/delta-rule recurrences. Dispatches to ``linvision.kernels``; nothing there imports from here.
+
+Each op family is a package (``linear_attention``, ``recurrent``: the reference, the chunked form, the step, the
+kernel dispatch), ``feature_maps``, ``rope`` and ``attention_variants`` are modules, and ``common`` holds the
+checks and constants they share."""
+from .common import (
+    BACKENDS,
+    DEFAULT_EPS,
+    check_grid,
+    check_int,
+    check_qkv,
+    check_rope,
+    compute_dtype,
+    is_exporting,
+    is_tracing,
+)
 from .feature_maps import (
     FEATURE_MAP_NAMES,
     FeatureMap,
@@ -8,12 +23,8 @@ from .feature_maps import (
     get_feature_map,
 )
 from .linear_attention import (
-    BACKENDS,
-    DEFAULT_EPS,
     LinearAttentionState,
     causal_linear_attention,
-    check_int,
-    check_qkv,
     linear_attention,
     linear_attention_reference,
     linear_attention_step,
@@ -24,18 +35,14 @@ from .rope import (
     apply_rope,
     axial_rope,
     axial_rope_freqs,
-    check_grid,
-    check_rope,
     grid_positions,
     halves_from_interleaved,
-    is_tracing,
     mixed_rope_freqs,
     rope_1d,
     rotate_pairs,
 )
 from .recurrent import (  # chunked forms, their steps, bidirectional scans
     RecurrentState,
-    compute_dtype,
     decay_linear_attention,
     gated_linear_attention,
     delta_rule_attention,

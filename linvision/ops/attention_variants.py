@@ -44,11 +44,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from linvision.kernels.common import check_eps, check_qkv, compute_dtype
+from .common import check_eps, check_grid, check_qkv, compute_dtype
 
 from .feature_maps import FeatureMapArg, get_feature_map
 from .linear_attention import linear_attention
-from .rope import Rope, apply_rope, check_grid
+from .rope import Rope, apply_rope
 
 __all__ = [
     "polarity_features",

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from linvision.kernels.common import FEATURE_MAP_ALIASES, compute_dtype, feature_map_name
+from .common import FEATURE_MAP_ALIASES, compute_dtype, feature_map_name
 
 __all__ = [
     "FeatureMap",

@@ -25,12 +25,10 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from linvision.kernels.common import RopeSpec, check_grid, check_rope, compute_dtype
+from .common import RopeSpec, check_grid, check_rope, compute_dtype, is_tracing
 
 __all__ = [
     "Rope",
-    "is_exporting",
-    "is_tracing",
     "grid_positions",
     "rope_1d",
     "axial_rope",
@@ -39,8 +37,6 @@ __all__ = [
     "apply_rope",
     "rotate_pairs",
     "halves_from_interleaved",
-    "check_rope",
-    "check_grid",
 ]
 
 class _RecentCache(OrderedDict):
@@ -71,17 +67,6 @@ _POSITION_CACHE: _RecentCache = _RecentCache(CACHE_SIZE)  # (H, W, device) -> (r
 _AXIAL_CACHE: _RecentCache = _RecentCache(CACHE_SIZE)  # axial_rope's arguments -> Rope (with its tables)
 
 
-def is_exporting() -> bool:
-    """True while torch.export traces (torch >= 2.6; always False before)."""
-    return getattr(torch.compiler, "is_exporting", lambda: False)()
-
-
-def is_tracing(*sizes) -> bool:
-    """True while torch.compile or torch.export traces, or when a size is symbolic: tensors made then are part of a
-    graph (fake, or to be recomputed for every input), so nothing is cached or taken from a cache."""
-    return torch.compiler.is_compiling() or is_exporting() or any(isinstance(s, torch.SymInt) for s in sizes)
-
-
 def grid_positions(height: int, width: int, device=None) -> Tuple[Tensor, Tensor]:
     """(rows, cols) of the H*W grid in raster order, fp32, each of shape (H*W,). Cached per (H, W, device) for the
     last ``CACHE_SIZE`` grids, except while a graph is traced (the positions are then computed in the graph)."""
@@ -102,8 +87,8 @@ def grid_positions(height: int, width: int, device=None) -> Tuple[Tensor, Tensor
 
 @dataclass(eq=False)
 class Rope(RopeSpec):
-    """Rotation of a (num_prefix_tokens + H*W)-token sequence: a :class:`RopeSpec` (what the kernels read) with its
-    PyTorch tables.
+    """Rotation of a (num_prefix_tokens + H*W)-token sequence: a :class:`~linvision.kernels.common.RopeSpec` (what
+    the kernels read) with its PyTorch tables.
 
     freqs_x, freqs_y: fp32 tensors of shape (P,) or (heads, P); P = D / 2 channel pairs.
     grid: (H, W). offset: (row, col) added to every grid position (a shift; outputs of RoPE attention do not

@@ -43,12 +43,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .rope import is_exporting
+from ..common import check_backend, is_exporting
 
 __all__ = [
-    "BACKENDS",
     "REQUIREMENT",
-    "check_backend",
     "kernel_path",
     "kernel_reason",
     "operand_dtype",
@@ -59,7 +57,6 @@ __all__ = [
     "bidirectional_delta",
 ]
 
-BACKENDS = ("auto", "torch", "triton")
 REQUIREMENT = "fla-core>=0.6,<0.7"
 MAX_HEAD_DIM = 256  # fla's state kernels take head dims up to 256
 _AUTO_DEVICES = ("cuda",)
@@ -67,12 +64,6 @@ _HALF = (torch.float16, torch.bfloat16)
 _WARNED: Set[str] = set()
 _KERNELS = {}  # name -> fla function, filled on the first kernel call
 _IMPORT_ERROR: list = []  # the reason fla-core could not be imported, once known
-
-
-def check_backend(backend: str) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: unknown {backend!r}; allowed: {', '.join(BACKENDS)}")
-    return backend
 
 
 def _kernel(name: str) -> Callable:

@@ -1,0 +1,88 @@
+"""The entry point of linear attention: checks the call once and runs it on the fused kernels of
+``linvision.kernels`` or in PyTorch (:mod:`.reference`, :mod:`.chunk`)."""
+from __future__ import annotations
+
+import warnings
+from typing import Optional, Set
+
+from torch import Tensor
+
+from ..common import DEFAULT_EPS, check_int, check_qkv, check_rope, is_exporting
+from ..feature_maps import FeatureMap, FeatureMapArg, get_feature_map
+from ..rope import Rope
+from .chunk import causal_attention
+from .reference import check_options, reference_attention
+
+__all__ = ["linear_attention"]
+
+# Device types whose tensors backend="auto" sends to the kernels (CPU kernels, interpreted, only on request).
+_AUTO_DEVICES = ("cuda",)
+_WARNED: Set[str] = set()
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(
+            f"linear_attention: backend='auto' runs this call in PyTorch, not the fused kernels: {reason} "
+            "(said once per reason; backend='torch' chooses PyTorch without this warning)",
+            RuntimeWarning, stacklevel=3,
+        )
+
+
+def _fused(
+    q: Tensor, k: Tensor, v: Tensor, phi: FeatureMap, rope: Optional[Rope], causal: bool, eps: float, backend: str
+) -> Optional[Tensor]:
+    """The fused kernels' output, or None where PyTorch serves the call: ``backend="torch"``, tensors ``"auto"``
+    leaves to PyTorch, or (with a warning once per reason) a call the kernels cannot run. ValueError with the
+    reason when ``backend="triton"`` is forced on such a call."""
+    if backend == "torch" or (backend == "auto" and q.device.type not in _AUTO_DEVICES):
+        return None
+    if is_exporting():
+        reason = "the call is being exported, and the fused kernels are not part of an exported graph"
+        if backend == "triton":
+            raise ValueError(f"backend: 'triton' cannot run this call: {reason}")
+        _warn_once(reason)
+        return None
+    try:
+        from linvision.kernels import linear_attention as fused  # needs Triton
+    except ImportError as exc:
+        reason = f"the Triton kernels cannot be imported ({exc})"
+    else:
+        reason = fused.unsupported_reason(q, k, v, phi.name, rope=rope, causal=causal)
+    if reason is None:
+        return fused.linear_attention_triton(q, k, v, phi.name, rope=rope, eps=eps)
+    if backend == "triton":
+        raise ValueError(f"backend: 'triton' cannot run this call: {reason}")
+    _warn_once(reason)
+    return None
+
+
+def linear_attention(
+    q: Tensor, k: Tensor, v: Tensor, feature_map: FeatureMapArg = "elu", *, rope: Optional[Rope] = None,
+    causal: bool = False, eps: float = DEFAULT_EPS, backend: str = "auto", chunk_size: int = 64,
+) -> Tensor:
+    """Linear attention of q, k (B, H, N, D) and v (B, H, N, Dv); returns (B, H, N, Dv) in q's dtype.
+
+    feature_map: a name of :func:`linvision.ops.feature_maps.get_feature_map`, a callable or a FeatureMap.
+    rope: a :class:`linvision.ops.rope.Rope` for the N tokens, applied to the numerator only.
+    causal: token i attends to tokens j <= i (raster order for images); chunked with ``chunk_size``.
+    backend: "torch" (reference), "triton" (fused kernels; raises if they cannot run this call) or "auto"
+    (kernels for CUDA tensors where they apply, e.g. non-causal with a fusable feature map; PyTorch otherwise,
+    with a RuntimeWarning once per reason when a CUDA call cannot run in the kernels).
+
+    Raises TypeError for non-tensors, integer or mixed dtypes; ValueError for mismatched shapes, devices,
+    RoPE tables that do not fit, unknown feature-map names or backends, a bad eps or chunk_size.
+    """
+    check_qkv(q, k, v, same_tokens=causal or rope is not None)
+    eps = check_options(eps, backend, rope)
+    chunk_size = check_int("chunk_size", chunk_size, 1)
+    phi = get_feature_map(feature_map, dim=q.shape[-1])
+    if rope is not None:
+        check_rope(rope, phi.output_dim(q.shape[-1]), q.shape[2], q.shape[1])
+    out = _fused(q, k, v, phi, rope, causal, eps, backend)
+    if out is not None:
+        return out
+    if causal:
+        return causal_attention(q, k, v, phi, rope, eps, chunk_size)
+    return reference_attention(q, k, v, phi, rope, eps)

@@ -1,0 +1,136 @@
+"""Non-causal linear attention in PyTorch: the reference path (and the one the fused kernels are checked against),
+with a backward that recomputes the features instead of keeping them, and the checks every op of the family shares."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..common import DEFAULT_EPS, check_backend, check_eps, check_qkv, check_rope, is_tracing
+from ..feature_maps import FeatureMap, FeatureMapArg, featurize, get_feature_map
+from ..rope import Rope, apply_rope
+
+__all__ = ["check_options", "rotated_features", "reference_attention", "linear_attention_reference"]
+
+
+def check_options(eps: float, backend: str, rope: Optional[Rope]) -> float:
+    """Check the options every linear-attention op takes: ``backend`` one of the ops' backends, ``rope`` a
+    :class:`~linvision.ops.rope.Rope` or None; returns eps as a float (ValueError unless positive)."""
+    check_backend(backend)
+    if rope is not None and not isinstance(rope, Rope):
+        raise TypeError(f"rope: expected a linvision.ops.rope.Rope or None, got {type(rope).__name__}")
+    return check_eps(eps)
+
+
+def rotated_features(
+    q: Tensor, k: Tensor, v: Tensor, phi: FeatureMap, rope: Optional[Rope]
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """phi(q), phi(k), their rotated versions (the same tensors without RoPE) and v, in the compute dtype."""
+    phi_q, phi_k, vc = featurize(phi, q, k, v)
+    if rope is None:
+        return phi_q, phi_k, phi_q, phi_k, vc
+    return phi_q, phi_k, apply_rope(phi_q, rope), apply_rope(phi_k, rope), vc
+
+
+# Feature maps whose only learnable tensor is ``scale`` (FLatten's focused map): the recomputing backward below
+# knows every leaf they can hand a gradient to.
+_RECOMPUTABLE_MAPS = ("elu", "relu", "exp", "identity", "focused")
+
+
+def _leaves(phi: FeatureMap, rope: Optional[Rope]) -> Tuple[Tensor, ...]:
+    """The learnable tensors the features depend on besides q, k: a focused map's scale, mixed-RoPE frequencies."""
+    found = [getattr(phi, "scale", None)] + ([] if rope is None else [rope.freqs_x, rope.freqs_y])
+    return tuple(t for t in found if torch.is_tensor(t) and t.requires_grad)
+
+
+class _LinearAttentionFunction(torch.autograd.Function):
+    """Non-causal linear attention (the formula of :func:`linear_attention_reference`) that saves for the
+    backward only q, k and v (views of the projection's output, which stays alive anyway): the feature maps,
+    rotations, state and denominators are recomputed in the backward instead of being kept for every token (two
+    more (N x D x Dv) products), and the gradients of the products are written out:
+
+        dnum_i = do_i / den_i,   dden_i = -(do_i . o_i) / den_i,   d(Rq)_i = dnum_i S^T,   dS = sum_i (Rq)_i^T dnum_i
+        dphi(q)_i += dden_i z,   dz = sum_i dden_i phi(q)_i,   d(Rk)_j = v_j dS^T / N,   dv_j = (Rk)_j dS / N,
+        dphi(k)_j += dz / N
+
+    The features' own backward (feature map, rotation, casts; learnable scale and frequencies included) runs on
+    the recomputed graph. Not differentiable twice."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, phi, rope, eps, *leaves):
+        ctx.phi, ctx.rope, ctx.eps = phi, rope, eps
+        ctx.save_for_backward(q, k, v, *leaves)
+        return _linear_attention_pieces(*rotated_features(q, k, v, phi, rope), eps)[0].to(q.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, *leaves = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad[:3])]
+        with torch.enable_grad():
+            phi_q, phi_k, rot_q, rot_k, vc = rotated_features(*inputs, ctx.phi, ctx.rope)
+        with torch.no_grad():
+            out, s, z, den = _linear_attention_pieces(phi_q, phi_k, rot_q, rot_k, vc, ctx.eps)
+            n = k.shape[2]
+            do = grad_out.to(out.dtype)
+            dnum = do / den.unsqueeze(-1)
+            dden = -(do * out).sum(-1) / den
+            ds = torch.einsum("bhnd,bhne->bhde", rot_q, dnum)
+            d_rot_q = torch.einsum("bhne,bhde->bhnd", dnum, s)
+            d_phi_q = dden.unsqueeze(-1) * z.unsqueeze(2)
+            dz = torch.einsum("bhn,bhnd->bhd", dden, phi_q) / n
+            d_rot_k = torch.einsum("bhne,bhde->bhnd", vc, ds) / n
+            d_vc = torch.einsum("bhnd,bhde->bhne", rot_k, ds) / n
+            d_phi_k = dz.unsqueeze(2).expand_as(phi_k)
+        if ctx.rope is None:  # the rotated features are the features themselves
+            outputs, grads = [phi_q, phi_k, vc], [d_rot_q + d_phi_q, d_rot_k + d_phi_k, d_vc]
+        else:
+            outputs, grads = [rot_q, phi_q, rot_k, phi_k, vc], [d_rot_q, d_phi_q, d_rot_k, d_phi_k, d_vc]
+        wanted = [t for t in (*inputs, *leaves) if t.requires_grad]
+        keep = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
+        found = iter(torch.autograd.grad([o for o, _ in keep], wanted, [g for _, g in keep], allow_unused=True)
+                     if wanted and keep else [])
+        result = [next(found) if t.requires_grad else None for t in (*inputs, *leaves)]
+        return (*result[:3], None, None, None, *result[3:])
+
+
+def _linear_attention_pieces(phi_q: Tensor, phi_k: Tensor, rot_q: Tensor, rot_k: Tensor, vc: Tensor, eps: float
+                             ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(output, S, z, denominators) of non-causal linear attention from its features, in their dtype."""
+    n = phi_k.shape[2]
+    s = torch.einsum("bhnd,bhne->bhde", rot_k, vc) / n  # (B, H, D, Dv)
+    z = phi_k.mean(dim=2)  # (B, H, D)
+    den = torch.einsum("bhnd,bhd->bhn", phi_q, z) + eps
+    return torch.einsum("bhnd,bhde->bhne", rot_q, s) / den.unsqueeze(-1), s, z, den
+
+
+def _recomputing(q: Tensor, k: Tensor, v: Tensor, phi: FeatureMap, rope: Optional[Rope]) -> bool:
+    """Whether the call goes through :class:`_LinearAttentionFunction`: a gradient is wanted, the feature map
+    is one it knows, and no graph is being traced (compile and export see the plain formula)."""
+    wanted = torch.is_grad_enabled() and (any(t.requires_grad for t in (q, k, v)) or bool(_leaves(phi, rope)))
+    return wanted and phi.name in _RECOMPUTABLE_MAPS and not is_tracing(*q.shape)
+
+
+def reference_attention(q: Tensor, k: Tensor, v: Tensor, phi: FeatureMap, rope: Optional[Rope], eps: float) -> Tensor:
+    """:func:`linear_attention_reference` on inputs already checked, with the feature map resolved."""
+    if _recomputing(q, k, v, phi, rope):
+        return _LinearAttentionFunction.apply(q, k, v, phi, rope, eps, *_leaves(phi, rope))
+    return _linear_attention_pieces(*rotated_features(q, k, v, phi, rope), eps)[0].to(q.dtype)
+
+
+def linear_attention_reference(
+    q: Tensor, k: Tensor, v: Tensor, feature_map: FeatureMapArg = "elu", *, rope: Optional[Rope] = None,
+    eps: float = DEFAULT_EPS,
+) -> Tensor:
+    """Non-causal linear attention in plain PyTorch; memory ``O(N*D + D*Dv)``, no N x N matrix. With a gradient
+    wanted, the features are recomputed in the backward (:class:`_LinearAttentionFunction`) rather than kept.
+
+    Arguments as :func:`~linvision.ops.linear_attention.dispatch.linear_attention`; raises as it does.
+    """
+    check_qkv(q, k, v, same_tokens=rope is not None)
+    eps = check_options(eps, "torch", rope)
+    phi = get_feature_map(feature_map, dim=q.shape[-1])
+    if rope is not None:
+        check_rope(rope, phi.output_dim(q.shape[-1]), q.shape[2], q.shape[1])
+    return reference_attention(q, k, v, phi, rope, eps)

@@ -1,0 +1,82 @@
+"""The pieces every chunked scan shares: chunking with padding, the read mask inside a chunk, the chain of states
+from chunk to chunk (a loop, or torch's scan operator for symbolic sizes) and the unit-triangular solve by products."""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["Scan", "to_chunks", "chunk_length", "unit_lower_solve", "read_mask", "chunk_states", "chain"]
+
+
+class Scan(NamedTuple):
+    """An unnormalised scan's result: outputs (B, H, N, E) and the state after the last token (B, H, D, E)."""
+
+    out: Tensor
+    state: Tensor
+
+
+def to_chunks(x: Tensor, c: int) -> Tensor:
+    """(B, H, N, X) -> (B, H, ceil(N/c), c, X), zero-padded at the end (one chunk more while exported with dynamic
+    sizes)."""
+    b, h, n, _ = x.shape
+    # With a symbolic n (torch.export with dynamic sizes) one more chunk of padding: a padding that is never empty
+    # keeps the graph from assuming that every size is, like the traced one, a multiple of c.
+    extra = c if isinstance(n, torch.SymInt) else 0
+    return F.pad(x, (0, 0, 0, (-n) % c + extra)).reshape(b, h, -1, c, x.shape[-1])
+
+
+def chunk_length(chunk_size: int, n) -> int:
+    """The chunk length of a scan over n tokens: chunk_size, or n when shorter. With a symbolic n (torch.export with
+    dynamic sizes) always chunk_size, so that the graph holds for every n, shorter ones padded."""
+    return chunk_size if isinstance(n, torch.SymInt) else min(chunk_size, n)
+
+
+def unit_lower_solve(strict_lower: Tensor, rhs: Tensor) -> Tensor:
+    """(I + L)^-1 rhs for L strictly lower triangular (..., c, c), by matrix products only: L^c = 0, so
+    (I + L)^-1 = sum_{k<c} (-L)^k = prod_{j<m} (I + (-L)^(2^j)) with 2^m >= c, m = ceil(log2 c) factors."""
+    power = -strict_lower
+    out = rhs + power @ rhs
+    for _ in range((strict_lower.shape[-1] - 1).bit_length() - 1):
+        power = power @ power
+        out = out + power @ out
+    return out
+
+
+def read_mask(c: int, strict: bool, device: torch.device) -> Tensor:
+    """(c, c): which tokens j of its chunk token i reads: j <= i, or j < i with ``strict``."""
+    return torch.ones(c, c, dtype=torch.bool, device=device).tril(-1 if strict else 0)
+
+
+def chunk_states(kv: Tensor, decay: Optional[Tensor], s0: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """States entering each chunk of S_c = decay_c * S_{c-1} + kv_c, and the last state. kv (B, H, nc, D, E);
+    decay (B, H, nc, G, 1) with G 1 or D, or None (no decay: an exclusive cumulative sum); s0 (B, H, D, E) or None.
+    With decay the loop over chunks is one fused multiply-add each."""
+    if decay is None:
+        total = kv.cumsum(dim=2)
+        if s0 is not None:
+            total = total + s0.unsqueeze(2)
+        first = s0.unsqueeze(2) if s0 is not None else torch.zeros_like(kv[:, :, :1])
+        return torch.cat([first, total[:, :, :-1]], dim=2), total[:, :, -1]
+    s = s0 if s0 is not None else kv.new_zeros(kv[:, :, 0].shape)
+    return chain(lambda s, decay_c, kv_c: torch.addcmul(kv_c, decay_c, s), s, decay.movedim(2, 0), kv.movedim(2, 0),
+                 stack_dim=2)
+
+
+def chain(step, s: Tensor, *xs: Tensor, stack_dim: int = 0) -> Tuple[Tensor, Tensor]:
+    """s <- step(s, x_0[t], x_1[t], ...) for t along the first dim of every x: returns the states entering each step,
+    stacked along ``stack_dim`` (T at that position of s's shape), and the last state.
+
+    A Python loop, except when the number of steps is symbolic (torch.export with dynamic sizes, where a loop would
+    fix it to the traced size): then torch's scan operator, which keeps it symbolic in the graph."""
+    if isinstance(xs[0].shape[0], torch.SymInt):
+        from torch._higher_order_ops.scan import scan
+        last, entering = scan(lambda c, x: (step(c, *x), c.clone()), s, list(xs))
+        return entering.movedim(0, stack_dim), last
+    entering = []
+    for x in zip(*(t.unbind(0) for t in xs)):
+        entering.append(s)
+        s = step(s, *x)
+    return torch.stack(entering, dim=stack_dim), s

@@ -240,7 +240,7 @@ def test_mixer_outputs_match_their_ops():
     for name in ("mala", "rala", "inline", "pola"):
         m = create_mixer(name, 32, 2, lepe=False, rope=None).double()
         if name == "rala":
-            m.modulation = None
+            m.gate = None  # the output modulation
         if name == "inline":
             m.local = None
         q, k, v = m.qkv(x).reshape(2, 36, 3, 2, 16).permute(2, 0, 3, 1, 4)
@@ -275,13 +275,26 @@ def test_inline_local_residual_mixes_the_3x3_neighbourhood():
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
 
 
-def test_rala_modulation_multiplies_the_attention_term():
+def test_rala_modulates_after_lepe_and_rala_premod_before():
+    """"rala" (RAVLT's RALA): proj((attention + LePE) * W_o x); "rala_premod" (the form the results page measured):
+    proj(attention * W_o x + LePE); the same weights, W_o being rala's gate and rala_premod's modulation. RAVLT's
+    RALA stages are "rala" with RAVLT's RoPE; its softmax stages share the one output modulation."""
+    from linvision.layers.variant_mixers import OutputModulation, RALAttention
+    from linvision.models.ravlt import RavltRala, RavltSoftmax
+
     torch.manual_seed(0)
-    m = create_mixer("rala", 16, 2, lepe=False, rope=None).double()
+    m = create_mixer("rala", 16, 2, rope=None).double()
+    pre = create_mixer("rala_premod", 16, 2, rope=None).double()
+    pre.load_state_dict({k.replace("gate.", "modulation."): t for k, t in m.state_dict().items()})
     x = torch.randn(1, 9, 16, dtype=torch.float64)
     q, k, v = m.qkv(x).reshape(1, 9, 3, 2, 8).permute(2, 0, 3, 1, 4)
     attn = _rala_oracle(q, k, v, 8 ** -0.5, 1e-6).transpose(1, 2).reshape(1, 9, 16)
-    torch.testing.assert_close(m(x, (3, 3)), m.proj(attn * m.modulation(x)), rtol=1e-10, atol=1e-10)
+    lepe = m.lepe(v.transpose(1, 2).reshape(1, 3, 3, 16).permute(0, 3, 1, 2)).flatten(2).transpose(1, 2)
+    mod = m.gate(x)
+    torch.testing.assert_close(m(x, (3, 3)), m.proj((attn + lepe) * mod), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(pre(x, (3, 3)), m.proj(attn * mod + lepe), rtol=1e-10, atol=1e-10)
+    assert issubclass(RavltRala, RALAttention) and issubclass(RavltSoftmax, OutputModulation)
+    assert create_mixer("rala", 16, 2, gate=False).gate is None
 
 
 def test_bad_options_raise_one_line_errors():

@@ -6,9 +6,10 @@
 - ``"inline"``: InLine (NeurIPS 2024). Injective linear attention (identity map, scores minus their mean plus
   1/N) and its local residual: per token and head, 9 weights predicted from the input (3x3 depthwise conv, GELU,
   1x1 conv) mix the 3x3 neighbourhood of v.
-- ``"rala"``: RALA of RAVLT (CVPR 2025). Keys reweighted by the softmax of the global query's scores, and the
-  element-wise output modulation o * (W_o x) (linear, no activation) on the attention term. Default axial RoPE
-  and LePE (RAVLT has both).
+- ``"rala"``: RALA of RAVLT (CVPR 2025). Keys reweighted by the softmax of the global query's scores; LePE added,
+  then the element-wise output modulation (o + LePE) * (W_o x) (linear, no activation), as RAVLT computes it.
+  Default axial RoPE and LePE (RAVLT has both). ``"rala_premod"``: the earlier form measured on the results
+  page, the modulation on the attention term o alone, before LePE is added.
 - ``"mala"``: MALA (ICCV 2025). Magnitude-aware linear attention (elu+1 map, D^-1/2 score scale). Default axial
   RoPE and LePE (as in MAViT).
 - ``"agent"``: Agent attention (ECCV 2024). Agents pooled from q on a ``agent_grid`` (default 7 x 7 = 49, the
@@ -16,8 +17,8 @@
   many positions and has no single rotation) and no agent bias tables (the model's CPE/LePE give positions).
 
 All are :class:`~linvision.layers.mixers.AttentionMixer` subclasses (qkv projection, optional LePE, output gate,
-projection), so every model family and the ablation take them by name. pola, rala and mala take prefix tokens
-(class / register tokens); inline and agent, which work on the grid, do not. Which run on the fused kernels: see
+projection), so every model family and the ablation take them by name. pola, rala, rala_premod and mala take
+prefix tokens (class / register tokens); inline and agent, which work on the grid, do not. Which run on the fused kernels: see
 :mod:`linvision.ops.attention_variants`.
 """
 from __future__ import annotations
@@ -41,7 +42,8 @@ from linvision.ops.attention_variants import (
 from .mixers import AttentionMixer
 from .registry import register_mixer
 
-__all__ = ["PolaAttention", "InLineAttention", "RALAttention", "MALAttention", "AgentAttention"]
+__all__ = ["PolaAttention", "InLineAttention", "OutputModulation", "RALAttention", "RALAPremodAttention",
+           "MALAttention", "AgentAttention"]
 
 
 @register_mixer("pola")
@@ -116,10 +118,42 @@ class InLineAttention(AttentionMixer):
         return f"{super().extra_repr()}, local={self.local is not None}"
 
 
+class OutputModulation:
+    """RALA's element-wise output modulation, mixed into an :class:`~linvision.layers.mixers.AttentionMixer`: its
+    output gate with no activation, so the output is proj((attention + LePE) * (W_o x)); ``gate`` (the W_o
+    projection) is on by default in the mixers that take this. Used by ``"rala"`` and by RAVLT's softmax stages."""
+
+    def gate_activation(self, g: Tensor) -> Tensor:
+        return g
+
+
 @register_mixer("rala")
-class RALAttention(AttentionMixer):
-    """RALA: rank-augmented linear attention with the element-wise output modulation (``modulation=False`` drops
-    it). feature_map: the map of q and k (default "elu"); eps: the denominator's eps."""
+class RALAttention(OutputModulation, AttentionMixer):
+    """RALA as RAVLT publishes it: rank-augmented linear attention, LePE, then the element-wise output modulation
+    (attention + LePE) * (W_o x) (``gate``, no activation; ``gate=False`` drops it), then the projection.
+    feature_map: the map of q and k (default "elu"); eps: the denominator's eps."""
+
+    def __init__(self, dim: int, num_heads: int, *, feature_map: str = "elu", eps: float = 1e-6,
+                 rope: Optional[str] = "axial", lepe: bool = True, gate: bool = True, **kwargs):
+        super().__init__(dim, num_heads, rope=rope, lepe=lepe, gate=gate, **kwargs)
+        from linvision.ops import get_feature_map
+
+        get_feature_map(feature_map, dim=self.head_dim)  # an unknown name fails here, not in the first forward
+        self.feature_map_name, self.eps = feature_map, eps
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
+        return rank_augmented_linear_attention(q, k, v, self.feature_map_name, rope=rope, eps=self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, feature_map={self.feature_map_name}, modulation={self.gate is not None}"
+
+
+@register_mixer("rala_premod")
+class RALAPremodAttention(AttentionMixer):
+    """RALA's keys with the output modulation on the attention term alone, before LePE is added:
+    proj(act(W_g x) * (attention * (W_o x) + LePE)) with the optional SiLU ``gate`` of AttentionMixer. The form
+    the comparisons of the results page measured (under the name "rala" then); RAVLT's own form is ``"rala"``.
+    ``modulation=False`` drops W_o. feature_map: the map of q and k (default "elu"); eps: the denominator's eps."""
 
     def __init__(self, dim: int, num_heads: int, *, feature_map: str = "elu", eps: float = 1e-6,
                  modulation: bool = True, rope: Optional[str] = "axial", lepe: bool = True, **kwargs):

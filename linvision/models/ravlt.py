@@ -32,13 +32,13 @@ from timm.layers import ConvNormAct
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
 from linvision.layers import DwConvMlp, SoftmaxAttention, merge_options, register_mixer
-from linvision.layers.variant_mixers import RALAttention
+from linvision.layers.variant_mixers import OutputModulation, RALAttention
 from linvision.ops import halves_from_interleaved
 
 from .linhier import LinHier
 from .published import load_published, published_cfg, published_file_overlay, unwrap_state_dict
 
-__all__ = ["Ravlt", "RavltAttention", "RavltRala", "RavltSoftmax", "ChannelsLastConv", "RavltStem",
+__all__ = ["Ravlt", "RavltRope", "RavltRala", "RavltSoftmax", "ChannelsLastConv", "RavltStem",
            "checkpoint_filter_fn"]
 
 # The weights taken from a training checkpoint: the raw weights under "model". The authors' evaluation prints the
@@ -48,30 +48,25 @@ WEIGHT_KEYS = ("model", "state_dict")
 _MIXER_KWARGS = dict(rope="axial", rope_theta=10000.0, rope_row_first=True, lepe=True, lepe_kernel=5, gate=True)
 
 
-class RavltAttention:
-    """RAVLT's conventions, mixed into an attention mixer (:class:`~linvision.layers.AttentionMixer`): axial RoPE
-    frequencies theta^-linspace(0, 1, D/4) (the last one theta^-1) instead of theta^(-i / (D/4)), and the output
-    gate without activation: RAVLT's element-wise output modulation (LePE added, then times W_o x)."""
+class RavltRope:
+    """RAVLT's RoPE frequencies, mixed into an attention mixer (:class:`~linvision.layers.AttentionMixer`): axial
+    frequencies theta^-linspace(0, 1, D/4) (the last one theta^-1) instead of theta^(-i / (D/4))."""
 
     def __init__(self, dim: int, num_heads: int, **kwargs):
         super().__init__(dim, num_heads, **kwargs)
         self.rope_axial["endpoint"] = True
 
-    def gate_activation(self, g: Tensor) -> Tensor:
-        return g
-
 
 @register_mixer("ravlt_rala")
-class RavltRala(RavltAttention, RALAttention):
-    """RAVLT's RALA stages: rank-augmented linear attention with RAVLT's RoPE and output modulation."""
-
-    def __init__(self, dim: int, num_heads: int, *, modulation: bool = False, **kwargs):
-        super().__init__(dim, num_heads, modulation=modulation, **kwargs)
+class RavltRala(RavltRope, RALAttention):
+    """RAVLT's RALA stages: ``"rala"`` (rank-augmented linear attention, LePE, the output modulation) with RAVLT's
+    RoPE frequencies."""
 
 
 @register_mixer("ravlt_softmax")
-class RavltSoftmax(RavltAttention, SoftmaxAttention):
-    """RAVLT's softmax stages: softmax attention with RAVLT's RoPE and output modulation."""
+class RavltSoftmax(RavltRope, OutputModulation, SoftmaxAttention):
+    """RAVLT's softmax stages: softmax attention with RAVLT's RoPE frequencies and RALA's output modulation
+    (:class:`~linvision.layers.variant_mixers.OutputModulation`, the same as ``"rala"``'s)."""
 
 
 class ChannelsLastConv(ConvNormAct):

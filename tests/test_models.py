@@ -493,9 +493,9 @@ def test_entry_point_defaults_give_way_and_options_never_vanish():
 
     ravlt = timm.create_model("ravlt_tiny", depths=(1, 1, 1, 1), mixer_kwargs=dict(feature_map="relu"))
     rala = ravlt.stages[0].blocks[0].mixer
-    assert rala.feature_map_name == "relu" and rala.rope_type == "axial" and rala.lepe is not None
+    assert rala.feature_map == "relu" and rala.rope_type == "axial" and rala.lepe is not None
     default = timm.create_model("ravlt_tiny", depths=(1, 1, 1, 1)).stages[0].blocks[0].mixer
-    assert default.feature_map_name != "relu" and default.rope_type == "axial"
+    assert default.feature_map != "relu" and default.rope_type == "axial"
 
     with pytest.raises(ValueError, match=r"^mixer_kwargs: 'feture_map' is not an option of the bidir_delta mixer"):
         timm.create_model("linhier_delta_femto_224", mixer_kwargs=dict(feture_map="relu"))
@@ -504,4 +504,4 @@ def test_entry_point_defaults_give_way_and_options_never_vanish():
     # an option of one stage's mixer is accepted and reaches that stage only (the Gated CNN has no feature map)
     mixed = timm.create_model("linhier_tiny_224", token_mixers="none,none,linear,linear", depths=(1, 1, 1, 1),
                               mixer_kwargs=dict(feature_map="relu"))
-    assert mixed.stages[2].blocks[0].mixer.feature_map_name == "relu"
+    assert mixed.stages[2].blocks[0].mixer.feature_map == "relu"

@@ -308,6 +308,10 @@ def test_bad_options_raise_one_line_errors():
         create_mixer("agent", 32, 2, agent_grid=(7,))
     with pytest.raises(ValueError, match="feature_map: unknown"):
         create_mixer("rala", 32, 2, feature_map="tanh")
+    for name in ("rala", "mala", "bidir_delta"):  # "none" is the Gated CNN mixer's name, not a feature map
+        with pytest.raises(ValueError, match="'none' names the Gated CNN token mixer.*'identity'"):
+            create_mixer(name, 32, 2, feature_map="none")
+    assert create_mixer("rala", 32, 2, feature_map="identity").feature_map == "identity"
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="scale: must be a positive number"):
         injective_linear_attention(q, k, v, scale=-1.0)

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from linvision.ops import (
+    FeatureMap,
     FocusedFeatureMap,
     Rope,
     apply_rope,
@@ -45,6 +46,7 @@ from linvision.ops import (
 from .registry import TokenMixer, check_prefix_tokens, register_mixer
 
 __all__ = [
+    "check_feature_map",
     "ROPE_TYPES",
     "EPS_FORMS",
     "LAYER_FEATURE_MAPS",
@@ -60,6 +62,17 @@ __all__ = [
 ROPE_TYPES = (None, "axial", "mixed")
 LAYER_FEATURE_MAPS = ("elu", "relu", "exp", "focused")
 EPS_FORMS = ("mean", "sum")
+
+
+def check_feature_map(feature_map: str, head_dim: int) -> str:
+    """``feature_map`` if it names a feature map of :func:`linvision.ops.get_feature_map` (ValueError otherwise,
+    at construction rather than in the first forward). "none" is refused: in the layers it names the Gated CNN
+    mixer; the map that leaves q and k as they are is "identity"."""
+    if isinstance(feature_map, str) and feature_map.lower() == "none":
+        raise ValueError("feature_map: 'none' names the Gated CNN token mixer, not a feature map; the map that "
+                         "leaves q and k unchanged is 'identity'")
+    get_feature_map(feature_map, dim=head_dim)
+    return feature_map
 
 
 class AttentionMixer(TokenMixer):
@@ -223,27 +236,28 @@ class LinearAttention(AttentionMixer):
         if eps_form == "sum" and self.causal:
             raise ValueError("eps_form: 'sum' is for non-causal attention only")
         super().__init__(dim, num_heads, **kwargs)
-        self.feature_map_name = feature_map
+        self.feature_map = feature_map
         self.eps = eps
         self.eps_form = eps_form
         # FLatten's focused map owns a learnable scale; the others have no parameters.
         self.focus_scale = nn.Parameter(torch.zeros(self.head_dim)) if feature_map == "focused" else None
 
-    def feature_map(self):
+    def phi(self) -> FeatureMap:
+        """The feature map named by ``feature_map``, applied to q and k (the focused map with this mixer's scale)."""
         if self.focus_scale is not None:
             return FocusedFeatureMap(scale=self.focus_scale)
-        return get_feature_map(self.feature_map_name)
+        return get_feature_map(self.feature_map)
 
     def op_eps(self, num_keys: int) -> float:
         """The eps handed to :func:`linvision.ops.linear_attention` (mean form) for ``num_keys`` keys."""
         return self.eps / num_keys if self.eps_form == "sum" else self.eps
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
-        return linear_attention(q, k, v, self.feature_map(), rope=rope, causal=self.causal,
+        return linear_attention(q, k, v, self.phi(), rope=rope, causal=self.causal,
                                 eps=self.op_eps(k.shape[2]))
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, feature_map={self.feature_map_name}, causal={self.causal}"
+        return f"{super().extra_repr()}, feature_map={self.feature_map}, causal={self.causal}"
 
 
 @register_mixer("linear_rope")
@@ -323,7 +337,7 @@ class HybridAttention(LinearAttention):
         return super().no_weight_decay() | {"mix_logit"}
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
-        global_out = linear_attention(q, k, v, self.feature_map(), rope=rope, eps=self.op_eps(k.shape[2]))
+        global_out = linear_attention(q, k, v, self.phi(), rope=rope, eps=self.op_eps(k.shape[2]))
         if rope is not None:
             q_l, k_l = apply_rope(q, rope).to(v.dtype), apply_rope(k, rope).to(v.dtype)
         else:

@@ -22,11 +22,10 @@ from linvision.ops import (
     bidirectional_delta_rule_attention,
     bidirectional_gated_linear_attention,
     compute_dtype,
-    get_feature_map,
 )
 from linvision.ops.rope import Rope
 
-from .mixers import AttentionMixer
+from .mixers import AttentionMixer, check_feature_map
 from .registry import register_mixer
 
 __all__ = ["BidirectionalRecurrentMixer", "BidirDecayAttention", "BidirGatedAttention", "BidirDeltaAttention"]
@@ -73,8 +72,7 @@ class BidirectionalRecurrentMixer(AttentionMixer):
         if backend not in BACKENDS:
             raise ValueError(f"backend: unknown {backend!r}; allowed: {', '.join(BACKENDS)}")
         self.backend = backend
-        get_feature_map(feature_map, dim=self.head_dim)  # fail at construction for an unknown name
-        self.feature_map = feature_map
+        self.feature_map = check_feature_map(feature_map, self.head_dim)
         self.column_major = column_major
         self.chunk_size = chunk_size
 

@@ -39,7 +39,7 @@ from linvision.ops.attention_variants import (
     rank_augmented_linear_attention,
 )
 
-from .mixers import AttentionMixer
+from .mixers import AttentionMixer, check_feature_map
 from .registry import register_mixer
 
 __all__ = ["PolaAttention", "InLineAttention", "OutputModulation", "RALAttention", "RALAPremodAttention",
@@ -136,16 +136,13 @@ class RALAttention(OutputModulation, AttentionMixer):
     def __init__(self, dim: int, num_heads: int, *, feature_map: str = "elu", eps: float = 1e-6,
                  rope: Optional[str] = "axial", lepe: bool = True, gate: bool = True, **kwargs):
         super().__init__(dim, num_heads, rope=rope, lepe=lepe, gate=gate, **kwargs)
-        from linvision.ops import get_feature_map
-
-        get_feature_map(feature_map, dim=self.head_dim)  # an unknown name fails here, not in the first forward
-        self.feature_map_name, self.eps = feature_map, eps
+        self.feature_map, self.eps = check_feature_map(feature_map, self.head_dim), eps
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
-        return rank_augmented_linear_attention(q, k, v, self.feature_map_name, rope=rope, eps=self.eps)
+        return rank_augmented_linear_attention(q, k, v, self.feature_map, rope=rope, eps=self.eps)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, feature_map={self.feature_map_name}, modulation={self.gate is not None}"
+        return f"{super().extra_repr()}, feature_map={self.feature_map}, modulation={self.gate is not None}"
 
 
 @register_mixer("rala_premod")
@@ -158,21 +155,18 @@ class RALAPremodAttention(AttentionMixer):
     def __init__(self, dim: int, num_heads: int, *, feature_map: str = "elu", eps: float = 1e-6,
                  modulation: bool = True, rope: Optional[str] = "axial", lepe: bool = True, **kwargs):
         super().__init__(dim, num_heads, rope=rope, lepe=lepe, **kwargs)
-        from linvision.ops import get_feature_map
-
-        get_feature_map(feature_map, dim=self.head_dim)  # an unknown name fails here, not in the first forward
-        self.feature_map_name, self.eps = feature_map, eps
+        self.feature_map, self.eps = check_feature_map(feature_map, self.head_dim), eps
         self.modulation = nn.Linear(dim, dim) if modulation else None
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
-        out = rank_augmented_linear_attention(q, k, v, self.feature_map_name, rope=rope, eps=self.eps)
+        out = rank_augmented_linear_attention(q, k, v, self.feature_map, rope=rope, eps=self.eps)
         if self.modulation is None:
             return out
         b, nh, n, d = v.shape
         return out * self.modulation(x).reshape(b, n, nh, d).transpose(1, 2)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, feature_map={self.feature_map_name}, modulation={self.modulation is not None}"
+        return f"{super().extra_repr()}, feature_map={self.feature_map}, modulation={self.modulation is not None}"
 
 
 @register_mixer("mala")
@@ -182,17 +176,14 @@ class MALAttention(AttentionMixer):
     def __init__(self, dim: int, num_heads: int, *, feature_map: str = "elu", scale: Optional[float] = None,
                  eps: float = 1e-6, rope: Optional[str] = "axial", lepe: bool = True, **kwargs):
         super().__init__(dim, num_heads, rope=rope, lepe=lepe, **kwargs)
-        from linvision.ops import get_feature_map
-
-        get_feature_map(feature_map, dim=self.head_dim)
-        self.feature_map_name, self.scale, self.eps = feature_map, scale, eps
+        self.feature_map, self.scale, self.eps = check_feature_map(feature_map, self.head_dim), scale, eps
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
-        return magnitude_aware_linear_attention(q, k, v, self.feature_map_name, scale=self.scale, rope=rope,
+        return magnitude_aware_linear_attention(q, k, v, self.feature_map, scale=self.scale, rope=rope,
                                                 eps=self.eps)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, feature_map={self.feature_map_name}"
+        return f"{super().extra_repr()}, feature_map={self.feature_map}"
 
 
 @register_mixer("agent")

@@ -172,6 +172,33 @@ def test_hybrid_mixer_matches_explicit_formula():
     torch.testing.assert_close(mixer(x, hw), expected, rtol=1e-9, atol=1e-10)
 
 
+def test_hybrid_mixer_recomputes_its_windows_in_the_backward():
+    """HybridAttention follows the recompute policy: its padded window copies, rotated q, k and both branch outputs
+    are not kept for the backward (fewer saved bytes than with recompute off), and the gradients are the same."""
+    torch.manual_seed(5)
+    mixer = HybridAttention(32, 2, window=3, rope="axial").double()
+    x = torch.randn(2, 7 * 8, 32, dtype=torch.float64, requires_grad=True)
+
+    def run(recompute):
+        mixer.recompute_attend = recompute  # the class default, or off for this instance
+        saved = []
+
+        def pack(t):
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = mixer(x, (7, 8))
+        return sum(saved), torch.autograd.grad(out.square().sum(), [x, *mixer.parameters()])
+
+    assert HybridAttention.recompute_attend
+    kept, grads = run(True)
+    kept_all, grads_all = run(False)
+    assert kept < 0.6 * kept_all
+    for a, b in zip(grads, grads_all):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 def test_window_partition_round_trip_and_padding():
     x = torch.randn(1, 2, 5 * 7, 4)
     windows, valid, padded = window_partition(x, (5, 7), 3)

@@ -323,6 +323,9 @@ class HybridAttention(LinearAttention):
     """
 
     takes_prefix_tokens = False
+    # attend builds rotated q, k, padded window copies of q, k, v, the local output and the global one: recomputed
+    # in the backward (the policy of AttentionMixer), where LinearAttention keeps nothing of its own
+    recompute_attend = True
 
     def __init__(self, dim: int, num_heads: int, *, window: int = 7, **kwargs):
         super().__init__(dim, num_heads, **kwargs)

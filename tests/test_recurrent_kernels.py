@@ -403,7 +403,26 @@ def test_longer_sequences_on_kernels(form, d):
     else:
         fn, inputs = bidirectional_gated_linear_attention, (q, k, v, lg)
     out, grads = _with_grads(lambda *t: fn(*t, backend="triton"), inputs, HALF)
-    ref, ref_grads = _with_grads(lambda *t: fn(*t, backend="torch"), inputs, [torch.float64] * 4)
+    # (chunks of 16 for the reference: per-channel gates form a (chunk, chunk, D) decay tensor per chunk)
+    ref, ref_grads = _with_grads(lambda *t: fn(*t, backend="torch", chunk_size=16), inputs, [torch.float64] * 4)
     _assert_close_to("output", out, ref, TOL_OUT)
     for name, x, y in zip(("q", "k", "v", "gate"), grads, ref_grads):
         _assert_close_to(f"d{name}", x, y, TOL_GRAD)
+
+
+@pytest.mark.slow
+def test_fla_kernels_compile_for_hopper():
+    """tools/check_kernels.py --fla compiles every configuration of fla's kernels that the bidirectional delta rule
+    runs (forward and backward, D 32, fp16) for sm_90 without a GPU, and reports each kernel: in a process without
+    the interpreter, as a GPU would compile them."""
+    env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
+    args = ["--fla", "--form", "bidir_delta", "--d", "32", "--dtype", "float16"]
+    result = subprocess.run([sys.executable, "-m", "linvision.tools.check_kernels", *args], env=env,
+                            capture_output=True, text=True, timeout=3000)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    rows = {line.split()[1]: line.split() for line in result.stdout.splitlines() if line.startswith("bidir_delta ")}
+    assert {"chunk_scaled_dot_kkt_fwd_kernel", "recompute_w_u_fwd_kernel", "chunk_fwd_kernel_o",
+            "chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64",
+            "chunk_bwd_kernel_dqkwg", "prepare_wy_repr_bwd_kernel"} <= set(rows)
+    for name, (form, kernel, d, dtype, configs, spilling, over, *_) in rows.items():
+        assert (d, dtype) == ("32", "float16") and int(configs) >= 1 and int(over) == 0, name

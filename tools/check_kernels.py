@@ -11,18 +11,30 @@ one token block per program have no loop). A configuration passes with zero spil
     linvision-check-kernels                              # the configurations the autotuner is offered
     linvision-check-kernels --candidates --d 128         # every candidate (what the offered lists came from)
     linvision-check-kernels --markdown                   # the table of the manual's Triton kernels page
+    linvision-check-kernels --fla --d 64 --dtype float16  # fla-core's kernels of the recurrences
 
 Exit status 1 when an offered configuration fails. Each compilation takes a few seconds on one CPU core.
+
+--fla checks fla-core's chunked kernels instead, as linvision's decay, gated and delta-rule recurrences call
+them (linvision.ops.recurrent.kernels): each form (--form) runs forward and backward at linvision's shapes (B 1,
+H 2, N --tokens, D = Dv, the gated forms' denominator column included) in a process that Triton and fla-core
+take for one with an H100: a driver whose target is sm_90, whose device reports an H100's shared memory and
+SMs, and whose launches only compile; the autotuners' benchmark then compiles every configuration they are
+offered. Per kernel: the configurations, how many spill registers or need more than 227 KB of shared memory,
+the registers and shared memory, and whether at least one configuration has neither (exit status 1 when a
+kernel has none that fits in shared memory: it could not launch). About 90 compilations per form, D and dtype.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import types
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence
 
@@ -173,6 +185,217 @@ def check(kernels: Iterable[str], dims: Iterable[int], dtypes: Iterable[str], ro
     return results
 
 
+# --- fla-core's kernels, as linvision's recurrences call them ---
+
+FLA_FORMS = ("bidir_delta", "bidir_gated_head", "bidir_gated_channel", "delta_state", "gated_state")
+
+
+@dataclass
+class FlaKernel:
+    """One fla kernel of one form, D and dtype, over the configurations it was compiled in (registers and shared
+    memory as (min, max))."""
+
+    form: str
+    kernel: str
+    d: int
+    dtype: str
+    configs: int
+    spilling: int  # configurations with spill stores or loads
+    over_shared: int  # configurations needing more than an H100 block's 227 KB
+    registers: tuple
+    shared_bytes: tuple
+    clean: int  # configurations with neither spills nor too much shared memory
+
+    @property
+    def usable(self) -> bool:
+        """At least one configuration without spills within the shared memory."""
+        return self.clean > 0
+
+    @property
+    def ok(self) -> bool:
+        """At least one configuration that can launch (within the shared memory)."""
+        return self.over_shared < self.configs
+
+
+_FLA_COMPILED: list = []  # (kernel name, compiled kernel), appended by every launch while the check runs
+
+
+class _HopperDriver:
+    """What Triton and fla-core ask of the active driver, answered as for one H100 (sm_90, 227 KB of shared memory
+    per block, 132 SMs); launches only compile, and the autotuners' benchmark runs each configuration once (so every
+    offered configuration is compiled) and times each alike."""
+
+    class utils:
+        @staticmethod
+        def get_device_properties(device):
+            return dict(max_shared_mem=232448, multiprocessor_count=132, max_num_regs=65536, warpSize=32,
+                        sm_clock_rate=1980000, mem_clock_rate=2619000, mem_bus_width=5120)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        import torch
+
+        return torch.device("cpu")
+
+    def get_device_interface(self):
+        import torch
+
+        return torch.cuda
+
+    def get_benchmarker(self):
+        def bench(kernel_call, quantiles=None, **kwargs):
+            kernel_call()
+            return [1.0, 1.0, 1.0] if quantiles else 1.0
+
+        return bench
+
+    def get_empty_cache_for_benchmark(self):
+        import torch
+
+        return torch.empty(1)
+
+    def clear_cache(self, cache):
+        pass
+
+
+def _pretend_hopper() -> None:
+    """Make this process's Triton compile for an H100 and fla-core (imported after this) detect one; launches only
+    compile and are recorded in ``_FLA_COMPILED``. Irreversible: for a process that only checks."""
+    if "fla" in sys.modules:
+        sys.exit("check_kernels --fla: fla-core was imported before the check could set up its sm_90 target")
+    import torch
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    driver.set_active(_HopperDriver())
+    run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        _FLA_COMPILED.append((self.fn.__name__, kernel))
+        return kernel
+
+    JITFunction.run = compile_only
+    props = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", major=9, minor=0, multi_processor_count=132,
+                                  shared_memory_per_block_optin=232448, total_memory=80 * 2 ** 30)
+    for name, value in dict(is_available=lambda: True, device_count=lambda: 1, current_device=lambda: 0,
+                            get_device_capability=lambda *a, **k: (9, 0),
+                            get_device_name=lambda *a, **k: props.name,
+                            get_device_properties=lambda *a, **k: props).items():
+        setattr(torch.cuda, name, value)
+
+
+def _fla_autotuners() -> list:
+    """Every autotuner of the fla-core modules imported so far, each set to keep no results on disk."""
+    import triton
+    from triton.runtime.autotuner import Autotuner
+
+    found, seen = [], set()
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("fla."):
+            continue
+        for value in list(vars(module).values()):
+            while isinstance(value, triton.runtime.jit.KernelInterface) and id(value) not in seen:
+                seen.add(id(value))
+                if isinstance(value, Autotuner):
+                    value.cache_results = False
+                    found.append(value)
+                value = getattr(value, "fn", None)
+    return found
+
+
+def _run_form(form: str, d: int, dtype: str, tokens: int) -> None:
+    """One form of linvision's recurrences on fla's kernels, forward and backward, on CPU tensors (launches only
+    compile, so the values are never computed)."""
+    import torch
+
+    from linvision.ops.recurrent import kernels as rk
+
+    b, h, n = 1, 2, tokens
+    dt = getattr(torch, dtype)
+    q, k, v = (torch.rand(b, h, n, d, requires_grad=True) for _ in range(3))
+    beta = torch.rand(b, h, n, requires_grad=True)
+    head = torch.full((b, h, n, 1), -0.01, requires_grad=True)
+    channel = torch.full((b, h, n, d), -0.01, requires_grad=True)
+    state = dict(s0=torch.rand(b, h, d, d), z0=torch.rand(b, h, d), return_state=True)
+    if form == "bidir_delta":
+        outs = [rk.bidirectional_delta(q, k, v, beta, dtype=dt)]
+    elif form == "delta_state":
+        outs = list(rk.delta_scan(q, k, v, beta, dtype=dt, s0=state["s0"], return_state=True))
+    elif form in ("bidir_gated_head", "bidir_gated_channel"):
+        gate = head if form.endswith("head") else channel
+        outs = [rk.bidirectional_gated(q, k, v, gate, dtype=dt, normalize=True, eps=1e-4)]
+    else:
+        outs = []
+        for gate in (head, channel):
+            count0 = torch.ones(b, h, gate.shape[-1])
+            outs += rk.gated_scan(q, k, v, gate, dtype=dt, normalize=True, eps=1e-4, count0=count0, **state)
+    sum(o.float().sum() for o in outs if o is not None).backward()
+
+
+def check_fla(forms: Iterable[str], dims: Iterable[int], dtypes: Iterable[str], tokens: int = 1024,
+              echo=None) -> List[FlaKernel]:
+    """Compile fla-core's kernels for sm_90 as each of ``forms`` calls them, forward and backward, at head dims
+    ``dims`` and input dtypes ``dtypes``; one :class:`FlaKernel` per kernel, form, D and dtype. Sets up the
+    process with :func:`_pretend_hopper` (call it in a process that imported neither Triton with the interpreter
+    on nor fla-core)."""
+    _pretend_hopper()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for module in ("delta_rule", "gla", "simple_gla"):  # those whose kernels the recurrences call
+            importlib.import_module(f"fla.ops.{module}")
+    tuners = _fla_autotuners()
+    usage = {}  # id(compiled kernel) -> (registers, spill bytes): each compiled kernel through ptxas once
+    results = []
+    for form, d, dtype in itertools.product(forms, dims, dtypes):
+        for tuner in tuners:  # every form benchmarks, and so compiles, every configuration again
+            tuner.cache.clear()
+        _FLA_COMPILED.clear()
+        _run_form(form, d, dtype, tokens)
+        kernels = {}
+        for name, kernel in _FLA_COMPILED:
+            kernels.setdefault(name, {})[id(kernel)] = kernel
+        for name, compiled in kernels.items():
+            rows = []
+            for key, kernel in compiled.items():
+                if key not in usage:
+                    usage[key] = _ptxas_usage(kernel.asm["ptx"])
+                rows.append((*usage[key], kernel.metadata.shared))
+            result = FlaKernel(form, name, d, dtype, len(rows), sum(r[1] > 0 for r in rows),
+                               sum(r[2] > H100_SMEM_BYTES for r in rows), (min(r[0] for r in rows),
+                               max(r[0] for r in rows)), (min(r[2] for r in rows), max(r[2] for r in rows)),
+                               sum(r[1] == 0 and r[2] <= H100_SMEM_BYTES for r in rows))
+            results.append(result)
+            if echo is not None:
+                echo(result)
+    return results
+
+
+FLA_HEADER = ["form", "kernel", "D", "dtype", "configs", "spilling", "over 227 KB", "registers", "shared KB",
+              "clean config"]
+
+
+def _fla_row(r: FlaKernel, markdown: bool) -> str:
+    span = lambda lo, hi, f=str: f(lo) if f(lo) == f(hi) else f"{f(lo)}-{f(hi)}"  # noqa: E731
+    cells = [r.form, r.kernel, str(r.d), r.dtype, str(r.configs), str(r.spilling), str(r.over_shared),
+             span(*r.registers), span(*r.shared_bytes, f=lambda b: f"{b / 1024:.0f}"), "yes" if r.usable else "NO"]
+    if markdown:
+        return "| " + " | ".join(cells) + " |"
+    return " ".join(cells)
+
+
 def _row(r: CompileResult, markdown: bool) -> str:
     cells = [r.name, str(r.d), r.dtype, r.rope,
              f"{r.block_n}/{r.num_warps}/{r.num_stages}", str(r.registers), str(r.spill_bytes),
@@ -201,6 +424,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="RoPE off, on, and 'learn': the backward kernels with the gradient of learnable frequencies")
     p.add_argument("--candidates", action="store_true", help="every candidate configuration, not only the offered")
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    p.add_argument("--fla", action="store_true",
+                   help="check fla-core's kernels as linvision's recurrences call them (--form, --d, --dtype) "
+                        "instead of linvision's own")
+    p.add_argument("--form", nargs="+", default=list(FLA_FORMS), choices=list(FLA_FORMS),
+                   help="with --fla: the recurrences to run, forward and backward (default: all)")
+    p.add_argument("--tokens", type=int, default=1024, help="with --fla: the sequence length N")
     return p
 
 
@@ -215,6 +444,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     elif os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("check_kernels: Triton was imported with TRITON_INTERPRET=1; run this in a process without it")
     args = parse_args(argv)
+    if args.fla:
+        return _main_fla(args)
     if args.markdown:
         print("| " + " | ".join(HEADER[:-1] + ["result"]) + " |")
         print("|" + "---|" * len(HEADER))
@@ -226,6 +457,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"{len(results) - len(failed)} of {len(results)} configurations pass (zero spills, shared memory <= 227 KB, "
           "pipelined token loops)", file=sys.stderr)
     return 1 if failed and not args.candidates else 0
+
+
+def _main_fla(args: argparse.Namespace) -> int:
+    if args.markdown:
+        print("| " + " | ".join(FLA_HEADER) + " |")
+        print("|" + "---|" * len(FLA_HEADER))
+    else:
+        print(" ".join(FLA_HEADER))
+    results = check_fla(args.form, args.d, args.dtype, args.tokens,
+                        echo=lambda r: print(_fla_row(r, args.markdown), flush=True))
+    print(f"{sum(r.usable for r in results)} of {len(results)} fla kernels have a configuration without spills within "
+          f"227 KB of shared memory; {sum(not r.ok for r in results)} have none within 227 KB", file=sys.stderr)
+    return 1 if any(not r.ok for r in results) else 0
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@
 
 All are :class:`~linvision.layers.mixers.AttentionMixer` subclasses (qkv projection, optional LePE, output gate,
 projection), so every model family and the ablation take them by name. pola, rala, rala_premod and mala take
-prefix tokens (class / register tokens); inline and agent, which work on the grid, do not. Which run on the fused kernels: see
-:mod:`linvision.ops.attention_variants`.
+prefix tokens (class / register tokens); inline and agent, which work on the grid, do not. Which run on the fused
+kernels: see :mod:`linvision.ops.attention_variants`.
 """
 from __future__ import annotations
 

@@ -59,17 +59,18 @@ def delta_chunk_scan(
     c = chunk_length(chunk_size, n)
     q, k, v, beta = (to_chunks(t, c) for t in (q, k, v, beta.unsqueeze(-1)))
     kb = k * beta  # (B, H, nc, c, D)
-    strict_lower = (kb @ k.transpose(-1, -2)).tril(-1)
-    # the same solve posed on the transposes (X A^T = R^T, A^T upper), which LAPACK reads without copies:
-    # 2.5x faster on CPU for 1024 chunks of 32
+    # diag(b) K K^T, whose strict lower triangle plus I is the solve's matrix; in the compute dtype, as the solve
+    # needs it (under autocast the product comes out in 16 bits)
+    gram = (kb @ k.transpose(-1, -2)).to(q.dtype)
     rhs = torch.cat([v * beta, kb], dim=-1)
     if is_exporting():  # ONNX has no triangular solve: the same solution from products alone
-        u_w = unit_lower_solve(strict_lower, rhs)
+        u_w = unit_lower_solve(gram.tril(-1), rhs)
     else:
-        lower = torch.eye(c, dtype=q.dtype, device=q.device) + strict_lower
-        u_w = torch.linalg.solve_triangular(lower.mT, rhs.mT, upper=True, left=False, unitriangular=True).mT
-        del lower
-    del kb, strict_lower, rhs, v, beta  # (the names only: without autograd this frees them before the next products)
+        # the same solve posed on the transposes (X A^T = R^T, A^T upper), which LAPACK reads without copies
+        # (2.5x faster on CPU for 1024 chunks of 32); unitriangular: only the strict triangle of gram^T is read,
+        # the unit diagonal implied, so neither the mask nor the identity is formed (nor their gradients)
+        u_w = torch.linalg.solve_triangular(gram.mT, rhs.mT, upper=True, left=False, unitriangular=True).mT
+    del kb, gram, rhs, v, beta  # (the names only: without autograd this frees them before the next products)
     attn = (q @ k.transpose(-1, -2)).masked_fill(~read_mask(c, strict, q.device), 0)
     # products sharing an operand are formed as one: A [U~ W] and K^T [U~ W]
     read = attn @ u_w  # [A U~, A W]

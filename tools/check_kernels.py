@@ -113,7 +113,7 @@ def _ptxas_usage(ptx: str) -> tuple:
         with open(src, "w") as f:
             f.write(ptx)
         out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(tmp, "k.cubin")],
-                             capture_output=True, text=True, check=True)
+                             capture_output=True, text=True, check=True, timeout=600)
     log = out.stdout + out.stderr
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)

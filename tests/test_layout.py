@@ -125,3 +125,34 @@ def test_no_import_circle_between_modules():
         if m not in state:
             visit(m, [m])
     assert not circles, circles
+
+
+def _layout_entries():
+    """The layout block of docs/contributing.md as {folder: its text}, one entry per line that starts at column 0."""
+    text = (ROOT / "docs" / "contributing.md").read_text()
+    block = text.split("```text\n", 1)[1].split("```", 1)[0]
+    entries, current = {}, None
+    for line in block.splitlines():
+        if line and not line[0].isspace():
+            current = line.split()[0].rstrip("/")
+            entries[current] = line
+        elif current is not None:
+            entries[current] += "\n" + line
+    return entries
+
+
+def test_contributing_page_names_every_module_where_it_lives():
+    """Every module of kernels/ and of each linvision package (its sub-packages included) is named, as NAME.py, in
+    that folder's entry of the Contributing page's layout, and every NAME.py an entry names exists in its folder."""
+    import re
+
+    entries = _layout_entries()
+    folders = {"kernels": ROOT / "kernels"}
+    folders.update({f"linvision/{p.name}": p for p in (ROOT / "linvision").iterdir()
+                    if p.is_dir() and (p / "__init__.py").is_file()})
+    for name, folder in folders.items():
+        assert name in entries, f"docs/contributing.md has no entry for {name}/"
+        named = set(re.findall(r"(\w+)\.py", entries[name]))
+        present = {p.stem for p in folder.rglob("*.py") if p.stem != "__init__"}
+        assert present - named == set(), f"{name}: modules the Contributing page does not name"
+        assert named - present == set(), f"{name}: the Contributing page names modules that do not exist"

@@ -33,3 +33,21 @@ def data(tmp_path_factory):
     from support import write_image_folder
 
     return write_image_folder(tmp_path_factory.mktemp("data"))
+
+
+_FILE_SECONDS = {}  # test file -> seconds spent in its tests (set-up, call and tear-down)
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """After the slowest tests (--durations), the slowest test files: where the run's time goes."""
+    if not _FILE_SECONDS:
+        return
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.write_sep("=", f"slowest test files (of {total:.1f} s in tests)")
+    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:8]:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {100 * seconds / total:4.1f}%  {path}")

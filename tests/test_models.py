@@ -505,3 +505,41 @@ def test_entry_point_defaults_give_way_and_options_never_vanish():
     mixed = timm.create_model("linhier_tiny_224", token_mixers="none,none,linear,linear", depths=(1, 1, 1, 1),
                               mixer_kwargs=dict(feature_map="relu"))
     assert mixed.stages[2].blocks[0].mixer.feature_map == "relu"
+
+
+def test_rope_entry_points_fall_back_to_an_absolute_embedding_for_a_mixer_without_rope():
+    """A *_rope_* entry point's RoPE is a default: with a mixer that has no rope option it builds the plain
+    variant's learned absolute embedding instead (the same weights and logits), resampled to every input's grid
+    as the RoPE variants take any grid; the embedding reaches the output. A rope the caller gives must fit."""
+    from linvision.models.linvit import LinViT
+
+    kwargs = dict(SMALL_VIT, token_mixer="bidir_delta", **MEAN_POOL, num_classes=3)
+    torch.manual_seed(0)
+    rope = timm.create_model("linvit_tiny_patch16_rope_224", **kwargs).eval()
+    plain = timm.create_model("linvit_tiny_patch16_224", **kwargs, dynamic_img_size=True).eval()
+    assert rope.rope is None and rope.dynamic_img_size and rope.pos_embed is not None
+    assert not any(getattr(m, "rope_type", None) for m in rope.modules())
+    assert rope.pretrained_cfg["fixed_input_size"] is False
+    plain.load_state_dict(rope.state_dict())  # strict: the same parameters as the plain variant
+    x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        torch.testing.assert_close(rope(x), plain(x), rtol=0, atol=0)
+        other = rope(torch.randn(1, 3, 96, 160))  # another grid: the embedding is resampled to it
+        assert other.shape == (1, 3)
+        shifted = rope.pos_embed.detach().clone()
+        rope.pos_embed.add_(torch.randn_like(rope.pos_embed))
+        assert not torch.allclose(rope(x), plain(x))  # the position embedding reaches the logits
+        rope.pos_embed.copy_(shifted)
+    fixed = timm.create_model("linvit_tiny_patch16_rope_224", **kwargs, dynamic_img_size=False)
+    assert fixed.pos_embed is not None and not fixed.dynamic_img_size
+    assert fixed.pretrained_cfg["fixed_input_size"] is True
+    # a mixer with a rope option keeps the entry point's RoPE and has no absolute embedding
+    linear = timm.create_model("linvit_tiny_patch16_rope_224", **dict(kwargs, token_mixer="linear"))
+    assert linear.pos_embed is None and linear.blocks[0].mixer.rope_type == "axial"
+    # the caller's rope must fit the mixer: one line naming the option and the mixer
+    for make in (lambda: timm.create_model("linvit_tiny_patch16_rope_224", **kwargs, rope="axial"),
+                 lambda: timm.create_model("linvit_tiny_patch16_224", **kwargs, rope="mixed"),
+                 lambda: LinViT(rope="axial", **kwargs)):
+        with pytest.raises(ValueError, match=r"^rope: '(axial|mixed)' is not an option of the bidir_delta mixer") as e:
+            make()
+        assert "\n" not in str(e.value)

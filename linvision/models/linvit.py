@@ -23,6 +23,11 @@ Position information comes from either
 - 2D RoPE inside every attention mixer (``rope="axial"`` or ``"mixed"``, RoPE-ViT, Heo et al. 2024,
   arXiv:2403.13298), with no absolute embedding: the weights fit any grid and aspect ratio.
 
+A model never goes without either. The ``*_rope_*`` entry points' RoPE is a default: with a mixer that has no
+``rope`` option (the ``bidir_*`` scans, ``none``) they build the learned absolute embedding instead, resampled to
+every input's grid (``dynamic_img_size=True`` unless the caller sets it), so the model still takes any grid. A
+``rope`` the caller gives must fit the mixer: ValueError in one line, naming the option and the mixer, otherwise.
+
 There are no linvit weights of its own (``pretrained=True`` without a tag fails and says so): the ``.deit_fb_in1k``
 tags point at timm's DeiT softmax weights of the same shape, which ``checkpoint_filter_fn`` converts (:func:`convert_vit_state_dict`) into the start of
 linearization (``linvision.engine.linearize``); a local copy loads with ``pretrained_cfg_overlay=dict(file=...)``.
@@ -46,7 +51,7 @@ from timm.layers import LayerNorm, PatchEmbed, global_pool_nlc, resample_abs_pos
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
-from linvision.layers import (MixerBlock, check_prefix_tokens, init_model_weights, merge_options,
+from linvision.layers import (MixerBlock, check_prefix_tokens, init_model_weights, merge_options, mixer_options,
                               no_weight_decay_of, stage_mixer_options)
 from linvision.layers.mixers import ROPE_TYPES
 
@@ -83,10 +88,10 @@ class LinViT(nn.Module):
             or a mixer class (built as ``cls(dim, num_heads, **mixer_kwargs)``).
         mixer_kwargs: extra options for the mixer (e.g. feature_map="relu", lepe=True).
         rope: None (absolute position embedding), "axial" or "mixed" (2D RoPE in the mixer, no absolute
-            embedding); passed to the mixer when it has a ``rope`` option.
+            embedding); the mixer must have a ``rope`` option for the last two.
         dynamic_img_size: resample the absolute position embedding to the input's grid at every call.
-    Raises ValueError for an unknown rope or global_pool, global_pool='token' without a class token, or prefix
-    tokens with a mixer that cannot take them.
+    Raises ValueError for an unknown rope or global_pool, a rope the mixer has no option for, global_pool='token'
+    without a class token, or prefix tokens with a mixer that cannot take them.
     """
 
     def __init__(
@@ -117,6 +122,9 @@ class LinViT(nn.Module):
         super().__init__()
         if rope not in ROPE_TYPES:
             raise ValueError(f"rope: unknown {rope!r}; allowed: {ROPE_TYPES}")
+        if rope is not None and not _has_rope(token_mixer):
+            raise ValueError(f"rope: {rope!r} is not an option of the {_mixer_name(token_mixer)} mixer (it has no "
+                             "RoPE); build it with rope=None, a learned absolute position embedding")
         _check_pool(global_pool, class_token)
         if isinstance(reg_tokens, bool) or not isinstance(reg_tokens, int) or reg_tokens < 0:
             raise ValueError(f"reg_tokens: must be an int >= 0, got {reg_tokens!r}")
@@ -140,7 +148,7 @@ class LinViT(nn.Module):
         self.reg_token = nn.Parameter(torch.zeros(1, reg_tokens, embed_dim)) if reg_tokens else None
         embed_len = self.patch_embed.num_patches + (0 if no_embed_class else self.num_prefix_tokens)
         self.pos_embed = nn.Parameter(torch.zeros(1, embed_len, embed_dim)) if rope is None else None
-        # the RoPE variant reaches a mixer that takes it; the caller's options must all fit the mixer
+        # the RoPE variant reaches the mixer (checked above to take it); the caller's options must all fit the mixer
         options = stage_mixer_options([token_mixer], mixer_kwargs, dict(rope=rope) if rope is not None else None)[0]
         rates = torch.linspace(0, drop_path_rate, depth).tolist()
         self.blocks = nn.Sequential(*[
@@ -283,6 +291,14 @@ class LinViT(nn.Module):
 
 
 _POOLS = ("", "avg", "max", "avgmax", "token")
+
+
+def _has_rope(token_mixer: Union[str, Type[nn.Module]]) -> bool:
+    return "rope" in mixer_options(token_mixer)
+
+
+def _mixer_name(token_mixer: Union[str, Type[nn.Module]]) -> str:
+    return token_mixer if isinstance(token_mixer, str) else getattr(token_mixer, "__name__", repr(token_mixer))
 
 
 def _check_pool(global_pool: str, class_token: bool) -> None:
@@ -493,6 +509,22 @@ _BASE = dict(patch_size=16, embed_dim=768, depth=12, num_heads=12)
 _ROPE = dict(token_mixer="linear_rope", rope="axial")
 
 
+def _rope_options(*defaults: Dict[str, Any], **kwargs: Any) -> Dict[str, Any]:
+    """merge_options for the RoPE entry points, whose ``rope`` is a default: a mixer without a ``rope`` option
+    (and no ``rope`` in the caller's mixer_kwargs) drops it, and the model falls back to the learned absolute
+    position embedding, resampled to every input's grid unless the caller sets ``dynamic_img_size``, as the RoPE
+    variants take any grid. A ``rope`` the caller gives stays, and LinViT refuses it for such a mixer."""
+    args = merge_options(*defaults, **kwargs)
+    if "rope" in kwargs or args.get("rope") is None or "rope" in (args.get("mixer_kwargs") or {}):
+        return args
+    if not _has_rope(args.get("token_mixer", "linear")):
+        args["rope"] = None
+        args.setdefault("dynamic_img_size", True)
+        if not args["dynamic_img_size"]:  # a fixed absolute embedding: the cfg says so, as for the plain variants
+            args["pretrained_cfg_overlay"] = dict(args.get("pretrained_cfg_overlay") or {}, fixed_input_size=True)
+    return args
+
+
 @register_model
 def linvit_tiny_patch16_224(pretrained: bool = False, **kwargs) -> LinViT:
     return _create_linvit("linvit_tiny_patch16_224", pretrained, **merge_options(_TINY, **kwargs))
@@ -510,20 +542,20 @@ def linvit_base_patch16_224(pretrained: bool = False, **kwargs) -> LinViT:
 
 @register_model
 def linvit_tiny_patch16_rope_224(pretrained: bool = False, **kwargs) -> LinViT:
-    return _create_linvit("linvit_tiny_patch16_rope_224", pretrained, **merge_options(_TINY, _ROPE, **kwargs))
+    return _create_linvit("linvit_tiny_patch16_rope_224", pretrained, **_rope_options(_TINY, _ROPE, **kwargs))
 
 
 @register_model
 def linvit_small_patch16_rope_224(pretrained: bool = False, **kwargs) -> LinViT:
-    return _create_linvit("linvit_small_patch16_rope_224", pretrained, **merge_options(_SMALL, _ROPE, **kwargs))
+    return _create_linvit("linvit_small_patch16_rope_224", pretrained, **_rope_options(_SMALL, _ROPE, **kwargs))
 
 
 @register_model
 def linvit_base_patch16_rope_224(pretrained: bool = False, **kwargs) -> LinViT:
-    return _create_linvit("linvit_base_patch16_rope_224", pretrained, **merge_options(_BASE, _ROPE, **kwargs))
+    return _create_linvit("linvit_base_patch16_rope_224", pretrained, **_rope_options(_BASE, _ROPE, **kwargs))
 
 
 @register_model
 def linvit_small_patch16_rope_mixed_224(pretrained: bool = False, **kwargs) -> LinViT:
-    args = merge_options(_SMALL, _ROPE, dict(rope="mixed"), **kwargs)
+    args = _rope_options(_SMALL, _ROPE, dict(rope="mixed"), **kwargs)
     return _create_linvit("linvit_small_patch16_rope_mixed_224", pretrained, **args)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from linvision.layers import AttentionMixer, create_mixer, get_mixer_class, mixer_options
+from linvision.layers import AttentionMixer, create_mixer, get_mixer_class, stage_mixer_options
 from linvision.ops import check_grid
 
 __all__ = ["modulate", "SanaAttention", "sana_attention_class", "self_attention", "CrossAttention", "MixFFN",
@@ -95,8 +95,10 @@ def self_attention(
     (for linear attention it rotates the numerator only), and the fp16 clamp of the projection with
     ``fp16_clamp`` (both from :class:`SanaAttention`, mixed into the mixer's class when either is set; an
     attention mixer's class itself otherwise). ``options``: further keyword options of the mixer
-    (:func:`linvision.layers.mixer_options`). A mixer without RoPE, or that is not an attention mixer, is
-    refused in one line when a flag it lacks is set.
+    (:func:`linvision.layers.mixer_options`). The block's own choices (no qkv bias, the ReLU map and ``eps`` of
+    linear attention, ``qk_norm_eps``) reach a mixer that has them, merged as every model merges its mixers'
+    options (:func:`linvision.layers.stage_mixer_options`); a flag set (``use_rope``, ``qk_norm``,
+    ``fp16_clamp``) or an option of ``options`` the mixer lacks is refused in one line naming it and the mixer.
 
     ``fp16_clamp``: Sana's released weights were trained under fp16 autocast with this clamp after the output
     projection; reproducing their behaviour in fp16 needs it. ``eps`` / ``eps_form``: see
@@ -110,20 +112,15 @@ def self_attention(
         raise ValueError(f"head_dim: 2D RoPE needs a multiple of 4, got {head_dim}")
     if (qk_norm or fp16_clamp) and isinstance(cls, type) and issubclass(cls, AttentionMixer):
         cls = sana_attention_class(cls)  # the mixer's class with Sana's q/k norm and clamp
-    accepted = set(mixer_options(cls))
     flags = dict(rope="axial" if use_rope else None, qk_norm=qk_norm, fp16_clamp=fp16_clamp)
-    missing = [name for name, value in flags.items() if value and name not in accepted]
-    if missing:
-        raise ValueError(f"self_attn: the {attn_type!r} mixer has no {', '.join(missing)}")
-    chosen: Dict[str, Any] = dict(qkv_bias=False, qk_norm_eps=qk_norm_eps, **flags)
+    # the flags set are the caller's and must fit the mixer; the rest are this block's defaults, each reaching the
+    # mixer only where it has that option, and the caller's options win over them
+    stage_mixer_options([cls], {k: v for k, v in flags.items() if v}, name="self_attn")
+    defaults: Dict[str, Any] = dict(qkv_bias=False, qk_norm_eps=qk_norm_eps, **flags)
     if attn_type == "linear":
-        chosen.update(feature_map="relu", eps=eps, eps_form=eps_form)
-    chosen = {k: v for k, v in chosen.items() if k in accepted}
-    unknown = sorted(set(options or {}) - accepted)
-    if unknown:
-        raise ValueError(f"self_attn_options: the {attn_type!r} mixer has no {', '.join(unknown)}; "
-                         f"allowed: {', '.join(sorted(accepted))}")
-    return create_mixer(cls, dim, dim // head_dim, **{**chosen, **(options or {})})
+        defaults.update(feature_map="relu", eps=eps, eps_form=eps_form)
+    chosen = stage_mixer_options([cls], options, defaults, name="self_attn_options")[0]
+    return create_mixer(cls, dim, dim // head_dim, **chosen)
 
 
 class CrossAttention(nn.Module):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from .registry import MixerSpec, mixer_options
+from .registry import MixerSpec, _mixer_name, mixer_options
 
 __all__ = ["merge_options", "stage_mixer_options"]
 
@@ -17,10 +17,6 @@ def merge_options(*defaults: Optional[Mapping[str, Any]], **kwargs: Any) -> Dict
         out.update(d or {})
     out.update(kwargs)
     return out
-
-
-def _mixer_name(mixer: MixerSpec) -> str:
-    return mixer if isinstance(mixer, str) else getattr(mixer, "__name__", repr(mixer))
 
 
 def stage_mixer_options(mixers: Sequence[MixerSpec], options: Optional[Mapping[str, Any]] = None,

@@ -543,3 +543,69 @@ def test_rope_entry_points_fall_back_to_an_absolute_embedding_for_a_mixer_withou
         with pytest.raises(ValueError, match=r"^rope: '(axial|mixed)' is not an option of the bidir_delta mixer") as e:
             make()
         assert "\n" not in str(e.value)
+
+
+# Every family a mixer can be swapped into, tiny: one block per stage.
+_ONE_BLOCK = dict(depths=(1, 1, 1, 1), dims=(16, 32, 32, 32), num_heads=(1, 2, 2, 2))
+_INIT_FAMILIES = {
+    "linhier": lambda mixer: timm.create_model("linhier_tiny_224", token_mixers=mixer, **_ONE_BLOCK),
+    "linvit": lambda mixer: timm.create_model("linvit_tiny_patch16_224", token_mixer=mixer, img_size=32,
+                                              embed_dim=32, depth=1, num_heads=2, **MEAN_POOL),
+    "mlla": lambda mixer: timm.create_model("mlla_tiny", token_mixers=mixer, **_ONE_BLOCK),
+    "ravlt": lambda mixer: timm.create_model("ravlt_tiny", token_mixers=mixer, **_ONE_BLOCK),
+    "dit": lambda mixer: _dit(self_attn=mixer),
+}
+
+
+def _dit(**kwargs):
+    from linvision.diffusion import create_dit
+
+    return create_dit("digits", **kwargs)
+
+
+def test_every_mixer_keeps_its_own_start_inside_every_family(monkeypatch):
+    """Each registered mixer, built inside every family it can run in, keeps every parameter its own init fixes
+    (the same under any seed: the gated forget gate at RetNet's decays, hybrid's mixing logits, PolaFormer's
+    power and scale, ...) exactly as the mixer alone has it after its ``init_weights()``: no generic rule of a
+    model, which runs first, overwrites a mixer's start. The one pair that cannot be built is named: RAVLT's
+    family default is RoPE, which agent attention refuses."""
+    import linvision.diffusion.block as dit_block
+    import linvision.layers.block as layers_block
+    from linvision.layers import create_mixer, list_mixers
+
+    built = []
+
+    def recording(mixer, dim, num_heads, **kwargs):
+        module = create_mixer(mixer, dim, num_heads, **kwargs)
+        built.append((mixer, dim, num_heads, kwargs, module))
+        return module
+
+    monkeypatch.setattr(layers_block, "create_mixer", recording)
+    monkeypatch.setattr(dit_block, "create_mixer", recording)
+
+    def alone(mixer, dim, num_heads, kwargs, seed):
+        torch.manual_seed(seed)
+        module = create_mixer(mixer, dim, num_heads, **kwargs)
+        module.init_weights()
+        return dict(module.named_parameters())
+
+    fixed = {}  # (family, mixer) -> the names of the parameters the mixer's own init fixes
+    for family, make in _INIT_FAMILIES.items():
+        for name in list_mixers():
+            built.clear()
+            if (family, name) == ("ravlt", "agent"):
+                with pytest.raises(ValueError, match=r"^rope: agent attention takes no RoPE"):
+                    make(name)
+                continue
+            make(name)
+            assert len(built) == (1 if family == "linvit" else 4), (family, name)
+            for mixer, dim, num_heads, kwargs, module in built:
+                first, second = (alone(mixer, dim, num_heads, kwargs, seed) for seed in (0, 1))
+                for pname, value in module.named_parameters():
+                    if torch.equal(first[pname], second[pname]):
+                        fixed.setdefault((family, name), set()).add(pname)
+                        assert torch.equal(value, first[pname]), f"{family} / {name}: {pname} lost its start"
+    # the check reaches every family's own-init parameters (it would pass vacuously otherwise)
+    for family in _INIT_FAMILIES:
+        assert fixed[(family, "bidir_gated")] == {"forget_gate.weight", "forget_gate.bias"}
+        assert fixed[(family, "hybrid")] == {"mix_logit"} and fixed[(family, "pola")] == {"power_logit", "qk_scale"}

@@ -381,3 +381,74 @@ def test_register_mixer_refuses_a_class_outside_the_contract():
     with pytest.raises(TypeError, match="is not a TokenMixer subclass"):
         register_mixer("plain_test")(Plain)
     assert "plain_test" not in list_mixers()
+
+
+def test_init_model_weights_honours_a_modules_own_reset_parameters_and_never_pytorchs():
+    """After the generic rule: a module's init_weights() when it has one, else a reset_parameters() its own class
+    defines (timm's LayerScale, a project module, a TokenMixer through its default init_weights); PyTorch's own
+    reset_parameters (Linear, Conv, LayerNorm) is never called, so the generic Linear init and the other layers'
+    construction stay."""
+    from timm.layers import LayerScale
+
+    from linvision.layers import TokenMixer, init_model_weights, own_reset_parameters
+
+    calls = []
+
+    class OwnReset(nn.Module):  # its own start covers its child Linear
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.zeros(4))
+            self.fc = nn.Linear(4, 4)
+
+        def reset_parameters(self):
+            calls.append("own reset")
+            nn.init.constant_(self.scale, 3.0)
+            nn.init.constant_(self.fc.weight, 0.5)
+
+    class Both(nn.Module):  # init_weights wins, as in timm
+        def __init__(self):
+            super().__init__()
+            self.p = nn.Parameter(torch.zeros(2))
+
+        def init_weights(self):
+            calls.append("init_weights")
+            nn.init.constant_(self.p, 1.0)
+
+        def reset_parameters(self):
+            calls.append("both reset")
+
+    class ResetMixer(TokenMixer):
+        def __init__(self, dim, num_heads):
+            super().__init__()
+            self.bias = nn.Parameter(torch.zeros(dim))
+
+        def reset_parameters(self):
+            calls.append("mixer reset")
+            nn.init.constant_(self.bias, -1.0)
+
+        def forward(self, x, hw):
+            return x + self.bias
+
+    class OwnLinear(nn.Linear):  # a Linear with its own start keeps it over the generic rule
+        def reset_parameters(self):
+            if hasattr(self, "weight"):
+                nn.init.ones_(self.weight)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Conv2d(3, 4, 3), nn.LayerNorm(4), OwnReset(), Both(),
+                          ResetMixer(4, 1), LayerScale(4, init_values=1e-5), OwnLinear(3, 3))
+    conv = model[1].weight.detach().clone()
+    with torch.no_grad():
+        for p in (model[2].weight, model[2].bias, model[6].gamma):
+            p.fill_(7.0)  # what a PyTorch reset would undo, and what LayerScale's own resets
+    calls.clear()
+    init_model_weights(model)
+    assert sorted(calls) == ["init_weights", "mixer reset", "own reset"]
+    assert 0.015 < model[0].weight.std().item() < 0.025 and not model[0].bias.any()  # generic, not PyTorch's
+    assert torch.equal(model[1].weight, conv)  # Conv2d's reset_parameters not called
+    assert torch.equal(model[2].weight, torch.full((4,), 7.0)) and torch.equal(model[2].bias, torch.full((4,), 7.0))
+    assert torch.equal(model[3].scale, torch.full((4,), 3.0))
+    assert torch.equal(model[3].fc.weight, torch.full((4, 4), 0.5))
+    assert torch.equal(model[4].p, torch.ones(2)) and torch.equal(model[5].bias, torch.full((4,), -1.0))
+    assert torch.equal(model[6].gamma, torch.full((4,), 1e-5)) and torch.equal(model[7].weight, torch.ones(3, 3))
+    assert own_reset_parameters(nn.Linear(2, 2)) is None and own_reset_parameters(nn.ReLU()) is None

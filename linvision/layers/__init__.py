@@ -11,7 +11,7 @@ from .registry import (
     register_mixer,
     takes_prefix_tokens,
 )
-from .weight_init import init_linear_weights, init_model_weights
+from .weight_init import init_linear_weights, init_model_weights, own_reset_parameters
 from .options import merge_options, stage_mixer_options
 from .mixers import (
     AttentionMixer,

@@ -20,6 +20,8 @@ import torch
 from timm.layers import register_notrace_module
 from torch import nn
 
+from .weight_init import own_reset_parameters
+
 __all__ = ["TokenMixer", "register_mixer", "create_mixer", "get_mixer_class", "list_mixers", "mixer_options", "parse_mixer_list",
            "no_weight_decay_of", "takes_prefix_tokens", "check_prefix_tokens"]
 
@@ -36,7 +38,8 @@ class TokenMixer(nn.Module):
       a class with ``takes_prefix_tokens = True`` also takes ``forward(x, hw, num_prefix_tokens=P)``, x holding P
       prefix tokens before the grid (the others refuse them through :func:`check_prefix_tokens`).
     - ``init_weights()``: its own start (a gate's biases, ...), which models re-apply after their generic
-      initialisation (:func:`linvision.layers.init_model_weights`); nothing by default.
+      initialisation (:func:`linvision.layers.init_model_weights`); by default the mixer's own
+      ``reset_parameters()`` when its class defines one, else nothing.
     - ``no_weight_decay()``: names (relative to the mixer) of parameters weight decay must leave alone.
 
     A mixer handed to a model as a class (timm's layer arguments take classes too) only needs the ``forward``
@@ -46,7 +49,11 @@ class TokenMixer(nn.Module):
     takes_prefix_tokens = False
 
     def init_weights(self) -> None:
-        """Re-apply the mixer's own initialisation (none here)."""
+        """Re-apply the mixer's own initialisation: here its own ``reset_parameters()``, when its class defines
+        one, else nothing."""
+        reset = own_reset_parameters(self)
+        if reset is not None:
+            reset()
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set:

@@ -352,6 +352,7 @@ def test_every_registered_mixer_keeps_the_token_mixer_contract(name):
 
     cls = get_mixer_class(name)
     assert issubclass(cls, TokenMixer) and cls.options() == mixer_options(name)
+    assert isinstance(cls.recompute_attend, bool)  # the contract's training-memory policy
     torch.manual_seed(0)
     mixer = create_mixer(name, 32, 2).double().eval()
     x = torch.randn(2, 12, 32, dtype=torch.float64)
@@ -369,6 +370,22 @@ def test_every_registered_mixer_keeps_the_token_mixer_contract(name):
             check_prefix_tokens(mixer, 1)
     mixer.init_weights()
     assert isinstance(mixer.no_weight_decay(), set)
+
+
+def test_recompute_policy_is_stated_by_the_contract_for_every_mixer():
+    """recompute_attend is a TokenMixer attribute (False there); the attention mixers start at True and the linear
+    and softmax ones turn it off, as before; the registered mixers that are not attention mixers (the Gated CNN,
+    MLLA's block) keep the contract's False."""
+    from linvision.layers import (AttentionMixer, LinearAttention, SoftmaxAttention, TokenMixer,
+                                  mixers as mixer_module)
+
+    assert TokenMixer.recompute_attend is False and "recompute_attend" in TokenMixer.__doc__
+    assert "recompute_attend" not in vars(mixer_module.GatedConvMixer)
+    assert AttentionMixer.recompute_attend is True and HybridAttention.recompute_attend is True
+    assert LinearAttention.recompute_attend is False and SoftmaxAttention.recompute_attend is False
+    others = [n for n in list_mixers() if not issubclass(get_mixer_class(n), AttentionMixer)]
+    assert {"none", "mlla"} <= set(others)
+    assert not any(get_mixer_class(n).recompute_attend for n in others)
 
 
 def test_register_mixer_refuses_a_class_outside_the_contract():

@@ -95,14 +95,15 @@ class AttentionMixer(TokenMixer):
     from x), :meth:`build_proj` (the output projection), :meth:`make_rope` (the rotation of a grid) and
     :meth:`gate_activation`. The published models' variants (MLLA's, RAVLT's, Sana's) live beside their models.
 
-    Training memory: a subclass whose ``attend`` builds per-token tensors beyond q, k, v (features, augmented
-    copies, gates, states) has them recomputed in the backward (``recompute_attend``, on by default: the
-    attention's forward then runs twice, its tensors are not kept for every layer); the linear and softmax
-    mixers keep nothing of their own already and turn it off. ``split_value_proj``: v is projected apart from
-    q and k (the same weights), for an attention that keeps its own copies of q and k (softmax with RoPE).
+    Training memory: the :class:`~linvision.layers.TokenMixer` contract's ``recompute_attend``, True here (the
+    attention mixers' default): a subclass whose ``attend`` builds per-token tensors beyond q, k, v (features,
+    augmented copies, gates, states) has :meth:`attend` run under activation checkpointing, so those tensors
+    are recomputed in the backward and not kept for every layer; the linear and softmax mixers keep nothing of
+    their own already and set it False. ``split_value_proj``: v is projected apart from q and k (the same
+    weights), for an attention that keeps its own copies of q and k (softmax with RoPE).
     """
 
-    recompute_attend = True
+    recompute_attend = True  # the TokenMixer policy (False there); forward() checkpoints attend() under it
     split_value_proj = False
     takes_prefix_tokens = True  # subclasses whose mixing depends on the grid set False
 

@@ -41,12 +41,20 @@ class TokenMixer(nn.Module):
       initialisation (:func:`linvision.layers.init_model_weights`); by default the mixer's own
       ``reset_parameters()`` when its class defines one, else nothing.
     - ``no_weight_decay()``: names (relative to the mixer) of parameters weight decay must leave alone.
+    - ``recompute_attend``: the training-memory policy. True: the per-token tensors the mixer builds beyond its
+      projections (features, augmented or windowed copies, gates, states) are not kept for the backward but
+      recomputed there (its mixing runs twice in training; fewer bytes held for every layer); the mixer's
+      ``forward`` honours it. False (the default here): the mixer keeps what autograd keeps, as a mixer that
+      builds no such tensors, or whose op saves only its inputs, should. The attention mixers
+      (:class:`linvision.layers.AttentionMixer`) start at True and recompute their ``attend`` under it; the
+      linear and softmax ones, which keep nothing of their own, set False. An instance may override its class.
 
     A mixer handed to a model as a class (timm's layer arguments take classes too) only needs the ``forward``
     of this contract.
     """
 
     takes_prefix_tokens = False
+    recompute_attend = False
 
     def init_weights(self) -> None:
         """Re-apply the mixer's own initialisation: here its own ``reset_parameters()``, when its class defines

@@ -609,3 +609,22 @@ def test_every_mixer_keeps_its_own_start_inside_every_family(monkeypatch):
     for family in _INIT_FAMILIES:
         assert fixed[(family, "bidir_gated")] == {"forget_gate.weight", "forget_gate.bias"}
         assert fixed[(family, "hybrid")] == {"mix_logit"} and fixed[(family, "pola")] == {"power_logit", "qk_scale"}
+
+
+@pytest.mark.parametrize("mixer", ["linear", "rala"])
+def test_converted_vit_output_gate_starts_as_a_pass_through(mixer):
+    """convert_vit_state_dict starts an output gate at weight 0 and the bias its activation maps to 1 (SiLU for
+    the linear mixers, none for RALA's output modulation), so the gated model computes what the ungated one
+    does from the same softmax ViT (float64)."""
+    from linvision.models.linvit import convert_vit_state_dict
+
+    torch.manual_seed(0)
+    vit = timm.create_model("vit_tiny_patch16_224", img_size=32, depth=1, embed_dim=32, num_heads=2, num_classes=3)
+    args = dict(img_size=32, depth=1, embed_dim=32, num_heads=2, num_classes=3, token_mixer=mixer)
+    gated, plain = (timm.create_model("linvit_tiny_patch16_224", **args, mixer_kwargs=dict(gate=g)).double().eval()
+                    for g in (True, False))
+    for model in (gated, plain):
+        model.load_state_dict(convert_vit_state_dict(vit.double().state_dict(), model))
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(gated(x), plain(x), rtol=1e-10, atol=1e-10)

@@ -312,6 +312,15 @@ def _check_pool(global_pool: str, class_token: bool) -> None:
 _IDENTITY_GATE_BIAS = 1.2784645427610738
 
 
+def _pass_through_bias(mixer: nn.Module) -> float:
+    """The bias b with gate_activation(b) = 1: an output gate at weight 0 and bias b passes the attention through
+    (b for SiLU, 1 for RALA's output modulation, which has no activation). ValueError for another activation."""
+    for bias in (_IDENTITY_GATE_BIAS, 1.0):
+        if abs(float(mixer.gate_activation(torch.tensor(bias, dtype=torch.float64))) - 1.0) < 1e-9:
+            return bias
+    raise ValueError(f"state_dict: no pass-through start for the output gate of {type(mixer).__name__}")
+
+
 def _is_softmax_vit(state_dict: Dict[str, Tensor]) -> bool:
     """A timm VisionTransformer state dict (DeiT, AugReg ViT, ...): attention weights under ``blocks.i.attn``."""
     return any(k.startswith("blocks.") and ".attn.qkv." in k for k in state_dict)
@@ -355,7 +364,8 @@ def convert_vit_state_dict(state_dict: Dict[str, Tensor], model: LinViT) -> Dict
       embedding) drop it.
     - Parameters a softmax ViT does not have start where the block computes what the teacher's attention
       computes as nearly as it can: LePE at zero (it adds nothing), an output gate at weight 0 and
-      bias b with silu(b) = 1 (it passes the attention through); feature-map and RoPE parameters keep the
+      bias b with act(b) = 1 for its activation (SiLU; none for RALA's output modulation: b = 1), so it
+      passes the attention through; feature-map and RoPE parameters keep the
       model's own initialisation.
     Raises ValueError for teacher weights this mapping cannot carry (q/k norms, a pre-norm, fc_norm, other
     depths or widths), or for prefix tokens the model has and the teacher has not.
@@ -406,7 +416,7 @@ def convert_vit_state_dict(state_dict: Dict[str, Tensor], model: LinViT) -> Dict
         elif ".mixer.gate.weight" in name:
             value = torch.zeros_like(value)
         elif ".mixer.gate.bias" in name:
-            value = torch.full_like(value, _IDENTITY_GATE_BIAS)
+            value = torch.full_like(value, _pass_through_bias(model.get_submodule(name.split(".gate.")[0])))
         elif ".mixer." not in name:
             raise ValueError(f"state_dict: the softmax ViT has no {name!r} (another depth or layout?)")
         out[name] = value

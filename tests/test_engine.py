@@ -308,6 +308,27 @@ def test_benchmark_point_gflops_of_a_linear_model():
     assert p["gflops"] == pytest.approx(3 * 8 * 8 * 10 / 1e9)  # one multiply-accumulate per weight
 
 
+def test_benchmark_point_records_which_path_each_op_took():
+    """The point names the path of every op that dispatches between kernels and PyTorch, in inference and in the
+    training step: on CPU tensors the PyTorch one; nothing for a model without such ops. Recording ends with the
+    block: a call after it is not recorded."""
+    from linvision.ops import linear_attention, record_backends
+
+    kwargs = dict(batch_size=1, iters=1, warmup=0, flops=False)
+    delta = benchmark_point("linhier_delta_femto_224", 64, model_kwargs={"depths": [1, 1, 1, 1]}, **kwargs)
+    assert delta["status"] == "ok" and delta["backends"] == "bidirectional_delta_rule_attention: torch"
+    rope = benchmark_point("linhier_tiny_224", 64, model_kwargs={"depths": [1, 1, 1, 1]}, **kwargs)
+    assert rope["backends"] == "linear_attention: torch"
+    flat = benchmark_point("flat", 8, build_fn=lambda *a: nn.Linear(8, 2), **kwargs)
+    assert flat["status"] == "ok" and flat["backends"] == ""
+    q = torch.rand(1, 1, 4, 8)
+    with record_backends() as outer:
+        with record_backends() as inner:
+            linear_attention(q, q, q, backend="torch")
+    linear_attention(q, q, q, backend="torch")
+    assert outer == inner == {("linear_attention", "torch")}
+
+
 class _Sdpa(nn.Module):
     """One softmax attention call on (B, H, N, D) = (1, 2, N, 8) tokens made from the image's pixels."""
 

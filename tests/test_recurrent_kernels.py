@@ -23,6 +23,7 @@ from linvision.ops import (
     decay_linear_attention,
     delta_rule_attention,
     gated_linear_attention,
+    record_backends,
 )
 from linvision.ops.recurrent import kernels as recurrent_kernels
 from test_recurrent import naive_delta, naive_gated, phi
@@ -313,8 +314,13 @@ def test_auto_warns_once_per_reason(monkeypatch):
     calls = []
     monkeypatch.setattr(recurrent_kernels, "bidirectional_delta",
                         lambda *a, **kw: calls.append(1) or torch.zeros(q.shape[:3] + v.shape[-1:]))
-    bidirectional_delta_rule_attention(q.half(), k.half(), v.half(), beta.float())
-    assert calls == [1]
+    with record_backends() as used:
+        bidirectional_delta_rule_attention(q.half(), k.half(), v.half(), beta.float())
+    assert calls == [1] and used == {("bidirectional_delta_rule_attention", "fla")}
+    with record_backends() as used:  # the fallback of "auto" is recorded as what ran
+        bidirectional_delta_rule_attention(q, k, v, beta)
+        gated_linear_attention(q, k, v, lg, backend="torch")
+    assert used == {("bidirectional_delta_rule_attention", "torch"), ("gated_linear_attention", "torch")}
 
 
 def test_missing_fla_core(monkeypatch):

@@ -248,7 +248,7 @@ def _run_ablation(args: argparse.Namespace, run_dir: str, log) -> Dict[str, Any]
             bench_points.append(point)
             row["bench"][str(size)] = {k: point[k] for k in ("status", "error", "iters", "infer_img_s",
                                                              "infer_spread_pct", "infer_mem_mb", "train_img_s",
-                                                             "train_spread_pct", "train_mem_mb")}
+                                                             "train_spread_pct", "train_mem_mb", "backends")}
         rows.append(row)
         scores = ", ".join(f"{s} px {_cell(v, '.2f')} +- {_cell(row[score + '_std'][s], '.2f')}"
                            for s, v in row[score].items())
@@ -272,7 +272,7 @@ def _skipped_point(model: str, size: int, batch_size: int, device: str, amp: str
     return {"model": model, "img_size": size, "batch_size": batch_size, "device": device, "amp": amp,
             "status": "skipped", "error": why, "params_m": nan, "gflops": nan, "iters": 0, "infer_img_s": nan,
             "infer_ms": nan, "infer_spread_pct": nan, "infer_mem_mb": nan, "train_img_s": nan, "train_ms": nan,
-            "train_spread_pct": nan, "train_mem_mb": nan}
+            "train_spread_pct": nan, "train_mem_mb": nan, "backends": ""}
 
 
 def _write_results(result: Dict[str, Any], run_dir: str) -> str:

@@ -39,6 +39,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from linvision.ops import record_backends
+
 from .amp import autocast
 from .factory import create_model
 from .flops import count_gflops, count_params
@@ -188,8 +190,15 @@ def _empty_point(name: str, img_size: Any, batch_size: int, device: str, amp: st
     point.update({"batch_size": batch_size, "device": str(device), "amp": amp, "status": "ok", "error": "",
                   "params_m": nan, "gflops": nan, "iters": iters, "infer_img_s": nan, "infer_ms": nan,
                   "infer_spread_pct": nan, "infer_mem_mb": nan, "train_img_s": nan, "train_ms": nan,
-                  "train_spread_pct": nan, "train_mem_mb": nan})
+                  "train_spread_pct": nan, "train_mem_mb": nan, "backends": ""})
     return point
+
+
+def backends_label(used, before: str = "") -> str:
+    """``"op: path; ..."`` of the (op, path) pairs of :func:`linvision.ops.record_backends` (and of the label
+    ``before``), sorted; empty when no op dispatched (e.g. softmax attention only)."""
+    pairs = {tuple(item.split(": ", 1)) for item in before.split("; ") if item} | set(used)
+    return "; ".join(f"{op}: {path}" for op, path in sorted(pairs))
 
 
 def benchmark_point(name: str, img_size: Size, batch_size: int = 8, device: str = "cpu", amp: str = "none",
@@ -205,7 +214,8 @@ def benchmark_point(name: str, img_size: Size, batch_size: int = 8, device: str 
     (decoder, classes with a decoder), batch_size, device, amp, status ("ok", "oom" or "error"), error,
     params_m, gflops (per image, multiply-accumulates), iters (timed iterations per figure), infer_img_s,
     infer_ms (mean per batch), infer_spread_pct ((slowest - fastest) / mean of the iterations), infer_mem_mb,
-    train_img_s, train_ms (forward, backward and SGD step per batch), train_spread_pct, train_mem_mb. Figures
+    train_img_s, train_ms (forward, backward and SGD step per batch), train_spread_pct, train_mem_mb, backends
+    (which path each dispatching op took, e.g. "bidirectional_delta_rule_attention: fla"). Figures
     not reached before a failure are NaN. ``build_fn(name, size, kwargs)`` gets the side of a square or (H, W);
     by default timm's model, or with ``decoder`` (one of :data:`DECODERS`) :func:`build_segmenter`'s, whose
     training loss is per-pixel cross-entropy against random labels in [0, classes). ``report`` is called with
@@ -232,11 +242,11 @@ def benchmark_point(name: str, img_size: Size, batch_size: int = 8, device: str 
                 with autocast(dev, amp):
                     model(x)
 
-            with MemoryMeter(dev) as mem:
+            with MemoryMeter(dev) as mem, record_backends() as used:
                 times = _timed(infer, dev, warmup, iters)
         seconds = sum(times) / len(times)
         point.update(infer_ms=seconds * 1e3, infer_img_s=batch_size / seconds, infer_spread_pct=_spread_pct(times),
-                     infer_mem_mb=mem.peak_mb)
+                     infer_mem_mb=mem.peak_mb, backends=backends_label(used))
         if report is not None:
             report(point)
         if train:
@@ -258,8 +268,9 @@ def benchmark_point(name: str, img_size: Size, batch_size: int = 8, device: str 
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
-            with MemoryMeter(dev) as mem:
+            with MemoryMeter(dev) as mem, record_backends() as used:
                 times = _timed(step, dev, warmup, iters)
+            point["backends"] = backends_label(used, point["backends"])
             seconds = sum(times) / len(times)
             point.update(train_ms=seconds * 1e3, train_img_s=batch_size / seconds,
                          train_spread_pct=_spread_pct(times), train_mem_mb=mem.peak_mb)
@@ -470,7 +481,7 @@ def _format(p: BenchmarkPoint) -> str:
         return f"{line} | {p['status']}: {p['error']}"
     return (f"{line} | train {p['train_img_s']:8.2f} img/s (spread {p['train_spread_pct']:4.0f}%) "
             f"{p['train_mem_mb']:8.1f} MiB | {p['params_m']:6.2f} M params {p['gflops']:8.2f} GFLOPs"
-            f" | {p['iters']} timed iterations")
+            f" | {p['iters']} timed iterations" + (f" | {p['backends']}" if p.get("backends") else ""))
 
 
 def write_results(points: List[BenchmarkPoint], out_dir: str) -> None:

@@ -14,6 +14,7 @@ from .common import (
     compute_dtype,
     is_exporting,
     is_tracing,
+    record_backends,
 )
 from .feature_maps import (
     FEATURE_MAP_NAMES,

@@ -7,7 +7,7 @@ from typing import Optional, Set
 
 from torch import Tensor
 
-from ..common import DEFAULT_EPS, check_int, check_qkv, check_rope, is_exporting
+from ..common import DEFAULT_EPS, check_int, check_qkv, check_rope, is_exporting, note_backend
 from ..feature_maps import FeatureMap, FeatureMapArg, get_feature_map
 from ..rope import Rope
 from .chunk import causal_attention
@@ -81,6 +81,7 @@ def linear_attention(
     if rope is not None:
         check_rope(rope, phi.output_dim(q.shape[-1]), q.shape[2], q.shape[1])
     out = _fused(q, k, v, phi, rope, causal, eps, backend)
+    note_backend("linear_attention", "torch" if out is None else "triton")
     if out is not None:
         return out
     if causal:

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..common import check_backend, is_exporting
+from ..common import check_backend, is_exporting, note_backend
 
 __all__ = [
     "REQUIREMENT",
@@ -129,14 +129,17 @@ def kernel_path(backend: str, q: Tensor, v: Tensor, op: str, gated: bool) -> boo
     does not import, ValueError when the call does not fit the kernels)."""
     check_backend(backend)
     if backend == "torch" or (backend == "auto" and q.device.type not in _AUTO_DEVICES):
+        note_backend(op, "torch")
         return False
     reason = kernel_reason(q, v, gated)
     if reason is None:
+        note_backend(op, "fla")
         return True
     if backend == "triton":
         error = ImportError if reason.startswith("fla-core cannot") else ValueError
         raise error(f"backend: 'triton' cannot run {op}: {reason}")
     _warn_once(op, reason)
+    note_backend(op, "torch")
     return False
 
 

@@ -312,6 +312,9 @@ def test_bad_options_raise_one_line_errors():
         with pytest.raises(ValueError, match="'none' names the Gated CNN token mixer.*'identity'"):
             create_mixer(name, 32, 2, feature_map="none")
     assert create_mixer("rala", 32, 2, feature_map="identity").feature_map == "identity"
+    # one spelling: every mixer with a feature map takes its aliases and keeps the canonical name
+    for name in ("linear", "rala", "mala", "bidir_delta", "bidir_gated"):
+        assert create_mixer(name, 32, 2, feature_map="ELU+1").feature_map == "elu", name
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="scale: must be a positive number"):
         injective_linear_attention(q, k, v, scale=-1.0)

@@ -43,6 +43,8 @@ from linvision.ops import (
     softmax_attention,
 )
 
+from linvision.ops.common import feature_map_name
+
 from .registry import TokenMixer, check_prefix_tokens, register_mixer
 
 __all__ = [
@@ -65,14 +67,15 @@ EPS_FORMS = ("mean", "sum")
 
 
 def check_feature_map(feature_map: str, head_dim: int) -> str:
-    """``feature_map`` if it names a feature map of :func:`linvision.ops.get_feature_map` (ValueError otherwise,
+    """The canonical name of ``feature_map`` (lower case, an alias such as "elu+1" as "elu") if it names a feature
+    map of :func:`linvision.ops.get_feature_map` (ValueError otherwise,
     at construction rather than in the first forward). "none" is refused: in the layers it names the Gated CNN
     mixer; the map that leaves q and k as they are is "identity"."""
     if isinstance(feature_map, str) and feature_map.lower() == "none":
         raise ValueError("feature_map: 'none' names the Gated CNN token mixer, not a feature map; the map that "
                          "leaves q and k unchanged is 'identity'")
     get_feature_map(feature_map, dim=head_dim)
-    return feature_map
+    return feature_map_name(feature_map) if isinstance(feature_map, str) else feature_map
 
 
 class AttentionMixer(TokenMixer):
@@ -230,6 +233,7 @@ class LinearAttention(AttentionMixer):
 
     def __init__(self, dim: int, num_heads: int, *, feature_map: str = "elu", eps: float = 1e-4,
                  eps_form: str = "mean", **kwargs):
+        feature_map = feature_map_name(feature_map) if isinstance(feature_map, str) else feature_map
         if feature_map not in LAYER_FEATURE_MAPS:
             raise ValueError(f"feature_map: unknown {feature_map!r}; allowed: {', '.join(LAYER_FEATURE_MAPS)}")
         if eps_form not in EPS_FORMS:

@@ -56,7 +56,7 @@ class BidirectionalRecurrentMixer(AttentionMixer):
         qkv_bias: bias of the q, k, v projection.
         proj_drop: dropout after the output projection.
         backend: the scans' backend, "auto" (fla-core's Triton kernels for CUDA tensors, see
-            ``linvision.ops.recurrent_kernels``), "triton" or "torch" (the PyTorch chunk loop).
+            ``linvision.ops.recurrent.kernels``), "triton" or "torch" (the PyTorch chunk loop).
     Raises ValueError for a bad dim/num_heads pair, chunk_size, backend or an unknown feature map.
     """
 

@@ -92,6 +92,29 @@ def test_student_with_a_class_token_keeps_the_teachers_and_its_attention():
                       global_pool="token", **SHAPE)
 
 
+@pytest.mark.parametrize("head", ["class-token", "mean-pool"])
+def test_softmax_twin_of_a_layer_scale_vit_has_no_attention_error(head):
+    """The softmax twin of a ViT with layer scale (init_values=0.5; random weights, so every gamma differs) has
+    its layer scale folded into the projection; the stage-1 target is the teacher's branch after its layer scale,
+    so the twin's error is zero in every layer (comparing with the teacher's attention before its layer scale,
+    each layer's error would be the mean of (gamma - 1)^2 weighted by the output: about 0.25 at gamma = 0.5)."""
+    vit = _vit(init_values=0.5, **HEADS[head]).double()
+    with torch.no_grad():  # the layer scale as initialised (0.5), not the random values of _vit
+        for block in vit.blocks:
+            block.ls1.gamma.fill_(0.5)
+    twin = build_student("linvit_small_patch16_224", vit, 224, token_mixer="softmax", **SHAPE, **HEADS[head]).double()
+    images = torch.randn(2, 3, 224, 224, dtype=torch.float64)
+    errors = attention_errors(twin, vit, [images])
+    assert len(errors) == SHAPE["depth"] and max(errors) <= 1e-6, errors
+    with torch.no_grad():
+        torch.testing.assert_close(twin(images), vit(images), rtol=1e-6, atol=1e-8)
+    # with random per-channel gammas as well
+    random_gammas = _vit(seed=1, init_values=0.5, **HEADS[head]).double()
+    twin = build_student("linvit_small_patch16_224", random_gammas, 224, token_mixer="softmax", **SHAPE,
+                         **HEADS[head]).double()
+    assert max(attention_errors(twin, random_gammas, [images])) <= 1e-6
+
+
 def test_class_token_vit_mapping_and_rope_student():
     """A class-token ViT into a linvit without one: cls_token dropped, its position row stripped; qkv/proj/MLP/
     norm/head copied; the RoPE student drops the position embedding and starts LePE at zero and the gate at

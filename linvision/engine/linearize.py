@@ -7,9 +7,12 @@
 2. Attention transfer (:func:`attention_transfer`). The teacher is frozen; at every block its attention
    module's input (the normalised tokens) and output are recorded, and the student's mixer of that block is fed
    the same input (with the class token when the student keeps it, else the patch tokens only) and trained to
-   give the same output (mean squared error over those tokens, each layer scaled by its target's mean square,
-   summed over layers). Only the selected mixer parameters are trained: ``"new"`` (what a softmax ViT does not have: LePE,
-   gate, feature-map and RoPE parameters) or ``"mixer"`` (every mixer parameter, qkv and projection included).
+   give the same branch output (mean squared error over those tokens, each layer scaled by its target's mean
+   square, summed over layers). Both sides are compared after their block's layer scale (``ls1``, identity
+   where a block has none): the conversion folds the teacher's layer scale into the student's projection, so
+   the target is the teacher's ``ls1(attn(x))``, what the attention adds to the residual stream. Only the
+   selected mixer parameters are trained: ``"new"`` (what a softmax ViT does not have: LePE, gate, feature-map
+   and RoPE parameters) or ``"mixer"`` (every mixer parameter, qkv and projection included).
    Each layer learns from the teacher's inputs, not from the student's own earlier layers, so the layers are
    independent problems (as in LoLCATs, Zhang et al. 2024, arXiv:2410.10254).
 3. Fine-tuning on the target dataset: ``tools/train.py --initial-checkpoint`` with the weights stage 1 wrote.
@@ -55,6 +58,12 @@ def attention_modules(model: nn.Module) -> List[nn.Module]:
     return modules
 
 
+def _layer_scales(model: nn.Module) -> List[nn.Module]:
+    """The layer scale after the attention of every block (``blocks[i].ls1``; identity where a block has none)."""
+    scales = [getattr(b, "ls1", None) for b in model.blocks]
+    return [nn.Identity() if s is None else s for s in scales]
+
+
 def transfer_parameters(student: nn.Module, which: str = "new") -> Dict[str, nn.Parameter]:
     """Parameters stage 1 trains: ``"new"`` (linear-attention specific) or ``"mixer"`` (all mixer parameters).
     Raises ValueError for another ``which``, or when the selection is empty (e.g. ``"new"`` for a plain elu+1
@@ -89,9 +98,9 @@ class _Recorder:
 
 
 def _layer_losses(student: nn.Module, teacher: nn.Module, images: Tensor) -> List[Tensor]:
-    """Per layer: mean squared error between the student's mixer and the teacher's attention output on the
-    teacher's input, over the patch tokens (and the prefix tokens when the student keeps them), divided by the
-    target's mean square."""
+    """Per layer: mean squared error between the student's mixer output and the teacher's attention output on
+    the teacher's input, each through its own block's layer scale (``ls1``), over the patch tokens (and the
+    prefix tokens when the student keeps them), divided by the target's mean square."""
     teacher_modules, student_modules = attention_modules(teacher), attention_modules(student)
     if len(teacher_modules) != len(student_modules):
         raise ValueError(f"teacher: {len(teacher_modules)} blocks, student: {len(student_modules)}")
@@ -108,12 +117,16 @@ def _layer_losses(student: nn.Module, teacher: nn.Module, images: Tensor) -> Lis
     patch = student.patch_embed.patch_size
     grid = (images.shape[2] // patch[0], images.shape[3] // patch[1])
     losses = []
-    for mixer, (inputs, target) in zip(student_modules, recorder.records):
+    layers = zip(student_modules, _layer_scales(student), _layer_scales(teacher), recorder.records)
+    for mixer, student_scale, teacher_scale, (inputs, target) in layers:
         if kept:  # every token, the prefix tokens included: (B, P + H*W, C)
             out = mixer(inputs, grid, num_prefix_tokens=kept)
         else:
             inputs, target = inputs[:, prefix:], target[:, prefix:]  # (B, H*W, C)
             out = mixer(inputs, grid)
+        with torch.no_grad():  # the teacher's branch as its block adds it: the layer scale is per channel
+            target = teacher_scale(target)
+        out = student_scale(out)
         losses.append((out - target).pow(2).mean() / target.pow(2).mean().clamp_min(1e-12))
     return losses
 

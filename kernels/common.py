@@ -11,6 +11,8 @@ it on every platform; the dependency runs one way: ops -> kernels (this module a
   per-row cos/sin tables from the same fields and combine them in-kernel.
 - :func:`compute_dtype` and :func:`feature_map_name`: the dtype every accumulation runs in, and the canonical name
   of a feature map (aliases resolved), which is how the kernels are told which map to fuse.
+- :data:`FEATURE_MAPS`: the one table of the named feature maps and where each may be used (fused in the kernels,
+  causal and recurrent forms, normalised mixers); every other list of maps is derived from it.
 """
 from __future__ import annotations
 
@@ -24,6 +26,9 @@ __all__ = [
     "DEFAULT_EPS",
     "FLOAT_DTYPES",
     "FEATURE_MAP_ALIASES",
+    "FEATURE_MAPS",
+    "FUSED_FEATURE_MAPS",
+    "FeatureMapInfo",
     "KERNEL_NAMES",
     "RopeSpec",
     "check_eps",
@@ -33,6 +38,8 @@ __all__ = [
     "check_rope",
     "compute_dtype",
     "feature_map_name",
+    "feature_map_info",
+    "feature_maps_where",
 ]
 
 DEFAULT_EPS = 1e-4
@@ -40,6 +47,50 @@ DEFAULT_EPS = 1e-4
 KERNEL_NAMES = ("_state_fwd_kernel", "_output_fwd_kernel", "_query_bwd_kernel", "_key_bwd_kernel")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 FEATURE_MAP_ALIASES = {"elu+1": "elu", "elu1": "elu", "softmax_kernel": "exp"}
+
+
+@dataclass(frozen=True)
+class FeatureMapInfo:
+    """Where a named feature map may be used.
+
+    fused: its in-kernel code in the Triton kernels (None: not fused, the PyTorch path runs it).
+    causal: exact in causal, step and recurrent forms. ``exp`` and ``performer`` are not: their key stabiliser is
+        one constant per (batch, head), the max over *all* tokens, so a late large key would shift the scale of
+        every earlier prefix (whose own keys then underflow); they are non-causal only.
+    nonnegative: phi >= 0, so a normalised attention's denominator is a sum of non-negative weights (``identity``
+        is not: the normalised mixers refuse it, the delta rule, which L2-normalises instead, takes it).
+    stateful: the map holds tensors of its own (``focused``: a learnable scale, ``performer``: a random
+        projection), which a module keeps as a parameter or buffer; by name in an op, ``performer`` is refused
+        (it would draw a new projection on every call), ``focused`` runs with a unit scale.
+    """
+
+    fused: Optional[int]
+    causal: bool
+    nonnegative: bool
+    stateful: bool = False
+
+
+FEATURE_MAPS = {
+    "identity": FeatureMapInfo(fused=0, causal=True, nonnegative=False),
+    "relu": FeatureMapInfo(fused=1, causal=True, nonnegative=True),
+    "elu": FeatureMapInfo(fused=2, causal=True, nonnegative=True),
+    "exp": FeatureMapInfo(fused=None, causal=False, nonnegative=True),
+    "focused": FeatureMapInfo(fused=None, causal=True, nonnegative=True, stateful=True),
+    "performer": FeatureMapInfo(fused=None, causal=False, nonnegative=True, stateful=True),
+}
+# name -> in-kernel code of the maps the Triton kernels apply themselves
+FUSED_FEATURE_MAPS = {name: info.fused for name, info in FEATURE_MAPS.items() if info.fused is not None}
+
+
+def feature_maps_where(**properties: bool) -> Tuple[str, ...]:
+    """The names of :data:`FEATURE_MAPS` with every given property (e.g. ``causal=True``), in table order."""
+    return tuple(name for name, info in FEATURE_MAPS.items()
+                 if all(bool(getattr(info, key)) == value for key, value in properties.items()))
+
+
+def feature_map_info(name: str) -> Optional[FeatureMapInfo]:
+    """The :class:`FeatureMapInfo` of a map's name (aliases allowed), None for a name not in the table."""
+    return FEATURE_MAPS.get(feature_map_name(name))
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -61,12 +61,11 @@ import triton.language as tl
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from .common import (DEFAULT_EPS, KERNEL_NAMES, RopeSpec, check_eps, check_int, check_qkv, check_rope,
-                     feature_map_name)
+from .common import (DEFAULT_EPS, FUSED_FEATURE_MAPS, KERNEL_NAMES, RopeSpec, check_eps, check_int, check_qkv,
+                     check_rope, feature_map_name)
 
 __all__ = ["linear_attention_triton", "unsupported_reason", "FUSED_FEATURE_MAPS", "MIN_HEAD_DIM", "MAX_HEAD_DIM"]
 
-FUSED_FEATURE_MAPS = {"identity": 0, "relu": 1, "elu": 2}
 MIN_HEAD_DIM = 16
 MAX_HEAD_DIM = 128
 MAX_VALUE_DIM = 128
@@ -823,15 +822,19 @@ def unsupported_reason(q: Tensor, k: Tensor, v: Tensor, feature_map: str, rope: 
     return None
 
 
-def _autocast(q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    """fp32 inputs under ``torch.autocast`` for their device run in the autocast dtype (fp16 or bf16)."""
+def _autocast(q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor, Tensor, Optional[torch.dtype]]:
+    """The operands of fp32 inputs under ``torch.autocast`` for their device, and the dtype of the result (None: q's).
+
+    bf16 autocast: bf16 operands (bf16 spans fp32's range, so no input overflows). fp16 autocast: the fp32 inputs
+    as they are, since they may be features computed in fp32 on purpose (a power or an exp) that exceed fp16's
+    65504. Either way the kernels accumulate in fp32 and the result has the autocast dtype."""
     device = q.device.type
     if q.dtype != torch.float32 or device not in ("cuda", "cpu") or not torch.is_autocast_enabled(device):
-        return q, k, v
+        return q, k, v, None
     dtype = torch.get_autocast_dtype(device)
-    if dtype not in (torch.float16, torch.bfloat16):
-        return q, k, v
-    return q.to(dtype), k.to(dtype), v.to(dtype)
+    if dtype == torch.bfloat16:
+        return q.to(dtype), k.to(dtype), v.to(dtype), dtype
+    return q, k, v, (dtype if dtype == torch.float16 else None)
 
 
 def linear_attention_triton(
@@ -846,15 +849,16 @@ def linear_attention_triton(
     rope: a :class:`~.common.RopeSpec` (``linvision.ops.Rope`` is one), applied in-kernel to the numerator; frequencies
     that require grad (learnable mixed RoPE) get their gradient from the backward kernels.
     split_tokens: tokens per split of the reductions over N (0: chosen from the GPU's size).
-    Returns (B, H, Nq, Dv) in q's dtype (the autocast dtype for fp32 inputs under ``torch.autocast``), a view of
-    token-major (B, Nq, H, Dv) memory: ``o.transpose(1, 2).reshape(B, Nq, H * Dv)`` is free;
+    Returns (B, H, Nq, Dv) in q's dtype (the autocast dtype for fp32 inputs under ``torch.autocast``, which run
+    with bf16 operands under bf16 autocast and fp32 operands under fp16 autocast), a view of token-major
+    (B, Nq, H, Dv) memory: ``o.transpose(1, 2).reshape(B, Nq, H * Dv)`` is free;
     differentiable in q, k, v and the RoPE frequencies.
 
     Raises TypeError / ValueError for invalid inputs (see :func:`~.common.check_qkv`) and ValueError with the
     reason when the kernels cannot run the call.
     """
     check_qkv(q, k, v, same_tokens=rope is not None)
-    q, k, v = _autocast(q, k, v)
+    q, k, v, result_dtype = _autocast(q, k, v)
     if not isinstance(feature_map, str):
         raise TypeError(f"feature_map: expected the name of a fused map (str), got {type(feature_map).__name__}")
     if feature_map_name(feature_map) not in FUSED_FEATURE_MAPS:
@@ -881,4 +885,4 @@ def linear_attention_triton(
     o, _, _ = torch.ops.linvision.linear_attention_fwd(
         q, k, v, feature_map_name(feature_map), freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens
     )
-    return o
+    return o if result_dtype is None else o.to(result_dtype)

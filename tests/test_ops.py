@@ -81,7 +81,7 @@ def test_noncausal_matches_explicit(name, n, use_rope):
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("name", ["elu", "relu", "exp"])
+@pytest.mark.parametrize("name", ["elu", "relu", "focused"])
 @pytest.mark.parametrize("n,chunk", [(1, 4), (7, 4), (33, 8), (197, 64)])
 @pytest.mark.parametrize("use_rope", [False, True])
 def test_causal_matches_masked_formula_and_recurrence(name, n, chunk, use_rope):
@@ -90,8 +90,6 @@ def test_causal_matches_masked_formula_and_recurrence(name, n, chunk, use_rope):
     rope = Rope(*axial_rope_freqs(d), grid=grid_for(n), num_prefix_tokens=0) if use_rope else None
     chunked = causal_linear_attention(q, k, v, name, rope=rope, chunk_size=chunk)
     torch.testing.assert_close(chunked, explicit_linear_attention(q, k, v, name, rope=rope, causal=True))
-    if name == "exp":
-        return  # exp's key stabiliser is a max over all keys: the recurrence cannot see future keys
     state, steps = None, []
     for t in range(n):
         o, state = linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], state, name, rope=rope)
@@ -181,7 +179,7 @@ def test_gradients_match_explicit_formula():
     for name in ["elu", "relu", "exp", "focused"]:
         q, k, v = (t.requires_grad_() for t in rand_qkv(1, 2, n, d + 2, dv, seed=3))
         torch.autograd.gradcheck(lambda q, k, v: linear_attention(q, k, v, name, rope=rope), (q, k, v))
-        for causal in (False, True):
+        for causal in (False, True) if name != "exp" else (False,):  # exp is non-causal only
             out = linear_attention(q, k, v, name, rope=rope, causal=causal, chunk_size=4)
             ref = explicit_linear_attention(q, k, v, name, rope=rope, causal=causal)
             w = torch.randn_like(out)
@@ -303,11 +301,71 @@ def test_bad_inputs_raise_clear_errors():
             fn()
 
 
-def test_triton_backend_without_kernels_raises_and_auto_falls_back():
+def test_triton_backend_without_kernels_raises_and_auto_falls_back(monkeypatch):
+    from linvision.ops import record_backends
+    from linvision.ops.linear_attention import dispatch
+
     q, k, v = rand_qkv(1, 1, 5, 16, 16, dtype=torch.float32)
     with pytest.raises(ValueError, match="backend: 'triton' cannot run this call"):
         linear_attention(q, k, v, "exp", backend="triton")  # exp is not a fused map
-    torch.testing.assert_close(linear_attention(q, k, v, "elu", backend="auto"), linear_attention(q, k, v, "elu", backend="torch"))
+    # "auto" treating CPU tensors as it treats CUDA ones, on a call the kernels cannot run (head dim 6): it must
+    # warn once with the reason, run PyTorch, and give the explicit formula's values
+    q, k, v = rand_qkv(1, 1, 5, 6, 16, dtype=torch.float32)
+    monkeypatch.setattr(dispatch, "_AUTO_DEVICES", ("cpu",))
+    monkeypatch.setattr(dispatch, "_WARNED", set())
+    with record_backends() as used, pytest.warns(RuntimeWarning, match="not the fused kernels: .*head dim 6"):
+        got = linear_attention(q, k, v, "elu", backend="auto")
+    assert used == {("linear_attention", "torch")}
+    torch.testing.assert_close(got.double(), explicit_linear_attention(q, k, v, "elu"), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["exp", "performer"])
+def test_causal_forms_refuse_maps_with_a_global_key_stabiliser(name):
+    """exp and performer scale every key by one constant, the max over all tokens: in a causal form a late large key
+    would push every earlier prefix's keys to underflow (rows 0-4 off by ~1 against the exact formula), so every
+    causal, step and recurrent op refuses them and says why; the non-causal op keeps them."""
+    from linvision.ops import (bidirectional_delta_rule_attention, bidirectional_gated_linear_attention,
+                               decay_linear_attention, decay_linear_attention_step, delta_rule_attention,
+                               delta_rule_step, gated_linear_attention)
+
+    q, k, v = rand_qkv(1, 2, 9, 8, 4)
+    phi = PerformerFeatureMap(8, generator=torch.Generator().manual_seed(0)) if name == "performer" else name
+    gate, beta = torch.full((1, 2, 9), -0.1), torch.full((1, 2, 9), 0.5)
+    calls = {
+        "causal": lambda: causal_linear_attention(q, k, v, phi),
+        "linear_attention(causal=True)": lambda: linear_attention(q, k, v, phi, causal=True),
+        "step": lambda: linear_attention_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], None, phi),
+        "decay": lambda: decay_linear_attention(q, k, v, 0.9, phi),
+        "decay step": lambda: decay_linear_attention_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], 0.9, None, phi),
+        "gated": lambda: gated_linear_attention(q, k, v, gate, phi),
+        "bidirectional gated": lambda: bidirectional_gated_linear_attention(q, k, v, gate, phi),
+        "delta": lambda: delta_rule_attention(q, k, v, beta, phi),
+        "delta step": lambda: delta_rule_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], beta[:, :, 0], None, phi),
+        "bidirectional delta": lambda: bidirectional_delta_rule_attention(q, k, v, beta, phi),
+    }
+    for what, call in calls.items():
+        with pytest.raises(ValueError, match=f"feature_map: '{name}' is for non-causal attention only"):
+            call()
+    assert linear_attention(q, k, v, phi).isfinite().all()
+
+
+def test_one_table_of_feature_maps():
+    """Every list of maps derives from linvision.ops.common.FEATURE_MAPS: the names get_feature_map takes, the
+    kernels' fused maps, the mixers' maps; performer by name is refused (it would draw a projection per call)."""
+    from linvision.kernels.common import FUSED_FEATURE_MAPS as KERNEL_FUSED
+    from linvision.layers.mixers import LAYER_FEATURE_MAPS
+    from linvision.ops import FEATURE_MAP_NAMES
+    from linvision.ops.common import FEATURE_MAP_ALIASES, FEATURE_MAPS, FUSED_FEATURE_MAPS
+
+    assert set(FEATURE_MAP_NAMES) == set(FEATURE_MAPS) | set(FEATURE_MAP_ALIASES)
+    assert FUSED_FEATURE_MAPS is KERNEL_FUSED and set(FUSED_FEATURE_MAPS) == {"identity", "relu", "elu"}
+    assert LAYER_FEATURE_MAPS == tuple(n for n, i in FEATURE_MAPS.items() if i.nonnegative)
+    for name in FEATURE_MAPS:
+        if name == "performer":
+            with pytest.raises(ValueError, match="'performer' by name would draw a new random projection"):
+                get_feature_map(name)
+        else:
+            assert get_feature_map(name).name == name
 
 
 def test_grid_check():

@@ -244,8 +244,8 @@ def test_causal_delta_and_decay_on_kernels():
 
 
 def test_fp32_inputs_run_with_fp16_operands():
-    """fp32 inputs run with fp16 operands, fp32 accumulation and an fp32 result (as autocast would run them), within
-    the fp16 tolerance of float64; under bf16 autocast the operands are bf16."""
+    """fp32 inputs run with fp16 operands, fp32 accumulation and an fp32 result, within the fp16 tolerance of
+    float64; under bf16 autocast the same (the ops turn autocast off around themselves) with a bf16 result."""
     q, k, v, beta, lg = _inputs(n=100, gate="head")
     x = [t.float() for t in (q, k, v)]
     out = bidirectional_delta_rule_attention(*x, beta.float(), backend="triton")
@@ -256,7 +256,9 @@ def test_fp32_inputs_run_with_fp16_operands():
     _assert_close_to("gated fp32", out, naive_bidirectional_gated(q, k, v, lg), TOL_OUT)
     assert recurrent_kernels.operand_dtype(torch.float32, torch.device(DEVICE)) == torch.float16
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
-        assert recurrent_kernels.operand_dtype(torch.float32, torch.device(DEVICE)) == torch.bfloat16
+        amp = bidirectional_gated_linear_attention(*x, lg.float(), backend="triton")
+    assert amp.dtype == torch.bfloat16
+    torch.testing.assert_close(amp, out.bfloat16(), rtol=0, atol=0)
     assert recurrent_kernels.operand_dtype(torch.bfloat16, torch.device(DEVICE)) == torch.bfloat16
 
 

@@ -311,7 +311,14 @@ def test_bad_options_raise_one_line_errors():
     for name in ("rala", "mala", "bidir_delta"):  # "none" is the Gated CNN mixer's name, not a feature map
         with pytest.raises(ValueError, match="'none' names the Gated CNN token mixer.*'identity'"):
             create_mixer(name, 32, 2, feature_map="none")
-    assert create_mixer("rala", 32, 2, feature_map="identity").feature_map == "identity"
+    # the normalised mixers need phi >= 0; the delta rule (L2-normalised keys, no denominator) takes the identity
+    for name in ("linear", "rala", "mala", "bidir_gated"):
+        with pytest.raises(ValueError, match="'identity' does not fit this mixer .*nonnegative.*allowed: relu, elu"):
+            create_mixer(name, 32, 2, feature_map="identity")
+    assert create_mixer("bidir_delta", 32, 2, feature_map="identity").feature_map == "identity"
+    for name in ("bidir_delta", "bidir_gated", "bidir_decay"):  # scans: exact per prefix only
+        with pytest.raises(ValueError, match="'exp' does not fit this mixer .*causal"):
+            create_mixer(name, 32, 2, feature_map="exp")
     # one spelling: every mixer with a feature map takes its aliases and keeps the canonical name
     for name in ("linear", "rala", "mala", "bidir_delta", "bidir_gated"):
         assert create_mixer(name, 32, 2, feature_map="ELU+1").feature_map == "elu", name

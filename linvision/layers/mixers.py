@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from linvision.ops import (
     FeatureMap,
     FocusedFeatureMap,
+    PerformerFeatureMap,
     Rope,
     apply_rope,
     axial_rope,
@@ -42,8 +43,8 @@ from linvision.ops import (
     mixed_rope_freqs,
     softmax_attention,
 )
-
-from linvision.ops.common import feature_map_name
+from linvision.ops.common import FEATURE_MAPS, feature_map_name, feature_maps_where
+from linvision.ops.feature_maps import orthogonal_random_projection
 
 from .registry import TokenMixer, check_prefix_tokens, register_mixer
 
@@ -62,20 +63,30 @@ __all__ = [
 ]
 
 ROPE_TYPES = (None, "axial", "mixed")
-LAYER_FEATURE_MAPS = ("elu", "relu", "exp", "focused")
+# The maps of the normalised attention mixers (linear, hybrid, rala, mala): the non-negative ones of the table
+# linvision.ops.common.FEATURE_MAPS. Causal and recurrent mixers take those of them that are also causal.
+LAYER_FEATURE_MAPS = feature_maps_where(nonnegative=True)
 EPS_FORMS = ("mean", "sum")
 
 
-def check_feature_map(feature_map: str, head_dim: int) -> str:
-    """The canonical name of ``feature_map`` (lower case, an alias such as "elu+1" as "elu") if it names a feature
-    map of :func:`linvision.ops.get_feature_map` (ValueError otherwise,
-    at construction rather than in the first forward). "none" is refused: in the layers it names the Gated CNN
-    mixer; the map that leaves q and k as they are is "identity"."""
+def check_feature_map(feature_map: str, head_dim: int = 0, **needs: bool) -> str:
+    """The canonical name of ``feature_map`` (lower case, an alias such as "elu+1" as "elu") if it names a map of
+    :data:`linvision.ops.common.FEATURE_MAPS` with every property in ``needs`` (e.g. ``nonnegative=True`` for a
+    normalised attention, ``causal=True`` for a scan), else ValueError naming the allowed maps, at construction
+    rather than in the first forward. "none" is refused: in the layers it names the Gated CNN mixer; the map that
+    leaves q and k as they are is "identity". ``head_dim`` is accepted for older callers; no map needs it."""
     if isinstance(feature_map, str) and feature_map.lower() == "none":
         raise ValueError("feature_map: 'none' names the Gated CNN token mixer, not a feature map; the map that "
                          "leaves q and k unchanged is 'identity'")
-    get_feature_map(feature_map, dim=head_dim)
-    return feature_map_name(feature_map) if isinstance(feature_map, str) else feature_map
+    name = feature_map_name(feature_map) if isinstance(feature_map, str) else None
+    allowed = feature_maps_where(**needs)
+    if name in FEATURE_MAPS and name not in allowed:
+        missing = [key for key, value in needs.items() if bool(getattr(FEATURE_MAPS[name], key)) != value]
+        raise ValueError(f"feature_map: {name!r} does not fit this mixer (it needs a map that is "
+                         f"{' and '.join(missing)}); allowed: {', '.join(allowed)}")
+    if name not in allowed:
+        raise ValueError(f"feature_map: unknown {feature_map!r}; allowed: {', '.join(allowed)}")
+    return name
 
 
 class AttentionMixer(TokenMixer):
@@ -184,6 +195,31 @@ class AttentionMixer(TokenMixer):
         """The activation of the output gate: SiLU."""
         return F.silu(g)
 
+    def use_feature_map(self, feature_map: str, **needs: bool) -> None:
+        """Set ``self.feature_map`` to the canonical name of ``feature_map``, checked by :func:`check_feature_map`
+        against ``needs``. Performer's random projection becomes the persistent buffer ``performer_projection``
+        (saved with the weights, the same on every call, redrawn only by :meth:`redraw_feature_map`)."""
+        self.feature_map = check_feature_map(feature_map, **needs)
+        projection = None
+        if self.feature_map == "performer":
+            projection = orthogonal_random_projection(self.head_dim, self.head_dim)
+        self.register_buffer("performer_projection", projection, persistent=projection is not None)
+
+    def phi(self) -> FeatureMap:
+        """The feature map named by ``feature_map`` (Performer's reading this mixer's projection)."""
+        if self.performer_projection is not None:
+            return PerformerFeatureMap(self.head_dim, projection=self.performer_projection)
+        return get_feature_map(self.feature_map)
+
+    @torch.no_grad()
+    def redraw_feature_map(self, generator: Optional[torch.Generator] = None) -> None:
+        """Draw a new Performer projection in place (as Performer redraws during training); ValueError for a
+        mixer whose feature map has no random draw."""
+        if getattr(self, "performer_projection", None) is None:
+            raise ValueError(f"redraw_feature_map: the feature map {getattr(self, 'feature_map', None)!r} of "
+                             f"{type(self).__name__} draws nothing; only 'performer' has a projection to redraw")
+        self.phi().redraw(generator)
+
     def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
         """q, k, v: (B, heads, N, D) -> (B, heads, N, D). x: the mixer's input tokens (B, N, C), for mixers whose
         mixing depends on the data beyond q, k, v (e.g. forget gates)."""
@@ -219,7 +255,10 @@ class AttentionMixer(TokenMixer):
 class LinearAttention(AttentionMixer):
     """Non-causal linear attention (mean-normalised, fp32 state; RoPE on the numerator only).
 
-    feature_map: "elu" (elu+1), "relu", "exp" or "focused" (FLatten, with a learnable per-channel scale).
+    feature_map: one of :data:`LAYER_FEATURE_MAPS`: "elu" (elu+1), "relu", "exp", "focused" (FLatten, with a
+        learnable per-channel scale) or "performer" (a fixed random projection, the buffer
+        ``performer_projection``; :meth:`redraw_feature_map` draws a new one). The causal mixer takes those of
+        them that are exact per prefix (not "exp" or "performer").
     eps: denominator epsilon. eps_form "mean" (default): the eps of :func:`linvision.ops.linear_attention`,
         o = (sum_j ... / N) / (sum_j phi(q).phi(k_j) / N + eps), the same relative weight at any token count.
         "sum": o = (sum_j ...) / (sum_j phi(q).phi(k_j) + eps), the form of Sana and diffusers (eps 1e-15
@@ -233,25 +272,22 @@ class LinearAttention(AttentionMixer):
 
     def __init__(self, dim: int, num_heads: int, *, feature_map: str = "elu", eps: float = 1e-4,
                  eps_form: str = "mean", **kwargs):
-        feature_map = feature_map_name(feature_map) if isinstance(feature_map, str) else feature_map
-        if feature_map not in LAYER_FEATURE_MAPS:
-            raise ValueError(f"feature_map: unknown {feature_map!r}; allowed: {', '.join(LAYER_FEATURE_MAPS)}")
         if eps_form not in EPS_FORMS:
             raise ValueError(f"eps_form: unknown {eps_form!r}; allowed: {', '.join(EPS_FORMS)}")
         if eps_form == "sum" and self.causal:
             raise ValueError("eps_form: 'sum' is for non-causal attention only")
         super().__init__(dim, num_heads, **kwargs)
-        self.feature_map = feature_map
+        self.use_feature_map(feature_map, nonnegative=True, **({"causal": True} if self.causal else {}))
         self.eps = eps
         self.eps_form = eps_form
         # FLatten's focused map owns a learnable scale; the others have no parameters.
-        self.focus_scale = nn.Parameter(torch.zeros(self.head_dim)) if feature_map == "focused" else None
+        self.focus_scale = nn.Parameter(torch.zeros(self.head_dim)) if self.feature_map == "focused" else None
 
     def phi(self) -> FeatureMap:
         """The feature map named by ``feature_map``, applied to q and k (the focused map with this mixer's scale)."""
         if self.focus_scale is not None:
             return FocusedFeatureMap(scale=self.focus_scale)
-        return get_feature_map(self.feature_map)
+        return super().phi()
 
     def op_eps(self, num_keys: int) -> float:
         """The eps handed to :func:`linvision.ops.linear_attention` (mean form) for ``num_keys`` keys."""

@@ -25,7 +25,7 @@ from linvision.ops import (
 )
 from linvision.ops.rope import Rope
 
-from .mixers import AttentionMixer, check_feature_map
+from .mixers import AttentionMixer
 from .registry import register_mixer
 
 __all__ = ["BidirectionalRecurrentMixer", "BidirDecayAttention", "BidirGatedAttention", "BidirDeltaAttention"]
@@ -48,7 +48,8 @@ class BidirectionalRecurrentMixer(AttentionMixer):
     Args:
         dim: channels C (divisible by ``num_heads``); head dim D = C / num_heads.
         num_heads: heads.
-        feature_map: name of a feature map of :func:`linvision.ops.get_feature_map` applied to q and k.
+        feature_map: the map applied to q and k: a name of ``linvision.ops.common.FEATURE_MAPS`` that is exact in
+            a scan (``causal``; not "exp" or "performer") and, for the normalised forms, non-negative.
         column_major: also scan the column-major order and average with the raster-order result.
         chunk_size: chunk length of the chunked scans (32 was 10-20% faster than 64 on CPU at head dim 32).
         lepe: a 3x3 depthwise conv of v added to the output, as :class:`AttentionMixer`.
@@ -61,6 +62,8 @@ class BidirectionalRecurrentMixer(AttentionMixer):
     """
 
     takes_prefix_tokens = False  # the scans run along the raster order of the grid
+    # the scans are causal in each direction (no max-over-all-tokens stabiliser) and normalised (phi >= 0)
+    feature_map_needs = dict(causal=True, nonnegative=True)
 
     def __init__(
         self, dim: int, num_heads: int, *, feature_map: str = "elu", column_major: bool = False,
@@ -72,7 +75,7 @@ class BidirectionalRecurrentMixer(AttentionMixer):
         if backend not in BACKENDS:
             raise ValueError(f"backend: unknown {backend!r}; allowed: {', '.join(BACKENDS)}")
         self.backend = backend
-        self.feature_map = check_feature_map(feature_map, self.head_dim)
+        self.use_feature_map(feature_map, **self.feature_map_needs)
         self.column_major = column_major
         self.chunk_size = chunk_size
 
@@ -120,7 +123,7 @@ class BidirDecayAttention(BidirectionalRecurrentMixer):
     def scan(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor) -> Tensor:
         log_gate = self.log_decay.reshape(1, -1, 1)  # (1, heads, 1)
         return bidirectional_gated_linear_attention(
-            q, k, v, log_gate, self.feature_map, eps=self.eps, chunk_size=self.chunk_size, backend=self.backend
+            q, k, v, log_gate, self.phi(), eps=self.eps, chunk_size=self.chunk_size, backend=self.backend
         )
 
 
@@ -173,7 +176,7 @@ class BidirGatedAttention(BidirectionalRecurrentMixer):
         log_gate = F.logsigmoid(self.forget_gate(x).to(compute_dtype(x.dtype))) / self.forget_temperature
         log_gate = log_gate.reshape(b, n, self.num_heads, -1).transpose(1, 2)  # (B, heads, N, G)
         return bidirectional_gated_linear_attention(
-            q, k, v, log_gate, self.feature_map, eps=self.eps, chunk_size=self.chunk_size, backend=self.backend
+            q, k, v, log_gate, self.phi(), eps=self.eps, chunk_size=self.chunk_size, backend=self.backend
         )
 
     def extra_repr(self) -> str:
@@ -186,6 +189,8 @@ class BidirDeltaAttention(BidirectionalRecurrentMixer):
     with strength beta_t = sigmoid(w_h . x_t + b_h) per head; q and k are L2-normalised after the feature map
     (default identity), and the output is unnormalised. Options: :class:`BidirectionalRecurrentMixer`.
     """
+
+    feature_map_needs = dict(causal=True)  # unnormalised, keys L2-normalised: "identity" (signed) is its default
 
     def __init__(
         self, dim: int, num_heads: int, *, feature_map: str = "identity", column_major: bool = False,
@@ -200,5 +205,5 @@ class BidirDeltaAttention(BidirectionalRecurrentMixer):
 
     def scan(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor) -> Tensor:
         beta = torch.sigmoid(self.beta(x).to(compute_dtype(x.dtype))).transpose(1, 2)  # (B, heads, N), in (0, 1)
-        return bidirectional_delta_rule_attention(q, k, v, beta, self.feature_map, chunk_size=self.chunk_size,
+        return bidirectional_delta_rule_attention(q, k, v, beta, self.phi(), chunk_size=self.chunk_size,
                                                   backend=self.backend)

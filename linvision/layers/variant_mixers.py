@@ -39,7 +39,7 @@ from linvision.ops.attention_variants import (
     rank_augmented_linear_attention,
 )
 
-from .mixers import AttentionMixer, check_feature_map
+from .mixers import AttentionMixer
 from .registry import register_mixer
 
 __all__ = ["PolaAttention", "InLineAttention", "OutputModulation", "RALAttention", "RALAPremodAttention",
@@ -136,10 +136,11 @@ class RALAttention(OutputModulation, AttentionMixer):
     def __init__(self, dim: int, num_heads: int, *, feature_map: str = "elu", eps: float = 1e-6,
                  rope: Optional[str] = "axial", lepe: bool = True, gate: bool = True, **kwargs):
         super().__init__(dim, num_heads, rope=rope, lepe=lepe, gate=gate, **kwargs)
-        self.feature_map, self.eps = check_feature_map(feature_map, self.head_dim), eps
+        self.use_feature_map(feature_map, nonnegative=True)
+        self.eps = eps
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
-        return rank_augmented_linear_attention(q, k, v, self.feature_map, rope=rope, eps=self.eps)
+        return rank_augmented_linear_attention(q, k, v, self.phi(), rope=rope, eps=self.eps)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, feature_map={self.feature_map}, modulation={self.gate is not None}"
@@ -155,11 +156,12 @@ class RALAPremodAttention(AttentionMixer):
     def __init__(self, dim: int, num_heads: int, *, feature_map: str = "elu", eps: float = 1e-6,
                  modulation: bool = True, rope: Optional[str] = "axial", lepe: bool = True, **kwargs):
         super().__init__(dim, num_heads, rope=rope, lepe=lepe, **kwargs)
-        self.feature_map, self.eps = check_feature_map(feature_map, self.head_dim), eps
+        self.use_feature_map(feature_map, nonnegative=True)
+        self.eps = eps
         self.modulation = nn.Linear(dim, dim) if modulation else None
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
-        out = rank_augmented_linear_attention(q, k, v, self.feature_map, rope=rope, eps=self.eps)
+        out = rank_augmented_linear_attention(q, k, v, self.phi(), rope=rope, eps=self.eps)
         if self.modulation is None:
             return out
         b, nh, n, d = v.shape
@@ -176,10 +178,11 @@ class MALAttention(AttentionMixer):
     def __init__(self, dim: int, num_heads: int, *, feature_map: str = "elu", scale: Optional[float] = None,
                  eps: float = 1e-6, rope: Optional[str] = "axial", lepe: bool = True, **kwargs):
         super().__init__(dim, num_heads, rope=rope, lepe=lepe, **kwargs)
-        self.feature_map, self.scale, self.eps = check_feature_map(feature_map, self.head_dim), scale, eps
+        self.use_feature_map(feature_map, nonnegative=True)
+        self.scale, self.eps = scale, eps
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
-        return magnitude_aware_linear_attention(q, k, v, self.feature_map, scale=self.scale, rope=rope,
+        return magnitude_aware_linear_attention(q, k, v, self.phi(), scale=self.scale, rope=rope,
                                                 eps=self.eps)
 
     def extra_repr(self) -> str:

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .common import check_eps, check_grid, check_qkv, compute_dtype
+from .common import check_eps, check_grid, check_qkv, compute_dtype, full_precision
 
 from .feature_maps import FeatureMapArg, get_feature_map
 from .linear_attention import linear_attention
@@ -84,6 +84,7 @@ def _rope_for(rope: Optional[Rope], channels: int, name: str) -> None:
                          f"{rope.freqs_x.shape[-1] * 2} channels")
 
 
+@full_precision
 def polarity_linear_attention(
     q: Tensor, k: Tensor, v: Tensor, power: Union[float, Tensor] = 3.0, *, rope: Optional[Rope] = None,
     eps: float = 1e-6, backend: str = "auto",
@@ -131,6 +132,7 @@ def _unit_den_attention(q_aug: Tensor, k_aug: Tensor, v: Tensor, rope: Optional[
     return out * den.unsqueeze(-1)
 
 
+@full_precision
 def injective_linear_attention(
     q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = None, rope: Optional[Rope] = None,
     backend: str = "auto",
@@ -163,6 +165,7 @@ def _mapped_inputs(q: Tensor, k: Tensor, v: Tensor, feature_map: FeatureMapArg, 
     return _scale(scale, q.shape[-1]), phi_q, phi_k, vc
 
 
+@full_precision
 def rank_augmented_linear_attention(
     q: Tensor, k: Tensor, v: Tensor, feature_map: FeatureMapArg = "elu", *, scale: Optional[float] = None,
     rope: Optional[Rope] = None, eps: float = 1e-6, backend: str = "auto",
@@ -177,6 +180,7 @@ def rank_augmented_linear_attention(
                             backend=backend).to(q.dtype)
 
 
+@full_precision
 def magnitude_aware_linear_attention(
     q: Tensor, k: Tensor, v: Tensor, feature_map: FeatureMapArg = "elu", *, scale: Optional[float] = None,
     rope: Optional[Rope] = None, eps: float = 1e-6, backend: str = "auto",
@@ -192,6 +196,7 @@ def magnitude_aware_linear_attention(
     return _unit_den_attention(q_aug, k_aug, vc, _augmented_rope(rope), backend).to(q.dtype)
 
 
+@full_precision
 def agent_attention(
     q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], agent_grid: Tuple[int, int] = (7, 7), *,
     scale: Optional[float] = None,

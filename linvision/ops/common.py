@@ -9,6 +9,9 @@
 - :func:`is_tracing`, :func:`is_exporting`: whether a graph is being traced, so that nothing is cached then.
 - :func:`record_backends`, :func:`note_backend`: which path (fused kernels or PyTorch) each dispatching op took,
   for benchmarks and tests to report.
+- :func:`full_precision`: the decorator of every public op that turns ``torch.autocast`` off around it, so that its
+  sums, states and normalisers stay in the compute dtype, and hands back the autocast dtype.
+- :data:`FEATURE_MAPS`: the one table of named feature maps and where each may be used.
 
 The tensor checks, ``DEFAULT_EPS``, ``compute_dtype``, the feature-map names and ``RopeSpec`` are defined in
 :mod:`linvision.kernels.common`, because the kernels check their own direct calls with them and import nothing
@@ -17,14 +20,18 @@ from the ops; this module hands them on, so that an op imports its checks and co
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Set, Tuple
+import functools
+from typing import Callable, Iterator, List, Optional, Set, Tuple, TypeVar
 
 import torch
 
 from linvision.kernels.common import (
     DEFAULT_EPS,
     FEATURE_MAP_ALIASES,
+    FEATURE_MAPS,
     FLOAT_DTYPES,
+    FUSED_FEATURE_MAPS,
+    FeatureMapInfo,
     RopeSpec,
     check_eps,
     check_grid,
@@ -32,14 +39,19 @@ from linvision.kernels.common import (
     check_qkv,
     check_rope,
     compute_dtype,
+    feature_map_info,
     feature_map_name,
+    feature_maps_where,
 )
 
 __all__ = [
     "BACKENDS",
     "DEFAULT_EPS",
     "FEATURE_MAP_ALIASES",
+    "FEATURE_MAPS",
     "FLOAT_DTYPES",
+    "FUSED_FEATURE_MAPS",
+    "FeatureMapInfo",
     "RopeSpec",
     "check_backend",
     "check_eps",
@@ -47,8 +59,12 @@ __all__ = [
     "check_int",
     "check_qkv",
     "check_rope",
+    "autocast_dtype",
     "compute_dtype",
+    "feature_map_info",
     "feature_map_name",
+    "feature_maps_where",
+    "full_precision",
     "is_exporting",
     "is_tracing",
     "note_backend",
@@ -104,3 +120,44 @@ def note_backend(op: str, path: str) -> None:
     if _RECORDERS and not (torch.compiler.is_compiling() or is_exporting()):
         for used in _RECORDERS:
             used.add((op, path))
+
+
+def autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
+    """The dtype ``torch.autocast`` runs lower-precision ops in on ``device`` (fp16 or bf16), None when it is off."""
+    try:
+        enabled = torch.is_autocast_enabled(device.type)
+    except (RuntimeError, TypeError):  # a device type autocast does not know
+        return None
+    return torch.get_autocast_dtype(device.type) if enabled else None
+
+
+_Op = TypeVar("_Op", bound=Callable)
+
+
+def full_precision(op: _Op) -> _Op:
+    """Run ``op`` with ``torch.autocast`` off for the device of its first tensor argument.
+
+    Autocast would re-run the op's matrix products (einsum, matmul) in fp16 or bf16 and with them the sums over
+    tokens: a state, key sum or normaliser over 100k tokens overflows fp16 (65504) or loses bf16's few bits. The op
+    computes as it does without autocast (features, sums, states, solves and the division in fp32, float64 for
+    float64 inputs) and returns what autocast would: a result from fp32 inputs in the autocast dtype, one from
+    16-bit inputs in their dtype. Of a tuple result (an output and a state) only the first item is cast; a state
+    stays in the compute dtype. Without autocast the op runs untouched."""
+
+    @functools.wraps(op)
+    def run(*args, **kwargs):
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        amp = None if first is None else autocast_dtype(first.device)
+        if amp is None:
+            return op(*args, **kwargs)
+        with torch.autocast(first.device.type, enabled=False):
+            result = op(*args, **kwargs)
+        if isinstance(result, torch.Tensor):
+            return result.to(amp) if result.dtype == torch.float32 else result
+        if isinstance(result, tuple) and result and isinstance(result[0], torch.Tensor) \
+                and result[0].dtype == torch.float32:
+            items = (result[0].to(amp), *result[1:])
+            return type(result)(*items) if hasattr(result, "_fields") else type(result)(items)
+        return result
+
+    return run  # type: ignore[return-value]

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .common import FEATURE_MAP_ALIASES, compute_dtype, feature_map_name
+from .common import FEATURE_MAP_ALIASES, FEATURE_MAPS, compute_dtype, feature_map_info, feature_map_name
 
 __all__ = [
     "FeatureMap",
@@ -42,6 +42,8 @@ __all__ = [
     "get_feature_map",
     "FEATURE_MAP_NAMES",
     "FeatureMapArg",
+    "causal_features",
+    "check_causal_map",
     "featurize",
 ]
 
@@ -143,18 +145,29 @@ class PerformerFeatureMap(FeatureMap):
     ``to(device)`` moves the projection.
     """
 
-    def __init__(self, dim: int, num_features: Optional[int] = None, generator: Optional[torch.Generator] = None):
+    def __init__(self, dim: int, num_features: Optional[int] = None, generator: Optional[torch.Generator] = None,
+                 projection: Optional[Tensor] = None):
+        """A new projection of ``num_features`` (default ``dim``) rows drawn with ``generator``, or ``projection``
+        (num_features, dim) as it is (a module's buffer: the map then reads it, and a redraw fills it in place)."""
         self.dim = dim
-        self.num_features = num_features or dim
-        self.projection = orthogonal_random_projection(self.num_features, dim, generator)
+        if projection is not None:
+            if projection.dim() != 2 or projection.shape[1] != dim:
+                raise ValueError(f"projection: expected (num_features, {dim}), got {tuple(projection.shape)}")
+            self.num_features = projection.shape[0]
+            self.projection = projection
+        else:
+            self.num_features = num_features or dim
+            self.projection = orthogonal_random_projection(self.num_features, dim, generator)
         super().__init__("performer", self._apply)
 
     def _apply(self, x: Tensor, is_query: bool = True) -> Tensor:
         return performer_features(x, self.projection, is_query)
 
     def redraw(self, generator: Optional[torch.Generator] = None) -> None:
-        device = self.projection.device
-        self.projection = orthogonal_random_projection(self.num_features, self.dim, generator, device=device)
+        """A new projection, written into the held tensor (so a module's buffer holding it is redrawn too)."""
+        with torch.no_grad():
+            fresh = orthogonal_random_projection(self.num_features, self.dim, generator)
+            self.projection.copy_(fresh.to(self.projection))
 
     def to(self, device) -> "PerformerFeatureMap":
         self.projection = self.projection.to(device)
@@ -182,7 +195,8 @@ _NAMED = {
     "exp": exp_features,
     "identity": identity_features,
 }
-FEATURE_MAP_NAMES = tuple(sorted(set(_NAMED) | set(FEATURE_MAP_ALIASES) | {"focused", "performer"}))
+# every name get_feature_map takes: the table of linvision.kernels.common.FEATURE_MAPS and its aliases
+FEATURE_MAP_NAMES = tuple(sorted(set(FEATURE_MAPS) | set(FEATURE_MAP_ALIASES)))
 
 
 FeatureMapArg = Union[str, Callable, FeatureMap]
@@ -191,10 +205,11 @@ FeatureMapArg = Union[str, Callable, FeatureMap]
 def get_feature_map(feature_map: FeatureMapArg, dim: Optional[int] = None) -> FeatureMap:
     """Resolve a name or callable to a :class:`FeatureMap`.
 
-    Names: ``elu`` (alias ``elu+1``), ``relu``, ``exp``, ``identity``, ``focused`` (p=3, unit scale),
-    ``performer`` (needs ``dim``; draws a projection with torch's global generator — hold a
-    :class:`PerformerFeatureMap` yourself to control and redraw it). A callable may take ``(x)`` or
-    ``(x, is_query)``. Raises ValueError for an unknown name and TypeError for anything else.
+    Names (:data:`FEATURE_MAP_NAMES`): ``elu`` (alias ``elu+1``), ``relu``, ``exp``, ``identity``, ``focused``
+    (p=3, unit scale). ``performer`` is refused by name: it would draw a new random projection on every call, so
+    two identical calls would differ; hold a :class:`PerformerFeatureMap` (or use a mixer, which keeps its
+    projection as a buffer). A callable may take ``(x)`` or ``(x, is_query)``. Raises ValueError for an unknown
+    name and TypeError for anything else. ``dim`` is accepted for callers that pass the head dim; no map needs it.
     """
     if isinstance(feature_map, FeatureMap):
         return feature_map
@@ -205,9 +220,8 @@ def get_feature_map(feature_map: FeatureMapArg, dim: Optional[int] = None) -> Fe
         if name == "focused":
             return FocusedFeatureMap()
         if name == "performer":
-            if dim is None:
-                raise ValueError("feature_map: 'performer' by name needs the head dim; pass a PerformerFeatureMap")
-            return PerformerFeatureMap(dim)
+            raise ValueError("feature_map: 'performer' by name would draw a new random projection on every call; "
+                             "pass a PerformerFeatureMap, which holds one")
         raise ValueError(f"feature_map: unknown name {feature_map!r}; allowed: {', '.join(FEATURE_MAP_NAMES)} or a callable")
     if callable(feature_map):
         try:
@@ -222,7 +236,27 @@ def get_feature_map(feature_map: FeatureMapArg, dim: Optional[int] = None) -> Fe
     raise TypeError(f"feature_map: expected a name or a callable, got {type(feature_map).__name__}")
 
 
+def check_causal_map(phi: FeatureMap, op: str) -> FeatureMap:
+    """``phi`` if it is exact in causal, step and recurrent forms, else ValueError naming ``op`` and the reason
+    (``exp``, ``performer``: their key stabiliser is a max over all tokens, future ones included)."""
+    info = feature_map_info(phi.name)
+    if info is not None and not info.causal:
+        allowed = ", ".join(n for n, i in FEATURE_MAPS.items() if i.causal)
+        raise ValueError(
+            f"feature_map: {phi.name!r} is for non-causal attention only ({op} refuses it): its key stabiliser is "
+            f"a max over all tokens, so a later key would change earlier outputs; allowed here: {allowed}"
+        )
+    return phi
+
+
 def featurize(phi: FeatureMap, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """(phi(q), phi(k), v), all three in the compute dtype (fp32, float64 for float64 inputs)."""
     cdt = compute_dtype(q.dtype)
     return phi(q.to(cdt), True), phi(k.to(cdt), False), v.to(cdt)
+
+
+def causal_features(feature_map: FeatureMapArg, q: Tensor, k: Tensor, v: Tensor, op: str
+                    ) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`featurize` for a causal, step or recurrent op ``op``: the map resolved and checked by
+    :func:`check_causal_map` first."""
+    return featurize(check_causal_map(get_feature_map(feature_map), op), q, k, v)

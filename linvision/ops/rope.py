@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -61,18 +61,22 @@ class _RecentCache(OrderedDict):
         return value
 
 
-# Tensors on the device they are used on: bounded, so varied input sizes do not hold memory without end.
+# Tensors on the device they are used on: bounded, so varied input sizes do not hold memory without end. Every key
+# holds whether inference mode is on: tensors made under torch.inference_mode() are inference tensors, which autograd
+# refuses to save for a backward, so a table made there is never handed to a call outside it (a forward under
+# inference_mode, then a training step, would fail), and the other way round costs nothing but a second entry.
 CACHE_SIZE = 32
 _POSITION_CACHE: _RecentCache = _RecentCache(CACHE_SIZE)  # (H, W, device) -> (rows, cols)
 _AXIAL_CACHE: _RecentCache = _RecentCache(CACHE_SIZE)  # axial_rope's arguments -> Rope (with its tables)
 
 
 def grid_positions(height: int, width: int, device=None) -> Tuple[Tensor, Tensor]:
-    """(rows, cols) of the H*W grid in raster order, fp32, each of shape (H*W,). Cached per (H, W, device) for the
-    last ``CACHE_SIZE`` grids, except while a graph is traced (the positions are then computed in the graph)."""
+    """(rows, cols) of the H*W grid in raster order, fp32, each of shape (H*W,). Cached per (H, W, device, inference
+    mode) for the last ``CACHE_SIZE`` grids, except while a graph is traced (the positions are then computed in the
+    graph)."""
     device = torch.device(device or "cpu")
     tracing = is_tracing(height, width)
-    key = None if tracing else (height, width, str(device))
+    key = None if tracing else (height, width, str(device), torch.is_inference_mode_enabled())
     cached = None if tracing else _POSITION_CACHE.lookup(key)
     if cached is not None:
         return cached
@@ -92,10 +96,12 @@ class Rope(RopeSpec):
 
     freqs_x, freqs_y: fp32 tensors of shape (P,) or (heads, P); P = D / 2 channel pairs.
     grid: (H, W). offset: (row, col) added to every grid position (a shift; outputs of RoPE attention do not
-    depend on it). Tables are computed on first use and kept on the object when the frequencies need no grad.
+    depend on it). Tables are computed on first use and kept on the object when the frequencies need no grad, one
+    pair made under ``torch.inference_mode()`` and one made outside it (an inference tensor cannot be saved for a
+    backward).
     """
 
-    _tables: Optional[Tuple[Tensor, Tensor]] = field(default=None, repr=False)
+    _tables: Optional[Dict[bool, Tuple[Tensor, Tensor]]] = field(default=None, repr=False)
 
     def angles(self) -> Tensor:
         """(heads or 1, N, P) fp32 rotation angles; rows of prefix tokens are zero."""
@@ -112,12 +118,13 @@ class Rope(RopeSpec):
 
     def tables(self) -> Tuple[Tensor, Tensor]:
         """(cos, sin), each (heads or 1, N, P) fp32."""
-        if self._tables is not None:
-            return self._tables
+        inference = torch.is_inference_mode_enabled()
+        if self._tables is not None and inference in self._tables:
+            return self._tables[inference]
         ang = self.angles()
         tables = (ang.cos(), ang.sin())
         if not (self.freqs_x.requires_grad or self.freqs_y.requires_grad or is_tracing(*self.grid)):
-            self._tables = tables
+            self._tables = {**(self._tables or {}), inference: tables}
         return tables
 
 
@@ -204,14 +211,14 @@ def rope_1d(dim: int, num_tokens: int, theta: float = 10000.0, num_prefix_tokens
 def axial_rope(dim: int, grid: Tuple[int, int], theta: float = 100.0, num_prefix_tokens: int = 0, device=None, *,
                row_first: bool = False, endpoint: bool = False, num_heads: int = 1) -> Rope:
     """2D axial RoPE for an H x W grid (frequencies: :func:`axial_rope_freqs`); the object and its fp32 tables are
-    cached per (dim, H, W, theta, prefix, device, row_first, endpoint, num_heads) for the last ``CACHE_SIZE`` such
-    keys, except while a graph is traced."""
+    cached per (dim, H, W, theta, prefix, device, row_first, endpoint, num_heads, inference mode) for the last
+    ``CACHE_SIZE`` such keys, except while a graph is traced."""
     grid = check_grid(grid)
     if is_tracing(*grid):  # a traced graph computes the tables itself: nothing cached, nothing taken from the cache
         fx, fy = axial_rope_freqs(dim, theta, row_first=row_first, endpoint=endpoint, num_heads=num_heads)
         return Rope(fx.to(device), fy.to(device), grid, num_prefix_tokens)
     key = (dim, grid, float(theta), num_prefix_tokens, str(torch.device(device or "cpu")), row_first, endpoint,
-           num_heads)
+           num_heads, torch.is_inference_mode_enabled())
     cached = _AXIAL_CACHE.lookup(key)
     if cached is None:
         fx, fy = axial_rope_freqs(dim, theta, row_first=row_first, endpoint=endpoint, num_heads=num_heads)

@@ -5,8 +5,8 @@ from typing import Optional
 
 from torch import Tensor
 
-from ..common import DEFAULT_EPS, check_int, check_qkv, check_rope
-from ..feature_maps import FeatureMap, FeatureMapArg, get_feature_map
+from ..common import DEFAULT_EPS, check_int, check_qkv, check_rope, full_precision
+from ..feature_maps import FeatureMap, FeatureMapArg, check_causal_map, get_feature_map
 from ..recurrent.gated_chunk import normalized_gated_chunk_scan
 from ..rope import Rope
 from .reference import check_options, rotated_features
@@ -17,12 +17,13 @@ __all__ = ["causal_attention", "causal_linear_attention"]
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, phi: FeatureMap, rope: Optional[Rope], eps: float,
                      chunk_size: int) -> Tensor:
     """:func:`causal_linear_attention` on inputs already checked, with the feature map resolved."""
-    phi_q, phi_k, rot_q, rot_k, vc = rotated_features(q, k, v, phi, rope)
+    phi_q, phi_k, rot_q, rot_k, vc = rotated_features(q, k, v, check_causal_map(phi, "causal attention"), rope)
     rotated = None if rope is None else (rot_q, rot_k)
     num, den, count, _ = normalized_gated_chunk_scan(phi_q, phi_k, vc, None, chunk_size, rotated=rotated)
     return (num / (den + count * eps).unsqueeze(-1)).to(q.dtype)  # = (num / i) / (den / i + eps)
 
 
+@full_precision
 def causal_linear_attention(
     q: Tensor, k: Tensor, v: Tensor, feature_map: FeatureMapArg = "elu", *, rope: Optional[Rope] = None,
     eps: float = DEFAULT_EPS, chunk_size: int = 64,

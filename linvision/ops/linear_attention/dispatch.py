@@ -7,7 +7,7 @@ from typing import Optional, Set
 
 from torch import Tensor
 
-from ..common import DEFAULT_EPS, check_int, check_qkv, check_rope, is_exporting, note_backend
+from ..common import DEFAULT_EPS, check_int, check_qkv, check_rope, full_precision, is_exporting, note_backend
 from ..feature_maps import FeatureMap, FeatureMapArg, get_feature_map
 from ..rope import Rope
 from .chunk import causal_attention
@@ -58,6 +58,7 @@ def _fused(
     return None
 
 
+@full_precision
 def linear_attention(
     q: Tensor, k: Tensor, v: Tensor, feature_map: FeatureMapArg = "elu", *, rope: Optional[Rope] = None,
     causal: bool = False, eps: float = DEFAULT_EPS, backend: str = "auto", chunk_size: int = 64,

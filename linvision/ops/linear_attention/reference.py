@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..common import DEFAULT_EPS, check_backend, check_eps, check_qkv, check_rope, is_tracing
+from ..common import DEFAULT_EPS, check_backend, check_eps, check_qkv, check_rope, full_precision, is_tracing
 from ..feature_maps import FeatureMap, FeatureMapArg, featurize, get_feature_map
 from ..rope import Rope, apply_rope
 
@@ -119,6 +119,7 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, phi: FeatureMap, rope: 
     return _linear_attention_pieces(*rotated_features(q, k, v, phi, rope), eps)[0].to(q.dtype)
 
 
+@full_precision
 def linear_attention_reference(
     q: Tensor, k: Tensor, v: Tensor, feature_map: FeatureMapArg = "elu", *, rope: Optional[Rope] = None,
     eps: float = DEFAULT_EPS,

@@ -5,8 +5,8 @@ from typing import Optional, Tuple
 
 from torch import Tensor
 
-from ..common import DEFAULT_EPS, check_qkv
-from ..feature_maps import FeatureMapArg, featurize, get_feature_map
+from ..common import DEFAULT_EPS, check_qkv, full_precision
+from ..feature_maps import FeatureMapArg, causal_features
 from ..recurrent.gated_step import gated_step
 from ..recurrent.state import RecurrentState, check_state
 from ..rope import Rope, rotate_pairs
@@ -18,6 +18,7 @@ __all__ = ["LinearAttentionState", "linear_attention_step"]
 LinearAttentionState = RecurrentState
 
 
+@full_precision
 def linear_attention_step(
     q: Tensor, k: Tensor, v: Tensor, state: Optional[RecurrentState] = None,
     feature_map: FeatureMapArg = "elu", *, rope: Optional[Rope] = None, eps: float = DEFAULT_EPS,
@@ -30,7 +31,7 @@ def linear_attention_step(
     check_qkv(q, k, v)
     eps = check_options(eps, "torch", rope)
     state = check_state(state, q, v, 1)
-    phi_q, phi_k, vc = (t[:, :, 0] for t in featurize(get_feature_map(feature_map, dim=q.shape[-1]), q, k, v))
+    phi_q, phi_k, vc = (t[:, :, 0] for t in causal_features(feature_map, q, k, v, "linear_attention_step"))
     rotated = None
     if rope is not None:
         t = 0 if state is None else state.num_tokens

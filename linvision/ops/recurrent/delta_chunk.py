@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..common import check_int, check_qkv, compute_dtype, is_exporting
-from ..feature_maps import FeatureMapArg, featurize, get_feature_map
+from ..common import check_int, check_qkv, compute_dtype, full_precision, is_exporting
+from ..feature_maps import FeatureMapArg, causal_features
 from . import kernels as fla_kernels
 from .scan import Scan, chain, chunk_length, read_mask, to_chunks, unit_lower_solve
 from .state import RecurrentState, check_state
@@ -33,7 +33,7 @@ def delta_features(
     q: Tensor, k: Tensor, v: Tensor, feature_map: FeatureMapArg, l2_normalize: bool
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """phi(q), phi(k) (L2-normalised by default) and v in the compute dtype."""
-    phi_q, phi_k, vc = featurize(get_feature_map(feature_map, dim=q.shape[-1]), q, k, v)
+    phi_q, phi_k, vc = causal_features(feature_map, q, k, v, "the delta rule")
     if l2_normalize:
         phi_q, phi_k = F.normalize(phi_q, dim=-1), F.normalize(phi_k, dim=-1)
     return phi_q, phi_k, vc
@@ -91,6 +91,7 @@ def delta_chunk_scan(
     return Scan(out.reshape(b, h, -1, e)[:, :, :n], s.reshape(b, h, d, e))
 
 
+@full_precision
 def delta_rule_attention(
     q: Tensor, k: Tensor, v: Tensor, beta: Tensor, feature_map: FeatureMapArg = "identity", *,
     l2_normalize: bool = True, chunk_size: int = 64, state: Optional[RecurrentState] = None,
@@ -120,6 +121,7 @@ def delta_rule_attention(
     return (out, final) if return_state else out
 
 
+@full_precision
 def bidirectional_delta_rule_attention(
     q: Tensor, k: Tensor, v: Tensor, beta: Tensor, feature_map: FeatureMapArg = "identity", *,
     l2_normalize: bool = True, chunk_size: int = 64, backend: str = "auto",

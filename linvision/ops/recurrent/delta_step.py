@@ -6,7 +6,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..common import check_qkv
+from ..common import check_qkv, full_precision
 from ..feature_maps import FeatureMapArg
 from .delta_chunk import check_beta, delta_features
 from .state import RecurrentState, check_state
@@ -14,6 +14,7 @@ from .state import RecurrentState, check_state
 __all__ = ["delta_rule_step"]
 
 
+@full_precision
 def delta_rule_step(
     q: Tensor, k: Tensor, v: Tensor, beta: Tensor, state: Optional[RecurrentState] = None,
     feature_map: FeatureMapArg = "identity", *, l2_normalize: bool = True,

@@ -7,8 +7,8 @@ from typing import NamedTuple, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..common import DEFAULT_EPS, check_eps, check_int, check_qkv, compute_dtype
-from ..feature_maps import FeatureMapArg, featurize, get_feature_map
+from ..common import DEFAULT_EPS, check_eps, check_int, check_qkv, compute_dtype, full_precision
+from ..feature_maps import FeatureMapArg, causal_features
 from . import kernels as fla_kernels
 from .scan import chunk_length, chunk_states, read_mask, to_chunks
 from .state import RecurrentState, check_state
@@ -181,6 +181,7 @@ def normalized_gated_chunk_scan(
     return NormalizedScan(num, den, count, RecurrentState(s, z, c, n + (0 if state is None else state.num_tokens)))
 
 
+@full_precision
 def gated_linear_attention(
     q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, feature_map: FeatureMapArg = "elu", *,
     normalize: bool = True, eps: float = DEFAULT_EPS, chunk_size: int = 64, state: Optional[RecurrentState] = None,
@@ -207,6 +208,7 @@ def gated_linear_attention(
                             return_state, backend, "gated_linear_attention")
 
 
+@full_precision
 def decay_linear_attention(
     q: Tensor, k: Tensor, v: Tensor, decay: DecayArg, feature_map: FeatureMapArg = "elu", *,
     normalize: bool = True, eps: float = DEFAULT_EPS, chunk_size: int = 64, state: Optional[RecurrentState] = None,
@@ -228,7 +230,7 @@ def _gated_attention(
 ) -> Union[Tensor, Tuple[Tensor, RecurrentState]]:
     """The causal gated op on checked q, k, v, eps, chunk size and (B, H, N, G) log-gates; checks the state."""
     state = check_state(state, q, v, log_gate.shape[-1] if normalize else None)
-    phi_q, phi_k, vc = featurize(get_feature_map(feature_map, dim=q.shape[-1]), q, k, v)
+    phi_q, phi_k, vc = causal_features(feature_map, q, k, v, op)
     if fla_kernels.kernel_path(backend, q, v, op, gated=True):
         o, s, z, count = fla_kernels.gated_scan(
             phi_q, phi_k, vc, log_gate, dtype=q.dtype, normalize=normalize, eps=eps,
@@ -249,6 +251,7 @@ def _gated_attention(
     return (out, final) if return_state else out
 
 
+@full_precision
 def bidirectional_gated_linear_attention(
     q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, feature_map: FeatureMapArg = "elu", *,
     normalize: bool = True, eps: float = DEFAULT_EPS, chunk_size: int = 64, backend: str = "auto",
@@ -264,7 +267,7 @@ def bidirectional_gated_linear_attention(
     check_qkv(q, k, v)
     eps, chunk_size = check_eps(eps), check_int("chunk_size", chunk_size, 1)
     log_gate = check_log_gate(log_gate, q)
-    phi_q, phi_k, vc = featurize(get_feature_map(feature_map, dim=q.shape[-1]), q, k, v)
+    phi_q, phi_k, vc = causal_features(feature_map, q, k, v, "bidirectional_gated_linear_attention")
     if fla_kernels.kernel_path(backend, q, v, "bidirectional_gated_linear_attention", gated=True):
         return fla_kernels.bidirectional_gated(
             phi_q, phi_k, vc, log_gate, dtype=q.dtype, normalize=normalize, eps=eps).to(q.dtype)

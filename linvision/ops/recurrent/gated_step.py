@@ -7,8 +7,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..common import DEFAULT_EPS, check_eps, check_qkv
-from ..feature_maps import FeatureMapArg, featurize, get_feature_map
+from ..common import DEFAULT_EPS, check_eps, check_qkv, full_precision
+from ..feature_maps import FeatureMapArg, causal_features
 from .gated_chunk import DecayArg, check_log_gate, decay_log_gate
 from .state import RecurrentState, StepResult, check_state
 
@@ -38,6 +38,7 @@ def gated_step(
     return StepResult(num / den.unsqueeze(-1), RecurrentState(s, z, count, seen))
 
 
+@full_precision
 def gated_linear_attention_step(
     q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, state: Optional[RecurrentState] = None,
     feature_map: FeatureMapArg = "elu", *, normalize: bool = True, eps: float = DEFAULT_EPS,
@@ -52,6 +53,7 @@ def gated_linear_attention_step(
     return _gated_token(q, k, v, check_log_gate(log_gate, q)[:, :, 0], state, feature_map, normalize, eps)
 
 
+@full_precision
 def decay_linear_attention_step(
     q: Tensor, k: Tensor, v: Tensor, decay: DecayArg, state: Optional[RecurrentState] = None,
     feature_map: FeatureMapArg = "elu", *, normalize: bool = True, eps: float = DEFAULT_EPS,
@@ -68,6 +70,6 @@ def _gated_token(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, state: Optio
                  feature_map: FeatureMapArg, normalize: bool, eps: float) -> Tuple[Tensor, RecurrentState]:
     """One token of a gated op on checked q, k, v (B, H, 1, .), eps and (B, H, G) log-gates; checks the state."""
     state = check_state(state, q, v, log_gate.shape[-1] if normalize else None)
-    phi_q, phi_k, vc = (t[:, :, 0] for t in featurize(get_feature_map(feature_map, dim=q.shape[-1]), q, k, v))
+    phi_q, phi_k, vc = (t[:, :, 0] for t in causal_features(feature_map, q, k, v, "the gated step"))
     out, new_state = gated_step(phi_q, phi_k, vc, log_gate.exp(), state, normalize=normalize, eps=eps)
     return out.to(q.dtype), new_state

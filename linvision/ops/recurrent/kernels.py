@@ -20,9 +20,10 @@ widths). The count depends on the gates only, sum_j prod(gates crossed from j to
 cumulative log-gates, c_i = exp(C_i + logcumsumexp(-C)_i) forwards and likewise backwards, O(N) and exact to fp32.
 
 Precision. fla's operands are fp16 or bf16 (it refuses fp32 for the delta rule) with fp32 accumulation; its chunk
-states are stored in the operand dtype. fp16 and bf16 inputs run in their dtype; fp32 inputs run with fp16 operands
-(bf16 or fp16 under ``torch.autocast``, its dtype), fp32 accumulation and an fp32 result and final state; float64
-stays in PyTorch. The gated forms' sums grow with the decayed count, so their operands are scaled by powers of two,
+states are stored in the operand dtype. fp16 and bf16 inputs run in their dtype; fp32 inputs run with fp16 operands, fp32
+accumulation and an fp32 result and final state (under ``torch.autocast`` too: the ops turn autocast off around
+themselves, see :func:`linvision.ops.common.full_precision`, and hand back the autocast dtype); float64 stays in
+PyTorch. The gated forms' sums grow with the decayed count, so their operands are scaled by powers of two,
 which is exact: keys by 2^-ceil(log2 max c) per (batch, head) (the largest entry of an entering state, if larger,
 takes the count's place), so that the state is at most max phi(k) max |v|, and each query by
 2^-ceil(log2 |phi(q_i)|_1); the results are divided by the same factors in fp32 (the normalised forms scale the eps
@@ -144,13 +145,9 @@ def kernel_path(backend: str, q: Tensor, v: Tensor, op: str, gated: bool) -> boo
 
 
 def operand_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The kernels' operand dtype for inputs of ``dtype``: fp16 and bf16 as they are; fp32 as autocast would run it
-    (its dtype when ``torch.autocast`` is on for the device, else fp16)."""
-    if dtype in _HALF:
-        return dtype
-    if torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type) in _HALF:
-        return torch.get_autocast_dtype(device.type)
-    return torch.float16
+    """The kernels' operand dtype for inputs of ``dtype``: fp16 and bf16 as they are, fp32 as fp16 (more mantissa
+    than bf16; the gated sums are scaled into its range). ``device`` is kept for callers; it changes nothing."""
+    return dtype if dtype in _HALF else torch.float16
 
 
 # --- layout: linvision's (B, H, N, X) as fla's (B * H, N, 1, X), heads folded into the batch ---

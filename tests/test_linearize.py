@@ -125,6 +125,22 @@ def test_class_token_vit_mapping_and_rope_student():
     out = checkpoint_filter_fn(sd, lin)
     assert "cls_token" not in out
     torch.testing.assert_close(out["pos_embed"], sd["pos_embed"][:, 1:], rtol=0, atol=0)
+    # mean pooling puts the final norm after the pooling (timm's default): the teacher's norm goes there
+    assert "norm.weight" not in out
+    torch.testing.assert_close(out["fc_norm.weight"], sd["norm.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(out["fc_norm.bias"], sd["norm.bias"], rtol=0, atol=0)
+    before = timm.create_model("linvit_small_patch16_224", num_classes=10, class_token=False, global_pool="avg",
+                               fc_norm=False, **SHAPE)
+    kept = checkpoint_filter_fn(sd, before)
+    assert "fc_norm.weight" not in kept
+    torch.testing.assert_close(kept["norm.weight"], sd["norm.weight"], rtol=0, atol=0)
+    before.load_state_dict(kept)
+    # and back: an fc_norm ViT (mean-pooled) into a class-token student, whose norm is before the pooling
+    mean_vit = _vit(**HEADS["mean-fc-norm"]).state_dict()
+    token = timm.create_model("linvit_small_patch16_224", num_classes=10, **SHAPE)
+    moved = checkpoint_filter_fn(mean_vit, token)
+    torch.testing.assert_close(moved["norm.weight"], mean_vit["fc_norm.weight"], rtol=0, atol=0)
+    token.load_state_dict(moved)
     for i in range(SHAPE["depth"]):
         for part in ("qkv", "proj"):
             torch.testing.assert_close(out[f"blocks.{i}.mixer.{part}.weight"], sd[f"blocks.{i}.attn.{part}.weight"])

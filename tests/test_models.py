@@ -317,12 +317,48 @@ def test_reset_classifier_prune_and_global_pool():
     with pytest.raises(ValueError, match="global_pool"):
         vit.reset_classifier(0, global_pool="mean")
     no_class = _create("linvit_small_patch16_rope_224", num_classes=5, **SMALL_VIT, **MEAN_POOL).eval()
-    torch.testing.assert_close(no_class.forward_head(no_class.forward_features(x), pre_logits=True),
-                               no_class.forward_features(x).mean(1), rtol=0, atol=0)
+    with torch.no_grad():  # timm's default for "avg": the mean of the tokens, then the norm (fc_norm)
+        torch.testing.assert_close(no_class.forward_head(no_class.forward_features(x), pre_logits=True),
+                                   no_class.fc_norm(no_class.forward_features(x).mean(1)), rtol=0, atol=0)
+        before = _create("linvit_small_patch16_rope_224", num_classes=5, **SMALL_VIT, **MEAN_POOL, fc_norm=False)
+        before.eval().load_state_dict({k.replace("fc_norm.", "norm."): v for k, v in no_class.state_dict().items()})
+        tokens = before.forward_features(x)  # through the final norm: the mean of the normalised tokens
+        torch.testing.assert_close(tokens, before.norm(no_class.forward_features(x)), rtol=0, atol=0)
+        torch.testing.assert_close(before.forward_head(tokens, pre_logits=True), tokens.mean(1), rtol=0, atol=0)
     with pytest.raises(ValueError, match="global_pool: 'token' pools the class token"):
         no_class.reset_classifier(0, global_pool="token")
     with pytest.raises(ValueError, match="token mixer 'hybrid' cannot take prefix tokens"):
         _create("linvit_small_patch16_rope_224", token_mixer="hybrid", **SMALL_VIT)
+
+
+_DEFAULT = object()
+
+
+@pytest.mark.parametrize("fc_norm", [_DEFAULT, None, True, False], ids=["unset", "None", "True", "False"])
+@pytest.mark.parametrize("global_pool", ["token", "avg"])
+def test_final_norm_placement_follows_timm_vit(global_pool, fc_norm):
+    """norm (before the pooling) and fc_norm (after it): linvit has the same one as an Identity as timm's
+    VisionTransformer given the same arguments, its default (fc_norm unset) included."""
+    from torch import nn
+
+    args = dict(img_size=32, embed_dim=32, depth=1, num_heads=2, num_classes=3, global_pool=global_pool)
+    if fc_norm is not _DEFAULT:
+        args["fc_norm"] = fc_norm
+    ours = timm.create_model("linvit_small_patch16_224", **args)
+    theirs = timm.create_model("vit_small_patch16_224", **args)
+    placement = [(isinstance(m.norm, nn.Identity), isinstance(m.fc_norm, nn.Identity)) for m in (ours, theirs)]
+    assert placement[0] == placement[1] and sum(placement[0]) == 1, placement
+
+
+def test_registered_linvit_models_keep_the_norm_before_the_class_token_pooling():
+    """Every registered linvit pools the class token with the final norm before it, as DeiT (whose weights the
+    .deit_fb_in1k tags convert) has it."""
+    from torch import nn
+
+    for name in FAMILY_NAMES["linvit"]:
+        model = timm.create_model(name, depth=1)
+        assert model.global_pool == "token" and isinstance(model.fc_norm, nn.Identity), name
+        assert not isinstance(model.norm, nn.Identity), name
 
 
 @pytest.mark.parametrize("name, kwargs", [VIT_ROPE, HIER], ids=["linvit", "linhier"])

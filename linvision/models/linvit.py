@@ -8,10 +8,11 @@ Patch embedding (16x16), optional prefix tokens (a class token, register tokens)
 The head follows timm's VisionTransformer, with its option names and defaults: ``class_token`` (default True)
 and ``reg_tokens`` put prefix tokens before the patch tokens (their position-embedding rows too, unless
 ``no_embed_class``); ``global_pool`` is "token" (the class token, the default), "avg" (the mean of the patch
-tokens), "max", "avgmax" or "" (the tokens); ``fc_norm`` moves the final norm after the pooling (None: as timm,
-for the pooled kinds "avg", "max" and "avgmax"). The prefix tokens go through every mixer as tokens (RoPE leaves
-them unrotated), so only mixers that take prefix tokens (:func:`linvision.layers.takes_prefix_tokens`) build
-with them; a mixer that works on the grid (windows, convolutions, scans) needs ``class_token=False,
+tokens), "max", "avgmax" or "" (the tokens); ``fc_norm`` moves the final norm after the pooling (default None,
+as timm's: after it for "avg", "max" and "avgmax", so ``global_pool="avg"`` normalises the mean of the tokens;
+``fc_norm=False`` takes the mean of the normalised tokens instead). The prefix tokens go through every mixer as
+tokens (RoPE leaves them unrotated), so only mixers that take prefix tokens
+(:func:`linvision.layers.takes_prefix_tokens`) build with them; a mixer that works on the grid (windows, convolutions, scans) needs ``class_token=False,
 global_pool="avg"``. The class token is the default because it measured better: pooling it instead of the
 mean of the normalised patch tokens took the softmax twin from 2.7 points below timm's ViT-Tiny/8 to level
 with it (photo crops, 3 seeds; docs/results.md, "The isotropic family against timm's ViT").
@@ -82,8 +83,8 @@ class LinViT(nn.Module):
         reg_tokens: number of learned register tokens after the class token (Darcet et al. 2024).
         no_embed_class: the position embedding covers the patch tokens only (DeiT-III); otherwise it has rows for
             the prefix tokens too (timm's and DeiT's ViT).
-        fc_norm: the final norm after the pooling instead of before it; None as timm: for 'avg', 'max' and
-            'avgmax' pooling.
+        fc_norm: the final norm after the pooling instead of before it; None (default, as timm's
+            VisionTransformer): after the pooling for 'avg', 'max' and 'avgmax', before it for 'token' and ''.
         token_mixer: a registered mixer name ("linear", "linear_rope", "softmax", "causal", "hybrid", "none", ...)
             or a mixer class (built as ``cls(dim, num_heads, **mixer_kwargs)``).
         mixer_kwargs: extra options for the mixer (e.g. feature_map="relu", lepe=True).
@@ -104,7 +105,7 @@ class LinViT(nn.Module):
         class_token: bool = True,
         reg_tokens: int = 0,
         no_embed_class: bool = False,
-        fc_norm: Optional[bool] = False,
+        fc_norm: Optional[bool] = None,
         embed_dim: int = 384,
         depth: int = 12,
         num_heads: int = 6,
@@ -351,6 +352,15 @@ def _position_embedding_for(model: LinViT, prefix_rows: Tensor, grid_rows: Tenso
     return torch.cat([prefix_rows, grid_rows], dim=1)
 
 
+def _final_norm_name(name: str, model_state: Dict[str, Tensor]) -> str:
+    """``name`` of a ViT's final norm (``norm.*`` before the pooling, ``fc_norm.*`` after it) moved to the other
+    place when the model has its final norm there; any other name unchanged."""
+    for here, there in (("norm.", "fc_norm."), ("fc_norm.", "norm.")):
+        if name.startswith(here) and name not in model_state and there + name[len(here):] in model_state:
+            return there + name[len(here):]
+    return name
+
+
 def convert_vit_state_dict(state_dict: Dict[str, Tensor], model: LinViT) -> Dict[str, Tensor]:
     """Map a timm softmax VisionTransformer state dict onto ``model`` (the start of linearization).
 
@@ -362,13 +372,16 @@ def convert_vit_state_dict(state_dict: Dict[str, Tensor], model: LinViT) -> Dict
       a starting point). The position embedding keeps its prefix-token rows where the model has rows for its
       prefix tokens, loses them otherwise, and is resampled to the model's grid; models with RoPE (no absolute
       embedding) drop it.
+    - The final norm goes where the model has it: ``norm`` (before the pooling) or ``fc_norm`` (after it, timm's
+      default for mean pooling). Where the ViT has it at the other place (a class-token ViT into a mean-pooled
+      model with fc_norm) its weights are kept as a starting point, like the head's.
     - Parameters a softmax ViT does not have start where the block computes what the teacher's attention
       computes as nearly as it can: LePE at zero (it adds nothing), an output gate at weight 0 and
       bias b with act(b) = 1 for its activation (SiLU; none for RALA's output modulation: b = 1), so it
       passes the attention through; feature-map and RoPE parameters keep the
       model's own initialisation.
-    Raises ValueError for teacher weights this mapping cannot carry (q/k norms, a pre-norm, fc_norm, other
-    depths or widths), or for prefix tokens the model has and the teacher has not.
+    Raises ValueError for teacher weights this mapping cannot carry (q/k norms, a pre-norm, other depths or
+    widths), or for prefix tokens the model has and the teacher has not.
     """
     model_state = model.state_dict()
     num_prefix = sum(state_dict[k].shape[1] for k in ("cls_token", "reg_token") if k in state_dict)
@@ -390,7 +403,8 @@ def convert_vit_state_dict(state_dict: Dict[str, Tensor], model: LinViT) -> Dict
             if model.pos_embed is not None:
                 out[name] = _position_embedding_for(model, *_split_prefix_rows(value, num_prefix))
             continue
-        target = name.replace(".attn.qkv.", ".mixer.qkv.").replace(".attn.proj.", ".mixer.proj.")
+        target = _final_norm_name(name.replace(".attn.qkv.", ".mixer.qkv.").replace(".attn.proj.", ".mixer.proj."),
+                                  model_state)
         if target not in model_state and not target.startswith("head."):
             unsupported.append(name)
             continue

@@ -295,6 +295,36 @@ def test_intermediates_checkpointing_and_head(name, kwargs):
     assert xg.grad is not None and torch.isfinite(xg.grad).all()
 
 
+def test_forward_intermediates_norm_applies_the_final_norm():
+    """norm=True passes the last stage's map through the final norm (the other stages untouched): the head's norm
+    in linhier (which the classifier applies after the pooling), MLLA's final LayerNorm (so the last intermediate
+    is forward_features); RAVLT, whose final layer is a conv head, and a head pruned of its norm refuse it."""
+    x = torch.randn(2, 3, 64, 64)
+    hier = _create(HIER[0], **HIER[1]).eval()
+    mlla = _create("mlla_tiny", depths=(1, 1, 1, 1)).eval()
+    with torch.no_grad():
+        for model, norm in ((hier, hier.head.norm), (mlla, mlla.final)):
+            plain = model.forward_intermediates(x, output_fmt="NHWC", intermediates_only=True)
+            final, normed = model.forward_intermediates(x, norm=True, output_fmt="NHWC")
+            assert len(plain) == len(normed) == 4
+            for a, b in zip(plain[:-1], normed[:-1]):
+                torch.testing.assert_close(b, a, rtol=0, atol=0)
+            torch.testing.assert_close(normed[-1], norm(plain[-1]), rtol=0, atol=0)
+            assert not torch.allclose(normed[-1], plain[-1], atol=1e-3)
+            torch.testing.assert_close(final, model.forward_features(x), rtol=0, atol=0)
+            nchw = model.forward_intermediates(x, indices=[1, 3], norm=True, intermediates_only=True)
+            torch.testing.assert_close(nchw[1], normed[-1].permute(0, 3, 1, 2), rtol=0, atol=0)
+            torch.testing.assert_close(nchw[0], plain[1].permute(0, 3, 1, 2), rtol=0, atol=0)
+        torch.testing.assert_close(mlla.forward_intermediates(x, norm=True, output_fmt="NHWC")[1][-1],
+                                   mlla.forward_features(x), rtol=0, atol=0)
+    ravlt = _create("ravlt_tiny", depths=(1, 1, 1, 1)).eval()
+    with pytest.raises(ValueError, match=r"^norm: the final layer of Ravlt is a conv head"):
+        ravlt.forward_intermediates(x, norm=True)
+    hier.prune_intermediate_layers(indices=[1])
+    with pytest.raises(ValueError, match=r"^norm: LinHier has no final norm"):
+        hier.forward_intermediates(x, norm=True)
+
+
 def test_reset_classifier_prune_and_global_pool():
     model = _create("linhier_tiny_224", num_classes=5, global_pool="max", **SMALL_HIER).eval()
     x = torch.randn(1, 3, 64, 64)

@@ -247,23 +247,43 @@ class LinHier(nn.Module):
         output_fmt: str = "NCHW",
         intermediates_only: bool = False,
     ) -> Union[List[Tensor], Tuple[Tensor, List[Tensor]]]:
-        """Stage outputs. indices: last n stages (int), all (None) or the listed ones; ``norm`` has no effect
-        (stage outputs carry no norm of their own; the final features returned beside them pass through the
-        final layer, as :meth:`forward_features`'s do). output_fmt: 'NCHW' or 'NHWC'.
-        Returns intermediates, or (final features, intermediates). Raises ValueError for another output_fmt."""
+        """Stage outputs. indices: last n stages (int), all (None) or the listed ones; norm: the last stage's
+        output (when taken) passes through the model's final norm, as timm's hierarchical models apply theirs:
+        the final layer when it is a norm (MLLA's, before the pooling), else the head's norm (applied to every
+        position of the map; the classifier applies it after the pooling); output_fmt: 'NCHW' or 'NHWC'.
+        Returns intermediates, or (final features, intermediates), the final features through the final layer as
+        :meth:`forward_features`'s. Raises ValueError for another output_fmt, or for norm=True on a model without
+        a final norm (RAVLT's final conv head, a head pruned of its norm)."""
         if output_fmt not in ("NCHW", "NHWC"):
             raise ValueError(f"output_fmt: {output_fmt!r}; allowed: 'NCHW', 'NHWC'")
+        final_norm = self._final_norm() if norm else None
         take_indices, max_index = feature_take_indices(len(self.stages), indices)
         stages = self.stages[: max_index + 1] if stop_early else self.stages
+        last = len(self.stages) - 1
         intermediates = []
         x = self.stem(x)
         for i, stage in enumerate(stages):
             x = stage(x)
             if i in take_indices:
-                intermediates.append(_to_nchw(x).contiguous() if output_fmt == "NCHW" else x)
+                y = final_norm(x) if final_norm is not None and i == last else x
+                intermediates.append(_to_nchw(y).contiguous() if output_fmt == "NCHW" else y)
         if intermediates_only:
             return intermediates
         return self.final(x), intermediates
+
+    def _final_norm(self) -> nn.Module:
+        """The norm that ends the network, for a channels-last map (B, H, W, C): the final layer when it is a norm
+        (before the pooling, as MLLA's), else the head's norm (which the classifier applies after the pooling).
+        Raises ValueError when there is none: a final conv head (RAVLT's) or a head without a norm (pruned)."""
+        if not isinstance(self.final, nn.Identity):
+            if hasattr(self.final, "out_chs"):
+                raise ValueError(f"norm: the final layer of {type(self).__name__} is a conv head "
+                                 f"({type(self.final).__name__}), not a norm; use norm=False")
+            return self.final
+        head_norm = getattr(self.head, "norm", None)
+        if head_norm is None or isinstance(head_norm, nn.Identity):
+            raise ValueError(f"norm: {type(self).__name__} has no final norm (its head has none); use norm=False")
+        return head_norm
 
     def prune_intermediate_layers(
         self, indices: Union[int, List[int]] = 1, prune_norm: bool = False, prune_head: bool = True,

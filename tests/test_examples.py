@@ -1,12 +1,18 @@
 """The Python examples of README.md and of the manual (docs/**/*.md) run as printed, each in a fresh namespace and
-an empty folder, and every tool command line of their shell blocks is one the tool's parser accepts.
+an empty folder, the results their comments state (shapes such as `# (2, 6, 3072, 48)` or `# (B, H, N, Dv)`, dtypes,
+printed values) are what they give, and every tool command line of their shell blocks is one the tool's parser
+accepts.
 
 Examples that need a GPU are skipped without one; those that load a run folder ("output/...") need a training
 command first, and those that name a hub tag download weights: all three are skipped, saying which, and what they
 call is checked by the kernel, tool and model tests instead."""
+import ast
+import builtins
 import glob
+import io
 import os
 import re
+import tokenize
 
 import pytest
 import torch
@@ -45,13 +51,183 @@ def skip_reason(code: str):
     return None
 
 
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+_DIM = r"\s*(?:\d+|[A-Za-z_]\w*)\s*"
+# a shape stated in a comment: "(2, 6, 3072, 48)", "(B, H, N, Dv)", "int64 (128, 128)"; at least one comma
+STATED_SHAPE = re.compile(rf"(?:\b({'|'.join(DTYPES)})\s+)?\(({_DIM}(?:,{_DIM})*,?)\)")
+
+
+def stated_shapes(comment: str):
+    """The shapes a comment states, in order, as (dtype name or None, dims), each dim an int or a symbol such as
+    "B" or "Dv"; "O(N)" and "(cached per grid, device)" are no shapes."""
+    found = []
+    for m in STATED_SHAPE.finditer(comment):
+        if "," in m.group(2):
+            dims = tuple(int(d) if d.isdigit() else d for d in (x.strip() for x in m.group(2).split(",")) if d)
+            found.append((m.group(1), dims))
+    return found
+
+
+def _render(value) -> str:
+    """A printed value as the manual writes it: a shape as a tuple, (1, 10), not torch.Size([1, 10])."""
+    if isinstance(value, torch.Size):
+        return str(tuple(value))
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(map(_render, value))
+        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    return str(value)
+
+
+class StatedResults:
+    """The results an example's comments state, checked as the example runs.
+
+    A statement `name = ...` or `a, b = ...` whose comment states shapes (one for every name, or one for all) is
+    followed by a check of each name's shape and, where the comment names a dtype before a shape, its dtype. A
+    `print(...)` whose comment ends in `: TEXT` must print TEXT (a shape printed as a tuple), and one whose
+    comment states shapes but no such text has its printed values checked against them. A dim named by a symbol
+    (`B`, `N`, `Dv`) takes the value it first has in the example and must keep it in every later comment of the
+    example. Every check must be reached when the example runs."""
+
+    def __init__(self, page: str, first_line: int, code: str):
+        self.page, self.first_line = page, first_line
+        self.comments = {tok.start[0]: tok.string.lstrip("#").strip()
+                         for tok in tokenize.generate_tokens(io.StringIO(code).readline)
+                         if tok.type == tokenize.COMMENT}
+        self.checks, self.reached, self.symbols, self.printed = [], set(), {}, ()
+        tree = ast.parse(code)
+        tree.body = self._instrument(tree.body)
+        self.code = compile(ast.fix_missing_locations(tree), f"{page}:{first_line}", "exec")
+
+    def _instrument(self, body):
+        out = []
+        for stmt in body:
+            out.append(stmt)
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue  # names inside a function are not the example's
+            for field in ("body", "orelse", "finalbody"):
+                inner = getattr(stmt, field, None)
+                if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
+                    setattr(stmt, field, self._instrument(inner))
+            for handler in getattr(stmt, "handlers", []):
+                handler.body = self._instrument(handler.body)
+            check = self._check_of(stmt)
+            if check is not None:
+                self.checks.append(check)
+                call = ast.Call(ast.Name("__stated_result__", ast.Load()), [ast.Constant(len(self.checks) - 1)], [])
+                out.append(ast.copy_location(ast.Expr(call), stmt))
+        return out
+
+    def _check_of(self, stmt):
+        """(line, labels, shapes, printed text or None, is a print) of a statement whose comment states a
+        result; None for any other."""
+        comment = "; ".join(self.comments[n] for n in range(stmt.lineno, stmt.end_lineno + 1) if n in self.comments)
+        if not comment:
+            return None
+        shapes = stated_shapes(comment)
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+            target = stmt.targets[0]
+            elts = target.elts if isinstance(target, ast.Tuple) else [target]
+            if shapes and all(isinstance(e, ast.Name) for e in elts):
+                return stmt.lineno, [e.id for e in elts], shapes, None, False
+        elif (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)
+              and isinstance(stmt.value.func, ast.Name) and stmt.value.func.id == "print"):
+            text = comment.rsplit(": ", 1)[1].strip() if ": " in comment else None
+            if shapes or text is not None:  # the printed text, where stated, is the check (its shapes are in it)
+                return stmt.lineno, [ast.unparse(a) for a in stmt.value.args], [] if text else shapes, text, True
+        return None
+
+    def namespace(self) -> dict:
+        def recording_print(*args, **kwargs):
+            self.printed = args
+            builtins.print(*args, **kwargs)
+
+        return {"__name__": "example", "print": recording_print, "__stated_result__": self._check}
+
+    def where(self, lineno: int) -> str:
+        return f"{self.page}:{self.first_line + lineno - 1}"
+
+    def _check(self, index: int) -> None:
+        lineno, labels, shapes, text, is_print = self.checks[index]
+        self.reached.add(index)
+        where = self.where(lineno)
+        values = list(self.printed) if is_print else [self._namespace[label] for label in labels]
+        if text is not None:
+            printed = " ".join(map(_render, values))
+            assert printed == text, f"{where}: prints {printed!r}, its comment says {text!r}"
+        if not shapes:
+            return
+        if len(shapes) != 1 and len(shapes) != len(values):
+            raise AssertionError(f"{where}: the comment states {len(shapes)} shapes for {len(values)} values")
+        for label, value, (dtype, dims) in zip(labels, values, shapes * len(values) if len(shapes) == 1 else shapes):
+            shape = tuple(value) if isinstance(value, torch.Size) else getattr(value, "shape", None)
+            stated = "(" + ", ".join(map(str, dims)) + ")"
+            assert shape is not None, f"{where}: `{label}` is a {type(value).__name__} without a shape; " \
+                                      f"its comment says {stated}"
+            shape = tuple(shape)
+            bound = {d: self.symbols.setdefault(d, n) for d, n in zip(dims, shape) if isinstance(d, str)}
+            expected = tuple(bound.get(d, d) if isinstance(d, str) else d for d in dims)
+            symbols = f" with {', '.join(f'{d}={n}' for d, n in bound.items())}" if bound else ""
+            assert shape == expected, f"{where}: `{label}` has shape {shape}, its comment says {stated}{symbols}"
+            if dtype is not None:
+                assert value.dtype == getattr(torch, dtype), \
+                    f"{where}: `{label}` is {value.dtype}, its comment says {dtype}"
+
+    def run(self) -> int:
+        """Run the example with its checks; returns how many stated results it checked."""
+        self._namespace = self.namespace()
+        exec(self.code, self._namespace)
+        missed = [self.where(self.checks[i][0]) for i in range(len(self.checks)) if i not in self.reached]
+        assert not missed, f"stated results never reached: {', '.join(missed)}"
+        return len(self.checks)
+
+
 @pytest.mark.parametrize("page, line, code", EXAMPLES, ids=[f"{page}:{line}" for page, line, _ in EXAMPLES])
 def test_example_runs(page, line, code, tmp_path, monkeypatch):
+    """Each example runs, and the results its comments state (shapes, dtypes, printed values) are what it gives."""
     reason = skip_reason(code)
     if reason:
         pytest.skip(reason)
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, f"{page}:{line}", "exec"), {"__name__": "example"})
+    StatedResults(page, line, code).run()
+
+
+def test_examples_state_results_that_are_checked():
+    """The comments' stated results are found where the manual gives them: the core op's output shapes, the Sana
+    block's, the printed shapes of the model cards, the segmenters' logits and the mosaic's image and mask."""
+    per_page = {}
+    for page, line, code in EXAMPLES:
+        checks = StatedResults(page, line, code).checks
+        per_page[page] = per_page.get(page, 0) + len(checks)
+    assert sum(per_page.values()) >= 10, per_page
+    for page in ("README.md", "docs/core-op.md", "docs/diffusion.md", "docs/models/linvit.md", "docs/segmentation.md"):
+        assert per_page.get(page, 0) >= 1, f"{page}: no stated result found in its examples"
+
+
+@pytest.mark.parametrize("code, message", [
+    ("import torch\nx = torch.zeros(2, 3)  # (2, 4)\n", r"`x` has shape \(2, 3\), its comment says \(2, 4\)"),
+    ("import torch\na, b = torch.zeros(2, 3), torch.zeros(3, 3)  # (B, N)\n", r"`b` has shape \(3, 3\).*B=2"),
+    ("import torch\nq = torch.zeros(2, 5)  # (B, N)\nv = torch.zeros(2, 6)  # (B, N)\n", r"`v` .* N=5"),
+    ("import torch\nm = torch.zeros(2, 2)  # int64 (2, 2)\n", "`m` is torch.float32, its comment says int64"),
+    ("import torch\ni, m = torch.zeros(3), torch.zeros(4)  # (3,); (4,); (5,)\n", "3 shapes for 2 values"),
+    ("import torch\nprint(torch.zeros(1, 10).shape)  # any size: (1, 11)\n", "prints '\\(1, 10\\)'"),
+    ("import torch\nprint(torch.zeros(1, 10).shape)  # (1, 11) for any size\n", r"has shape \(1, 10\)"),
+    ("print(2 > 1, 1 > 2)  # both: True True\n", "prints 'True False', its comment says 'True True'"),
+    ("x = 3  # (1, 2)\n", "`x` is a int without a shape"),
+    ("import torch\nif False:\n    y = torch.zeros(1, 2)  # (1, 2)\n", "never reached: t.md:3"),
+])
+def test_a_result_that_contradicts_its_comment_fails(code, message, capsys):
+    with pytest.raises(AssertionError, match=message):
+        StatedResults("t.md", 1, code).run()
+
+
+def test_results_that_agree_with_their_comments_pass(capsys):
+    code = ("import torch\nq, k = torch.zeros(2, 6, 12, 4), torch.zeros(2, 6, 12, 4)  # (B, H, N, D), a grid\n"
+            "o = torch.zeros(2, 6, 12, 8)  # (B, H, N, Dv), O(N) memory (cached per grid, device)\n"
+            "with torch.no_grad():\n    y = o.sum(-1)  # (2, 6, 12): any N\n"
+            "image, mask = torch.zeros(3, 4, 4), torch.zeros(4, 4, dtype=torch.long)  # float32 (3, 4, 4); "
+            "int64 (4, 4)\nprint(o.shape[:2], o.shape[2] == 12)  # shapes: (2, 6) True\n")
+    assert StatedResults("t.md", 1, code).run() == 5  # statements with a stated result
+    assert capsys.readouterr().out == "torch.Size([2, 6]) True\n"
 
 
 def _fenced_blocks(text: str):

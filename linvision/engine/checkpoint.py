@@ -26,10 +26,11 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 from safetensors.torch import load_file, save_file
+from timm.models import clean_state_dict
 from timm.utils import unwrap_model
 from torch import nn
 
-from linvision.models.published import unwrap_state_dict
+from linvision.models.published import DEFAULT_WEIGHT_KEYS, unwrap_state_dict
 from linvision.safe_pickle import read_checkpoint
 
 from .factory import create_model
@@ -53,27 +54,28 @@ def load_torch_file(path: str, what: str) -> Any:
         raise ValueError(f"{what}: cannot read {path} ({reason})") from None
 
 
-# Where weights sit in a training checkpoint, most preferred first (EMA weights first, as timm's train.py keeps
-# them); a model module's WEIGHT_KEYS overrides this (the published families name the weights their authors report).
-DEFAULT_WEIGHT_KEYS = ("state_dict_ema", "model_ema", "state_dict", "model")
+# Where weights sit in a training checkpoint, most preferred first: linvision.models.published's one order (the
+# EMA copy first, as timm); a model module's WEIGHT_KEYS overrides it (the published families name the weights
+# their authors report).
+__all__ += ["DEFAULT_WEIGHT_KEYS"]
 
 
 def _read_state_dict(path: str, keys=DEFAULT_WEIGHT_KEYS) -> Dict[str, torch.Tensor]:
     """The weights in ``path``: a checkpoint folder, a .safetensors file or a torch file, read with no code run
-    (:func:`linvision.models.published.read_checkpoint`: other objects in the pickle stay inert), unwrapped from
-    the first of ``keys`` it has."""
+    (:func:`linvision.safe_pickle.read_checkpoint`: other objects in the pickle stay inert), picked out by
+    :func:`linvision.models.published.unwrap_state_dict` (the first of ``keys`` it has)."""
     if os.path.isdir(path):
         path = os.path.join(resolve_checkpoint(path), "model.safetensors")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"pretrained_path: file not found: {path}")
-    if path.endswith(".safetensors"):
-        return load_file(path)
-    return unwrap_state_dict(read_checkpoint(path, "pretrained_path"), keys)
+    checkpoint = load_file(path) if path.endswith(".safetensors") else read_checkpoint(path, "pretrained_path")
+    return unwrap_state_dict(checkpoint, keys)
 
 
 def strip_module_prefix(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """A state dict saved from a DistributedDataParallel wrapper, with its ``module.`` prefixes removed."""
-    return {k.removeprefix("module."): v for k, v in state.items()}
+    """A state dict saved from a DistributedDataParallel (or torch.compile) wrapper, with its ``module.``
+    (``_orig_mod.``) prefixes removed (timm's ``clean_state_dict``)."""
+    return clean_state_dict(state)
 
 
 def _model_module(model: nn.Module):

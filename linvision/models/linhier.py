@@ -34,7 +34,7 @@ from linvision.layers import (MixerBlock, init_model_weights, merge_options, no_
                               stage_mixer_options)
 from linvision.layers.registry import MixerSpec
 
-from .published import require_weights
+from .published import require_weights, unwrap_state_dict
 
 __all__ = ["LinHier"]
 
@@ -311,13 +311,10 @@ class LinHier(nn.Module):
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: LinHier) -> Dict[str, Tensor]:
-    """Unwrap training checkpoints ({'model': ...}, {'state_dict': ...}, {'state_dict_ema': ...}). No weight of
-    this family depends on the resolution (RoPE tables are built per input; CPE/LePE are convolutions), so
-    nothing is resampled."""
-    for key in ("state_dict_ema", "model_ema", "model", "state_dict"):
-        if key in state_dict and isinstance(state_dict[key], dict):
-            return state_dict[key]
-    return state_dict
+    """Unwrap training checkpoints (:func:`linvision.models.published.unwrap_state_dict`: the EMA copy first, as
+    timm). No weight of this family depends on the resolution (RoPE tables are built per input; CPE/LePE are
+    convolutions), so nothing is resampled."""
+    return unwrap_state_dict(state_dict)
 
 
 def _cfg(**kwargs) -> Dict[str, Any]:

@@ -12,10 +12,11 @@ tokens), "max", "avgmax" or "" (the tokens); ``fc_norm`` moves the final norm af
 as timm's: after it for "avg", "max" and "avgmax", so ``global_pool="avg"`` normalises the mean of the tokens;
 ``fc_norm=False`` takes the mean of the normalised tokens instead). The prefix tokens go through every mixer as
 tokens (RoPE leaves them unrotated), so only mixers that take prefix tokens
-(:func:`linvision.layers.takes_prefix_tokens`) build with them; a mixer that works on the grid (windows, convolutions, scans) needs ``class_token=False,
-global_pool="avg"``. The class token is the default because it measured better: pooling it instead of the
-mean of the normalised patch tokens took the softmax twin from 2.7 points below timm's ViT-Tiny/8 to level
-with it (photo crops, 3 seeds; docs/results.md, "The isotropic family against timm's ViT").
+(:func:`linvision.layers.takes_prefix_tokens`) build with them; a mixer that works on the grid (windows,
+convolutions, scans) needs ``class_token=False, global_pool="avg"``. The class token is the default because it
+measured better: pooling it instead of the mean of the normalised patch tokens took the softmax twin from 2.7
+points below timm's ViT-Tiny/8 to level with it (photo crops, 3 seeds; docs/results.md, "The isotropic family
+against timm's ViT").
 
 Position information comes from either
 - a learned absolute position embedding (``rope=None``): the model runs at the size it was built for (its
@@ -56,7 +57,7 @@ from linvision.layers import (MixerBlock, check_prefix_tokens, init_model_weight
                               no_weight_decay_of, stage_mixer_options)
 from linvision.layers.mixers import ROPE_TYPES
 
-from .published import require_weights
+from .published import require_weights, unwrap_state_dict
 
 __all__ = ["LinViT", "checkpoint_filter_fn", "convert_vit_state_dict"]
 
@@ -438,13 +439,11 @@ def convert_vit_state_dict(state_dict: Dict[str, Tensor], model: LinViT) -> Dict
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: LinViT) -> Dict[str, Tensor]:
-    """Unwrap training checkpoints, convert timm softmax ViT weights (:func:`convert_vit_state_dict`) and
-    resample what depends on the resolution: the absolute position embedding (bicubic, to the model's patch grid)
-    and the patch-embedding kernel (to the model's patch size)."""
-    for key in ("state_dict_ema", "model_ema", "model", "state_dict"):
-        if key in state_dict and isinstance(state_dict[key], dict):
-            state_dict = state_dict[key]
-            break
+    """Unwrap training checkpoints (:func:`linvision.models.published.unwrap_state_dict`: the EMA copy first, as
+    timm), convert timm softmax ViT weights (:func:`convert_vit_state_dict`) and resample what depends on the
+    resolution: the absolute position embedding (bicubic, to the model's patch grid) and the patch-embedding
+    kernel (to the model's patch size)."""
+    state_dict = unwrap_state_dict(state_dict)
     if _is_softmax_vit(state_dict):
         state_dict = convert_vit_state_dict(state_dict, model)
     out = {}

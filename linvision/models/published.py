@@ -1,6 +1,10 @@
 """Published checkpoint files loaded into linvision's models; the files are read with
 :func:`linvision.safe_pickle.read_checkpoint` (no code from the file runs).
 
+:func:`unwrap_state_dict` is the one place where the weights are picked out of a loaded checkpoint: linvit's and
+linhier's ``checkpoint_filter_fn``, the published families' filters and :mod:`linvision.engine.checkpoint`
+(``--pretrained-path``) all call it, with one order of keys, :data:`DEFAULT_WEIGHT_KEYS`.
+
 :func:`load_published` is what a family's ``load_pretrained`` (timm's ``custom_load`` hook) and
 ``pretrained_cfg_overlay=dict(file=...)`` run: read the file, hand it to the family's ``checkpoint_filter_fn``
 (which chooses the weights and maps the published names), keep the model's own classifier where the class count
@@ -11,17 +15,26 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict
 
-from timm.models import adapt_input_conv, resolve_pretrained_cfg
+from timm.models import adapt_input_conv, clean_state_dict, resolve_pretrained_cfg
 from torch import Tensor, nn
 
 from linvision.safe_pickle import read_checkpoint
 
-__all__ = ["unwrap_state_dict", "load_published", "require_weights", "published_file_overlay", "published_cfg"]
+__all__ = ["DEFAULT_WEIGHT_KEYS", "unwrap_state_dict", "load_published", "require_weights", "published_file_overlay",
+           "published_cfg"]
 
 
-def unwrap_state_dict(checkpoint: Any, keys=("model", "state_dict")) -> Dict[str, Tensor]:
-    """The first of ``keys`` that holds a dict in ``checkpoint`` (or the checkpoint itself when it is a state
-    dict), with ``module.`` prefixes (DistributedDataParallel) removed. ValueError when there is none."""
+# Where a training checkpoint keeps its weights, most preferred first: timm's order (``timm.models.load_state_dict``
+# with ``use_ema=True``), the EMA copy first as timm's train.py writes it, then the raw weights.
+DEFAULT_WEIGHT_KEYS = ("state_dict_ema", "model_ema", "state_dict", "model")
+
+
+def unwrap_state_dict(checkpoint: Any, keys=DEFAULT_WEIGHT_KEYS) -> Dict[str, Tensor]:
+    """The weights of a loaded checkpoint: the dict under the first of ``keys`` it holds (default
+    :data:`DEFAULT_WEIGHT_KEYS`), or the checkpoint itself when it is a state dict; its tensors only, with the
+    wrapper prefixes of DistributedDataParallel and torch.compile (``module.``, ``_orig_mod.``) removed by timm's
+    ``clean_state_dict``. Other ``keys`` are for a family whose published files name their weights otherwise
+    (MLLA, RAVLT: the raw weights under ``model``, their ``WEIGHT_KEYS``). ValueError when there are none."""
     if not isinstance(checkpoint, dict):
         raise ValueError(f"checkpoint: expected a dict of tensors, got {type(checkpoint).__name__}")
     state = next((checkpoint[k] for k in keys if isinstance(checkpoint.get(k), dict)), None)
@@ -29,7 +42,7 @@ def unwrap_state_dict(checkpoint: Any, keys=("model", "state_dict")) -> Dict[str
         if not any(isinstance(v, Tensor) for v in checkpoint.values()):
             raise ValueError(f"checkpoint: no weights under {list(keys)} (keys: {sorted(map(str, checkpoint))[:8]})")
         state = checkpoint
-    return {k.removeprefix("module."): v for k, v in state.items() if isinstance(v, Tensor)}
+    return clean_state_dict({k: v for k, v in state.items() if isinstance(v, Tensor)})
 
 
 def load_published(model: nn.Module, path: str, filter_fn: Callable[[Any, nn.Module], Dict[str, Tensor]]) -> None:

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 BASE_STAMP := $(VENV)/.installed-base
 
-.PHONY: install demo test test-all test-latest docs
+.PHONY: install demo test test-all test-latest docs gpu-report
 
 # The tested versions: constraints.txt pins every package (pyproject.toml keeps the ranges users install into).
 # The library and its tools alone (torch, timm, triton, ...): what the demo needs.
@@ -35,6 +35,12 @@ test: $(STAMP)
 # Including the cases marked slow.
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q --runslow
+
+# On a CUDA machine, everything a GPU can tell in one run, each part with its own deadline: the CUDA tests, the
+# kernels against SDPA at 4k-131k tokens, the models at 512-2048 px; one report in output/gpu_report/ (report.md,
+# report.json). Without CUDA it is the dry run: every part at tiny sizes on the CPU, the same report.
+gpu-report: $(STAMP)
+	$(BIN)/linvision-gpu-report
 
 # The manual, with every warning an error, into site/ (open site/index.html); the test suite builds it the same way.
 docs: $(STAMP)

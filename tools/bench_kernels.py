@@ -50,6 +50,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 _HBM_TBPS = {"H200": 4.8, "H100": 3.35, "A100": 2.0, "L40S": 0.864, "4090": 1.008}
 
 
+def hbm_tbps(gpu_name: str) -> Optional[float]:
+    """The HBM bandwidth in TB/s of a GPU by its name (torch.cuda.get_device_name()), None for one not known."""
+    return next((bw for key, bw in _HBM_TBPS.items() if key in gpu_name), None)
+
+
 def make_inputs(args, n, device, dtype):
     g = torch.Generator(device=device).manual_seed(0)
     shape = (args.batch, args.heads, n, args.dim)
@@ -91,58 +96,87 @@ def run_traffic(args):
             print(f"{n:>7d} {split:>6d} " + " ".join(row), flush=True)
 
 
-def run_gpu(args):
-    import triton.testing
-
+def time_paths(args, n, device, dtype, bench):
+    """Milliseconds per call of each (path, pass) at N = ``n``: the Triton kernels ("triton"), the PyTorch
+    reference ("torch ref") and softmax attention through SDPA ("sdpa", up to ``args.sdpa_max_n``), each
+    forward, backward and forward+backward ("fwd", "bwd", "fwd+bwd"), as ``bench(fn)`` times them (triton's
+    do_bench on a GPU). A path that runs out of memory is left out."""
     from linvision.kernels import linear_attention_triton
-    from linvision.kernels.traffic import minimal_bytes
     from linvision.ops import linear_attention_reference, softmax_attention
+
+    q, k, v, do = make_inputs(args, n, device, dtype)
+    rope = make_rope(args, n, device)
+    paths = {
+        "triton": lambda q, k, v: linear_attention_triton(q, k, v, args.feature_map, rope=rope),
+        "torch ref": lambda q, k, v: linear_attention_reference(q, k, v, args.feature_map, rope=rope),
+    }
+    if n <= args.sdpa_max_n:
+        paths["sdpa"] = lambda q, k, v: softmax_attention(q, k, v, rope=rope)
+    times = {}
+    for label, fn in paths.items():
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        out = None
+        try:
+            out = fn(qg, kg, vg)
+            times[(label, "fwd")] = bench(lambda: fn(q, k, v))
+            times[(label, "bwd")] = bench(
+                lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)
+            )
+            times[(label, "fwd+bwd")] = bench(
+                lambda: torch.autograd.grad(fn(qg, kg, vg), (qg, kg, vg), do)
+            )
+        except torch.OutOfMemoryError:
+            pass
+        del out
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
+    return times
+
+
+def pass_rows(args, n, times, itemsize, tbps):
+    """The rows of the table at N = ``n`` from :func:`time_paths`' times, one per pass: dicts with n, pass, the
+    ms of "triton", "torch ref" and "sdpa" (None where not measured) and "hbm_pct", the kernels' minimal bytes
+    over their time as a percentage of ``tbps`` TB/s (None without a time)."""
+    from linvision.kernels.traffic import minimal_bytes
+
+    rows = []
+    for pass_name in ("fwd", "bwd", "fwd+bwd"):
+        floor = sum(
+            minimal_bytes(args.batch, args.heads, n, n, args.dim, args.dim, itemsize, backward)
+            for backward in {"fwd": (False,), "bwd": (True,), "fwd+bwd": (False, True)}[pass_name]
+        )
+        t = times.get(("triton", pass_name))
+        row = {"n": n, "pass": pass_name}
+        row.update({label: times.get((label, pass_name)) for label in ("triton", "torch ref", "sdpa")})
+        row["hbm_pct"] = 100 * floor / (t * 1e-3) / (tbps * 1e12) if t else None
+        rows.append(row)
+    return rows
+
+
+def run_gpu(args):
+    """Times the paths on the GPU at each N of ``args.n``, prints the table and returns its rows
+    (:func:`pass_rows`)."""
+    import triton.testing
 
     dtype = getattr(torch, args.dtype)
     itemsize = torch.finfo(dtype).bits // 8
     name = torch.cuda.get_device_name()
-    tbps = args.hbm_tbps or next((bw for key, bw in _HBM_TBPS.items() if key in name), None)
+    tbps = args.hbm_tbps or hbm_tbps(name)
     if tbps is None:
         sys.exit(f"--hbm-tbps: unknown bandwidth of {name!r}; pass it")
     print(f"{name}, HBM {tbps} TB/s; B={args.batch} H={args.heads} D=Dv={args.dim} {args.dtype} "
           f"phi={args.feature_map} rope={args.rope}; times in ms, % = minimal bytes / time / HBM bandwidth")
     print(f"{'N':>7} {'pass':>8} {'triton':>9} {'% HBM':>6} {'torch ref':>10} {'sdpa':>9}")
+    rows = []
     for n in args.n:
-        q, k, v, do = make_inputs(args, n, "cuda", dtype)
-        rope = make_rope(args, n, "cuda")
-        paths = {
-            "triton": lambda q, k, v: linear_attention_triton(q, k, v, args.feature_map, rope=rope),
-            "torch ref": lambda q, k, v: linear_attention_reference(q, k, v, args.feature_map, rope=rope),
-        }
-        if n <= args.sdpa_max_n:
-            paths["sdpa"] = lambda q, k, v: softmax_attention(q, k, v, rope=rope)
-        times = {}
-        for label, fn in paths.items():
-            qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-            out = None
-            try:
-                out = fn(qg, kg, vg)
-                times[(label, "fwd")] = triton.testing.do_bench(lambda: fn(q, k, v))
-                times[(label, "bwd")] = triton.testing.do_bench(
-                    lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)
-                )
-                times[(label, "fwd+bwd")] = triton.testing.do_bench(
-                    lambda: torch.autograd.grad(fn(qg, kg, vg), (qg, kg, vg), do)
-                )
-            except torch.OutOfMemoryError:
-                pass
-            del out
-            torch.cuda.empty_cache()
-        for pass_name in ("fwd", "bwd", "fwd+bwd"):
-            floor = sum(
-                minimal_bytes(args.batch, args.heads, n, n, args.dim, args.dim, itemsize, backward)
-                for backward in {"fwd": (False,), "bwd": (True,), "fwd+bwd": (False, True)}[pass_name]
-            )
-            t = times.get(("triton", pass_name))
-            pct = f"{100 * floor / (t * 1e-3) / (tbps * 1e12):>6.1f}" if t else f"{'-':>6}"
-            cols = [f"{times[(label, pass_name)]:>9.3f}" if (label, pass_name) in times else f"{'-':>9}"
+        times = time_paths(args, n, "cuda", dtype, triton.testing.do_bench)
+        for row in pass_rows(args, n, times, itemsize, tbps):
+            pct = f"{row['hbm_pct']:>6.1f}" if row["hbm_pct"] is not None else f"{'-':>6}"
+            cols = [f"{row[label]:>9.3f}" if row[label] is not None else f"{'-':>9}"
                     for label in ("triton", "torch ref", "sdpa")]
-            print(f"{n:>7d} {pass_name:>8} {cols[0]} {pct} {cols[1]:>10} {cols[2]}", flush=True)
+            print(f"{n:>7d} {row['pass']:>8} {cols[0]} {pct} {cols[1]:>10} {cols[2]}", flush=True)
+            rows.append(row)
+    return rows
 
 
 def main():

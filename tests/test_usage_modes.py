@@ -1,0 +1,167 @@
+"""Every registered token mixer inside a small model, in the modes people run it: train and eval, a forward under
+``torch.inference_mode()`` followed by training, fp32 and fp16/bf16 autocast (with a GradScaler step), batch 1 and
+an odd non-square grid, channels_last input, gradient checkpointing and ``torch.compile``. Each case checks values:
+against the same model in float64 or in fp32, against the batch it was cut from, against a second model that never
+saw inference mode, against the eager model."""
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import linvision  # noqa: F401
+from linvision.layers import list_mixers
+from linvision.models.linhier import LinHier
+
+MIXERS = list_mixers()
+# 40 x 24 px: a 10 x 6 grid after the stride-4 stem, 5 x 3 in the second stage (odd, not square)
+IMAGE = (40, 24)
+AMP = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# autocast against fp32, relative to the largest logit: the projections run in 16 bits (fp16 keeps ~3 decimal
+# digits, bf16 ~2); what the ops sum stays fp32, so an overflow or a lost sum is far beyond these
+AMP_TOL = {"fp16": 2e-2, "bf16": 8e-2}
+
+
+def tiny_model(mixer: str, seed: int = 0) -> LinHier:
+    """Two stages, one block each, 16 and 32 channels, 2 heads: every mixer registered, built as a model builds it."""
+    torch.manual_seed(seed)
+    return LinHier(depths=(1, 1), dims=(16, 32), num_heads=(2, 2), token_mixers=mixer, num_classes=5)
+
+
+def images(batch: int = 2, seed: int = 1) -> torch.Tensor:
+    return torch.randn(batch, 3, *IMAGE, generator=torch.Generator().manual_seed(seed))
+
+
+def labels(batch: int = 2) -> torch.Tensor:
+    return torch.arange(batch) % 5
+
+
+def grads(model: torch.nn.Module):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def loss_and_grads(model: torch.nn.Module, x: torch.Tensor):
+    model.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(x), labels(x.shape[0]))
+    loss.backward()
+    return loss.detach(), grads(model)
+
+
+@functools.lru_cache(maxsize=None)
+def fp32_training_reference(mixer: str):
+    """(loss, gradients) of one fp32 training step of a fresh ``tiny_model(mixer)``: what the other modes must give
+    (computed once per mixer for the whole file)."""
+    return loss_and_grads(tiny_model(mixer).train(), images())
+
+
+def assert_grads_close(got, want, rtol=1e-5, atol=1e-6):
+    assert got.keys() == want.keys() and got
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_eval_batch1_odd_grid_matches_float64(mixer):
+    """Eval on an odd non-square grid: fp32 logits equal the float64 model's, and each image of the batch gets what
+    it gets alone (batch 1)."""
+    model = tiny_model(mixer).eval()
+    x = images()
+    with torch.no_grad():
+        y = model(x)
+        alone = model(x[1:])
+        y64 = copy.deepcopy(model).double()(x.double())
+    torch.testing.assert_close(y.double(), y64, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(alone, y[1:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("amp", list(AMP))
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_autocast_forward_and_scaled_training_step(mixer, amp):
+    """Under autocast the logits come out in the autocast dtype, finite and within AMP_TOL of fp32; a training step
+    with a GradScaler gives finite gradients close in direction to fp32's and finite updated weights."""
+    model = tiny_model(mixer)
+    x = images()
+    model.eval()
+    with torch.no_grad():
+        ref = model(x)
+        with torch.autocast("cpu", dtype=AMP[amp]):
+            y = model(x)
+    assert y.dtype == AMP[amp]
+    assert ((y.float() - ref).abs().max() / ref.abs().max()).item() < AMP_TOL[amp]
+
+    model.train()
+    _, want = fp32_training_reference(mixer)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=AMP[amp]):
+        loss = F.cross_entropy(model(x), labels())
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    got = grads(model)
+    flat_got = torch.cat([g.flatten() for g in got.values()])
+    flat_want = torch.cat([want[n].flatten() for n in got])
+    assert torch.isfinite(flat_got).all()
+    assert F.cosine_similarity(flat_got.double(), flat_want.double(), dim=0) > 0.98
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0 ** 10  # no inf/nan found: the step was taken
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_inference_mode_then_training(mixer):
+    """A forward under torch.inference_mode() (which fills the RoPE and position caches) and then a training step:
+    the step runs and its gradients equal those of the same model that never saw inference mode."""
+    model = tiny_model(mixer)
+    x = images()
+    with torch.inference_mode():
+        model.eval()(x)
+        model(x[:1])
+    loss, got = loss_and_grads(model.train(), x)
+    want_loss, want = fp32_training_reference(mixer)
+    torch.testing.assert_close(loss, want_loss)
+    assert_grads_close(got, want)
+
+
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_gradient_checkpointing(mixer):
+    """Gradient checkpointing (timm's set_grad_checkpointing) gives the gradients of the plain backward."""
+    model = tiny_model(mixer).train()
+    model.set_grad_checkpointing(True)
+    loss, got = loss_and_grads(model, images())
+    want_loss, want = fp32_training_reference(mixer)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+    assert_grads_close(got, want)
+
+
+@pytest.mark.parametrize("mixer", ["linear_rope", "bidir_delta", "none"])
+def test_channels_last_input(mixer):
+    """channels_last input (the stem's layout, the same for every mixer) gives the loss and gradients of contiguous
+    input."""
+    loss, got = loss_and_grads(tiny_model(mixer).train(), images().contiguous(memory_format=torch.channels_last))
+    want_loss, want = fp32_training_reference(mixer)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    assert_grads_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow  # compiling a training step and an eval graph per mixer takes minutes on 2 CPU cores
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_compile_matches_eager(mixer):
+    """torch.compile (inductor) of a training step and of a batch-1 eval forward gives eager's loss, gradients and
+    logits. (The models' eval forward under torch.compile runs by default in test_models.)"""
+    torch._dynamo.reset()
+    model = tiny_model(mixer).train()
+    x = images()
+    loss, want = fp32_training_reference(mixer)
+    compiled = torch.compile(model)
+    compiled.zero_grad(set_to_none=True)
+    got_loss = F.cross_entropy(compiled(x), labels())
+    got_loss.backward()
+    torch.testing.assert_close(got_loss.detach(), loss, rtol=1e-4, atol=1e-5)
+    assert_grads_close(grads(model), want, rtol=1e-3, atol=1e-4)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled.eval()(x[:1]), model.eval()(x[:1]), rtol=1e-4, atol=1e-5)

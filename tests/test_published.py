@@ -508,7 +508,7 @@ def test_train_pretrained_refuses_a_model_without_weights_in_one_line(tmp_path):
 def test_validate_pretrained_evaluates_the_downloaded_weights(tmp_path, monkeypatch):
     """linvision-validate --model mlla_tiny.in1k --pretrained: the weights come through timm's cache and the
     reported loss and top-1 are those of the model built from the same file, on the same images transformed as
-    its pretrained cfg says (crop 0.875, ImageNet mean and std)."""
+    its pretrained cfg says (bicubic, crop 0.875, ImageNet mean and std)."""
     from linvision.engine.data import build_transform, create_dataset
 
     state = published_layout("mlla_tiny")
@@ -523,8 +523,11 @@ def test_validate_pretrained_evaluates_the_downloaded_weights(tmp_path, monkeypa
 
     model = timm.create_model("mlla_tiny", pretrained=True, pretrained_cfg_overlay=dict(file=str(path))).eval()
     cfg = model.pretrained_cfg
+    assert (cfg["interpolation"], cfg["crop_pct"]) == ("bicubic", 0.875)
+    assert (result["interpolation"], result["crop_pct"]) == ("bicubic", 0.875)
     val = create_dataset("folder", data, "val", transform=build_transform(32, False, list(cfg["mean"]),
-                                                                         list(cfg["std"]), crop_pct=0.875))
+                                                                         list(cfg["std"]), crop_pct=0.875,
+                                                                         interpolation="bicubic"))
     images = torch.stack([val[i][0] for i in range(len(val))])
     targets = torch.tensor([val[i][1] for i in range(len(val))])
     with torch.no_grad():

@@ -5,11 +5,12 @@ segmenter's checkpoint (linvision-train-seg), mIoU, pixel accuracy and loss.
     linvision-validate --model mlla_tiny.in1k --pretrained --data-dir /data/imagenet   # published weights
     linvision-validate --checkpoint output/seg_mosaics --img-size 512 1024      # a segmenter at 2 sizes
 
---checkpoint takes a run folder (its best/, else last/) or a checkpoint folder; the data, size, crop and
-normalisation default to the checkpoint's. --model NAME --pretrained evaluates a model's trained weights as
-timm's pretrained=True loads them, on data with the weights' classes (e.g. ImageNet's val/<class>/ folders),
-with the crop and normalisation of their pretrained config, at its size unless --img-size is given. A size the
-model cannot run at is reported as an error entry; the other sizes are still evaluated.
+--checkpoint takes a run folder (its best/, else last/) or a checkpoint folder; the data, size, interpolation,
+crop and normalisation default to the checkpoint's. --model NAME --pretrained evaluates a model's trained weights
+as timm's pretrained=True loads them, on data with the weights' classes (e.g. ImageNet's val/<class>/ folders),
+with the interpolation, crop and normalisation of their pretrained config, at its size unless --img-size is
+given. --interpolation and --crop-pct override either. A size the model cannot run at is reported as an error
+entry; the other sizes are still evaluated.
 
 A segmenter is scored on the validation split it was trained with (or --dataset/--data-dir): mosaics are
 rendered at each --img-size (default: their training size); a folder's val/ images and masks are scored as
@@ -43,7 +44,8 @@ def main() -> int:
                          f"{args.batch_size}, {args.workers}, {args.img_size}")
     out = validate_checkpoint(args.checkpoint, args.dataset, args.data_dir, args.img_size, args.batch_size,
                               args.workers, args.amp, args.device, args.progress,
-                              pretrained=args.model if args.pretrained else None)
+                              pretrained=args.model if args.pretrained else None,
+                              interpolation=args.interpolation, crop_pct=args.crop_pct)
     text = json.dumps(out, indent=2)
     print(text)
     if args.output:

@@ -5,7 +5,9 @@ A checkpoint is a folder::
     model.safetensors   the weights (of the EMA copy when training kept one and it scored better; see model.json)
     ema.safetensors     (diffusion models) the EMA copy's weights, which sampling uses by default
     model.json          what rebuilds the model: {"model", "num_classes", "in_chans", "model_kwargs",
-                        "img_size", "mean", "std", "crop_pct", "classes", ...}
+                        "img_size", "mean", "std", "crop_pct", "interpolation", "crop_mode", "classes", ...}
+                        (the image size and the settings of the transforms the run resolved, which
+                        validation uses again: :func:`recorded_data_config`)
     train_state.pt      (``last`` only) optimizer, scheduler, scaler, EMA weights, RNG states, epoch and step
 
 A training run writes ``<run>/last`` (every epoch, and on interruption) and ``<run>/best``. A checkpoint
@@ -37,7 +39,8 @@ from .factory import create_model
 from .files import write_checkpoint_folder
 
 __all__ = ["load_torch_file", "strip_module_prefix", "load_pretrained", "save_checkpoint", "load_model",
-           "resolve_checkpoint", "read_checkpoint_meta", "checkpoint_task", "load_checkpoint_weights"]
+           "resolve_checkpoint", "read_checkpoint_meta", "checkpoint_task", "load_checkpoint_weights",
+           "recorded_data_config"]
 
 
 def load_torch_file(path: str, what: str) -> Any:
@@ -164,6 +167,25 @@ def read_checkpoint_meta(folder: str) -> Dict[str, Any]:
         have = sorted(meta) if isinstance(meta, dict) else type(meta).__name__
         raise ValueError(f"checkpoint: {path} lacks {[k for k in _META_KEYS]} (has {have})")
     return meta
+
+
+# what model.json files written before the transform's interpolation and crop mode were recorded were trained and
+# validated with
+_DATA_CONFIG_FALLBACK = {"interpolation": "bilinear", "crop_pct": 1.0, "crop_mode": "center",
+                         "mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}
+
+
+def recorded_data_config(meta: Dict[str, Any]) -> Dict[str, Any]:
+    """The settings of the transform a checkpoint was validated with during training, from its model.json
+    (``meta``): {"input_size", "interpolation", "crop_pct", "crop_mode", "mean", "std"}, in the form of a timm
+    pretrained cfg. A model.json of an older run lacks some: they are what such runs used (bilinear, crop 1.0,
+    centre crop, ImageNet mean and std)."""
+    out = {k: meta.get(k) if meta.get(k) is not None else v for k, v in _DATA_CONFIG_FALLBACK.items()}
+    size = meta.get("img_size")
+    if size is not None:
+        height, width = (size, size) if isinstance(size, int) else tuple(size)
+        out["input_size"] = (int(meta.get("in_chans", 3)), int(height), int(width))
+    return out
 
 
 def checkpoint_task(path: str) -> str:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -29,7 +29,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from .in_memory import InMemoryImages
 
 __all__ = [
-    "BadImageError", "InMemoryImages", "DigitsDataset", "create_dataset", "ShardedSampler", "create_loader", "build_transform",
+    "BadImageError", "InMemoryImages", "DigitsDataset", "create_dataset", "ShardedSampler", "create_loader",
+    "build_transform", "resolve_data_config", "check_transform_options", "INTERPOLATIONS", "CROP_MODES",
 ]
 
 
@@ -126,11 +127,78 @@ def create_dataset(dataset: str, data_dir: Optional[str], split: str, transform:
                      f"'torchvision/<Name>'")
 
 
-def build_transform(img_size: int, is_training: bool, mean, std, crop_pct: float = 1.0,
+# resize interpolations timm's transforms take by name, and its eval crop modes
+INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "box", "hamming", "lanczos")
+CROP_MODES = ("center", "squash", "border")
+
+
+def _check_triple(key: str, value, positive: bool = False) -> Optional[Tuple[float, ...]]:
+    if value is None:
+        return None
+    try:
+        values = tuple(float(v) for v in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key}: expected 3 numbers (one per RGB channel), got {value!r}") from None
+    if len(values) == 1:
+        values = values * 3
+    if len(values) != 3 or (positive and min(values) <= 0):
+        raise ValueError(f"{key}: expected 3 {'positive ' if positive else ''}numbers (one per RGB channel), "
+                         f"got {value!r}")
+    return values
+
+
+def check_transform_options(interpolation: Optional[str] = None, crop_pct: Optional[float] = None,
+                            crop_mode: Optional[str] = None, where: str = "") -> None:
+    """ValueError in one line naming the first of these transform settings that timm's transforms cannot use
+    (None: not given)."""
+    for key, value, allowed in (("interpolation", interpolation, INTERPOLATIONS),
+                                ("crop_mode", crop_mode, CROP_MODES)):
+        if value is not None and value not in allowed:
+            raise ValueError(f"{key}: unknown {value!r}{where}; allowed: {', '.join(allowed)}")
+    if crop_pct is not None and not (isinstance(crop_pct, (int, float)) and not isinstance(crop_pct, bool)
+                                     and 0 < crop_pct <= 1):
+        raise ValueError(f"crop_pct: must be within (0, 1]{where}, got {crop_pct!r}")
+
+
+def resolve_data_config(model=None, pretrained_cfg: Optional[Dict[str, Any]] = None, *,
+                        img_size: Optional[int] = None, interpolation: Optional[str] = None,
+                        crop_pct: Optional[float] = None, crop_mode: Optional[str] = None,
+                        mean: Optional[Sequence[float]] = None,
+                        std: Optional[Sequence[float]] = None) -> Dict[str, Any]:
+    """The settings of the training and validation transforms, as timm's ``resolve_data_config`` resolves them:
+    each value given here wins; one left at None comes from ``pretrained_cfg``, else from ``model``'s pretrained
+    cfg, else timm's default (224 px, bicubic, crop 0.875, centre crop, ImageNet mean and std).
+
+    Returns {"img_size", "interpolation", "crop_pct", "crop_mode", "mean", "std"} (mean and std as lists), the
+    keyword arguments of :func:`build_transform` and what a checkpoint's model.json records of its transform.
+    Raises ValueError in one line for a value timm's transforms cannot use (e.g. an unknown interpolation).
+    """
+    from timm.data import resolve_data_config as timm_resolve_data_config
+
+    check_transform_options(interpolation, crop_pct, crop_mode)
+    if img_size is not None and not (isinstance(img_size, int) and img_size >= 1):
+        raise ValueError(f"img_size: must be an integer >= 1, got {img_size!r}")
+    args = {"img_size": img_size, "interpolation": interpolation, "crop_pct": crop_pct, "crop_mode": crop_mode,
+            "mean": _check_triple("mean", mean), "std": _check_triple("std", std, positive=True)}
+    resolved = timm_resolve_data_config(args, pretrained_cfg=dict(pretrained_cfg or {}), model=model)
+    check_transform_options(resolved["interpolation"], resolved["crop_pct"], resolved["crop_mode"],
+                            where=" (from the model's pretrained cfg or model.json)")
+    height, width = resolved["input_size"][-2:]
+    return {"img_size": int(height) if height == width else (int(height), int(width)),
+            "interpolation": resolved["interpolation"], "crop_pct": float(resolved["crop_pct"]),
+            "crop_mode": resolved["crop_mode"], "mean": [float(v) for v in resolved["mean"]],
+            "std": [float(v) for v in resolved["std"]]}
+
+
+def build_transform(img_size: Union[int, Tuple[int, int]], is_training: bool, mean, std, crop_pct: float = 1.0,
                     scale: Tuple[float, float] = (0.08, 1.0), hflip: float = 0.5, color_jitter: float = 0.0,
                     auto_augment: Optional[str] = None, interpolation: str = "bilinear",
-                    re_prob: float = 0.0, no_aug: bool = False) -> Callable:
-    """timm's ``create_transform`` with the options the tools expose (``no_aug``: resize and crop only)."""
+                    re_prob: float = 0.0, no_aug: bool = False, crop_mode: str = "center") -> Callable:
+    """timm's ``create_transform`` with the options the tools expose (``no_aug``: resize and crop only).
+
+    The training and validation tools give it the settings :func:`resolve_data_config` resolves
+    (``build_transform(is_training=..., **data_config)``); ``crop_pct`` and ``crop_mode`` shape the validation
+    transform only, as in timm."""
     from timm.data import create_transform
 
     if is_training:
@@ -138,7 +206,7 @@ def build_transform(img_size: int, is_training: bool, mean, std, crop_pct: float
                                 color_jitter=color_jitter, auto_augment=auto_augment, interpolation=interpolation,
                                 mean=tuple(mean), std=tuple(std), re_prob=re_prob)
     return create_transform(img_size, is_training=False, interpolation=interpolation, mean=tuple(mean),
-                            std=tuple(std), crop_pct=crop_pct)
+                            std=tuple(std), crop_pct=crop_pct, crop_mode=crop_mode)
 
 
 class ShardedSampler(Sampler[int]):

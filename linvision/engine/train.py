@@ -39,7 +39,7 @@ from torch import nn
 from .amp import autocast
 from .checkpoint import load_pretrained, load_torch_file, save_checkpoint
 from .config import parse_kwargs, save_yaml
-from .data import ShardedSampler, build_transform, create_dataset, create_loader
+from .data import ShardedSampler, build_transform, create_dataset, create_loader, resolve_data_config
 from .distill import distillation_loss, load_teacher
 from .distributed import DistInfo, all_reduce_max, all_reduce_sum, barrier, cleanup, init_distributed
 from .evaluate import evaluate
@@ -52,7 +52,7 @@ from .run_folder import claim_run_folder
 from .train_config import Recipe, TrainConfig, add_train_args
 
 __all__ = ["TrainConfig", "add_train_args", "train", "resume_config", "TrainInterrupted", "Task", "TaskParts",
-           "ClassificationTask", "rank0_first"]
+           "ClassificationTask", "train_data_config", "rank0_first"]
 
 
 def _run_folder(cfg: Recipe, task: "Task") -> str:
@@ -175,6 +175,14 @@ class Task:
         raise NotImplementedError
 
 
+def train_data_config(cfg: TrainConfig, model: nn.Module) -> Dict[str, Any]:
+    """The settings of a classification run's transforms (:func:`~linvision.engine.data.resolve_data_config`):
+    the recipe's ``img_size``, and its ``interpolation``, ``crop_pct``, ``mean`` and ``std`` where given, else
+    those of ``model``'s pretrained cfg."""
+    return resolve_data_config(model, img_size=cfg.img_size, interpolation=cfg.interpolation,
+                               crop_pct=cfg.crop_pct, mean=cfg.mean, std=cfg.std)
+
+
 class ClassificationTask(Task):
     """Image classification (``linvision-train``): image folders, torchvision datasets, digits or photos; any timm
     model with a classifier for the data's classes; timm's transforms, Mixup/CutMix, label smoothing and
@@ -210,22 +218,21 @@ class ClassificationTask(Task):
             report = load_pretrained(model, cfg.pretrained_path)
             if info.is_main:
                 _report_load(report, cfg.pretrained_path, model)
-        pretrained_cfg = getattr(model, "pretrained_cfg", {}) or {}
-        mean = list(cfg.mean or pretrained_cfg.get("mean", (0.485, 0.456, 0.406)))
-        std = list(cfg.std or pretrained_cfg.get("std", (0.229, 0.224, 0.225)))
-        train_set.transform = build_transform(cfg.img_size, True, mean, std, scale=cfg.scale, hflip=cfg.hflip,
+        data_config = train_data_config(cfg, model)
+        train_set.transform = build_transform(is_training=True, **data_config, scale=cfg.scale, hflip=cfg.hflip,
                                               color_jitter=cfg.color_jitter, auto_augment=cfg.aa,
                                               re_prob=cfg.reprob, no_aug=cfg.no_aug)
-        val_set.transform = build_transform(cfg.img_size, False, mean, std, crop_pct=cfg.crop_pct)
+        val_set.transform = build_transform(is_training=False, **data_config)
         if cfg.grad_checkpointing:
             model.set_grad_checkpointing(True)
         model.to(info.device)
         check_img_size(model, cfg.img_size, cfg.in_chans)  # one line now rather than a traceback at step 1
         if cfg.channels_last:
             model.to(memory_format=torch.channels_last)
+        # the transform's settings as resolved (img_size, interpolation, crop_pct, crop_mode, mean, std): what
+        # linvision-validate --checkpoint evaluates with
         meta = {"model": cfg.model, "num_classes": num_classes, "in_chans": cfg.in_chans,
-                "model_kwargs": model_kwargs, "img_size": cfg.img_size, "mean": mean, "std": std,
-                "crop_pct": cfg.crop_pct, "classes": classes, "dataset": cfg.dataset}
+                "model_kwargs": model_kwargs, **data_config, "classes": classes, "dataset": cfg.dataset}
         return TaskParts(train_set, val_set, model, meta, num_classes)
 
     def optimizer_options(self, cfg: TrainConfig) -> Dict[str, Any]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional
 
 from .cli import AMP_HELP, amp_flag_options
+from .data import INTERPOLATIONS
 
 __all__ = ["TrainConfig", "Recipe", "add_train_args", "add_config_args", "recipe_field", "shared_field", "require",
            "RUN_ONLY_KEYS"]
@@ -75,11 +76,16 @@ class TrainConfig(Recipe):
     data_dir: Optional[str] = _opt(None, "folder with train/ and val/ class sub-folders", group="data")
     img_size: int = _opt(224, "training and validation resolution", group="data", type=int)
     workers: int = _opt(0, "data-loading worker processes per rank", "-j", group="data", type=int)
-    mean: Optional[List[float]] = _opt(None, "normalisation mean (default: the model's)", group="data", type=float,
-                                       nargs=3)
-    std: Optional[List[float]] = _opt(None, "normalisation std (default: the model's)", group="data", type=float,
-                                      nargs=3)
-    crop_pct: float = _opt(1.0, "validation centre-crop fraction", group="data", type=float)
+    mean: Optional[List[float]] = _opt(None, "normalisation mean (default: the model's pretrained cfg)", group="data",
+                                       type=float, nargs=3)
+    std: Optional[List[float]] = _opt(None, "normalisation std (default: the model's pretrained cfg)", group="data",
+                                      type=float, nargs=3)
+    interpolation: Optional[str] = _opt(None, "resize interpolation of training and validation images (default: the "
+                                              "model's pretrained cfg, e.g. bicubic)", group="data",
+                                        choices=list(INTERPOLATIONS))
+    crop_pct: Optional[float] = _opt(None, "validation centre-crop fraction: resize to img_size / crop_pct, crop "
+                                           "img_size (default: the model's pretrained cfg, e.g. 0.875)",
+                                     group="data", type=float)
     no_aug: bool = _opt(False, "train on resized, centre-cropped images only", group="data")
     scale: List[float] = _opt([0.08, 1.0], "random-resized-crop area range", group="data", type=float, nargs=2)
     hflip: float = _opt(0.5, "horizontal-flip probability of training images", group="data", type=float)
@@ -173,7 +179,16 @@ class TrainConfig(Recipe):
             need(0 <= getattr(self, key) <= 1, key, "must be within [0, 1]")
         need(0 <= self.smoothing < 1, "smoothing", "must be within [0, 1)")
         need(0 < self.model_ema_decay < 1, "model_ema_decay", "must be within (0, 1)")
-        need(0 < self.crop_pct <= 1, "crop_pct", "must be within (0, 1]")
+        need(self.crop_pct is None or (isinstance(self.crop_pct, (int, float)) and 0 < self.crop_pct <= 1),
+             "crop_pct", "must be within (0, 1]")
+        need(self.interpolation is None or self.interpolation in INTERPOLATIONS, "interpolation",
+             f"must be one of {', '.join(INTERPOLATIONS)}")
+        for key in ("mean", "std"):
+            value = getattr(self, key)
+            need(value is None or (isinstance(value, (list, tuple)) and len(value) == 3
+                                   and all(isinstance(v, (int, float)) for v in value)), key,
+                 "must be 3 numbers (one per RGB channel)")
+        need(self.std is None or min(self.std) > 0, "std", "must be > 0")
         need(len(self.scale) == 2 and 0 < self.scale[0] <= self.scale[1] <= 1, "scale",
              "must be 0 < min <= max <= 1")
         need(self.num_classes is None or self.num_classes >= 2, "num_classes", "must be >= 2")

@@ -1,23 +1,28 @@
 """Accuracy of a trained checkpoint at one or several resolutions, behind ``tools/validate.py``.
 
-The same weights are evaluated at every resolution (images resized, then centre-cropped with the
-checkpoint's ``crop_pct``). The model is rebuilt for each size: models with RoPE or convolutions run at any
-size as they are, a learned absolute position embedding is resampled to the size's grid; a model that cannot
-run at a size gets an ``error`` entry for it and the other sizes are still evaluated.
+The same weights are evaluated at every resolution, with the transform the checkpoint's run validated with
+(images resized with its ``interpolation`` to ``size / crop_pct``, centre-cropped, normalised with its ``mean``
+and ``std``: model.json records them), or for a model's trained weights the transform of its pretrained cfg, as
+``timm.data.create_transform(**resolve_data_config({}, model=model))`` builds it; ``interpolation`` and
+``crop_pct`` given to :func:`validate_checkpoint` win over both. The model is rebuilt for each size: models with
+RoPE or convolutions run at any size as they are, a learned absolute position embedding is resampled to the
+size's grid; a model that cannot run at a size gets an ``error`` entry for it and the other sizes are still
+evaluated.
 """
 from __future__ import annotations
 
 import argparse
 from typing import Any, Dict, List, Optional, Sequence
 
-from .checkpoint import checkpoint_task, load_model, read_checkpoint_meta, resolve_checkpoint
+from .checkpoint import checkpoint_task, load_model, read_checkpoint_meta, recorded_data_config, resolve_checkpoint
 from .cli import add_amp_arg
-from .data import ShardedSampler, build_transform, create_dataset, create_loader
+from .data import (INTERPOLATIONS, ShardedSampler, build_transform, check_transform_options, create_dataset,
+                   create_loader, resolve_data_config)
 from .distributed import barrier, cleanup, init_distributed
 from .evaluate import evaluate
 from .factory import check_pretrained, create_model
 
-__all__ = ["add_validate_args", "validate_checkpoint"]
+__all__ = ["add_validate_args", "validate_checkpoint", "eval_data_config"]
 
 
 def add_validate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -37,6 +42,12 @@ def add_validate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                              "or a torchvision dataset's root (digits, photos and mosaics need none)")
     parser.add_argument("--img-size", type=int, nargs="+", default=None,
                         help="resolutions to evaluate (default: the training one)")
+    parser.add_argument("--interpolation", default=None, choices=list(INTERPOLATIONS),
+                        help="resize interpolation (default: the checkpoint's; with --pretrained, the model's "
+                             "pretrained cfg's)")
+    parser.add_argument("--crop-pct", type=float, default=None,
+                        help="centre-crop fraction: resize to size / crop_pct, crop size (default: the "
+                             "checkpoint's; with --pretrained, the model's pretrained cfg's)")
     parser.add_argument("--batch-size", "-b", type=int, default=64, help="images per batch on each rank")
     parser.add_argument("--workers", "-j", type=int, default=0, help="data-loading worker processes per rank")
     add_amp_arg(parser)
@@ -69,30 +80,50 @@ def _pretrained_meta(name: str) -> Dict[str, Any]:
 
     check_pretrained(name)
     cfg = get_pretrained_cfg(name)
-    return {"model": name, "num_classes": cfg.num_classes, "img_size": cfg.input_size[-1], "mean": list(cfg.mean),
-            "std": list(cfg.std), "crop_pct": cfg.crop_pct, "classes": [], "dataset": "folder"}
+    return {"model": name, "num_classes": cfg.num_classes, "img_size": cfg.input_size[-1], "classes": [],
+            "dataset": "folder"}
+
+
+def eval_data_config(meta: Optional[Dict[str, Any]], size: int, model=None, interpolation: Optional[str] = None,
+                     crop_pct: Optional[float] = None) -> Dict[str, Any]:
+    """The settings of the validation transform at ``size``
+    (:func:`~linvision.engine.data.resolve_data_config`): ``interpolation`` and ``crop_pct`` where given, else
+    those a checkpoint's model.json (``meta``) records, or with ``meta`` None, those of ``model``'s pretrained
+    cfg (a model's trained weights)."""
+    recorded = recorded_data_config(meta) if meta is not None else None
+    return resolve_data_config(model if meta is None else None, recorded, img_size=size,
+                               interpolation=interpolation, crop_pct=crop_pct)
 
 
 def validate_checkpoint(checkpoint: Optional[str], dataset: Optional[str] = None, data_dir: Optional[str] = None,
                         img_sizes: Optional[Sequence[int]] = None, batch_size: int = 64, workers: int = 0,
                         amp: str = "none", device: str = "auto", progress: bool = False,
-                        pretrained: Optional[str] = None) -> Dict[str, Any]:
+                        pretrained: Optional[str] = None, interpolation: Optional[str] = None,
+                        crop_pct: Optional[float] = None) -> Dict[str, Any]:
     """Evaluate ``checkpoint`` (or, with ``pretrained`` naming a model, that model's trained weights as
     ``timm.create_model(pretrained=True)`` loads them) on the validation split at each of ``img_sizes``.
 
+    Images are transformed as :func:`eval_data_config` says: with the checkpoint's recorded settings (or the
+    pretrained cfg's of ``pretrained``), ``interpolation`` and ``crop_pct`` winning where given.
+
     Returns {"checkpoint", "model", "results": [{"img_size", "top1", "top5", "loss", "count"} or
-    {"img_size", "error"}]}; a segmenter's checkpoint (``linvision-train-seg``) is scored by
-    :func:`~linvision.engine.seg_validate.validate_segmenter` instead (mIoU and pixel accuracy). Raises
-    FileNotFoundError for a missing checkpoint or data folder, ValueError for a model without trained weights.
-    Runs under torchrun too (each rank evaluates a shard; the figures are reduced).
+    {"img_size", "error"}, each with the "interpolation" and "crop_pct" it ran with]}; a segmenter's checkpoint
+    (``linvision-train-seg``) is scored by :func:`~linvision.engine.seg_validate.validate_segmenter` instead
+    (mIoU and pixel accuracy). Raises FileNotFoundError for a missing checkpoint or data folder, ValueError for a
+    model without trained weights or a bad ``interpolation`` or ``crop_pct``. Runs under torchrun too (each rank
+    evaluates a shard; the figures are reduced).
     """
     if (checkpoint is None) == (pretrained is None):
         raise ValueError("checkpoint: give a checkpoint (or run folder), or a model name with --pretrained")
     if checkpoint and checkpoint_task(checkpoint) == "segmentation":  # a checkpoint of linvision-train-seg
         from .seg_validate import validate_segmenter
 
+        if interpolation is not None or crop_pct is not None:
+            raise ValueError("interpolation/crop_pct: a segmenter is scored on whole images; these apply to "
+                             "classifiers only")
         return validate_segmenter(checkpoint, dataset, data_dir, img_sizes, batch_size, workers, amp, device,
                                   progress)
+    check_transform_options(interpolation, crop_pct)  # a bad value ends here, before any model is built
     info = init_distributed(device)
     try:
         meta = read_checkpoint_meta(resolve_checkpoint(checkpoint)) if checkpoint else _pretrained_meta(pretrained)
@@ -110,7 +141,8 @@ def validate_checkpoint(checkpoint: Optional[str], dataset: Optional[str] = None
                 model = create_model(pretrained, img_size=size, pretrained=True).to(info.device).eval()
                 if size == sizes[0] and info.is_main:
                     barrier(info)
-            transform = build_transform(size, False, meta["mean"], meta["std"], crop_pct=meta.get("crop_pct", 1.0))
+            data_config = eval_data_config(meta if checkpoint else None, size, model, interpolation, crop_pct)
+            transform = build_transform(is_training=False, **data_config)
             val_set = create_dataset(dataset, data_dir, "val", transform=transform, digits_size=size)
             _check_classes(meta, val_set, source)
             sampler = ShardedSampler(len(val_set), info.rank, info.world_size, shuffle=False)
@@ -119,7 +151,8 @@ def validate_checkpoint(checkpoint: Optional[str], dataset: Optional[str] = None
                 res = evaluate(model, loader, info, amp=amp, progress=progress)
             except (RuntimeError, ValueError, AssertionError) as e:  # a model tied to one input size
                 res = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"}
-            results.append({"img_size": size, **res})
+            results.append({"img_size": size, **res, "interpolation": data_config["interpolation"],
+                            "crop_pct": data_config["crop_pct"]})
         barrier(info)
         return {"checkpoint": checkpoint or "pretrained", "model": meta["model"], "train_img_size": meta["img_size"],
                 "results": results}

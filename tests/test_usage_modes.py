@@ -165,3 +165,23 @@ def test_compile_matches_eager(mixer):
     assert_grads_close(grads(model), want, rtol=1e-3, atol=1e-4)
     with torch.no_grad():
         torch.testing.assert_close(compiled.eval()(x[:1]), model.eval()(x[:1]), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["linvit_tiny_patch16_rope_224", "linvit_small_patch16_rope_mixed_224"])
+def test_vit_models_inference_mode_then_training(name):
+    """linvit's RoPE entry points (axial tables cached, mixed ones learnable; 2 blocks): a forward under
+    inference_mode, then a training step with the gradients of a copy that never saw inference mode (before,
+    "Inference tensors cannot be saved for backward" on linvit_tiny_patch16_rope_224). MLLA's and RAVLT's
+    mixers are in the matrix above."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=5, img_size=32, depth=2)
+    fresh = copy.deepcopy(model)
+    x = torch.randn(2, 3, 64, 32, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        model.eval()(x)
+    loss, got = loss_and_grads(model.train(), x)
+    want_loss, want = loss_and_grads(fresh.train(), x)
+    torch.testing.assert_close(loss, want_loss)
+    assert_grads_close(got, want)

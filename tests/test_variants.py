@@ -332,3 +332,26 @@ def test_bad_options_raise_one_line_errors():
     with pytest.raises(ValueError, match="eps: must be a positive number"):
         magnitude_aware_linear_attention(q, k, v, eps=0.0)
     assert math.isfinite(float(rank_augmented_linear_attention(q, k, v).sum()))
+
+
+@pytest.mark.parametrize("name", ["linear", "rala", "mala", "hybrid"])
+def test_performer_projection_is_a_buffer(name):
+    """A mixer's Performer projection is fixed: two eval calls agree, it is saved with the weights (a copy loaded
+    from the state dict gives the same output), and only redraw_feature_map changes it."""
+    torch.manual_seed(0)
+    mixer = create_mixer(name, 32, 2, feature_map="performer").eval()
+    assert mixer.feature_map == "performer" and "performer_projection" in mixer.state_dict()
+    x = torch.randn(2, 36, 32)
+    with torch.no_grad():
+        first = mixer(x, (6, 6))
+        torch.testing.assert_close(mixer(x, (6, 6)), first, rtol=0, atol=0)
+        twin = create_mixer(name, 32, 2, feature_map="performer").eval()
+        assert not torch.equal(twin.performer_projection, mixer.performer_projection)
+        twin.load_state_dict(mixer.state_dict())
+        torch.testing.assert_close(twin(x, (6, 6)), first, rtol=0, atol=0)
+        before = mixer.performer_projection.clone()
+        mixer.redraw_feature_map(torch.Generator().manual_seed(5))
+        assert not torch.equal(mixer.performer_projection, before)
+        assert not torch.allclose(mixer(x, (6, 6)), first)
+    with pytest.raises(ValueError, match="redraw_feature_map: the feature map 'elu'.* draws nothing"):
+        create_mixer(name, 32, 2, feature_map="elu").redraw_feature_map()

@@ -110,12 +110,19 @@ def test_import_registers_every_model():
 
 @pytest.mark.parametrize("name", ALL_NAMES)
 def test_registered_model_forward(name):
-    """Full-size model: eval forward at a small resolution (the whole contract at full size runs with --runslow)."""
+    """Full-size model, eval, at a small resolution (the whole contract at full size runs with --runslow): the
+    images of a batch are independent (an image gives the same logits alone as beside another: no mixer, norm
+    or reshape mixes the batch), forward is forward_head(forward_features), and different images give different
+    logits (the input reaches the head)."""
     model = _create(name, num_classes=7, img_size=64) if name.startswith("linvit") else _create(name, num_classes=7)
     model.eval()
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        y = model(torch.randn(1, 3, 64, 64))
-    assert y.shape == (1, 7) and torch.isfinite(y).all()
+        y = model.forward_head(model.forward_features(x))
+        alone = model(x[1:])
+    assert y.shape == (2, 7)
+    torch.testing.assert_close(alone, y[1:], rtol=1e-4, atol=1e-5)
+    assert (y[0] - y[1]).abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("name, kwargs", CONTRACT)
@@ -415,11 +422,34 @@ def test_mixed_rope_frequencies_are_not_decayed():
 
 @pytest.mark.parametrize("name, kwargs", [VIT_ROPE, VIT_MIXED, HIER], ids=["axial", "mixed", "linhier"])
 def test_rope_models_any_resolution_and_aspect(name, kwargs):
+    """At every size and aspect ratio each mixer is given the input's grid, (rows, columns) at its stride, and
+    the tokens of that grid (so RoPE rotates by the true row and column of every token), and the logits are
+    those of a float64 run of the same weights: the fp32 rotation tables and the rest of the fp32 arithmetic
+    stay accurate on grids other than the 224 px default."""
+    import copy
+
     model = _create(name, num_classes=4, **kwargs).eval()
-    with torch.no_grad():
-        for size in [(64, 64), (128, 128), (64, 160), (96, 32)]:
-            y = model(torch.randn(1, 3, *size))
-            assert y.shape == (1, 4) and torch.isfinite(y).all()
+    reference = copy.deepcopy(model).double()
+    mixers = [m for n, m in model.named_modules() if n.endswith(".mixer")]
+    calls = []
+    for mixer in mixers:
+        mixer.register_forward_pre_hook(lambda module, args: calls.append((tuple(args[1]), args[0].shape[1])))
+    prefix = getattr(model, "num_prefix_tokens", 0)
+    if name.startswith("linvit"):
+        strides = [16] * len(mixers)
+    else:
+        strides = [4 * 2 ** i for i, stage in enumerate(model.stages) for _ in stage.blocks]
+    generator = torch.Generator().manual_seed(0)
+    for size in [(64, 64), (128, 128), (64, 160), (96, 32)]:
+        x = torch.randn(2, 3, *size, generator=generator)
+        calls.clear()
+        with torch.no_grad():
+            y = model(x)
+            expected = reference(x.double())
+        grids = [(size[0] // s, size[1] // s) for s in strides]
+        assert calls == [(g, prefix + g[0] * g[1]) for g in grids], size
+        assert y.shape == (2, 4)
+        torch.testing.assert_close(y.double(), expected, rtol=1e-4, atol=1e-5)
 
 
 def test_abs_pos_model_dynamic_img_size():

@@ -85,7 +85,12 @@ def test_the_weighted_models_are_found():
         assert name in WEIGHTED
 
 
-@pytest.mark.parametrize("name", WEIGHTED)
+# one model of each family and cfg by default (the others differ only in size); all of them with --runslow
+_DEFAULT_WEIGHTED = ("linvit_tiny_patch16_rope_224.deit_fb_in1k", "mlla_tiny.in1k", "ravlt_tiny.in1k")
+
+
+@pytest.mark.parametrize("name", [n if n in _DEFAULT_WEIGHTED else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in WEIGHTED])
 def test_pretrained_evaluation_uses_timms_transform(name, monkeypatch):
     """linvision-validate --model NAME --pretrained transforms images as timm's
     create_transform(**resolve_data_config({}, model=model)) does: the same steps and the same tensors."""

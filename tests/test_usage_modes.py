@@ -112,8 +112,18 @@ def test_autocast_forward_and_scaled_training_step(mixer, amp):
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
+@pytest.fixture
+def cold_rope_caches():
+    """Empty RoPE caches: what a first forward under inference_mode meets in a fresh process (a warm cache from an
+    earlier test would hand it tables made outside inference mode and hide the bug)."""
+    from linvision.ops import rope
+
+    rope._AXIAL_CACHE.clear()
+    rope._POSITION_CACHE.clear()
+
+
 @pytest.mark.parametrize("mixer", MIXERS)
-def test_inference_mode_then_training(mixer):
+def test_inference_mode_then_training(mixer, cold_rope_caches):
     """A forward under torch.inference_mode() (which fills the RoPE and position caches) and then a training step:
     the step runs and its gradients equal those of the same model that never saw inference mode."""
     model = tiny_model(mixer)
@@ -168,7 +178,7 @@ def test_compile_matches_eager(mixer):
 
 
 @pytest.mark.parametrize("name", ["linvit_tiny_patch16_rope_224", "linvit_small_patch16_rope_mixed_224"])
-def test_vit_models_inference_mode_then_training(name):
+def test_vit_models_inference_mode_then_training(name, cold_rope_caches):
     """linvit's RoPE entry points (axial tables cached, mixed ones learnable; 2 blocks): a forward under
     inference_mode, then a training step with the gradients of a copy that never saw inference mode (before,
     "Inference tensors cannot be saved for backward" on linvit_tiny_patch16_rope_224). MLLA's and RAVLT's

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import timm
 import torch
+import yaml
 from PIL import Image
 from timm.data import create_transform
 from timm.data import resolve_data_config as timm_resolve_data_config
@@ -27,7 +28,7 @@ from linvision.engine.factory import create_model, models_with_weights
 from linvision.engine.train import add_train_args, train, train_data_config
 from linvision.engine.train_config import TrainConfig
 from linvision.engine.validate import add_validate_args, validate_checkpoint
-from support import TINY_VIT, write_image_folder
+from support import TINY_VIT, run_tool, step_losses, tiny_train_flags, write_image_folder
 
 LINVISION_MODULES = ["mlla", "ravlt", "linhier", "linvit"]
 
@@ -285,3 +286,92 @@ def test_training_resolves_through_the_same_function_and_validation_reuses_it(tm
     validate_checkpoint(str(old), data_dir=data, device="cpu", img_sizes=[40])
     resize, crop, _ = _parts(seen[-1])
     assert resize.size in (40, [40]) and tuple(crop.size) == (40, 40)  # crop 1.0, as before it was recorded
+
+
+def test_resuming_a_run_older_than_the_transform_options_keeps_its_transform(tmp_path, monkeypatch):
+    """A run written before interpolation was configurable (config.yaml without `interpolation`, model.json
+    without interpolation or crop mode) trained with bilinear and its crop_pct: resumed, it goes on with those,
+    through linvision-train --resume (the saved config.yaml as defaults) and through train() with the recipe
+    alone, not with the model's cfg (bicubic, crop 0.95); a run of this version goes on with what it recorded."""
+    data = write_image_folder(tmp_path / "data")
+    out = str(tmp_path / "out")
+    run_tool("train.py", *tiny_train_flags(data, out, "--experiment", "old", "--epochs", "1", "--crop-pct", "0.8",
+                                                    "--log-interval", "1"))
+    run = os.path.join(out, "old")
+    # make it a run of the earlier version: what its files held
+    config_path = os.path.join(run, "config.yaml")
+    config = yaml.safe_load(open(config_path))
+    assert "interpolation" in config and config["crop_pct"] == 0.8
+    del config["interpolation"]
+    with open(config_path, "w") as f:
+        yaml.safe_dump(config, f, sort_keys=False)
+    for sub in ("last", "best"):
+        meta_path = os.path.join(run, sub, "model.json")
+        meta = json.load(open(meta_path))
+        for key in ("interpolation", "crop_mode"):
+            del meta[key]
+        assert meta["crop_pct"] == 0.8
+        with open(meta_path, "w") as f:
+            json.dump(meta, f)
+
+    built = []
+    real_build = train_module.build_transform
+
+    def spy_build(*args, **kwargs):
+        transform = real_build(*args, **kwargs)
+        built.append((kwargs, transform))
+        return transform
+
+    monkeypatch.setattr(train_module, "build_transform", spy_build)
+    # what the earlier version built for this run: bilinear, crop 0.8, test_vit's mean and std
+    old_val = build_transform(16, False, [0.5] * 3, [0.5] * 3, crop_pct=0.8, interpolation="bilinear")
+    image = _images()[1]
+
+    def check_bilinear(run_dir):
+        (train_kw, train_tf), (val_kw, val_tf) = built[-2:]
+        assert (train_kw["is_training"], val_kw["is_training"]) == (True, False)
+        assert train_kw["interpolation"] == val_kw["interpolation"] == "bilinear"
+        assert train_kw["crop_pct"] == val_kw["crop_pct"] == 0.8
+        assert train_tf.transforms[0].interpolation == T.InterpolationMode.BILINEAR
+        resize, crop, normalize = _parts(val_tf)
+        assert resize.interpolation == T.InterpolationMode.BILINEAR
+        assert resize.size in (20, [20]) and tuple(crop.size) == (16, 16)  # floor(16 / 0.8)
+        assert normalize.mean.tolist() == [0.5] * 3
+        assert repr(val_tf) == repr(old_val) and torch.equal(val_tf(image), old_val(image))
+        meta = json.load(open(os.path.join(run_dir, "last", "model.json")))
+        assert (meta["interpolation"], meta["crop_pct"], meta["crop_mode"]) == ("bilinear", 0.8, "center")
+
+    # linvision-train --resume RUN: the saved config.yaml as defaults
+    run_tool("train.py", "--resume", run, "--epochs", "2")
+    check_bilinear(run)
+    assert len(step_losses(run)) == 6  # 3 steps in each of the 2 epochs
+    assert json.load(open(os.path.join(run, "summary.json")))["epochs"] == 2
+    # resumed again: its config.yaml now has the key (null), its model.json the values: still bilinear
+    assert yaml.safe_load(open(config_path))["interpolation"] is None
+    run_tool("train.py", "--resume", run, "--epochs", "3")
+    check_bilinear(run)
+
+    # train() with a recipe that leaves crop_pct and interpolation unset takes the record of last/model.json,
+    # an old one's too (bilinear; its crop_pct)
+    meta_path = os.path.join(run, "last", "model.json")
+    meta = json.load(open(meta_path))
+    for key in ("interpolation", "crop_mode"):
+        del meta[key]
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    train(parse_args(add_train_args(argparse.ArgumentParser()),
+                     tiny_train_flags(data, out, "--resume", run, "--epochs", "4")))
+    check_bilinear(run)
+
+    # a flag given when resuming wins over the record
+    run_tool("train.py", "--resume", run, "--epochs", "5", "--interpolation", "bicubic")
+    (train_kw, train_tf), (_, val_tf) = built[-2:]
+    assert train_kw["interpolation"] == "bicubic" and train_kw["crop_pct"] == 0.8
+    assert _parts(val_tf)[0].interpolation == T.InterpolationMode.BICUBIC
+
+    # a run of this version with the model's cfg (nothing given) goes on with it when resumed
+    run_tool("train.py", *tiny_train_flags(data, out, "--experiment", "new", "--epochs", "1"))
+    run_tool("train.py", "--resume", os.path.join(out, "new"), "--epochs", "2")
+    (train_kw, train_tf), (_, val_tf) = built[-2:]
+    assert (train_kw["interpolation"], train_kw["crop_pct"]) == ("bicubic", 0.95)
+    assert train_tf.transforms[0].interpolation == T.InterpolationMode.BICUBIC

@@ -37,7 +37,8 @@ from timm.utils import random_seed, unwrap_model
 from torch import nn
 
 from .amp import autocast
-from .checkpoint import load_pretrained, load_torch_file, save_checkpoint
+from .checkpoint import (load_pretrained, load_torch_file, read_checkpoint_meta, recorded_data_config,
+                         save_checkpoint)
 from .config import parse_kwargs, save_yaml
 from .data import ShardedSampler, build_transform, create_dataset, create_loader, resolve_data_config
 from .distill import distillation_loss, load_teacher
@@ -52,7 +53,7 @@ from .run_folder import claim_run_folder
 from .train_config import Recipe, TrainConfig, add_train_args
 
 __all__ = ["TrainConfig", "add_train_args", "train", "resume_config", "TrainInterrupted", "Task", "TaskParts",
-           "ClassificationTask", "train_data_config", "rank0_first"]
+           "ClassificationTask", "train_data_config", "resumed_data_config", "rank0_first"]
 
 
 def _run_folder(cfg: Recipe, task: "Task") -> str:
@@ -175,12 +176,29 @@ class Task:
         raise NotImplementedError
 
 
-def train_data_config(cfg: TrainConfig, model: nn.Module) -> Dict[str, Any]:
+def train_data_config(cfg: TrainConfig, model: nn.Module,
+                      recorded: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """The settings of a classification run's transforms (:func:`~linvision.engine.data.resolve_data_config`):
     the recipe's ``img_size``, and its ``interpolation``, ``crop_pct``, ``mean`` and ``std`` where given, else
-    those of ``model``'s pretrained cfg."""
-    return resolve_data_config(model, img_size=cfg.img_size, interpolation=cfg.interpolation,
+    those of ``recorded`` (a resumed run's: :func:`resumed_data_config`) when given, else those of ``model``'s
+    pretrained cfg."""
+    return resolve_data_config(model, recorded, img_size=cfg.img_size, interpolation=cfg.interpolation,
                                crop_pct=cfg.crop_pct, mean=cfg.mean, std=cfg.std)
+
+
+def resumed_data_config(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
+    """The transform settings that the run ``cfg.resume`` continues recorded in its ``last/model.json``
+    (:func:`~linvision.engine.checkpoint.recorded_data_config`), so that resuming does not change how images are
+    transformed mid-run: a run started before the transform's interpolation was configurable (its config.yaml
+    has no ``interpolation``, its model.json none either) goes on with bilinear and the crop_pct it recorded, not
+    with the model's pretrained cfg. None when ``cfg`` starts a run, or starts from a timm checkpoint file, or
+    the run's last/ has no model.json."""
+    if not cfg.resume or is_external_checkpoint(cfg.resume):
+        return None
+    last = os.path.join(resume_folder(cfg.resume), "last")
+    if not os.path.isfile(os.path.join(last, "model.json")):
+        return None
+    return recorded_data_config(read_checkpoint_meta(last))
 
 
 class ClassificationTask(Task):
@@ -218,7 +236,8 @@ class ClassificationTask(Task):
             report = load_pretrained(model, cfg.pretrained_path)
             if info.is_main:
                 _report_load(report, cfg.pretrained_path, model)
-        data_config = train_data_config(cfg, model)
+        # a resumed run keeps the settings its checkpoint recorded for what the recipe leaves unset
+        data_config = train_data_config(cfg, model, None if fresh else resumed_data_config(cfg))
         train_set.transform = build_transform(is_training=True, **data_config, scale=cfg.scale, hflip=cfg.hflip,
                                               color_jitter=cfg.color_jitter, auto_augment=cfg.aa,
                                               re_prob=cfg.reprob, no_aug=cfg.no_aug)

@@ -118,13 +118,17 @@ class Rope(RopeSpec):
 
     def tables(self) -> Tuple[Tensor, Tensor]:
         """(cos, sin), each (heads or 1, N, P) fp32."""
+        if self.freqs_x.requires_grad or self.freqs_y.requires_grad or is_tracing(*self.grid):
+            # part of the graph: computed every call and never kept. The inference mode is not asked for here:
+            # traced, that query made inductor fail on the dynamic-shape recompile of a linhier (batch 2 -> 1).
+            ang = self.angles()
+            return ang.cos(), ang.sin()
         inference = torch.is_inference_mode_enabled()
         if self._tables is not None and inference in self._tables:
             return self._tables[inference]
         ang = self.angles()
         tables = (ang.cos(), ang.sin())
-        if not (self.freqs_x.requires_grad or self.freqs_y.requires_grad or is_tracing(*self.grid)):
-            self._tables = {**(self._tables or {}), inference: tables}
+        self._tables = {**(self._tables or {}), inference: tables}
         return tables
 
 

@@ -69,12 +69,12 @@ LAYER_FEATURE_MAPS = feature_maps_where(nonnegative=True)
 EPS_FORMS = ("mean", "sum")
 
 
-def check_feature_map(feature_map: str, head_dim: int = 0, **needs: bool) -> str:
+def check_feature_map(feature_map: str, **needs: bool) -> str:
     """The canonical name of ``feature_map`` (lower case, an alias such as "elu+1" as "elu") if it names a map of
     :data:`linvision.ops.common.FEATURE_MAPS` with every property in ``needs`` (e.g. ``nonnegative=True`` for a
     normalised attention, ``causal=True`` for a scan), else ValueError naming the allowed maps, at construction
     rather than in the first forward. "none" is refused: in the layers it names the Gated CNN mixer; the map that
-    leaves q and k as they are is "identity". ``head_dim`` is accepted for older callers; no map needs it."""
+    leaves q and k as they are is "identity"."""
     if isinstance(feature_map, str) and feature_map.lower() == "none":
         raise ValueError("feature_map: 'none' names the Gated CNN token mixer, not a feature map; the map that "
                          "leaves q and k unchanged is 'identity'")

@@ -6,11 +6,12 @@ segmenter's checkpoint (linvision-train-seg), mIoU, pixel accuracy and loss.
     linvision-validate --checkpoint output/seg_mosaics --img-size 512 1024      # a segmenter at 2 sizes
 
 --checkpoint takes a run folder (its best/, else last/) or a checkpoint folder; the data, size, interpolation,
-crop and normalisation default to the checkpoint's. --model NAME --pretrained evaluates a model's trained weights
-as timm's pretrained=True loads them, on data with the weights' classes (e.g. ImageNet's val/<class>/ folders),
-with the interpolation, crop and normalisation of their pretrained config, at its size unless --img-size is
-given. --interpolation and --crop-pct override either. A size the model cannot run at is reported as an error
-entry; the other sizes are still evaluated.
+crop and normalisation default to the checkpoint's, the data being the dataset and folder its run recorded
+(the run folder's config.yaml, else model.json; a line on stderr says which data it used). --model NAME
+--pretrained evaluates a model's trained weights as timm's pretrained=True loads them, on data with the weights'
+classes (e.g. ImageNet's val/<class>/ folders), with the interpolation, crop and normalisation of their
+pretrained config, at its size unless --img-size is given. --interpolation and --crop-pct override either. A
+size the model cannot run at is reported as an error entry; the other sizes are still evaluated.
 
 A segmenter is scored on the validation split it was trained with (or --dataset/--data-dir): mosaics are
 rendered at each --img-size (default: their training size); a folder's val/ images and masks are scored as

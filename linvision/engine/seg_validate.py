@@ -14,6 +14,7 @@ scored. A size the segmenter cannot run at gets an ``error`` entry and the other
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -23,6 +24,7 @@ from .distributed import cleanup, init_distributed
 from .seg_data import MOSAIC_SEED, JointTransform, PadCollate, SegmentationSamples, pil_pair
 from .seg_metrics import evaluate_segmentation
 from .segmenter import STRIDE, load_segmenter
+from .validate import run_data
 
 __all__ = ["validate_segmenter", "DEFAULT_MOSAIC_VAL"]
 
@@ -58,7 +60,8 @@ def validate_segmenter(checkpoint: str, dataset: Optional[str] = None, data_dir:
     """Score the segmenter of ``checkpoint`` (a checkpoint folder of ``linvision-train-seg``, or its run folder:
     best/, else last/) at each of ``img_sizes``.
 
-    ``dataset`` and ``data_dir`` default to the checkpoint's (``data_dir`` is recorded by runs of this version);
+    ``dataset`` and ``data_dir`` default to those its run recorded (:func:`~linvision.engine.validate.run_data`:
+    the run folder's config.yaml, else model.json), a one-line note on stderr saying which data it scores on;
     ``img_sizes`` default to the mosaics' training size, or a folder's images as they are (``None`` in the list
     means that too). ``mosaic_val``: how many validation mosaics (default: as many as the run scored on).
 
@@ -70,13 +73,16 @@ def validate_segmenter(checkpoint: str, dataset: Optional[str] = None, data_dir:
     info = init_distributed(device)
     try:
         model, meta = load_segmenter(checkpoint, device=str(info.device))
-        dataset = dataset or meta.get("dataset", "folder")
-        data_dir = data_dir or meta.get("data_dir")
+        # what is not given, as the run recorded it (its config.yaml, else model.json)
+        dataset, data_dir, note = run_data(checkpoint, meta, dataset, data_dir)
         sizes: List[Optional[int]] = list(img_sizes or [None])
         collate = PadCollate(meta["ignore_index"], STRIDE[meta["decoder"]])
         results = []
         for size in sizes:
             raw, resize = _validation_set(dataset, data_dir, size, meta, mosaic_val)
+            if note and info.is_main:
+                print(note, file=sys.stderr, flush=True)
+                note = None
             samples = SegmentationSamples(raw, meta["num_classes"], meta["ignore_index"],
                                           JointTransform(meta["mean"], meta["std"], resize=resize))
             sampler = ShardedSampler(len(samples), info.rank, info.world_size, shuffle=False)

@@ -152,7 +152,7 @@ def test_checkpoint_round_trip_and_head_reset(tmp_path):
 
     new = create_model("test_vit", num_classes=5, model_kwargs=parse_kwargs(TINY_VIT))
     report = load_pretrained(new, str(tmp_path / "ckpt"))
-    assert sorted(report["skipped"]) == ["head.bias", "head.weight"]
+    assert sorted(report["skipped"]) == ["head.bias", "head.weight"] and not report["missing"], report
     assert torch.equal(new.patch_embed.proj.weight, model.patch_embed.proj.weight)
     assert new.head.weight.shape == (5, model.head.weight.shape[1])
 

@@ -68,6 +68,111 @@ def test_an_output_that_cannot_be_written_is_one_line(data, tmp_path, where):
     assert "Traceback" not in proc.stderr
 
 
+def test_no_debris_in_the_output(data, tmp_path):
+    """A new run that fails before its first checkpoint leaves no folder (the next run takes its name, not
+    <name>-1); a finished run leaves no .lock; an empty folder the claim made is gone with the lock."""
+    out = tmp_path / "out"
+    proc = run_tool("train.py", *tiny_train_flags(data, str(out), "--epochs", "1", "--experiment", "r",
+                                                  "--model", "no_such_model"), check=False)
+    assert proc.returncode == 2 and not (out / "r").exists()
+    run_tool("train.py", *tiny_train_flags(data, str(out), "--epochs", "1", "--experiment", "r"))
+    assert sorted(os.listdir(out)) == ["r"]
+    assert sorted(os.listdir(out / "r")) == ["best", "config.yaml", "last", "metrics.jsonl", "summary.json"]
+    claim_run_folder(str(tmp_path / "empty")).release()
+    assert not (tmp_path / "empty").exists()
+    (tmp_path / "mine").mkdir()
+    claim_run_folder(str(tmp_path / "mine")).discard()  # a folder the user made stays
+    assert (tmp_path / "mine").is_dir() and not os.listdir(tmp_path / "mine")
+
+
+def test_the_resume_line_says_what_it_resumes(data, tmp_path):
+    flags = tiny_train_flags(data, str(tmp_path), "--epochs", "2", "--experiment", "r")
+    run_tool("train.py", *flags, "--stop-after-steps", "1")
+    proc = run_tool("train.py", *flags, "--resume", str(tmp_path / "r"), "--stop-after-steps", "4")
+    assert "step 1 of 3 (update 1), no epoch evaluated yet" in proc.stdout and "-1.00" not in proc.stdout
+    top1 = [json.loads(line) for line in open(tmp_path / "r" / "metrics.jsonl")][-1]["val_top1"]
+    proc = run_tool("train.py", *flags, "--resume", str(tmp_path / "r"))
+    assert f"best top-1 so far {top1:.2f} (epoch 0)" in proc.stdout
+
+
+def _corrupt(data):
+    bad = [os.path.join(data, "train", "class0", "broken.png"), os.path.join(data, "val", "class1", "cut.png")]
+    with open(bad[0], "w") as f:
+        f.write("not an image")
+    png = open(os.path.join(data, "val", "class1", "0.png"), "rb").read()
+    with open(bad[1], "wb") as f:
+        f.write(png[: len(png) // 2])
+    return bad
+
+
+def test_unreadable_images_are_found_before_the_first_step(tmp_path):
+    data = write_image_folder(tmp_path / "data")
+    bad = _corrupt(data)
+    out = tmp_path / "out"
+    proc = run_tool("train.py", *tiny_train_flags(data, str(out), "--epochs", "1", "--experiment", "r"), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    line = proc.stderr.strip()
+    assert "\n" not in line and "--skip-bad-images" in line and "1 of the 13 training files" in line
+    assert bad[0] in line and "UnidentifiedImageError" in line
+    assert not (out / "r").exists()  # nothing was started
+    proc = run_tool("train.py", *tiny_train_flags(data, str(out), "--epochs", "1", "--experiment", "r",
+                                                  "--skip-bad-images"))
+    assert "left out 1 of the 13 training samples" in proc.stdout and bad[0] in proc.stdout
+    assert "left out 1 of the 7 validation samples" in proc.stdout and bad[1] in proc.stdout
+    assert _summary(out / "r")["run_dir"] == str(out / "r")  # the name was free
+
+
+def test_an_error_after_the_first_step_saves_a_checkpoint_to_resume(tmp_path, monkeypatch):
+    """With --no-check-images a bad file is found when a batch draws it: last/ is saved at the step before, the
+    message says how to continue, and the run continues from there once the file is fixed."""
+    import linvision.engine.data as data_module
+
+    data = write_image_folder(tmp_path / "data")
+    broken = tmp_path / "broken.png"
+    broken.write_text("not an image")
+    flags = tiny_train_flags(data, str(tmp_path), "--epochs", "2", "--experiment", "r", "--no-check-images",
+                             "--log-interval", "1")
+    real, calls = data_module._load_rgb, []
+
+    def load(path):  # the sixth image read during training (in the second batch) is a broken file
+        calls.append(path)
+        return real(str(broken) if len(calls) == 6 else path)
+
+    monkeypatch.setattr(data_module, "_load_rgb", load)
+    proc = run_tool("train.py", *flags, check=False)
+    monkeypatch.undo()
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.strip()
+    assert str(broken) in line and f"continue with: linvision-train --resume {tmp_path / 'r'}" in line
+    state = torch.load(tmp_path / "r" / "last" / "train_state.pt", weights_only=True)
+    assert (state["epoch"], state["step_in_epoch"], state["global_step"]) == (0, 1, 1)
+    run_tool("train.py", *flags[:flags.index("--epochs")], "--resume", str(tmp_path / "r"))
+    assert [s for s, _ in step_losses(str(tmp_path / "r"))] == list(range(1, 7))
+    assert _summary(tmp_path / "r")["epochs"] == 2
+
+
+def test_learning_rate_shown_is_the_schedule_s_with_layer_decay(data, tmp_path):
+    """The records (and the progress bar) give the base learning rate; the layer-decayed range is logged once."""
+    flags = tiny_train_flags(data, str(tmp_path), "--epochs", "2", "--log-interval", "1", "--lr", "1e-3",
+                             "--min-lr", "1e-5")
+    run_tool("train.py", *flags, "--experiment", "plain")
+    proc = run_tool("train.py", *flags, "--experiment", "decayed", "--layer-decay", "0.5")
+    assert _lrs(tmp_path / "decayed") == _lrs(tmp_path / "plain")
+    assert min(_lrs(tmp_path / "decayed").values()) >= 1e-5
+    assert "layer decay 0.5:" in proc.stdout and "x the learning rate" in proc.stdout
+
+
+def test_a_new_head_is_reported_once(data, tmp_path):
+    run_tool("train.py", *tiny_train_flags(data, str(tmp_path), "--epochs", "1", "--experiment", "src"))
+    proc = run_tool("train.py", *tiny_train_flags(data, str(tmp_path), "--epochs", "1", "--experiment", "ft",
+                                                  "--num-classes", "5", "--initial-checkpoint",
+                                                  str(tmp_path / "src")))
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("pretrained: loaded"))
+    total = len(torch.load(tmp_path / "ft" / "last" / "train_state.pt", weights_only=True)["model"])
+    assert f"loaded {total - 2} of {total} tensors" in line, line
+    assert "new (shape changed): head.bias, head.weight" in line and "missing" not in line, line
+
+
 # --- checkpoints are one unit
 
 def _files(text):
@@ -271,6 +376,7 @@ def test_sigterm_to_the_process_group_with_workers_saves(data, tmp_path):
     proc.wait(timeout=120)
     _, err = logs(tmp_path, "grp")
     assert proc.returncode == 128 + signal.SIGTERM, err
+    assert f"continue with: linvision-train --resume {tmp_path / 'grp'}" in err
     state = torch.load(tmp_path / "grp" / "last" / "train_state.pt", weights_only=True)
     assert state["global_step"] == step_losses(str(tmp_path / "grp"))[-1][0]
 

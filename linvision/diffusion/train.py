@@ -347,7 +347,7 @@ def _train(cfg: DiffusionTrainConfig, out_dir: str, resume: bool, stop_after: Op
             signum = all_reduce_max(stop.signum, info)  # every rank stops at the same step
             if signum:  # saved at this step, then the tool exits with 128 + the signal
                 save()
-                raise TrainInterrupted(signum, last)
+                raise TrainInterrupted(signum, last, "the same command with --resume")
             if cfg.save_every and step % cfg.save_every == 0:
                 save()
     if not (cfg.save_every and step % cfg.save_every == 0 and step > 0):  # else just saved

@@ -98,7 +98,8 @@ def _filter_state_dict(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict
 def load_pretrained(model: nn.Module, path: str) -> Dict[str, list]:
     """Load weights from ``path`` into ``model``, skipping tensors whose shape differs (a new head).
 
-    Returns {"skipped": [...], "missing": [...], "unexpected": [...]} key lists. Raises ValueError when a
+    Returns {"skipped": [...], "missing": [...], "unexpected": [...]} key lists, each tensor in at most one of
+    them (a tensor skipped for its shape is not also missing). Raises ValueError when a
     tensor is an integer where the model has a float, or when fewer than half of the model's tensors fit (not
     weights of this model).
     """
@@ -113,7 +114,9 @@ def load_pretrained(model: nn.Module, path: str) -> Dict[str, list]:
     for k in skipped:
         del state[k]
     result = model.load_state_dict(state, strict=False)
-    missing, unexpected = list(result.missing_keys), list(result.unexpected_keys)
+    # a tensor left out for its shape is counted once, as skipped, not again as missing
+    missing = [k for k in result.missing_keys if k not in skipped]
+    unexpected = list(result.unexpected_keys)
     loaded = len(own) - len(missing) - len(skipped)
     if loaded < len(own) / 2:
         raise ValueError(f"pretrained_path: {path} fits {loaded} of the model's {len(own)} tensors ({len(missing)} "

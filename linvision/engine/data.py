@@ -54,7 +54,9 @@ def _load_rgb(path: str) -> Image.Image:
             img.load()
             return _to_8bit(img).convert("RGB")
     except Exception as e:  # PIL raises several types (UnidentifiedImageError, OSError, SyntaxError, ...)
-        raise BadImageError(f"cannot read image file {path}: {type(e).__name__}: {e}") from None
+        from .image_check import decode_error
+
+        raise BadImageError(f"cannot read image file {path}: {decode_error(e)}") from None
 
 
 class DigitsDataset(InMemoryImages):

@@ -20,11 +20,13 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class TrainInterrupted(Exception):
-    """Raised after the checkpoint is written when a signal stopped training; ``signum`` is the signal."""
+    """Raised after the checkpoint is written when a signal stopped training; ``signum`` is the signal and
+    ``resume`` the command that continues the run (its message ends with it)."""
 
-    def __init__(self, signum: int, folder: str):
-        super().__init__(f"interrupted by {signal.Signals(signum).name}; checkpoint saved in {folder}")
-        self.signum, self.folder = signum, folder
+    def __init__(self, signum: int, folder: str, resume: str):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}; checkpoint saved in {folder}; continue "
+                         f"with: {resume}")
+        self.signum, self.folder, self.resume = signum, folder, resume
 
 
 class StopFlag:

@@ -6,9 +6,14 @@ already holds a run writes to the first free ``<name>-<k>`` beside it, as timm's
 ``overwrite`` asks for the old one's files to be deleted; ``resume`` requires the folder to exist. A folder
 held by another live process is refused with its pid. Under the lock the claim also finishes or undoes a
 checkpoint swap a crash interrupted and deletes the temporaries killed writes left.
+
+Nothing is left behind that no run needs: :meth:`RunFolder.release` deletes ``.lock`` and a folder the claim
+created that is still empty; :meth:`RunFolder.discard` (a new run that failed before its first checkpoint)
+also deletes the records it wrote, so the next run of that name takes the name, not ``<name>-1``.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from typing import List
@@ -23,29 +28,59 @@ LOCK_NAME = ".lock"
 
 
 class RunFolder:
-    """An owned run folder: ``path`` and the open, locked ``.lock`` file (released by :meth:`release`)."""
+    """An owned run folder: ``path`` and the open, locked ``.lock`` file (released by :meth:`release`);
+    ``created`` says whether the claim made the folder."""
 
-    def __init__(self, path: str, lock_file, notes: List[str]):
-        self.path, self._lock_file, self.notes = path, lock_file, notes
+    def __init__(self, path: str, lock_file, notes: List[str], created: bool = False):
+        self.path, self._lock_file, self.notes, self.created = path, lock_file, notes, created
 
     def release(self) -> None:
-        if self._lock_file is not None:
-            self._lock_file.close()  # closing the descriptor drops the fcntl lock
-            self._lock_file = None
+        """Delete ``.lock`` and drop the lock (in that order: a run that opens ``.lock`` meanwhile finds the file
+        it locked gone and claims the folder anew), then delete the folder if the claim created it and it is
+        empty."""
+        if self._lock_file is None:
+            return
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(self.path, LOCK_NAME))
+        self._lock_file.close()  # closing the descriptor drops the fcntl lock
+        self._lock_file = None
+        if self.created:
+            with contextlib.suppress(OSError):  # not empty: a run, or files of the user's
+                os.rmdir(self.path)
+
+    def discard(self, run_files=None) -> None:
+        """For a new run that failed before its first checkpoint: delete the records it wrote (``run_files``,
+        default :data:`RUN_FILES`), then :meth:`release`."""
+        for name in run_files or RUN_FILES:
+            target = os.path.join(self.path, name)
+            if os.path.isdir(target):
+                shutil.rmtree(target, ignore_errors=True)
+            elif os.path.exists(target):
+                os.remove(target)
+        self.release()
 
 
 def _try_lock(path: str):
     """The open lock file of ``path`` if this process could lock it, else (None, pid of the holder)."""
     import fcntl
 
-    f = open(os.path.join(path, LOCK_NAME), "a+")
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        holder = f.read().strip() or "unknown"
-        f.close()
-        return None, holder
+    lock_path = os.path.join(path, LOCK_NAME)
+    while True:
+        f = open(lock_path, "a+")
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            f.close()
+            return None, holder
+        try:
+            same = os.stat(lock_path).st_ino == os.fstat(f.fileno()).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        f.close()  # the owner released and deleted this file after it was opened: lock the new one
     f.seek(0)
     f.truncate()
     f.write(str(os.getpid()))
@@ -72,6 +107,7 @@ def claim_run_folder(path: str, resume: bool = False, overwrite: bool = False,
     candidates = [path] if resume or overwrite else [path] + [f"{path}-{k}" for k in range(1, 1000)]
     for candidate in candidates:
         try:
+            created = not os.path.isdir(candidate)
             os.makedirs(candidate, exist_ok=True)
             lock, holder = _try_lock(candidate)
         except OSError as e:
@@ -85,7 +121,7 @@ def claim_run_folder(path: str, resume: bool = False, overwrite: bool = False,
         notes = []
         if not resume and _holds_a_run(candidate, run_files):
             if not overwrite:
-                lock.close()
+                RunFolder(candidate, lock, []).release()  # the earlier run's folder, without a .lock
                 continue
             for name in run_files:
                 target = os.path.join(candidate, name)
@@ -104,5 +140,5 @@ def claim_run_folder(path: str, resume: bool = False, overwrite: bool = False,
         removed = remove_stale_temporaries(candidate)  # checkpoints are swapped whole, so none inside them
         if removed:
             notes.append(f"removed {len(removed)} temporary file(s) of an interrupted write")
-        return RunFolder(candidate, lock, notes)
+        return RunFolder(candidate, lock, notes, created)
     raise ValueError(f"output: no free run folder next to {path}")

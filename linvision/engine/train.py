@@ -46,6 +46,7 @@ from .distributed import DistInfo, all_reduce_max, all_reduce_sum, barrier, clea
 from .evaluate import evaluate
 from .factory import check_img_size, create_model
 from .files import atomic_write, atomic_write_text
+from .image_check import check_image_files, find_unreadable
 from .interrupt import StopFlag, TrainInterrupted
 from .resume import (gather_rng, is_external_checkpoint, load_timm_checkpoint, read_timm_checkpoint,
                      resume_config, resume_folder, set_rng_state, truncate_metrics)
@@ -83,7 +84,7 @@ def _report_load(report: Dict[str, list], path: str, model: nn.Module) -> None:
     """Print what a weight load (:func:`load_pretrained`) did."""
     total = len(model.state_dict())
     missing, unexpected, skipped = report["missing"], report["unexpected"], report["skipped"]
-    loaded = total - len(missing) - len(skipped)
+    loaded = total - len(missing) - len(skipped)  # each tensor is in at most one of the lists
 
     def some(names):
         return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
@@ -102,6 +103,25 @@ def _report_pretrained(model: nn.Module, num_classes: int) -> None:
     head = (f"; a new classifier for {num_classes} classes (the weights' has {trained})"
             if trained and trained != num_classes else "")
     print(f"pretrained: {name} from {source}{head}", flush=True)
+
+
+def check_data_files(cfg: Recipe, info: DistInfo, datasets: Dict[str, Any]) -> None:
+    """Read every image file of ``datasets`` ({split name: dataset}) before the first step, unless
+    ``cfg.check_images`` is off (:func:`~linvision.engine.image_check.check_image_files`): one error naming every
+    unreadable file, or with ``cfg.skip_bad_images`` the samples without them. Rank 0 reads; the other ranks
+    take its findings, so every rank keeps the same samples."""
+    if not cfg.check_images:
+        return
+
+    def scan(files, split):
+        found = [find_unreadable(files, cfg.progress, f"reading the {split} images") if info.is_main else None]
+        if info.distributed:
+            dist.broadcast_object_list(found, src=0)
+        return found[0]
+
+    for split, dataset in datasets.items():
+        check_image_files(dataset, split, skip=cfg.skip_bad_images, find_bad=lambda files: scan(files, split),
+                          report=lambda line: print(line, flush=True) if info.is_main else None)
 
 
 @contextlib.contextmanager
@@ -135,6 +155,7 @@ class Task:
         score_label: how the log lines name it.
         record_keys: the figures of :meth:`evaluate` an epoch record keeps (``val_<key>``, ``ema_val_<key>``) and
             ``best`` in summary.json holds.
+        command: the tool that runs the task, for the messages that say how to resume a run.
         timm_checkpoints: whether ``--resume FILE.pth.tar`` (a checkpoint of timm's train.py) can start a run.
         val_collate: the validation loader's ``collate_fn``, when not the default.
     """
@@ -142,6 +163,7 @@ class Task:
     score: str
     score_label: str
     record_keys: Tuple[str, ...]
+    command: str = "linvision-train"
     timm_checkpoints: bool = False
     val_collate: Optional[Callable] = None
 
@@ -218,6 +240,7 @@ class ClassificationTask(Task):
     def build(self, cfg: TrainConfig, info: DistInfo, fresh: bool) -> TaskParts:
         train_set = create_dataset(cfg.dataset, cfg.data_dir, "train", digits_size=cfg.img_size)
         val_set = create_dataset(cfg.dataset, cfg.data_dir, "val", digits_size=cfg.img_size)
+        check_data_files(cfg, info, {"training": train_set, "validation": val_set})
         classes = _check_classes(train_set, val_set, cfg.num_classes)
         num_classes = cfg.num_classes or len(classes)
         if not num_classes:
@@ -337,10 +360,16 @@ def _train(cfg: Recipe, task: Task, info: DistInfo) -> Dict[str, Any]:
         dist.broadcast_object_list(shared, src=0)
         run_dir = shared[0]
     try:
-        return _train_in_folder(cfg, task, info, run_dir, resuming_run)
+        result = _train_in_folder(cfg, task, info, run_dir, resuming_run)
+    except BaseException:
+        # a new run that ends before its first checkpoint leaves no folder behind (its name stays free)
+        if folder is not None and not resuming_run and not os.path.isdir(os.path.join(run_dir, "last")):
+            folder.discard()
+        raise
     finally:
         if folder is not None:
             folder.release()
+    return result
 
 
 def _train_in_folder(cfg: Recipe, task: Task, info: DistInfo, run_dir: str,
@@ -352,6 +381,7 @@ def _train_in_folder(cfg: Recipe, task: Task, info: DistInfo, run_dir: str,
     _restore(run, state, external)
     _wrap_for_training(run)
     _open_records(run, resumed=bool(state))
+    _report_layer_decay(run)
     with StopFlag() as stop:
         for epoch in range(run.start_epoch, cfg.epochs):
             stopped = _train_epoch(run, epoch, stop)
@@ -391,6 +421,8 @@ class _Run:
     # loss sum, sample count of the epoch so far (this rank)
     running: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
     epoch_start: float = 0.0
+    updating: bool = False  # inside an optimizer update (see _train_step)
+    steps_taken: int = 0  # updates this process made (not counting those a resumed run starts after)
 
 
 def _read_resume_state(cfg: Recipe, run_dir: str, resuming_run: bool):
@@ -475,10 +507,10 @@ def _restore(run: _Run, state: Optional[Dict[str, Any]], external: Optional[Dict
                              f"{info.world_size}")
         set_rng_state(state["rng"][info.rank])
         if info.is_main:
+            best = (f"best {run.task.score_label} so far {run.best[run.task.score]:.2f} (epoch {run.best['epoch']})"
+                    if run.best.get("epoch", -1) >= 0 else "no epoch evaluated yet")
             print(f"resume: {run.run_dir}/last at epoch {run.start_epoch}, step {run.start_step} of "
-                  f"{run.steps_per_epoch} (update {run.global_step}), best {run.task.score_label} so far "
-                  f"{run.best[run.task.score]:.2f}",
-                  flush=True)
+                  f"{run.steps_per_epoch} (update {run.global_step}), {best}", flush=True)
     else:
         random_seed(cfg.seed, info.rank)
     if external:
@@ -532,6 +564,29 @@ def _save_last(run: _Run, epoch: int, step_in_epoch: int) -> None:
     barrier(info)
 
 
+def base_lr(optimizer) -> float:
+    """The schedule's learning rate now: a parameter group's lr without its layer-decay factor (timm's
+    ``lr_scale``), the same for every group."""
+    group = optimizer.param_groups[0]
+    return group["lr"] / group.get("lr_scale", 1.0)
+
+
+def _report_layer_decay(run: _Run) -> None:
+    """The layer-decayed range of learning rates, once (the progress bar and the records show the base rate)."""
+    scales = [g.get("lr_scale", 1.0) for g in run.optimizer.param_groups]
+    if run.info.is_main and min(scales) != max(scales):
+        print(f"layer decay {run.cfg.layer_decay}: {len(set(scales))} depths learn at {min(scales):.3g} to "
+              f"{max(scales):.3g} x the learning rate (lr {run.cfg.lr:g}: {run.cfg.lr * min(scales):.2e} to "
+              f"{run.cfg.lr * max(scales):.2e} at the peak)", flush=True)
+
+
+def resume_command(run: _Run) -> str:
+    """The command line that continues ``run`` from its last/."""
+    import shlex
+
+    return f"{run.task.command} --resume {shlex.quote(run.run_dir)}"
+
+
 def _train_step(run: _Run, images: torch.Tensor, targets: torch.Tensor) -> float:
     """One optimizer update on one batch (the task's batch transform and loss, AMP, clipping, the schedule and the
     EMA); returns the batch's loss."""
@@ -544,6 +599,7 @@ def _train_step(run: _Run, images: torch.Tensor, targets: torch.Tensor) -> float
     with autocast(info.device, cfg.amp):
         loss = run.task.loss(run, images, targets)
     run.optimizer.zero_grad(set_to_none=True)
+    run.updating = True  # from here to the end of the update the weights are not those of a whole step
     if run.scaler is not None:
         run.scaler.scale(loss).backward()
         if cfg.clip_grad:
@@ -560,6 +616,7 @@ def _train_step(run: _Run, images: torch.Tensor, targets: torch.Tensor) -> float
     run.scheduler.step_update(num_updates=run.global_step)
     if run.ema is not None:
         run.ema.update(run.model, step=run.global_step)
+    run.updating = False
     loss_value = loss.item()
     run.running += torch.tensor([loss_value * len(images), len(images)], dtype=torch.float64)
     return loss_value
@@ -567,7 +624,10 @@ def _train_step(run: _Run, images: torch.Tensor, targets: torch.Tensor) -> float
 
 def _train_epoch(run: _Run, epoch: int, stop: StopFlag) -> Optional[Dict[str, Any]]:
     """The steps of ``epoch`` from where the run stands, with step records and progress; on a signal or at
-    ``stop_after_steps`` saves last/ and returns (or raises TrainInterrupted) instead of finishing the epoch."""
+    ``stop_after_steps`` saves last/ and returns (or raises TrainInterrupted) instead of finishing the epoch. An
+    error between updates (a batch that cannot be read, a loss that cannot be computed) after this process's
+    first update saves last/ too, before it propagates, so that the run can be resumed (one process only: in
+    a distributed run the other ranks would wait for the failed one)."""
     from tqdm import tqdm
 
     cfg, info = run.cfg, run.info
@@ -578,24 +638,38 @@ def _train_epoch(run: _Run, epoch: int, stop: StopFlag) -> Optional[Dict[str, An
     bar = tqdm(run.loader, desc=f"epoch {epoch}", disable=not (cfg.progress and info.is_main),
                total=run.steps_per_epoch, initial=run.start_step)
     step = run.start_step
-    for images, targets in bar:
-        loss_value = _train_step(run, images, targets)
-        step += 1
-        lr = run.optimizer.param_groups[0]["lr"]
-        if step % cfg.log_interval == 0 or step == run.steps_per_epoch:
-            mean_loss = all_reduce_sum(torch.tensor([loss_value], dtype=torch.float64), info).item()
-            if info.is_main:
-                _append_jsonl(run.metrics_path, {"kind": "step", "epoch": epoch, "step": run.global_step,
-                                                 "loss": mean_loss / info.world_size, "lr": lr})
-        bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
-        signum = all_reduce_max(stop.signum, info)  # every rank stops at the same step
-        if signum or (cfg.stop_after_steps is not None and run.global_step >= cfg.stop_after_steps):
-            bar.close()
-            done = step == run.steps_per_epoch
-            _save_last(run, epoch + 1 if done else epoch, 0 if done else step)
-            if signum:
-                raise TrainInterrupted(signum, run.run_dir)
-            return {"stopped_at_step": run.global_step, "run_dir": run.run_dir}
+    try:
+        for images, targets in bar:
+            loss_value = _train_step(run, images, targets)
+            step += 1
+            run.steps_taken += 1
+            lr = base_lr(run.optimizer)
+            if step % cfg.log_interval == 0 or step == run.steps_per_epoch:
+                mean_loss = all_reduce_sum(torch.tensor([loss_value], dtype=torch.float64), info).item()
+                if info.is_main:
+                    _append_jsonl(run.metrics_path, {"kind": "step", "epoch": epoch, "step": run.global_step,
+                                                     "loss": mean_loss / info.world_size, "lr": lr})
+            bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
+            signum = all_reduce_max(stop.signum, info)  # every rank stops at the same step
+            if signum or (cfg.stop_after_steps is not None and run.global_step >= cfg.stop_after_steps):
+                bar.close()
+                done = step == run.steps_per_epoch
+                _save_last(run, epoch + 1 if done else epoch, 0 if done else step)
+                if signum:
+                    raise TrainInterrupted(signum, run.run_dir, resume_command(run))
+                return {"stopped_at_step": run.global_step, "run_dir": run.run_dir}
+    except TrainInterrupted:
+        raise
+    except Exception as e:
+        bar.close()
+        if run.updating or run.steps_taken == 0 or info.distributed:
+            raise
+        _save_last(run, epoch, step)
+        message = (f"{e}; checkpoint saved in {run.run_dir}/last (epoch {epoch}, step {step}); after fixing "
+                   f"the cause, continue with: {resume_command(run)}")
+        # the tools print a ValueError, TypeError or FileNotFoundError in one line
+        kind = next((k for k in (FileNotFoundError, ValueError, TypeError) if isinstance(e, k)), RuntimeError)
+        raise kind(message) from e
     bar.close()
     run.start_step = 0
     return None
@@ -618,7 +692,7 @@ def _end_of_epoch(run: _Run, epoch: int) -> None:
     train_loss = all_reduce_sum(run.running, info)
     run.running = torch.zeros(2, dtype=torch.float64)
     record = {"kind": "epoch", "epoch": epoch, "train_loss": (train_loss[0] / train_loss[1]).item(),
-              "lr": run.optimizer.param_groups[0]["lr"], "time_s": round(time.time() - run.epoch_start, 2)}
+              "lr": base_lr(run.optimizer), "time_s": round(time.time() - run.epoch_start, 2)}
     run.scheduler.step(epoch + 1)
     task, score, label = run.task, run.task.score, run.task.score_label
     _share_buffers(run)

@@ -93,6 +93,11 @@ class TrainConfig(Recipe):
                                     "leaves it out when --aa is given)", group="data", type=float)
     aa: Optional[str] = _opt(None, "timm auto-augment policy, e.g. rand-m9-mstd0.5", group="data")
     reprob: float = _opt(0.0, "random-erasing probability", group="data", type=float)
+    check_images: bool = _opt(True, "read every image file of a folder dataset before the first step, naming all "
+                                    "that cannot be read at once (--no-check-images: find them when a batch draws "
+                                    "them)", group="data", action=argparse.BooleanOptionalAction)
+    skip_bad_images: bool = _opt(False, "train and validate without the image files that cannot be read (their "
+                                        "count and names printed) instead of stopping", group="data")
     # model
     model: str = _opt("mlla_tiny", "any timm model name, with a weight tag where it has several (linvision's are "
                                    "registered)", group="model")

@@ -35,6 +35,7 @@ __all__ = [
     "check_grid",
     "check_int",
     "check_qkv",
+    "check_valid",
     "check_rope",
     "compute_dtype",
     "feature_map_name",
@@ -134,6 +135,23 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, same_tokens: bool = True) -> None
         raise ValueError("k: zero tokens; attention needs at least one key")
 
 
+def check_valid(valid: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]:
+    """The token mask of an attention call, checked: None, or a (B, Nk) bool tensor on the inputs' device that is
+    True for the keys that count (with Nq == Nk also the queries whose outputs are kept; the others are zero; a
+    sample without a valid key gets zeros). Raises TypeError / ValueError naming ``valid``."""
+    if valid is None:
+        return None
+    if not isinstance(valid, Tensor):
+        raise TypeError(f"valid: expected a torch.Tensor or None, got {type(valid).__name__}")
+    if valid.dtype != torch.bool:
+        raise TypeError(f"valid: expected a bool tensor, got {valid.dtype}")
+    if tuple(valid.shape) != (k.shape[0], k.shape[2]):
+        raise ValueError(f"valid: expected shape (B, Nk) = {(k.shape[0], k.shape[2])}, got {tuple(valid.shape)}")
+    if valid.device != k.device:
+        raise ValueError(f"valid: on {valid.device}, the inputs on {k.device}")
+    return valid
+
+
 def check_eps(eps: float) -> float:
     """eps as a float; ValueError unless it is a positive number (bools are not numbers here)."""
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
@@ -172,7 +190,10 @@ class RopeSpec:
     offset[0])``; prefix tokens are not rotated.
 
     freqs_x, freqs_y: fp32 tensors of shape (P,) or (heads, P); P = D / 2 channel pairs. grid: (H, W).
-    Raises ValueError for a bad grid, mismatched frequency shapes or a negative prefix.
+    positions: instead of the grid's raster order, each sample's own (row, col) per token, a (B, M, 2) tensor
+    (variable-size images in one batch: M tokens after the prefix, each sample's grid wherever its tokens say);
+    ``grid`` is then (1, M).
+    Raises ValueError for a bad grid, mismatched frequency shapes, a negative prefix or bad positions.
     """
 
     freqs_x: Tensor
@@ -180,6 +201,7 @@ class RopeSpec:
     grid: Tuple[int, int]
     num_prefix_tokens: int = 0
     offset: Tuple[float, float] = (0.0, 0.0)
+    positions: Optional[Tensor] = None
 
     def __post_init__(self):
         self.grid = check_grid(self.grid)
@@ -190,6 +212,14 @@ class RopeSpec:
             )
         if self.num_prefix_tokens < 0:
             raise ValueError(f"num_prefix_tokens: must be >= 0, got {self.num_prefix_tokens}")
+        if self.positions is not None:
+            p = self.positions
+            if not isinstance(p, Tensor) or p.dim() != 3 or p.shape[-1] != 2:
+                raise ValueError(f"positions: expected a (B, M, 2) tensor of (row, col), got "
+                                 f"{tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__}")
+            if self.grid != (1, p.shape[1]):
+                raise ValueError(f"grid: with positions for {p.shape[1]} tokens the grid is (1, {p.shape[1]}), "
+                                 f"got {self.grid}")
 
     @property
     def dim(self) -> int:
@@ -206,8 +236,11 @@ class RopeSpec:
         return self.num_prefix_tokens + self.grid[0] * self.grid[1]
 
 
-def check_rope(rope: RopeSpec, dim: int, num_tokens: int, num_heads: int) -> None:
-    """Raise ValueError unless ``rope`` fits inputs of head dim ``dim``, ``num_tokens`` tokens and ``num_heads``."""
+def check_rope(rope: RopeSpec, dim: int, num_tokens: int, num_heads: int, batch: Optional[int] = None) -> None:
+    """Raise ValueError unless ``rope`` fits inputs of head dim ``dim``, ``num_tokens`` tokens and ``num_heads``
+    (and, for per-sample positions, ``batch`` samples when given)."""
+    if rope.positions is not None and batch is not None and rope.positions.shape[0] not in (1, batch):
+        raise ValueError(f"rope: positions for {rope.positions.shape[0]} samples, the input has {batch}")
     if dim != rope.dim:
         raise ValueError(f"rope: table is for head dim {rope.dim}, the (feature-mapped) input has D={dim}")
     if num_tokens != rope.num_tokens:

@@ -807,6 +807,8 @@ def unsupported_reason(q: Tensor, k: Tensor, v: Tensor, feature_map: str, rope: 
     :func:`~.common.check_qkv`); ``feature_map`` is the map's name (aliases allowed)."""
     if causal:
         return "causal attention is not fused (the kernels are non-causal)"
+    if rope is not None and rope.positions is not None:
+        return "RoPE at per-sample positions is not fused yet"
     name = feature_map_name(feature_map)
     if name not in FUSED_FEATURE_MAPS:
         return f"feature map {name!r} is not fused (fused: {', '.join(FUSED_FEATURE_MAPS)})"

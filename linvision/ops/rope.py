@@ -32,6 +32,7 @@ __all__ = [
     "grid_positions",
     "rope_1d",
     "axial_rope",
+    "rope_at",
     "axial_rope_freqs",
     "mixed_rope_freqs",
     "apply_rope",
@@ -104,21 +105,28 @@ class Rope(RopeSpec):
     _tables: Optional[Dict[bool, Tuple[Tensor, Tensor]]] = field(default=None, repr=False)
 
     def angles(self) -> Tensor:
-        """(heads or 1, N, P) fp32 rotation angles; rows of prefix tokens are zero."""
+        """(heads or 1, N, P) fp32 rotation angles, or (B, heads or 1, N, P) with per-sample ``positions``; rows of
+        prefix tokens are zero."""
         fx = self.freqs_x.float().reshape(-1, self.freqs_x.shape[-1])  # (Hh, P)
         fy = self.freqs_y.float().reshape(-1, self.freqs_y.shape[-1])
-        rows, cols = grid_positions(*self.grid, device=fx.device)
-        rows = rows + self.offset[0]
-        cols = cols + self.offset[1]
-        ang = cols[None, :, None] * fx[:, None, :] + rows[None, :, None] * fy[:, None, :]  # (Hh, HW, P)
+        if self.positions is not None:
+            pos = self.positions.to(device=fx.device, dtype=torch.float32)
+            rows, cols = pos[..., 0:1] + self.offset[0], pos[..., 1:2] + self.offset[1]  # (B, M, 1)
+            ang = cols[:, None] * fx[None, :, None, :] + rows[:, None] * fy[None, :, None, :]  # (B, Hh, M, P)
+        else:
+            rows, cols = grid_positions(*self.grid, device=fx.device)
+            rows = rows + self.offset[0]
+            cols = cols + self.offset[1]
+            ang = cols[None, :, None] * fx[:, None, :] + rows[None, :, None] * fy[:, None, :]  # (Hh, HW, P)
         if self.num_prefix_tokens:
-            pad = ang.new_zeros(ang.shape[0], self.num_prefix_tokens, ang.shape[2])
-            ang = torch.cat([pad, ang], dim=1)
+            pad = ang.new_zeros(*ang.shape[:-2], self.num_prefix_tokens, ang.shape[-1])
+            ang = torch.cat([pad, ang], dim=-2)
         return ang
 
     def tables(self) -> Tuple[Tensor, Tensor]:
-        """(cos, sin), each (heads or 1, N, P) fp32."""
-        if self.freqs_x.requires_grad or self.freqs_y.requires_grad or is_tracing(*self.grid):
+        """(cos, sin), each of the shape of :meth:`angles`, fp32."""
+        if (self.freqs_x.requires_grad or self.freqs_y.requires_grad or is_tracing(*self.grid)
+                or self.positions is not None):  # per-sample positions: a table of one batch, never kept
             # part of the graph: computed every call and never kept. The inference mode is not asked for here:
             # traced, that query made inductor fail on the dynamic-shape recompile of a linhier (batch 2 -> 1).
             ang = self.angles()
@@ -154,7 +162,7 @@ def halves_from_interleaved(head_dim: int, num_heads: int = 1) -> Tensor:
 
 def apply_rope(x: Tensor, rope: Rope) -> Tensor:
     """Rotate x of shape (B, heads, N, D) by ``rope``; computed in fp32, returned in fp32 (or float64)."""
-    check_rope(rope, x.shape[-1], x.shape[-2], x.shape[1])
+    check_rope(rope, x.shape[-1], x.shape[-2], x.shape[1], x.shape[0])
     cdt = compute_dtype(x.dtype)
     cos, sin = (t.to(device=x.device, dtype=cdt) for t in rope.tables())
     return rotate_pairs(x.to(cdt), cos, sin)
@@ -202,6 +210,13 @@ def mixed_rope_freqs(
     fx = torch.cat([mag * torch.cos(angle), mag * torch.cos(angle + math.pi / 2)], dim=-1)
     fy = torch.cat([mag * torch.sin(angle), mag * torch.sin(angle + math.pi / 2)], dim=-1)
     return fx, fy
+
+
+def rope_at(freqs_x: Tensor, freqs_y: Tensor, positions: Tensor, num_prefix_tokens: int = 0) -> Rope:
+    """The rotation of tokens at their own (row, col): ``positions`` (B, M, 2), each sample's grid positions
+    (e.g. the ``patch_coord`` of a batch of images of different sizes), after ``num_prefix_tokens`` unrotated
+    prefix tokens. A token at (row, col) is turned exactly as at that place of its image's own grid."""
+    return Rope(freqs_x, freqs_y, (1, positions.shape[1]), num_prefix_tokens, positions=positions)
 
 
 def rope_1d(dim: int, num_tokens: int, theta: float = 10000.0, num_prefix_tokens: int = 0, device=None) -> Rope:

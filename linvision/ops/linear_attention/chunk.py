@@ -38,5 +38,5 @@ def causal_linear_attention(
     chunk_size = check_int("chunk_size", chunk_size, 1)
     phi = get_feature_map(feature_map, dim=q.shape[-1])
     if rope is not None:
-        check_rope(rope, phi.output_dim(q.shape[-1]), q.shape[2], q.shape[1])
+        check_rope(rope, phi.output_dim(q.shape[-1]), q.shape[2], q.shape[1], q.shape[0])
     return causal_attention(q, k, v, phi, rope, eps, chunk_size)

@@ -7,7 +7,8 @@ from typing import Optional, Set
 
 from torch import Tensor
 
-from ..common import DEFAULT_EPS, check_int, check_qkv, check_rope, full_precision, is_exporting, note_backend
+from ..common import (DEFAULT_EPS, check_int, check_qkv, check_rope, check_valid, full_precision, is_exporting,
+                      note_backend)
 from ..feature_maps import FeatureMap, FeatureMapArg, get_feature_map
 from ..rope import Rope
 from .chunk import causal_attention
@@ -31,7 +32,8 @@ def _warn_once(reason: str) -> None:
 
 
 def _fused(
-    q: Tensor, k: Tensor, v: Tensor, phi: FeatureMap, rope: Optional[Rope], causal: bool, eps: float, backend: str
+    q: Tensor, k: Tensor, v: Tensor, phi: FeatureMap, rope: Optional[Rope], causal: bool, eps: float, backend: str,
+    valid: Optional[Tensor] = None,
 ) -> Optional[Tensor]:
     """The fused kernels' output, or None where PyTorch serves the call: ``backend="torch"``, tensors ``"auto"``
     leaves to PyTorch, or (with a warning once per reason) a call the kernels cannot run. ValueError with the
@@ -49,7 +51,8 @@ def _fused(
     except ImportError as exc:
         reason = f"the Triton kernels cannot be imported ({exc})"
     else:
-        reason = fused.unsupported_reason(q, k, v, phi.name, rope=rope, causal=causal)
+        reason = ("token masks (valid=) are not fused yet" if valid is not None
+                  else fused.unsupported_reason(q, k, v, phi.name, rope=rope, causal=causal))
     if reason is None:
         return fused.linear_attention_triton(q, k, v, phi.name, rope=rope, eps=eps)
     if backend == "triton":
@@ -62,6 +65,7 @@ def _fused(
 def linear_attention(
     q: Tensor, k: Tensor, v: Tensor, feature_map: FeatureMapArg = "elu", *, rope: Optional[Rope] = None,
     causal: bool = False, eps: float = DEFAULT_EPS, backend: str = "auto", chunk_size: int = 64,
+    valid: Optional[Tensor] = None,
 ) -> Tensor:
     """Linear attention of q, k (B, H, N, D) and v (B, H, N, Dv); returns (B, H, N, Dv) in q's dtype.
 
@@ -71,6 +75,9 @@ def linear_attention(
     backend: "torch" (reference), "triton" (fused kernels; raises if they cannot run this call) or "auto"
     (kernels for CUDA tensors where they apply, e.g. non-causal with a fusable feature map; PyTorch otherwise,
     with a RuntimeWarning once per reason when a CUDA call cannot run in the kernels).
+    valid: None, or a (B, Nk) bool mask of the keys that count (non-causal only): the sums and means of the
+        state and normaliser run over each sample's valid keys, so a sample padded to a longer batch gets the
+        outputs it gets alone; outputs at invalid query positions (Nq == Nk) are zero.
 
     Raises TypeError for non-tensors, integer or mixed dtypes; ValueError for mismatched shapes, devices,
     RoPE tables that do not fit, unknown feature-map names or backends, a bad eps or chunk_size.
@@ -78,13 +85,17 @@ def linear_attention(
     check_qkv(q, k, v, same_tokens=causal or rope is not None)
     eps = check_options(eps, backend, rope)
     chunk_size = check_int("chunk_size", chunk_size, 1)
+    valid = check_valid(valid, q, k)
+    if causal and valid is not None:
+        raise ValueError("valid: the causal form takes no token mask (pad at the end of the sequence instead: "
+                         "later tokens never reach earlier ones)")
     phi = get_feature_map(feature_map, dim=q.shape[-1])
     if rope is not None:
-        check_rope(rope, phi.output_dim(q.shape[-1]), q.shape[2], q.shape[1])
-    out = _fused(q, k, v, phi, rope, causal, eps, backend)
+        check_rope(rope, phi.output_dim(q.shape[-1]), q.shape[2], q.shape[1], q.shape[0])
+    out = _fused(q, k, v, phi, rope, causal, eps, backend, valid)
     note_backend("linear_attention", "torch" if out is None else "triton")
     if out is not None:
         return out
     if causal:
         return causal_attention(q, k, v, phi, rope, eps, chunk_size)
-    return reference_attention(q, k, v, phi, rope, eps)
+    return reference_attention(q, k, v, phi, rope, eps, valid)

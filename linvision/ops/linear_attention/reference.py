@@ -7,7 +7,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..common import DEFAULT_EPS, check_backend, check_eps, check_qkv, check_rope, full_precision, is_tracing
+from ..common import (DEFAULT_EPS, check_backend, check_eps, check_qkv, check_rope, check_valid, full_precision,
+                      is_tracing)
 from ..feature_maps import FeatureMap, FeatureMapArg, featurize, get_feature_map
 from ..rope import Rope, apply_rope
 
@@ -55,13 +56,15 @@ class _LinearAttentionFunction(torch.autograd.Function):
         dphi(k)_j += dz / N
 
     The features' own backward (feature map, rotation, casts; learnable scale and frequencies included) runs on
-    the recomputed graph. Not differentiable twice."""
+    the recomputed graph. With a token mask the sums and N run over the valid keys of each sample, the
+    gradients of the other keys are zero, and so are the outputs (and their gradients) of invalid queries. Not
+    differentiable twice."""
 
     @staticmethod
-    def forward(ctx, q, k, v, phi, rope, eps, *leaves):
-        ctx.phi, ctx.rope, ctx.eps = phi, rope, eps
+    def forward(ctx, q, k, v, phi, rope, eps, valid, *leaves):
+        ctx.phi, ctx.rope, ctx.eps, ctx.valid = phi, rope, eps, valid
         ctx.save_for_backward(q, k, v, *leaves)
-        return _linear_attention_pieces(*rotated_features(q, k, v, phi, rope), eps)[0].to(q.dtype)
+        return _linear_attention_pieces(*rotated_features(q, k, v, phi, rope), eps, valid)[0].to(q.dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -71,18 +74,22 @@ class _LinearAttentionFunction(torch.autograd.Function):
         with torch.enable_grad():
             phi_q, phi_k, rot_q, rot_k, vc = rotated_features(*inputs, ctx.phi, ctx.rope)
         with torch.no_grad():
-            out, s, z, den = _linear_attention_pieces(phi_q, phi_k, rot_q, rot_k, vc, ctx.eps)
-            n = k.shape[2]
+            out, s, z, den = _linear_attention_pieces(phi_q, phi_k, rot_q, rot_k, vc, ctx.eps, ctx.valid)
+            n, key_mask, query_mask = _token_counts(ctx.valid, q.shape[2], k.shape[2], out.dtype)
             do = grad_out.to(out.dtype)
+            if query_mask is not None:
+                do = do * query_mask
             dnum = do / den.unsqueeze(-1)
             dden = -(do * out).sum(-1) / den
             ds = torch.einsum("bhnd,bhne->bhde", rot_q, dnum)
             d_rot_q = torch.einsum("bhne,bhde->bhnd", dnum, s)
             d_phi_q = dden.unsqueeze(-1) * z.unsqueeze(2)
-            dz = torch.einsum("bhn,bhnd->bhd", dden, phi_q) / n
+            dz = torch.einsum("bhn,bhnd->bhd", dden, phi_q) / (n if key_mask is None else n[..., 0])
             d_rot_k = torch.einsum("bhne,bhde->bhnd", vc, ds) / n
             d_vc = torch.einsum("bhnd,bhde->bhne", rot_k, ds) / n
             d_phi_k = dz.unsqueeze(2).expand_as(phi_k)
+            if key_mask is not None:
+                d_rot_k, d_vc, d_phi_k = d_rot_k * key_mask, d_vc * key_mask, d_phi_k * key_mask
         if ctx.rope is None:  # the rotated features are the features themselves
             outputs, grads = [phi_q, phi_k, vc], [d_rot_q + d_phi_q, d_rot_k + d_phi_k, d_vc]
         else:
@@ -92,17 +99,35 @@ class _LinearAttentionFunction(torch.autograd.Function):
         found = iter(torch.autograd.grad([o for o, _ in keep], wanted, [g for _, g in keep], allow_unused=True)
                      if wanted and keep else [])
         result = [next(found) if t.requires_grad else None for t in (*inputs, *leaves)]
-        return (*result[:3], None, None, None, *result[3:])
+        return (*result[:3], None, None, None, None, *result[3:])
 
 
-def _linear_attention_pieces(phi_q: Tensor, phi_k: Tensor, rot_q: Tensor, rot_k: Tensor, vc: Tensor, eps: float
-                             ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(output, S, z, denominators) of non-causal linear attention from its features, in their dtype."""
-    n = phi_k.shape[2]
+def _token_counts(valid: Optional[Tensor], nq: int, nk: int, dtype: torch.dtype):
+    """(the number of keys each sample averages over: N, or (B, 1, 1, 1) valid counts; the key mask and the
+    query mask as (B, 1, N, 1) of ``dtype``, or None)."""
+    if valid is None:
+        return nk, None, None
+    key_mask = valid[:, None, :, None].to(dtype)
+    n = key_mask.sum(dim=2, keepdim=True).clamp(min=1)
+    return n, key_mask, (key_mask if nq == nk else None)
+
+
+def _linear_attention_pieces(phi_q: Tensor, phi_k: Tensor, rot_q: Tensor, rot_k: Tensor, vc: Tensor, eps: float,
+                             valid: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(output, S, z, denominators) of non-causal linear attention from its features, in their dtype; with a
+    token mask ``valid`` (B, Nk) the means run over each sample's valid keys and invalid queries output zero."""
+    n, key_mask, query_mask = _token_counts(valid, phi_q.shape[2], phi_k.shape[2], phi_k.dtype)
+    if key_mask is not None:  # where, not a product: padding may hold anything, even inf
+        keep = valid[:, None, :, None]
+        rot_k, vc = rot_k.masked_fill(~keep, 0), vc.masked_fill(~keep, 0)
+        phi_k = phi_k.masked_fill(~keep, 0)
     s = torch.einsum("bhnd,bhne->bhde", rot_k, vc) / n  # (B, H, D, Dv)
-    z = phi_k.mean(dim=2)  # (B, H, D)
+    z = phi_k.sum(dim=2) / (n if key_mask is None else n[..., 0])  # (B, H, D)
     den = torch.einsum("bhnd,bhd->bhn", phi_q, z) + eps
-    return torch.einsum("bhnd,bhde->bhne", rot_q, s) / den.unsqueeze(-1), s, z, den
+    out = torch.einsum("bhnd,bhde->bhne", rot_q, s) / den.unsqueeze(-1)
+    if query_mask is not None:
+        out = out.masked_fill(~valid[:, None, :, None], 0)
+    return out, s, z, den
 
 
 def _recomputing(q: Tensor, k: Tensor, v: Tensor, phi: FeatureMap, rope: Optional[Rope]) -> bool:
@@ -112,17 +137,18 @@ def _recomputing(q: Tensor, k: Tensor, v: Tensor, phi: FeatureMap, rope: Optiona
     return wanted and phi.name in _RECOMPUTABLE_MAPS and not is_tracing(*q.shape)
 
 
-def reference_attention(q: Tensor, k: Tensor, v: Tensor, phi: FeatureMap, rope: Optional[Rope], eps: float) -> Tensor:
+def reference_attention(q: Tensor, k: Tensor, v: Tensor, phi: FeatureMap, rope: Optional[Rope], eps: float,
+                        valid: Optional[Tensor] = None) -> Tensor:
     """:func:`linear_attention_reference` on inputs already checked, with the feature map resolved."""
     if _recomputing(q, k, v, phi, rope):
-        return _LinearAttentionFunction.apply(q, k, v, phi, rope, eps, *_leaves(phi, rope))
-    return _linear_attention_pieces(*rotated_features(q, k, v, phi, rope), eps)[0].to(q.dtype)
+        return _LinearAttentionFunction.apply(q, k, v, phi, rope, eps, valid, *_leaves(phi, rope))
+    return _linear_attention_pieces(*rotated_features(q, k, v, phi, rope), eps, valid)[0].to(q.dtype)
 
 
 @full_precision
 def linear_attention_reference(
     q: Tensor, k: Tensor, v: Tensor, feature_map: FeatureMapArg = "elu", *, rope: Optional[Rope] = None,
-    eps: float = DEFAULT_EPS,
+    eps: float = DEFAULT_EPS, valid: Optional[Tensor] = None,
 ) -> Tensor:
     """Non-causal linear attention in plain PyTorch; memory ``O(N*D + D*Dv)``, no N x N matrix. With a gradient
     wanted, the features are recomputed in the backward (:class:`_LinearAttentionFunction`) rather than kept.
@@ -131,7 +157,8 @@ def linear_attention_reference(
     """
     check_qkv(q, k, v, same_tokens=rope is not None)
     eps = check_options(eps, "torch", rope)
+    valid = check_valid(valid, q, k)
     phi = get_feature_map(feature_map, dim=q.shape[-1])
     if rope is not None:
-        check_rope(rope, phi.output_dim(q.shape[-1]), q.shape[2], q.shape[1])
-    return reference_attention(q, k, v, phi, rope, eps)
+        check_rope(rope, phi.output_dim(q.shape[-1]), q.shape[2], q.shape[1], q.shape[0])
+    return reference_attention(q, k, v, phi, rope, eps, valid)

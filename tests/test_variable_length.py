@@ -1,0 +1,132 @@
+"""Batches of images of different sizes: token masks (valid=) and RoPE at per-sample positions give every sample
+what it gets alone, at its own size."""
+import pytest
+import torch
+
+from linvision.ops import linear_attention, softmax_attention
+from linvision.ops.rope import apply_rope, axial_rope, axial_rope_freqs, rope_at
+
+from test_ops import explicit_linear_attention
+
+SIZES = [(3, 5), (4, 2), (1, 1)]  # each sample's grid (H, W); padded to N tokens
+
+
+def padded_batch(sizes, n, heads=2, d=8, dv=6, prefix=0, dtype=torch.float64, pad_value=0.0, seed=0):
+    """q, k, v (B, heads, prefix + n, .), the valid mask and each sample's (row, col) in raster order."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(sizes)
+    q, k, v = (torch.randn(b, heads, prefix + n, dim, generator=g, dtype=dtype) for dim in (d, d, dv))
+    valid = torch.zeros(b, prefix + n, dtype=torch.bool)
+    positions = torch.zeros(b, n, 2)
+    for i, (h, w) in enumerate(sizes):
+        valid[i, :prefix + h * w] = True
+        rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        positions[i, :h * w] = torch.stack([rows.flatten(), cols.flatten()], -1).float()
+        for t in (q, k, v):
+            t[i, :, prefix + h * w:] = pad_value
+    return q, k, v, valid, positions
+
+
+@pytest.mark.parametrize("feature_map", ["elu", "relu"])
+@pytest.mark.parametrize("use_rope", [False, True])
+def test_each_sample_gets_what_it_gets_alone(feature_map, use_rope):
+    """Against the explicit N x N formula in float64 of each sample alone at its own grid; the padded positions
+    output zero."""
+    q, k, v, valid, positions = padded_batch(SIZES, 16)
+    fx, fy = axial_rope_freqs(8)
+    rope = rope_at(fx, fy, positions) if use_rope else None
+    out = linear_attention(q, k, v, feature_map, rope=rope, valid=valid, backend="torch")
+    for i, (h, w) in enumerate(SIZES):
+        n = h * w
+        alone = explicit_linear_attention(q[i:i + 1, :, :n], k[i:i + 1, :, :n], v[i:i + 1, :, :n], feature_map,
+                                          rope=axial_rope(8, (h, w)) if use_rope else None)
+        torch.testing.assert_close(out[i:i + 1, :, :n], alone, rtol=1e-12, atol=1e-12)
+        assert torch.equal(out[i, :, n:], torch.zeros_like(out[i, :, n:]))
+
+
+@pytest.mark.parametrize("use_rope", [False, True])
+def test_gradients_of_a_padded_batch_are_those_of_each_sample_alone(use_rope):
+    q, k, v, valid, positions = padded_batch(SIZES, 16, prefix=1)
+    fx, fy = axial_rope_freqs(8)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    rope = rope_at(fx, fy, positions, num_prefix_tokens=1) if use_rope else None
+    out = linear_attention(*leaves, "elu", rope=rope, valid=valid, backend="torch")
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    (out * weights).sum().backward()
+    for i, (h, w) in enumerate(SIZES):
+        n = 1 + h * w
+        alone = [t[i:i + 1, :, :n].detach().clone().requires_grad_() for t in (q, k, v)]
+        rope1 = axial_rope(8, (h, w), num_prefix_tokens=1) if use_rope else None
+        out1 = linear_attention(*alone, "elu", rope=rope1, backend="torch")
+        (out1 * weights[i:i + 1, :, :n]).sum().backward()
+        for batched, single in zip(leaves, alone):
+            torch.testing.assert_close(batched.grad[i:i + 1, :, :n], single.grad, rtol=1e-10, atol=1e-12)
+            assert not batched.grad[i, :, n:].any()
+
+
+def test_padding_holding_anything_changes_nothing():
+    """Padded tokens may hold inf or NaN (uninitialised buffers): the valid outputs stay those of zero padding."""
+    clean = padded_batch(SIZES, 16)
+    dirty = padded_batch(SIZES, 16, pad_value=float("inf"))
+    a = linear_attention(*clean[:3], "relu", valid=clean[3], backend="torch")
+    b = linear_attention(*dirty[:3], "relu", valid=dirty[3], backend="torch")
+    assert torch.equal(a, b)
+
+
+def test_softmax_twin_takes_the_same_mask():
+    q, k, v, valid, positions = padded_batch(SIZES, 16)
+    rope = rope_at(*axial_rope_freqs(8), positions)
+    out = softmax_attention(q, k, v, rope=rope, valid=valid)
+    for i, (h, w) in enumerate(SIZES):
+        n = h * w
+        alone = softmax_attention(q[i:i + 1, :, :n], k[i:i + 1, :, :n], v[i:i + 1, :, :n], rope=axial_rope(8, (h, w)))
+        torch.testing.assert_close(out[i:i + 1, :, :n], alone, rtol=1e-12, atol=1e-12)
+        assert not out[i, :, n:].any()
+
+
+def test_positions_of_a_whole_grid_are_the_grid_s_rotation():
+    h, w = 3, 4
+    rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    positions = torch.stack([rows.flatten(), cols.flatten()], -1).float()[None].expand(2, -1, -1)
+    x = torch.randn(2, 2, 1 + h * w, 8, dtype=torch.float64)
+    fx, fy = axial_rope_freqs(8, row_first=True)
+    torch.testing.assert_close(apply_rope(x, rope_at(fx, fy, positions, num_prefix_tokens=1)),
+                               apply_rope(x, axial_rope(8, (h, w), num_prefix_tokens=1, row_first=True)),
+                               rtol=0, atol=1e-6)  # fp32 tables
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_masked_under_autocast_at_100k_tokens(dtype):
+    """fp32 inputs under autocast: the state still accumulates in fp32 over the valid tokens only."""
+    n, keep = 131_072, 100_000
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, n, 16, generator=g) * 3 for _ in range(3))
+    valid = torch.zeros(1, n, dtype=torch.bool)
+    valid[0, :keep] = True
+    with torch.autocast("cpu", dtype=dtype):
+        out = linear_attention(q, k, v, "elu", valid=valid, backend="torch")
+    assert out.dtype == dtype
+    ref = linear_attention(*(t[:, :, :keep].double() for t in (q, k, v)), "elu", backend="torch")
+    err = (out[:, :, :keep].double() - ref).abs().max() / ref.abs().max()
+    assert err < (2e-2 if dtype == torch.bfloat16 else 2e-3), err.item()
+    assert not out[:, :, keep:].any()
+
+
+def test_bad_masks_are_one_line():
+    q, k, v, valid, positions = padded_batch(SIZES, 16)
+    with pytest.raises(TypeError, match="valid: expected a bool tensor"):
+        linear_attention(q, k, v, valid=valid.float())
+    with pytest.raises(ValueError, match=r"valid: expected shape \(B, Nk\)"):
+        linear_attention(q, k, v, valid=valid[:, :8])
+    with pytest.raises(ValueError, match="valid: the causal form takes no token mask"):
+        linear_attention(q, k, v, causal=True, valid=valid)
+    with pytest.raises(ValueError, match="rope: positions for 3 samples, the input has 2"):
+        linear_attention(q[:2], k[:2], v[:2], rope=rope_at(*axial_rope_freqs(8), positions))
+    with pytest.raises(ValueError, match="positions: expected a"):
+        rope_at(*axial_rope_freqs(8), positions[0])
+
+
+def test_the_kernels_say_why_they_do_not_take_a_mask_yet():
+    q, k, v, valid, _ = padded_batch(SIZES, 16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="token masks"):
+        linear_attention(q, k, v, valid=valid, backend="triton")

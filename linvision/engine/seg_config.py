@@ -14,7 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
-from .train_config import Recipe, add_config_args, recipe_field, require, shared_field
+from .train_config import (PretrainedFlag, PretrainedPathFlag, Recipe, add_config_args, recipe_field, require,
+                           shared_field)
 
 __all__ = ["SegTrainConfig", "add_seg_train_args"]
 
@@ -53,10 +54,12 @@ class SegTrainConfig(Recipe):
                                 group="model")
     pretrained: bool = recipe_field(False, "start the encoder from its trained weights as timm's pretrained=True "
                                            "loads them (e.g. mlla_tiny.in1k: downloaded once into timm's cache); "
-                                           "the head starts new", group="model")
+                                           "the head starts new; --no-pretrained turns a config's off",
+                                    group="model", action=PretrainedFlag)
     pretrained_path: Optional[str] = recipe_field(None, "a local copy of the encoder's trained weights (e.g. the "
                                                         "authors' MLLA-T.pth), loaded as --pretrained loads the "
-                                                        "download", group="model")
+                                                        "download; given here, it replaces a config's pretrained: "
+                                                        "true", group="model", action=PretrainedPathFlag)
     model_kwargs: Any = shared_field("model_kwargs", help="key=value pairs or a JSON object passed to the encoder's "
                                                           "timm.create_model, e.g. depths=[1,1,1,1]")
     decoder_kwargs: Any = recipe_field(None, "key=value pairs or a JSON object passed to the smp head, e.g. "

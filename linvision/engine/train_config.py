@@ -6,11 +6,16 @@ group; :func:`add_config_args` makes the flags of any such dataclass from them (
 :class:`TrainConfig`), so a new option is one field. Another task's recipe
 (:class:`~linvision.engine.seg_config.SegTrainConfig`) is a dataclass beside this one, on the same base
 (:class:`Recipe`), taking the fields both share from here with :func:`shared_field`.
+
+The two sources of weights are one choice: ``--pretrained`` (``--no-pretrained``) and ``--pretrained-path FILE``.
+The one typed on the command line wins over the other set by a config file (:class:`PretrainedFlag`,
+:class:`PretrainedPathFlag`); both typed is refused by the recipe's ``check()``.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional
 
@@ -18,7 +23,7 @@ from .cli import AMP_HELP, amp_flag_options
 from .data import INTERPOLATIONS
 
 __all__ = ["TrainConfig", "Recipe", "add_train_args", "add_config_args", "recipe_field", "shared_field", "require",
-           "RUN_ONLY_KEYS"]
+           "RUN_ONLY_KEYS", "PretrainedFlag", "PretrainedPathFlag"]
 
 # Options of one invocation, not of the recipe: left out of a run's saved config.yaml, so that a resumed run does
 # not take them as its defaults.
@@ -40,6 +45,51 @@ def require(cfg: Any, ok: bool, key: str, what: str) -> None:
     """ValueError naming the field ``key`` (its flag and YAML key) and its value unless ``ok``."""
     if not ok:
         raise ValueError(f"{key}: {what}, got {getattr(cfg, key)!r}")
+
+
+_TYPED = "_typed_weight_flags"  # attribute of a parsed namespace: which of the two weight flags were typed
+
+
+def _typed(namespace: argparse.Namespace, dest: str) -> bool:
+    return dest in getattr(namespace, _TYPED, ())
+
+
+def _mark_typed(namespace: argparse.Namespace, dest: str) -> None:
+    setattr(namespace, _TYPED, set(getattr(namespace, _TYPED, ())) | {dest})
+
+
+def _note(text: str) -> None:
+    if os.environ.get("RANK", "0") == "0":  # once under torchrun, where every rank parses the flags
+        print(text, flush=True)
+
+
+class PretrainedFlag(argparse.BooleanOptionalAction):
+    """``--pretrained/--no-pretrained``. A typed ``--pretrained`` wins over a ``pretrained_path`` that a config
+    file set (the path is dropped, with a note); with ``--pretrained-path`` typed too both stay, for ``check()``
+    to refuse."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        if getattr(namespace, self.dest) and getattr(namespace, "pretrained_path", None) \
+                and not _typed(namespace, "pretrained_path"):
+            _note(f"pretrained: --pretrained on the command line replaces the config's pretrained_path "
+                  f"{namespace.pretrained_path}")
+            namespace.pretrained_path = None
+        _mark_typed(namespace, self.dest)
+
+
+class PretrainedPathFlag(argparse.Action):
+    """``--pretrained-path FILE``. A typed path wins over a ``pretrained: true`` that a config file set (the
+    recipe's pretrained is turned off, with a note); with ``--pretrained`` typed too both stay, for ``check()`` to
+    refuse."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        if values and getattr(namespace, "pretrained", False) is True and not _typed(namespace, "pretrained"):
+            _note(f"pretrained: --pretrained-path {values} on the command line replaces the config's pretrained: "
+                  f"true (the model's own weights are not downloaded)")
+            namespace.pretrained = False
+        _mark_typed(namespace, self.dest)
 
 
 class Recipe:
@@ -103,12 +153,14 @@ class TrainConfig(Recipe):
                                    "registered)", group="model")
     pretrained: bool = _opt(False, "start from the model's trained weights, as timm's pretrained=True loads them "
                                    "(e.g. mlla_tiny.in1k: downloaded once into timm's cache), with a new classifier "
-                                   "for the data's classes", group="model")
+                                   "for the data's classes; --no-pretrained turns a config's off", group="model",
+                            action=PretrainedFlag)
     model_kwargs: Any = _opt(None, "key=value pairs or a JSON object passed to the model, e.g. "
                                    "token_mixers=none,linear", group="model", nargs="*")
     pretrained_path: Optional[str] = _opt(None, "local weights (safetensors, .pth/.pth.tar or checkpoint folder); "
-                                                "the head is reset when the number of classes differs",
-                                          "--initial-checkpoint", group="model")
+                                                "the head is reset when the number of classes differs; given here, "
+                                                "it replaces a config's pretrained: true",
+                                          "--initial-checkpoint", group="model", action=PretrainedPathFlag)
     num_classes: Optional[int] = _opt(None, "classes of the classifier (default: the dataset's)", group="model",
                                       type=int)
     in_chans: int = _opt(3, "input channels the model is built for", group="model", type=int)

@@ -57,7 +57,7 @@ from linvision.layers import (MixerBlock, check_prefix_tokens, init_model_weight
                               no_weight_decay_of, stage_mixer_options)
 from linvision.layers.mixers import ROPE_TYPES
 
-from .published import require_weights, unwrap_state_dict
+from .published import explain_failed_download, require_weights, unwrap_state_dict
 
 __all__ = ["LinViT", "checkpoint_filter_fn", "convert_vit_state_dict"]
 
@@ -513,12 +513,13 @@ def _create_linvit(variant: str, pretrained: bool = False, **kwargs) -> LinViT:
     require_weights(variant, pretrained, kwargs, hint=f"'{variant}.deit_fb_in1k' loads DeiT's softmax weights "
                     "converted as the start of linearization (not a trained linear-attention classifier)")
     try:
-        return build_model_with_cfg(
-            LinViT, variant, pretrained,
-            pretrained_filter_fn=checkpoint_filter_fn,
-            feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
-            **kwargs,
-        )
+        with explain_failed_download(variant, pretrained, kwargs, "docs/models/linvit.md"):  # offline: one line
+            return build_model_with_cfg(
+                LinViT, variant, pretrained,
+                pretrained_filter_fn=checkpoint_filter_fn,
+                feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
+                **kwargs,
+            )
     except (ValueError, RuntimeError, EOFError, OSError, pickle.UnpicklingError, SafetensorError) as e:
         if not (pretrained and file):
             raise

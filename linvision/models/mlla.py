@@ -38,7 +38,8 @@ from linvision.layers import LinearAttention, TokenMixer, merge_options, registe
 from linvision.ops import Rope, axial_rope, check_grid, halves_from_interleaved
 
 from .linhier import LinHier
-from .published import load_published, published_cfg, published_file_overlay, unwrap_state_dict
+from .published import (explain_failed_download, load_published, published_cfg, published_file_overlay,
+                        unwrap_state_dict)
 
 __all__ = ["Mlla", "MllaAttention", "MllaMixer", "MllaStem", "MllaDownsample", "checkpoint_filter_fn"]
 
@@ -222,12 +223,14 @@ def _create_mlla(variant: str, pretrained: bool = False, **kwargs) -> LinHier:
         token_mixers="mlla", mlp_ratio=4.0, stem_layer=MllaStem, downsample_layer=MllaDownsample,
         norm_layer=partial(LayerNorm, eps=1e-5), final_layer=partial(LayerNorm, eps=1e-5),
     )
-    return build_model_with_cfg(
-        Mlla, variant, pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls="getter"),
-        **published_file_overlay(merge_options(args, **kwargs)),
-    )
+    kwargs = published_file_overlay(merge_options(args, **kwargs))
+    with explain_failed_download(variant, pretrained, kwargs, "docs/models/published.md"):  # offline: one line
+        return build_model_with_cfg(
+            Mlla, variant, pretrained,
+            pretrained_filter_fn=checkpoint_filter_fn,
+            feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls="getter"),
+            **kwargs,
+        )
 
 
 def _heads(dims):

@@ -10,10 +10,16 @@ linhier's ``checkpoint_filter_fn``, the published families' filters and :mod:`li
 (which chooses the weights and maps the published names), keep the model's own classifier where the class count
 differs (timm's rule for a new head), and load strictly: a tensor missing, left over or of another shape fails
 in one line that names it.
+
+:func:`explain_failed_download` is what the entrypoints of the families with published weights build their models
+in: a download of those weights that fails (no network, a moved file) becomes :class:`WeightsDownloadError`, one
+line naming the model, the address tried and how to give a local copy instead.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict
+import contextlib
+import os
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 from timm.models import adapt_input_conv, clean_state_dict, resolve_pretrained_cfg
 from torch import Tensor, nn
@@ -21,7 +27,7 @@ from torch import Tensor, nn
 from linvision.safe_pickle import read_checkpoint
 
 __all__ = ["DEFAULT_WEIGHT_KEYS", "unwrap_state_dict", "load_published", "require_weights", "published_file_overlay",
-           "published_cfg"]
+           "published_cfg", "WeightsDownloadError", "explain_failed_download"]
 
 
 # Where a training checkpoint keeps its weights, most preferred first: timm's order (``timm.models.load_state_dict``
@@ -130,3 +136,80 @@ def published_file_overlay(kwargs: Dict[str, Any]) -> Dict[str, Any]:
     if overlay and (overlay.get("file") or overlay.get("url")) and "custom_load" not in overlay:
         kwargs = dict(kwargs, pretrained_cfg_overlay=dict(overlay, custom_load=True))
     return kwargs
+
+
+class WeightsDownloadError(FileNotFoundError):
+    """The trained weights ``pretrained=True`` asked for are not on this machine and could not be downloaded; the
+    message (one line) names the model, the address tried and how to load a local copy. A FileNotFoundError (an
+    OSError, as the download's own error was), so that the tools print it as one line."""
+
+
+def _remote_source(cfg: Any, cache_dir: Optional[str]) -> Optional[Tuple[str, str]]:
+    """(where the weights come from, what to do with a copy fetched elsewhere) when timm downloads them for
+    ``cfg`` (a resolved pretrained cfg); None when it reads them from this machine (a file, a state dict)."""
+    if cfg.file or cfg.state_dict or cfg.source == "local-dir":
+        return None
+    overlay = ("pretrained_cfg_overlay=dict(file=PATH) to timm.create_model, or --pretrained-path PATH to "
+               "linvision-train / linvision-train-seg")
+    if cfg.hf_hub_id:
+        from timm.models._hub import has_hf_hub
+
+        if has_hf_hub(necessary=False) or not cfg.url:
+            filename = f", file {cfg.hf_hub_filename}" if cfg.hf_hub_filename else ""
+            return (f"the Hugging Face hub (repository {cfg.hf_hub_id}{filename})",
+                    f"download the weights file of https://huggingface.co/{cfg.hf_hub_id} elsewhere and pass "
+                    f"{overlay}")
+    if not cfg.url:
+        return None
+    url, filename = cfg.url if isinstance(cfg.url, (tuple, list)) else (cfg.url, None)
+    if filename is None:
+        from urllib.parse import urlparse
+
+        filename = os.path.basename(urlparse(url).path)
+    if cache_dir is None:
+        import torch.hub
+
+        cache_dir = os.path.join(torch.hub.get_dir(), "checkpoints")
+    return url, (f"download that file elsewhere and either put it at {os.path.join(cache_dir, filename)} (timm's "
+                 f"cache, where pretrained=True looks first) or pass {overlay}")
+
+
+def _reason(error: BaseException) -> str:
+    """The first line of the innermost error under ``error`` (the network's own answer: an unknown host, a
+    refused connection, an HTTP status), with its type."""
+    inner = error
+    for _ in range(8):
+        nxt = inner.__cause__ or (None if inner.__suppress_context__ else inner.__context__)
+        if nxt is None:
+            nxt = getattr(inner, "reason", None)  # urllib's URLError keeps the socket's error there
+        if not isinstance(nxt, BaseException):
+            break
+        inner = nxt
+    text = str(inner).strip()
+    text = text.splitlines()[0][:200] if text else ""
+    return f"{type(inner).__name__}: {text}" if text else type(inner).__name__
+
+
+@contextlib.contextmanager
+def explain_failed_download(variant: str, pretrained: bool, kwargs: Dict[str, Any], listed_in: str) -> Iterator[None]:
+    """Around a model entrypoint's ``build_model_with_cfg``: with ``pretrained=True`` and weights that timm
+    downloads (a url or a Hugging Face hub repository in the resolved pretrained cfg, no file), an OSError on the
+    way (no network, an unknown host, an HTTP error; timm's and the hub's download errors all are) becomes
+    :class:`WeightsDownloadError` in one line: the model with its tag, the address, the reason, and the way
+    offline (the file fetched elsewhere, given with ``pretrained_cfg_overlay=dict(file=PATH)`` or the tools'
+    ``--pretrained-path``), with ``listed_in``, the manual's page whose model cards name the files. A model built
+    from a local file, or without pretrained weights, is left as timm builds it, errors included."""
+    try:
+        yield
+    except OSError as e:
+        if not pretrained or isinstance(e, WeightsDownloadError):
+            raise
+        cfg = resolve_pretrained_cfg(variant, kwargs.get("pretrained_cfg"), kwargs.get("pretrained_cfg_overlay"))
+        source = _remote_source(cfg, kwargs.get("cache_dir"))
+        if source is None:
+            raise
+        where, offline = source
+        tag = f"{variant}.{cfg.tag}" if cfg.tag else variant
+        raise WeightsDownloadError(
+            f"pretrained: cannot download the weights of {tag} from {where} ({_reason(e)}); offline, {offline} "
+            f"(where each model's file is: the model cards in {listed_in})") from None

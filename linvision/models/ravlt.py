@@ -36,7 +36,8 @@ from linvision.layers.variant_mixers import OutputModulation, RALAttention
 from linvision.ops import halves_from_interleaved
 
 from .linhier import LinHier
-from .published import load_published, published_cfg, published_file_overlay, unwrap_state_dict
+from .published import (explain_failed_download, load_published, published_cfg, published_file_overlay,
+                        unwrap_state_dict)
 
 __all__ = ["Ravlt", "RavltRope", "RavltRala", "RavltSoftmax", "ChannelsLastConv", "RavltStem",
            "checkpoint_filter_fn"]
@@ -184,12 +185,14 @@ def _create_ravlt(variant: str, pretrained: bool = False, **kwargs) -> LinHier:
         block_kwargs=dict(cpe="first", mlp_layer=DwConvMlp),
         final_layer=partial(ChannelsLastConv, out_chs=1024, act_layer=nn.SiLU),
     )
-    return build_model_with_cfg(
-        Ravlt, variant, pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls="getter"),
-        **published_file_overlay(merge_options(args, **kwargs)),
-    )
+    kwargs = published_file_overlay(merge_options(args, **kwargs))
+    with explain_failed_download(variant, pretrained, kwargs, "docs/models/published.md"):  # offline: one line
+        return build_model_with_cfg(
+            Ravlt, variant, pretrained,
+            pretrained_filter_fn=checkpoint_filter_fn,
+            feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls="getter"),
+            **kwargs,
+        )
 
 
 # Published training used stochastic depth 0.1 / 0.15 / 0.4 / 0.55 (T / S / B / L); the models default to none,

@@ -182,8 +182,11 @@ def run_gpu(args):
 def main():
     args = parse_args()
     traffic = args.traffic or not torch.cuda.is_available()
-    if traffic:
-        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (by linvision.kernels)
+    if traffic and os.environ.get("TRITON_INTERPRET") != "1":
+        # the interpreter is chosen when triton is first imported, which importing torch already did: count in a
+        # process that starts with it on
+        os.execve(sys.executable, [sys.executable, "-m", "linvision.tools.bench_kernels", *sys.argv[1:]],
+                  dict(os.environ, TRITON_INTERPRET="1"))
     args.heads = args.heads or (2 if traffic else 16)
     args.n = args.n or ([1024, 2048, 4096, 8192, 16384] if traffic else [1 << e for e in range(10, 19)])
     args.split_tokens = args.split_tokens if args.split_tokens is not None else [0, 1024]

@@ -130,3 +130,103 @@ def test_the_kernels_say_why_they_do_not_take_a_mask_yet():
     q, k, v, valid, _ = padded_batch(SIZES, 16, dtype=torch.float32)
     with pytest.raises(ValueError, match="token masks"):
         linear_attention(q, k, v, valid=valid, backend="triton")
+
+
+# --- linvit on timm's NaFlex batches
+
+IMAGE_SIZES = [(48, 80), (64, 32), (16, 16)]  # (H, W) in pixels: 3x5, 4x2 and 1x1 patches of 16
+
+
+def naflex_batch(images, patch=16, max_seq_len=24):
+    """timm's own NaFlex batch of ``images`` ((C, H, W) tensors): its Patchify transform and its collator."""
+    from timm.data.naflex_dataset import NaFlexCollator
+    from timm.data.naflex_transforms import Patchify
+
+    patchify = Patchify(patch)
+    batch, _ = NaFlexCollator(max_seq_len)([(patchify(img), 0) for img in images])
+    # the collator holds patches in float32: in the images' dtype, the comparisons below are exact to rounding
+    return {k: v.to(images[0].dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
+
+
+def tiny_linvit(name, **kwargs):
+    import timm
+
+    torch.manual_seed(0)
+    return timm.create_model(name, depth=2, img_size=64, num_classes=5, **kwargs).double().eval()
+
+
+def _images(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # float32 values (what timm's collator holds) as float64 images
+    return [torch.rand(3, h, w, generator=g).double() for h, w in IMAGE_SIZES]
+
+
+MODELS = {  # name, options: every mixer of the isotropic family that takes a NaFlex batch
+    "linear_rope": ("linvit_tiny_patch16_rope_224", {}),  # 2D RoPE on the numerator and LePE
+    "softmax_twin": ("linvit_tiny_patch16_rope_224", {"token_mixer": "softmax"}),
+    "mixed_rope": ("linvit_small_patch16_rope_mixed_224", {}),
+    "linear_abs_pos_avg": ("linvit_tiny_patch16_224", {"dynamic_img_size": True, "global_pool": "avg"}),
+    "registers_no_embed_class": ("linvit_tiny_patch16_224", {"dynamic_img_size": True, "reg_tokens": 2,
+                                                             "no_embed_class": True}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MODELS))
+def test_a_naflex_batch_gives_each_image_its_own_logits_and_intermediates(case):
+    """The property NaFlex needs: each image of a batch of different sizes and aspect ratios gets the logits and
+    block outputs the model gives it alone at its own size (float64, so equal to rounding)."""
+    name, options = MODELS[case]
+    model = tiny_linvit(name, **options)
+    images = _images()
+    batch = naflex_batch(images)
+    with torch.no_grad():
+        logits = model(batch)
+        final, inter = model.forward_intermediates(batch, output_fmt="NLC")
+        for i, img in enumerate(images):
+            alone = model(img[None])
+            torch.testing.assert_close(logits[i:i + 1], alone, rtol=1e-10, atol=1e-10)
+            n = img.shape[1] // 16 * (img.shape[2] // 16)
+            _, inter1 = model.forward_intermediates(img[None], output_fmt="NLC")
+            for a, b in zip(inter, inter1):
+                torch.testing.assert_close(a[i:i + 1, :n], b, rtol=1e-10, atol=1e-10)
+    assert model.get_patch_size() == (16, 16)
+
+
+def test_naflex_gradients_are_the_sum_of_each_image_s():
+    """Training on a NaFlex batch: the gradient of the summed loss is the sum of each image's gradient alone."""
+    model = tiny_linvit("linvit_tiny_patch16_rope_224").train()
+    images, targets = _images(1), torch.tensor([0, 3, 1])
+    batch = naflex_batch(images)
+    torch.nn.functional.cross_entropy(model(batch), targets, reduction="sum").backward()
+    batched = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    for img, target in zip(images, targets):
+        torch.nn.functional.cross_entropy(model(img[None]), target[None], reduction="sum").backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(batched[n], p.grad, rtol=1e-9, atol=1e-11, msg=n)
+
+
+def test_naflex_inference_mode_then_training():
+    model = tiny_linvit("linvit_tiny_patch16_rope_224")
+    batch = naflex_batch(_images())
+    with torch.inference_mode():
+        expected = model(batch)
+    model.train()
+    out = model(batch)
+    out.sum().backward()
+    torch.testing.assert_close(out.detach(), expected)
+
+
+def test_naflex_refusals_are_one_line():
+    batch = naflex_batch(_images())
+    model = tiny_linvit("linvit_tiny_patch16_rope_224")
+    with pytest.raises(ValueError, match="output_fmt: 'NCHW' needs one grid"):
+        model.forward_intermediates(batch)
+    with pytest.raises(ValueError, match=r"patches: expected \(B, N, 16\*16\*3\)"):
+        model({**batch, "patches": batch["patches"][..., :10]})
+    with pytest.raises(ValueError, match="missing 'patch_coord'"):
+        model({"patches": batch["patches"]})
+    scan = tiny_linvit("linvit_tiny_patch16_rope_224", token_mixer="bidir_delta", class_token=False,
+                       global_pool="avg")
+    with pytest.raises(ValueError, match="'bidir_delta' cannot take a batch of images of different sizes"):
+        scan(batch)

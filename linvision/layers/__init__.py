@@ -10,7 +10,10 @@ from .registry import (
     parse_mixer_list,
     register_mixer,
     takes_prefix_tokens,
+    takes_layout,
+    check_layout,
 )
+from .layout import TokenLayout
 from .weight_init import init_linear_weights, init_model_weights, own_reset_parameters
 from .options import merge_options, stage_mixer_options
 from .mixers import (

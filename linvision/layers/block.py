@@ -18,7 +18,8 @@ from typing import Dict, Optional, Tuple, Type, Union
 from timm.layers import DropPath, LayerNorm, LayerScale, Mlp
 from torch import Tensor, nn
 
-from .registry import check_prefix_tokens, create_mixer
+from .layout import TokenLayout
+from .registry import check_layout, check_prefix_tokens, create_mixer
 
 __all__ = ["ConvPosEnc", "DwConvMlp", "MixerBlock"]
 
@@ -96,9 +97,11 @@ class MixerBlock(nn.Module):
         self.ls2 = scale()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
-    def forward(self, x: Tensor, hw: Optional[Tuple[int, int]] = None, num_prefix_tokens: int = 0) -> Tensor:
+    def forward(self, x: Tensor, hw: Optional[Tuple[int, int]] = None, num_prefix_tokens: int = 0,
+                layout: Optional[TokenLayout] = None) -> Tensor:
         """x: a channels-last grid (B, H, W, C) (``hw`` None), or tokens (B, P + H*W, C) on the grid ``hw`` after
-        P = ``num_prefix_tokens`` prefix tokens (class / register tokens; the mixer must take them). Returns x's
+        P = ``num_prefix_tokens`` prefix tokens (class / register tokens; the mixer must take them), or tokens
+        (B, P + M, C) of images of different sizes placed by ``layout`` (the mixer must take it). Returns x's
         layout. Raises ValueError for tokens given to a block with CPE, which convolves a grid."""
         if hw is None:
             b, h, w, c = x.shape
@@ -109,7 +112,12 @@ class MixerBlock(nn.Module):
         else:
             if self.cpe:
                 raise ValueError("hw: a block with CPE runs on a channels-last grid (B, H, W, C), not on tokens")
-            if num_prefix_tokens:
+            if layout is not None:
+                check_layout(self.mixer, layout)
+                mixed = self.mixer(self.norm1(x), hw, num_prefix_tokens=check_prefix_tokens(self.mixer,
+                                                                                            num_prefix_tokens),
+                                   layout=layout)
+            elif num_prefix_tokens:
                 mixed = self.mixer(self.norm1(x), hw, num_prefix_tokens=check_prefix_tokens(self.mixer,
                                                                                             num_prefix_tokens))
             else:

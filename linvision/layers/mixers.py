@@ -36,17 +36,20 @@ from linvision.ops import (
     Rope,
     apply_rope,
     axial_rope,
+    axial_rope_freqs,
     check_grid,
     get_feature_map,
     is_tracing,
     linear_attention,
     mixed_rope_freqs,
+    rope_at,
     softmax_attention,
 )
 from linvision.ops.common import FEATURE_MAPS, feature_map_name, feature_maps_where
 from linvision.ops.feature_maps import orthogonal_random_projection
 
-from .registry import TokenMixer, check_prefix_tokens, register_mixer
+from .layout import TokenLayout
+from .registry import TokenMixer, check_layout, check_prefix_tokens, register_mixer
 
 __all__ = [
     "check_feature_map",
@@ -180,6 +183,16 @@ class AttentionMixer(TokenMixer):
                               **self.rope_axial)
         return Rope(self.rope_freqs_x, self.rope_freqs_y, hw, num_prefix_tokens)
 
+    def make_rope_at(self, positions: Tensor, num_prefix_tokens: int = 0) -> Optional[Rope]:
+        """The rotation of tokens at their own (row, col) (``positions`` (B, M, 2), images of different sizes in
+        one batch), with the frequencies :meth:`make_rope` uses; None without RoPE."""
+        if self.rope_type is None:
+            return None
+        if self.rope_type == "axial":
+            fx, fy = axial_rope_freqs(self.rope_dim, num_heads=1, **self.rope_axial)
+            return rope_at(fx.to(positions.device), fy.to(positions.device), positions, num_prefix_tokens)
+        return rope_at(self.rope_freqs_x, self.rope_freqs_y, positions, num_prefix_tokens)
+
     def project(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """x (B, N, C) -> q, k, v, each (B, N, C) with the heads' D channels side by side."""
         if self.split_value_proj and self.rope_type is not None:
@@ -225,24 +238,37 @@ class AttentionMixer(TokenMixer):
         mixing depends on the data beyond q, k, v (e.g. forget gates)."""
         raise NotImplementedError
 
-    def forward(self, x: Tensor, hw: Tuple[int, int], num_prefix_tokens: int = 0) -> Tensor:
-        """x: (B, N, C) tokens, ``num_prefix_tokens`` prefix tokens then the grid hw -> (B, N, C). Raises
-        ValueError for prefix tokens when the class does not take them, or a token count that does not fit."""
+    def forward(self, x: Tensor, hw: Tuple[int, int], num_prefix_tokens: int = 0,
+                layout: Optional[TokenLayout] = None) -> Tensor:
+        """x: (B, N, C) tokens, ``num_prefix_tokens`` prefix tokens then the grid hw -> (B, N, C); or, with a
+        ``layout`` (a class with ``takes_layout``), the prefix tokens then each sample's tokens where the layout
+        puts them (``hw`` ignored). Raises ValueError for prefix tokens or a layout the class does not take, or a
+        token count that does not fit."""
         p = check_prefix_tokens(self, num_prefix_tokens)
-        h, w = check_grid(hw, x.shape[1] - p, name="hw")
+        check_layout(self, layout)
         b, n, c = x.shape
+        if layout is None:
+            h, w = check_grid(hw, n - p, name="hw")
+            rope, extra = self.make_rope((h, w), x.device, p), {}
+        else:
+            if layout.valid.shape != (b, n - p):
+                raise ValueError(f"layout: for {tuple(layout.valid.shape)} grid tokens, x has {b} x {n - p}")
+            h, w = layout.canvas
+            rope, extra = self.make_rope_at(layout.positions, p), {"valid": layout.token_mask(p)}
         q, k, v = self.project(x)
         q, k, v = (t.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        rope = self.make_rope((h, w), x.device, p)
         if self.recompute_attend and torch.is_grad_enabled() and q.requires_grad and not is_tracing(n):
-            out = checkpoint(self.attend, q, k, v, (h, w), rope, x, use_reentrant=False)
+            out = checkpoint(self.attend, q, k, v, (h, w), rope, x, use_reentrant=False, **extra)
         else:
-            out = self.attend(q, k, v, (h, w), rope, x)
+            out = self.attend(q, k, v, (h, w), rope, x, **extra)
         out = out.transpose(1, 2).reshape(b, n, c)
         if self.lepe is not None:
-            v_grid = v[:, :, p:].transpose(1, 2).reshape(b, h, w, c).permute(0, 3, 1, 2)  # (B, C, H, W)
-            lepe = self.lepe(v_grid).flatten(2).transpose(1, 2)  # (B, H*W, C): nothing for the prefix tokens
-            out = out + (F.pad(lepe, (0, 0, p, 0)) if p else lepe)
+            v_tokens = v[:, :, p:].transpose(1, 2).reshape(b, n - p, c)
+            if layout is None:
+                lepe = self.lepe(v_tokens.reshape(b, h, w, c).permute(0, 3, 1, 2)).flatten(2).transpose(1, 2)
+            else:  # each image on a zero canvas: the zero padding it is convolved with alone
+                lepe = layout.from_canvas(self.lepe(layout.to_canvas(v_tokens)))
+            out = out + (F.pad(lepe, (0, 0, p, 0)) if p else lepe)  # nothing for the prefix tokens
         if self.gate is not None:
             out = out * self.gate_activation(self.gate(x))
         return self.proj_drop(self.proj(out))
@@ -269,6 +295,7 @@ class LinearAttention(AttentionMixer):
 
     causal = False
     recompute_attend = False  # linear_attention keeps only q, k, v itself
+    takes_layout = True  # linear_attention(valid=) keeps the images of a batch apart
 
     def __init__(self, dim: int, num_heads: int, *, feature_map: str = "elu", eps: float = 1e-4,
                  eps_form: str = "mean", **kwargs):
@@ -293,9 +320,13 @@ class LinearAttention(AttentionMixer):
         """The eps handed to :func:`linvision.ops.linear_attention` (mean form) for ``num_keys`` keys."""
         return self.eps / num_keys if self.eps_form == "sum" else self.eps
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor,
+               valid: Optional[Tensor] = None) -> Tensor:
+        if valid is not None and self.eps_form == "sum":
+            raise ValueError("eps_form: 'sum' (eps / N) has no single N in a batch of images of different sizes; "
+                             "use eps_form='mean'")
         return linear_attention(q, k, v, self.phi(), rope=rope, causal=self.causal,
-                                eps=self.op_eps(k.shape[2]))
+                                eps=self.op_eps(k.shape[2]), valid=valid)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, feature_map={self.feature_map}, causal={self.causal}"
@@ -316,6 +347,7 @@ class CausalLinearAttention(LinearAttention):
 
     causal = True
     takes_prefix_tokens = False
+    takes_layout = False
 
 
 @register_mixer("softmax")
@@ -326,8 +358,11 @@ class SoftmaxAttention(AttentionMixer):
     # with RoPE, SDPA keeps rotated copies of q and k: v computed apart lets the projection's q, k go
     split_value_proj = True
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
-        return softmax_attention(q, k, v, rope=rope)
+    takes_layout = True
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor,
+               valid: Optional[Tensor] = None) -> Tensor:
+        return softmax_attention(q, k, v, rope=rope, valid=valid)
 
 
 def window_partition(x: Tensor, hw: Tuple[int, int], window: int) -> Tuple[Tensor, Tensor, Tuple[int, int]]:
@@ -364,6 +399,7 @@ class HybridAttention(LinearAttention):
     """
 
     takes_prefix_tokens = False
+    takes_layout = False  # windows of the raster grid
     # attend builds rotated q, k, padded window copies of q, k, v, the local output and the global one: recomputed
     # in the backward (the policy of AttentionMixer), where LinearAttention keeps nothing of its own
     recompute_attend = True

@@ -23,7 +23,7 @@ from torch import nn
 from .weight_init import own_reset_parameters
 
 __all__ = ["TokenMixer", "register_mixer", "create_mixer", "get_mixer_class", "list_mixers", "mixer_options", "parse_mixer_list",
-           "no_weight_decay_of", "takes_prefix_tokens", "check_prefix_tokens"]
+           "no_weight_decay_of", "takes_prefix_tokens", "check_prefix_tokens", "takes_layout", "check_layout"]
 
 _MIXERS: Dict[str, Type[nn.Module]] = {}
 
@@ -36,7 +36,10 @@ class TokenMixer(nn.Module):
       options it has (:func:`linvision.layers.stage_mixer_options`).
     - ``forward(x, hw)`` maps tokens x (B, N, C) on the grid hw = (H, W), N = H * W in raster order, to (B, N, C);
       a class with ``takes_prefix_tokens = True`` also takes ``forward(x, hw, num_prefix_tokens=P)``, x holding P
-      prefix tokens before the grid (the others refuse them through :func:`check_prefix_tokens`).
+      prefix tokens before the grid (the others refuse them through :func:`check_prefix_tokens`); a class with
+      ``takes_layout = True`` also takes ``forward(x, hw, num_prefix_tokens=P, layout=L)``, a batch of images
+      of different sizes (:class:`~linvision.layers.layout.TokenLayout`; ``hw`` is then ignored), and gives every
+      image what it gives that image alone (the others refuse a layout through :func:`check_layout`).
     - ``init_weights()``: its own start (a gate's biases, ...), which models re-apply after their generic
       initialisation (:func:`linvision.layers.init_model_weights`); by default the mixer's own
       ``reset_parameters()`` when its class defines one, else nothing.
@@ -54,6 +57,7 @@ class TokenMixer(nn.Module):
     """
 
     takes_prefix_tokens = False
+    takes_layout = False
     recompute_attend = False
 
     def init_weights(self) -> None:
@@ -127,6 +131,21 @@ def check_prefix_tokens(mixer: Union[MixerSpec, nn.Module], num_prefix_tokens: i
         raise ValueError(f"token mixer {name!r} cannot take prefix tokens (class / register tokens): it works on "
                          "the token grid itself; use a model without class_token / reg_tokens")
     return num_prefix_tokens
+
+
+def takes_layout(mixer: Union[MixerSpec, nn.Module]) -> bool:
+    """Whether a mixer (a registered name, a class or a built mixer) takes a batch of images of different sizes."""
+    cls = mixer if isinstance(mixer, nn.Module) else get_mixer_class(mixer)
+    return bool(getattr(cls, "takes_layout", False))
+
+
+def check_layout(mixer: Union[MixerSpec, nn.Module], layout) -> None:
+    """ValueError, naming the mixer, when ``layout`` (a batch of images of different sizes) is given to a mixer
+    that cannot keep the images apart."""
+    if layout is not None and not takes_layout(mixer):
+        raise ValueError(f"token mixer {_mixer_name(mixer)!r} cannot take a batch of images of different sizes "
+                         f"(patch_coord / patch_valid): it has no token mask; mixers that do: "
+                         f"{', '.join(n for n in list_mixers() if takes_layout(n))}")
 
 
 def _mixer_name(mixer: Union[MixerSpec, nn.Module]) -> str:

@@ -49,11 +49,13 @@ from torch.utils.checkpoint import checkpoint
 
 from safetensors import SafetensorError
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+import torch.nn.functional as F
 from timm.layers import LayerNorm, PatchEmbed, global_pool_nlc, resample_abs_pos_embed, resample_patch_embed, trunc_normal_
+from timm.models.naflexvit import global_pool_naflex
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
-from linvision.layers import (MixerBlock, check_prefix_tokens, init_model_weights, merge_options, mixer_options,
+from linvision.layers import (MixerBlock, TokenLayout, check_prefix_tokens, init_model_weights, merge_options, mixer_options,
                               no_weight_decay_of, stage_mixer_options)
 from linvision.layers.mixers import ROPE_TYPES
 
@@ -220,37 +222,97 @@ class LinViT(nn.Module):
             return (torch.cat(prefix + [x], dim=1) if prefix else x), (h, w)
         return torch.cat(prefix + [x], dim=1) + pos, (h, w)
 
+    @torch.jit.ignore
+    def get_patch_size(self) -> Tuple[int, int]:
+        """(patch height, patch width), as timm's NaFlex loader asks a model."""
+        return tuple(self.patch_embed.patch_size)
+
+    def _embed_patches(self, patches: Tensor, patch_coord: Tensor,
+                       patch_valid: Optional[Tensor]) -> Tuple[Tensor, TokenLayout]:
+        """timm's NaFlex batch -> (tokens (B, prefix + N, C), their layout): the patches (B, N, P*P*C_in), each
+        flattened as (row in patch, column in patch, channel) like timm's patchify, through the patch
+        embedding's weights as a linear map (the same map its convolution applies to an image), the prefix tokens
+        before them, and the absolute position embedding resampled to each image's own grid (as
+        ``dynamic_img_size`` resamples it for one image) and read at each patch's (row, col)."""
+        layout = TokenLayout.from_patches(patch_coord, patch_valid)
+        proj = self.patch_embed.proj
+        ph, pw = self.patch_embed.patch_size
+        if patches.dim() == 5:  # (B, N, ph, pw, C): timm's unflattened channels-last patches
+            patches = patches.flatten(2)
+        width = ph * pw * self.in_chans
+        if patches.dim() != 3 or patches.shape[-1] != width or patches.shape[:2] != patch_coord.shape[:2]:
+            raise ValueError(f"patches: expected (B, N, {ph}*{pw}*{self.in_chans}) = (B, N, {width}) beside "
+                             f"patch_coord {tuple(patch_coord.shape)}, got {tuple(patches.shape)}")
+        weight = proj.weight.permute(0, 2, 3, 1).reshape(proj.out_channels, width)  # the (ph, pw, c) order
+        x = self.patch_embed.norm(F.linear(patches, weight, proj.bias))
+        b = x.shape[0]
+        prefix = [t.expand(b, -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
+        if self.pos_embed is not None:
+            x, prefix_pos = x + self._naflex_pos_embed(layout), None
+            if prefix and not self.no_embed_class:
+                prefix_pos = self.pos_embed[:, : self.num_prefix_tokens]
+            if prefix_pos is not None:
+                prefix = [torch.cat(prefix, dim=1) + prefix_pos]
+        return (torch.cat(prefix + [x], dim=1) if prefix else x), layout
+
+    def _naflex_pos_embed(self, layout: TokenLayout) -> Tensor:
+        """(B, N, C): the grid rows of the absolute position embedding resampled to each sample's grid, at each
+        patch's (row, col); zeros at padding."""
+        p = 0 if self.no_embed_class else self.num_prefix_tokens
+        grid_rows = self.pos_embed[:, p:]
+        out = grid_rows.new_zeros(*layout.valid.shape, self.embed_dim)
+        for size in sorted(set(layout.sizes)):
+            table = resample_abs_pos_embed(grid_rows, new_size=size, old_size=self.patch_embed.grid_size,
+                                           num_prefix_tokens=0)[0]  # (h * w, C)
+            for i in (i for i, s in enumerate(layout.sizes) if s == size):
+                index = layout.positions[i, :, 0] * size[1] + layout.positions[i, :, 1]
+                out[i] = table[index].masked_fill(~layout.valid[i, :, None], 0)
+        return out
+
     def _run_blocks(self, x: Tensor, hw: Tuple[int, int], blocks: nn.Sequential, take: Optional[List[int]] = None,
-                    norm: bool = False) -> Tuple[Tensor, List[Tensor]]:
+                    norm: bool = False, layout: Optional[TokenLayout] = None) -> Tuple[Tensor, List[Tensor]]:
         intermediates = []
         p = self.num_prefix_tokens
+        args = (hw, p) if layout is None else (hw, p, layout)
         for i, blk in enumerate(blocks):
-            x = checkpoint(blk, x, hw, p, use_reentrant=False) if self.grad_checkpointing else blk(x, hw, p)
+            x = checkpoint(blk, x, *args, use_reentrant=False) if self.grad_checkpointing else blk(x, *args)
             if take is not None and i in take:
                 intermediates.append(self.norm(x) if norm else x)
         return x, intermediates
 
     def forward_intermediates(
         self,
-        x: Tensor,
+        x: Union[Tensor, Dict[str, Tensor]],
         indices: Optional[Union[int, List[int]]] = None,
         return_prefix_tokens: bool = False,
         norm: bool = False,
         stop_early: bool = False,
         output_fmt: str = "NCHW",
         intermediates_only: bool = False,
+        patch_coord: Optional[Tensor] = None,
+        patch_valid: Optional[Tensor] = None,
     ) -> Union[List[Tensor], Tuple[Tensor, List[Tensor]]]:
         """Block outputs of the patch tokens, as timm's VisionTransformer. indices: last n blocks (int), all (None)
         or the listed ones; return_prefix_tokens: each intermediate is (patch tokens, prefix tokens (B, P, C));
         norm: apply the final norm to them; output_fmt: 'NCHW' (B, C, H/p, W/p) or 'NLC' (B, N, C).
+        A NaFlex batch (a dict, or patches with ``patch_coord``) gives 'NLC' intermediates in its patch order
+        (the images' grids differ: place them with patch_coord).
         Returns intermediates, or (forward_features output, intermediates). Raises ValueError for another
-        output_fmt."""
+        output_fmt, or 'NCHW' with a NaFlex batch."""
         if output_fmt not in ("NCHW", "NLC"):
             raise ValueError(f"output_fmt: {output_fmt!r}; allowed: 'NCHW', 'NLC'")
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
         blocks = self.blocks[: max_index + 1] if stop_early else self.blocks
-        x, (h, w) = self._embed(x)
-        x, intermediates = self._run_blocks(x, (h, w), blocks, take_indices, norm)
+        naflex = _naflex_inputs(x, patch_coord, patch_valid)
+        if naflex is not None and output_fmt == "NCHW":
+            raise ValueError("output_fmt: 'NCHW' needs one grid for the batch; a NaFlex batch (images of different "
+                             "sizes) gives output_fmt='NLC', placed by patch_coord")
+        if naflex is not None:
+            x, layout = self._embed_patches(*naflex)
+            (h, w) = layout.canvas
+        else:
+            (x, (h, w)), layout = self._embed(x), None
+        x, intermediates = self._run_blocks(x, (h, w), blocks, take_indices, norm, layout)
         p = self.num_prefix_tokens
         prefix_tokens = [y[:, :p] for y in intermediates]
         intermediates = [y[:, p:] for y in intermediates] if p else intermediates
@@ -275,24 +337,61 @@ class LinViT(nn.Module):
             self.reset_classifier(0, "")
         return take_indices
 
-    def forward_features(self, x: Tensor) -> Tensor:
+    def forward_features(self, x: Union[Tensor, Dict[str, Tensor]], patch_coord: Optional[Tensor] = None,
+                         patch_valid: Optional[Tensor] = None) -> Union[Tensor, Dict[str, Tensor]]:
         """(B, in_chans, H, W) -> tokens (B, prefix + H/p * W/p, C): the prefix tokens, then the patch tokens in
-        raster order, through the final norm (unless ``fc_norm`` moved it after the pooling)."""
+        raster order, through the final norm (unless ``fc_norm`` moved it after the pooling). A NaFlex batch (timm's
+        dict of ``patches``, ``patch_coord``, ``patch_valid``, or those as arguments) -> {"patches": tokens (B,
+        prefix + N, C), "patch_valid": (B, N)}, as timm's NaFlexVit returns it: each image's tokens are those
+        it gets alone at its own size."""
+        naflex = _naflex_inputs(x, patch_coord, patch_valid)
+        if naflex is not None:
+            x, layout = self._embed_patches(*naflex)
+            x, _ = self._run_blocks(x, layout.canvas, self.blocks, layout=layout)
+            return {"patches": self.norm(x), "patch_valid": layout.valid}
         x, hw = self._embed(x)
         x, _ = self._run_blocks(x, hw, self.blocks)
         return self.norm(x)
 
-    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        x = global_pool_nlc(x, pool_type=self.global_pool, num_prefix_tokens=self.num_prefix_tokens)
+    def forward_head(self, x: Union[Tensor, Dict[str, Tensor]], pre_logits: bool = False,
+                     patch_valid: Optional[Tensor] = None) -> Tensor:
+        """Pooling (over the valid patches only, given ``patch_valid`` or forward_features' NaFlex dict), the
+        norm after it, dropout and the classifier."""
+        if isinstance(x, dict):
+            x, patch_valid = x["patches"], x.get("patch_valid", patch_valid)
+        if patch_valid is None:
+            x = global_pool_nlc(x, pool_type=self.global_pool, num_prefix_tokens=self.num_prefix_tokens)
+        else:
+            x = global_pool_naflex(x, patch_valid.bool(), pool_type=self.global_pool,
+                                   num_prefix_tokens=self.num_prefix_tokens)
         x = self.fc_norm(x)
         x = self.head_drop(x)
         return x if pre_logits else self.head(x)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.forward_head(self.forward_features(x))
+    def forward(self, x: Union[Tensor, Dict[str, Tensor]], patch_coord: Optional[Tensor] = None,
+                patch_valid: Optional[Tensor] = None) -> Tensor:
+        """Images (B, in_chans, H, W), or a NaFlex batch of images of different sizes (timm's dict, or
+        ``patches`` with ``patch_coord`` and ``patch_valid``) -> logits (B, num_classes)."""
+        return self.forward_head(self.forward_features(x, patch_coord, patch_valid))
 
 
 _POOLS = ("", "avg", "max", "avgmax", "token")
+
+
+def _naflex_inputs(x, patch_coord: Optional[Tensor], patch_valid: Optional[Tensor]):
+    """(patches, patch_coord, patch_valid) of a NaFlex call (timm's dict, or patches with patch_coord), None for
+    images. ValueError for a dict without patches or patch_coord."""
+    if isinstance(x, dict):
+        missing = [key for key in ("patches", "patch_coord") if key not in x]
+        if missing:
+            raise ValueError(f"x: a NaFlex batch holds 'patches', 'patch_coord' and 'patch_valid'; missing "
+                             f"{', '.join(map(repr, missing))}")
+        return x["patches"], x["patch_coord"], x.get("patch_valid", patch_valid)
+    if patch_coord is None or isinstance(patch_coord, torch.fx.Proxy):  # FX traces the image path
+        if patch_valid is not None and not isinstance(patch_valid, torch.fx.Proxy):
+            raise ValueError("patch_valid: given without patch_coord")
+        return None
+    return x, patch_coord, patch_valid
 
 
 def _has_rope(token_mixer: Union[str, Type[nn.Module]]) -> bool:

@@ -11,6 +11,7 @@ from .common import (
     check_int,
     check_qkv,
     check_rope,
+    check_valid,
     compute_dtype,
     is_exporting,
     is_tracing,
@@ -40,6 +41,7 @@ from .rope import (
     halves_from_interleaved,
     mixed_rope_freqs,
     rope_1d,
+    rope_at,
     rotate_pairs,
 )
 from .recurrent import (  # chunked forms, their steps, bidirectional scans

@@ -19,7 +19,8 @@ def _args(data, tmp_path, *extra):
 
 
 def test_seeds_give_mean_and_sample_std_of_the_runs(data, tmp_path):
-    result = run_ablation(_args(data, tmp_path, "--mixers", "mala", "--seeds", "3", "5"), log=lambda m: None)
+    said = []
+    result = run_ablation(_args(data, tmp_path, "--mixers", "mala", "--seeds", "3", "5"), log=said.append)
     (row,) = result["rows"]
     tops = []
     for seed in (3, 5):
@@ -36,6 +37,9 @@ def test_seeds_give_mean_and_sample_std_of_the_runs(data, tmp_path):
     assert f"| mala | {row['params_m']:.3f} |" in table
     assert f"{np.mean(tops):.2f} ± {np.std(tops, ddof=1):.2f}" in table
     assert "mean ± sample standard deviation over seeds 3, 5" in table
+    # the console's line of the mixer gives the same mean and spread
+    (line,) = [m for m in said if m.startswith("   top-1 ")]
+    assert line.startswith(f"   top-1 32 px {np.mean(tops):.2f} +- {np.std(tops, ddof=1):.2f}; ")
 
 
 def test_duplicate_seeds_are_refused(data, tmp_path):
@@ -54,6 +58,23 @@ def test_table_of_a_single_seed_has_no_spread():
     table = markdown_table(result)
     assert "| linear | 1.000 | 0.5000 | 90.00 | 10.0 | 5.0 | 1.0 | 2.0 |" in table
     assert "±" not in table
+    # one timed run: no spread of the runs either
+    assert "Throughput: 1 timed run of batch 1 after one warm-up run, on cpu. Memory" in table
+    assert "spread" not in table
+    five = {**result["rows"][0]["bench"]["32"], "iters": 5, "infer_spread_pct": 12.0, "train_spread_pct": 30.0}
+    table = markdown_table({**result, "rows": [{**result["rows"][0], "bench": {"32": five}}]})
+    assert ("Throughput: median of 5 timed runs of batch 1 after one warm-up run, on cpu; spread of the runs "
+            "((slowest - fastest) / median) median 30%, largest 30%.") in table
+
+
+def test_one_seed_prints_no_spread(data, tmp_path):
+    """One seed: the console's line of each mixer and the table show the score alone, no spread."""
+    said = []
+    result = run_ablation(_args(data, tmp_path, "--mixers", "none"), log=said.append)
+    (row,) = result["rows"]
+    (line,) = [m for m in said if m.startswith("   top-1 ")]
+    assert line.startswith(f"   top-1 32 px {row['accuracy']['32']:.2f}; ")
+    assert "+-" not in "".join(said) and "±" not in result["table"]
 
 
 def test_photos_set_is_offline_disjoint_and_balanced():

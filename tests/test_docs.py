@@ -177,6 +177,19 @@ def test_usage_blocks_fit_the_page():
     assert "[--kernel KERNEL [KERNEL ...]]" in hooks.flags_table("linvision-check-kernels")
 
 
+def test_names_in_table_cells_are_not_split(site):
+    """A flag or a name in a table cell stays on one line (the browser would otherwise break `--model` after its
+    `--` or `--no-train` after `--no-`): the site's stylesheet keeps code in table cells from wrapping, and a
+    flag table holds one code element per flag, so the cell still wraps between a flag and its alias."""
+    css = _text(site, "stylesheets/extra.css")
+    rules = {selector.strip(): body for selector, body in re.findall(r"([^{}]+)\{([^}]*)\}", re.sub(
+        r"/\*.*?\*/", "", css, flags=re.S))}
+    assert "white-space: nowrap" in rules[".md-typeset table:not([class]) td code"]
+    tools = _text(site, "tools.html")
+    assert "<td><code>--models</code>, <code>--model</code></td>" in tools
+    assert "<td><code>--train</code>, <code>--no-train</code></td>" in tools
+
+
 CODE_WIDTH = 104  # characters of a code line that fit the content column of a 1400 px window (docs/stylesheets)
 
 

@@ -347,3 +347,20 @@ def test_folders_written_and_read_back(tmp_path):
     with pytest.raises(FileNotFoundError, match="no mask"):
         SegmentationFolder(root, "val")
     assert mosaic_data.MIN_SIZE == 128 and mosaic_data.MAX_SIZE == 1024
+
+
+def test_scores_are_all_in_percent_and_miou_is_the_mean_of_the_classes():
+    """Per-class pixel counts of 4 classes (class 3 neither in the masks nor predicted): the IoU of each class is
+    tp / (tp + fp + fn) in percent, None for class 3, mIoU their mean and pixel accuracy the share of labelled
+    pixels predicted right, in percent too."""
+    from linvision.engine.seg_metrics import segmentation_scores
+
+    tp = torch.tensor([30.0, 10.0, 0.0, 0.0])
+    fp = torch.tensor([10.0, 0.0, 5.0, 0.0])
+    fn = torch.tensor([0.0, 10.0, 5.0, 0.0])
+    tn = 60.0 - tp - fp - fn  # unused by IoU and accuracy
+    scores = segmentation_scores(tp, fp, fn, tn)
+    assert scores["iou"] == [pytest.approx(75.0), pytest.approx(50.0), 0.0, None]
+    assert scores["miou"] == pytest.approx(125.0 / 3)
+    assert scores["miou"] == pytest.approx(np.mean([v for v in scores["iou"] if v is not None]), rel=1e-12)
+    assert scores["pixel_acc"] == pytest.approx(100.0 * 40 / 55)

@@ -161,7 +161,15 @@ def test_benchmark_cli_records_a_failure_and_plots(tmp_path):
     assert [(p["img_size"], p["status"]) for p in points] == [(16, "ok"), (20, "error"), (32, "ok")]
     assert "divisible by patch size" in points[1]["error"]
     assert points[2]["gflops"] > points[0]["gflops"] > 0 and points[0]["iters"] == 2
-    assert all(p["infer_spread_pct"] >= 0 and p["train_spread_pct"] >= 0 for p in (points[0], points[2]))
+    for p in (points[0], points[2]):  # the median of the 2 runs (their mean), between the fastest and the slowest
+        for kind in ("infer", "train"):
+            assert p[f"{kind}_ms_min"] <= p[f"{kind}_ms"] <= p[f"{kind}_ms_max"]
+            assert p[f"{kind}_ms"] == pytest.approx((p[f"{kind}_ms_min"] + p[f"{kind}_ms_max"]) / 2)
+            assert p[f"{kind}_img_s_min"] == pytest.approx(2000 / p[f"{kind}_ms_max"])
+            assert p[f"{kind}_spread_pct"] == pytest.approx(
+                100 * (p[f"{kind}_ms_max"] - p[f"{kind}_ms_min"]) / p[f"{kind}_ms"])
+    assert "warm-up + 2 timed runs per figure (their median)" in proc.stdout
+    assert "median of 2 timed runs" in proc.stdout  # each point's line
     assert "2 of 3 points measured, 0 out of memory, 1 failed" in proc.stdout
     assert "with throughput_memory.png" in proc.stdout
     for name in ("results.csv", "results.jsonl", "throughput_memory.png"):
@@ -201,7 +209,9 @@ def test_ablate_cli_tables_each_mixer(data, tmp_path):
     table = (tmp_path / "ab" / "ablation.md").read_text()
     assert sum(line.startswith("| ") for line in table.splitlines()) == 3  # header and 2 rows
     assert "| linear_rope | " in table
-    assert "Throughput: mean of 1 timed iterations of batch 2" in table  # the noise of the figures is stated
+    assert "Throughput: 1 timed run of batch 2 after one warm-up run, on cpu. Memory" in table  # what a figure is
+    assert "±" not in table and "+-" not in proc.stdout  # one seed: no spread printed
+    assert "   top-1 32 px " in proc.stdout
     assert "== token mixer none (1 of 2" in proc.stdout and "== token mixer linear_rope (2 of 2" in proc.stdout
     # the same command again leaves this ablation as it is and writes beside it
     again = run_tool("ablate.py", *args)

@@ -153,7 +153,8 @@ def test_reported_scores_are_those_of_the_best_models_predictions(tmp_path):
     assert best["miou"] == pytest.approx(miou, rel=1e-12)
     assert best["pixel_acc"] == pytest.approx(pixel_acc, rel=1e-12)
     assert best["loss"] == pytest.approx(loss, rel=1e-5)
-    assert meta["iou"] == [None if v is None else pytest.approx(v, rel=1e-12) for v in iou]
+    assert meta["iou"] == [None if v is None else pytest.approx(v, rel=1e-12) for v in iou]  # percent, as mIoU
+    assert meta["miou"] == pytest.approx(np.mean([v for v in meta["iou"] if v is not None]), rel=1e-12)
     assert meta["pixels"] == 4 * (128 - 16) * 128  # the bands are not counted
 
 
@@ -180,6 +181,7 @@ def test_validate_scores_a_segmenter_at_other_sizes(tmp_path):
         assert entry["miou"] == pytest.approx(miou, rel=1e-12)
         assert entry["pixel_acc"] == pytest.approx(pixel_acc, rel=1e-12)
         assert entry["loss"] == pytest.approx(loss, rel=1e-5)
+        assert entry["iou"] == [None if v is None else pytest.approx(v, rel=1e-12) for v in iou]  # percent
         if size == 128:  # the images' own size: the bands of 16 rows are not counted
             assert entry["pixels"] == 4 * (128 - 16) * 128
     assert scored["results"][0]["miou"] == pytest.approx(native["miou"], rel=1e-12)
@@ -203,7 +205,7 @@ def _with_unlabelled_bands(root):
 
 
 def _direct_scores(model, meta, root, batches, resize=None):
-    """mIoU and pixel accuracy (percent), per-class IoU and mean loss of ``model`` on the validation images of
+    """mIoU, pixel accuracy and per-class IoU (percent) and mean loss of ``model`` on the validation images of
     ``root`` (resized to the shorter side ``resize``) run in ``batches`` (lists of indices): an explicit confusion
     matrix in float64, classes without pixels in masks or predictions left out."""
     val = SegmentationFolder(root, "val", transform=JointTransform(meta["mean"], meta["std"], resize=resize))
@@ -220,7 +222,7 @@ def _direct_scores(model, meta, root, batches, resize=None):
     hits = np.diag(confusion)
     union = confusion.sum(0) + confusion.sum(1) - hits
     return (100 * np.mean(hits[union > 0] / union[union > 0]), 100 * hits.sum() / confusion.sum(),
-            [None if u == 0 else h / u for h, u in zip(hits, union)], loss_sum / confusion.sum())
+            [None if u == 0 else 100 * h / u for h, u in zip(hits, union)], loss_sum / confusion.sum())
 
 
 def test_two_processes_score_the_whole_validation_set(tmp_path):

@@ -10,8 +10,10 @@ r"""Throughput, latency, peak memory, parameters and GFLOPs of models across res
     linvision-benchmark --model linhier_tiny_224 --decoder upernet --classes 19 --img-size 512 2048x1024 -b 2
 
 Writes results.jsonl (as points finish), results.json, results.csv and throughput_memory.png into
-<output>/<experiment>. Each figure is the mean of --iters timed iterations after --warmup untimed ones; its
-spread ((slowest - fastest) / mean) is printed and stored. A model is a timm name, optionally with its own
+<output>/<experiment>. Each time is the median of --iters timed runs after --warmup untimed ones (a median,
+so that a run slowed by other work on the machine does not move it); the results keep the median, the fastest
+and the slowest run and the spread ((slowest - fastest) / median), and the plot draws each median with a bar
+from the slowest to the fastest run. A model is a timm name, optionally with its own
 options (name:key=value,key=value; over --model-kwargs). --twin MODEL adds each model's time and memory over
 that model's (a softmax twin, say) at the same size; --gemm-rate measures the machine's matrix-multiply rate
 first and adds each forward's GFLOP/s and its fraction of it; both print a table at the end and go into the
@@ -73,8 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_amp_arg(parser)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="'auto': CUDA when available, else CPU")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations before the timed ones")
-    parser.add_argument("--iters", type=int, default=5, help="timed iterations per figure")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed runs before the timed ones")
+    parser.add_argument("--iters", type=int, default=10,
+                        help="timed runs per figure; the figure is their median, their range its spread")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--train", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure training steps")
@@ -106,7 +109,7 @@ def main() -> int:
     seg = f", {args.decoder} head ({args.classes} classes)" if args.decoder else ""
     budget = f", {args.point_timeout:g} s per point" if args.point_timeout else ""
     print(f"device {device}, threads {torch.get_num_threads()}, batch {args.batch_size}, amp {args.amp}, "
-          f"{args.warmup} warm-up + {args.iters} timed iterations per figure{seg}{budget}", flush=True)
+          f"{args.warmup} warm-up + {args.iters} timed runs per figure (their median){seg}{budget}", flush=True)
     gemm = None
     if args.gemm_rate:
         gemm = gemm_gflop_s(device)
@@ -122,7 +125,7 @@ def main() -> int:
         with open(os.path.join(out_dir, "comparison.md"), "w") as f:
             f.write(table + "\n")
     write_results(points, out_dir)
-    title = f"{device}, batch {args.batch_size}, amp {args.amp}, mean of {args.iters} iterations"
+    title = f"{device}, batch {args.batch_size}, amp {args.amp}"  # the plot adds how many runs each point is
     title = f"{args.decoder} head, {title}" if args.decoder else title
     plotted = plot_results(points, os.path.join(out_dir, "throughput_memory.png"), title=title)
     failed = [p for p in points if p["status"] == "error"]

@@ -18,9 +18,11 @@ is evaluated (mIoU and pixel accuracy over the whole validation set) on the vali
 evaluation size, the same layouts at a finer resolution, and the segmenter is benchmarked (training step:
 backward of the mean logit) at the benchmark sizes.
 
-Outputs in the run folder: ``ablation.md`` (the table), ``ablation.json``, ``accuracy.png`` (top-1 against
-evaluation resolution, error bars: the seeds' standard deviation), ``throughput_memory.png``, and one training
-run folder per mixer and seed under ``runs/`` (``<mixer>`` for a single seed, ``<mixer>-s<seed>`` for several).
+Outputs in the run folder: ``ablation.md`` (the table), ``ablation.json``, ``accuracy.png`` (top-1 or mIoU
+against evaluation resolution; with several seeds the mean with a bar of plus and minus the seeds' sample
+standard deviation, with one seed the values alone), ``throughput_memory.png`` (each point the median of
+``bench_iters`` timed runs, a bar from the slowest to the fastest), and one training run folder per mixer and
+seed under ``runs/`` (``<mixer>`` for a single seed, ``<mixer>-s<seed>`` for several).
 The table and json are rewritten after every mixer, so a run that is stopped keeps the rows it finished.
 """
 from __future__ import annotations
@@ -33,7 +35,7 @@ import time
 from dataclasses import MISSING, fields
 from typing import Any, Dict
 
-from .benchmark import benchmark_point, plot_results
+from .benchmark import _empty_point, benchmark_point, dodge, plot_results, runs_phrase, series_styles
 from .factory import create_model
 from .config import parse_kwargs
 from .flops import count_gflops, count_params
@@ -70,8 +72,8 @@ def add_ablate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--seeds", type=int, nargs="+", default=None,
                    help="train every mixer once per seed; top-1 is the mean and spread over them (default: --seed)")
     g.add_argument("--bench-batch-size", type=int, default=8, help="images per batch of the throughput and memory runs")
-    g.add_argument("--bench-iters", type=int, default=2,
-                   help="timed iterations per throughput figure (after one warm-up iteration)")
+    g.add_argument("--bench-iters", type=int, default=5,
+                   help="timed runs per throughput figure, which is their median (after one warm-up run)")
     g.add_argument("--bench-time-limit", type=float, default=None,
                    help="seconds: a benchmark size is skipped (recorded as such) when the previous size's point, "
                         "scaled by the ratio of pixels, would take longer (default: no limit)")
@@ -227,7 +229,7 @@ def _run_ablation(args: argparse.Namespace, run_dir: str, log) -> Dict[str, Any]
             row[f"{metric}_seeds"] = {s: st["values"] for s, st in stats.items()}
         row.update(runs=runs, bench={})
         del model
-        log(f"   benchmarking at {', '.join(map(str, bench_sizes))} px ({args.bench_iters} timed iterations "
+        log(f"   benchmarking at {', '.join(map(str, bench_sizes))} px ({runs_phrase(args.bench_iters)} "
             f"of batch {args.bench_batch_size} per figure)")
         previous = None  # (size, seconds) of the last point measured
         for size in bench_sizes:
@@ -246,11 +248,11 @@ def _run_ablation(args: argparse.Namespace, run_dir: str, log) -> Dict[str, Any]
                 previous = (size, time.time() - t0)
             point["mixer"] = label
             bench_points.append(point)
-            row["bench"][str(size)] = {k: point[k] for k in ("status", "error", "iters", "infer_img_s",
-                                                             "infer_spread_pct", "infer_mem_mb", "train_img_s",
-                                                             "train_spread_pct", "train_mem_mb", "backends")}
+            row["bench"][str(size)] = {k: point[k] for k in BENCH_KEYS}
         rows.append(row)
-        scores = ", ".join(f"{s} px {_cell(v, '.2f')} +- {_cell(row[score + '_std'][s], '.2f')}"
+        spread = len(seeds) > 1  # one seed has no spread to print
+        scores = ", ".join(f"{s} px {_cell(v, '.2f')}" + (f" +- {_cell(row[score + '_std'][s], '.2f')}"
+                                                          if spread and not isinstance(v, str) else "")
                            for s, v in row[score].items())
         log(f"   {_SCORE_LABEL[score]} {scores}; {row['params_m']:.3f} M params, {row['gflops']:.4f} GFLOPs, "
             f"trained in {row['train_s']:.0f} s per seed")
@@ -267,12 +269,16 @@ def _run_ablation(args: argparse.Namespace, run_dir: str, log) -> Dict[str, Any]
 _SCORE_LABEL = {"accuracy": "top-1", "miou": "mIoU", "pixel_acc": "pixel acc"}
 
 
+# what ablation.json keeps of each benchmark point: enough to draw throughput_memory.png again
+BENCH_KEYS = ("status", "error", "iters", "infer_img_s", "infer_img_s_min", "infer_img_s_max", "infer_spread_pct",
+              "infer_mem_mb", "train_img_s", "train_img_s_min", "train_img_s_max", "train_spread_pct",
+              "train_mem_mb", "backends")
+
+
 def _skipped_point(model: str, size: int, batch_size: int, device: str, amp: str, why: str) -> Dict[str, Any]:
-    nan = float("nan")
-    return {"model": model, "img_size": size, "batch_size": batch_size, "device": device, "amp": amp,
-            "status": "skipped", "error": why, "params_m": nan, "gflops": nan, "iters": 0, "infer_img_s": nan,
-            "infer_ms": nan, "infer_spread_pct": nan, "infer_mem_mb": nan, "train_img_s": nan, "train_ms": nan,
-            "train_spread_pct": nan, "train_mem_mb": nan, "backends": ""}
+    point = _empty_point(model, size, batch_size, device, amp, 0)
+    point.update(status="skipped", error=why)
+    return point
 
 
 def _write_results(result: Dict[str, Any], run_dir: str) -> str:
@@ -349,35 +355,66 @@ def markdown_table(result: Dict[str, Any]) -> str:
                      if isinstance(b.get(key), (int, float)) and math.isfinite(b[key]))
     if spreads:
         iters = max(b.get("iters", 0) for row in result["rows"] for b in row["bench"].values())
-        text += (f"\nThroughput: mean of {iters} timed iterations of batch {result['bench_batch_size']} after one "
-                 f"warm-up, on {result['device']}; spread of the iterations ((slowest - fastest) / mean) median "
-                 f"{spreads[len(spreads) // 2]:.0f}%, largest {spreads[-1]:.0f}%. Memory: peak added by one pass.\n")
+        spread = (f"; spread of the runs ((slowest - fastest) / median) median {spreads[len(spreads) // 2]:.0f}%, "
+                  f"largest {spreads[-1]:.0f}%" if iters > 1 else "")
+        text += (f"\nThroughput: {runs_phrase(iters)} of batch {result['bench_batch_size']} after one warm-up run, "
+                 f"on {result['device']}{spread}. Memory: peak added by one pass.\n")
     if notes:
         text += "\nFailures:\n" + "".join(f"- {n}\n" for n in notes)
     return text
 
 
-def _plot_accuracy(result: Dict[str, Any], path: str) -> None:
+def _accuracy_figure(result: Dict[str, Any]):
+    """The figure of accuracy.png (a matplotlib Figure, not closed): the first score (top-1, or mIoU) of every
+    mixer against evaluation resolution, each mixer in its own colour and marker, the legend to the right of the
+    axes. With several seeds a point is their mean with a bar of plus and minus their sample standard deviation
+    (the mixers of one size set a little apart sideways so that the bars stay visible); with one seed there is no
+    bar. The title names the model, the data and what the points are."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5, 3.6))
     rows = result["rows"]
-    colours = plt.cm.tab20(range(len(rows))) if len(rows) > 10 else [None] * len(rows)  # 10: the default cycle
     metric = _metrics(result)[0]
-    for row, colour in zip(rows, colours):
+    seeds = result.get("seeds") or [result.get("seed")]
+    several = len(seeds) > 1
+    sizes = [int(s) for s in result["eval_sizes"]]
+    gaps = [math.log2(b / a) for a, b in zip(sorted(sizes), sorted(sizes)[1:]) if b > a]
+    width = min([0.12] + [0.25 * g for g in gaps]) if several else 0.0
+    fig, ax = plt.subplots(figsize=(7.2, 4.2))
+    for k, (row, style) in enumerate(zip(rows, series_styles(len(rows)))):
         pts = [(int(s), v, row.get(f"{metric}_std", {}).get(s, 0.0)) for s, v in row[metric].items()
                if isinstance(v, (int, float))]
-        ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", capsize=2,
-                    label=row["mixer"], color=colour)
+        xs = [p[0] * dodge(k, len(rows), width) for p in pts]
+        if several:
+            bars = ax.errorbar(xs, [p[1] for p in pts], yerr=[p[2] for p in pts], ms=5, capsize=2.5, elinewidth=1,
+                               label=row["mixer"], **style)
+            for artist in (*bars.lines[1], *bars.lines[2]):  # bars and caps lighter than the line they belong to
+                artist.set_alpha(0.6)
+        else:
+            ax.plot(xs, [p[1] for p in pts], ms=5, label=row["mixer"], **style)
     ax.set_xscale("log", base=2)
-    ax.set_xticks(result["eval_sizes"], [str(s) for s in result["eval_sizes"]])
+    ax.minorticks_off()
+    ax.set_xticks(sizes, [str(s) for s in sizes])
     ax.set_xlabel(f"evaluation resolution (px), trained at {result['img_size']}")
-    ax.set_ylabel({"accuracy": "top-1 (%)", "miou": "mIoU (%)"}[metric])
+    score = {"accuracy": "top-1 (%)", "miou": "mIoU (%)"}[metric]
+    ax.set_ylabel(score)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    points = (f"each point the mean of seeds {', '.join(map(str, seeds))}, its bar ± their sample standard deviation"
+              if several else f"one seed ({seeds[0]}): no spread to show")
+    head = f"{result.get('decoder')} on {result['model']}" if result.get("task") == "segment" else result["model"]
+    ax.set_title(f"{head}, {result.get('dataset', '?')} data: {score.split(' (')[0]} per token mixer\n{points}",
+                 fontsize=9)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize=8, frameon=False,
+              title="token mixer", title_fontsize=8, alignment="left")
     fig.tight_layout()
+    return fig
+
+
+def _plot_accuracy(result: Dict[str, Any], path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = _accuracy_figure(result)
     fig.savefig(path, dpi=110)
     plt.close(fig)

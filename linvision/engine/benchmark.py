@@ -20,6 +20,13 @@ segmentation_models_pytorch (smp, the ``seg`` extra): ``smp.UPerNet("tu-<name>",
 classes=N, **options)``, the backbone's options passed through smp to timm; its training step is the
 cross-entropy of the per-pixel logits against random labels of the output's size.
 
+Each time is the median of ``iters`` timed runs after ``warmup`` untimed ones: one run slowed by other work
+on the machine moves a median less than a mean. A point records the median and the fastest and slowest runs
+(``infer_ms``, ``infer_ms_min``, ``infer_ms_max``; ``infer_img_s`` from the median, ``infer_img_s_min`` from
+the slowest run, ``infer_img_s_max`` from the fastest; the same for ``train_``), and the spread (slowest -
+fastest) / median in percent; :func:`plot_results` draws the median with a bar from the slowest to the fastest
+run.
+
 With ``point_timeout`` (seconds) each point runs in a process of its own and is stopped when it runs past the
 budget; it is then recorded with status ``"timeout"`` and keeps the figures it finished (the inference figures
 when only the training step ran over).
@@ -47,7 +54,8 @@ from .flops import count_gflops, count_params
 
 __all__ = ["BenchmarkPoint", "benchmark_point", "run_sweep", "write_results", "plot_results", "DEFAULT_MODELS",
            "MemoryMeter", "parse_model_spec", "gemm_gflop_s", "add_comparisons", "comparison_table",
-           "parse_img_size", "size_label", "DECODERS", "check_decoder", "build_segmenter"]
+           "parse_img_size", "size_label", "DECODERS", "check_decoder", "build_segmenter", "results_figure",
+           "series_styles", "runs_phrase"]
 
 # a linvision model against timm's softmax ViT and timm's MambaOut of about the same size (22-27M parameters)
 DEFAULT_MODELS = ["linhier_tiny_224", "vit_small_patch16_224", "mambaout_tiny"]
@@ -174,9 +182,26 @@ def _timed(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int)
     return times
 
 
-def _spread_pct(times: List[float]) -> float:
-    """(slowest - fastest) / mean of the timed iterations, in percent (0 for a single iteration)."""
-    return 100.0 * (max(times) - min(times)) / (sum(times) / len(times))
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _timing(prefix: str, times: List[float], batch_size: int) -> Dict[str, float]:
+    """The figures of the timed runs ``times`` (seconds per batch): ``<prefix>_ms`` (median),
+    ``<prefix>_ms_min``/``_max`` (fastest/slowest run), ``<prefix>_img_s`` (batch / median) and its
+    ``_min``/``_max`` (of the slowest/fastest run), ``<prefix>_spread_pct`` ((slowest - fastest) / median in
+    percent; 0 for a single run)."""
+    median, fastest, slowest = _median(times), min(times), max(times)
+    return {f"{prefix}_img_s": batch_size / median, f"{prefix}_img_s_min": batch_size / slowest,
+            f"{prefix}_img_s_max": batch_size / fastest, f"{prefix}_ms": median * 1e3,
+            f"{prefix}_ms_min": fastest * 1e3, f"{prefix}_ms_max": slowest * 1e3,
+            f"{prefix}_spread_pct": 100.0 * (slowest - fastest) / median}
+
+
+# the figures of a point's timed runs, in the order of its record (see _timing)
+TIMING_KEYS = ("img_s", "img_s_min", "img_s_max", "ms", "ms_min", "ms_max", "spread_pct")
 
 
 def _empty_point(name: str, img_size: Any, batch_size: int, device: str, amp: str, iters: int,
@@ -188,9 +213,10 @@ def _empty_point(name: str, img_size: Any, batch_size: int, device: str, amp: st
     if decoder is not None:
         point.update(decoder=decoder, classes=classes)
     point.update({"batch_size": batch_size, "device": str(device), "amp": amp, "status": "ok", "error": "",
-                  "params_m": nan, "gflops": nan, "iters": iters, "infer_img_s": nan, "infer_ms": nan,
-                  "infer_spread_pct": nan, "infer_mem_mb": nan, "train_img_s": nan, "train_ms": nan,
-                  "train_spread_pct": nan, "train_mem_mb": nan, "backends": ""})
+                  "params_m": nan, "gflops": nan, "iters": iters})
+    for prefix in ("infer", "train"):
+        point.update({f"{prefix}_{key}": nan for key in TIMING_KEYS}, **{f"{prefix}_mem_mb": nan})
+    point["backends"] = ""
     return point
 
 
@@ -212,10 +238,12 @@ def benchmark_point(name: str, img_size: Size, batch_size: int = 8, device: str 
 
     Returns a dict with model, img_size (the side of a square, "HxW" otherwise), height, width, pixels,
     (decoder, classes with a decoder), batch_size, device, amp, status ("ok", "oom" or "error"), error,
-    params_m, gflops (per image, multiply-accumulates), iters (timed iterations per figure), infer_img_s,
-    infer_ms (mean per batch), infer_spread_pct ((slowest - fastest) / mean of the iterations), infer_mem_mb,
-    train_img_s, train_ms (forward, backward and SGD step per batch), train_spread_pct, train_mem_mb, backends
-    (which path each dispatching op took, e.g. "bidirectional_delta_rule_attention: fla"). Figures
+    params_m, gflops (per image, multiply-accumulates), iters (timed runs per figure), infer_img_s (batch /
+    median time), infer_img_s_min and infer_img_s_max (of the slowest and the fastest run), infer_ms (median per
+    batch), infer_ms_min and infer_ms_max (fastest and slowest run), infer_spread_pct ((slowest - fastest) /
+    median, in percent), infer_mem_mb, the same seven train_ figures (forward, backward and SGD step per
+    batch), train_mem_mb, backends (which path each dispatching op took, e.g.
+    "bidirectional_delta_rule_attention: fla"). Figures
     not reached before a failure are NaN. ``build_fn(name, size, kwargs)`` gets the side of a square or (H, W);
     by default timm's model, or with ``decoder`` (one of :data:`DECODERS`) :func:`build_segmenter`'s, whose
     training loss is per-pixel cross-entropy against random labels in [0, classes). ``report`` is called with
@@ -244,9 +272,7 @@ def benchmark_point(name: str, img_size: Size, batch_size: int = 8, device: str 
 
             with MemoryMeter(dev) as mem, record_backends() as used:
                 times = _timed(infer, dev, warmup, iters)
-        seconds = sum(times) / len(times)
-        point.update(infer_ms=seconds * 1e3, infer_img_s=batch_size / seconds, infer_spread_pct=_spread_pct(times),
-                     infer_mem_mb=mem.peak_mb, backends=backends_label(used))
+        point.update(_timing("infer", times, batch_size), infer_mem_mb=mem.peak_mb, backends=backends_label(used))
         if report is not None:
             report(point)
         if train:
@@ -271,9 +297,7 @@ def benchmark_point(name: str, img_size: Size, batch_size: int = 8, device: str 
             with MemoryMeter(dev) as mem, record_backends() as used:
                 times = _timed(step, dev, warmup, iters)
             point["backends"] = backends_label(used, point["backends"])
-            seconds = sum(times) / len(times)
-            point.update(train_ms=seconds * 1e3, train_img_s=batch_size / seconds,
-                         train_spread_pct=_spread_pct(times), train_mem_mb=mem.peak_mb)
+            point.update(_timing("train", times, batch_size), train_mem_mb=mem.peak_mb)
     except torch.OutOfMemoryError as e:
         point.update(status="oom", error=str(e).strip().splitlines()[0][:300])
     except Exception as e:  # the sweep records any failure of one point and goes on
@@ -481,7 +505,7 @@ def _format(p: BenchmarkPoint) -> str:
         return f"{line} | {p['status']}: {p['error']}"
     return (f"{line} | train {p['train_img_s']:8.2f} img/s (spread {p['train_spread_pct']:4.0f}%) "
             f"{p['train_mem_mb']:8.1f} MiB | {p['params_m']:6.2f} M params {p['gflops']:8.2f} GFLOPs"
-            f" | {p['iters']} timed iterations" + (f" | {p['backends']}" if p.get("backends") else ""))
+            f" | {runs_phrase(p['iters'])}" + (f" | {p['backends']}" if p.get("backends") else ""))
 
 
 def write_results(points: List[BenchmarkPoint], out_dir: str) -> None:
@@ -497,23 +521,65 @@ def write_results(points: List[BenchmarkPoint], out_dir: str) -> None:
             writer.writerows(points)
 
 
-def plot_results(points: List[BenchmarkPoint], path: str, title: str = "", label_key: str = "model") -> bool:
-    """PNG with inference and training throughput and peak memory against resolution (log axes), one line per
-    distinct ``point[label_key]``; returns whether it was written (False when no point measured anything). The
-    x axis is the side when every size is square, else the pixel count, each tick labelled with its size.
+# Qualitative colours (matplotlib's tab10, then black), each series with a marker of its own as well; past eleven
+# series the colours come round again with another line style and shifted markers, so no two series look alike.
+COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+           "#17becf", "#000000")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h")
+LINESTYLES = ("-", "--", ":", "-.")
 
-    The panels sit two to a row with one legend below them all, so no line is hidden behind it; every measured
-    resolution has a tick, and a tick label that would run into its neighbour is left out (the largest size keeps
-    its label). Failed points are left out of the lines and marked with an x at the bottom of the panel.
-    """
+
+def series_styles(n: int) -> List[Dict[str, str]]:
+    """Colour, marker and line style of each of ``n`` series: :data:`COLOURS` in turn with :data:`MARKERS`;
+    after the eleventh the same colours dashed (then dotted), the markers shifted by one."""
+    styles = []
+    for k in range(n):
+        cycle, i = divmod(k, len(COLOURS))
+        styles.append({"color": COLOURS[i], "marker": MARKERS[(i + cycle) % len(MARKERS)],
+                       "linestyle": LINESTYLES[cycle % len(LINESTYLES)]})
+    return styles
+
+
+def runs_phrase(iters: Any) -> str:
+    """What a figure of ``iters`` timed runs is: ``"1 timed run"``, ``"median of 5 timed runs"``; for a list of
+    counts (points timed differently) ``"median of 2 to 5 timed runs"``."""
+    counts = sorted({int(n) for n in iters}) if isinstance(iters, (list, tuple, set)) else [int(iters)]
+    if counts == [1]:
+        return "1 timed run"
+    if len(counts) == 1:
+        return f"median of {counts[0]} timed runs"
+    return f"median of {counts[0]} to {counts[-1]} timed runs"
+
+
+def dodge(k: int, n: int, width: float) -> float:
+    """The factor that moves series ``k`` of ``n`` sideways on a log axis, all of them spread over ``width``
+    octaves around the true position, so that the bars of one size do not hide each other."""
+    return 2 ** ((k - (n - 1) / 2) * width / max(n - 1, 1)) if n > 1 else 1.0
+
+
+def _spread_handle(label: str):
+    """A legend entry that shows a grey point with its bar."""
+    from matplotlib.collections import LineCollection
+    from matplotlib.container import ErrorbarContainer
+    from matplotlib.lines import Line2D
+
+    point = Line2D([], [], color="0.35", marker="o", ms=4, linestyle="none")
+    return ErrorbarContainer((point, (), (LineCollection([], colors="0.35"),)), has_xerr=False, has_yerr=True,
+                             label=label)
+
+
+def results_figure(points: List[BenchmarkPoint], title: str = "", label_key: str = "model"):
+    """The figure of :func:`plot_results` (a matplotlib Figure, not closed), or None when no point measured
+    anything."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter, NullLocator
 
     def measured(p: BenchmarkPoint, key: str) -> bool:  # a point stopped after its inference keeps those figures
-        return (p["status"] == "ok" or p["status"] == "timeout") and _figure(p[key]) and p[key] > 0
+        return (p["status"] == "ok" or p["status"] == "timeout") and _figure(p.get(key)) and p[key] > 0
 
     square = all(isinstance(p["img_size"], int) for p in points)
 
@@ -531,38 +597,68 @@ def plot_results(points: List[BenchmarkPoint], path: str, title: str = "", label
     # A panel with nothing measured (e.g. training with --no-train) would have no log scale: leave it out.
     panels = [(key, label) for key, label in panels if any(measured(p, key) for p in points)]
     if not panels:
-        return False
+        return None
     names = list(dict.fromkeys(str(p[label_key]) for p in points))
+    styles = dict(zip(names, series_styles(len(names))))
+    runs = sorted({int(p["iters"]) for p in points if _figure(p.get("iters")) and p["iters"] >= 1
+                   and any(measured(p, key) for key, _ in panels)})
+
+    def has_spread(p: BenchmarkPoint, key: str) -> bool:  # a throughput figure of several runs with their range
+        return (key.endswith("_img_s") and p.get("iters", 1) > 1 and measured(p, key)
+                and _figure(p.get(f"{key}_min")) and _figure(p.get(f"{key}_max")))
+
+    bars = any(has_spread(p, key) for p in points for key, _ in panels)
+    ticks = {x_of(p): str(p["img_size"]) for p in points}
+    sizes = sorted(ticks)
+    gaps = [math.log2(b / a) for a, b in zip(sizes, sizes[1:])]
+    width = min([0.12] + [0.25 * g for g in gaps])  # the octaves the series of one size are spread over
+    not_measured = sorted({p["status"] for p in points for key, _ in panels
+                           if not measured(p, key) and p["status"] != "ok"})
+    handles = [Line2D([], [], ms=5, label=name, **styles[name]) for name in names]
+    if bars:
+        handles.append(_spread_handle("images/s: bar from the slowest to the fastest timed run"))
+    if not_measured:
+        handles.append(Line2D([], [], marker="x", color="0.35", linestyle="none", ms=7,
+                              label=f"not measured ({', '.join(not_measured)}), in the series' colour"))
     ncols = min(2, len(panels))
     nrows = math.ceil(len(panels) / ncols)
     # legend columns: as many as fit the figure's width (about 16 characters per inch at fontsize 9)
-    width = 4.6 * ncols
-    legend_cols = max(1, min(len(names), int(16 * width) // (max(map(len, names)) + 6)))
-    legend_rows = math.ceil(len(names) / legend_cols)
+    fig_w = 4.6 * ncols
+    longest = max(len(str(h.get_label())) for h in handles)
+    legend_cols = max(1, min(len(handles), int(16 * fig_w) // (longest + 6)))
+    legend_rows = math.ceil(len(handles) / legend_cols)
     legend_h = 0.25 + 0.22 * legend_rows
-    title_h = 0.35 if title else 0.0
+    heading = [title] if title else []
+    heading.append(f"images/s: {runs_phrase(runs or [1])} per point; memory: peak added by a pass")
+    title_h = 0.25 + 0.2 * len(heading)
     height = 3.2 * nrows + legend_h + title_h
-    fig, axes = plt.subplots(nrows, ncols, figsize=(width, height), squeeze=False)
-    ticks = {x_of(p): str(p["img_size"]) for p in points}
-    sizes = sorted(ticks)
-    handles = []
+    fig, axes = plt.subplots(nrows, ncols, figsize=(fig_w, height), squeeze=False)
     for i, (key, label) in enumerate(panels):
         ax = axes[i // ncols][i % ncols]
-        for n, name in enumerate(names):
-            rows = [p for p in points if str(p[label_key]) == name]
-            ok = [(x_of(p), p[key]) for p in rows if measured(p, key)]
-            # ten colours, then the same colours dashed with square markers: no two lines look alike
-            line = ax.plot([s for s, _ in ok], [v for _, v in ok], color=f"C{n % 10}", ms=4, label=name,
-                           marker="o" if n < 10 else "s", linestyle="-" if n < 10 else "--")[0]
-            if i == 0:
-                handles.append(line)
-            failed = [x_of(p) for p in rows if not measured(p, key) and p["status"] != "ok"]
-            if failed:
-                ax.plot(failed, [ax.get_ylim()[0]] * len(failed), "x", color=line.get_color(), ms=8)
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        spread = key.endswith("_img_s") and bars
+        for n, name in enumerate(names):
+            rows = [p for p in points if str(p[label_key]) == name and measured(p, key)]
+            shift = dodge(n, len(names), width) if spread else 1.0
+            xs, ys = [x_of(p) * shift for p in rows], [p[key] for p in rows]
+            if spread:
+                low = [p[key] - p[f"{key}_min"] if has_spread(p, key) else 0.0 for p in rows]
+                high = [p[f"{key}_max"] - p[key] if has_spread(p, key) else 0.0 for p in rows]
+                ax.errorbar(xs, ys, yerr=[low, high], ms=4, capsize=2.5, elinewidth=1, label=name,
+                            **styles[name])
+            else:
+                ax.plot(xs, ys, ms=4, label=name, **styles[name])
+        ax.autoscale_view()
+        bottom, top = ax.get_ylim()
+        for name in names:  # failed points: an x at the bottom of the panel, in the series' colour
+            failed = [x_of(p) for p in points if str(p[label_key]) == name and not measured(p, key)
+                      and p["status"] != "ok"]
+            if failed:
+                ax.plot(failed, [bottom] * len(failed), "x", color=styles[name]["color"], ms=8, clip_on=False)
+        ax.set_ylim(bottom, top)
         ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xticks(sizes, [ticks[s] for s in sizes])
-        ax.set_yscale("log")
         ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0), numticks=12))
         ax.yaxis.set_major_formatter(FuncFormatter(number))
         ax.yaxis.set_minor_formatter(NullFormatter())
@@ -572,10 +668,9 @@ def plot_results(points: List[BenchmarkPoint], path: str, title: str = "", label
         ax.grid(True, which="major", alpha=0.3)
     for j in range(len(panels), nrows * ncols):
         axes[j // ncols][j % ncols].set_visible(False)
-    if title:
-        fig.suptitle(title, fontsize=10)
+    fig.suptitle("\n".join(heading), fontsize=10)
     fig.legend(handles=handles, loc="lower center", ncol=legend_cols, fontsize=9, frameon=False)
-    fig.tight_layout(rect=(0, legend_h / height, 1, 1 - title_h / height * 0.3))
+    fig.tight_layout(rect=(0, legend_h / height, 1, 1))  # tight_layout leaves the title its room
     # tick labels that would overlap their neighbour are blanked, keeping the largest size's
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
@@ -591,6 +686,27 @@ def plot_results(points: List[BenchmarkPoint], path: str, title: str = "", label
             else:
                 right = boxes[k].x0
         ax.set_xticks(sizes, [ticks[s] if kept else "" for s, kept in zip(sizes, keep)])
+    return fig
+
+
+def plot_results(points: List[BenchmarkPoint], path: str, title: str = "", label_key: str = "model") -> bool:
+    """PNG with inference and training throughput and peak memory against resolution (log axes), one series per
+    distinct ``point[label_key]``; returns whether it was written (False when no point measured anything). The
+    x axis is the side when every size is square, else the pixel count, each tick labelled with its size.
+
+    Each throughput point is the median of the point's timed runs, with a bar from its slowest to its fastest
+    run (points of one run have none); the series of one size are set a little apart sideways so that their bars
+    stay visible. Every series has its own colour and marker. The panels sit two to a row under the title (the
+    number of timed runs is its last line) with one legend below them all, outside every panel: the series, what
+    the bars are, and the x that marks a point not measured (at the bottom of its panel, in its series' colour,
+    with the statuses in the legend). Every measured resolution has a tick, and a tick label that would run into
+    its neighbour is left out (the largest size keeps its label).
+    """
+    import matplotlib.pyplot as plt
+
+    fig = results_figure(points, title, label_key)
+    if fig is None:
+        return False
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True

@@ -4,7 +4,8 @@ The statistics are smp's (``segmentation_models_pytorch.metrics``): ``get_stats`
 positive, false positive, false negative and true negative pixels of every image, pixels of the ignore index
 left out; the counts are summed over the whole set and over all ranks, then ``iou_score`` (per class) and
 ``recall`` (micro-averaged: the share of labelled pixels predicted right) turn them into the figures. A class
-that neither appears in the masks nor is predicted has no IoU and is left out of the mean.
+that neither appears in the masks nor is predicted has no IoU and is left out of the mean. Every score is in
+percent, the per-class IoU as well, so mIoU is the mean of the per-class figures.
 """
 from __future__ import annotations
 
@@ -23,22 +24,23 @@ __all__ = ["evaluate_segmentation", "segmentation_scores"]
 
 
 def segmentation_scores(tp: torch.Tensor, fp: torch.Tensor, fn: torch.Tensor, tn: torch.Tensor) -> Dict[str, Any]:
-    """{"miou", "pixel_acc" (percent), "iou" (per class, a fraction; None for a class without pixels)} of
-    per-class pixel counts summed over a set, computed in float64 by smp's metrics."""
+    """{"miou", "pixel_acc", "iou" (per class; None for a class without pixels)}, all in percent, of per-class
+    pixel counts summed over a set, computed in float64 by smp's metrics; "miou" is the mean of the "iou" that are
+    not None."""
     smp = import_smp()
     tp, fp, fn, tn = (t.double() for t in (tp, fp, fn, tn))
     iou = smp.metrics.iou_score(tp, fp, fn, tn, reduction="none", zero_division=math.nan)
     pixel_acc = smp.metrics.recall(tp, fp, fn, tn, reduction="micro")
     return {"miou": 100.0 * torch.nanmean(iou).item(), "pixel_acc": 100.0 * pixel_acc.item(),
-            "iou": [None if math.isnan(v) else v for v in iou.tolist()]}
+            "iou": [None if math.isnan(v) else 100.0 * v for v in iou.tolist()]}
 
 
 @torch.no_grad()
 def evaluate_segmentation(model: nn.Module, loader, num_classes: int, ignore_index: int = 255,
                           info: Optional[DistInfo] = None, amp: str = "none", channels_last: bool = False,
                           progress: bool = False) -> Dict[str, Any]:
-    """mIoU and pixel accuracy (percent) and the mean cross-entropy per labelled pixel of ``model`` on ``loader``
-    (batches of images and int64 masks).
+    """mIoU, pixel accuracy and per-class IoU (percent) and the mean cross-entropy per labelled pixel of
+    ``model`` on ``loader`` (batches of images and int64 masks).
 
     Each rank evaluates its shard; the pixel counts of every class and the loss sum are reduced over ranks, so
     the figures are those of the whole set. Returns {"miou", "pixel_acc", "loss", "pixels", "iou"}.

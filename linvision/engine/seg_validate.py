@@ -66,7 +66,8 @@ def validate_segmenter(checkpoint: str, dataset: Optional[str] = None, data_dir:
     means that too). ``mosaic_val``: how many validation mosaics (default: as many as the run scored on).
 
     Returns {"checkpoint", "task": "segmentation", "model", "train_img_size", "dataset", "results": [{"img_size",
-    "miou", "pixel_acc", "loss", "pixels", "iou"} or {"img_size", "error"}]}, mIoU and pixel accuracy in percent.
+    "miou", "pixel_acc", "loss", "pixels", "iou"} or {"img_size", "error"}]}, mIoU, pixel accuracy and the
+    per-class IoU in percent.
     Raises FileNotFoundError for a missing checkpoint or data, ValueError for a checkpoint that holds no segmenter
     or data that does not fit it. Runs under torchrun too (each rank scores a shard; the counts are reduced).
     """

@@ -112,14 +112,36 @@ def test_unreadable_images_are_found_before_the_first_step(tmp_path):
     proc = run_tool("train.py", *tiny_train_flags(data, str(out), "--epochs", "1", "--experiment", "r"), check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     line = proc.stderr.strip()
-    assert "\n" not in line and "--skip-bad-images" in line and "1 of the 13 training files" in line
-    assert bad[0] in line and "UnidentifiedImageError" in line
+    assert "\n" not in line and "--skip-bad-images" in line
+    assert "1 of the 13 training files, 1 of the 7 validation files cannot be read" in line
+    assert bad[0] in line and "UnidentifiedImageError" in line and bad[1] in line and "truncated" in line
     assert not (out / "r").exists()  # nothing was started
     proc = run_tool("train.py", *tiny_train_flags(data, str(out), "--epochs", "1", "--experiment", "r",
                                                   "--skip-bad-images"))
     assert "left out 1 of the 13 training samples" in proc.stdout and bad[0] in proc.stdout
     assert "left out 1 of the 7 validation samples" in proc.stdout and bad[1] in proc.stdout
     assert _summary(out / "r")["run_dir"] == str(out / "r")  # the name was free
+
+
+def test_unreadable_segmentation_files_are_found_before_the_first_step(tmp_path):
+    """An image and a mask that cannot be read: one line naming both; --skip-bad-images leaves their samples out."""
+    from linvision.engine.mosaic_data import write_mosaic_folders
+
+    root = write_mosaic_folders(str(tmp_path / "data"), size=128, train=5, val=2, seed=0)
+    bad = [os.path.join(root, "train", "images", "00001.png"), os.path.join(root, "val", "masks", "00000.png")]
+    for path in bad:
+        with open(path, "wb") as f:
+            f.write(b"\x89PNG broken")
+    flags = ["--dataset", "folder", "--data-dir", root, "--img-size", "32", "--encoder", "linhier_delta_femto_224",
+             "--model-kwargs", "depths=[1,1,1,1]", "--decoder-kwargs", "decoder_channels=[16,8,8,8,8]", "-b", "2",
+             "--epochs", "1", "--output", str(tmp_path / "out"), "--experiment", "s", "--no-progress",
+             "--device", "cpu"]
+    proc = run_tool("train_seg.py", *flags, check=False)
+    assert proc.returncode == 2 and all(path in proc.stderr for path in bad), proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out" / "s").exists()
+    proc = run_tool("train_seg.py", *flags, "--skip-bad-images")
+    assert "left out 1 of the 5 training samples" in proc.stdout
+    assert "left out 1 of the 2 validation samples" in proc.stdout
 
 
 def test_an_error_after_the_first_step_saves_a_checkpoint_to_resume(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from PIL import Image, UnidentifiedImageError
 
@@ -69,33 +69,38 @@ def find_unreadable(files: Sequence[str], progress: bool = True, desc: str = "re
     return [(path, reason) for path, reason in zip(files, reasons) if reason is not None]
 
 
-def check_image_files(dataset, split: str, skip: bool = False, progress: bool = True,
-                      find_bad: Optional[Callable[[Sequence[str]], List[Tuple[str, str]]]] = None,
-                      report: Callable[[str], None] = print) -> int:
-    """Decode every file of ``dataset`` (its ``split``, for the messages). With ``skip`` the samples that read an
-    unreadable file are removed from ``dataset`` and ``report`` says how many and which; otherwise a
-    ``BadImageError`` (a ValueError) names every such file in one line. Returns the number of samples removed.
+def check_image_files(datasets: Dict[str, object], skip: bool = False, progress: bool = True,
+                      find_bad: Optional[Callable[[Sequence[str], str], List[Tuple[str, str]]]] = None,
+                      report: Callable[[str], None] = print) -> Dict[str, int]:
+    """Decode every file of ``datasets`` ({split name: dataset}). With ``skip`` the samples that read an
+    unreadable file are removed from their dataset and ``report`` says how many and which; otherwise one
+    ``BadImageError`` (a ValueError) names every such file of every split. Returns {split: samples removed}.
 
-    ``find_bad`` replaces the scan (the list of (path, reason) it finds; e.g. one process's scan shared with the
-    others of a distributed run).
+    ``find_bad(files, split)`` replaces the scan (the list of (path, reason) it finds; e.g. one process's scan
+    shared with the others of a distributed run).
     """
     from .data import BadImageError
 
-    per_sample = sample_files(dataset)
-    if not per_sample:
-        return 0
-    files = sorted({path for sample in per_sample for path in sample})
-    bad = find_bad(files) if find_bad else find_unreadable(files, progress, f"reading the {split} images")
-    if not bad:
-        return 0
-    reasons = dict(bad)
-    listed = "; ".join(f"{path} ({reason})" for path, reason in bad)
-    if not skip:
-        raise BadImageError(f"data: {len(bad)} of the {len(files)} {split} files cannot be read: {listed}; remove "
-                            f"or replace them, or give --skip-bad-images to train without them")
-    keep = [i for i, sample in enumerate(per_sample) if not any(path in reasons for path in sample)]
-    _keep(dataset, keep)
-    removed = len(per_sample) - len(keep)
-    report(f"data: left out {removed} of the {len(per_sample)} {split} samples (--skip-bad-images), "
-           f"{len(bad)} unreadable file(s): {', '.join(path for path, _ in bad)}")
+    found = []
+    for split, dataset in datasets.items():
+        per_sample = sample_files(dataset)
+        if not per_sample:
+            continue
+        files = sorted({path for sample in per_sample for path in sample})
+        bad = find_bad(files, split) if find_bad else find_unreadable(files, progress, f"reading the {split} images")
+        if bad:
+            found.append((split, dataset, per_sample, files, bad))
+    if found and not skip:
+        counts = ", ".join(f"{len(bad)} of the {len(files)} {split} files" for split, _, _, files, bad in found)
+        listed = "; ".join(f"{path} ({reason})" for *_, bad in found for path, reason in bad)
+        raise BadImageError(f"data: {counts} cannot be read: {listed}; remove or replace them, or give "
+                            f"--skip-bad-images to train without them")
+    removed = {}
+    for split, dataset, per_sample, _, bad in found:
+        unreadable = {path for path, _ in bad}
+        keep = [i for i, sample in enumerate(per_sample) if not unreadable.intersection(sample)]
+        _keep(dataset, keep)
+        removed[split] = len(per_sample) - len(keep)
+        report(f"data: left out {removed[split]} of the {len(per_sample)} {split} samples (--skip-bad-images), "
+               f"{len(bad)} unreadable file(s): {', '.join(path for path, _ in bad)}")
     return removed

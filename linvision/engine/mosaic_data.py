@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -242,7 +242,7 @@ class SegmentationFolder(Dataset):
         names = sorted(os.listdir(self.images_dir)) if os.path.isdir(self.images_dir) else []
         if not names:
             raise FileNotFoundError(f"no images in {self.images_dir}")
-        missing = [n for n in names if not os.path.isfile(os.path.join(self.masks_dir, os.path.splitext(n)[0] + ".png"))]
+        missing = [n for n in names if not os.path.isfile(self._mask_path(n))]
         if missing:
             raise FileNotFoundError(f"{len(missing)} images have no mask in {self.masks_dir}, first: {missing[0]}")
         self.names: List[str] = names
@@ -258,11 +258,22 @@ class SegmentationFolder(Dataset):
     def __len__(self) -> int:
         return len(self.names)
 
+    def _mask_path(self, name: str) -> str:
+        return os.path.join(self.masks_dir, os.path.splitext(name)[0] + ".png")
+
+    def sample_files(self) -> List[Tuple[str, str]]:
+        """(image file, mask file) of each sample (what the data check reads)."""
+        return [(os.path.join(self.images_dir, name), self._mask_path(name)) for name in self.names]
+
+    def keep_samples(self, keep: Sequence[int]) -> None:
+        """Keep only the samples at the indices ``keep`` (those whose files can be read)."""
+        self.names = [self.names[i] for i in keep]
+
     def __getitem__(self, index: int):
         name = self.names[index]
         with Image.open(os.path.join(self.images_dir, name)) as img:
             image = img.convert("RGB")
-        with Image.open(os.path.join(self.masks_dir, os.path.splitext(name)[0] + ".png")) as m:
+        with Image.open(self._mask_path(name)) as m:
             mask = m.convert("L") if m.mode != "L" else m.copy()
         if image.size != mask.size:
             raise ValueError(f"{name}: image {image.size} and mask {mask.size} differ in size")

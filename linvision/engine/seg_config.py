@@ -45,6 +45,12 @@ class SegTrainConfig(Recipe):
                                                             "fraction of the image (image and mask alike)")
     hflip: float = shared_field("hflip", help="horizontal-flip probability of training crops (image and mask "
                                               "alike)")
+    check_images: bool = shared_field("check_images", help="read every image and mask file of a folder dataset "
+                                                      "before the first step, naming all that cannot be read at "
+                                                      "once (--no-check-images: find them when a batch draws them)")
+    skip_bad_images: bool = shared_field("skip_bad_images", help="train and validate without the samples whose "
+                                                                "image or mask cannot be read (their count and "
+                                                                "names printed) instead of stopping")
     # model
     decoder: str = recipe_field("unet", "segmentation head of segmentation_models_pytorch: unet, segformer, "
                                         "upernet (hierarchical encoders: linhier, mlla, ravlt) or dpt (linvit)",

@@ -18,7 +18,7 @@ from .seg_config import SegTrainConfig
 from .seg_data import JointTransform, PadCollate, SegmentationSamples, segmentation_sets
 from .seg_metrics import evaluate_segmentation
 from .segmenter import STRIDE, build_segmenter, encoder_pretrained_cfg
-from .train import Task, TaskParts, rank0_first, train
+from .train import Task, TaskParts, check_data_files, rank0_first, train
 
 __all__ = ["SegmentationTask", "train_segmentation"]
 
@@ -35,6 +35,7 @@ class SegmentationTask(Task):
     offline mosaics, cross-entropy with the ignore index; mIoU picks ``best/``."""
 
     score, score_label, record_keys = "miou", "mIoU", ("miou", "pixel_acc", "loss")
+    command = "linvision-train-seg"
 
     def __init__(self, cfg: SegTrainConfig):
         self.val_collate = PadCollate(cfg.ignore_index, STRIDE[cfg.decoder])
@@ -45,6 +46,7 @@ class SegmentationTask(Task):
     def build(self, cfg: SegTrainConfig, info: DistInfo, fresh: bool) -> TaskParts:
         train_raw, val_raw, classes = segmentation_sets(cfg.dataset, cfg.data_dir, cfg.mosaic_size,
                                                         cfg.mosaic_train, cfg.mosaic_val)
+        check_data_files(cfg, info, {"training": train_raw, "validation": val_raw})
         num_classes = cfg.num_classes or len(classes)
         if not num_classes:
             raise ValueError(f"num_classes: {cfg.data_dir} has no dataset.json listing the classes; give "

@@ -119,9 +119,8 @@ def check_data_files(cfg: Recipe, info: DistInfo, datasets: Dict[str, Any]) -> N
             dist.broadcast_object_list(found, src=0)
         return found[0]
 
-    for split, dataset in datasets.items():
-        check_image_files(dataset, split, skip=cfg.skip_bad_images, find_bad=lambda files: scan(files, split),
-                          report=lambda line: print(line, flush=True) if info.is_main else None)
+    check_image_files(datasets, skip=cfg.skip_bad_images, find_bad=scan,
+                      report=lambda line: print(line, flush=True) if info.is_main else None)
 
 
 @contextlib.contextmanager

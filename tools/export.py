@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--format", choices=FORMATS, default=None,
                      help="file format (default: from the suffix of --output)")
     out.add_argument("--img-size", type=int, nargs="+", default=None,
-                     help="example size H [W] traced (default: the model's input size)")
+                     help="example size H [W] traced (default: the model's input size; a checkpoint's: the "
+                          "size it was trained at; dynamic: at least twice the stride)")
     out.add_argument("--static", action="store_true", help="fix batch, height and width to the example's")
     chk = p.add_argument_group("check and benchmark")
     chk.add_argument("--check-sizes", type=int, nargs="*", default=None,
@@ -54,11 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_model(args):
+    """(model, the size it was trained at: a checkpoint's recorded img_size, else None)."""
     if args.checkpoint:
         from linvision.engine.checkpoint import load_model
 
-        model, _ = load_model(args.checkpoint)
-        return model
+        model, meta = load_model(args.checkpoint)
+        size = meta.get("img_size")
+        return model, ((size, size) if isinstance(size, int) else tuple(size) if size else None)
     if not args.model:
         raise ValueError("model: give --model NAME or --checkpoint FOLDER")
     import timm
@@ -75,7 +78,7 @@ def _load_model(args):
         from linvision.engine.checkpoint import load_pretrained
 
         load_pretrained(model, args.pretrained_path)
-    return model.eval()
+    return model.eval(), None
 
 
 def main() -> int:
@@ -92,12 +95,14 @@ def main() -> int:
             import onnxscript  # noqa: F401
         except ImportError as e:
             raise ValueError(f"format: onnx needs the onnx extra (pip install 'linvision[onnx]'): {e}") from None
-    model = _load_model(args)
+    model, trained = _load_model(args)
     stride, fixed = input_constraints(model)
     if args.img_size:
         size = (args.img_size[0], args.img_size[-1])
-    else:
-        size = fixed or tuple(model.pretrained_cfg.get("input_size", (3, 224, 224))[1:])
+    else:  # a run's checkpoint: the size it was trained at, not its model's pretrained cfg's
+        size = fixed or trained or tuple(model.pretrained_cfg.get("input_size", (3, 224, 224))[1:])
+        if not fixed and not args.static:  # torch.export takes a side of one stride for a constant
+            size = tuple(max(side, 2 * stride) for side in size)
     dynamic = not args.static
     if fmt == "onnx":
         export_onnx(model, size, args.output, dynamic=dynamic)

@@ -64,13 +64,21 @@ def test_gradients_of_a_padded_batch_are_those_of_each_sample_alone(use_rope):
             assert not batched.grad[i, :, n:].any()
 
 
-def test_padding_holding_anything_changes_nothing():
-    """Padded tokens may hold inf or NaN (uninitialised buffers): the valid outputs stay those of zero padding."""
+@pytest.mark.parametrize("pad_value", [float("inf"), float("nan")])
+def test_padding_holding_anything_changes_nothing(pad_value):
+    """Padded tokens may hold inf or NaN (uninitialised buffers): outputs and gradients stay those of zero
+    padding (zero at the padding)."""
     clean = padded_batch(SIZES, 16)
-    dirty = padded_batch(SIZES, 16, pad_value=float("inf"))
-    a = linear_attention(*clean[:3], "relu", valid=clean[3], backend="torch")
-    b = linear_attention(*dirty[:3], "relu", valid=dirty[3], backend="torch")
-    assert torch.equal(a, b)
+    dirty = padded_batch(SIZES, 16, pad_value=pad_value)
+    rope = rope_at(*axial_rope_freqs(8), clean[4])
+    results = []
+    for q, k, v, valid, _ in (clean, dirty):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = linear_attention(*leaves, "elu", rope=rope, valid=valid, backend="torch")
+        out.sum().backward()
+        results.append((out, *(t.grad for t in leaves)))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 def test_softmax_twin_takes_the_same_mask():
@@ -126,6 +134,44 @@ def test_bad_masks_are_one_line():
         rope_at(*axial_rope_freqs(8), positions[0])
 
 
+@pytest.mark.parametrize("form", ["gated", "gated_per_channel", "delta"])
+def test_bidirectional_scans_with_lengths_equal_each_sample_alone(form):
+    """Each sample's first lengths[b] tokens, padding after them (holding anything): its outputs and gradients
+    are those of the sample alone (bitwise: the backward scan reverses the real tokens only), zeros at padding."""
+    from linvision.ops import bidirectional_delta_rule_attention, bidirectional_gated_linear_attention
+
+    g = torch.Generator().manual_seed(0)
+    b, h, n, d = 3, 2, 21, 8
+    lengths = torch.tensor([21, 13, 5])
+    q, k, v = (torch.randn(b, h, n, d, generator=g, dtype=torch.float64) for _ in range(3))
+    gate = (torch.rand(b, h, n, d if form == "gated_per_channel" else 1, generator=g, dtype=torch.float64)
+            .clamp(0.05).log() / 4)
+    beta = torch.rand(b, h, n, generator=g, dtype=torch.float64)
+    for t in (q, k, v, gate, beta):  # padding that holds inf changes nothing
+        for i, length in enumerate(lengths.tolist()):
+            t[i, :, length:] = float("inf")
+
+    def run(q, k, v, extra, lengths=None):
+        if form == "delta":
+            return bidirectional_delta_rule_attention(q, k, v, extra, chunk_size=4, backend="torch", lengths=lengths)
+        return bidirectional_gated_linear_attention(q, k, v, extra, chunk_size=4, backend="torch", lengths=lengths)
+
+    extra = beta if form == "delta" else gate
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = run(*leaves, extra, lengths)
+    weights = torch.randn(out.shape, generator=g, dtype=out.dtype)
+    (out * weights).sum().backward()
+    for i, length in enumerate(lengths.tolist()):
+        alone = [t[i:i + 1, :, :length].detach().clone().requires_grad_() for t in (q, k, v)]
+        out1 = run(*alone, extra[i:i + 1, :, :length])
+        (out1 * weights[i:i + 1, :, :length]).sum().backward()
+        assert torch.equal(out[i:i + 1, :, :length], out1)
+        assert not out[i, :, length:].any()
+        for batched, single in zip(leaves, alone):
+            torch.testing.assert_close(batched.grad[i:i + 1, :, :length], single.grad, rtol=1e-12, atol=1e-14)
+            assert not batched.grad[i, :, length:].any()
+
+
 def test_the_kernels_say_why_they_do_not_take_a_mask_yet():
     q, k, v, valid, _ = padded_batch(SIZES, 16, dtype=torch.float32)
     with pytest.raises(ValueError, match="token masks"):
@@ -168,6 +214,12 @@ MODELS = {  # name, options: every mixer of the isotropic family that takes a Na
     "linear_abs_pos_avg": ("linvit_tiny_patch16_224", {"dynamic_img_size": True, "global_pool": "avg"}),
     "registers_no_embed_class": ("linvit_tiny_patch16_224", {"dynamic_img_size": True, "reg_tokens": 2,
                                                              "no_embed_class": True}),
+    # the scans: no prefix tokens, mean pooling, the absolute embedding the *_rope_* entry point gives them
+    "bidir_delta": ("linvit_tiny_patch16_rope_224", {"token_mixer": "bidir_delta", "class_token": False,
+                                                     "global_pool": "avg", "mixer_kwargs": {"chunk_size": 4}}),
+    "bidir_gated_both_orders_lepe": ("linvit_tiny_patch16_rope_224", {
+        "token_mixer": "bidir_gated", "class_token": False, "global_pool": "avg",
+        "mixer_kwargs": {"column_major": True, "lepe": True, "chunk_size": 4}}),
 }
 
 
@@ -226,7 +278,13 @@ def test_naflex_refusals_are_one_line():
         model({**batch, "patches": batch["patches"][..., :10]})
     with pytest.raises(ValueError, match="missing 'patch_coord'"):
         model({"patches": batch["patches"]})
+    windows = tiny_linvit("linvit_tiny_patch16_rope_224", token_mixer="hybrid", class_token=False,
+                          global_pool="avg")
+    with pytest.raises(ValueError, match="'hybrid' cannot take a batch of images of different sizes"):
+        windows(batch)
     scan = tiny_linvit("linvit_tiny_patch16_rope_224", token_mixer="bidir_delta", class_token=False,
                        global_pool="avg")
-    with pytest.raises(ValueError, match="'bidir_delta' cannot take a batch of images of different sizes"):
-        scan(batch)
+    holes = {**batch, "patch_valid": batch["patch_valid"].roll(1, dims=1),
+             "patch_coord": batch["patch_coord"].roll(1, dims=1)}
+    with pytest.raises(ValueError, match="the scans need each image's patches first"):
+        scan(holes)

@@ -22,11 +22,15 @@ __all__ = ["TokenLayout"]
 @dataclass(eq=False)
 class TokenLayout:
     """positions: (B, M, 2) int64 (row, col) of each grid token in its image's patch grid; valid: (B, M) bool,
-    the real tokens; sizes: each sample's grid (h, w), the extent of its valid positions."""
+    the real tokens; sizes: each sample's grid (h, w), the extent of its valid positions; lengths: (B,) the number
+    of real tokens; packed: whether every sample's real tokens come first (timm's collator packs them so), which
+    the scans along the token order need."""
 
     positions: Tensor
     valid: Tensor
     sizes: List[Tuple[int, int]] = field(default_factory=list)
+    lengths: Optional[Tensor] = None
+    packed: bool = False
 
     @classmethod
     def from_patches(cls, patch_coord: Tensor, patch_valid: Optional[Tensor] = None) -> "TokenLayout":
@@ -51,7 +55,8 @@ class TokenLayout:
         if bool((counts == 0).any()):
             raise ValueError("patch_valid: a sample has no valid patch")
         extent = (positions.amax(dim=1) + 1).tolist()  # one transfer for the whole batch
-        return cls(positions, valid, [(int(h), int(w)) for h, w in extent])
+        packed = bool((valid == (torch.arange(m, device=valid.device) < counts[:, None])).all())
+        return cls(positions, valid, [(int(h), int(w)) for h, w in extent], counts, packed)
 
     @property
     def canvas(self) -> Tuple[int, int]:
@@ -64,6 +69,15 @@ class TokenLayout:
             return self.valid
         prefix = self.valid.new_ones(self.valid.shape[0], num_prefix_tokens)
         return torch.cat([prefix, self.valid], dim=1)
+
+    def column_major(self) -> Tensor:
+        """(B, M) indices that put each sample's real tokens in column-major order of its own grid, padding after
+        them (as it was): ``tokens.gather`` along the token dim with them gives the column-major sequence."""
+        m = self.valid.shape[1]
+        heights = torch.tensor([h for h, _ in self.sizes], device=self.positions.device)
+        key = self.positions[..., 1] * heights[:, None] + self.positions[..., 0]
+        key = torch.where(self.valid, key, m * m + torch.arange(m, device=key.device))  # padding last, in order
+        return key.argsort(dim=1)
 
     def _flat_index(self) -> Tensor:
         return self.positions[..., 0] * self.canvas[1] + self.positions[..., 1]  # (B, M)

@@ -254,7 +254,7 @@ class AttentionMixer(TokenMixer):
             if layout.valid.shape != (b, n - p):
                 raise ValueError(f"layout: for {tuple(layout.valid.shape)} grid tokens, x has {b} x {n - p}")
             h, w = layout.canvas
-            rope, extra = self.make_rope_at(layout.positions, p), {"valid": layout.token_mask(p)}
+            rope, extra = self.make_rope_at(layout.positions, p), {"layout": layout}
         q, k, v = self.project(x)
         q, k, v = (t.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         if self.recompute_attend and torch.is_grad_enabled() and q.requires_grad and not is_tracing(n):
@@ -275,6 +275,11 @@ class AttentionMixer(TokenMixer):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, num_heads={self.num_heads}, rope={self.rope_type}"
+
+
+def _token_mask(layout: Optional[TokenLayout], q: Tensor) -> Optional[Tensor]:
+    """The (B, N) mask of q's tokens (the prefix tokens, then the layout's), or None without a layout."""
+    return None if layout is None else layout.token_mask(q.shape[2] - layout.valid.shape[1])
 
 
 @register_mixer("linear")
@@ -321,12 +326,12 @@ class LinearAttention(AttentionMixer):
         return self.eps / num_keys if self.eps_form == "sum" else self.eps
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor,
-               valid: Optional[Tensor] = None) -> Tensor:
-        if valid is not None and self.eps_form == "sum":
+               layout: Optional[TokenLayout] = None) -> Tensor:
+        if layout is not None and self.eps_form == "sum":
             raise ValueError("eps_form: 'sum' (eps / N) has no single N in a batch of images of different sizes; "
                              "use eps_form='mean'")
         return linear_attention(q, k, v, self.phi(), rope=rope, causal=self.causal,
-                                eps=self.op_eps(k.shape[2]), valid=valid)
+                                eps=self.op_eps(k.shape[2]), valid=_token_mask(layout, q))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, feature_map={self.feature_map}, causal={self.causal}"
@@ -361,8 +366,8 @@ class SoftmaxAttention(AttentionMixer):
     takes_layout = True
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor,
-               valid: Optional[Tensor] = None) -> Tensor:
-        return softmax_attention(q, k, v, rope=rope, valid=valid)
+               layout: Optional[TokenLayout] = None) -> Tensor:
+        return softmax_attention(q, k, v, rope=rope, valid=_token_mask(layout, q))
 
 
 def window_partition(x: Tensor, hw: Tuple[int, int], window: int) -> Tuple[Tensor, Tensor, Tuple[int, int]]:

@@ -25,6 +25,7 @@ from linvision.ops import (
 )
 from linvision.ops.rope import Rope
 
+from .layout import TokenLayout
 from .mixers import AttentionMixer
 from .registry import register_mixer
 
@@ -62,6 +63,7 @@ class BidirectionalRecurrentMixer(AttentionMixer):
     """
 
     takes_prefix_tokens = False  # the scans run along the raster order of the grid
+    takes_layout = True  # each image's tokens scanned as alone (packed: real tokens first, padding after)
     # the scans are causal in each direction (no max-over-all-tokens stabiliser) and normalised (phi >= 0)
     feature_map_needs = dict(causal=True, nonnegative=True)
 
@@ -79,20 +81,36 @@ class BidirectionalRecurrentMixer(AttentionMixer):
         self.column_major = column_major
         self.chunk_size = chunk_size
 
-    def scan(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor) -> Tensor:
+    def scan(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, lengths: Optional[Tensor] = None) -> Tensor:
         """Bidirectional scan over the given token order. q, k, v: (B, heads, N, D); x: (B, N, C) input tokens
-        in the same order (for data-dependent gates). Returns (B, heads, N, D)."""
+        in the same order (for data-dependent gates); lengths: (B,) real tokens of each sample, first (padding
+        after them). Returns (B, heads, N, D)."""
         raise NotImplementedError
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
-        out = self.scan(q, k, v, x)
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor,
+               layout: Optional[TokenLayout] = None) -> Tensor:
+        if layout is not None and not layout.packed:
+            raise ValueError("layout: the scans need each image's patches first and its padding after them (as "
+                             "timm's NaFlex collator packs them)")
+        lengths = None if layout is None else layout.lengths
+        out = self.scan(q, k, v, x, lengths)
         if self.column_major:
-            h, w = hw
-            n = h * w
-            to_cols = torch.arange(n, device=x.device).reshape(h, w).t().reshape(-1)  # column-major -> raster index
-            to_rows = torch.arange(n, device=x.device).reshape(w, h).t().reshape(-1)  # its inverse
-            out_cols = self.scan(q[:, :, to_cols], k[:, :, to_cols], v[:, :, to_cols], x[:, to_cols])
-            out = 0.5 * (out + out_cols[:, :, to_rows])
+            if layout is None:
+                h, w = hw
+                n = h * w
+                to_cols = torch.arange(n, device=x.device).reshape(h, w).t().reshape(-1)  # column-major -> raster
+                to_rows = torch.arange(n, device=x.device).reshape(w, h).t().reshape(-1)  # its inverse
+                out_cols = self.scan(q[:, :, to_cols], k[:, :, to_cols], v[:, :, to_cols], x[:, to_cols])
+                return 0.5 * (out + out_cols[:, :, to_rows])
+            order = layout.column_major()  # (B, N): each image's own column-major order, padding after
+            heads = order[:, None, :, None]
+
+            def by(t: Tensor, index: Tensor) -> Tensor:
+                return t.gather(2, index.expand(-1, t.shape[1], -1, t.shape[3]))
+
+            out_cols = self.scan(by(q, heads), by(k, heads), by(v, heads),
+                                 x.gather(1, order[..., None].expand(-1, -1, x.shape[-1])), lengths)
+            out = 0.5 * (out + by(out_cols, order.argsort(dim=1)[:, None, :, None]))
         return out
 
     def extra_repr(self) -> str:
@@ -120,10 +138,11 @@ class BidirDecayAttention(BidirectionalRecurrentMixer):
         self.eps = eps
         self.register_buffer("log_decay", retnet_log_decays(num_heads, decay_range), persistent=False)
 
-    def scan(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor) -> Tensor:
+    def scan(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, lengths: Optional[Tensor] = None) -> Tensor:
         log_gate = self.log_decay.reshape(1, -1, 1)  # (1, heads, 1)
         return bidirectional_gated_linear_attention(
-            q, k, v, log_gate, self.phi(), eps=self.eps, chunk_size=self.chunk_size, backend=self.backend
+            q, k, v, log_gate, self.phi(), eps=self.eps, chunk_size=self.chunk_size, backend=self.backend,
+            lengths=lengths,
         )
 
 
@@ -170,13 +189,14 @@ class BidirGatedAttention(BidirectionalRecurrentMixer):
         with torch.no_grad():
             self.forget_gate.bias.copy_(torch.logit(p).repeat_interleave(width).to(self.forget_gate.bias))
 
-    def scan(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor) -> Tensor:
+    def scan(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, lengths: Optional[Tensor] = None) -> Tensor:
         b, n, _ = x.shape
         # (B, N, heads * G) log-gates in fp32 whatever the autocast dtype (float64 for float64): they are summed
         log_gate = F.logsigmoid(self.forget_gate(x).to(compute_dtype(x.dtype))) / self.forget_temperature
         log_gate = log_gate.reshape(b, n, self.num_heads, -1).transpose(1, 2)  # (B, heads, N, G)
         return bidirectional_gated_linear_attention(
-            q, k, v, log_gate, self.phi(), eps=self.eps, chunk_size=self.chunk_size, backend=self.backend
+            q, k, v, log_gate, self.phi(), eps=self.eps, chunk_size=self.chunk_size, backend=self.backend,
+            lengths=lengths,
         )
 
     def extra_repr(self) -> str:
@@ -203,7 +223,7 @@ class BidirDeltaAttention(BidirectionalRecurrentMixer):
         )
         self.beta = nn.Linear(dim, num_heads)
 
-    def scan(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor) -> Tensor:
+    def scan(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, lengths: Optional[Tensor] = None) -> Tensor:
         beta = torch.sigmoid(self.beta(x).to(compute_dtype(x.dtype))).transpose(1, 2)  # (B, heads, N), in (0, 1)
         return bidirectional_delta_rule_attention(q, k, v, beta, self.phi(), chunk_size=self.chunk_size,
-                                                  backend=self.backend)
+                                                  backend=self.backend, lengths=lengths)

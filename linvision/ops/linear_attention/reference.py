@@ -140,6 +140,10 @@ def _recomputing(q: Tensor, k: Tensor, v: Tensor, phi: FeatureMap, rope: Optiona
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, phi: FeatureMap, rope: Optional[Rope], eps: float,
                         valid: Optional[Tensor] = None) -> Tensor:
     """:func:`linear_attention_reference` on inputs already checked, with the feature map resolved."""
+    if valid is not None:  # padding may hold anything: zeros before any feature, so its gradients are zeros
+        keep = valid[:, None, :, None]
+        k, v = k.masked_fill(~keep, 0), v.masked_fill(~keep, 0)
+        q = q.masked_fill(~keep, 0) if q.shape[2] == k.shape[2] else q
     if _recomputing(q, k, v, phi, rope):
         return _LinearAttentionFunction.apply(q, k, v, phi, rope, eps, valid, *_leaves(phi, rope))
     return _linear_attention_pieces(*rotated_features(q, k, v, phi, rope), eps, valid)[0].to(q.dtype)

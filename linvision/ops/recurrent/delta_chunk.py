@@ -10,7 +10,7 @@ from torch import Tensor
 from ..common import check_int, check_qkv, compute_dtype, full_precision, is_exporting
 from ..feature_maps import FeatureMapArg, causal_features
 from . import kernels as fla_kernels
-from .scan import Scan, chain, chunk_length, read_mask, to_chunks, unit_lower_solve
+from .scan import Reversal, Scan, chain, check_lengths, chunk_length, read_mask, to_chunks, unit_lower_solve
 from .state import RecurrentState, check_state
 
 __all__ = ["check_beta", "delta_features", "delta_chunk_scan", "delta_rule_attention",
@@ -124,18 +124,25 @@ def delta_rule_attention(
 @full_precision
 def bidirectional_delta_rule_attention(
     q: Tensor, k: Tensor, v: Tensor, beta: Tensor, feature_map: FeatureMapArg = "identity", *,
-    l2_normalize: bool = True, chunk_size: int = 64, backend: str = "auto",
+    l2_normalize: bool = True, chunk_size: int = 64, backend: str = "auto", lengths: Optional[Tensor] = None,
 ) -> Tensor:
     """Delta-rule attention scanned forward (o_i = q_i S_i) and backward over the reversed order, the backward
     read strictly before token i's own update (q_i S'_{i+1}), so the diagonal counts once; the two are added.
+    ``lengths`` (B,): each sample's tokens are its first lengths[b], padding after them: each sample gets what it
+    gets alone, zeros at the padding.
     Arguments and raises as :func:`delta_rule_attention`; returns (B, H, N, Dv) in q's dtype."""
     check_qkv(q, k, v)
     chunk_size = check_int("chunk_size", chunk_size, 1)
     beta = check_beta(beta, q)
+    lengths = check_lengths(lengths, q)
+    flip = Reversal(lengths, q.shape[2])
+    q, k, v = flip.clean(q, k, v)  # before any feature: the padding's gradients are zeros
+    if flip.valid is not None:
+        beta = beta.masked_fill(~flip.valid[..., 0], 0)
     phi_q, phi_k, vc = delta_features(q, k, v, feature_map, l2_normalize)
-    if fla_kernels.kernel_path(backend, q, v, "bidirectional_delta_rule_attention", gated=False):
+    if fla_kernels.kernel_path(backend, q, v, "bidirectional_delta_rule_attention", gated=False, lengths=lengths):
         return fla_kernels.bidirectional_delta(phi_q, phi_k, vc, beta, dtype=q.dtype).to(q.dtype)
     out_f = delta_chunk_scan(phi_q, phi_k, vc, beta, chunk_size).out
-    flipped = (phi_q.flip(2), phi_k.flip(2), vc.flip(2), beta.flip(2))
-    out_b = delta_chunk_scan(*flipped, chunk_size, strict=True).out
-    return (out_f + out_b.flip(2)).to(q.dtype)
+    out_b = delta_chunk_scan(flip(phi_q), flip(phi_k), flip(vc), flip(beta.unsqueeze(-1)).squeeze(-1), chunk_size,
+                             strict=True).out
+    return flip.clean(out_f + flip(out_b))[0].to(q.dtype)

@@ -10,7 +10,7 @@ from torch import Tensor
 from ..common import DEFAULT_EPS, check_eps, check_int, check_qkv, compute_dtype, full_precision
 from ..feature_maps import FeatureMapArg, causal_features
 from . import kernels as fla_kernels
-from .scan import chunk_length, chunk_states, read_mask, to_chunks
+from .scan import Reversal, check_lengths, chunk_length, chunk_states, read_mask, to_chunks
 from .state import RecurrentState, check_state
 
 __all__ = [
@@ -252,9 +252,15 @@ def _gated_attention(
 
 
 @full_precision
+def _unflip(flip: "Reversal", x: Tensor) -> Tensor:
+    """A backward scan's per-token result ((B, H, N) or (B, H, N, X)) in the original order."""
+    return flip(x.unsqueeze(-1)).squeeze(-1) if x.dim() == 3 else flip(x)
+
+
 def bidirectional_gated_linear_attention(
     q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, feature_map: FeatureMapArg = "elu", *,
     normalize: bool = True, eps: float = DEFAULT_EPS, chunk_size: int = 64, backend: str = "auto",
+    lengths: Optional[Tensor] = None,
 ) -> Tensor:
     """Gated linear attention scanned forward and backward over the token order, diagonal counted once.
 
@@ -262,27 +268,29 @@ def bidirectional_gated_linear_attention(
     (forward scan) and gamma_i ... gamma_{j-1} for j > i (the backward scan, the same gates reversed). Normalised,
     o_i = sum_j w_ij (phi(q_i).phi(k_j)) v_j / (sum_j w_ij phi(q_i).phi(k_j) + eps * sum_j w_ij) (per-channel
     weights averaged over channels in the eps term); with log_gate = 0 this is non-causal linear attention.
+    ``lengths`` (B,): each sample's tokens are its first lengths[b], padding after them (images of different
+    sizes in one batch): each sample gets what it gets alone, zeros at the padding.
     Arguments and raises as :func:`gated_linear_attention`; returns (B, H, N, Dv) in q's dtype.
     """
     check_qkv(q, k, v)
     eps, chunk_size = check_eps(eps), check_int("chunk_size", chunk_size, 1)
     log_gate = check_log_gate(log_gate, q)
+    lengths = check_lengths(lengths, q)
+    flip = Reversal(lengths, q.shape[2])
+    q, k, v, log_gate = flip.clean(q, k, v, log_gate)  # before any feature: the padding's gradients are zeros
     phi_q, phi_k, vc = causal_features(feature_map, q, k, v, "bidirectional_gated_linear_attention")
-    if fla_kernels.kernel_path(backend, q, v, "bidirectional_gated_linear_attention", gated=True):
+    if fla_kernels.kernel_path(backend, q, v, "bidirectional_gated_linear_attention", gated=True, lengths=lengths):
         return fla_kernels.bidirectional_gated(
             phi_q, phi_k, vc, log_gate, dtype=q.dtype, normalize=normalize, eps=eps).to(q.dtype)
-
-    def flip(x: Tensor) -> Tensor:
-        return x.flip(2)
 
     # one direction after the other: batching the two would double the peak memory of the chunk tensors
     if normalize:
         num_f, den_f, cnt_f, _ = normalized_gated_chunk_scan(phi_q, phi_k, vc, log_gate, chunk_size)
         back = normalized_gated_chunk_scan(*map(flip, (phi_q, phi_k, vc, log_gate)), chunk_size, strict=True)
-        num_b, den_b, cnt_b = (x.flip(2) for x in (back.num, back.den, back.count))
+        num_b, den_b, cnt_b = (_unflip(flip, x) for x in (back.num, back.den, back.count))
         out = (num_f + num_b) / (den_f + den_b + (cnt_f + cnt_b) * eps).unsqueeze(-1)
     else:
         out_f = gated_chunk_scan(phi_q, phi_k, vc, log_gate, chunk_size).out
         out_b = gated_chunk_scan(*map(flip, (phi_q, phi_k, vc, log_gate)), chunk_size, strict=True).out
-        out = out_f + out_b.flip(2)
-    return out.to(q.dtype)
+        out = out_f + flip(out_b)
+    return flip.clean(out)[0].to(q.dtype)

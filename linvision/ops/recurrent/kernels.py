@@ -123,16 +123,17 @@ def _warn_once(op: str, reason: str) -> None:
         )
 
 
-def kernel_path(backend: str, q: Tensor, v: Tensor, op: str, gated: bool) -> bool:
+def kernel_path(backend: str, q: Tensor, v: Tensor, op: str, gated: bool, lengths: Optional[Tensor] = None) -> bool:
     """Whether the recurrence ``op`` (a ``gated`` form or the delta rule) on q, v runs on fla's kernels: ``backend``
     "torch" never, "auto" for CUDA
     tensors the kernels can take (a warning once per reason otherwise), "triton" always (ImportError when fla-core
-    does not import, ValueError when the call does not fit the kernels)."""
+    does not import, ValueError when the call does not fit the kernels). Per-sample ``lengths`` run in PyTorch."""
     check_backend(backend)
     if backend == "torch" or (backend == "auto" and q.device.type not in _AUTO_DEVICES):
         note_backend(op, "torch")
         return False
-    reason = kernel_reason(q, v, gated)
+    reason = ("per-sample lengths are not wired to fla's kernels yet" if lengths is not None
+              else kernel_reason(q, v, gated))
     if reason is None:
         note_backend(op, "fla")
         return True

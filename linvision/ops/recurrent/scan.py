@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["Scan", "to_chunks", "chunk_length", "unit_lower_solve", "read_mask", "chunk_states", "chain"]
+__all__ = ["Scan", "to_chunks", "chunk_length", "unit_lower_solve", "read_mask", "chunk_states", "chain",
+           "check_lengths", "Reversal"]
 
 
 class Scan(NamedTuple):
@@ -80,3 +81,49 @@ def chain(step, s: Tensor, *xs: Tensor, stack_dim: int = 0) -> Tuple[Tensor, Ten
         entering.append(s)
         s = step(s, *x)
     return torch.stack(entering, dim=stack_dim), s
+
+
+def check_lengths(lengths: Optional[Tensor], q: Tensor) -> Optional[Tensor]:
+    """The per-sample token counts of a bidirectional scan, checked: None, or a (B,) integer tensor on q's device
+    with 1 <= lengths <= N (each sample's tokens first, then padding). Raises TypeError / ValueError naming
+    ``lengths``."""
+    if lengths is None:
+        return None
+    if not isinstance(lengths, Tensor):
+        raise TypeError(f"lengths: expected a torch.Tensor or None, got {type(lengths).__name__}")
+    if lengths.is_floating_point() or lengths.dtype == torch.bool:
+        raise TypeError(f"lengths: expected an integer tensor, got {lengths.dtype}")
+    if tuple(lengths.shape) != (q.shape[0],):
+        raise ValueError(f"lengths: expected shape (B,) = ({q.shape[0]},), got {tuple(lengths.shape)}")
+    if lengths.device != q.device:
+        raise ValueError(f"lengths: on {lengths.device}, the inputs on {q.device}")
+    return lengths
+
+
+class Reversal:
+    """The backward direction of a bidirectional scan: the token order reversed (``flip(2)``), or with per-sample
+    ``lengths`` each sample's first ``lengths[b]`` tokens reversed and its padding left after them, so that the
+    padding, a scan's last tokens in both directions, never reaches a real token. Its own inverse. ``valid``:
+    (B, 1, N, 1) bool of the real tokens, or None without lengths."""
+
+    def __init__(self, lengths: Optional[Tensor], n: int):
+        self.index = self.valid = None
+        if lengths is not None:
+            t = torch.arange(n, device=lengths.device)
+            inside = t < lengths[:, None]  # (B, N)
+            self.index = torch.where(inside, lengths[:, None] - 1 - t, t)
+            self.valid = inside[:, None, :, None]
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """x (B or 1, H, N, X) in the reversed order."""
+        if self.index is None:
+            return x.flip(2)
+        index = self.index[:, None, :, None]
+        return x.expand(index.shape[0], *x.shape[1:]).gather(2, index.expand(-1, x.shape[1], -1, x.shape[3]))
+
+    def clean(self, *xs: Tensor) -> Tuple[Tensor, ...]:
+        """``xs`` (B, H, N, X) with zeros at the padding (which may hold anything), so that no chunk computation
+        mixes a non-finite value into a real token's."""
+        if self.valid is None:
+            return xs
+        return tuple(x.masked_fill(~self.valid, 0) for x in xs)

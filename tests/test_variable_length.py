@@ -288,3 +288,51 @@ def test_naflex_refusals_are_one_line():
              "patch_coord": batch["patch_coord"].roll(1, dims=1)}
     with pytest.raises(ValueError, match="the scans need each image's patches first"):
         scan(holes)
+
+
+def test_validate_with_the_naflex_loader_scores_each_image_at_its_own_aspect(tmp_path):
+    """linvision-validate --naflex-loader on a folder of images of several aspect ratios: the top-1 and loss of
+    each image alone, resized by timm's NaFlex transform (at most 16 patches of 8 px) and run as an image."""
+    import json
+    import os
+
+    import numpy as np
+    from PIL import Image
+    from support import run_tool
+    from timm.data import create_transform
+
+    rng = np.random.RandomState(0)
+    shapes = [(24, 40), (40, 24), (16, 48), (32, 32), (20, 36)]
+    for split, count in (("train", 2), ("val", 3)):
+        for c in range(2):
+            os.makedirs(tmp_path / "data" / split / f"class{c}", exist_ok=True)
+            for i in range(count):
+                h, w = shapes[(i + c) % len(shapes)]
+                pixels = np.clip(100 * c + 60 + rng.randn(h, w, 3) * 20, 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(tmp_path / "data" / split / f"class{c}" / f"{i}.png")
+    run_tool("train.py", "--dataset", "folder", "--data-dir", str(tmp_path / "data"), "--img-size", "32",
+             "--model", "linvit_tiny_patch16_rope_224", "--model-kwargs", "depth=1", "patch_size=8",
+             "--batch-size", "2", "--epochs", "1", "--output", str(tmp_path), "--experiment", "r", "--no-progress",
+             "--device", "cpu", "--interpolation", "bilinear")
+    proc = run_tool("validate.py", "--checkpoint", str(tmp_path / "r"), "--naflex-loader", "--naflex-max-seq-len",
+                    "16", "--batch-size", "4", "--device", "cpu")
+    result = json.loads(proc.stdout)["results"][0]
+    assert result["naflex_max_seq_len"] == 16 and result["count"] == 6
+
+    from linvision.engine.checkpoint import load_model
+
+    model, meta = load_model(str(tmp_path / "r"))
+    resize = create_transform(is_training=False, interpolation="bilinear", mean=meta["mean"], std=meta["std"],
+                              naflex=True, patch_size=(8, 8), max_seq_len=16, patchify=False, use_prefetcher=False)
+    hits, losses, grids = [], [], set()
+    with torch.no_grad():
+        for c in range(2):
+            for i in range(3):
+                img = resize(Image.open(tmp_path / "data" / "val" / f"class{c}" / f"{i}.png").convert("RGB"))
+                grids.add((img.shape[1] // 8, img.shape[2] // 8))
+                logits = model(img[None])
+                hits.append(float(logits.argmax(-1).item() == c))
+                losses.append(torch.nn.functional.cross_entropy(logits, torch.tensor([c])).item())
+    assert len(grids) >= 3 and all(h * w <= 16 for h, w in grids), grids  # aspect ratios kept, within budget
+    assert result["top1"] == pytest.approx(100 * sum(hits) / 6)
+    assert result["loss"] == pytest.approx(sum(losses) / 6, rel=1e-5)

@@ -4,6 +4,7 @@ segmenter's checkpoint (linvision-train-seg), mIoU, pixel accuracy and loss.
     linvision-validate --checkpoint output/digits_demo --img-size 32 64 128     # a run's weights at 3 sizes
     linvision-validate --model mlla_tiny.in1k --pretrained --data-dir /data/imagenet   # published weights
     linvision-validate --checkpoint output/seg_mosaics --img-size 512 1024      # a segmenter at 2 sizes
+    linvision-validate --checkpoint output/ft_linvit --naflex-loader --naflex-max-seq-len 1024  # native aspect
 
 --checkpoint takes a run folder (its best/, else last/) or a checkpoint folder; the data, size, interpolation,
 crop and normalisation default to the checkpoint's, the data being the dataset and folder its run recorded
@@ -46,7 +47,8 @@ def main() -> int:
     out = validate_checkpoint(args.checkpoint, args.dataset, args.data_dir, args.img_size, args.batch_size,
                               args.workers, args.amp, args.device, args.progress,
                               pretrained=args.model if args.pretrained else None,
-                              interpolation=args.interpolation, crop_pct=args.crop_pct)
+                              interpolation=args.interpolation, crop_pct=args.crop_pct,
+                              naflex_max_seq_len=args.naflex_max_seq_len if args.naflex_loader else None)
     text = json.dumps(out, indent=2)
     print(text)
     if args.output:

@@ -10,7 +10,15 @@ from torch import nn
 from .amp import autocast
 from .distributed import DistInfo, all_reduce_sum
 
-__all__ = ["evaluate"]
+__all__ = ["evaluate", "to_device"]
+
+
+def to_device(images, device: torch.device):
+    """A batch of images (a tensor, or timm's NaFlex dict of patches, patch_coord and patch_valid) on
+    ``device``."""
+    if isinstance(images, dict):
+        return {k: v.to(device) if torch.is_tensor(v) else v for k, v in images.items()}
+    return images.to(device)
 
 
 @torch.no_grad()
@@ -28,8 +36,8 @@ def evaluate(model: nn.Module, loader, info: Optional[DistInfo] = None, amp: str
     model.eval()
     sums = torch.zeros(4, dtype=torch.float64)  # correct@1, correct@5, loss sum, count
     for images, targets in tqdm(loader, desc="eval", leave=False, disable=not (progress and info.is_main)):
-        images, targets = images.to(info.device), targets.to(info.device)
-        if channels_last:
+        images, targets = to_device(images, info.device), targets.to(info.device)
+        if channels_last and not isinstance(images, dict):
             images = images.contiguous(memory_format=torch.channels_last)
         with autocast(info.device, amp):
             logits = model(images)

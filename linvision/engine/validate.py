@@ -55,6 +55,12 @@ def add_validate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--crop-pct", type=float, default=None,
                         help="centre-crop fraction: resize to size / crop_pct, crop size (default: the "
                              "checkpoint's; with --pretrained, the model's pretrained cfg's)")
+    parser.add_argument("--naflex-loader", action="store_true",
+                        help="evaluate every image at its own aspect ratio, as timm's NaFlex loader batches it: "
+                             "resized to at most --naflex-max-seq-len patches, cut into patches with their "
+                             "(row, col) (models that take NaFlex batches: linvit); instead of --img-size")
+    parser.add_argument("--naflex-max-seq-len", type=int, default=576,
+                        help="with --naflex-loader: patches per image at most (timm's default)")
     parser.add_argument("--batch-size", "-b", type=int, default=64, help="images per batch on each rank")
     parser.add_argument("--workers", "-j", type=int, default=0, help="data-loading worker processes per rank")
     add_amp_arg(parser)
@@ -154,16 +160,50 @@ def eval_data_config(meta: Optional[Dict[str, Any]], size: int, model=None, inte
                                interpolation=interpolation, crop_pct=crop_pct)
 
 
+def _validate_naflex(checkpoint, pretrained, meta, source, dataset, data_dir, max_seq_len, batch_size, workers,
+                     amp, progress, info, interpolation) -> Dict[str, Any]:
+    """One evaluation of every image at its own aspect ratio through timm's NaFlex transform and collator."""
+    from timm.data import create_transform
+    from timm.data.naflex_dataset import NaFlexCollator
+
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
+        raise ValueError(f"naflex_max_seq_len: must be an int >= 1, got {max_seq_len!r}")
+    size = meta["img_size"]
+    if checkpoint:
+        model, _ = load_model(checkpoint, device=str(info.device), img_size=size)
+    else:
+        model = create_model(pretrained, img_size=size, pretrained=True).to(info.device).eval()
+    if not hasattr(model, "get_patch_size"):
+        raise ValueError(f"naflex_loader: {meta['model']} takes no NaFlex batch (patches with their coordinates); "
+                         f"linvit models do")
+    data_config = eval_data_config(meta if checkpoint else None, size, model, interpolation, None)
+    transform = create_transform(is_training=False, interpolation=data_config["interpolation"],
+                                 mean=tuple(data_config["mean"]), std=tuple(data_config["std"]), naflex=True,
+                                 patch_size=model.get_patch_size(), max_seq_len=max_seq_len, patchify=True,
+                                 use_prefetcher=False)
+    val_set = create_dataset(dataset, data_dir, "val", transform=transform, digits_size=size)
+    _check_classes(meta, val_set, source)
+    loader = create_loader(val_set, batch_size, ShardedSampler(len(val_set), info.rank, info.world_size,
+                                                               shuffle=False), workers)
+    loader.collate_fn = NaFlexCollator(max_seq_len)
+    res = evaluate(model, loader, info, amp=amp, progress=progress)
+    return {"naflex_max_seq_len": max_seq_len, **res, "interpolation": data_config["interpolation"]}
+
+
 def validate_checkpoint(checkpoint: Optional[str], dataset: Optional[str] = None, data_dir: Optional[str] = None,
                         img_sizes: Optional[Sequence[int]] = None, batch_size: int = 64, workers: int = 0,
                         amp: str = "none", device: str = "auto", progress: bool = False,
                         pretrained: Optional[str] = None, interpolation: Optional[str] = None,
-                        crop_pct: Optional[float] = None) -> Dict[str, Any]:
+                        crop_pct: Optional[float] = None, naflex_max_seq_len: Optional[int] = None) -> Dict[str, Any]:
     """Evaluate ``checkpoint`` (or, with ``pretrained`` naming a model, that model's trained weights as
     ``timm.create_model(pretrained=True)`` loads them) on the validation split at each of ``img_sizes``.
 
     Images are transformed as :func:`eval_data_config` says: with the checkpoint's recorded settings (or the
     pretrained cfg's of ``pretrained``), ``interpolation`` and ``crop_pct`` winning where given.
+
+    With ``naflex_max_seq_len`` every image is evaluated once at its own aspect ratio instead (timm's NaFlex
+    transform: resized to at most that many patches, patchified, batched by timm's NaFlex collator; the model must
+    take NaFlex batches), one result {"naflex_max_seq_len", ...} in place of the sizes.
 
     Returns {"checkpoint", "model", "results": [{"img_size", "top1", "top5", "loss", "count"} or
     {"img_size", "error"}, each with the "interpolation" and "crop_pct" it ran with]}; a segmenter's checkpoint
@@ -180,6 +220,9 @@ def validate_checkpoint(checkpoint: Optional[str], dataset: Optional[str] = None
         if interpolation is not None or crop_pct is not None:
             raise ValueError("interpolation/crop_pct: a segmenter is scored on whole images; these apply to "
                              "classifiers only")
+        if naflex_max_seq_len is not None:
+            raise ValueError("naflex_loader: a segmenter is scored on whole images at their own size already; "
+                             "the NaFlex loader is for classifiers")
         return validate_segmenter(checkpoint, dataset, data_dir, img_sizes, batch_size, workers, amp, device,
                                   progress)
     check_transform_options(interpolation, crop_pct)  # a bad value ends here, before any model is built
@@ -191,6 +234,17 @@ def validate_checkpoint(checkpoint: Optional[str], dataset: Optional[str] = None
         if checkpoint:  # the data its run recorded, for what is not given
             dataset, data_dir, note = run_data(checkpoint, meta, dataset, data_dir)
         dataset = dataset or meta.get("dataset", "folder")
+        if naflex_max_seq_len is not None:
+            if img_sizes:
+                raise ValueError("img_size: --naflex-loader evaluates each image at its own size; give one or the "
+                                 "other")
+            if note and info.is_main:
+                print(note, file=sys.stderr, flush=True)
+            result = _validate_naflex(checkpoint, pretrained, meta, source, dataset, data_dir, naflex_max_seq_len,
+                                      batch_size, workers, amp, progress, info, interpolation)
+            barrier(info)
+            return {"checkpoint": checkpoint or "pretrained", "model": meta["model"],
+                    "train_img_size": meta["img_size"], "results": [result]}
         sizes: List[int] = list(img_sizes or [meta["img_size"]])
         results = []
         for size in sizes:

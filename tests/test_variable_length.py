@@ -290,30 +290,42 @@ def test_naflex_refusals_are_one_line():
         scan(holes)
 
 
-def test_validate_with_the_naflex_loader_scores_each_image_at_its_own_aspect(tmp_path):
-    """linvision-validate --naflex-loader on a folder of images of several aspect ratios: the top-1 and loss of
-    each image alone, resized by timm's NaFlex transform (at most 16 patches of 8 px) and run as an image."""
-    import json
+def mixed_aspect_folder(root, train_per_class=2, val_per_class=3):
+    """Two classes of images in five aspect ratios (grey levels apart, with noise)."""
     import os
 
     import numpy as np
     from PIL import Image
-    from support import run_tool
-    from timm.data import create_transform
 
     rng = np.random.RandomState(0)
     shapes = [(24, 40), (40, 24), (16, 48), (32, 32), (20, 36)]
-    for split, count in (("train", 2), ("val", 3)):
+    for split, count in (("train", train_per_class), ("val", val_per_class)):
         for c in range(2):
-            os.makedirs(tmp_path / "data" / split / f"class{c}", exist_ok=True)
+            os.makedirs(root / split / f"class{c}", exist_ok=True)
             for i in range(count):
                 h, w = shapes[(i + c) % len(shapes)]
                 pixels = np.clip(100 * c + 60 + rng.randn(h, w, 3) * 20, 0, 255).astype(np.uint8)
-                Image.fromarray(pixels).save(tmp_path / "data" / split / f"class{c}" / f"{i}.png")
-    run_tool("train.py", "--dataset", "folder", "--data-dir", str(tmp_path / "data"), "--img-size", "32",
-             "--model", "linvit_tiny_patch16_rope_224", "--model-kwargs", "depth=1", "patch_size=8",
-             "--batch-size", "2", "--epochs", "1", "--output", str(tmp_path), "--experiment", "r", "--no-progress",
-             "--device", "cpu", "--interpolation", "bilinear")
+                Image.fromarray(pixels).save(root / split / f"class{c}" / f"{i}.png")
+    return str(root)
+
+
+TINY_NAFLEX_RUN = ["--img-size", "32", "--model", "linvit_tiny_patch16_rope_224", "--model-kwargs", "depth=1",
+                   "patch_size=8", "--batch-size", "2", "--no-progress", "--device", "cpu",
+                   "--interpolation", "bilinear"]
+
+
+def test_validate_with_the_naflex_loader_scores_each_image_at_its_own_aspect(tmp_path):
+    """linvision-validate --naflex-loader on a folder of images of several aspect ratios: the top-1 and loss of
+    each image alone, resized by timm's NaFlex transform (at most 16 patches of 8 px) and run as an image."""
+    import json
+
+    from PIL import Image
+    from support import run_tool
+    from timm.data import create_transform
+
+    data = mixed_aspect_folder(tmp_path / "data")
+    run_tool("train.py", "--dataset", "folder", "--data-dir", data, *TINY_NAFLEX_RUN, "--epochs", "1",
+             "--output", str(tmp_path), "--experiment", "r")
     proc = run_tool("validate.py", "--checkpoint", str(tmp_path / "r"), "--naflex-loader", "--naflex-max-seq-len",
                     "16", "--batch-size", "4", "--device", "cpu")
     result = json.loads(proc.stdout)["results"][0]
@@ -336,3 +348,30 @@ def test_validate_with_the_naflex_loader_scores_each_image_at_its_own_aspect(tmp
     assert len(grids) >= 3 and all(h * w <= 16 for h, w in grids), grids  # aspect ratios kept, within budget
     assert result["top1"] == pytest.approx(100 * sum(hits) / 6)
     assert result["loss"] == pytest.approx(sum(losses) / 6, rel=1e-5)
+
+
+def test_train_on_naflex_batches_resumes_exactly_and_validates_as_validate_does(tmp_path):
+    """linvision-train --naflex-loader: timm's NaFlex schedule (batches of 4, 8 and 16 patches per image), stopped
+    mid-epoch and resumed gives the uninterrupted run's step losses; each epoch's validation loss is what
+    linvision-validate --naflex-loader gives its checkpoint."""
+    import json
+
+    from support import run_tool, step_losses
+
+    data = mixed_aspect_folder(tmp_path / "data", train_per_class=6)
+    flags = ["--dataset", "folder", "--data-dir", data, *TINY_NAFLEX_RUN, "--epochs", "2", "--output",
+             str(tmp_path), "--naflex-loader", "--naflex-train-seq-lens", "4", "8", "16", "--naflex-max-seq-len",
+             "16", "--log-interval", "1"]
+    run_tool("train.py", *flags, "--experiment", "whole")
+    run_tool("train.py", *flags, "--experiment", "parts", "--stop-after-steps", "3")
+    run_tool("train.py", "--resume", str(tmp_path / "parts"), "--no-progress")
+    whole, parts = step_losses(str(tmp_path / "whole")), step_losses(str(tmp_path / "parts"))
+    assert len(whole) == 8 and [s for s, _ in parts] == [s for s, _ in whole]
+    torch.testing.assert_close([l for _, l in parts], [l for _, l in whole], rtol=1e-6, atol=1e-7)
+    last = [json.loads(line) for line in open(tmp_path / "whole" / "metrics.jsonl")][-1]
+    proc = run_tool("validate.py", "--checkpoint", str(tmp_path / "whole" / "last"), "--naflex-loader",
+                    "--naflex-max-seq-len", "16", "--device", "cpu")
+    result = json.loads(proc.stdout)["results"][0]
+    assert result["count"] == 6 and result["loss"] == pytest.approx(last["val_loss"], rel=1e-5)
+    with pytest.raises(AssertionError, match="Mixup, CutMix and distillation"):
+        run_tool("train.py", *flags, "--experiment", "mix", "--mixup", "0.2")

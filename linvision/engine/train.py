@@ -43,11 +43,12 @@ from .config import parse_kwargs, save_yaml
 from .data import ShardedSampler, build_transform, create_dataset, create_loader, resolve_data_config
 from .distill import distillation_loss, load_teacher
 from .distributed import DistInfo, all_reduce_max, all_reduce_sum, barrier, cleanup, init_distributed
-from .evaluate import evaluate
+from .evaluate import evaluate, to_device
 from .factory import check_img_size, create_model
 from .files import atomic_write, atomic_write_text
 from .image_check import check_image_files, find_unreadable
 from .interrupt import StopFlag, TrainInterrupted
+from .naflex_loader import NaFlexBatches, check_naflex_model, naflex_eval_parts, naflex_train_batches
 from .resume import (gather_rng, is_external_checkpoint, load_timm_checkpoint, read_timm_checkpoint,
                      resume_config, resume_folder, set_rng_state, truncate_metrics)
 from .run_folder import claim_run_folder
@@ -232,6 +233,7 @@ class ClassificationTask(Task):
 
     def __init__(self):
         self.teacher: Optional[nn.Module] = None
+        self.naflex: Optional[NaFlexBatches] = None  # the training batches of --naflex-loader
 
     def run_name(self, cfg: TrainConfig) -> str:
         return cfg.model
@@ -260,10 +262,18 @@ class ClassificationTask(Task):
                 _report_load(report, cfg.pretrained_path, model)
         # a resumed run keeps the settings its checkpoint recorded for what the recipe leaves unset
         data_config = train_data_config(cfg, model, None if fresh else resumed_data_config(cfg))
-        train_set.transform = build_transform(is_training=True, **data_config, scale=cfg.scale, hflip=cfg.hflip,
-                                              color_jitter=cfg.color_jitter, auto_augment=cfg.aa,
-                                              re_prob=cfg.reprob, no_aug=cfg.no_aug)
-        val_set.transform = build_transform(is_training=False, **data_config)
+        if cfg.naflex_loader:  # images at their own aspect ratio: the loader transforms them (_set_up)
+            patch_size = check_naflex_model(model, cfg.model)
+            self.naflex = naflex_train_batches(
+                train_set, patch_size, cfg.naflex_train_seq_lens, cfg.batch_size, data_config, cfg.seed, info.rank,
+                info.world_size, scale=cfg.scale, hflip=cfg.hflip, color_jitter=cfg.color_jitter,
+                auto_augment=cfg.aa, re_prob=cfg.reprob, no_aug=cfg.no_aug)
+            val_set.transform, self.val_collate = naflex_eval_parts(patch_size, cfg.naflex_max_seq_len, data_config)
+        else:
+            train_set.transform = build_transform(is_training=True, **data_config, scale=cfg.scale, hflip=cfg.hflip,
+                                                  color_jitter=cfg.color_jitter, auto_augment=cfg.aa,
+                                                  re_prob=cfg.reprob, no_aug=cfg.no_aug)
+            val_set.transform = build_transform(is_training=False, **data_config)
         if cfg.grad_checkpointing:
             model.set_grad_checkpointing(True)
         model.to(info.device)
@@ -407,7 +417,7 @@ class _Run:
     batch_transform: Optional[Callable]  # of every training batch on the device (Mixup / CutMix)
     ema: Any
     scaler: Any
-    sampler: ShardedSampler
+    sampler: Any  # a ShardedSampler, or the NaFlexBatches of --naflex-loader
     loader: Any
     val_loader: Any
     steps_per_epoch: int
@@ -453,19 +463,25 @@ def _set_up(cfg: Recipe, task: Task, info: DistInfo, run_dir: str, fresh: bool) 
     ema = ModelEmaV3(model, decay=cfg.model_ema_decay) if cfg.model_ema else None
     scaler = torch.amp.GradScaler(info.device.type) if cfg.amp == "fp16" else None
 
-    sampler = ShardedSampler(len(train_set), info.rank, info.world_size, shuffle=True, seed=cfg.seed)
-    # a loader-owned generator keeps the loader from drawing on the global RNG (exact resumption)
-    # a last batch of one sample would break BatchNorm in training mode: drop it (it returns next epoch)
-    drop_last = batch_transform is not None or len(sampler) % cfg.batch_size == 1
-    loader = create_loader(train_set, cfg.batch_size, sampler, cfg.workers, drop_last=drop_last,
-                           pin_memory=info.device.type == "cuda", generator=torch.Generator())
+    naflex = getattr(task, "naflex", None)
+    if naflex is not None:  # timm's NaFlex batches: batch sizes and sequence lengths from its schedule
+        sampler = naflex
+        loader = create_loader(naflex, None, None, cfg.workers, pin_memory=info.device.type == "cuda",
+                               generator=torch.Generator())
+    else:
+        sampler = ShardedSampler(len(train_set), info.rank, info.world_size, shuffle=True, seed=cfg.seed)
+        # a loader-owned generator keeps the loader from drawing on the global RNG (exact resumption)
+        # a last batch of one sample would break BatchNorm in training mode: drop it (it returns next epoch)
+        drop_last = batch_transform is not None or len(sampler) % cfg.batch_size == 1
+        loader = create_loader(train_set, cfg.batch_size, sampler, cfg.workers, drop_last=drop_last,
+                               pin_memory=info.device.type == "cuda", generator=torch.Generator())
     val_loader = create_loader(val_set, cfg.batch_size, ShardedSampler(len(val_set), info.rank, info.world_size,
                                                                        shuffle=False), cfg.workers)
     if task.val_collate is not None:  # e.g. padding validation images of several sizes into one batch
         val_loader.collate_fn = task.val_collate
     steps_per_epoch = len(loader)
     if steps_per_epoch == 0:
-        raise ValueError(f"batch_size: {cfg.batch_size} leaves no full batch of {len(sampler)} training images "
+        raise ValueError(f"batch_size: {cfg.batch_size} leaves no full batch of {len(train_set)} training images "
                          f"per rank")
     scheduler, _ = create_scheduler_v2(optimizer, sched=cfg.sched, num_epochs=cfg.epochs,
                                        warmup_epochs=cfg.warmup_epochs, warmup_lr=cfg.warmup_lr,
@@ -590,10 +606,10 @@ def _train_step(run: _Run, images: torch.Tensor, targets: torch.Tensor) -> float
     """One optimizer update on one batch (the task's batch transform and loss, AMP, clipping, the schedule and the
     EMA); returns the batch's loss."""
     cfg, info = run.cfg, run.info
-    images, targets = images.to(info.device), targets.to(info.device)
+    images, targets = to_device(images, info.device), targets.to(info.device)
     if run.batch_transform is not None:
         images, targets = run.batch_transform(images, targets)
-    if cfg.channels_last:
+    if cfg.channels_last and not isinstance(images, dict):
         images = images.contiguous(memory_format=torch.channels_last)
     with autocast(info.device, cfg.amp):
         loss = run.task.loss(run, images, targets)
@@ -617,7 +633,7 @@ def _train_step(run: _Run, images: torch.Tensor, targets: torch.Tensor) -> float
         run.ema.update(run.model, step=run.global_step)
     run.updating = False
     loss_value = loss.item()
-    run.running += torch.tensor([loss_value * len(images), len(images)], dtype=torch.float64)
+    run.running += torch.tensor([loss_value * len(targets), len(targets)], dtype=torch.float64)
     return loss_value
 
 
@@ -630,7 +646,10 @@ def _train_epoch(run: _Run, epoch: int, stop: StopFlag) -> Optional[Dict[str, An
     from tqdm import tqdm
 
     cfg, info = run.cfg, run.info
-    run.sampler.set_epoch(epoch, start=run.start_step * cfg.batch_size)
+    if isinstance(run.sampler, NaFlexBatches):  # batches of several sizes: the position counts batches
+        run.sampler.set_position(epoch, run.start_step)
+    else:
+        run.sampler.set_epoch(epoch, start=run.start_step * cfg.batch_size)
     run.loader.generator.manual_seed(cfg.seed * 100_003 + epoch)
     run.train_model.train()
     run.epoch_start = time.time()

@@ -148,6 +148,15 @@ class TrainConfig(Recipe):
                                     "them)", group="data", action=argparse.BooleanOptionalAction)
     skip_bad_images: bool = _opt(False, "train and validate without the image files that cannot be read (their "
                                         "count and names printed) instead of stopping", group="data")
+    naflex_loader: bool = _opt(False, "train and validate on timm's NaFlex batches: every image at its own aspect "
+                                      "ratio, cut into at most a sequence length of patches (models that take "
+                                      "them: linvit); --img-size then sizes only the model's build", group="data")
+    naflex_train_seq_lens: List[int] = _opt([128, 256, 576, 784, 1024], "with --naflex-loader: the sequence "
+                                            "lengths (patches per image) of the training batches, each batch "
+                                            "holding about --batch-size x the largest of them patches (timm's "
+                                            "defaults)", group="data", type=int, nargs="+")
+    naflex_max_seq_len: int = _opt(576, "with --naflex-loader: patches per validation image at most (timm's "
+                                        "default)", group="data", type=int)
     # model
     model: str = _opt("mlla_tiny", "any timm model name, with a weight tag where it has several (linvision's are "
                                    "registered)", group="model")
@@ -255,6 +264,13 @@ class TrainConfig(Recipe):
         need(self.stop_after_steps is None or self.stop_after_steps >= 1, "stop_after_steps", "must be >= 1")
         need(0 <= self.distill_weight <= 1, "distill_weight", "must be within [0, 1]")
         need(self.distill_temperature > 0, "distill_temperature", "must be > 0")
+        need(all(isinstance(n, int) and n >= 1 for n in self.naflex_train_seq_lens) and self.naflex_train_seq_lens,
+             "naflex_train_seq_lens", "must be integers >= 1")
+        need(isinstance(self.naflex_max_seq_len, int) and self.naflex_max_seq_len >= 1, "naflex_max_seq_len",
+             "must be an integer >= 1")
+        if self.naflex_loader and (self.mixup > 0 or self.cutmix > 0 or self.distill_teacher):
+            raise ValueError("naflex_loader: Mixup, CutMix and distillation take batches of one size; train NaFlex "
+                             "batches without them")
         if self.pretrained and self.pretrained_path:
             raise ValueError("pretrained: give --pretrained (the model's own weights through timm's cache) or "
                              "--pretrained-path FILE (a local file), not both")

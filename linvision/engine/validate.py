@@ -27,6 +27,7 @@ from .data import (INTERPOLATIONS, ShardedSampler, build_transform, check_transf
 from .distributed import barrier, cleanup, init_distributed
 from .evaluate import evaluate
 from .factory import check_pretrained, create_model
+from .naflex_loader import check_naflex_model, naflex_eval_parts
 
 __all__ = ["add_validate_args", "validate_checkpoint", "eval_data_config", "run_data"]
 
@@ -163,9 +164,6 @@ def eval_data_config(meta: Optional[Dict[str, Any]], size: int, model=None, inte
 def _validate_naflex(checkpoint, pretrained, meta, source, dataset, data_dir, max_seq_len, batch_size, workers,
                      amp, progress, info, interpolation) -> Dict[str, Any]:
     """One evaluation of every image at its own aspect ratio through timm's NaFlex transform and collator."""
-    from timm.data import create_transform
-    from timm.data.naflex_dataset import NaFlexCollator
-
     if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
         raise ValueError(f"naflex_max_seq_len: must be an int >= 1, got {max_seq_len!r}")
     size = meta["img_size"]
@@ -173,19 +171,14 @@ def _validate_naflex(checkpoint, pretrained, meta, source, dataset, data_dir, ma
         model, _ = load_model(checkpoint, device=str(info.device), img_size=size)
     else:
         model = create_model(pretrained, img_size=size, pretrained=True).to(info.device).eval()
-    if not hasattr(model, "get_patch_size"):
-        raise ValueError(f"naflex_loader: {meta['model']} takes no NaFlex batch (patches with their coordinates); "
-                         f"linvit models do")
+    patch_size = check_naflex_model(model, meta["model"])
     data_config = eval_data_config(meta if checkpoint else None, size, model, interpolation, None)
-    transform = create_transform(is_training=False, interpolation=data_config["interpolation"],
-                                 mean=tuple(data_config["mean"]), std=tuple(data_config["std"]), naflex=True,
-                                 patch_size=model.get_patch_size(), max_seq_len=max_seq_len, patchify=True,
-                                 use_prefetcher=False)
+    transform, collate = naflex_eval_parts(patch_size, max_seq_len, data_config)
     val_set = create_dataset(dataset, data_dir, "val", transform=transform, digits_size=size)
     _check_classes(meta, val_set, source)
     loader = create_loader(val_set, batch_size, ShardedSampler(len(val_set), info.rank, info.world_size,
                                                                shuffle=False), workers)
-    loader.collate_fn = NaFlexCollator(max_seq_len)
+    loader.collate_fn = collate
     res = evaluate(model, loader, info, amp=amp, progress=progress)
     return {"naflex_max_seq_len": max_seq_len, **res, "interpolation": data_config["interpolation"]}
 

@@ -32,14 +32,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from timm.layers import ConvNormAct, LayerNorm
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import generate_default_cfgs, register_model
 
 from linvision.layers import LinearAttention, TokenMixer, merge_options, register_mixer
 from linvision.ops import Rope, axial_rope, check_grid, halves_from_interleaved
 
 from .linhier import LinHier
-from .published import (explain_failed_download, load_published, published_cfg, published_file_overlay,
-                        unwrap_state_dict)
+from .published import build_published, load_published, published_cfg, unwrap_state_dict
 
 __all__ = ["Mlla", "MllaAttention", "MllaMixer", "MllaStem", "MllaDownsample", "checkpoint_filter_fn"]
 
@@ -223,14 +222,7 @@ def _create_mlla(variant: str, pretrained: bool = False, **kwargs) -> LinHier:
         token_mixers="mlla", mlp_ratio=4.0, stem_layer=MllaStem, downsample_layer=MllaDownsample,
         norm_layer=partial(LayerNorm, eps=1e-5), final_layer=partial(LayerNorm, eps=1e-5),
     )
-    kwargs = published_file_overlay(merge_options(args, **kwargs))
-    with explain_failed_download(variant, pretrained, kwargs, "docs/models/published.md"):  # offline: one line
-        return build_model_with_cfg(
-            Mlla, variant, pretrained,
-            pretrained_filter_fn=checkpoint_filter_fn,
-            feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls="getter"),
-            **kwargs,
-        )
+    return build_published(Mlla, variant, pretrained, checkpoint_filter_fn, **merge_options(args, **kwargs))
 
 
 def _heads(dims):

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from linvision.safe_pickle import read_checkpoint
 
 __all__ = ["DEFAULT_WEIGHT_KEYS", "unwrap_state_dict", "load_published", "require_weights", "published_file_overlay",
-           "published_cfg", "WeightsDownloadError", "explain_failed_download"]
+           "published_cfg", "WeightsDownloadError", "explain_failed_download", "build_published"]
 
 
 # Where a training checkpoint keeps its weights, most preferred first: timm's order (``timm.models.load_state_dict``
@@ -213,3 +213,15 @@ def explain_failed_download(variant: str, pretrained: bool, kwargs: Dict[str, An
         raise WeightsDownloadError(
             f"pretrained: cannot download the weights of {tag} from {where} ({_reason(e)}); offline, {offline} "
             f"(where each model's file is: the model cards in {listed_in})") from None
+
+
+def build_published(model_cls: type, variant: str, pretrained: bool, filter_fn: Callable, **kwargs: Any) -> nn.Module:
+    """A published hierarchical family's model through timm's ``build_model_with_cfg``: every weight source read
+    by :func:`load_published` (:func:`published_file_overlay`), its four stages as features, and a failed download
+    one line naming the offline way (:func:`explain_failed_download`)."""
+    from timm.models import build_model_with_cfg
+
+    kwargs = published_file_overlay(kwargs)
+    with explain_failed_download(variant, pretrained, kwargs, "docs/models/published.md"):
+        return build_model_with_cfg(model_cls, variant, pretrained, pretrained_filter_fn=filter_fn,
+                                    feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls="getter"), **kwargs)

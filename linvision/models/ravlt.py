@@ -29,15 +29,14 @@ import torch
 from torch import Tensor, nn
 
 from timm.layers import ConvNormAct
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import generate_default_cfgs, register_model
 
 from linvision.layers import DwConvMlp, SoftmaxAttention, merge_options, register_mixer
 from linvision.layers.variant_mixers import OutputModulation, RALAttention
 from linvision.ops import halves_from_interleaved
 
 from .linhier import LinHier
-from .published import (explain_failed_download, load_published, published_cfg, published_file_overlay,
-                        unwrap_state_dict)
+from .published import build_published, load_published, published_cfg, unwrap_state_dict
 
 __all__ = ["Ravlt", "RavltRope", "RavltRala", "RavltSoftmax", "ChannelsLastConv", "RavltStem",
            "checkpoint_filter_fn"]
@@ -185,14 +184,7 @@ def _create_ravlt(variant: str, pretrained: bool = False, **kwargs) -> LinHier:
         block_kwargs=dict(cpe="first", mlp_layer=DwConvMlp),
         final_layer=partial(ChannelsLastConv, out_chs=1024, act_layer=nn.SiLU),
     )
-    kwargs = published_file_overlay(merge_options(args, **kwargs))
-    with explain_failed_download(variant, pretrained, kwargs, "docs/models/published.md"):  # offline: one line
-        return build_model_with_cfg(
-            Ravlt, variant, pretrained,
-            pretrained_filter_fn=checkpoint_filter_fn,
-            feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls="getter"),
-            **kwargs,
-        )
+    return build_published(Ravlt, variant, pretrained, checkpoint_filter_fn, **merge_options(args, **kwargs))
 
 
 # Published training used stochastic depth 0.1 / 0.15 / 0.4 / 0.55 (T / S / B / L); the models default to none,

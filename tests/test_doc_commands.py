@@ -144,6 +144,7 @@ class Chain:
     slow: bool = True
     setup: Optional[Callable] = None  # writes what the chain reads into its folder; returns {name: path}
     timeout: int = 1800  # seconds for each command
+    fails: str = ""  # a known failure of the printed command, and why: expected (strict), until it is fixed
 
 
 # --- what the chains write and check -------------------------------------------------------------------------
@@ -239,10 +240,9 @@ CHAINS: Dict[str, Chain] = {
     # README: fine-tune, then the same weights at 3 sizes (the validator finds the run's data folder itself)
     "readme_finetune": Chain(setup=_pets, slow=False, timeout=600, steps=(
         Step("linvision-train --config finetune_mlla_tiny --data-dir /data/pets", subs={"/data/pets": "{pets}"},
-             extra=("--no-pretrained", "--model-kwargs", "depths=[1,1,1,1]", "dims=[32,64,96,128]", "num_heads=[1,2,3,4]",
-                    "--img-size", "32", "-b", "4",
-                    *EPOCH, "--no-progress", "--device", "cpu"),
-             why="no download (the weights), one block per stage and 32 px, " + TINY_FOLDER + "; " + ONE_EPOCH,
+             extra=("--no-pretrained", "--model-kwargs", "depths=[1,1,1,1]", "dims=[32,64,96,128]",
+                    "num_heads=[1,2,3,4]", "--img-size", "32", "-b", "4", *EPOCH, "--no-progress", "--device", "cpu"),
+             why="no download (the weights); one narrow block per stage at 32 px; " + TINY_FOLDER + "; " + ONE_EPOCH,
              check=_summary("finetune_mlla_tiny")),
         Step("linvision-validate --checkpoint output/finetune_mlla_tiny --img-size 224 288 384",
              check=_validated([224, 288, 384], count=6, data="pets")),
@@ -265,7 +265,8 @@ CHAINS: Dict[str, Chain] = {
     "tools_initial_checkpoint": Chain(setup=_pets_and_weights, steps=(
         Step("linvision-train --dataset folder --data-dir /data/pets --model linhier_tiny_224 --initial-checkpoint "
              "weights.safetensors --img-size 224 --epochs 30 -b 64 -j 4 --amp --model-ema",
-             subs={"/data/pets": "{pets}"}, extra=("-b", "4", *EPOCH), why=TINY_FOLDER + "; " + ONE_EPOCH),
+             subs={"/data/pets": "{pets}"}, extra=("-b", "4", "--img-size", "64", *EPOCH),
+             why=TINY_FOLDER + ", 64 px (224 px under bf16 autocast on a busy CPU took over 15 minutes); " + ONE_EPOCH),
     )),
     "segmentation": Chain(setup=_scenes, steps=(
         Step('linvision-train-seg --dataset mosaic --mosaic-size 128 --mosaic-train 64 --mosaic-val 16 --img-size 96 '
@@ -291,7 +292,9 @@ CHAINS: Dict[str, Chain] = {
                                       *EPOCH),
              why="8 training and 4 validation mosaics of 256 px (not 1000 and 200 of 512 px); " + ONE_EPOCH),
     )),
-    "seg_ddp": Chain(steps=(
+    # fails as printed: MLLA's final norm stays in the features-only encoder that smp builds (timm's features_only
+    # asks LinHier.prune_intermediate_layers for prune_norm, which it ignores) and gets no gradient
+    "seg_ddp": Chain(fails="DistributedDataParallel refuses the encoder's final norm, which gets no gradient", steps=(
         Step("torchrun --nproc_per_node 2 -m linvision.tools.train_seg --dataset mosaic --encoder mlla_tiny --amp",
              extra=("--mosaic-size", "128", "--mosaic-train", "8", "--mosaic-val", "4", "--img-size", "128",
                     "-b", "2", *EPOCH),
@@ -346,30 +349,47 @@ CHAINS: Dict[str, Chain] = {
         "linvision-train -c configs/vit_twin_photos.yaml $R token_mixer=bidir_delta class_token=False "
         "global_pool=avg fc_norm=False --seed 0",
     ))),
-    "benchmarks": Chain(steps=(
+    "bench_core_op": Chain(steps=(
         Step("linvision-benchmark --model linhier_tiny_224:token_mixers=linear_rope "
              "linhier_tiny_224:token_mixers=bidir_delta linhier_tiny_224:token_mixers=bidir_gated --twin "
              "linhier_tiny_224:token_mixers=linear_rope --img-size 512 -b 1 --threads 1 --warmup 1 --iters 3 --train",
              extra=("--img-size", "224", "--iters", "1"), why="224 px and one timed call: it shows the sweep runs"),
+    )),
+    "bench_twin_by_name": Chain(steps=(
         Step("linvision-benchmark --config benchmark_twin_cpu", extra=("--img-size", "224", "--iters", "1"),
              why="224 px of 224-1024 and one timed call"),
+    )),
+    "bench_twin": Chain(steps=(
         Step("linvision-benchmark --config configs/benchmark_twin_cpu.yaml", extra=("--img-size", "224", "--iters",
                                                                                    "1"),
              why="224 px of 224-1024 and one timed call"),
+    )),
+    "bench_seg_twin": Chain(steps=(
         Step("linvision-benchmark --config configs/benchmark_seg_twin_cpu.yaml",
              extra=("--img-size", "256", "--iters", "1"), why="256 px only and one timed call (18 min in full)"),
+    )),
+    "bench_resolutions": Chain(steps=(
         Step("python tools/benchmark.py --models linvit_small_patch16_224 linvit_small_patch16_rope_224 "
              "vit_small_patch16_224 mambaout_femto --img-size 224 512 1024 --batch-size 1 --no-train --warmup 2 "
              "--iters 5 --threads 2", extra=("--img-size", "224", "--iters", "1"), why="224 px and one timed call"),
-        Step("linvision-benchmark --models vit_tiny_patch16_224 $M:token_mixer=softmax,$H $M:token_mixer=linear_rope,$H "
-             "$M:token_mixer=mala,$H $M:token_mixer=rala_premod,$H $M:token_mixer=inline,$H "
-             "$M:token_mixer=bidir_delta,$H $M:token_mixer=pola,$H --model-kwargs patch_size=8 --img-size 96 -b 64 "
-             "--warmup 1 --iters 3 --threads 2 --twin $M:token_mixer=softmax,$H", extra=("-b", "8", "--iters", "1"),
+    )),
+    "bench_isotropic_mixers": Chain(steps=(
+        Step("linvision-benchmark --models vit_tiny_patch16_224 $M:token_mixer=softmax,$H "
+             "$M:token_mixer=linear_rope,$H $M:token_mixer=mala,$H $M:token_mixer=rala_premod,$H "
+             "$M:token_mixer=inline,$H $M:token_mixer=bidir_delta,$H $M:token_mixer=pola,$H --model-kwargs "
+             "patch_size=8 --img-size 96 -b 64 --warmup 1 --iters 3 --threads 2 --twin $M:token_mixer=softmax,$H",
+             extra=("-b", "8", "--iters", "1"),
              why="batches of 8 and one timed call"),
+    )),
+    "bench_gemm_rate": Chain(steps=(
         Step("linvision-benchmark --models linvit_small_patch16_224 linvit_small_patch16_rope_224 --img-size 1024 "
              "-b 1 --no-train --gemm-rate --threads 2", extra=("--img-size", "224"), why="224 px, not 1024"),
+    )),
+    "bench_cpu": Chain(steps=(
         Step("linvision-benchmark --config benchmark_cpu", extra=("--img-size", "224", "--iters", "1"),
              why="224 px of 224-896 and one timed call"),
+    )),
+    "bench_tools_example": Chain(steps=(
         Step("linvision-benchmark --model linhier_tiny_224 mambaout_tiny --img-size 224 512 -b 1 --iters 10",
              extra=("--img-size", "224", "--iters", "1", "--device", "cpu"),
              why="224 px, one timed call, on the CPU where a GPU is there too"),
@@ -622,7 +642,8 @@ def test_a_refusal_must_print_what_the_page_prints():
 
 
 def _chain_params():
-    return [pytest.param(name, marks=[pytest.mark.slow] if chain.slow else [], id=name)
+    return [pytest.param(name, id=name, marks=([pytest.mark.slow] if chain.slow else [])
+                         + ([pytest.mark.xfail(strict=True, reason=chain.fails)] if chain.fails else []))
             for name, chain in CHAINS.items()]
 
 

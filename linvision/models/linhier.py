@@ -288,14 +288,16 @@ class LinHier(nn.Module):
     def prune_intermediate_layers(
         self, indices: Union[int, List[int]] = 1, prune_norm: bool = False, prune_head: bool = True,
     ) -> List[int]:
-        """Drop the stages after the last needed one (and the head when asked or when stages are dropped)."""
+        """Drop the stages after the last needed one, the final layer with them or when ``prune_norm`` asks (timm's
+        feature extraction without the final norm: nothing may be left that no output uses, or DDP refuses the
+        model), and the head when asked or when either goes."""
         take_indices, max_index = feature_take_indices(len(self.stages), indices)
         prune_end = max_index < len(self.stages) - 1
         self.stages = self.stages[: max_index + 1]
-        if prune_end:
+        if prune_end or prune_norm:
             self.final = nn.Identity()
             self.num_features = self.head_hidden_size = self.feature_info[max_index]["num_chs"]
-        if prune_head or prune_end:
+        if prune_head or prune_end or prune_norm:
             self.reset_classifier(0, "", reset_other=True)
         return take_indices
 

@@ -26,16 +26,13 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from .image_check import BadImageError, decode_error
 from .in_memory import InMemoryImages
 
 __all__ = [
     "BadImageError", "InMemoryImages", "DigitsDataset", "create_dataset", "ShardedSampler", "create_loader",
     "build_transform", "resolve_data_config", "check_transform_options", "INTERPOLATIONS", "CROP_MODES",
 ]
-
-
-class BadImageError(ValueError):
-    """An image file that cannot be decoded; the message names the file."""
 
 
 def _to_8bit(img: Image.Image) -> Image.Image:
@@ -54,8 +51,6 @@ def _load_rgb(path: str) -> Image.Image:
             img.load()
             return _to_8bit(img).convert("RGB")
     except Exception as e:  # PIL raises several types (UnidentifiedImageError, OSError, SyntaxError, ...)
-        from .image_check import decode_error
-
         raise BadImageError(f"cannot read image file {path}: {decode_error(e)}") from None
 
 

@@ -15,7 +15,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from PIL import Image, UnidentifiedImageError
 
-__all__ = ["decode_error", "unreadable_reason", "find_unreadable", "check_image_files", "sample_files"]
+__all__ = ["BadImageError", "decode_error", "unreadable_reason", "find_unreadable", "check_image_files", "sample_files"]
+
+
+class BadImageError(ValueError):
+    """An image file that cannot be decoded; the message names the file (or every such file of a dataset)."""
 
 
 def decode_error(e: BaseException) -> str:
@@ -79,8 +83,6 @@ def check_image_files(datasets: Dict[str, object], skip: bool = False, progress:
     ``find_bad(files, split)`` replaces the scan (the list of (path, reason) it finds; e.g. one process's scan
     shared with the others of a distributed run).
     """
-    from .data import BadImageError
-
     found = []
     for split, dataset in datasets.items():
         per_sample = sample_files(dataset)

@@ -24,7 +24,7 @@ from .distributed import cleanup, init_distributed
 from .seg_data import MOSAIC_SEED, JointTransform, PadCollate, SegmentationSamples, pil_pair
 from .seg_metrics import evaluate_segmentation
 from .segmenter import STRIDE, load_segmenter
-from .validate import run_data
+from .run_data import run_data
 
 __all__ = ["validate_segmenter", "DEFAULT_MOSAIC_VAL"]
 
@@ -60,7 +60,7 @@ def validate_segmenter(checkpoint: str, dataset: Optional[str] = None, data_dir:
     """Score the segmenter of ``checkpoint`` (a checkpoint folder of ``linvision-train-seg``, or its run folder:
     best/, else last/) at each of ``img_sizes``.
 
-    ``dataset`` and ``data_dir`` default to those its run recorded (:func:`~linvision.engine.validate.run_data`:
+    ``dataset`` and ``data_dir`` default to those its run recorded (:func:`~linvision.engine.run_data.run_data`:
     the run folder's config.yaml, else model.json), a one-line note on stderr saying which data it scores on;
     ``img_sizes`` default to the mosaics' training size, or a folder's images as they are (``None`` in the list
     means that too). ``mosaic_val``: how many validation mosaics (default: as many as the run scored on).

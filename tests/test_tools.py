@@ -120,7 +120,8 @@ def test_sigterm_saves_a_checkpoint_that_resumes(data, tmp_path):
     assert steps == list(range(1, 3 * (state["epoch"] + 1) + 1))  # no step lost or repeated
 
 
-@pytest.mark.parametrize("case", ["missing_data", "unknown_model", "unknown_key", "corrupt_image"])
+@pytest.mark.parametrize("case", ["missing_data", "unknown_model", "unknown_key", "corrupt_image",
+                                  "corrupt_image_unchecked"])
 def test_bad_input_gives_a_clear_error(case, data, tmp_path):
     flags = tiny_train_flags(data, str(tmp_path), "--epochs", "1")
     if case == "missing_data":
@@ -140,7 +141,11 @@ def test_bad_input_gives_a_clear_error(case, data, tmp_path):
         with open(broken, "wb") as f:
             f.write(b"\x89PNG truncated")
         flags += ["--data-dir", bad, "--workers", "1"]
-        expected = f"cannot read image file {broken}"
+        # read before the first step; unchecked, when a loader worker draws it
+        expected = f"1 of the 12 training files cannot be read: {broken}"
+        if case == "corrupt_image_unchecked":
+            flags.append("--no-check-images")
+            expected = f"cannot read image file {broken}"
     proc = run_tool("train.py", *flags, check=False)
     assert proc.returncode == 2
     assert expected in proc.stderr

@@ -356,3 +356,30 @@ def test_bad_input_is_one_line(case, tmp_path, monkeypatch):
     assert proc.stderr.startswith(expected) and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     if case != "bad_mask":  # refused before a run folder is made
         assert not (tmp_path / "bad").exists()
+
+
+def test_a_segmenter_saved_with_the_encoder_s_unused_final_layer_still_loads(tmp_path):
+    """Segmenters on MLLA and RAVLT saved before the features-only encoder dropped its unused final layer (MLLA's
+    final norm, RAVLT's final conv) load, and give the outputs of the weights they hold."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from linvision.engine.segmenter import build_segmenter, load_segmenter
+
+    for encoder, extra in (("mlla_tiny", {"encoder.model.model.final.weight": torch.ones(512)}),
+                           ("ravlt_tiny", {"encoder.model.model.final.conv.weight": torch.ones(8, 512, 1, 1)})):
+        torch.manual_seed(0)
+        model = build_segmenter("unet", encoder, 3, {"depths": [1, 1, 1, 1]}, None).eval()
+        folder = tmp_path / encoder
+        folder.mkdir()
+        save_file({**{k: v.contiguous() for k, v in model.state_dict().items()}, **extra},
+                  str(folder / "model.safetensors"))
+        (folder / "model.json").write_text(json.dumps({
+            "task": "segmentation", "encoder": encoder, "decoder": "unet", "num_classes": 3,
+            "model_kwargs": {"depths": [1, 1, 1, 1]}, "decoder_kwargs": {}, "classes": ["a", "b", "c"],
+            "mean": [0.5] * 3, "std": [0.5] * 3, "ignore_index": 255, "img_size": 64, "in_chans": 3}))
+        loaded, _ = load_segmenter(str(folder))
+        x = torch.randn(1, 3, 64, 64)
+        with torch.no_grad():
+            assert torch.equal(loaded(x), model(x))

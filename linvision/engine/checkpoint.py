@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -224,10 +224,12 @@ def load_model(path: str, device: str = "cpu", img_size: Optional[int] = None,
     return model.to(device).eval(), meta
 
 
-def load_checkpoint_weights(model: nn.Module, folder: str, name: str, file: str = "model.safetensors") -> None:
+def load_checkpoint_weights(model: nn.Module, folder: str, name: str, file: str = "model.safetensors",
+                            unused: Optional[Callable[[str], bool]] = None) -> None:
     """Load ``folder/file`` into ``model`` strictly (through the model's ``checkpoint_filter_fn``, if any);
     FileNotFoundError or ValueError in one line naming the file and the model ``name`` that model.json
-    describes."""
+    describes. Keys the model lacks for which ``unused`` is true are left out first (weights an older version
+    kept that no output used)."""
     weights = os.path.join(folder, file)
     try:
         state = load_file(weights)
@@ -235,6 +237,9 @@ def load_checkpoint_weights(model: nn.Module, folder: str, name: str, file: str 
         raise FileNotFoundError(f"checkpoint: no {file} in {folder}") from None
     except Exception as e:  # safetensors raises its own error type for truncated or corrupt files
         raise ValueError(f"checkpoint: cannot read {weights} ({str(e).strip()[:200]})") from None
+    if unused is not None:
+        own = model.state_dict()
+        state = {k: v for k, v in state.items() if k in own or not unused(k)}
     try:
         model.load_state_dict(_filter_state_dict(model, state))
     except RuntimeError as e:

@@ -106,5 +106,7 @@ def load_segmenter(path: str, device: str = "cpu") -> Tuple[nn.Module, Dict[str,
                          f"classifier's checkpoint loads with linvision.engine.load_model")
     model = build_segmenter(meta["decoder"], meta["encoder"], meta["num_classes"], meta.get("model_kwargs"),
                             meta.get("decoder_kwargs"), in_chans=meta.get("in_chans", 3))
-    load_checkpoint_weights(model, folder, f"{meta['decoder']} on {meta['encoder']}")
+    # checkpoints written before the features-only encoder dropped its unused final layer still hold it
+    load_checkpoint_weights(model, folder, f"{meta['decoder']} on {meta['encoder']}",
+                            unused=lambda key: key.startswith("encoder.") and ".final." in key)
     return model.to(device).eval(), meta

@@ -93,3 +93,17 @@ def tiny_train_flags(data, out, *extra):
     return ["--dataset", "folder", "--data-dir", data, "--img-size", "16", "--model", "test_vit",
             "--model-kwargs", *TINY_VIT, "--batch-size", "4", "--output", out, "--no-progress", "--device", "cpu",
             *extra]
+
+
+def fenced_blocks(text: str):
+    """(first line number, language, lines) of every fenced code block of a Markdown page."""
+    blocks, lang, body, first = [], None, [], 0
+    for number, line in enumerate(text.split("\n"), 1):
+        if lang is None and line.startswith("```"):
+            lang, body, first = line[3:].strip(), [], number + 1
+        elif lang is not None and line.strip() == "```":
+            blocks.append((first, lang, body))
+            lang = None
+        elif lang is not None:
+            body.append(line)
+    return blocks

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 import pytest
-from support import write_image_folder
+from support import fenced_blocks, write_image_folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md"] + sorted(os.path.relpath(os.path.join(d, f), ROOT)
@@ -53,20 +53,6 @@ class Documented:
     text: str
     variables: Tuple[Tuple[str, str], ...] = ()
     output: str = ""
-
-
-def _fenced_blocks(text: str):
-    """(first line number, language, lines) of every fenced code block."""
-    blocks, lang, body, first = [], None, [], 0
-    for number, line in enumerate(text.split("\n"), 1):
-        if lang is None and line.startswith("```"):
-            lang, body, first = line[3:].strip(), [], number + 1
-        elif lang is not None and line.strip() == "```":
-            blocks.append((first, lang, body))
-            lang = None
-        elif lang is not None:
-            body.append(line)
-    return blocks
 
 
 def _logical_lines(body: List[str], first: int):
@@ -91,7 +77,7 @@ def _strip_comment(line: str) -> str:
 def commands_of(page: str, text: str) -> List[Documented]:
     """The commands of one page."""
     found = []
-    for first, lang, body in _fenced_blocks(text):
+    for first, lang, body in fenced_blocks(text):
         if lang not in SHELL_BLOCKS:
             continue
         lines = _logical_lines(body, first)

@@ -16,6 +16,7 @@ import tokenize
 
 import pytest
 import torch
+from support import fenced_blocks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"),
@@ -230,20 +231,6 @@ def test_results_that_agree_with_their_comments_pass(capsys):
     assert capsys.readouterr().out == "torch.Size([2, 6]) True\n"
 
 
-def _fenced_blocks(text: str):
-    """(first line number, language, lines) of every fenced code block."""
-    blocks, lang, body, first = [], None, [], 0
-    for number, line in enumerate(text.split("\n"), 1):
-        if lang is None and line.startswith("```"):
-            lang, body, first = line[3:].strip(), [], number + 1
-        elif lang is not None and line.strip() == "```":
-            blocks.append((first, lang, body))
-            lang = None
-        elif lang is not None:
-            body.append(line)
-    return blocks
-
-
 def _scripts():
     """Console-script name -> tool module, from pyproject.toml."""
     import tomllib
@@ -297,7 +284,7 @@ def _command_lines():
     for page in PAGES:
         with open(os.path.join(ROOT, page)) as f:
             text = f.read()
-        for first, lang, body in _fenced_blocks(text):
+        for first, lang, body in fenced_blocks(text):
             if lang in ("", "bash"):
                 found += [(page, *command) for command in _shell_commands(body, first)]
     return found

@@ -251,12 +251,12 @@ def _gated_attention(
     return (out, final) if return_state else out
 
 
-@full_precision
 def _unflip(flip: "Reversal", x: Tensor) -> Tensor:
     """A backward scan's per-token result ((B, H, N) or (B, H, N, X)) in the original order."""
     return flip(x.unsqueeze(-1)).squeeze(-1) if x.dim() == 3 else flip(x)
 
 
+@full_precision
 def bidirectional_gated_linear_attention(
     q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, feature_map: FeatureMapArg = "elu", *,
     normalize: bool = True, eps: float = DEFAULT_EPS, chunk_size: int = 64, backend: str = "auto",

@@ -107,3 +107,18 @@ def fenced_blocks(text: str):
         elif lang is not None:
             body.append(line)
     return blocks
+
+
+def joined_lines(body, first: int):
+    """(line number, text) of a shell block's lines (the first is line ``first``), continuation lines joined."""
+    out, pending, start = [], "", 0
+    for i, raw in enumerate(body):
+        line = raw.rstrip()
+        if not pending:
+            start = first + i
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line, pending = pending + line, ""
+        out.append((start, line))
+    return out

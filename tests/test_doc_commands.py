@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 import pytest
-from support import fenced_blocks, write_image_folder
+from support import fenced_blocks, joined_lines, write_image_folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md"] + sorted(os.path.relpath(os.path.join(d, f), ROOT)
@@ -55,19 +55,6 @@ class Documented:
     output: str = ""
 
 
-def _logical_lines(body: List[str], first: int):
-    """(line number, text) of a block's lines with continuation lines joined and comments dropped."""
-    out, pending, start = [], "", 0
-    for i, raw in enumerate(body):
-        line = raw.rstrip()
-        if not pending:
-            start = first + i
-        if line.endswith("\\"):
-            pending += line[:-1] + " "
-            continue
-        line, pending = pending + line, ""
-        out.append((start, line))
-    return out
 
 
 def _strip_comment(line: str) -> str:
@@ -80,7 +67,7 @@ def commands_of(page: str, text: str) -> List[Documented]:
     for first, lang, body in fenced_blocks(text):
         if lang not in SHELL_BLOCKS:
             continue
-        lines = _logical_lines(body, first)
+        lines = joined_lines(body, first)
         prompted = any(line.startswith("$ ") for _, line in lines)
         variables: Dict[str, str] = {}
         for index, (number, line) in enumerate(lines):

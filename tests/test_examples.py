@@ -16,7 +16,7 @@ import tokenize
 
 import pytest
 import torch
-from support import fenced_blocks
+from support import fenced_blocks, joined_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"),
@@ -246,16 +246,9 @@ def _shell_commands(body, first):
     scripts = _scripts()
     by_file = {f"tools/{m.rsplit('.', 1)[1]}.py": m for m in scripts.values()}
     by_module = {m: m for m in scripts.values()}
-    found, env, pending, start = [], {}, "", 0
-    for i, raw in enumerate(body):
-        line = raw.rstrip()
-        if not pending:
-            start = first + i
-        if line.endswith("\\"):
-            pending += line[:-1] + " "
-            continue
-        line, pending = (pending + line).strip(), ""
-        line = re.sub(r"\s+#.*$", "", line.removeprefix("$ "))
+    found, env = [], {}
+    for start, line in joined_lines(body, first):
+        line = re.sub(r"\s+#.*$", "", line.strip().removeprefix("$ "))
         if not re.match(r"(linvision-|python tools/|python -m linvision|torchrun |[A-Z]\w*=)", line):
             continue
         words = shlex.split(line)

@@ -244,6 +244,16 @@ def test_a_naflex_batch_gives_each_image_its_own_logits_and_intermediates(case):
     assert model.get_patch_size() == (16, 16)
 
 
+def test_a_naflex_batch_of_one_odd_image():
+    """Batch 1, an odd non-square grid (3 x 7 patches) padded to 24 tokens: the logits of the image alone."""
+    model = tiny_linvit("linvit_tiny_patch16_rope_224")
+    img = torch.rand(3, 48, 112, generator=torch.Generator().manual_seed(2)).double()
+    batch = naflex_batch([img])
+    assert batch["patch_valid"].shape == (1, 24) and int(batch["patch_valid"].sum()) == 21
+    with torch.no_grad():
+        torch.testing.assert_close(model(batch), model(img[None]), rtol=1e-10, atol=1e-10)
+
+
 def test_naflex_gradients_are_the_sum_of_each_image_s():
     """Training on a NaFlex batch: the gradient of the summed loss is the sum of each image's gradient alone."""
     model = tiny_linvit("linvit_tiny_patch16_rope_224").train()

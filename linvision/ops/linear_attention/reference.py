@@ -117,10 +117,9 @@ def _linear_attention_pieces(phi_q: Tensor, phi_k: Tensor, rot_q: Tensor, rot_k:
     """(output, S, z, denominators) of non-causal linear attention from its features, in their dtype; with a
     token mask ``valid`` (B, Nk) the means run over each sample's valid keys and invalid queries output zero."""
     n, key_mask, query_mask = _token_counts(valid, phi_q.shape[2], phi_k.shape[2], phi_k.dtype)
-    if key_mask is not None:  # where, not a product: padding may hold anything, even inf
-        keep = valid[:, None, :, None]
-        rot_k, vc = rot_k.masked_fill(~keep, 0), vc.masked_fill(~keep, 0)
-        phi_k = phi_k.masked_fill(~keep, 0)
+    if key_mask is not None:  # padded keys' features (phi(0) is not 0) leave the state and the normaliser
+        drop = ~valid[:, None, :, None]
+        rot_k, phi_k = rot_k.masked_fill(drop, 0), phi_k.masked_fill(drop, 0)
     s = torch.einsum("bhnd,bhne->bhde", rot_k, vc) / n  # (B, H, D, Dv)
     z = phi_k.sum(dim=2) / (n if key_mask is None else n[..., 0])  # (B, H, D)
     den = torch.einsum("bhnd,bhd->bhn", phi_q, z) + eps

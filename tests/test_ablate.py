@@ -100,6 +100,69 @@ def test_photos_set_is_offline_disjoint_and_balanced():
         create_dataset("photos", None, "test")
 
 
+def test_photos_aspect_set_keeps_mixed_aspects_of_disjoint_parts():
+    """photos_aspect: crops of 1:3 to 3:1 (not all square) of about 64 x 64 source pixels, at their own aspect,
+    from the same disjoint parts as the square set's, the same at every construction and rendering size."""
+    from linvision.engine.data import create_dataset
+    from linvision.engine.texture_data import ASPECT_RANGE, CLASSES, CROP, photo_parts
+
+    pytest.importorskip("skimage")
+    train = create_dataset("photos_aspect", None, "train", digits_size=64)
+    val = create_dataset("photos_aspect", None, "val", digits_size=64)
+    assert len(train) == 1200 and len(val) == 360 and train.classes == val.classes == list(CLASSES)
+    assert train.num_classes == 10 and np.bincount(train.targets).tolist() == [120] * 10
+    for ds, parts in ((train, photo_parts("train")), (val, photo_parts("val"))):
+        shapes = np.array([(r - l, b - t) for l, t, r, b in ds.boxes])
+        aspects = shapes[:, 0] / shapes[:, 1]
+        assert ASPECT_RANGE == (1 / 3, 3.0)
+        assert aspects.min() >= 1 / 3 - 1e-9 and aspects.max() <= 3 + 1e-9
+        assert aspects.min() < 0.5 and aspects.max() > 2 and (aspects < 1).mean() > 0.3 < (aspects > 1).mean()
+        assert np.all(np.abs(shapes.prod(1) / CROP ** 2 - 1) <= 0.02)  # about 64 x 64 source pixels
+        # at the default size each image is its crop as cut: own aspect, PIL images of different sizes
+        assert [im.size for im in ds.images] == [tuple(s) for s in shapes.tolist()]
+        for (left, top, right, bottom), label in zip(ds.boxes, ds.targets):
+            pl, pt, pr, pb = parts[label][1]
+            assert pl <= left and right <= pr and pt <= top and bottom <= pb
+    # training crops left of each photograph's cut, validation crops right of it: no shared pixel
+    for label, ((_, tpart), (_, vpart)) in enumerate(zip(photo_parts("train"), photo_parts("val"))):
+        assert max(r for (_, _, r, _), t in zip(train.boxes, train.targets) if t == label) <= tpart[2] == vpart[0]
+        assert min(l for (l, _, _, _), t in zip(val.boxes, val.targets) if t == label) >= vpart[0]
+    # deterministic: the same crops at every construction; another size renders the same crops, scaled
+    again = create_dataset("photos_aspect", None, "val", digits_size=64)
+    assert again.boxes == val.boxes and again.targets == val.targets
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(again.images, val.images))
+    half = create_dataset("photos_aspect", None, "val", digits_size=32)
+    assert half.boxes == val.boxes
+    assert all(abs(im.size[0] - w / 2) <= 0.5 and abs(im.size[1] - h / 2) <= 0.5
+               for im, (w, h) in zip(half.images, (im.size for im in val.images)))
+    # the shared code leaves the square set's crops where they were (its published figures used these)
+    square = create_dataset("photos", None, "val", digits_size=64)
+    assert {(r - l, b - t) for l, t, r, b in square.boxes} == {(CROP, CROP)} and square.boxes != val.boxes
+    assert square.boxes[:2] == [(378, 7, 442, 71), (448, 319, 512, 383)] and square.boxes[-1] == (466, 196, 530, 260)
+    assert create_dataset("photos", None, "train").boxes[:2] == [(172, 363, 236, 427), (47, 269, 111, 333)]
+
+
+def test_train_on_photos_aspect_with_the_naflex_loader(tmp_path):
+    """linvision-train --dataset photos_aspect --naflex-loader: one tiny epoch on the photographs at their own
+    aspect; linvision-validate --naflex-loader scores its checkpoint on the 360 validation crops."""
+    from support import run_tool
+
+    pytest.importorskip("skimage")
+    run_tool("train.py", "--dataset", "photos_aspect", "--img-size", "32", "--model", "linvit_tiny_patch16_rope_224",
+             "--model-kwargs", "depth=1", "patch_size=8", "embed_dim=32", "num_heads=2", "--batch-size", "64",
+             "--epochs", "1", "--naflex-loader", "--naflex-train-seq-lens", "8", "16", "--naflex-max-seq-len", "16",
+             "--interpolation", "bilinear", "--no-progress", "--device", "cpu", "--output", str(tmp_path),
+             "--experiment", "r")
+    records = [json.loads(line) for line in open(tmp_path / "r" / "metrics.jsonl")]
+    (record,) = [r for r in records if r["kind"] == "epoch"]
+    assert np.isfinite(record["train_loss"]) and 0 <= record["val_top1"] <= 100
+    proc = run_tool("validate.py", "--checkpoint", str(tmp_path / "r" / "last"), "--naflex-loader",
+                    "--naflex-max-seq-len", "16", "--device", "cpu")
+    result = json.loads(proc.stdout)["results"][0]
+    assert result["count"] == 360 and result["naflex_max_seq_len"] == 16
+    assert result["loss"] == pytest.approx(record["val_loss"], rel=1e-5)
+
+
 def test_isotropic_family_takes_one_mixer_for_every_block(data, tmp_path):
     args = _args(data, tmp_path, "--mixers", "inline", "--model", "linvit_tiny_patch16_224", "--model-kwargs",
                  '{"patch_size": 8, "embed_dim": 16, "depth": 1, "num_heads": 2, "dynamic_img_size": true, '

@@ -10,6 +10,7 @@ Four sources, chosen by ``dataset``:
   upscaled to RGB images, split 80/20 with a fixed seed. It needs no file and no network.
 - ``"photos"``: 10 classes of crops of the photographs shipped with scikit-image and scikit-learn, training and
   validation crops from disjoint parts of each photograph (:mod:`linvision.engine.texture_data`); offline.
+  ``"photos_aspect"``: the same at aspect ratios from 1:3 to 3:1, each image at its own aspect (for NaFlex).
 
 Unreadable images raise :class:`BadImageError` naming the file; 16-bit greyscale images are scaled to 8 bits
 (not clipped). Loader worker processes leave the run's process group, so a signal to the group is the
@@ -87,12 +88,14 @@ def create_dataset(dataset: str, data_dir: Optional[str], split: str, transform:
     """
     if dataset == "digits":
         return DigitsDataset(split, size=digits_size, transform=transform)
-    if dataset == "photos":  # crops of photographs shipped with scikit-image and scikit-learn (texture_data.py)
-        from .texture_data import PhotoCropsDataset
+    if dataset in ("photos", "photos_aspect"):  # crops of photographs shipped with scikit-image, scikit-learn
+        from .texture_data import PhotoAspectCropsDataset, PhotoCropsDataset
 
-        return PhotoCropsDataset(split, size=digits_size, transform=transform)
+        cls = PhotoCropsDataset if dataset == "photos" else PhotoAspectCropsDataset
+        return cls(split, size=digits_size, transform=transform)
     if not data_dir:
-        raise ValueError(f"data_dir: required for dataset {dataset!r} (only 'digits' and 'photos' need none)")
+        raise ValueError(f"data_dir: required for dataset {dataset!r} (only 'digits', 'photos' and "
+                         f"'photos_aspect' need none)")
     if not os.path.isdir(data_dir):
         raise FileNotFoundError(f"data_dir: folder not found: {data_dir}")
     if dataset == "folder":
@@ -120,8 +123,8 @@ def create_dataset(dataset: str, data_dir: Optional[str], split: str, transform:
             return cls(data_dir, split=split, transform=transform, download=False)
         except RuntimeError as e:  # torchvision reports missing files this way
             raise FileNotFoundError(f"data_dir: {name} not found under {data_dir} ({e})") from None
-    raise ValueError(f"dataset: unknown {dataset!r}; allowed: 'folder', 'digits', 'photos', 'torch/<name>', "
-                     f"'torchvision/<Name>'")
+    raise ValueError(f"dataset: unknown {dataset!r}; allowed: 'folder', 'digits', 'photos', 'photos_aspect', "
+                     f"'torch/<name>', 'torchvision/<Name>'")
 
 
 # resize interpolations timm's transforms take by name, and its eval crop modes

@@ -14,6 +14,13 @@ its part, resized (bilinear) to ``size`` px: training and validation crops never
 A validation crop shows content the model has not seen (other bricks, other branches, another part of the cat),
 so the set measures transfer of texture, not recall of places. Greyscale photographs are repeated over RGB.
 
+``dataset="photos_aspect"`` (:class:`PhotoAspectCropsDataset`) is the same set at mixed aspect ratios: each
+crop's width / height is drawn log-uniformly from ``ASPECT_RANGE`` (1:3 to 3:1), its area about ``CROP`` x ``CROP``
+source pixels (within 2% after rounding), from the same training and validation parts, its shape and position
+fixed per split and class. Its images keep their aspect ratio (PIL images of different sizes, scaled by
+``size / CROP``: at size 64 the crop as cut), so timm's NaFlex loader sees each at its own aspect, while a square
+pipeline resizes and crops them to squares as it does any image.
+
 No file is written and nothing is downloaded; the images are decoded once per process.
 """
 from __future__ import annotations
@@ -26,10 +33,12 @@ import numpy as np
 from PIL import Image
 from .in_memory import InMemoryImages
 
-__all__ = ["PhotoCropsDataset", "photograph", "photo_parts", "CLASSES", "CROP", "TRAIN_FRACTION"]
+__all__ = ["PhotoCropsDataset", "PhotoAspectCropsDataset", "photograph", "photo_parts", "CLASSES", "CROP",
+           "TRAIN_FRACTION", "ASPECT_RANGE"]
 
 CROP = 64
 TRAIN_FRACTION = 2 / 3
+ASPECT_RANGE = (1 / 3, 3.0)  # width / height of photos_aspect's crops
 PER_CLASS = {"train": 120, "val": 36}
 SKIMAGE_PHOTOS = ("brick", "grass", "gravel", "immunohistochemistry", "hubble_deep_field", "coffee", "chelsea",
                   "astronaut")
@@ -68,7 +77,8 @@ class PhotoCropsDataset(InMemoryImages):
     """The photo-crops set (see the module docstring) for ``split`` "train" or "val", crops resized to ``size``.
 
     The crop positions depend only on the split and class (fixed seeds), so every run and every evaluation size
-    sees the same crops; ``size`` only changes the rendering (bilinear resize of the 64-pixel crop).
+    sees the same crops; ``size`` only changes the rendering (bilinear resize of the 64-pixel crop). ``boxes``
+    holds each crop's (left, top, right, bottom) in its photograph.
     """
 
     num_classes = len(CLASSES)
@@ -80,14 +90,49 @@ class PhotoCropsDataset(InMemoryImages):
             raise ValueError(f"size: must be >= 1, got {size}")
         self.images, self.targets, self.boxes = [], [], []
         self.classes = list(CLASSES)
+        count = PER_CLASS[split]
         for label, (name, (left, top, right, bottom)) in enumerate(photo_parts(split)):
             rng = np.random.RandomState(1000 * label + (0 if split == "train" else 1))
-            xs = rng.randint(left, right - CROP + 1, size=PER_CLASS[split])
-            ys = rng.randint(top, bottom - CROP + 1, size=PER_CLASS[split])
+            widths, heights = self._crop_shapes(rng, count)  # the square set's draw none: its crops stay put
+            xs = rng.randint(left, right - widths + 1, size=count)
+            ys = rng.randint(top, bottom - heights + 1, size=count)
             photo = photograph(name)
-            for x, y in zip(xs.tolist(), ys.tolist()):
-                box = (x, y, x + CROP, y + CROP)
+            for x, y, w, h in zip(xs.tolist(), ys.tolist(), np.broadcast_to(widths, count).tolist(),
+                                  np.broadcast_to(heights, count).tolist()):
+                box = (x, y, x + w, y + h)
                 self.boxes.append(box)
-                self.images.append(photo.crop(box).resize((size, size), Image.BILINEAR))
+                self.images.append(photo.crop(box).resize(self._rendered_size(w, h, size), Image.BILINEAR))
                 self.targets.append(label)
         self.transform = transform
+
+    @staticmethod
+    def _crop_shapes(rng: np.random.RandomState, count: int):
+        """(widths, heights) in source pixels of a class's ``count`` crops: ints, or arrays drawn from ``rng``."""
+        return CROP, CROP
+
+    @staticmethod
+    def _rendered_size(width: int, height: int, size: int) -> Tuple[int, int]:
+        """(width, height) of a crop of ``width`` x ``height`` source pixels rendered at ``size``."""
+        return size, size
+
+
+class PhotoAspectCropsDataset(PhotoCropsDataset):
+    """The photo crops at mixed aspect ratios (``dataset="photos_aspect"``, see the module docstring): crops of
+    width / height log-uniform in ``ASPECT_RANGE`` and about ``CROP`` x ``CROP`` source pixels, from the same
+    parts as :class:`PhotoCropsDataset`'s, each rendered at ``size / CROP`` times its source size with its aspect
+    ratio kept (at the default 64: as cut). Shapes and positions depend only on the split and class."""
+
+    @staticmethod
+    def _crop_shapes(rng: np.random.RandomState, count: int):
+        low, high = ASPECT_RANGE
+        aspect = np.exp(rng.uniform(np.log(low), np.log(high), size=count))
+        heights = np.maximum(1, np.round(CROP / np.sqrt(aspect))).astype(np.int64)
+        widths = np.round(CROP * np.sqrt(aspect)).astype(np.int64)
+        # rounding never takes a crop past the range
+        widths = np.clip(widths, np.ceil(heights * low), np.floor(heights * high)).astype(np.int64)
+        return widths, heights
+
+    @staticmethod
+    def _rendered_size(width: int, height: int, size: int) -> Tuple[int, int]:
+        scale = size / CROP
+        return max(1, int(round(width * scale))), max(1, int(round(height * scale)))

@@ -62,7 +62,7 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 from .common import (DEFAULT_EPS, FUSED_FEATURE_MAPS, KERNEL_NAMES, RopeSpec, check_eps, check_int, check_qkv,
-                     check_rope, feature_map_name)
+                     check_rope, check_valid, feature_map_name)
 
 __all__ = ["linear_attention_triton", "unsupported_reason", "FUSED_FEATURE_MAPS", "MIN_HEAD_DIM", "MAX_HEAD_DIM"]
 
@@ -98,7 +98,7 @@ def _block_p(d: int) -> int:
     return max(16, triton.next_power_of_2(d // 2))
 
 
-_TUNE_KEY = ["N_BUCKET", "D_HALF", "DV", "FEATURE", "HAS_ROPE"]
+_TUNE_KEY = ["N_BUCKET", "D_HALF", "DV", "FEATURE", "HAS_ROPE", "MASK", "POSITIONS"]
 _JITTED = {}  # kernel name -> jitted function
 _TUNED = {}  # (kernel name, BLOCK_P) -> autotuned kernel
 
@@ -218,23 +218,73 @@ def _grid_pos(offs_n, hi, prefix, width):
 
 
 @triton.jit
-def _freq_grad(dfx, dfy, g1, g2, r1, r2, offs_n, hi, prefix, width, off_row, off_col):
+def _sample_pos(pos_row, offs_n, hi, prefix):
+    """(row, col, whether rotated) of tokens at their sample's own positions: fp32 (row, col), offsets included,
+    read from the sample's (M, 2) positions (token n >= prefix at row n - prefix); prefix tokens and tokens >= hi
+    are not rotated (row = col = 0)."""
+    g = offs_n - prefix
+    is_rot = (g >= 0) & (offs_n < hi)
+    ptrs = pos_row + tl.where(is_rot, g, 0).to(tl.int64) * 2
+    return tl.load(ptrs, mask=is_rot, other=0.0), tl.load(ptrs + 1, mask=is_rot, other=0.0), is_rot
+
+
+@triton.jit
+def _token_mask(valid_row, offs_n, hi, MASK: tl.constexpr):
+    """The tokens of a block that count: those < hi and, with MASK, marked in the sample's (N,) row of the token
+    mask (read here, in the token loop: no pass of its own)."""
+    keep = offs_n < hi
+    if MASK:
+        keep = keep & (tl.load(valid_row + offs_n, mask=keep, other=0) != 0)
+    return keep
+
+
+@triton.jit
+def _per_sample(x, COUNT, b, COUNTED: tl.constexpr, DIVIDE: tl.constexpr):
+    """``x`` times (DIVIDE: over) sample b's number of valid keys with COUNTED (a token mask); ``x`` without."""
+    if COUNTED:
+        n = tl.load(COUNT + b)
+        if DIVIDE:
+            y = x / n
+        else:
+            y = x * n
+    else:
+        y = x
+    return y
+
+
+@triton.jit
+def _freq_grad(dfx, dfy, g1, g2, r1, r2, offs_n, hi, prefix, width, off_row, off_col, pos_row,
+               POSITIONS: tl.constexpr):
     """Add a token block's gradient of the RoPE frequencies: with g the gradient of the rotated features r = R phi,
-    d loss / d angle = g2 r1 - g1 r2 per pair, and the angle fx (col + off_col) + fy (row + off_row)."""
-    row, col, is_grid = _grid_pos(offs_n, hi, prefix, width)
+    d loss / d angle = g2 r1 - g1 r2 per pair, and the angle fx (col + off_col) + fy (row + off_row) (with
+    POSITIONS: fx col + fy row at the sample's own positions)."""
     dang = g2 * r1 - g1 * r2
-    colp = tl.where(is_grid, col.to(tl.float32) + off_col, 0.0)
-    rowp = tl.where(is_grid, row.to(tl.float32) + off_row, 0.0)
+    if POSITIONS:
+        rowp, colp, _ = _sample_pos(pos_row, offs_n, hi, prefix)
+    else:
+        row, col, is_grid = _grid_pos(offs_n, hi, prefix, width)
+        colp = tl.where(is_grid, col.to(tl.float32) + off_col, 0.0)
+        rowp = tl.where(is_grid, row.to(tl.float32) + off_row, 0.0)
     return dfx + tl.sum(dang * colp[:, None], axis=0), dfy + tl.sum(dang * rowp[:, None], axis=0)
 
 
 @triton.jit
-def _rope_cos_sin(TAB, h, stride_th, stride_ts, offs_n, hi, offs_p, prefix, width, D_HALF, HAS_ROPE: tl.constexpr):
+def _rope_cos_sin(TAB, h, stride_th, stride_ts, offs_n, hi, offs_p, prefix, width, D_HALF, pos_row,
+                  HAS_ROPE: tl.constexpr, POSITIONS: tl.constexpr):
     """cos, sin (BLOCK_N, BLOCK_P) of the tokens' angles fx * col + fy * row, combined by angle addition from the
     separable tables (no transcendental functions): TAB holds per head cos and sin of fx * col for each grid column,
     then of fy * row for each grid row. Prefix tokens and tokens >= hi are not rotated. Without RoPE the identity
-    rotation (1, 0)."""
-    if HAS_ROPE:
+    rotation (1, 0). With POSITIONS each sample's tokens sit at their own (row, col): TAB holds the frequencies
+    fx, fy per head, and the angle is formed per token (as the reference does) and its cos and sin taken here."""
+    if HAS_ROPE and POSITIONS:
+        row, col, is_rot = _sample_pos(pos_row, offs_n, hi, prefix)
+        base = TAB + h.to(tl.int64) * stride_th + offs_p
+        fx = tl.load(base, mask=offs_p < D_HALF, other=0.0)
+        fy = tl.load(base + stride_ts, mask=offs_p < D_HALF, other=0.0)
+        ang = col[:, None] * fx[None, :] + row[:, None] * fy[None, :]
+        cos = tl.where(is_rot[:, None], tl.cos(ang), 1.0)
+        sin = tl.where(is_rot[:, None], tl.sin(ang), 0.0)
+    elif HAS_ROPE:
         row, col, is_grid = _grid_pos(offs_n, hi, prefix, width)
         m = is_grid[:, None] & (offs_p < D_HALF)[None, :]
         base = TAB + h.to(tl.int64) * stride_th + offs_p[None, :]
@@ -268,6 +318,12 @@ def _rotate(x1, x2, cos, sin, HAS_ROPE: tl.constexpr, INVERSE: tl.constexpr):
 
 
 @triton.jit
+def _sample_rows(VALID, POS, b, N, stride_pb):
+    """Sample b's (N,) row of the token mask and its (M, 2) positions (dummies when unused)."""
+    return VALID + b.to(tl.int64) * N, POS + b.to(tl.int64) * stride_pb
+
+
+@triton.jit
 def _program(H, BH, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr):
     """(program index along axis 0, batch-head, batch, head, whether bh is a real one, channel-pair offsets, value
     offsets). Batch x heads runs on grid axes 1 and 2 (beyond 65535 on the third); programs past B*H compute the
@@ -285,9 +341,9 @@ def _head(X, b, h, stride_b, stride_h):
 
 
 @triton.jit
-def _tile_masks(offs_n, hi, offs_p, offs_e, D_HALF, DV):
-    """Masks of a token block: channel halves (BLOCK_N, BLOCK_P) and values (BLOCK_N, BLOCK_DV)."""
-    mask_n = offs_n < hi
+def _tile_masks(mask_n, offs_p, offs_e, D_HALF, DV):
+    """Masks of a token block whose tokens ``mask_n`` count: channel halves (BLOCK_N, BLOCK_P) and values
+    (BLOCK_N, BLOCK_DV)."""
     return mask_n[:, None] & (offs_p < D_HALF)[None, :], mask_n[:, None] & (offs_e < DV)[None, :]
 
 
@@ -308,12 +364,13 @@ def _load_tile_t(base, offs_n, offs_c, stride_n, stride_c, mask):
 
 @triton.jit
 def _features(x_base, offs_n, hi, offs_p, stride_n, stride_d, D_HALF, mask, TAB, h, stride_th, stride_ts, prefix,
-              width, FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr):
+              width, pos_row, FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr, POSITIONS: tl.constexpr):
     """A token block of an (N, D) slice: its channel halves x1, x2 (fp32), cos and sin of its rotation, phi(x)
     and R phi(x) on the halves (fp32); masked lanes of the features are zero (elu(0) + 1 = 1 must not count)."""
     x1 = _load_tile(x_base, offs_n, offs_p, stride_n, stride_d, mask).to(tl.float32)
     x2 = _load_tile(x_base, offs_n, offs_p + D_HALF, stride_n, stride_d, mask).to(tl.float32)
-    cos, sin = _rope_cos_sin(TAB, h, stride_th, stride_ts, offs_n, hi, offs_p, prefix, width, D_HALF, HAS_ROPE)
+    cos, sin = _rope_cos_sin(TAB, h, stride_th, stride_ts, offs_n, hi, offs_p, prefix, width, D_HALF, pos_row,
+                             HAS_ROPE, POSITIONS)
     f1 = tl.where(mask, _phi(x1, FEATURE), 0.0)
     f2 = tl.where(mask, _phi(x2, FEATURE), 0.0)
     r1, r2 = _rotate(f1, f2, cos, sin, HAS_ROPE, False)
@@ -374,23 +431,27 @@ def _store_state(S, Z, idx, s1, s2, z1, z2, offs_p, offs_e, D_HALF, DV, valid):
 
 
 @_kernel
-def _state_fwd_kernel(K, V, TAB, S_PART, Z_PART, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
-                      stride_vn, stride_vd, stride_th, stride_ts, H, BH, N, D_HALF, DV, split_len, prefix, width,
-                      N_BUCKET, FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr,
-                      DOT: tl.constexpr, ROUND_BF16: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr,
-                      BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid (splits, B*H): partial sums of S (rotated keys) and z over the tokens of one split. The rotated
-    features enter the tensor cores rounded to the input dtype, v as loaded; fp32 accumulation."""
+def _state_fwd_kernel(K, V, TAB, VALID, POS, S_PART, Z_PART, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
+                      stride_vh, stride_vn, stride_vd, stride_th, stride_ts, stride_pb, H, BH, N, D_HALF, DV,
+                      split_len, prefix, width, N_BUCKET, FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr,
+                      MASK: tl.constexpr, POSITIONS: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
+                      ROUND_BF16: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    """Grid (splits, B*H): partial sums of S (rotated keys) and z over the tokens of one split (with MASK, its
+    valid tokens). The rotated features enter the tensor cores rounded to the input dtype, v as loaded; fp32
+    accumulation."""
     pid_s, bh, b, h, valid, offs_p, offs_e = _program(H, BH, BLOCK_P, BLOCK_DV)
     k_base = _head(K, b, h, stride_kb, stride_kh)
     v_base = _head(V, b, h, stride_vb, stride_vh)
+    valid_row, pos_row = _sample_rows(VALID, POS, b, N, stride_pb)
     lo, hi, s1, s2, z1, z2 = _split_start(pid_s, split_len, N, BLOCK_DV, BLOCK_P)  # S^T halves: M = Dv for wgmma
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        mask_k, mask_v = _tile_masks(offs_n, hi, offs_p, offs_e, D_HALF, DV)
+        mask_k, mask_v = _tile_masks(_token_mask(valid_row, offs_n, hi, MASK), offs_p, offs_e, D_HALF, DV)
         vt = _native(_load_tile_t(v_base, offs_n, offs_e, stride_vn, stride_vd, mask_v), ROUND_BF16)
         _, _, _, _, f1, f2, r1, r2 = _features(k_base, offs_n, hi, offs_p, stride_kn, stride_kd, D_HALF, mask_k, TAB,
-                                               h, stride_th, stride_ts, prefix, width, FEATURE, HAS_ROPE)
+                                               h, stride_th, stride_ts, prefix, width, pos_row, FEATURE, HAS_ROPE,
+                                               POSITIONS)
         z1 += tl.sum(f1, axis=0)
         z2 += tl.sum(f2, axis=0)
         s1 = tl.dot(vt, _operand(r1, DOT, ROUND_BF16), s1, input_precision=PRECISION)  # v loaded as (Dv, tokens)
@@ -400,21 +461,26 @@ def _state_fwd_kernel(K, V, TAB, S_PART, Z_PART, stride_kb, stride_kh, stride_kn
 
 
 @_kernel
-def _output_fwd_kernel(Q, S, Z, TAB, O, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on,
-                       stride_od, stride_th, stride_ts, eps, H, BH, N, D_HALF, DV, prefix, width, N_BUCKET,
-                       FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
+def _output_fwd_kernel(Q, S, Z, TAB, VALID, COUNT, POS, O, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob,
+                       stride_oh, stride_on, stride_od, stride_th, stride_ts, stride_pb, eps, H, BH, N, D_HALF, DV,
+                       prefix, width, N_BUCKET, FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr, MASK: tl.constexpr,
+                       COUNTED: tl.constexpr, POSITIONS: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
                        ROUND_BF16: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr,
                        BLOCK_N: tl.constexpr):
-    """Grid (token blocks, B*H): o = (R phi(q)) S / (phi(q) . z + eps) for one block of queries; the rotated
-    features enter the tensor cores in the input dtype, S as its hi + lo split."""
+    """Grid (token blocks, B*H): o = (R phi(q)) S / (phi(q) . z + eps) for one block of queries (``eps`` times the
+    sample's valid keys with COUNTED; invalid queries with MASK get 0); the rotated features enter the tensor cores
+    in the input dtype, S as its hi + lo split."""
     pid_n, bh, b, h, valid, offs_p, offs_e = _program(H, BH, BLOCK_P, BLOCK_DV)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_q, mask_o = _tile_masks(offs_n, N, offs_p, offs_e, D_HALF, DV)
+    valid_row, pos_row = _sample_rows(VALID, POS, b, N, stride_pb)
+    mask_q, _ = _tile_masks(_token_mask(valid_row, offs_n, N, MASK), offs_p, offs_e, D_HALF, DV)
+    _, mask_o = _tile_masks(offs_n < N, offs_p, offs_e, D_HALF, DV)  # invalid queries are stored: as zeros
+    eps = _per_sample(eps, COUNT, b, COUNTED, False)
     s1, s2, z1, z2 = _load_state(S, Z, bh, offs_p, offs_e, D_HALF, DV, 1.0)
     hi1, lo1, hi2, lo2, inv = _split_state(s1, s2, DOT, ROUND_BF16, SPLIT)
     _, _, _, _, f1, f2, r1, r2 = _features(_head(Q, b, h, stride_qb, stride_qh), offs_n, N, offs_p, stride_qn,
                                            stride_qd, D_HALF, mask_q, TAB, h, stride_th, stride_ts, prefix, width,
-                                           FEATURE, HAS_ROPE)
+                                           pos_row, FEATURE, HAS_ROPE, POSITIONS)
     num = _state_dot(_operand(r1, DOT, ROUND_BF16), hi1, lo1, tl.zeros((BLOCK_N, BLOCK_DV), tl.float32), SPLIT,
                      PRECISION)
     num = _state_dot(_operand(r2, DOT, ROUND_BF16), hi2, lo2, num, SPLIT, PRECISION)
@@ -424,19 +490,23 @@ def _output_fwd_kernel(Q, S, Z, TAB, O, stride_qb, stride_qh, stride_qn, stride_
 
 
 @_kernel
-def _query_bwd_kernel(Q, DO, S, Z, TAB, DQ, DS_PART, DZ_PART, DF_PART, stride_qb, stride_qh, stride_qn, stride_qd,
-                      stride_ob, stride_oh, stride_on, stride_od, stride_th, stride_ts, eps, inv_n, H, BH, N,
-                      D_HALF, DV, split_len, prefix, width, off_row, off_col, N_BUCKET, FEATURE: tl.constexpr,
-                      HAS_ROPE: tl.constexpr, FREQ_GRAD: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
-                      ROUND_BF16: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr,
-                      BLOCK_N: tl.constexpr, DQ_GRAD: tl.constexpr):
+def _query_bwd_kernel(Q, DO, S, Z, TAB, VALID, COUNT, POS, DQ, DS_PART, DZ_PART, DF_PART, stride_qb, stride_qh,
+                      stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od, stride_th, stride_ts,
+                      stride_pb, eps, inv_n, H, BH, N, D_HALF, DV, split_len, prefix, width, off_row, off_col,
+                      N_BUCKET, FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr, MASK: tl.constexpr,
+                      COUNTED: tl.constexpr, POSITIONS: tl.constexpr, FREQ_GRAD: tl.constexpr,
+                      PRECISION: tl.constexpr, DOT: tl.constexpr, ROUND_BF16: tl.constexpr, SPLIT: tl.constexpr,
+                      BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, DQ_GRAD: tl.constexpr):
     """Grid (splits, B*H): dq for the queries of one split (only with DQ_GRAD) and partial sums of dS, dz
-    (without 1/Nk). S and z are the forward's sums over the keys, made means by ``inv_n`` = 1/Nk on loading.
+    (without 1/Nk). S and z are the forward's sums over the keys, made means by ``inv_n`` = 1/Nk on loading (over
+    the sample's valid keys with COUNTED). With MASK invalid queries add nothing and get dq = 0.
 
     With g = dO S^T / den the gradient of the rotated features, dden = -(dO . num) / den^2 = -(R phi(q) . g) / den:
     the numerator is not recomputed. dO enters the tensor cores as loaded, S as its hi + lo split, R phi(q) / den
     rounded to the input dtype."""
     pid_s, bh, b, h, valid, offs_p, offs_e = _program(H, BH, BLOCK_P, BLOCK_DV)
+    valid_row, pos_row = _sample_rows(VALID, POS, b, N, stride_pb)
+    inv_n = _per_sample(inv_n, COUNT, b, COUNTED, True)
     s1, s2, z1, z2 = _load_state(S, Z, bh, offs_p, offs_e, D_HALF, DV, inv_n)  # the means
     hi1, lo1, hi2, lo2, inv = _split_state(tl.trans(s1), tl.trans(s2), DOT, ROUND_BF16, SPLIT)
     q_base = _head(Q, b, h, stride_qb, stride_qh)
@@ -447,10 +517,11 @@ def _query_bwd_kernel(Q, DO, S, Z, TAB, DQ, DS_PART, DZ_PART, DF_PART, stride_qb
     dfy = tl.zeros_like(dz1)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        mask_q, mask_o = _tile_masks(offs_n, hi, offs_p, offs_e, D_HALF, DV)
+        mask_q, mask_o = _tile_masks(_token_mask(valid_row, offs_n, hi, MASK), offs_p, offs_e, D_HALF, DV)
         do = _native(_load_tile(do_base, offs_n, offs_e, stride_on, stride_od, mask_o), ROUND_BF16)
         _, _, cos, sin, f1, f2, r1, r2 = _features(q_base, offs_n, hi, offs_p, stride_qn, stride_qd, D_HALF, mask_q,
-                                                     TAB, h, stride_th, stride_ts, prefix, width, FEATURE, HAS_ROPE)
+                                                     TAB, h, stride_th, stride_ts, prefix, width, pos_row, FEATURE,
+                                                     HAS_ROPE, POSITIONS)
         den = tl.sum(f1 * z1[None, :], axis=1) + tl.sum(f2 * z2[None, :], axis=1) + eps
         scale = inv / den
         zero = tl.zeros((BLOCK_N, BLOCK_P), tl.float32)
@@ -460,8 +531,9 @@ def _query_bwd_kernel(Q, DO, S, Z, TAB, DQ, DS_PART, DZ_PART, DF_PART, stride_qb
         if DQ_GRAD:
             dq1, dq2 = _input_grad(g1, g2, dden[:, None] * z1[None, :], dden[:, None] * z2[None, :], f1, f2,
                                    FEATURE, cos, sin, HAS_ROPE)
-            _store_rows(dq_base, offs_n, offs_p, 2 * D_HALF, dq1, mask_q & valid)
-            _store_rows(dq_base, offs_n, offs_p + D_HALF, 2 * D_HALF, dq2, mask_q & valid)
+            mask_d, _ = _tile_masks(offs_n < hi, offs_p, offs_e, D_HALF, DV)  # invalid queries: zeros stored
+            _store_rows(dq_base, offs_n, offs_p, 2 * D_HALF, dq1, mask_d & valid)
+            _store_rows(dq_base, offs_n, offs_p + D_HALF, 2 * D_HALF, dq2, mask_d & valid)
         rd = 1.0 / den
         if BLOCK_DV < 64:  # register-operand dots: dO^T loaded as such (again, from cache) keeps the loop pipelined
             dot = _native(_load_tile_t(do_base, offs_n, offs_e, stride_on, stride_od, mask_o), ROUND_BF16)
@@ -472,7 +544,8 @@ def _query_bwd_kernel(Q, DO, S, Z, TAB, DQ, DS_PART, DZ_PART, DF_PART, stride_qb
         dz1 += tl.sum(dden[:, None] * f1, axis=0)
         dz2 += tl.sum(dden[:, None] * f2, axis=0)
         if FREQ_GRAD:
-            dfx, dfy = _freq_grad(dfx, dfy, g1, g2, r1, r2, offs_n, hi, prefix, width, off_row, off_col)
+            dfx, dfy = _freq_grad(dfx, dfy, g1, g2, r1, r2, offs_n, hi, prefix, width, off_row, off_col, pos_row,
+                                  POSITIONS)
     slot = bh * tl.num_programs(0) + pid_s
     _store_state(DS_PART, DZ_PART, slot, tl.trans(ds1), tl.trans(ds2), dz1, dz2, offs_p, offs_e, D_HALF, DV, valid)
     if FREQ_GRAD:  # (slots, 2, P): per split, d loss / d fx and d loss / d fy of this head
@@ -482,25 +555,30 @@ def _query_bwd_kernel(Q, DO, S, Z, TAB, DQ, DS_PART, DZ_PART, DF_PART, stride_qb
 
 
 @_kernel
-def _key_bwd_kernel(K, V, DS, DZ, TAB, DK, DV_OUT, DF, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
-                    stride_vh, stride_vn, stride_vd, stride_th, stride_ts, inv_n, H, BH, N, D_HALF, DV, prefix,
-                    width,
-                    off_row, off_col, N_BUCKET, FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr,
+def _key_bwd_kernel(K, V, DS, DZ, TAB, VALID, COUNT, POS, DK, DV_OUT, DF, stride_kb, stride_kh, stride_kn, stride_kd,
+                    stride_vb, stride_vh, stride_vn, stride_vd, stride_th, stride_ts, stride_pb, inv_n, H, BH, N,
+                    D_HALF, DV, prefix, width, off_row, off_col, N_BUCKET, FEATURE: tl.constexpr,
+                    HAS_ROPE: tl.constexpr, MASK: tl.constexpr, COUNTED: tl.constexpr, POSITIONS: tl.constexpr,
                     FREQ_GRAD: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr, ROUND_BF16: tl.constexpr,
                     SPLIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (token blocks, B*H): dk = phi'(k) (R^T (v dS^T) + dz), dv = (R phi(k)) dS; dS, dz are the sums over the
-    query splits, times ``inv_n`` = 1/Nk on loading (the gradient of the mean S carries its 1/Nk).
+    query splits, times ``inv_n`` = 1/Nk on loading (the gradient of the mean S carries its 1/Nk; over the
+    sample's valid keys with COUNTED). With MASK invalid keys get dk = dv = 0.
     v enters the tensor cores as loaded, R phi(k) rounded to the input dtype, dS as its hi + lo split."""
     pid_n, bh, b, h, valid, offs_p, offs_e = _program(H, BH, BLOCK_P, BLOCK_DV)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_k, mask_v = _tile_masks(offs_n, N, offs_p, offs_e, D_HALF, DV)
+    valid_row, pos_row = _sample_rows(VALID, POS, b, N, stride_pb)
+    keep = _token_mask(valid_row, offs_n, N, MASK)
+    mask_k, mask_v = _tile_masks(keep, offs_p, offs_e, D_HALF, DV)
+    mask_dk, mask_dv = _tile_masks(offs_n < N, offs_p, offs_e, D_HALF, DV)  # invalid keys: zeros stored
+    inv_n = _per_sample(inv_n, COUNT, b, COUNTED, True)
     ds1, ds2, dz1, dz2 = _load_state(DS, DZ, bh, offs_p, offs_e, D_HALF, DV, inv_n)
     hi1, lo1, hi2, lo2, inv = _split_state(ds1, ds2, DOT, ROUND_BF16, SPLIT)
     v = _native(_load_tile(_head(V, b, h, stride_vb, stride_vh), offs_n, offs_e, stride_vn, stride_vd, mask_v),
                 ROUND_BF16)
     _, _, cos, sin, f1, f2, r1, r2 = _features(_head(K, b, h, stride_kb, stride_kh), offs_n, N, offs_p, stride_kn,
                                                  stride_kd, D_HALF, mask_k, TAB, h, stride_th, stride_ts, prefix,
-                                                 width, FEATURE, HAS_ROPE)
+                                                 width, pos_row, FEATURE, HAS_ROPE, POSITIONS)
     dv = _state_dot(_operand(r1, DOT, ROUND_BF16), hi1, lo1, tl.zeros((BLOCK_N, BLOCK_DV), tl.float32), SPLIT,
                     PRECISION)
     dv = _state_dot(_operand(r2, DOT, ROUND_BF16), hi2, lo2, dv, SPLIT, PRECISION) * inv
@@ -508,20 +586,24 @@ def _key_bwd_kernel(K, V, DS, DZ, TAB, DK, DV_OUT, DF, stride_kb, stride_kh, str
     g1 = _state_dot(v, tl.trans(hi1), tl.trans(lo1), zero, SPLIT, PRECISION) * inv
     g2 = _state_dot(v, tl.trans(hi2), tl.trans(lo2), zero, SPLIT, PRECISION) * inv
     dk1, dk2 = _input_grad(g1, g2, dz1[None, :], dz2[None, :], f1, f2, FEATURE, cos, sin, HAS_ROPE)
+    if MASK:  # dz reaches every key (phi' of the identity map is 1 at a zeroed key)
+        dk1 = tl.where(mask_k, dk1, 0.0)
+        dk2 = tl.where(mask_k, dk2, 0.0)
     dk_base = DK + bh.to(tl.int64) * N * 2 * D_HALF  # dk and dv are allocated contiguous
-    _store_rows(dk_base, offs_n, offs_p, 2 * D_HALF, dk1, mask_k & valid)
-    _store_rows(dk_base, offs_n, offs_p + D_HALF, 2 * D_HALF, dk2, mask_k & valid)
-    _store_rows(DV_OUT + bh.to(tl.int64) * N * DV, offs_n, offs_e, DV, dv, mask_v & valid)
+    _store_rows(dk_base, offs_n, offs_p, 2 * D_HALF, dk1, mask_dk & valid)
+    _store_rows(dk_base, offs_n, offs_p + D_HALF, 2 * D_HALF, dk2, mask_dk & valid)
+    _store_rows(DV_OUT + bh.to(tl.int64) * N * DV, offs_n, offs_e, DV, dv, mask_dv & valid)
     if FREQ_GRAD:  # (B*H, 2, P), summed over the token blocks
         dfx, dfy = _freq_grad(tl.zeros_like(dz1), tl.zeros_like(dz1), g1, g2, r1, r2, offs_n, N, prefix, width,
-                              off_row, off_col)
+                              off_row, off_col, pos_row, POSITIONS)
         df_ptrs = DF + bh.to(tl.int64) * 2 * D_HALF + offs_p
         tl.atomic_add(df_ptrs, dfx, mask=(offs_p < D_HALF) & valid)
         tl.atomic_add(df_ptrs + D_HALF, dfy, mask=(offs_p < D_HALF) & valid)
 
 
 TOKEN_POINTERS = {"K", "V", "Q", "O", "DO", "DQ", "DK", "DV_OUT"}  # in the input dtype
-FP32_POINTERS = {"S", "Z", "DS", "DZ", "S_PART", "Z_PART", "DS_PART", "DZ_PART", "TAB", "DF_PART", "DF"}
+FP32_POINTERS = {"S", "Z", "DS", "DZ", "S_PART", "Z_PART", "DS_PART", "DZ_PART", "TAB", "DF_PART", "DF", "COUNT", "POS"}
+BYTE_POINTERS = {"VALID"}  # the token mask, one byte per token
 FLOAT_SCALARS = {"eps", "inv_n", "off_row", "off_col"}
 # Chosen from `python tools/check_kernels.py --candidates` (sm_90, bf16 with RoPE, the heaviest case) and checked for
 # fp16/bf16 with RoPE on and off by `python tools/check_kernels.py` (docs/kernels.md); keyed on the head-dim bucket.
@@ -546,10 +628,13 @@ _TL_DTYPES = {"float16": tl.float16, "bfloat16": tl.bfloat16, "float32": tl.floa
 
 
 def kernel_constexprs(dtype: str, d: int, dv: int, feature: str, has_rope: bool, interpret: bool = False,
-                      freq_grad: bool = False, dq_grad: bool = True) -> dict:
+                      freq_grad: bool = False, dq_grad: bool = True, mask: bool = False, counted: bool = False,
+                      positions: bool = False) -> dict:
     """The constexprs of a launch (all but BLOCK_N; FREQ_GRAD only for the backward kernels, DQ_GRAD only for the
-    query backward, see :func:`kernel_function`); ``dtype`` by name ("bfloat16", ...). 16-bit inputs: dot operands
-    in that dtype (the fp32 state split hi + lo); fp32 inputs: exact fp32 products ("ieee")."""
+    query backward, COUNTED not for the state kernel, see :func:`kernel_function`); ``dtype`` by name
+    ("bfloat16", ...). 16-bit inputs: dot operands in that dtype (the fp32 state split hi + lo); fp32 inputs: exact
+    fp32 products ("ieee"). ``mask``: the kernel's tokens are read through a token mask; ``counted``: means over
+    each sample's valid keys; ``positions``: RoPE at per-sample positions."""
     half = dtype != "float32"
     round_bf16 = interpret and dtype == "bfloat16"
     return dict(
@@ -563,18 +648,54 @@ def kernel_constexprs(dtype: str, d: int, dv: int, feature: str, has_rope: bool,
         BLOCK_DV=max(16, triton.next_power_of_2(dv)),
         FREQ_GRAD=freq_grad,
         DQ_GRAD=dq_grad,
+        MASK=mask,
+        COUNTED=counted,
+        POSITIONS=positions,
     )
 
 
-def _meta(q: Tensor, v: Tensor, feature_map: str, has_rope: bool, freq_grad: Optional[bool] = None) -> dict:
+def _meta(q: Tensor, v: Tensor, feature_map: str, has_rope: bool, freq_grad: Optional[bool] = None,
+          positions: bool = False) -> dict:
     """Constexprs of a launch; ``freq_grad`` None for the forward kernels (which have no FREQ_GRAD); DQ_GRAD
-    (True) is left for the caller to set on the query backward only."""
+    (True), MASK and COUNTED are left for the caller to set per kernel (see :class:`_Tokens`)."""
     dtype = str(q.dtype).replace("torch.", "")
-    meta = kernel_constexprs(dtype, q.shape[-1], v.shape[-1], feature_map, has_rope, _INTERPRET, bool(freq_grad))
-    del meta["DQ_GRAD"]
+    meta = kernel_constexprs(dtype, q.shape[-1], v.shape[-1], feature_map, has_rope, _INTERPRET, bool(freq_grad),
+                             positions=positions)
+    for name in ("DQ_GRAD", "MASK", "COUNTED"):
+        del meta[name]
     if freq_grad is None:
         del meta["FREQ_GRAD"]
     return meta
+
+
+class _Tokens:
+    """What the kernels read of a token mask and per-sample positions: the mask as bytes (B, Nk) and each sample's
+    number of valid keys (B,) fp32 (at least 1, as the reference counts), the positions as fp32 (B or 1, M, 2)
+    with the RoPE offsets added (the angle is then formed exactly as the reference forms it); dummies (never read)
+    where absent. ``keys`` and ``queries`` are the MASK / COUNTED constexprs of the kernels over keys and queries:
+    queries are masked only when they are the keys' tokens (Nq == Nk)."""
+
+    def __init__(self, q: Tensor, valid: Optional[Tensor], positions: Optional[Tensor], offsets: List[float]):
+        self.has_valid = valid is not None
+        if valid is None:
+            self.valid = self.count = q
+        else:
+            self.valid = valid.contiguous().view(torch.uint8)
+            self.count = valid.sum(dim=1, dtype=torch.float32).clamp_(min=1.0)
+        if positions is None:
+            self.pos, self.stride_pb = q, 0
+        else:
+            off = torch.tensor(offsets, dtype=torch.float32, device=q.device)
+            self.pos = (positions.to(device=q.device, dtype=torch.float32) + off).contiguous()
+            self.stride_pb = 0 if self.pos.shape[0] == 1 else self.pos.stride(0)
+        mask_queries = self.has_valid and q.shape[2] == (valid.shape[1] if valid is not None else -1)
+        self.keys = dict(MASK=self.has_valid, COUNTED=self.has_valid)
+        self.queries = dict(MASK=mask_queries, COUNTED=self.has_valid)
+
+    def scale(self, x: float, n: int) -> float:
+        """``x`` times n, the number of keys, when it is the same for every sample (no mask): the kernels multiply
+        by each sample's own count otherwise (COUNTED)."""
+        return x if self.has_valid else x * n
 
 
 def _split_len(n: int, bh: int, device: torch.device, split_tokens: int) -> int:
@@ -591,13 +712,17 @@ def _split_len(n: int, bh: int, device: torch.device, split_tokens: int) -> int:
 
 
 def _rope_table(q: Tensor, n: int, freqs_x: Optional[Tensor], freqs_y: Optional[Tensor], rope_ints: List[int],
-                rope_offsets: List[float]) -> Tuple[Tensor, int, int, int, int]:
+                rope_offsets: List[float], positions: bool = False) -> Tuple[Tensor, int, int, int, int]:
     """(table, head stride, cos/sin stride, prefix, width). The table (heads or 1, 2, W + rows, P) holds cos and
     sin of fx * (col + offset) for each grid column, then of fy * (row + offset) for each grid row: O((W + rows) P)
-    values, combined in-kernel by angle addition. A dummy (never loaded) without RoPE."""
+    values, combined in-kernel by angle addition. With per-sample ``positions`` it is the frequencies (heads or 1,
+    2, P) themselves. A dummy (never loaded) without RoPE."""
     if freqs_x is None or freqs_y is None:
         return q, 0, 0, 0, 1
     prefix, width = rope_ints
+    if positions:
+        tab = torch.stack([freqs_x, freqs_y], dim=1).float().contiguous()  # (heads or 1, 2, P)
+        return tab, (0 if tab.shape[0] == 1 else tab.stride(0)), tab.stride(1), prefix, width
     rows = max(1, triton.cdiv(n - prefix, width))
     cols = torch.arange(width, device=q.device, dtype=torch.float64) + rope_offsets[1]
     rows_pos = torch.arange(rows, device=q.device, dtype=torch.float64) + rope_offsets[0]
@@ -633,39 +758,47 @@ def _reduce(part: Tensor) -> Tensor:
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, feature_map: str, freqs_x: Optional[Tensor],
              freqs_y: Optional[Tensor], rope_ints: List[int], rope_offsets: List[float], eps: float,
-             split_tokens: int) -> Tuple[Tensor, Tensor, Tensor]:
+             split_tokens: int, valid: Optional[Tensor] = None,
+             positions: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     b, h, nq, d = q.shape
     nk, dv = k.shape[2], v.shape[-1]
-    meta = _meta(q, v, feature_map, freqs_x is not None)
-    tab, stride_th, stride_ts, prefix, width = _rope_table(q, nk, freqs_x, freqs_y, rope_ints, rope_offsets)
+    has_pos = positions is not None and freqs_x is not None
+    meta = _meta(q, v, feature_map, freqs_x is not None, positions=has_pos)
+    tab, stride_th, stride_ts, prefix, width = _rope_table(q, nk, freqs_x, freqs_y, rope_ints, rope_offsets, has_pos)
+    tok = _Tokens(q, valid, positions if has_pos else None, rope_offsets)
     split = _split_len(nk, b * h, q.device, split_tokens)
     n_splits = triton.cdiv(nk, split)
     s_part = torch.empty(b * h, n_splits, d, dv, device=q.device, dtype=torch.float32)
     z_part = torch.empty(b * h, n_splits, d, device=q.device, dtype=torch.float32)
-    _run("_state_fwd_kernel", d, dv, _grid(n_splits, b * h), k, v, tab, s_part, z_part, *k.stride(), *v.stride(),
-         stride_th, stride_ts, h, b * h, nk, d // 2, dv, split, prefix, width, triton.next_power_of_2(nk), **meta)
+    _run("_state_fwd_kernel", d, dv, _grid(n_splits, b * h), k, v, tab, tok.valid, tok.pos, s_part, z_part,
+         *k.stride(), *v.stride(), stride_th, stride_ts, tok.stride_pb, h, b * h, nk, d // 2, dv, split, prefix,
+         width, triton.next_power_of_2(nk), **meta, MASK=tok.has_valid)
     s = _reduce(s_part).view(b, h, d, dv)  # sums over the keys; the 1/Nk of the mean goes onto eps
     z = _reduce(z_part).view(b, h, d)
     o = torch.empty(b, nq, h, dv, device=q.device, dtype=q.dtype).transpose(1, 2)  # token-major memory
     if nq > 0:
-        _run("_output_fwd_kernel", d, dv, _grid(lambda cfg: triton.cdiv(nq, cfg["BLOCK_N"]), b * h), q, s, z, tab, o,
-             *q.stride(), *o.stride(), stride_th, stride_ts, eps * nk, h, b * h, nq, d // 2, dv, prefix, width,
-             triton.next_power_of_2(nq), **meta)
+        _run("_output_fwd_kernel", d, dv, _grid(lambda cfg: triton.cdiv(nq, cfg["BLOCK_N"]), b * h), q, s, z, tab,
+             tok.valid, tok.count, tok.pos, o, *q.stride(), *o.stride(), stride_th, stride_ts, tok.stride_pb,
+             tok.scale(eps, nk), h, b * h, nq, d // 2, dv, prefix, width, triton.next_power_of_2(nq), **meta,
+             **tok.queries)
     return o, s, z
 
 
 def _backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor, feature_map: str,
               freqs_x: Optional[Tensor], freqs_y: Optional[Tensor], rope_ints: List[int],
               rope_offsets: List[float], eps: float, split_tokens: int, freq_grad: bool,
-              kv_grad: bool = True, q_grad: bool = True) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+              kv_grad: bool = True, q_grad: bool = True, valid: Optional[Tensor] = None,
+              positions: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dfx, dfy); the frequency gradients shaped like the frequencies with ``freq_grad`` (and RoPE),
     else empty; dk and dv empty without ``kv_grad``, and the key kernel then runs only for the frequencies; dq
     empty without ``q_grad`` (the query kernel then forms only dS, dz and the frequency partials)."""
     b, h, nq, d = q.shape
     nk, dv = k.shape[2], v.shape[-1]
     freq_grad = freq_grad and freqs_x is not None
-    meta = _meta(q, v, feature_map, freqs_x is not None, freq_grad)
-    tab, stride_th, stride_ts, prefix, width = _rope_table(q, nk, freqs_x, freqs_y, rope_ints, rope_offsets)
+    has_pos = positions is not None and freqs_x is not None
+    meta = _meta(q, v, feature_map, freqs_x is not None, freq_grad, positions=has_pos)
+    tab, stride_th, stride_ts, prefix, width = _rope_table(q, nk, freqs_x, freqs_y, rope_ints, rope_offsets, has_pos)
+    tok = _Tokens(q, valid, positions if has_pos else None, rope_offsets)
     p = d // 2
     dq = torch.empty(b, h, nq, d, device=q.device, dtype=q.dtype) if q_grad else q.new_empty(0)
     df = torch.zeros(b * h, 2, p if freq_grad else 0, device=q.device, dtype=torch.float32)
@@ -681,18 +814,20 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor,
     # the backward runs on the means (the kernels scale the sums by 1/Nk as they load them, no division is
     # launched): R phi(q) / den, rounded to 16 bits for the dS product, stays a normal fp16 number there (with
     # sums, den grows with Nk and the operand would sink into fp16's subnormals)
-    inv_n = 1.0 / max(nk, 1)
-    _run("_query_bwd_kernel", d, dv, _grid(n_splits, b * h), q, do, s, z, tab, dq, ds_part, dz_part, df_part,
-         *q.stride(), *do.stride(), stride_th, stride_ts, eps, inv_n, h, b * h, nq, d // 2, dv, split, prefix, width,
-         off_row, off_col, triton.next_power_of_2(nq), **meta, DQ_GRAD=q_grad)
+    inv_n = 1.0 if tok.has_valid else 1.0 / max(nk, 1)  # with a mask, each sample's own count (COUNTED)
+    _run("_query_bwd_kernel", d, dv, _grid(n_splits, b * h), q, do, s, z, tab, tok.valid, tok.count, tok.pos, dq,
+         ds_part, dz_part, df_part, *q.stride(), *do.stride(), stride_th, stride_ts, tok.stride_pb, eps, inv_n, h,
+         b * h, nq, d // 2, dv, split, prefix, width, off_row, off_col, triton.next_power_of_2(nq), **meta,
+         **tok.queries, DQ_GRAD=q_grad)
     if not (kv_grad or freq_grad):
         return dq, k.new_empty(0), v.new_empty(0), *_freq_grads(df, freqs_x, h)
     ds, dz = _reduce(ds_part), _reduce(dz_part)  # (B*H, D, Dv) sums; the key kernel applies the 1/Nk
     dk = torch.empty(b, h, nk, d, device=q.device, dtype=k.dtype)
     dv_out = torch.empty(b, h, nk, dv, device=q.device, dtype=v.dtype)
-    _run("_key_bwd_kernel", d, dv, _grid(lambda cfg: triton.cdiv(nk, cfg["BLOCK_N"]), b * h), k, v, ds, dz, tab, dk,
-         dv_out, df, *k.stride(), *v.stride(), stride_th, stride_ts, inv_n, h, b * h, nk, d // 2, dv, prefix, width,
-         off_row, off_col, triton.next_power_of_2(nk), **meta)
+    _run("_key_bwd_kernel", d, dv, _grid(lambda cfg: triton.cdiv(nk, cfg["BLOCK_N"]), b * h), k, v, ds, dz, tab,
+         tok.valid, tok.count, tok.pos, dk, dv_out, df, *k.stride(), *v.stride(), stride_th, stride_ts,
+         tok.stride_pb, inv_n, h, b * h, nk, d // 2, dv, prefix, width, off_row, off_col,
+         triton.next_power_of_2(nk), **meta, **tok.keys)
     if freq_grad:
         df += df_part.sum(dim=1)
     if not kv_grad:
@@ -714,16 +849,21 @@ def _freq_grads(df: Tensor, freqs_x: Optional[Tensor], heads: int) -> Tuple[Tens
 @torch.library.custom_op("linvision::linear_attention_fwd", mutates_args=())
 def _linear_attention_fwd_op(
     q: Tensor, k: Tensor, v: Tensor, feature_map: str, freqs_x: Optional[Tensor], freqs_y: Optional[Tensor],
-    rope_ints: List[int], rope_offsets: List[float], eps: float, split_tokens: int,
+    rope_ints: List[int], rope_offsets: List[float], eps: float, split_tokens: int, valid: Optional[Tensor] = None,
+    positions: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(o (B, H, Nq, Dv) in q's dtype, S (B, H, D, Dv) fp32, z (B, H, D) fp32); S and z are the sums over the keys
-    (o = (R phi(q)) S / (phi(q) . z + Nk eps), the mean form with the 1/Nk moved onto eps: no division launched).
+    (o = (R phi(q)) S / (phi(q) . z + Nk eps), the mean form with the 1/Nk moved onto eps: no division launched;
+    with a token mask ``valid`` (B, Nk) the sums and Nk run over each sample's valid keys). ``positions``
+    (B or 1, M, 2): the RoPE (row, col) of each sample's tokens after the prefix.
     o is a view of token-major (B, Nq, H, Dv) memory, so merging its heads back into channels copies nothing."""
-    return _forward(q, k, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens)
+    return _forward(q, k, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens, valid,
+                    positions)
 
 
 @_linear_attention_fwd_op.register_fake
-def _(q, k, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens):
+def _(q, k, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens, valid=None,
+      positions=None):
     b, h, nq, d = q.shape
     dv = v.shape[-1]
     return (
@@ -737,18 +877,19 @@ def _(q, k, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, spli
 def _linear_attention_bwd_op(
     q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor, feature_map: str,
     freqs_x: Optional[Tensor], freqs_y: Optional[Tensor], rope_ints: List[int], rope_offsets: List[float],
-    eps: float, split_tokens: int, freq_grad: bool, kv_grad: bool, q_grad: bool,
+    eps: float, split_tokens: int, freq_grad: bool, kv_grad: bool, q_grad: bool, valid: Optional[Tensor] = None,
+    positions: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dfx, dfy) from the inputs, the output gradient and the saved S, z (nothing N-sized is saved);
     dfx, dfy are the RoPE frequencies' gradients with ``freq_grad``, dk and dv with ``kv_grad``, dq with
     ``q_grad``, else empty."""
     return _backward(q, k, v, do, s, z, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens,
-                     freq_grad, kv_grad, q_grad)
+                     freq_grad, kv_grad, q_grad, valid, positions)
 
 
 @_linear_attention_bwd_op.register_fake
 def _(q, k, v, do, s, z, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens, freq_grad,
-      kv_grad, q_grad):
+      kv_grad, q_grad, valid=None, positions=None):
     grads = freq_grad and freqs_x is not None
     return (
         torch.empty_like(q, memory_format=torch.contiguous_format) if q_grad else q.new_empty(0),
@@ -760,25 +901,25 @@ def _(q, k, v, do, s, z, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets,
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens = inputs
+    q, k, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens, valid, positions = inputs
     _, s, z = output
-    ctx.save_for_backward(q, k, v, s, z, freqs_x, freqs_y)
+    ctx.save_for_backward(q, k, v, s, z, freqs_x, freqs_y, valid, positions)
     ctx.options = (feature_map, rope_ints, rope_offsets, eps, split_tokens)
     ctx.mark_non_differentiable(s, z)
 
 
 def _backward_rule(ctx, do, ds, dz):
-    q, k, v, s, z, freqs_x, freqs_y = ctx.saved_tensors
+    q, k, v, s, z, freqs_x, freqs_y, valid, positions = ctx.saved_tensors
     feature_map, rope_ints, rope_offsets, eps, split_tokens = ctx.options
     needs = ctx.needs_input_grad
     dq, dk, dv, dfx, dfy = torch.ops.linvision.linear_attention_bwd(
         q, k, v, do, s, z, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens,
-        needs[4] or needs[5], needs[1] or needs[2], needs[0],
+        needs[4] or needs[5], needs[1] or needs[2], needs[0], valid, positions,
     )
     # no key kernel (and no dk, dv) when neither keys nor values need a gradient, unless the frequencies do; no dq
     # (formed or stored) when the queries need none
     return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None, None,
-            dfx if needs[4] else None, dfy if needs[5] else None, None, None, None, None)
+            dfx if needs[4] else None, dfy if needs[5] else None, None, None, None, None, None, None)
 
 
 _linear_attention_fwd_op.register_autograd(_backward_rule, setup_context=_setup_context)
@@ -807,8 +948,6 @@ def unsupported_reason(q: Tensor, k: Tensor, v: Tensor, feature_map: str, rope: 
     :func:`~.common.check_qkv`); ``feature_map`` is the map's name (aliases allowed)."""
     if causal:
         return "causal attention is not fused (the kernels are non-causal)"
-    if rope is not None and rope.positions is not None:
-        return "RoPE at per-sample positions is not fused yet"
     name = feature_map_name(feature_map)
     if name not in FUSED_FEATURE_MAPS:
         return f"feature map {name!r} is not fused (fused: {', '.join(FUSED_FEATURE_MAPS)})"
@@ -841,7 +980,7 @@ def _autocast(q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor, Tensor, 
 
 def linear_attention_triton(
     q: Tensor, k: Tensor, v: Tensor, feature_map: str, rope: Optional[RopeSpec] = None, eps: float = DEFAULT_EPS, *,
-    split_tokens: int = 0,
+    split_tokens: int = 0, valid: Optional[Tensor] = None,
 ) -> Tensor:
     """Fused non-causal linear attention; same semantics as ``linvision.ops.linear_attention_reference``.
 
@@ -851,6 +990,10 @@ def linear_attention_triton(
     rope: a :class:`~.common.RopeSpec` (``linvision.ops.Rope`` is one), applied in-kernel to the numerator; frequencies
     that require grad (learnable mixed RoPE) get their gradient from the backward kernels.
     split_tokens: tokens per split of the reductions over N (0: chosen from the GPU's size).
+    valid: None, or a (B, Nk) bool mask of the keys that count: read in the kernels' token loops, the state,
+    normaliser and means run over each sample's valid keys; invalid queries (Nq == Nk) get 0; masked tokens are
+    never read, so padding may hold anything. RoPE at per-sample positions (``rope.positions``) rotates each
+    token at its own (row, col).
     Returns (B, H, Nq, Dv) in q's dtype (the autocast dtype for fp32 inputs under ``torch.autocast``, which run
     with bf16 operands under bf16 autocast and fp32 operands under fp16 autocast), a view of token-major
     (B, Nq, H, Dv) memory: ``o.transpose(1, 2).reshape(B, Nq, H * Dv)`` is free;
@@ -868,15 +1011,17 @@ def linear_attention_triton(
     if rope is not None:
         if not isinstance(rope, RopeSpec):
             raise TypeError(f"rope: expected a RopeSpec (e.g. linvision.ops.Rope) or None, got {type(rope).__name__}")
-        check_rope(rope, q.shape[-1], q.shape[2], q.shape[1])
+        check_rope(rope, q.shape[-1], q.shape[2], q.shape[1], q.shape[0])
     eps = check_eps(eps)
     check_int("split_tokens", split_tokens, 0)
+    valid = check_valid(valid, q, k)
     reason = unsupported_reason(q, k, v, feature_map, rope=rope, causal=False)
     if reason is not None:
         raise ValueError(f"linear_attention_triton: cannot run this call: {reason}")
     freqs_x = freqs_y = None
     rope_ints: List[int] = [0, 1]
     rope_offsets: List[float] = [0.0, 0.0]
+    positions = None
     if rope is not None:
         p = rope.dim // 2
         # differentiable: learnable (mixed) frequencies get their gradient from the backward kernels
@@ -884,7 +1029,9 @@ def linear_attention_triton(
         freqs_y = rope.freqs_y.to(device=q.device, dtype=torch.float32).reshape(-1, p).contiguous()
         rope_ints = [rope.num_prefix_tokens, rope.grid[1]]
         rope_offsets = [float(rope.offset[0]), float(rope.offset[1])]
+        positions = rope.positions
     o, _, _ = torch.ops.linvision.linear_attention_fwd(
-        q, k, v, feature_map_name(feature_map), freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens
+        q, k, v, feature_map_name(feature_map), freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens,
+        valid, positions,
     )
     return o if result_dtype is None else o.to(result_dtype)

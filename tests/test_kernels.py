@@ -310,7 +310,7 @@ def test_no_query_gradient_formed_for_frozen_queries(monkeypatch):
     def run(name, *args, **kwargs):
         launched.append((name, kwargs.get("DQ_GRAD")))
         if name == "_query_bwd_kernel":
-            assert args[8].numel() == 0  # DQ: no (B, H, N, D) buffer allocated
+            assert args[11].numel() == 0  # DQ (after d, dv, grid, Q, DO, S, Z, TAB, VALID, COUNT, POS): no buffer
         real_run(name, *args, **kwargs)
 
     monkeypatch.setattr(kernel_module, "_run", run)
@@ -440,6 +440,90 @@ def test_cuda_graph_capture_launches_a_fixed_configuration(monkeypatch):
                        "args", FEATURE=1)
     bn, warps, stages = kernel_module.offered_configs("_key_bwd_kernel", 128)[0]
     assert launches == [((-(-1000 // bn), 6, 1), dict(FEATURE=1, BLOCK_N=bn, num_warps=warps, num_stages=stages))]
+
+
+# --- token masks and per-sample RoPE positions (batches of images of different sizes)
+
+def _masked_batch(b, h, n, d, dv, dtype, feature, prefix=1, pad=float("nan")):
+    """Inputs of ``b`` images of different grids padded to ``n`` tokens (``prefix`` leading tokens each), the
+    padding filled with ``pad`` (the kernels must never read it): (q, k, v, do, valid, positions)."""
+    q, k, v, do = _inputs(b, h, n, n, d, dv, dtype, feature, seed=3)
+    grids = [(3, 5), (n - prefix, 1), (2, 2), (1, 1)][:b]
+    valid = torch.zeros(b, n, dtype=torch.bool, device=DEVICE)
+    positions = torch.zeros(b, n - prefix, 2, device=DEVICE)
+    for i, (rows, cols) in enumerate(grids):
+        m = rows * cols
+        valid[i, :prefix + m] = True
+        r, c = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+        positions[i, :m] = torch.stack([r.flatten(), c.flatten()], -1).float()
+        for t in (q, k, v):
+            t[i, :, prefix + m:] = pad
+    return q, k, v, do, valid, positions
+
+
+@pytest.mark.parametrize("feature,rope,split,dtype", [
+    ("elu", None, 0, torch.float32),
+    ("relu", "positions", 0, torch.float32),
+    ("identity", "positions", 8, torch.float32),  # splits that end inside the padding
+    ("elu", "learned positions", 16, torch.float32),
+    ("elu", "positions", 0, torch.bfloat16),
+])
+def test_token_mask_and_positions_match_the_reference(feature, rope, split, dtype):
+    """A padded batch (NaN in the padding) with the token mask read in the kernels' token loops, and RoPE at each
+    sample's own positions: output and the gradients of q, k, v (and of learnable frequencies) equal the float64
+    reference with the same mask; masked queries output 0 and masked tokens get zero gradients."""
+    b, h, n, d, dv = 4, 2, 40, 16, 8
+    q, k, v, do, valid, positions = _masked_batch(b, h, n, d, dv, dtype, feature)
+    fx, fy = mixed_rope_freqs(d, h, generator=torch.Generator().manual_seed(2))
+    learn = rope is not None and rope.startswith("learned")
+    results = {}
+    for kind, cast in (("kernel", dtype), ("reference", torch.float64)):
+        leaves = [t.detach().to(cast).requires_grad_() for t in (q, k, v)]
+        freqs = [f.to(DEVICE, torch.float64 if kind == "reference" else torch.float32).requires_grad_(learn)
+                 for f in (fx, fy)]
+        spec = None if rope is None else Rope(*freqs, (1, n - 1), num_prefix_tokens=1, offset=(0.5, -1.0),
+                                              positions=positions)
+        if kind == "kernel":
+            out = linear_attention_triton(*leaves, feature, rope=spec, split_tokens=split, valid=valid)
+        else:
+            out = linear_attention_reference(*leaves, feature, rope=spec, valid=valid)
+        wrt = leaves + (freqs if learn else [])
+        results[kind] = (out, *torch.autograd.grad(out, wrt, do.to(cast)))
+    out, ref = results["kernel"][0], results["reference"][0]
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert _rel_err(out, ref) < TOL[dtype]
+    assert not out.masked_select(~valid[:, None, :, None]).any()  # masked queries: exactly 0
+    names = ["q", "k", "v", "freqs_x", "freqs_y"]
+    for name, g, r in zip(names, results["kernel"][1:], results["reference"][1:]):
+        assert torch.isfinite(g).all(), name
+        floor = 0.1 * r.abs().max().item()
+        assert _rel_err(g, r, floor) < 4 * TOL[dtype], name
+        if name in "qkv":
+            assert not g.masked_select(~valid[:, None, :, None]).any(), name
+
+
+def test_token_mask_with_fewer_queries_than_keys():
+    """Cross attention (Nq != Nk): the mask drops keys from the state and the means; every query is computed."""
+    q, k, v, do = _inputs(2, 2, 5, 37, 16, 8, torch.float32, "elu")
+    valid = torch.arange(37, device=DEVICE)[None, :] < torch.tensor([[20], [37]], device=DEVICE)
+    k[0, :, 20:] = float("inf")
+    out = linear_attention_triton(q, k, v, "elu", valid=valid)
+    ref = linear_attention_reference(q.double(), k.double(), v.double(), "elu",
+                                     valid=valid)
+    assert _rel_err(out, ref) < TOL[torch.float32]
+    alone = linear_attention_reference(q[:1].double(), k[:1, :, :20].double(), v[:1, :, :20].double(), "elu")
+    assert _rel_err(out[:1], alone) < TOL[torch.float32]
+
+
+def test_token_mask_from_linear_attention_reaches_the_kernels():
+    """``linear_attention(valid=, backend="triton")`` runs the masked kernels and agrees with backend="torch"."""
+    q, k, v, _, valid, positions = _masked_batch(3, 2, 24, 16, 16, torch.float32, "elu", prefix=0, pad=0.0)
+    fx, fy = mixed_rope_freqs(16, 2, generator=torch.Generator().manual_seed(4))
+    from linvision.ops.rope import rope_at
+    rope = rope_at(fx.to(DEVICE), fy.to(DEVICE), positions)
+    fused = linear_attention(q, k, v, "elu", rope=rope, valid=valid, backend="triton")
+    ref = linear_attention(q, k, v, "elu", rope=rope, valid=valid, backend="torch")
+    torch.testing.assert_close(fused, ref, rtol=2e-5, atol=2e-6)
 
 
 def test_every_output_element_written(monkeypatch):

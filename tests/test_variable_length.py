@@ -1,5 +1,7 @@
 """Batches of images of different sizes: token masks (valid=) and RoPE at per-sample positions give every sample
 what it gets alone, at its own size."""
+import os
+
 import pytest
 import torch
 
@@ -172,12 +174,6 @@ def test_bidirectional_scans_with_lengths_equal_each_sample_alone(form):
             assert not batched.grad[i, :, length:].any()
 
 
-def test_the_kernels_say_why_they_do_not_take_a_mask_yet():
-    q, k, v, valid, _ = padded_batch(SIZES, 16, dtype=torch.float32)
-    with pytest.raises(ValueError, match="token masks"):
-        linear_attention(q, k, v, valid=valid, backend="triton")
-
-
 # --- linvit on timm's NaFlex batches
 
 IMAGE_SIZES = [(48, 80), (64, 32), (16, 16)]  # (H, W) in pixels: 3x5, 4x2 and 1x1 patches of 16
@@ -242,6 +238,36 @@ def test_a_naflex_batch_gives_each_image_its_own_logits_and_intermediates(case):
             for a, b in zip(inter, inter1):
                 torch.testing.assert_close(a[i:i + 1, :n], b, rtol=1e-10, atol=1e-10)
     assert model.get_patch_size() == (16, 16)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="the fused kernels need a GPU or TRITON_INTERPRET=1")
+def test_a_naflex_batch_on_the_fused_kernels(monkeypatch):
+    """linvit with 2D RoPE on a NaFlex batch with its attention on the fused kernels (the token mask read in the
+    kernels, RoPE at each image's positions): logits equal each image alone on the PyTorch path, and so does
+    the gradient of every parameter (fp32)."""
+    pytest.importorskip("triton")
+    from linvision.ops import record_backends
+    from linvision.ops.linear_attention import dispatch
+
+    model = tiny_linvit("linvit_tiny_patch16_rope_224").float()
+    images = [img.float() for img in _images()]
+    batch = naflex_batch(images)
+    monkeypatch.setattr(dispatch, "_AUTO_DEVICES", ("cuda", "cpu"))  # the interpreted kernels serve CPU tensors
+    with record_backends() as used:
+        logits = model(batch)
+    assert ("linear_attention", "triton") in used and ("linear_attention", "torch") not in used
+    logits.sum().backward()
+    fused_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    monkeypatch.setattr(dispatch, "_AUTO_DEVICES", ())
+    model.zero_grad()
+    for i, img in enumerate(images):
+        alone = model(img[None])
+        torch.testing.assert_close(logits[i:i + 1], alone, rtol=1e-4, atol=1e-5)
+        alone.sum().backward()
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(fused_grads[name], p.grad, rtol=1e-3, atol=1e-5, msg=name)
 
 
 def test_a_naflex_batch_of_one_odd_image():

@@ -1,7 +1,8 @@
 r"""Compile the fused linear-attention kernels for an H100 (sm_90) without a GPU and print what the GPU would see.
 
 For every kernel x head dim D = Dv x dtype x RoPE (off, on, and "learn": the backward kernels with the gradient
-of learnable frequencies) x autotune configuration, and the query backward also in its variant without dq
+of learnable frequencies; "naflex" on request: a token mask and RoPE at per-sample positions) x autotune
+configuration, and the query backward also in its variant without dq
 (queries that need no gradient): registers per thread and spill bytes (Triton's bundled
 "ptxas -v --gpu-name sm_90a" on the PTX), shared memory (the compiled kernel's metadata; an H100 block may use
 227 KB) and whether the token loop is pipelined (asynchronous copies or TMA in the TTGIR; kernels that handle
@@ -48,7 +49,7 @@ class CompileResult:
     kernel: str
     d: int
     dtype: str
-    rope: str  # "off", "on" or "learn"
+    rope: str  # "off", "on", "learn" or "naflex"
     block_n: int
     num_warps: int
     num_stages: int
@@ -94,6 +95,8 @@ def _signature(fn, dtype: str, consts: dict) -> tuple:
             sig[name] = "*" + short
         elif name in m.FP32_POINTERS:
             sig[name] = "*fp32"
+        elif name in m.BYTE_POINTERS:
+            sig[name] = "*u8"
         elif name in m.FLOAT_SCALARS:
             sig[name] = "fp32"
         else:
@@ -132,8 +135,10 @@ def compile_kernel(kernel: str, d: int, dtype: str, rope: str, config: Sequence[
 
     block_n, warps, stages = config
     fn = m.kernel_function(kernel)
+    naflex = rope == "naflex"  # a batch of images of different sizes: token mask, RoPE at per-sample positions
     consts = dict(m.kernel_constexprs(dtype, d, d, feature, rope != "off", freq_grad=rope == "learn",
-                                       dq_grad=dq_grad), BLOCK_N=block_n)
+                                       dq_grad=dq_grad, mask=naflex, counted=naflex, positions=naflex),
+                  BLOCK_N=block_n)
     consts = {name: value for name, value in consts.items() if name in fn.arg_names}  # FREQ_GRAD etc.: backward
     sig, consts, attrs = _signature(fn, dtype, consts)
     compiled = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
@@ -420,8 +425,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kernels to compile (default: all)")
     p.add_argument("--d", type=int, nargs="+", default=list(HEAD_DIMS), help="head dims D = Dv")
     p.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=list(DTYPES), help="input dtypes")
-    p.add_argument("--rope", nargs="+", default=["off", "on", "learn"], choices=["off", "on", "learn"],
-                   help="RoPE off, on, and 'learn': the backward kernels with the gradient of learnable frequencies")
+    p.add_argument("--rope", nargs="+", default=["off", "on", "learn"], choices=["off", "on", "learn", "naflex"],
+                   help="RoPE off, on, and 'learn': the backward kernels with the gradient of learnable frequencies; "
+                        "'naflex' (not in the default): a batch of images of different sizes, the token mask read in "
+                        "the token loops and RoPE at per-sample positions")
     p.add_argument("--candidates", action="store_true", help="every candidate configuration, not only the offered")
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
     p.add_argument("--fla", action="store_true",

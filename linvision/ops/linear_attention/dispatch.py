@@ -51,10 +51,9 @@ def _fused(
     except ImportError as exc:
         reason = f"the Triton kernels cannot be imported ({exc})"
     else:
-        reason = ("token masks (valid=) are not fused yet" if valid is not None
-                  else fused.unsupported_reason(q, k, v, phi.name, rope=rope, causal=causal))
+        reason = fused.unsupported_reason(q, k, v, phi.name, rope=rope, causal=causal)
     if reason is None:
-        return fused.linear_attention_triton(q, k, v, phi.name, rope=rope, eps=eps)
+        return fused.linear_attention_triton(q, k, v, phi.name, rope=rope, eps=eps, valid=valid)
     if backend == "triton":
         raise ValueError(f"backend: 'triton' cannot run this call: {reason}")
     _warn_once(reason)

@@ -1,0 +1,599 @@
+r"""Images/s and peak memory on a mixed-aspect workload in timm's NaFlex batches: linvit (linear attention) against
+timm's naflexvit (softmax attention) of the same width and depth, and against linvit on square images of the same
+token count, at sequence budgets (patches per image) from 256 to 16384.
+
+    linvision-bench-naflex                                   # the default models at 256 1024 4096 16384 patches
+    linvision-bench-naflex --budgets 256 1024 --modes infer --batch 2 --plot naflex.png
+    linvision-bench-naflex --models linvit_tiny_patch16_224 naflexvit_tiny_patch16 \
+        --model-kwargs embed_dim=64 depth=2 num_heads=1 --budgets 16 64 --iters 2 --output tiny.csv
+
+The workload: --batches batches of --batch images, drawn once from --seed. Each image has a random aspect ratio
+between 1:--max-aspect and --max-aspect:1 (log-uniform), its longer side between --min-side and --max-side pixels
+and every side at least --min-side, and holds uniform noise. At each budget every image goes through timm's NaFlex
+functions: resized to as many patches as fit the budget with its aspect ratio kept (ResizeToSequence, as timm's
+NaFlex evaluation transform does, upsampling a small image), cut into patches (Patchify), and batched, padded to the
+budget, by NaFlexCollator. The square baseline (--square) runs a model's plain image path on square images of
+floor(sqrt(budget)) patches a side: the budget's token count, every token valid, no padding.
+
+Models are timm names, each optionally with its own options (name:key=value,key=value, over --model-kwargs).
+naflexvit_tiny_patch16 stands for timm's naflexvit_base_patch16_gap at ViT-Ti size (embed 192, depth 12, 3
+heads, patch 16) with linvit's class-token pooling (reg_tokens=0, class_token=true, global_pool=token,
+fc_norm=false, init_values=null); --model-kwargs and its own options go over those.
+
+Modes: infer is a forward under inference_mode; train is a forward, the backward of the logits' mean and an SGD
+step. Each figure is the median of --iters timed runs after --warmup untimed ones, the runs going round the
+batches; peak memory is what the pass adds above the model and its inputs, as linvision-benchmark measures it
+(CUDA: max_memory_allocated; CPU: the peak resident set size). --dtype bfloat16 runs under autocast.
+
+Guards: a model with softmax attention (timm's Attention, linvision's softmax mixer) is skipped at a budget where
+its projected attention matrix, batch x heads x L^2 elements of the compute dtype (L: tokens per image, prefix
+tokens included), passes --memory-limit-gib; an out-of-memory error is caught and recorded. A model whose first
+run at a point, and then its second, takes more than --slow-factor times the median of the reference
+(--reference, the first of --models by default) at that budget and mode is recorded from that second run (status
+slow). A model skipped, out of memory or slow at a budget is not run at the larger budgets of that mode (status
+skipped, with the reason). With --max-run-s, a point whose first run takes longer than that is recorded from that
+run alone (status ok, one timed run, the reason saying so): the large budgets cost one run each.
+
+Writes --output (CSV, one row per model x input x budget x mode, rewritten as each point finishes), prints each
+point as it finishes and a table at the end, and with --plot a PNG of images/s and peak memory against the budget.
+The exit status is 1 when a point failed with an error, 2 for bad arguments (one line on stderr).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import math
+import os
+import sys
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from linvision.engine.amp import autocast
+from linvision.engine.benchmark import MemoryMeter, _timed, _timing, parse_model_spec, runs_phrase, series_styles
+from linvision.engine.cli import run_cli, tool_parser
+from linvision.engine.config import parse_kwargs
+from linvision.engine.factory import check_model_name, create_model
+
+DEFAULT_BUDGETS = (256, 1024, 4096, 16384)
+SOFTMAX_TINY = "naflexvit_tiny_patch16"
+# a name of this tool for a timm model with options: (timm name, options under --model-kwargs and the spec's own)
+ALIASES = {
+    SOFTMAX_TINY: ("naflexvit_base_patch16_gap",
+                   dict(patch_size=16, embed_dim=192, depth=12, num_heads=3, reg_tokens=0, class_token=True,
+                        global_pool="token", fc_norm=False, init_values=None)),
+}
+DEFAULT_MODELS = ("linvit_tiny_patch16_224", "linvit_tiny_patch16_rope_224", SOFTMAX_TINY)
+MODES = ("infer", "train")
+DTYPES = {"float32": "none", "bfloat16": "bf16"}  # --dtype -> the autocast choice of linvision.engine.amp
+FIELDS = ("model", "input", "budget", "mode", "batch", "seq_len", "tokens_per_image", "fill_pct", "images_per_s",
+          "images_per_s_min", "images_per_s_max", "ms", "ms_min", "ms_max", "spread_pct", "iters", "peak_mib",
+          "time_vs_ref", "attn_matrix_mib", "params_m", "status", "reason", "device", "dtype", "threads")
+NOT_RUN = ("skipped", "oom", "error")  # statuses without figures
+STOPS = ("skipped", "oom", "slow")  # statuses after which a model is not run at larger budgets
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of linvision-bench-naflex; a bad flag is one line on stderr and exit status 2."""
+    p = tool_parser("linvision-bench-naflex", __doc__)
+
+    def one_line_error(message: str):
+        print(f"error: {message} (see --help)", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+    p.error = one_line_error
+    p.add_argument("--models", "--model", nargs="+", default=list(DEFAULT_MODELS),
+                   help="models run on the NaFlex batches: timm names, each optionally name:key=value,key=value")
+    p.add_argument("--square", nargs="*", default=["linvit_tiny_patch16_224"],
+                   help="models run on square images of the budget's token count (none: no square baseline)")
+    p.add_argument("--reference", default=None,
+                   help="the model (one of --models) the others' time is compared with (default: the first)")
+    p.add_argument("--model-kwargs", "--model-args", nargs="*", default=None,
+                   help="key=value options given to every model, e.g. embed_dim=64 depth=2 num_heads=1")
+    p.add_argument("--budgets", nargs="+", default=[str(b) for b in DEFAULT_BUDGETS],
+                   help="sequence budgets: most patches per image, e.g. 256 1024 4096 16384 (or 256,1024)")
+    p.add_argument("--modes", nargs="+", default=["infer"], choices=MODES,
+                   help="infer: forward under inference_mode; train: forward, backward and SGD step")
+    p.add_argument("--batch", type=int, default=4, help="images per batch")
+    p.add_argument("--batches", type=int, default=2, help="distinct batches of the workload; the runs go round them")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload and of the models' initialisation")
+    p.add_argument("--min-side", type=int, default=128, help="shortest image side in pixels")
+    p.add_argument("--max-side", type=int, default=1536, help="longest image side in pixels")
+    p.add_argument("--max-aspect", type=float, default=3.0, help="aspect ratios from 1:this to this:1")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="'auto': CUDA when available, else CPU")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                   help="compute dtype; bfloat16 runs under autocast")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs before the timed ones")
+    p.add_argument("--iters", type=int, default=3, help="timed runs per figure; the figure is their median")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--memory-limit-gib", type=float, default=16.0,
+                   help="skip a softmax model where its projected attention matrix passes this many GiB")
+    p.add_argument("--slow-factor", type=float, default=10.0,
+                   help="a model whose first run takes this many times the reference's median is timed once")
+    p.add_argument("--max-run-s", type=float, default=None,
+                   help="seconds: a point whose first run takes longer is recorded from that run alone")
+    p.add_argument("--output", default="naflex_results.csv", help="the CSV written")
+    p.add_argument("--plot", default=None, help="also write this PNG: images/s and peak memory against the budget")
+    return p
+
+
+def parse_budgets(values: Sequence[Any]) -> List[int]:
+    """``["256", "1024,4096"]`` -> [256, 1024, 4096]: positive integers, each once, in increasing order;
+    ValueError in one line for anything else."""
+    budgets = []
+    for value in values:
+        for part in str(value).split(","):
+            part = part.strip()
+            if not part.isdigit() or int(part) < 1:
+                raise ValueError(f"budgets: {part or value!r} is not a positive whole number of patches per image "
+                                 f"(e.g. --budgets 256 1024 4096 16384)")
+            budgets.append(int(part))
+    if not budgets:
+        raise ValueError("budgets: none given")
+    return sorted(set(budgets))
+
+
+def resolve_spec(spec: str, common: Optional[Dict[str, Any]] = None) -> Tuple[str, Dict[str, Any]]:
+    """(timm name, options) of a model spec (``name`` or ``name:key=value,...``; an alias of :data:`ALIASES`
+    expands to its timm name, its options under ``common`` and the spec's own); ValueError in one line for an
+    unknown name or a malformed option."""
+    name, own = parse_model_spec(spec)
+    base, defaults = ALIASES.get(name, (name, {}))
+    if name not in ALIASES:
+        try:
+            check_model_name(base)
+        except ValueError as e:
+            raise ValueError(f"{e}; or {', '.join(ALIASES)}") from None
+    return base, {**defaults, **(common or {}), **own}
+
+
+# --- the workload
+
+
+def image_sizes(count: int, seed: int = 0, min_side: int = 128, max_side: int = 1536,
+                max_aspect: float = 3.0) -> List[Tuple[int, int]]:
+    """(height, width) of ``count`` images: aspect ratio log-uniform in [1 / max_aspect, max_aspect], the longer
+    side uniform in the pixels that keep the shorter one at ``min_side`` or more, up to ``max_side``; the shorter
+    side is rounded up, so that the ratio of the two stays within ``max_aspect``."""
+    if not (1 <= min_side and min_side * max_aspect <= max_side and max_aspect >= 1):
+        raise ValueError(f"min_side/max_side/max_aspect: need 1 <= min side and min side x max aspect <= max side, "
+                         f"got {min_side}, {max_side}, {max_aspect}")
+    g = torch.Generator().manual_seed(seed)
+    sizes = []
+    for _ in range(count):
+        log_ratio = (2 * torch.rand((), generator=g).item() - 1) * math.log(max_aspect)  # log(width / height)
+        stretch = math.exp(abs(log_ratio))
+        low = math.ceil(min_side * stretch - 1e-9)
+        longer = low + int(torch.randint(0, max_side - low + 1, (), generator=g))
+        shorter = min(longer, max(min_side, math.ceil(longer / stretch - 1e-9)))
+        sizes.append((shorter, longer) if log_ratio >= 0 else (longer, shorter))
+    return sizes
+
+
+def make_images(sizes: Sequence[Tuple[int, int]], seed: int = 0) -> List[torch.Tensor]:
+    """Uniform noise images (3, H, W) in [0, 1) of the given sizes, drawn from ``seed``."""
+    g = torch.Generator().manual_seed(seed + 1)
+    return [torch.rand(3, h, w, generator=g) for h, w in sizes]
+
+
+def naflex_batch(images: Sequence[torch.Tensor], patch_size: Tuple[int, int], budget: int) -> Dict[str, torch.Tensor]:
+    """timm's NaFlex batch of ``images`` at ``budget`` patches per image: each resized to fit (its aspect ratio
+    kept; timm's ResizeToSequence), patchified (Patchify) and collated (NaFlexCollator, padded to the budget).
+    Returns the collator's dict: patches (B, budget, P*P*C), patch_coord (B, budget, 2) as (y, x), patch_valid
+    (B, budget) and seq_len."""
+    from timm.data.naflex_dataset import NaFlexCollator
+    from timm.data.naflex_transforms import Patchify, ResizeToSequence
+
+    resize = ResizeToSequence(patch_size=patch_size, max_seq_len=budget, interpolation="bicubic")
+    patchify = Patchify(patch_size)
+    batch, _ = NaFlexCollator(max_seq_len=budget)([(patchify(resize(im)), 0) for im in images])
+    return batch
+
+
+def workload(batch: int, batches: int, seed: int = 0, min_side: int = 128, max_side: int = 1536,
+             max_aspect: float = 3.0) -> List[List[torch.Tensor]]:
+    """``batches`` lists of ``batch`` source images (:func:`image_sizes`, :func:`make_images`), the same at every
+    budget."""
+    sizes = image_sizes(batch * batches, seed, min_side, max_side, max_aspect)
+    images = make_images(sizes, seed)
+    return [images[i * batch:(i + 1) * batch] for i in range(batches)]
+
+
+def square_side(budget: int) -> int:
+    """Patches a side of the square baseline at ``budget``: the largest square grid within it."""
+    return math.isqrt(budget)
+
+
+# --- the models
+
+
+def patch_size_of(model: torch.nn.Module) -> Tuple[int, int]:
+    if hasattr(model, "get_patch_size"):
+        size = model.get_patch_size()
+    else:
+        size = model.patch_embed.patch_size
+    size = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
+    return int(size[0]), int(size[1])
+
+
+def softmax_heads(model: torch.nn.Module) -> Optional[int]:
+    """The most heads of a softmax attention layer of ``model`` (timm's Attention or AttentionRope, linvision's
+    softmax mixer), None when it has none (linear attention)."""
+    from timm.layers import Attention, AttentionRope
+
+    from linvision.layers.mixers import SoftmaxAttention
+
+    heads = [int(m.num_heads) for m in model.modules() if isinstance(m, (Attention, AttentionRope, SoftmaxAttention))]
+    return max(heads) if heads else None
+
+
+def attention_matrix_bytes(batch: int, heads: int, tokens: int, itemsize: int) -> int:
+    """Bytes of one attention matrix: batch x heads x tokens^2 elements."""
+    return batch * heads * tokens * tokens * itemsize
+
+
+# --- one point
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and ("can't allocate memory" in str(e) or "out of memory" in str(e)))
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:300]}" if text else type(e).__name__
+
+
+def empty_row(spec: str, input_kind: str, budget: int, mode: str, args) -> Dict[str, Any]:
+    nan = float("nan")
+    row = {key: nan for key in FIELDS}
+    row.update(model=spec, input=input_kind, budget=budget, mode=mode, batch=args.batch, iters=0, status="ok",
+               reason="", device=args.device, dtype=args.dtype, threads=torch.get_num_threads())
+    return row
+
+
+def measure(spec: str, input_kind: str, budget: int, mode: str, args, images: List[List[torch.Tensor]],
+            ref_ms: Optional[float], cache: Dict[Any, Any]) -> Dict[str, Any]:
+    """One row: ``spec`` (a model spec) on ``input_kind`` ("naflex" or "square") batches at ``budget`` in
+    ``mode``; never raises for a failure of the model or an out-of-memory error. ``ref_ms``: the reference's
+    median at this point, for the slow guard and time_vs_ref."""
+    row = empty_row(spec, input_kind, budget, mode, args)
+    dev = torch.device(args.device)
+    amp = DTYPES[args.dtype]
+    model = inputs = None
+    try:
+        name, kwargs = resolve_spec(spec, args.common_kwargs)
+        torch.manual_seed(args.seed)
+        if input_kind == "square":
+            side = square_side(budget)
+            # the patch size, from a model at its default size, gives the image size of the budget's grid
+            ph, pw = patch_size_of(create_model(name, model_kwargs=dict(kwargs, num_classes=0)))
+            torch.manual_seed(args.seed)
+            model = create_model(name, model_kwargs=kwargs, img_size=(side * ph, side * pw))
+            g = torch.Generator().manual_seed(args.seed)
+            inputs = [torch.rand(args.batch, 3, side * ph, side * pw, generator=g) for _ in range(args.batches)]
+            row.update(seq_len=side * side, tokens_per_image=float(side * side), fill_pct=100.0 * side * side / budget)
+        else:
+            model = create_model(name, model_kwargs=kwargs)
+            patch = patch_size_of(model)
+            key = (patch, budget)
+            if key not in cache:
+                cache.clear()  # one budget's batches at a time
+                cache[key] = [naflex_batch(b, patch, budget) for b in images]
+            inputs = cache[key]
+            valid = torch.stack([b["patch_valid"] for b in inputs]).float()
+            row.update(seq_len=budget, tokens_per_image=valid.sum(-1).mean().item(),
+                       fill_pct=100.0 * valid.mean().item())
+        row["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
+        heads = softmax_heads(model)
+        if heads is not None:
+            tokens = row["seq_len"] + getattr(model, "num_prefix_tokens", 0)
+            itemsize = 4 if args.dtype == "float32" else 2
+            projected = attention_matrix_bytes(args.batch, heads, tokens, itemsize)
+            row["attn_matrix_mib"] = projected / 2**20
+            if projected > args.memory_limit_gib * 2**30:
+                row.update(status="skipped", reason=(
+                    f"projected attention matrix {projected / 2**30:.3g} GiB ({args.batch} x {heads} heads x "
+                    f"{tokens}^2 x {itemsize} B) > --memory-limit-gib {args.memory_limit_gib:g}"))
+                return row
+        model.to(dev)
+        on_dev = [{k: v.to(dev) if torch.is_tensor(v) else v for k, v in b.items()} if isinstance(b, dict)
+                  else b.to(dev) for b in inputs]
+        inputs = on_dev
+        turn = [0]
+
+        def next_input():
+            x = inputs[turn[0] % len(inputs)]
+            turn[0] += 1
+            return x
+
+        if mode == "infer":
+            model.eval()
+
+            def run():
+                with torch.inference_mode(), autocast(dev, amp):
+                    model(next_input())
+        else:
+            model.train()
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+            def run():
+                with autocast(dev, amp):
+                    loss = model(next_input()).float().mean()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+        def over(seconds: float) -> bool:
+            return ref_ms is not None and seconds * 1e3 > args.slow_factor * ref_ms
+
+        with MemoryMeter(dev) as mem:
+            done = _timed(run, dev, 0, 1)
+            if over(done[0]):  # the first run may pay one-time costs: a second one confirms
+                done += _timed(run, dev, 0, 1)
+            slow = over(done[-1])
+            long = args.max_run_s is not None and done[-1] > args.max_run_s
+            if slow or long:
+                times = done[-1:]
+            elif args.warmup == 0:  # the runs done are timed ones
+                times = done + _timed(run, dev, 0, max(args.iters - len(done), 0))
+            else:
+                times = _timed(run, dev, max(args.warmup - len(done), 0), args.iters)
+        fig = _timing("t", times, args.batch)
+        row.update(images_per_s=fig["t_img_s"], images_per_s_min=fig["t_img_s_min"],
+                   images_per_s_max=fig["t_img_s_max"], ms=fig["t_ms"], ms_min=fig["t_ms_min"],
+                   ms_max=fig["t_ms_max"], spread_pct=fig["t_spread_pct"], iters=len(times), peak_mib=mem.peak_mb)
+        if ref_ms is not None:
+            row["time_vs_ref"] = row["ms"] / ref_ms
+        if slow:
+            row.update(status="slow", reason=f"{'first' if len(done) == 1 else 'second'} run {done[-1]:.3g} s = "
+                                             f"{done[-1] * 1e3 / ref_ms:.1f}x the reference's median (> "
+                                             f"--slow-factor {args.slow_factor:g}); timed once")
+        elif long:
+            row["reason"] = f"one run: it took {done[-1]:.3g} s > --max-run-s {args.max_run_s:g}"
+    except Exception as e:  # a point's failure is recorded and the sweep goes on
+        row.update(status="oom" if _is_oom(e) else "error", reason=_one_line(e))
+    finally:
+        del model, inputs
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
+# --- the sweep, the table, the plot
+
+
+def series(args) -> List[Tuple[str, str]]:
+    """(spec, input) of every series, the reference first."""
+    naflex = [args.reference] + [m for m in args.models if m != args.reference]
+    return [(m, "naflex") for m in naflex] + [(m, "square") for m in args.square]
+
+
+def run_sweep(args, log=print) -> List[Dict[str, Any]]:
+    """Every series at every budget, mode by mode (inference first); the CSV rewritten after each point."""
+    images = workload(args.batch, args.batches, args.seed, args.min_side, args.max_side, args.max_aspect)
+    rows: List[Dict[str, Any]] = []
+    cache: Dict[Any, Any] = {}
+    all_series = series(args)
+    total = len(args.modes) * len(args.budgets) * len(all_series)
+    for mode in args.modes:
+        stopped: Dict[Tuple[str, str], str] = {}
+        for budget in args.budgets:
+            ref_ms = None
+            for spec, kind in all_series:
+                if (spec, kind) in stopped:
+                    row = empty_row(spec, kind, budget, mode, args)
+                    row.update(status="skipped", reason=stopped[(spec, kind)])
+                else:
+                    is_ref = (spec, kind) == (args.reference, "naflex")
+                    row = measure(spec, kind, budget, mode, args, images, None if is_ref else ref_ms, cache)
+                    if is_ref and row["status"] == "ok":
+                        ref_ms = row["ms"]
+                        row["time_vs_ref"] = 1.0
+                    if row["status"] in STOPS:
+                        why = {"skipped": "over the memory limit", "oom": "out of memory",
+                               "slow": f"{row['time_vs_ref']:.1f}x the reference's time"}[row["status"]]
+                        stopped[(spec, kind)] = f"{why} at budget {budget}: larger budgets not run"
+                rows.append(row)
+                write_csv(rows, args.output)
+                log(f"[{len(rows)}/{total}] {format_row(row)}")
+    return rows
+
+
+def _cell(value: Any, fmt: str) -> str:
+    return f"{value:{fmt}}" if isinstance(value, (int, float)) and math.isfinite(value) else "-"
+
+
+def format_row(row: Dict[str, Any]) -> str:
+    head = f"{row['mode']:<5} budget {row['budget']:>6} {row['model']} [{row['input']}]"
+    if row["status"] in NOT_RUN:
+        return f"{head}: {row['status']}: {row['reason']}"
+    line = (f"{head}: {row['images_per_s']:.3g} img/s, {row['ms']:.1f} ms per batch (spread "
+            f"{row['spread_pct']:.0f}%, {runs_phrase(row['iters'])}), peak {row['peak_mib']:.0f} MiB, "
+            f"{row['tokens_per_image']:.0f} of {row['seq_len']} tokens per image")
+    if math.isfinite(row["time_vs_ref"]):
+        line += f", {row['time_vs_ref']:.2f}x the reference's time"
+    return line + (f"; {row['status']}: {row['reason']}" if row["reason"] else "")
+
+
+def write_csv(rows: List[Dict[str, Any]], path: str) -> None:
+    folder = os.path.dirname(path)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) and math.isfinite(v) else
+                                 "" if isinstance(v, float) else v) for k, v in row.items()})
+
+
+def table(rows: List[Dict[str, Any]]) -> str:
+    """A markdown table of the rows."""
+    head = ["mode", "budget", "model", "input", "tokens/img", "images/s", "ms/batch", "peak MiB", "x ref time",
+            "status"]
+    lines = ["| " + " | ".join(head) + " |", "|---|---:|---|---|" + "---:|" * 5 + "---|"]
+    for r in rows:
+        status = f"{r['status']}: {r['reason']}" if r["reason"] else r["status"]
+        lines.append("| " + " | ".join([
+            r["mode"], str(r["budget"]), r["model"], r["input"], _cell(r["tokens_per_image"], ".0f"),
+            _cell(r["images_per_s"], ".3g"), _cell(r["ms"], ".0f"), _cell(r["peak_mib"], ".0f"),
+            _cell(r["time_vs_ref"], ".2f"), status]) + " |")
+    return "\n".join(lines)
+
+
+def limits(rows: List[Dict[str, Any]], reference: str, slow_factor: float) -> List[str]:
+    """Per other series and mode: the first budget where it did not fit (skipped, out of memory) or took more than
+    ``slow_factor`` times the reference's time, or that it did neither."""
+    out = []
+    for spec, kind, mode in dict.fromkeys((r["model"], r["input"], r["mode"]) for r in rows):
+        if (spec, kind) == (reference, "naflex"):
+            continue
+        own = [r for r in rows if (r["model"], r["input"], r["mode"]) == (spec, kind, mode)]
+        where = next((r for r in own if r["status"] in ("skipped", "oom") or
+                      (math.isfinite(r["time_vs_ref"]) and r["time_vs_ref"] > slow_factor)), None)
+        label = f"{mode}: {spec} [{kind}]"
+        if where is None:
+            worst = max((r["time_vs_ref"] for r in own if math.isfinite(r["time_vs_ref"])), default=float("nan"))
+            out.append(f"{label}: fits and stays within {slow_factor:g}x the reference's time at every budget "
+                       f"(at most {_cell(worst, '.2f')}x)")
+        elif where["status"] in ("skipped", "oom"):
+            out.append(f"{label}: does not fit from budget {where['budget']} ({where['status']}: {where['reason']})")
+        else:
+            out.append(f"{label}: more than {slow_factor:g}x the reference's time from budget {where['budget']} "
+                       f"({where['time_vs_ref']:.1f}x)")
+    return out
+
+
+def plot(rows: List[Dict[str, Any]], path: str, title: str = "") -> bool:
+    """PNG of images/s and peak memory against the budget (log axes), a row of two panels per mode; points not
+    measured are an x at the bottom of their panel. False when nothing was measured."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter, NullLocator
+
+    measured = [r for r in rows if r["status"] not in NOT_RUN and math.isfinite(r["images_per_s"])]
+    if not measured:
+        return False
+    modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
+    labels = list(dict.fromkeys(f"{r['model']} [{r['input']}]" for r in rows))
+    styles = dict(zip(labels, series_styles(len(labels))))
+    budgets = sorted({r["budget"] for r in rows})
+    fig, axes = plt.subplots(len(modes), 2, figsize=(11, 3.6 * len(modes) + 1.4), squeeze=False)
+    names = {"infer": "inference", "train": "training step"}
+    for i, mode in enumerate(modes):
+        for j, (key, what) in enumerate((("images_per_s", "images/s"), ("peak_mib", "peak memory (MiB)"))):
+            ax = axes[i][j]
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            for label in labels:
+                own = [r for r in measured if r["mode"] == mode and f"{r['model']} [{r['input']}]" == label
+                       and math.isfinite(r[key]) and r[key] > 0]
+                if own:
+                    ax.plot([r["budget"] for r in own], [r[key] for r in own], ms=5, label=label, **styles[label])
+                    slow = [r for r in own if r["status"] == "slow"]
+                    ax.plot([r["budget"] for r in slow], [r[key] for r in slow], "o", ms=11, mfc="none",
+                            color=styles[label]["color"])
+            ax.autoscale_view()
+            bottom, top = ax.get_ylim()
+            for label in labels:
+                missed = [r["budget"] for r in rows if r["mode"] == mode and r["status"] in NOT_RUN
+                          and f"{r['model']} [{r['input']}]" == label]
+                if missed:
+                    ax.plot(missed, [bottom] * len(missed), "x", color=styles[label]["color"], ms=9, clip_on=False)
+            ax.set_ylim(bottom, top)
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.set_xticks(budgets, [str(b) for b in budgets])
+            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 1.5, 2.0, 3.0, 5.0, 7.0), numticks=12))
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+            ax.yaxis.set_minor_formatter(NullFormatter())
+            ax.tick_params(labelsize=8)
+            ax.set_xlabel("budget (most patches per image)", fontsize=9)
+            ax.set_title(f"{names[mode]}: {what}", fontsize=10)
+            ax.grid(True, which="major", alpha=0.3)
+    handles = [Line2D([], [], ms=5, label=label, **styles[label]) for label in labels]
+    handles.append(Line2D([], [], marker="x", color="0.35", linestyle="none", ms=8,
+                          label="not run (over the memory limit, out of memory, after a slow point, error)"))
+    if any(r["status"] == "slow" for r in rows):
+        handles.append(Line2D([], [], marker="o", mfc="none", color="0.35", linestyle="none", ms=10,
+                              label="slow: one run only (over --slow-factor x the reference)"))
+    runs = sorted({int(r["iters"]) for r in measured})
+    fig.suptitle("\n".join(filter(None, [title, f"images/s: {runs_phrase(runs)} per point; memory: peak added by a "
+                                                "pass"])), fontsize=10)
+    legend_rows = math.ceil(len(handles) / 2)
+    fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=8, frameon=False)
+    height = fig.get_figheight()
+    fig.tight_layout(rect=(0, (0.2 + 0.2 * legend_rows) / height, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def check_args(args) -> None:
+    """Turn the flags into what the sweep uses; ValueError in one line for bad input."""
+    args.budgets = parse_budgets(args.budgets)
+    args.common_kwargs = parse_kwargs(args.model_kwargs)
+    if not args.models:
+        raise ValueError("models: give at least one")
+    for spec in list(args.models) + list(args.square):
+        resolve_spec(spec, args.common_kwargs)
+    args.reference = args.reference or args.models[0]
+    if args.reference not in args.models:
+        raise ValueError(f"reference: {args.reference!r} is not one of --models")
+    for flag, value, low in (("batch", args.batch, 1), ("batches", args.batches, 1), ("iters", args.iters, 1),
+                             ("warmup", args.warmup, 0)):
+        if value < low:
+            raise ValueError(f"{flag}: at least {low}, got {value}")
+    if args.max_run_s is not None and not args.max_run_s > 0:
+        raise ValueError(f"max_run_s: seconds > 0, got {args.max_run_s:g}")
+    if not args.memory_limit_gib > 0 or not args.slow_factor > 0:
+        raise ValueError(f"memory_limit_gib/slow_factor: need positive numbers, got {args.memory_limit_gib:g} and "
+                         f"{args.slow_factor:g}")
+    image_sizes(0, args.seed, args.min_side, args.max_side, args.max_aspect)  # checks the three
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: CUDA is not available; use --device cpu")
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise ValueError(f"plot: {args.plot!r} is not a .png file name")
+    args.modes = list(dict.fromkeys(args.modes))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    check_args(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"device {args.device}, {torch.get_num_threads()} threads, dtype {args.dtype}, {args.batches} batches of "
+          f"{args.batch} images (seed {args.seed}; aspect 1:{args.max_aspect:g} to {args.max_aspect:g}:1, sides "
+          f"{args.min_side}-{args.max_side} px), budgets {' '.join(map(str, args.budgets))}, modes "
+          f"{' '.join(args.modes)}, {args.warmup} warm-up + {args.iters} timed runs per figure (their median), "
+          f"reference {args.reference}", flush=True)
+    rows = run_sweep(args, log=lambda line: print(line, flush=True))
+    print(table(rows))
+    for line in limits(rows, args.reference, args.slow_factor):
+        print(line)
+    print(f"results in {args.output}", flush=True)
+    if args.plot:
+        title = (f"{args.device} ({torch.get_num_threads()} threads), {args.dtype}, batch {args.batch}, NaFlex "
+                 f"mixed aspect 1:{args.max_aspect:g}-{args.max_aspect:g}:1, {args.min_side}-{args.max_side} px")
+        if plot(rows, args.plot, title):
+            print(f"plot in {args.plot}", flush=True)
+        else:
+            print("no plot: no point was measured", flush=True)
+    return 1 if any(r["status"] == "error" for r in rows) else 0
+
+
+def cli() -> None:
+    run_cli(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -7,6 +7,7 @@ interpreter's bf16 arithmetic is not the GPU's); two things the interpreter lack
 only: a benchmarker for the autotuner (each autotuned kernel gets one configuration) and a loop index with ``.to``
 (``for i_t in range(NT)`` gives Python ints there)."""
 import builtins
+import functools
 import os
 import subprocess
 import sys
@@ -187,6 +188,42 @@ def test_bidirectional_gated_on_kernels(gate, d):
     _assert_close_to("output against the PyTorch path", out, torch_out, TOL_OUT)
     for name, x, y in zip(("q", "k", "v", "log_gate"), grads, ref_grads):
         _assert_close_to(f"d{name}", x, y, TOL_GRAD)
+
+
+@pytest.mark.parametrize("form", ["delta", "gated_head", "gated_channel"])
+def test_bidirectional_scans_with_lengths_on_kernels(form):
+    """Images of different sizes padded into one batch (``lengths``) on fla's kernels: each sample's backward scan
+    runs over its own tokens reversed, the padding (here inf) after them, so each sample's outputs and gradients
+    are those of its float64 loops alone, the padding's zero; N = 70, lengths 70, 33 and 1."""
+    b, n = 3, 70
+    lengths = torch.tensor([70, 33, 1])
+    q, k, v, beta, lg = _inputs(b=b, n=n, d=32, dv=24, gate=None if form == "delta" else form.split("_")[1])
+    extra = beta if form == "delta" else lg
+    pad = torch.arange(n)[None, :] >= lengths[:, None]  # (B, N)
+    for t in (q, k, v):
+        t.masked_fill_(pad[:, None, :, None], float("inf"))
+    if form == "delta":
+        op, naive = bidirectional_delta_rule_attention, naive_bidirectional_delta
+    else:  # a large eps, so that the decayed counts (each sample's own tokens only) weigh in the output
+        op = functools.partial(bidirectional_gated_linear_attention, eps=0.5)
+        naive = functools.partial(naive_bidirectional_gated, eps=0.5)
+    inputs = (q, k, v, extra)
+    out, grads = _with_grads(lambda *t: op(*t, backend="triton", lengths=lengths.to(DEVICE)), inputs, HALF)
+    assert not out.masked_select(pad[:, None, :, None]).any()
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    refs = []
+    for i, length in enumerate(lengths.tolist()):
+        leaves = [t[i:i + 1, :, :length].clone().requires_grad_() for t in inputs]
+        ref = naive(*leaves)
+        refs.append((ref, torch.autograd.grad((ref * w[i:i + 1, :, :length]).sum(), leaves)))
+        _assert_close_to(f"sample {i} output", out[i:i + 1, :, :length], ref, TOL_OUT)
+    for j, name in enumerate(("q", "k", "v", "extra")):
+        # relative to the batch's largest gradient: a one-token sample's dq is ~eps (o = v up to eps)
+        scale = max(ref_grads[j].abs().max().item() for _, ref_grads in refs)
+        for i, length in enumerate(lengths.tolist()):
+            err = (grads[j][i:i + 1, :, :length].double() - refs[i][1][j]).abs().max().item() / scale
+            assert err < TOL_GRAD, f"sample {i} d{name}: error {err:.2e} of the largest value"
+            assert not grads[j][i, :, length:].any(), f"sample {i} d{name} at the padding"
 
 
 def test_bidirectional_gated_unnormalised_and_decay_on_kernels():

@@ -140,8 +140,9 @@ def bidirectional_delta_rule_attention(
     if flip.valid is not None:
         beta = beta.masked_fill(~flip.valid[..., 0], 0)
     phi_q, phi_k, vc = delta_features(q, k, v, feature_map, l2_normalize)
-    if fla_kernels.kernel_path(backend, q, v, "bidirectional_delta_rule_attention", gated=False, lengths=lengths):
-        return fla_kernels.bidirectional_delta(phi_q, phi_k, vc, beta, dtype=q.dtype).to(q.dtype)
+    if fla_kernels.kernel_path(backend, q, v, "bidirectional_delta_rule_attention", gated=False):
+        return flip.clean(fla_kernels.bidirectional_delta(phi_q, phi_k, vc, beta, dtype=q.dtype, flip=flip)
+                          )[0].to(q.dtype)
     out_f = delta_chunk_scan(phi_q, phi_k, vc, beta, chunk_size).out
     out_b = delta_chunk_scan(flip(phi_q), flip(phi_k), flip(vc), flip(beta.unsqueeze(-1)).squeeze(-1), chunk_size,
                              strict=True).out

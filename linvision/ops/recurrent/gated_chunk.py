@@ -279,9 +279,9 @@ def bidirectional_gated_linear_attention(
     flip = Reversal(lengths, q.shape[2])
     q, k, v, log_gate = flip.clean(q, k, v, log_gate)  # before any feature: the padding's gradients are zeros
     phi_q, phi_k, vc = causal_features(feature_map, q, k, v, "bidirectional_gated_linear_attention")
-    if fla_kernels.kernel_path(backend, q, v, "bidirectional_gated_linear_attention", gated=True, lengths=lengths):
-        return fla_kernels.bidirectional_gated(
-            phi_q, phi_k, vc, log_gate, dtype=q.dtype, normalize=normalize, eps=eps).to(q.dtype)
+    if fla_kernels.kernel_path(backend, q, v, "bidirectional_gated_linear_attention", gated=True):
+        return flip.clean(fla_kernels.bidirectional_gated(
+            phi_q, phi_k, vc, log_gate, dtype=q.dtype, normalize=normalize, eps=eps, flip=flip))[0].to(q.dtype)
 
     # one direction after the other: batching the two would double the peak memory of the chunk tensors
     if normalize:

@@ -38,13 +38,16 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Callable, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Callable, Optional, Set, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ..common import check_backend, is_exporting, note_backend
+
+if TYPE_CHECKING:
+    from .scan import Reversal
 
 __all__ = [
     "REQUIREMENT",
@@ -123,17 +126,16 @@ def _warn_once(op: str, reason: str) -> None:
         )
 
 
-def kernel_path(backend: str, q: Tensor, v: Tensor, op: str, gated: bool, lengths: Optional[Tensor] = None) -> bool:
+def kernel_path(backend: str, q: Tensor, v: Tensor, op: str, gated: bool) -> bool:
     """Whether the recurrence ``op`` (a ``gated`` form or the delta rule) on q, v runs on fla's kernels: ``backend``
     "torch" never, "auto" for CUDA
     tensors the kernels can take (a warning once per reason otherwise), "triton" always (ImportError when fla-core
-    does not import, ValueError when the call does not fit the kernels). Per-sample ``lengths`` run in PyTorch."""
+    does not import, ValueError when the call does not fit the kernels)."""
     check_backend(backend)
     if backend == "torch" or (backend == "auto" and q.device.type not in _AUTO_DEVICES):
         note_backend(op, "torch")
         return False
-    reason = ("per-sample lengths are not wired to fla's kernels yet" if lengths is not None
-              else kernel_reason(q, v, gated))
+    reason = kernel_reason(q, v, gated)
     if reason is None:
         note_backend(op, "fla")
         return True
@@ -187,10 +189,13 @@ def _shift(x: Tensor) -> Tensor:
     return F.pad(x[:, :, 1:], (0, 0, 0, 1))
 
 
-def _unshift(x: Tensor) -> Tensor:
-    """The reversed scan's reads back in raster order: read t of the reversed sequence is token N - 2 - t's, and
-    the last token reads nothing."""
-    return F.pad(x[:, :, :-1].flip(2), (0, 0, 0, 1))
+def _unshift(x: Tensor, flip: "Reversal") -> Tensor:
+    """The reversed scan's reads back in raster order: read t of the reversed sequence is token L - 2 - t's (L the
+    sample's length, N without lengths), and the sample's last token (and its padding) reads nothing."""
+    out = _shift(flip(x))
+    if flip.valid is not None:  # token i reads read L - 2 - i only while i + 1 < L
+        out = out.masked_fill(~_shift(flip.valid), 0)
+    return out
 
 
 def _pow2_inverse(x: Tensor) -> Tensor:
@@ -205,12 +210,13 @@ def _pad_even(x: Tensor) -> Tensor:
 
 # --- gated and decay forms ---
 
-def decayed_counts(log_gate: Tensor, count0: Optional[Tensor] = None, backward: bool = False
-                   ) -> Tuple[Tensor, Optional[Tensor]]:
+def decayed_counts(log_gate: Tensor, count0: Optional[Tensor] = None, backward: bool = False,
+                   valid: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """Per-channel decayed token counts of log-gates (B, H, N, G), float64: the forward scan's
     c_i = sum_{j <= i} exp(C_i - C_j) (+ exp(C_i) count0, count0 (B, H, G)) with C the cumulative log-gate, and with
-    ``backward`` the reversed scan's, token i left out: sum_{j > i} exp(C_{j-1} - C_{i-1}). Both from logcumsumexp,
-    with no exp of a positive number; differentiable."""
+    ``backward`` the reversed scan's, token i left out: sum_{j > i} exp(C_{j-1} - C_{i-1}), over the real tokens j
+    only when ``valid`` (B, 1, N, 1) marks them (padding after them). Both from logcumsumexp, with no exp of a
+    positive number; differentiable."""
     g = log_gate.double()
     cum = g.cumsum(2)
     fwd = torch.exp(cum + torch.logcumsumexp(-cum, 2))
@@ -219,7 +225,8 @@ def decayed_counts(log_gate: Tensor, count0: Optional[Tensor] = None, backward: 
     if not backward:
         return fwd, None
     prev = cum - g  # C_{i-1}
-    after = torch.logcumsumexp(prev.flip(2), 2).flip(2)  # log sum_{j >= i} exp(C_{j-1})
+    terms = prev if valid is None else prev.masked_fill(~valid, -1e30)  # finite: no NaN in the gradient
+    after = torch.logcumsumexp(terms.flip(2), 2).flip(2)  # log sum_{j >= i} exp(C_{j-1})
     return fwd, F.pad(torch.exp(after[:, :, 1:] - prev[:, :, :-1]), (0, 0, 0, 1))
 
 
@@ -280,25 +287,29 @@ def gated_scan(
 
 
 def bidirectional_gated(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_gate: Tensor, *, dtype: torch.dtype,
-                        normalize: bool, eps: float) -> Tensor:
+                        normalize: bool, eps: float, flip: "Reversal") -> Tensor:
     """The bidirectional gated form of :func:`linvision.ops.bidirectional_gated_linear_attention` on fla's kernels:
-    both scans as one call over 2B sequences. Arguments as :func:`gated_scan`; returns (B, H, N, Dv) fp32."""
+    both scans as one call over 2B sequences, the backward one in ``flip``'s order (a :class:`.scan.Reversal`:
+    with per-sample lengths each sample's real tokens reversed, its padding after them, so that padding, the last
+    tokens of both scans, never reaches a real token). Arguments as :func:`gated_scan`; returns (B, H, N, Dv)
+    fp32, its padding to be discarded by the caller."""
     b, dv = phi_q.shape[0], v.shape[-1]
-    fwd, bwd = decayed_counts(log_gate if normalize else log_gate.detach(), backward=True)
+    fwd, bwd = decayed_counts(log_gate if normalize else log_gate.detach(), backward=True, valid=flip.valid)
     counts = fwd + bwd
-    q, k, vv, q_scale, k_scale = _gated_operands(phi_q, phi_k, v, normalize, counts.detach().amax(dim=(2, 3)))
+    top = (counts if flip.valid is None else counts.masked_fill(~flip.valid, 0)).detach().amax(dim=(2, 3))
+    q, k, vv, q_scale, k_scale = _gated_operands(phi_q, phi_k, v, normalize, top)
     op_dtype = operand_dtype(dtype, phi_q.device)
-    gate_b = log_gate.flip(2)
+    gate_b = flip(log_gate)
     # reversed order: token i's query, times its own gate, reads the state after token i + 1
-    q_b = _shift(q.flip(2) * gate_b.exp())
+    q_b = _shift(flip(q) * gate_b.exp())
     out, _ = _run(
         _gated_kernel(log_gate),
         torch.cat([q.to(op_dtype), q_b.to(op_dtype)]),
-        torch.cat([k.to(op_dtype), k.flip(2).to(op_dtype)]),
-        torch.cat([vv.to(op_dtype), vv.flip(2).to(op_dtype)]),
+        torch.cat([k.to(op_dtype), flip(k).to(op_dtype)]),
+        torch.cat([vv.to(op_dtype), flip(vv).to(op_dtype)]),
         _gate(torch.cat([log_gate, gate_b])), None, False,
     )
-    both = out[:b].float() + _unshift(out[b:].float())
+    both = out[:b].float() + _unshift(out[b:].float(), flip)
     return _gated_output(both, dv, normalize, eps, counts.mean(-1).float() if normalize else None,
                          q_scale * k_scale)
 
@@ -316,15 +327,19 @@ def delta_scan(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, *, dtype: 
     return out.float(), s
 
 
-def bidirectional_delta(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, *, dtype: torch.dtype) -> Tensor:
+def bidirectional_delta(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, *, dtype: torch.dtype,
+                        flip: "Reversal") -> Tensor:
     """The bidirectional delta rule of :func:`linvision.ops.bidirectional_delta_rule_attention` on fla's kernels,
-    both scans as one call over 2B sequences. Arguments as :func:`delta_scan`; returns (B, H, N, Dv) fp32."""
+    both scans as one call over 2B sequences, the backward one in ``flip``'s order (as for
+    :func:`bidirectional_gated`). Arguments as :func:`delta_scan`; returns (B, H, N, Dv) fp32, its padding to be
+    discarded by the caller."""
     op_dtype = operand_dtype(dtype, phi_q.device)
     b, h, n = beta.shape
     q, k, vv = (t.to(op_dtype) for t in (phi_q, phi_k, v))
+    beta_b = flip(beta.unsqueeze(-1)).squeeze(-1)
     # reversed order: token i's query reads the state after token i + 1
     out, _ = _run(
-        "delta_rule", torch.cat([q, _shift(q.flip(2))]), torch.cat([k, k.flip(2)]), torch.cat([vv, vv.flip(2)]),
-        torch.cat([beta, beta.flip(2)]).contiguous().view(2 * b * h, n, 1), None, False,
+        "delta_rule", torch.cat([q, _shift(flip(q))]), torch.cat([k, flip(k)]), torch.cat([vv, flip(vv)]),
+        torch.cat([beta, beta_b]).contiguous().view(2 * b * h, n, 1), None, False,
     )
-    return out[:b].float() + _unshift(out[b:].float())
+    return out[:b].float() + _unshift(out[b:].float(), flip)

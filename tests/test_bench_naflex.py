@@ -100,9 +100,10 @@ def _rows(path):
         return list(csv.DictReader(f))
 
 
-def test_a_tiny_sweep_writes_every_row_with_figures(tmp_path):
+def test_a_tiny_sweep_writes_every_row_with_figures(tmp_path, capsys):
     """Three models on NaFlex batches and the square baseline, two budgets, both modes: one row each, in
-    order, with finite positive figures, the reference's time ratio 1, and the tokens per image as built."""
+    order, with finite positive figures, the reference's time ratio 1, and the tokens per image as built;
+    --from-csv prints the same table from the CSV and draws the plot again."""
     out, png = tmp_path / "r.csv", tmp_path / "r.png"
     code = tool.main(["--models", "linvit_tiny_patch16_224", "linvit_tiny_patch16_rope_224", SOFTMAX,
                       "--square", "linvit_tiny_patch16_224", *TINY, "--budgets", "16,64", "--batch", "2",
@@ -137,6 +138,13 @@ def test_a_tiny_sweep_writes_every_row_with_figures(tmp_path):
         assert (float(r["attn_matrix_mib"]) == pytest.approx(expected, rel=1e-4)) if expected else not r[
             "attn_matrix_mib"]
     assert png.stat().st_size > 10_000
+    printed = capsys.readouterr().out
+    table = printed[printed.index("| mode |"):printed.index("plot in")]
+    assert table.count("\n| infer | ") == 8 and table.count("\n| train | ") == 8
+    again = tmp_path / "again.png"
+    assert tool.main(["--from-csv", str(out), "--slow-factor", "1e6", "--plot", str(again)]) == 0
+    assert capsys.readouterr().out == table + f"plot in {again}\n"
+    assert again.stat().st_size > 10_000 and out.read_text().count("\n") == 17  # the CSV as it was
 
 
 def test_guards_skip_over_the_memory_limit_and_after_a_slow_point(tmp_path, capsys):
@@ -189,6 +197,7 @@ BAD_INPUT = [
     (["--modes", "fly"], "error: argument --modes: invalid choice: 'fly'"),
     (["--batch", "two"], "error: argument --batch: invalid int value: 'two'"),
     (["--model-kwargs", "depth"], "error: model_kwargs: expected key=value"),
+    (["--from-csv", "no_such.csv"], "error: [Errno 2] No such file or directory: 'no_such.csv'"),
     (["--max-aspect", "20"], "error: min_side/max_side/max_aspect: need 1 <= min side and min side x max aspect"),
 ]
 

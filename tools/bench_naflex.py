@@ -30,12 +30,15 @@ its projected attention matrix, batch x heads x L^2 elements of the compute dtyp
 tokens included), passes --memory-limit-gib; an out-of-memory error is caught and recorded. A model whose first
 run at a point, and then its second, takes more than --slow-factor times the median of the reference
 (--reference, the first of --models by default) at that budget and mode is recorded from that second run (status
-slow). A model skipped, out of memory or slow at a budget is not run at the larger budgets of that mode (status
-skipped, with the reason). With --max-run-s, a point whose first run takes longer than that is recorded from that
-run alone (status ok, one timed run, the reason saying so): the large budgets cost one run each.
+slow; from the first when that one took longer than --max-run-s). A model skipped, out of memory or slow at a
+budget is not run at the larger budgets of that mode (status skipped, with the reason). With --max-run-s, a point
+whose first run takes longer than that is recorded from that run alone (status ok, one timed run, the reason
+saying so): the large budgets cost one run each. The last lines printed say, for each model against the
+reference, from which budget it did not fit or took more than --slow-factor times the reference's time.
 
 Writes --output (CSV, one row per model x input x budget x mode, rewritten as each point finishes), prints each
 point as it finishes and a table at the end, and with --plot a PNG of images/s and peak memory against the budget.
+--from-csv FILE measures nothing: the table and the plot of a CSV written before (an interrupted run's, say).
 The exit status is 1 when a point failed with an error, 2 for bad arguments (one line on stderr).
 """
 from __future__ import annotations
@@ -111,11 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-limit-gib", type=float, default=16.0,
                    help="skip a softmax model where its projected attention matrix passes this many GiB")
     p.add_argument("--slow-factor", type=float, default=10.0,
-                   help="a model whose first run takes this many times the reference's median is timed once")
+                   help="a model this many times slower than the reference is timed once, not run at larger "
+                        "budgets, and named in the last lines")
     p.add_argument("--max-run-s", type=float, default=None,
                    help="seconds: a point whose first run takes longer is recorded from that run alone")
     p.add_argument("--output", default="naflex_results.csv", help="the CSV written")
     p.add_argument("--plot", default=None, help="also write this PNG: images/s and peak memory against the budget")
+    p.add_argument("--from-csv", default=None,
+                   help="measure nothing: print the table of a CSV this tool wrote and draw its --plot")
     return p
 
 
@@ -332,10 +338,11 @@ def measure(spec: str, input_kind: str, budget: int, mode: str, args, images: Li
 
         with MemoryMeter(dev) as mem:
             done = _timed(run, dev, 0, 1)
-            if over(done[0]):  # the first run may pay one-time costs: a second one confirms
+            long = args.max_run_s is not None and done[0] > args.max_run_s
+            if over(done[0]) and not long:  # the first run may pay one-time costs: a second one confirms
                 done += _timed(run, dev, 0, 1)
+                long = args.max_run_s is not None and done[-1] > args.max_run_s
             slow = over(done[-1])
-            long = args.max_run_s is not None and done[-1] > args.max_run_s
             if slow or long:
                 times = done[-1:]
             elif args.warmup == 0:  # the runs done are timed ones
@@ -418,6 +425,43 @@ def format_row(row: Dict[str, Any]) -> str:
     if math.isfinite(row["time_vs_ref"]):
         line += f", {row['time_vs_ref']:.2f}x the reference's time"
     return line + (f"; {row['status']}: {row['reason']}" if row["reason"] else "")
+
+
+INT_FIELDS = ("budget", "batch", "seq_len", "iters", "threads")
+TEXT_FIELDS = ("model", "input", "mode", "status", "reason", "device", "dtype")
+
+
+def read_csv(path: str) -> List[Dict[str, Any]]:
+    """The rows of a CSV of :func:`write_csv`, typed as the sweep made them (an empty figure is NaN);
+    ValueError in one line for a file without this tool's columns."""
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [k for k in FIELDS if k not in (reader.fieldnames or [])]
+        if missing:
+            raise ValueError(f"from_csv: {path} is not a CSV of linvision-bench-naflex (no {', '.join(missing)})")
+        rows = []
+        for raw in reader:
+            row: Dict[str, Any] = {}
+            for key in FIELDS:
+                value = raw[key]
+                if key in TEXT_FIELDS:
+                    row[key] = value
+                elif key in INT_FIELDS:
+                    row[key] = int(value) if value else 0
+                else:
+                    row[key] = float(value) if value else float("nan")
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"from_csv: {path} holds no rows")
+    return rows
+
+
+def plot_title(rows: List[Dict[str, Any]], args) -> str:
+    """The plot's title: how the rows were measured and the workload."""
+    r = rows[0]
+    threads = f"{r['threads']} thread{'s' if r['threads'] != 1 else ''}"
+    return (f"{r['device']} ({threads}), {r['dtype']}, batch {r['batch']}; NaFlex mixed aspect "
+            f"1:{args.max_aspect:g}-{args.max_aspect:g}:1, {args.min_side}-{args.max_side} px")
 
 
 def write_csv(rows: List[Dict[str, Any]], path: str) -> None:
@@ -519,8 +563,9 @@ def plot(rows: List[Dict[str, Any]], path: str, title: str = "") -> bool:
             ax.set_title(f"{names[mode]}: {what}", fontsize=10)
             ax.grid(True, which="major", alpha=0.3)
     handles = [Line2D([], [], ms=5, label=label, **styles[label]) for label in labels]
-    handles.append(Line2D([], [], marker="x", color="0.35", linestyle="none", ms=8,
-                          label="not run (over the memory limit, out of memory, after a slow point, error)"))
+    if any(r["status"] in NOT_RUN for r in rows):
+        handles.append(Line2D([], [], marker="x", color="0.35", linestyle="none", ms=8,
+                              label="not run (over the memory limit, out of memory, after a slow point, error)"))
     if any(r["status"] == "slow" for r in rows):
         handles.append(Line2D([], [], marker="o", mfc="none", color="0.35", linestyle="none", ms=10,
                               label="slow: one run only (over --slow-factor x the reference)"))
@@ -569,6 +614,9 @@ def check_args(args) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     check_args(args)
+    if args.from_csv:
+        rows = read_csv(args.from_csv)
+        return report(rows, args, rows[0]["model"])
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"device {args.device}, {torch.get_num_threads()} threads, dtype {args.dtype}, {args.batches} batches of "
@@ -577,14 +625,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{' '.join(args.modes)}, {args.warmup} warm-up + {args.iters} timed runs per figure (their median), "
           f"reference {args.reference}", flush=True)
     rows = run_sweep(args, log=lambda line: print(line, flush=True))
-    print(table(rows))
-    for line in limits(rows, args.reference, args.slow_factor):
-        print(line)
     print(f"results in {args.output}", flush=True)
+    return report(rows, args, args.reference)
+
+
+def report(rows: List[Dict[str, Any]], args, reference: str) -> int:
+    """Print the table and the limits of the rows, draw --plot; the exit status (1 when a point failed)."""
+    print(table(rows))
+    for line in limits(rows, reference, args.slow_factor):
+        print(line)
     if args.plot:
-        title = (f"{args.device} ({torch.get_num_threads()} threads), {args.dtype}, batch {args.batch}, NaFlex "
-                 f"mixed aspect 1:{args.max_aspect:g}-{args.max_aspect:g}:1, {args.min_side}-{args.max_side} px")
-        if plot(rows, args.plot, title):
+        if plot(rows, args.plot, plot_title(rows, args)):
             print(f"plot in {args.plot}", flush=True)
         else:
             print("no plot: no point was measured", flush=True)

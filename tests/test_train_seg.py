@@ -122,6 +122,7 @@ def test_training_on_mosaics_lowers_the_loss_and_writes_the_run_folder(tmp_path)
     assert config["decoder"] == "unet" and config["dataset"] == "mosaic" and "resume" not in config
     for folder in ("last", "best"):
         assert (run / folder / "model.safetensors").is_file()
+        assert not (run / folder / "config.json").exists()  # an smp model is no timm model: no timm hub config
         meta = json.loads((run / folder / "model.json").read_text())
         assert (meta["encoder"], meta["decoder"], meta["num_classes"], meta["img_size"]) == \
             ("linhier_delta_femto_224", "unet", 10, 64)

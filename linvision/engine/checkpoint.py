@@ -8,6 +8,12 @@ A checkpoint is a folder::
                         "img_size", "mean", "std", "crop_pct", "interpolation", "crop_mode", "classes", ...}
                         (the image size and the settings of the transforms the run resolved, which
                         validation uses again: :func:`recorded_data_config`)
+    config.json         (classifiers) the same model in timm's hub layout, written by timm's own
+                        ``save_config_for_hf`` from the model and model.json: {"architecture", "num_classes",
+                        "num_features", "label_names", "model_args", "pretrained_cfg"} (the run's transform in
+                        the pretrained cfg), so that ``timm.create_model("local-dir:FOLDER", pretrained=True)``
+                        after ``import linvision`` rebuilds it with these weights (:func:`write_timm_config`);
+                        derived from model.json, which linvision reads
     train_state.pt      (``last`` only) optimizer, scheduler, scaler, EMA weights, RNG states, epoch and step
 
 A training run writes ``<run>/last`` (every epoch, and on interruption) and ``<run>/best``. A checkpoint
@@ -19,6 +25,10 @@ Load a trained model with :func:`load_model`::
     from linvision.engine import load_model
     model, meta = load_model("output/digits_demo")        # the run's best checkpoint, in eval mode
     logits = model(images)                                # images normalised with meta["mean"], meta["std"]
+
+or a classifier's checkpoint folder with timm alone (``import linvision`` registers linvision's models)::
+
+    model = timm.create_model("local-dir:output/digits_demo/best", pretrained=True).eval()
 """
 from __future__ import annotations
 
@@ -40,7 +50,7 @@ from .files import write_checkpoint_folder
 
 __all__ = ["load_torch_file", "strip_module_prefix", "load_pretrained", "save_checkpoint", "load_model",
            "resolve_checkpoint", "read_checkpoint_meta", "checkpoint_task", "load_checkpoint_weights",
-           "recorded_data_config"]
+           "recorded_data_config", "write_timm_config"]
 
 
 def load_torch_file(path: str, what: str) -> Any:
@@ -131,20 +141,58 @@ def _tensors(module: nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def save_checkpoint(folder: str, model: nn.Module, meta: Dict[str, Any],
-                    train_state: Optional[Dict[str, Any]] = None, ema: Optional[nn.Module] = None) -> None:
+                    train_state: Optional[Dict[str, Any]] = None, ema: Optional[nn.Module] = None,
+                    timm_config: bool = False) -> None:
     """Write model.safetensors, model.json, (if given) train_state.pt and ema.safetensors (the weights of an EMA
     copy kept beside the model, for models sampled from their EMA) into ``folder`` as one unit
-    (:func:`write_checkpoint_folder`): weights, description and train state always come from the same step."""
+    (:func:`write_checkpoint_folder`): weights, description and train state always come from the same step.
+    ``timm_config`` (a timm classifier, ``meta`` a classification run's) adds timm's config.json
+    (:func:`write_timm_config`) where the installed timm can write it."""
     def write_json(p):
         with open(p, "w") as f:
             json.dump(meta, f, indent=2)
 
     files = {"model.safetensors": lambda p: save_file(_tensors(model), p), "model.json": write_json}
+    if timm_config and _timm_save_config() is not None:
+        files["config.json"] = lambda p: write_timm_config(p, model, meta)
     if ema is not None:
         files["ema.safetensors"] = lambda p: save_file(_tensors(ema), p)
     if train_state is not None:
         files["train_state.pt"] = lambda p: torch.save(train_state, p)
     write_checkpoint_folder(folder, files)
+
+
+def _timm_save_config() -> Optional[Callable]:
+    """timm's ``save_config_for_hf`` where it records what rebuilds the model and the transform given to it
+    (its ``data_config``: timm 1.0.31 and later), else None: an older timm would describe the weights with the
+    model's default pretrained cfg (ImageNet's transform) and without its keyword arguments."""
+    import inspect
+
+    from timm.models import _hub
+
+    save = getattr(_hub, "save_config_for_hf", None)
+    return save if save is not None and "data_config" in inspect.signature(save).parameters else None
+
+
+def write_timm_config(path: str, model: nn.Module, meta: Dict[str, Any]) -> None:
+    """Write ``path``, the config.json of a classifier's checkpoint folder in timm's hub layout, with timm's own
+    ``save_config_for_hf`` (what ``timm.models.push_to_hf_hub`` uploads beside the weights): the architecture,
+    ``model_args`` (what timm's factory was given to build ``model``: its keyword arguments, input channels,
+    classes and image size; drop rates left out, as timm does), and the pretrained cfg with the transform the
+    run resolved (model.json's, ``meta``: :func:`recorded_data_config`) and, where model.json names one class per
+    output, the classes as ``label_names``. The description of the source weights that the model's default cfg
+    carries (tag, notes) is replaced: these are the run's weights. ValueError (from timm) for a model argument
+    that JSON cannot hold; RuntimeError where the installed timm cannot write it (before 1.0.31)."""
+    save = _timm_save_config()
+    if save is None:
+        raise RuntimeError("config.json: the installed timm's save_config_for_hf takes no data_config "
+                           "(timm 1.0.31 or later writes the run's transform)")
+    classes = meta.get("classes")
+    labels = {"label_names": list(classes)} if classes and len(classes) == meta["num_classes"] else {}
+    what = {"tag": None, "notes": None,
+            "description": f"{meta['model']} trained with linvision ({meta['num_classes']} classes)"}
+    save(unwrap_model(model), path, model_config={**labels, "pretrained_cfg": what},
+         data_config=recorded_data_config(meta))
 
 
 def resolve_checkpoint(path: str) -> str:

@@ -49,7 +49,7 @@ def gather_rng(info: DistInfo) -> List[Dict[str, Any]]:
     return states
 
 
-_CHECKPOINT_FILES = ("train_state.pt", "model.safetensors", "model.json")
+_CHECKPOINT_FILES = ("train_state.pt", "model.safetensors", "model.json", "config.json")
 
 
 def is_external_checkpoint(path: str) -> bool:

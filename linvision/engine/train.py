@@ -157,6 +157,8 @@ class Task:
             ``best`` in summary.json holds.
         command: the tool that runs the task, for the messages that say how to resume a run.
         timm_checkpoints: whether ``--resume FILE.pth.tar`` (a checkpoint of timm's train.py) can start a run.
+        timm_config: whether its checkpoints also hold timm's config.json (the model is a timm classifier:
+            ``timm.create_model("local-dir:RUN/best", pretrained=True)`` loads it).
         val_collate: the validation loader's ``collate_fn``, when not the default.
     """
 
@@ -165,6 +167,7 @@ class Task:
     record_keys: Tuple[str, ...]
     command: str = "linvision-train"
     timm_checkpoints: bool = False
+    timm_config: bool = False
     val_collate: Optional[Callable] = None
 
     def run_name(self, cfg: Recipe) -> str:
@@ -229,7 +232,7 @@ class ClassificationTask(Task):
     distillation; top-1 picks ``best/``."""
 
     score, score_label, record_keys = "top1", "top-1", ("top1", "top5", "loss")
-    timm_checkpoints = True
+    timm_checkpoints = timm_config = True
 
     def __init__(self):
         self.teacher: Optional[nn.Module] = None
@@ -575,7 +578,7 @@ def _save_last(run: _Run, epoch: int, step_in_epoch: int) -> None:
             "scheduler": run.scheduler.state_dict(), "scaler": run.scaler.state_dict() if run.scaler else None,
             "ema": run.ema.module.state_dict() if run.ema else None, "epoch": epoch, "step_in_epoch": step_in_epoch,
             "global_step": run.global_step, "best": run.best, "running": runs, "rng": rng,
-            "batch_size": run.cfg.batch_size, "epochs": run.cfg.epochs})
+            "batch_size": run.cfg.batch_size, "epochs": run.cfg.epochs}, timm_config=run.task.timm_config)
     barrier(info)
 
 
@@ -726,7 +729,8 @@ def _end_of_epoch(run: _Run, epoch: int) -> None:
         if info.is_main:
             weights = run.model if which == "model" else run.ema.module
             save_checkpoint(os.path.join(run.run_dir, "best"), weights, {**run.meta, "weights": which,
-                                                                         "epoch": epoch, **res})
+                                                                         "epoch": epoch, **res},
+                            timm_config=run.task.timm_config)
     if info.is_main:
         _append_jsonl(run.metrics_path, record)
         print(f"epoch {epoch}: train loss {record['train_loss']:.4f}, val {label} {results['model'][score]:.2f}"

@@ -224,6 +224,29 @@ CHAINS: Dict[str, Chain] = {
     "tools_refused_size": Chain(slow=False, timeout=600, steps=(
         Step("linvision-train --dataset digits --model linvit_tiny_patch16_rope_224 --img-size 100"),
     )),
+    "naflex_native": Chain(steps=(
+        Step("linvision-train --dataset photos_aspect --model linvit_tiny_patch16_rope_224 --naflex-loader "
+             "--naflex-train-seq-lens 64 --naflex-max-seq-len 64 --epochs 30 --experiment native",
+             extra=(*EPOCH, "--model-kwargs", "depth=1"), why=ONE_EPOCH + "; one block",
+             check=_summary("native")),
+        Step("linvision-validate --checkpoint output/native --naflex-loader --naflex-max-seq-len 64"),
+    )),
+    "naflex_photos": Chain(steps=(
+        Step("linvision-train -c configs/naflex_photos.yaml --naflex-loader --seed 0 --experiment naflex-s0",
+             extra=(*EPOCH, "--output", "output"), why=ONE_EPOCH + "; the run folder in the chain's folder, not "
+             "/tmp", check=_summary("naflex-s0")),
+        Step("linvision-train -c configs/naflex_photos.yaml --seed 0 --experiment square-s0",
+             extra=(*EPOCH, "--output", "output"), why=ONE_EPOCH + "; the run folder in the chain's folder, not "
+             "/tmp", check=_summary("square-s0")),
+        Step("linvision-validate --checkpoint /tmp/naflex_photos/naflex-s0/last --naflex-loader "
+             "--naflex-max-seq-len 64",
+             subs={"/tmp/naflex_photos/naflex-s0/last": "output/naflex-s0/last"}, why="the run the chain trained"),
+        Step("linvision-validate --checkpoint /tmp/naflex_photos/naflex-s0/last --naflex-loader "
+             "--naflex-max-seq-len 128",
+             subs={"/tmp/naflex_photos/naflex-s0/last": "output/naflex-s0/last"}, why="the run the chain trained"),
+        Step("linvision-validate --checkpoint /tmp/naflex_photos/naflex-s0/last",
+             subs={"/tmp/naflex_photos/naflex-s0/last": "output/naflex-s0/last"}, why="the run the chain trained"),
+    )),
     "digits_demo": Chain(steps=(
         Step("linvision-train --config digits_demo", extra=EPOCH, why=ONE_EPOCH, check=_summary("digits_demo")),
         Step("linvision-validate --checkpoint output/digits_demo --img-size 32 64 128 --output val.json",
@@ -399,6 +422,10 @@ NETWORK = "downloads published weights (timm's pretrained=True): no network in t
 SKIPPED: Dict[str, str] = {
     "make demo": "the same as `linvision-ablate --config configs/ablate_digits.yaml`, which runs (chain "
                  "ablate_digits)",
+    "linvision-bench-naflex --budgets 256 1024 4096 16384 --modes infer train --batch 2 --batches 2 --iters 3 "
+    "--warmup 1 --max-run-s 20 --threads 1 --device cpu --output docs/figures/naflex_throughput_memory.csv --plot "
+    "docs/figures/naflex_throughput_memory.png": "the manual's 18-minute measurement, which rewrites its figure; "
+    "tests/test_bench_naflex.py runs the tool on tiny budgets and checks its rows",
     "make test": "the test suite itself",
     "make docs": "the manual's strict build, which tests/test_docs.py runs",
     "pip install .": "installs the package: the tests run in such an install",

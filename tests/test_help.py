@@ -56,6 +56,8 @@ DEFAULTS = {
     "linvision-model-table": [("--style", "full")],
     "linvision-bench-kernels": [("--dim", "64"), ("--dtype", "bfloat16"), ("--sdpa-max-n", "65536")],
     "linvision-check-kernels": [("--d", "32 64 128"), ("--rope", "off on learn")],
+    "linvision-bench-naflex": [("--budgets", "256 1024 4096 16384"), ("--batch", "4"), ("--iters", "3"),
+                               ("--memory-limit-gib", "16.0")],
     "linvision-train-diffusion": [("--steps", "2000"), ("--model", "digits"), ("--cache-latents", "on"),
                                   ("--experiment", "diffusion_digits")],
     "linvision-sample-diffusion": [("--steps", "20"), ("--cfg-scale", "3.0"), ("--sampler", "euler")],

@@ -427,7 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=list(DTYPES), help="input dtypes")
     p.add_argument("--rope", nargs="+", default=["off", "on", "learn"], choices=["off", "on", "learn", "naflex"],
                    help="RoPE off, on, and 'learn': the backward kernels with the gradient of learnable frequencies; "
-                        "'naflex' (not in the default): a batch of images of different sizes, the token mask read in "
+                        "'naflex' (only when named): a batch of images of different sizes, the token mask read in "
                         "the token loops and RoPE at per-sample positions")
     p.add_argument("--candidates", action="store_true", help="every candidate configuration, not only the offered")
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")

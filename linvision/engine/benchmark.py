@@ -51,6 +51,7 @@ from linvision.ops import record_backends
 from .amp import autocast
 from .factory import create_model
 from .flops import count_gflops, count_params
+from .segmenter import DECODERS, check_decoder  # the heads of --decoder: segmenter's one table (smp not imported)
 
 __all__ = ["BenchmarkPoint", "benchmark_point", "run_sweep", "write_results", "plot_results", "DEFAULT_MODELS",
            "MemoryMeter", "parse_model_spec", "gemm_gflop_s", "add_comparisons", "comparison_table",
@@ -62,10 +63,6 @@ DEFAULT_MODELS = ["linhier_tiny_224", "vit_small_patch16_224", "mambaout_tiny"]
 
 BenchmarkPoint = Dict[str, Any]
 Size = Union[int, Tuple[int, int]]
-
-# --decoder name -> smp class: the heads that take any timm encoder's stage outputs (DPT: isotropic encoders)
-DECODERS = {"unet": "Unet", "fpn": "FPN", "segformer": "Segformer", "upernet": "UPerNet", "dpt": "DPT"}
-SEG_EXTRA = 'pip install "linvision[seg]"'
 
 
 def parse_img_size(value: Any) -> Size:
@@ -94,16 +91,6 @@ def size_label(size: Any) -> Union[int, str]:
 def _hw(size: Any) -> Tuple[int, int]:
     size = parse_img_size(size)
     return (size, size) if isinstance(size, int) else size
-
-
-def check_decoder(decoder: str) -> None:
-    """ValueError in one line unless ``decoder`` is one of :data:`DECODERS` and smp can be imported."""
-    if decoder not in DECODERS:
-        raise ValueError(f"decoder: unknown {decoder!r}; one of {', '.join(DECODERS)}")
-    try:
-        import segmentation_models_pytorch  # noqa: F401
-    except ImportError:
-        raise ValueError(f"decoder: --decoder needs segmentation_models_pytorch: {SEG_EXTRA}") from None
 
 
 def build_segmenter(decoder: str, classes: int, name: str, img_size: Any, model_kwargs: Dict[str, Any]) -> nn.Module:

@@ -24,13 +24,16 @@ from typing import Any, Dict, Optional, Tuple
 
 from torch import nn
 
-__all__ = ["DECODERS", "STRIDE", "MissingExtraError", "import_smp", "build_segmenter", "encoder_pretrained_cfg",
-           "load_segmenter"]
+__all__ = ["DECODERS", "STRIDE", "MissingExtraError", "import_smp", "check_decoder", "build_segmenter",
+           "encoder_pretrained_cfg", "load_segmenter"]
 
-# the --decoder names and smp's classes: the heads that work on linvision's encoders (docs/segmentation.md)
-DECODERS = {"unet": "Unet", "segformer": "Segformer", "upernet": "UPerNet", "dpt": "DPT"}
+# The one table of heads: the --decoder names of linvision-train-seg, linvision-ablate and linvision-benchmark and
+# smp's class names, as strings (this module imports smp only when a segmenter is built, so the flags read it
+# without smp). The heads that work on linvision's encoders (docs/segmentation.md): Unet, FPN, Segformer and
+# UPerNet on the hierarchical ones, DPT on the isotropic ones.
+DECODERS = {"unet": "Unet", "fpn": "FPN", "segformer": "Segformer", "upernet": "UPerNet", "dpt": "DPT"}
 # what a head's input sides must be a multiple of: the coarsest feature map (stride 32), or a ViT's patch (16)
-STRIDE = {"unet": 32, "segformer": 32, "upernet": 32, "dpt": 16}
+STRIDE = {"unet": 32, "fpn": 32, "segformer": 32, "upernet": 32, "dpt": 16}
 
 
 class MissingExtraError(ImportError, ValueError):
@@ -48,6 +51,14 @@ def import_smp():
     return smp
 
 
+def check_decoder(decoder: str):
+    """smp, once ``decoder`` is known to be a key of :data:`DECODERS`: ValueError in one line naming the keys
+    otherwise, :class:`MissingExtraError` (a ValueError too) when smp is not installed."""
+    if decoder not in DECODERS:
+        raise ValueError(f"decoder: unknown {decoder!r}; one of {', '.join(DECODERS)}")
+    return import_smp()
+
+
 def build_segmenter(decoder: str, encoder: str, num_classes: int, model_kwargs: Optional[Dict[str, Any]] = None,
                     decoder_kwargs: Optional[Dict[str, Any]] = None, pretrained: bool = False,
                     pretrained_path: Optional[str] = None, in_chans: int = 3) -> nn.Module:
@@ -62,9 +73,7 @@ def build_segmenter(decoder: str, encoder: str, num_classes: int, model_kwargs: 
     """
     import linvision.models  # noqa: F401  (registers linvision's models with timm)
 
-    smp = import_smp()
-    if decoder not in DECODERS:
-        raise ValueError(f"decoder: expected one of {', '.join(DECODERS)}, got {decoder!r}")
+    smp = check_decoder(decoder)
     kwargs = {**(decoder_kwargs or {}), **(model_kwargs or {})}
     if decoder == "dpt":
         kwargs.setdefault("dynamic_img_size", True)

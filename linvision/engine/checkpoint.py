@@ -38,7 +38,6 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from safetensors.torch import load_file, save_file
-from timm.models import clean_state_dict
 from timm.utils import unwrap_model
 from torch import nn
 
@@ -48,7 +47,7 @@ from linvision.safe_pickle import read_checkpoint
 from .factory import create_model
 from .files import write_checkpoint_folder
 
-__all__ = ["load_torch_file", "strip_module_prefix", "load_pretrained", "save_checkpoint", "load_model",
+__all__ = ["load_torch_file", "load_pretrained", "save_checkpoint", "load_model",
            "resolve_checkpoint", "read_checkpoint_meta", "checkpoint_task", "load_checkpoint_weights",
            "recorded_data_config", "write_timm_config"]
 
@@ -83,12 +82,6 @@ def _read_state_dict(path: str, keys=DEFAULT_WEIGHT_KEYS) -> Dict[str, torch.Ten
         raise FileNotFoundError(f"pretrained_path: file not found: {path}")
     checkpoint = load_file(path) if path.endswith(".safetensors") else read_checkpoint(path, "pretrained_path")
     return unwrap_state_dict(checkpoint, keys)
-
-
-def strip_module_prefix(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """A state dict saved from a DistributedDataParallel (or torch.compile) wrapper, with its ``module.``
-    (``_orig_mod.``) prefixes removed (timm's ``clean_state_dict``)."""
-    return clean_state_dict(state)
 
 
 def _model_module(model: nn.Module):

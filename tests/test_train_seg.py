@@ -405,3 +405,29 @@ def test_a_segmenter_saved_with_the_encoder_s_unused_final_layer_still_loads(tmp
         x = torch.randn(1, 3, 64, 64)
         with torch.no_grad():
             assert torch.equal(loaded(x), model(x))
+
+
+def test_model_json_has_one_reader(tmp_path):
+    """load_segmenter, checkpoint_task and load_model read model.json through read_checkpoint_meta: the same
+    one-line errors (not JSON; not an object with the keys the reader needs, naming them), the task it names."""
+    from linvision.engine.checkpoint import checkpoint_task, load_model
+
+    meta = tmp_path / "model.json"
+    meta.write_text("{not json")
+    for read in (load_segmenter, checkpoint_task, load_model):
+        with pytest.raises(ValueError, match=f"^checkpoint: {meta} is not valid JSON"):
+            read(str(tmp_path))
+    meta.write_text(json.dumps({"model": "linhier_delta_femto_224", "num_classes": 3}))
+    assert checkpoint_task(str(tmp_path)) == "classification"
+    with pytest.raises(ValueError, match=r"lacks \['encoder', 'decoder', 'num_classes'\] \(has \['model', "
+                                         r"'num_classes'\]\); it describes no segmenter"):
+        load_segmenter(str(tmp_path))
+    meta.write_text(json.dumps({"task": "segmentation", "encoder": "linhier_delta_femto_224", "decoder": "fpn",
+                                "num_classes": 3}))
+    assert checkpoint_task(str(tmp_path)) == "segmentation"
+    with pytest.raises(ValueError, match=r"lacks \['model', 'num_classes'\]"):
+        load_model(str(tmp_path))
+    meta.write_text("[1, 2]")
+    for read in (load_segmenter, checkpoint_task, load_model):
+        with pytest.raises(ValueError, match=r"lacks .* \(has list\)"):
+            read(str(tmp_path))

@@ -18,8 +18,6 @@ Load it with :func:`load_segmenter`::
 """
 from __future__ import annotations
 
-import json
-import os
 from typing import Any, Dict, Optional, Tuple
 
 from torch import nn
@@ -101,18 +99,11 @@ def load_segmenter(path: str, device: str = "cpu") -> Tuple[nn.Module, Dict[str,
     Raises FileNotFoundError when there is no checkpoint, ValueError when model.json describes no segmenter or the
     weights do not fit it.
     """
-    from .checkpoint import load_checkpoint_weights, resolve_checkpoint
+    from .checkpoint import load_checkpoint_weights, read_checkpoint_meta, resolve_checkpoint
 
     folder = resolve_checkpoint(path)
-    meta_path = os.path.join(folder, "model.json")
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"checkpoint: {meta_path} is not valid JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(meta, dict) or any(k not in meta for k in _META_KEYS):
-        raise ValueError(f"checkpoint: {meta_path} describes no segmenter (it lacks {list(_META_KEYS)}); a "
-                         f"classifier's checkpoint loads with linvision.engine.load_model")
+    meta = read_checkpoint_meta(folder, _META_KEYS, "it describes no segmenter (a classifier's checkpoint loads "
+                                                    "with linvision.engine.load_model)")
     model = build_segmenter(meta["decoder"], meta["encoder"], meta["num_classes"], meta.get("model_kwargs"),
                             meta.get("decoder_kwargs"), in_chans=meta.get("in_chans", 3))
     # checkpoints written before the features-only encoder dropped its unused final layer still hold it

@@ -11,7 +11,6 @@ from linvision.engine.benchmark import (
     add_comparisons,
     benchmark_point,
     benchmark_point_with_timeout,
-    build_segmenter,
     check_decoder,
     comparison_table,
     parse_img_size,
@@ -19,6 +18,7 @@ from linvision.engine.benchmark import (
     run_sweep,
     size_label,
 )
+from linvision.engine.segmenter import build_segmenter
 
 smp = pytest.importorskip("segmentation_models_pytorch")
 
@@ -46,9 +46,24 @@ def test_segmenter_point_at_a_non_square_size():
     own = smp.Segformer("tu-linhier_tiny_224", encoder_weights=None, classes=3, **TINY)
     assert p["params_m"] == pytest.approx(sum(t.numel() for t in own.parameters()) / 1e6)
     assert p["gflops"] > 0 and p["infer_ms"] > 0 and p["train_ms"] > 0
-    model = build_segmenter("segformer", 3, "linhier_tiny_224", (64, 96), dict(TINY, token_mixers="softmax"))
+    model = build_segmenter("segformer", "linhier_tiny_224", 3, dict(TINY, token_mixers="softmax"))
     with torch.no_grad():
         assert model.eval()(torch.randn(1, 3, 64, 96)).shape == (1, 3, 64, 96)
+
+
+@pytest.mark.parametrize("decoder, name, kwargs", [
+    ("fpn", "linhier_tiny_224", TINY),
+    ("dpt", "linvit_tiny_patch16_224", {"embed_dim": 48, "num_heads": 2}),
+])
+def test_a_point_measures_the_segmenter_linvision_train_seg_builds(decoder, name, kwargs):
+    """The benchmark's segmenter is segmenter.build_segmenter's: the same parameters, FPN among the heads, and DPT
+    on a linvit with a fixed-size position embedding at 64 x 96 (dynamic_img_size, as in training)."""
+    p = benchmark_point(name, "64x96", batch_size=1, iters=1, warmup=0, decoder=decoder, classes=3,
+                        model_kwargs=kwargs, train=False, flops=False)
+    assert p["status"] == "ok", p["error"]
+    own = build_segmenter(decoder, name, 3, kwargs)
+    assert p["params_m"] == pytest.approx(sum(t.numel() for t in own.parameters()) / 1e6)
+    assert p["infer_ms"] > 0
 
 
 def test_twin_sweep_with_sizes_as_measured(tmp_path):

@@ -93,3 +93,20 @@ def test_a_file_without_weights_fails_in_one_line(tmp_path):
     torch.save({"epoch": 3, "optimizer": {}}, path)
     with pytest.raises(ValueError, match=r"^checkpoint: no weights under \['state_dict_ema', 'model_ema'"):
         linvit.checkpoint_filter_fn(read_checkpoint(str(path), "test"), _create("linvit"))
+
+
+def test_a_timm_training_checkpoint_gives_its_weights_and_ema_apart(tmp_path):
+    """--resume from timm's train.py file (engine.resume.read_timm_checkpoint) reads 'state_dict' and
+    'state_dict_ema' each as the state dict it is, through the same unwrap_state_dict, 'module.' prefixes removed."""
+    from linvision.engine.resume import read_timm_checkpoint
+
+    model = _create("linhier")
+    path = tmp_path / "checkpoint-0.pth.tar"
+    torch.save({"epoch": 0, "version": 2, "optimizer": {"state": {}, "param_groups": []},
+                "state_dict": {f"module.{k}": v for k, v in _weights(model, 2.0).items()},
+                "state_dict_ema": _weights(model, 3.0)}, path)
+    read = read_timm_checkpoint(str(path))
+    assert read["start_epoch"] == 1
+    for key, value in (("model", 2.0), ("ema", 3.0)):
+        model.load_state_dict(read[key])
+        assert _loaded_value(model) == value, key

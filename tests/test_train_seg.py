@@ -80,6 +80,25 @@ def test_flags_are_the_fields_of_seg_train_config():
         train(SegTrainConfig(dataset="mosaic"))
 
 
+def test_the_decoder_flag_takes_the_segmenters_one_table_without_importing_smp():
+    """--decoder's choices are segmenter.DECODERS (the benchmark's too), each with a stride; parsing the flags
+    and checking the names imports no smp (a fresh process)."""
+    from linvision.engine import benchmark
+    from linvision.engine.segmenter import DECODERS, STRIDE
+
+    assert list(DECODERS) == ["unet", "fpn", "segformer", "upernet", "dpt"] and set(STRIDE) == set(DECODERS)
+    assert benchmark.DECODERS is DECODERS
+    choices = next(a.choices for a in add_seg_train_args(argparse.ArgumentParser())._actions if a.dest == "decoder")
+    assert choices == list(DECODERS)
+    code = ("import argparse, sys\n"
+            "from linvision.engine.seg_config import add_seg_train_args\n"
+            "args = add_seg_train_args(argparse.ArgumentParser()).parse_args(['--decoder', 'fpn'])\n"
+            "print(args.decoder, 'segmentation_models_pytorch' in sys.modules)")
+    proc = run_subprocess([PY, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["fpn", "False"]
+
+
 def test_joint_transform_moves_image_and_mask_alike_and_padding_is_ignored():
     """A flipped, resized crop of an image whose left half is dark and right half bright moves the mask's halves
     with it (nearest neighbour: no value between the classes); validation batches of several sizes are padded
@@ -305,13 +324,15 @@ def test_pretrained_encoder_starts_from_the_published_file(tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("decoder, encoder, extra", [
+    ("fpn", "linhier_delta_femto_224", ["--decoder-kwargs", "decoder_pyramid_channels=32",
+                                        "decoder_segmentation_channels=32"]),  # GroupNorm(32)
     ("segformer", "linhier_delta_femto_224", ["--decoder-kwargs", "decoder_segmentation_channels=16"]),
     ("upernet", "linhier_delta_femto_224", ["--decoder-kwargs", "decoder_channels=16"]),
     ("dpt", "linvit_tiny_patch16_224", ["--model-kwargs", "embed_dim=48", "num_heads=2", "--decoder-kwargs",
                                         "decoder_intermediate_channels=[16,16,16,16]", "decoder_fusion_channels=16"]),
 ])
 def test_every_head_trains_and_its_checkpoint_rebuilds(decoder, encoder, extra, tmp_path):
-    """Segformer and UPerNet on linhier, DPT on a linvit with a fixed-size position embedding (trained on 64 px
+    """FPN, Segformer and UPerNet on linhier, DPT on a linvit with a fixed-size position embedding (trained on 64 px
     crops, validated on 128 px mosaics): one epoch, and load_segmenter rebuilds last/ to the saved weights, which
     run at another size."""
     flags = seg_flags(tmp_path, "--epochs", "1", "--mosaic-train", "4", "--experiment", decoder, "--decoder", decoder)
@@ -384,3 +405,29 @@ def test_a_segmenter_saved_with_the_encoder_s_unused_final_layer_still_loads(tmp
         x = torch.randn(1, 3, 64, 64)
         with torch.no_grad():
             assert torch.equal(loaded(x), model(x))
+
+
+def test_model_json_has_one_reader(tmp_path):
+    """load_segmenter, checkpoint_task and load_model read model.json through read_checkpoint_meta: the same
+    one-line errors (not JSON; not an object with the keys the reader needs, naming them), the task it names."""
+    from linvision.engine.checkpoint import checkpoint_task, load_model
+
+    meta = tmp_path / "model.json"
+    meta.write_text("{not json")
+    for read in (load_segmenter, checkpoint_task, load_model):
+        with pytest.raises(ValueError, match=f"^checkpoint: {meta} is not valid JSON"):
+            read(str(tmp_path))
+    meta.write_text(json.dumps({"model": "linhier_delta_femto_224", "num_classes": 3}))
+    assert checkpoint_task(str(tmp_path)) == "classification"
+    with pytest.raises(ValueError, match=r"lacks \['encoder', 'decoder', 'num_classes'\] \(has \['model', "
+                                         r"'num_classes'\]\); it describes no segmenter"):
+        load_segmenter(str(tmp_path))
+    meta.write_text(json.dumps({"task": "segmentation", "encoder": "linhier_delta_femto_224", "decoder": "fpn",
+                                "num_classes": 3}))
+    assert checkpoint_task(str(tmp_path)) == "segmentation"
+    with pytest.raises(ValueError, match=r"lacks \['model', 'num_classes'\]"):
+        load_model(str(tmp_path))
+    meta.write_text("[1, 2]")
+    for read in (load_segmenter, checkpoint_task, load_model):
+        with pytest.raises(ValueError, match=r"lacks .* \(has list\)"):
+            read(str(tmp_path))

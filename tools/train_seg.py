@@ -1,5 +1,5 @@
 r"""Train a semantic segmenter: a timm backbone (linvision's MLLA, RAVLT, linhier, linvit) as the encoder of
-segmentation_models_pytorch's Unet, Segformer, UPerNet or DPT, on image/mask folders or the offline mosaics.
+segmentation_models_pytorch's Unet, FPN, Segformer, UPerNet or DPT, on image/mask folders or the offline mosaics.
 
 Fine-tune from the encoder's trained weights (MLLA's and RAVLT's: the authors' ImageNet-1k, downloaded once):
 

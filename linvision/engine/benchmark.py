@@ -16,7 +16,8 @@ A size is a side in pixels (a square image) or (height, width); a point's ``img_
 and the label ``"HxW"`` otherwise, and ``height``, ``width`` and ``pixels`` hold the size as measured.
 
 With ``decoder`` a point measures the backbone as the encoder of a segmentation head of
-segmentation_models_pytorch (smp, the ``seg`` extra): ``smp.UPerNet("tu-<name>", encoder_weights=None,
+segmentation_models_pytorch (smp, the ``seg`` extra), built as ``linvision-train-seg`` builds it
+(:func:`linvision.engine.segmenter.build_segmenter`): ``smp.UPerNet("tu-<name>", encoder_weights=None,
 classes=N, **options)``, the backbone's options passed through smp to timm; its training step is the
 cross-entropy of the per-pixel logits against random labels of the output's size.
 
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import csv
 import ctypes
-import functools
 import gc
 import json
 import math
@@ -51,10 +51,11 @@ from linvision.ops import record_backends
 from .amp import autocast
 from .factory import create_model
 from .flops import count_gflops, count_params
+from .segmenter import DECODERS, build_segmenter, check_decoder  # the heads of --decoder (smp imported on use)
 
 __all__ = ["BenchmarkPoint", "benchmark_point", "run_sweep", "write_results", "plot_results", "DEFAULT_MODELS",
            "MemoryMeter", "parse_model_spec", "gemm_gflop_s", "add_comparisons", "comparison_table",
-           "parse_img_size", "size_label", "DECODERS", "check_decoder", "build_segmenter", "results_figure",
+           "parse_img_size", "size_label", "DECODERS", "check_decoder", "results_figure",
            "series_styles", "runs_phrase"]
 
 # a linvision model against timm's softmax ViT and timm's MambaOut of about the same size (22-27M parameters)
@@ -62,10 +63,6 @@ DEFAULT_MODELS = ["linhier_tiny_224", "vit_small_patch16_224", "mambaout_tiny"]
 
 BenchmarkPoint = Dict[str, Any]
 Size = Union[int, Tuple[int, int]]
-
-# --decoder name -> smp class: the heads that take any timm encoder's stage outputs (DPT: isotropic encoders)
-DECODERS = {"unet": "Unet", "fpn": "FPN", "segformer": "Segformer", "upernet": "UPerNet", "dpt": "DPT"}
-SEG_EXTRA = 'pip install "linvision[seg]"'
 
 
 def parse_img_size(value: Any) -> Size:
@@ -94,27 +91,6 @@ def size_label(size: Any) -> Union[int, str]:
 def _hw(size: Any) -> Tuple[int, int]:
     size = parse_img_size(size)
     return (size, size) if isinstance(size, int) else size
-
-
-def check_decoder(decoder: str) -> None:
-    """ValueError in one line unless ``decoder`` is one of :data:`DECODERS` and smp can be imported."""
-    if decoder not in DECODERS:
-        raise ValueError(f"decoder: unknown {decoder!r}; one of {', '.join(DECODERS)}")
-    try:
-        import segmentation_models_pytorch  # noqa: F401
-    except ImportError:
-        raise ValueError(f"decoder: --decoder needs segmentation_models_pytorch: {SEG_EXTRA}") from None
-
-
-def build_segmenter(decoder: str, classes: int, name: str, img_size: Any, model_kwargs: Dict[str, Any]) -> nn.Module:
-    """``smp.<Decoder>("tu-<name>", encoder_weights=None, classes=classes, **model_kwargs)``: the backbone's
-    options go through smp to ``timm.create_model`` (``token_mixers="softmax"``, ``depths=(1, 1, 1, 1)``)."""
-    check_decoder(decoder)
-    import segmentation_models_pytorch as smp
-
-    import linvision.models  # noqa: F401  (registers linvision's models with timm)
-
-    return getattr(smp, DECODERS[decoder])(f"tu-{name}", encoder_weights=None, classes=classes, **model_kwargs)
 
 
 def _rss_kb(field: str) -> int:
@@ -245,7 +221,8 @@ def benchmark_point(name: str, img_size: Size, batch_size: int = 8, device: str 
     batch), train_mem_mb, backends (which path each dispatching op took, e.g.
     "bidirectional_delta_rule_attention: fla"). Figures
     not reached before a failure are NaN. ``build_fn(name, size, kwargs)`` gets the side of a square or (H, W);
-    by default timm's model, or with ``decoder`` (one of :data:`DECODERS`) :func:`build_segmenter`'s, whose
+    by default timm's model, or with ``decoder`` (one of :data:`DECODERS`) the segmenter of
+    :func:`~linvision.engine.segmenter.build_segmenter` (whatever the size: its heads take any), whose
     training loss is per-pixel cross-entropy against random labels in [0, classes). ``report`` is called with
     the point once its inference figures are in.
     """
@@ -255,8 +232,8 @@ def benchmark_point(name: str, img_size: Size, batch_size: int = 8, device: str 
     size = parse_img_size(img_size)
     h, w = _hw(size)
     point = _empty_point(name, size, batch_size, str(dev), amp, iters, decoder, classes)
-    if build_fn is None:
-        build_fn = functools.partial(build_segmenter, decoder, classes) if decoder is not None else _build
+    if build_fn is None:  # with a decoder, linvision-train-seg's segmenter (it takes any size: none is passed)
+        build_fn = _build if decoder is None else lambda n, _size, kw: build_segmenter(decoder, n, classes, kw)
     model = x = None
     try:
         model = build_fn(name, size, dict(model_kwargs or {})).to(dev)

@@ -34,11 +34,10 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 from safetensors.torch import load_file, save_file
-from timm.models import clean_state_dict
 from timm.utils import unwrap_model
 from torch import nn
 
@@ -48,7 +47,7 @@ from linvision.safe_pickle import read_checkpoint
 from .factory import create_model
 from .files import write_checkpoint_folder
 
-__all__ = ["load_torch_file", "strip_module_prefix", "load_pretrained", "save_checkpoint", "load_model",
+__all__ = ["load_torch_file", "load_pretrained", "save_checkpoint", "load_model",
            "resolve_checkpoint", "read_checkpoint_meta", "checkpoint_task", "load_checkpoint_weights",
            "recorded_data_config", "write_timm_config"]
 
@@ -83,12 +82,6 @@ def _read_state_dict(path: str, keys=DEFAULT_WEIGHT_KEYS) -> Dict[str, torch.Ten
         raise FileNotFoundError(f"pretrained_path: file not found: {path}")
     checkpoint = load_file(path) if path.endswith(".safetensors") else read_checkpoint(path, "pretrained_path")
     return unwrap_state_dict(checkpoint, keys)
-
-
-def strip_module_prefix(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """A state dict saved from a DistributedDataParallel (or torch.compile) wrapper, with its ``module.``
-    (``_orig_mod.``) prefixes removed (timm's ``clean_state_dict``)."""
-    return clean_state_dict(state)
 
 
 def _model_module(model: nn.Module):
@@ -206,17 +199,19 @@ def resolve_checkpoint(path: str) -> str:
 _META_KEYS = ("model", "num_classes")
 
 
-def read_checkpoint_meta(folder: str) -> Dict[str, Any]:
-    """model.json of a checkpoint folder; ValueError naming the file when it is not JSON or lacks a key."""
+def read_checkpoint_meta(folder: str, keys: Sequence[str] = _META_KEYS, hint: str = "") -> Dict[str, Any]:
+    """model.json of a checkpoint folder, the one reader of it (classifiers, segmenters, LinDiTs, the task of a
+    checkpoint); ValueError in one line naming the file when it is not JSON, or is not a JSON object holding every
+    one of ``keys`` (a classifier's by default; ``hint`` ends the message, saying what to do instead)."""
     path = os.path.join(folder, "model.json")
     try:
         with open(path) as f:
             meta = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"checkpoint: {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(meta, dict) or any(k not in meta for k in _META_KEYS):
+    if not isinstance(meta, dict) or any(k not in meta for k in keys):
         have = sorted(meta) if isinstance(meta, dict) else type(meta).__name__
-        raise ValueError(f"checkpoint: {path} lacks {[k for k in _META_KEYS]} (has {have})")
+        raise ValueError(f"checkpoint: {path} lacks {list(keys)} (has {have}){'; ' + hint if hint else ''}")
     return meta
 
 
@@ -242,14 +237,8 @@ def recorded_data_config(meta: Dict[str, Any]) -> Dict[str, Any]:
 def checkpoint_task(path: str) -> str:
     """The task a checkpoint (or run folder: its best, else last) was trained for: model.json's ``"task"``
     ("segmentation" for ``linvision-train-seg``), "classification" when it names none. Raises FileNotFoundError
-    for a missing checkpoint, ValueError for a model.json that is not JSON."""
-    path = os.path.join(resolve_checkpoint(path), "model.json")
-    try:
-        with open(path) as f:
-            meta = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"checkpoint: {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
-    return str(meta.get("task", "classification")) if isinstance(meta, dict) else "classification"
+    for a missing checkpoint, ValueError for a model.json that is not a JSON object."""
+    return str(read_checkpoint_meta(resolve_checkpoint(path), keys=()).get("task", "classification"))
 
 
 def load_model(path: str, device: str = "cpu", img_size: Optional[int] = None,

@@ -12,7 +12,9 @@ import torch
 import torch.distributed as dist
 from timm.utils import unwrap_model
 
-from .checkpoint import load_torch_file, strip_module_prefix
+from linvision.models.published import unwrap_state_dict
+
+from .checkpoint import load_torch_file
 from .distributed import DistInfo
 from .files import atomic_write_text
 
@@ -89,9 +91,10 @@ def read_timm_checkpoint(path: str) -> Dict[str, Any]:
     # timm's checkpoints from version 2 on store the epoch just finished
     start = epoch + 1 if int(ckpt.get("version", 1)) > 1 else max(epoch, 0)
     ema = ckpt.get("state_dict_ema")
-    return {"model": strip_module_prefix(ckpt["state_dict"]), "optimizer": ckpt.get("optimizer"),
-            "ema": strip_module_prefix(ema) if isinstance(ema, dict) else None, "scaler": ckpt.get("amp_scaler"),
-            "start_epoch": start}
+    # both copies, each a state dict already (no key to pick: keys=()), with DDP's "module." prefixes removed
+    return {"model": unwrap_state_dict(ckpt["state_dict"], keys=()), "optimizer": ckpt.get("optimizer"),
+            "ema": unwrap_state_dict(ema, keys=()) if isinstance(ema, dict) and ema else None,
+            "scaler": ckpt.get("amp_scaler"), "start_epoch": start}
 
 
 def load_timm_checkpoint(external: Dict[str, Any], cfg, model, optimizer, ema, scaler) -> int:

@@ -14,12 +14,11 @@ import os
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
+from .segmenter import DECODERS  # names to smp's class names as strings: smp is not imported for the flags
 from .train_config import (PretrainedFlag, PretrainedPathFlag, Recipe, add_config_args, recipe_field, require,
                            shared_field)
 
 __all__ = ["SegTrainConfig", "add_seg_train_args"]
-
-_DECODERS = ("unet", "segformer", "upernet", "dpt")  # segmenter.DECODERS, without importing smp for the flags
 
 
 @dataclass
@@ -52,9 +51,9 @@ class SegTrainConfig(Recipe):
                                                                 "image or mask cannot be read (their count and "
                                                                 "names printed) instead of stopping")
     # model
-    decoder: str = recipe_field("unet", "segmentation head of segmentation_models_pytorch: unet, segformer, "
+    decoder: str = recipe_field("unet", "segmentation head of segmentation_models_pytorch: unet, fpn, segformer, "
                                         "upernet (hierarchical encoders: linhier, mlla, ravlt) or dpt (linvit)",
-                                group="model", choices=list(_DECODERS))
+                                group="model", choices=list(DECODERS))
     encoder: str = recipe_field("mlla_tiny", "any timm model, as smp's tu-<name> encoder (linvision's are "
                                              "registered), with a weight tag for --pretrained, e.g. mlla_tiny.in1k",
                                 group="model")
@@ -121,7 +120,7 @@ class SegTrainConfig(Recipe):
         for key in ("epochs", "batch_size", "log_interval", "img_size", "mosaic_train", "mosaic_val"):
             need(isinstance(getattr(self, key), int) and getattr(self, key) >= 1, key, "must be an integer >= 1")
         need(self.dataset in ("folder", "mosaic"), "dataset", "must be 'folder' or 'mosaic'")
-        need(self.decoder in _DECODERS, "decoder", f"must be one of {', '.join(_DECODERS)}")
+        need(self.decoder in DECODERS, "decoder", f"must be one of {', '.join(DECODERS)}")
         stride = STRIDE[self.decoder]
         need(self.img_size % stride == 0, "img_size", f"must be a multiple of {stride} for {self.decoder}")
         need(MIN_SIZE <= self.mosaic_size <= MAX_SIZE, "mosaic_size", f"must be {MIN_SIZE} to {MAX_SIZE}")

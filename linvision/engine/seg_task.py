@@ -31,7 +31,7 @@ def train_segmentation(cfg: Union[SegTrainConfig, argparse.Namespace]) -> Dict[s
 
 
 class SegmentationTask(Task):
-    """Semantic segmentation: smp's Unet, Segformer, UPerNet or DPT on a timm encoder, image/mask folders or the
+    """Semantic segmentation: smp's Unet, FPN, Segformer, UPerNet or DPT on a timm encoder, image/mask folders or the
     offline mosaics, cross-entropy with the ignore index; mIoU picks ``best/``."""
 
     score, score_label, record_keys = "miou", "mIoU", ("miou", "pixel_acc", "loss")

@@ -18,19 +18,20 @@ Load it with :func:`load_segmenter`::
 """
 from __future__ import annotations
 
-import json
-import os
 from typing import Any, Dict, Optional, Tuple
 
 from torch import nn
 
-__all__ = ["DECODERS", "STRIDE", "MissingExtraError", "import_smp", "build_segmenter", "encoder_pretrained_cfg",
-           "load_segmenter"]
+__all__ = ["DECODERS", "STRIDE", "MissingExtraError", "import_smp", "check_decoder", "build_segmenter",
+           "encoder_pretrained_cfg", "load_segmenter"]
 
-# the --decoder names and smp's classes: the heads that work on linvision's encoders (docs/segmentation.md)
-DECODERS = {"unet": "Unet", "segformer": "Segformer", "upernet": "UPerNet", "dpt": "DPT"}
+# The one table of heads: the --decoder names of linvision-train-seg, linvision-ablate and linvision-benchmark and
+# smp's class names, as strings (this module imports smp only when a segmenter is built, so the flags read it
+# without smp). The heads that work on linvision's encoders (docs/segmentation.md): Unet, FPN, Segformer and
+# UPerNet on the hierarchical ones, DPT on the isotropic ones.
+DECODERS = {"unet": "Unet", "fpn": "FPN", "segformer": "Segformer", "upernet": "UPerNet", "dpt": "DPT"}
 # what a head's input sides must be a multiple of: the coarsest feature map (stride 32), or a ViT's patch (16)
-STRIDE = {"unet": 32, "segformer": 32, "upernet": 32, "dpt": 16}
+STRIDE = {"unet": 32, "fpn": 32, "segformer": 32, "upernet": 32, "dpt": 16}
 
 
 class MissingExtraError(ImportError, ValueError):
@@ -48,6 +49,14 @@ def import_smp():
     return smp
 
 
+def check_decoder(decoder: str):
+    """smp, once ``decoder`` is known to be a key of :data:`DECODERS`: ValueError in one line naming the keys
+    otherwise, :class:`MissingExtraError` (a ValueError too) when smp is not installed."""
+    if decoder not in DECODERS:
+        raise ValueError(f"decoder: unknown {decoder!r}; one of {', '.join(DECODERS)}")
+    return import_smp()
+
+
 def build_segmenter(decoder: str, encoder: str, num_classes: int, model_kwargs: Optional[Dict[str, Any]] = None,
                     decoder_kwargs: Optional[Dict[str, Any]] = None, pretrained: bool = False,
                     pretrained_path: Optional[str] = None, in_chans: int = 3) -> nn.Module:
@@ -62,9 +71,7 @@ def build_segmenter(decoder: str, encoder: str, num_classes: int, model_kwargs: 
     """
     import linvision.models  # noqa: F401  (registers linvision's models with timm)
 
-    smp = import_smp()
-    if decoder not in DECODERS:
-        raise ValueError(f"decoder: expected one of {', '.join(DECODERS)}, got {decoder!r}")
+    smp = check_decoder(decoder)
     kwargs = {**(decoder_kwargs or {}), **(model_kwargs or {})}
     if decoder == "dpt":
         kwargs.setdefault("dynamic_img_size", True)
@@ -92,18 +99,11 @@ def load_segmenter(path: str, device: str = "cpu") -> Tuple[nn.Module, Dict[str,
     Raises FileNotFoundError when there is no checkpoint, ValueError when model.json describes no segmenter or the
     weights do not fit it.
     """
-    from .checkpoint import load_checkpoint_weights, resolve_checkpoint
+    from .checkpoint import load_checkpoint_weights, read_checkpoint_meta, resolve_checkpoint
 
     folder = resolve_checkpoint(path)
-    meta_path = os.path.join(folder, "model.json")
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"checkpoint: {meta_path} is not valid JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(meta, dict) or any(k not in meta for k in _META_KEYS):
-        raise ValueError(f"checkpoint: {meta_path} describes no segmenter (it lacks {list(_META_KEYS)}); a "
-                         f"classifier's checkpoint loads with linvision.engine.load_model")
+    meta = read_checkpoint_meta(folder, _META_KEYS, "it describes no segmenter (a classifier's checkpoint loads "
+                                                    "with linvision.engine.load_model)")
     model = build_segmenter(meta["decoder"], meta["encoder"], meta["num_classes"], meta.get("model_kwargs"),
                             meta.get("decoder_kwargs"), in_chans=meta.get("in_chans", 3))
     # checkpoints written before the features-only encoder dropped its unused final layer still hold it

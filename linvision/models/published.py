@@ -1,9 +1,12 @@
 """Published checkpoint files loaded into linvision's models; the files are read with
 :func:`linvision.safe_pickle.read_checkpoint` (no code from the file runs).
 
-:func:`unwrap_state_dict` is the one place where the weights are picked out of a loaded checkpoint: linvit's and
-linhier's ``checkpoint_filter_fn``, the published families' filters and :mod:`linvision.engine.checkpoint`
-(``--pretrained-path``) all call it, with one order of keys, :data:`DEFAULT_WEIGHT_KEYS`.
+:func:`unwrap_state_dict` is the one place where the weights are picked out of a loaded checkpoint and the
+wrapper prefixes (``module.``, ``_orig_mod.``) come off: linvit's and linhier's ``checkpoint_filter_fn``, the
+published families' filters, :mod:`linvision.engine.checkpoint` (``--pretrained-path``) and
+:mod:`linvision.engine.resume` (a timm train.py checkpoint's weights and EMA) all call it, with one order of keys,
+:data:`DEFAULT_WEIGHT_KEYS`. It sits here, in models/, the lowest layer among its callers (engine/ imports models/,
+never the reverse).
 
 :func:`load_published` is what a family's ``load_pretrained`` (timm's ``custom_load`` hook) and
 ``pretrained_cfg_overlay=dict(file=...)`` run: read the file, hand it to the family's ``checkpoint_filter_fn``
@@ -40,7 +43,9 @@ def unwrap_state_dict(checkpoint: Any, keys=DEFAULT_WEIGHT_KEYS) -> Dict[str, Te
     :data:`DEFAULT_WEIGHT_KEYS`), or the checkpoint itself when it is a state dict; its tensors only, with the
     wrapper prefixes of DistributedDataParallel and torch.compile (``module.``, ``_orig_mod.``) removed by timm's
     ``clean_state_dict``. Other ``keys`` are for a family whose published files name their weights otherwise
-    (MLLA, RAVLT: the raw weights under ``model``, their ``WEIGHT_KEYS``). ValueError when there are none."""
+    (MLLA, RAVLT: the raw weights under ``model``, their ``WEIGHT_KEYS``); ``keys=()`` takes ``checkpoint`` as the
+    state dict it is (a timm train.py checkpoint's ``state_dict`` and ``state_dict_ema``, each read on its own).
+    ValueError when there are none."""
     if not isinstance(checkpoint, dict):
         raise ValueError(f"checkpoint: expected a dict of tensors, got {type(checkpoint).__name__}")
     state = next((checkpoint[k] for k in keys if isinstance(checkpoint.get(k), dict)), None)

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import gc
 import math
 import os
 import sys
@@ -54,7 +53,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from linvision.engine.amp import autocast
-from linvision.engine.benchmark import MemoryMeter, _timed, _timing, parse_model_spec, runs_phrase, series_styles
+from linvision.engine.benchmark import (MemoryMeter, _timed, _timing, free_memory, parse_model_spec, runs_phrase,
+                                        series_styles)
 from linvision.engine.cli import run_cli, tool_parser
 from linvision.engine.config import parse_kwargs
 from linvision.engine.factory import check_model_name, create_model
@@ -365,9 +365,7 @@ def measure(spec: str, input_kind: str, budget: int, mode: str, args, images: Li
         row.update(status="oom" if _is_oom(e) else "error", reason=_one_line(e))
     finally:
         del model, inputs
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        free_memory(dev)
     return row
 
 

@@ -56,7 +56,7 @@ from .segmenter import DECODERS, build_segmenter, check_decoder  # the heads of 
 __all__ = ["BenchmarkPoint", "benchmark_point", "run_sweep", "write_results", "plot_results", "DEFAULT_MODELS",
            "MemoryMeter", "parse_model_spec", "gemm_gflop_s", "add_comparisons", "comparison_table",
            "parse_img_size", "size_label", "DECODERS", "check_decoder", "results_figure",
-           "series_styles", "runs_phrase"]
+           "series_styles", "runs_phrase", "free_memory"]
 
 # a linvision model against timm's softmax ViT and timm's MambaOut of about the same size (22-27M parameters)
 DEFAULT_MODELS = ["linhier_tiny_224", "vit_small_patch16_224", "mambaout_tiny"]
@@ -282,10 +282,15 @@ def benchmark_point(name: str, img_size: Size, batch_size: int = 8, device: str 
                      if str(e).strip() else type(e).__name__)
     finally:
         del model, x
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        free_memory(dev)
     return point
+
+
+def free_memory(dev: torch.device) -> None:
+    """Give back what a finished point held: Python's garbage, and on CUDA the caching allocator's free blocks."""
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _point_child(conn, threads: int, name: str, size: Size, kwargs: Dict[str, Any]) -> None:

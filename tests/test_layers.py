@@ -254,7 +254,7 @@ def test_mixer_rejects_wrong_grid_and_options():
 
 
 def test_mixer_options_follow_class_hierarchy():
-    assert set(list_mixers()) >= {"none", "linear", "linear_rope", "softmax", "causal", "hybrid"}
+    assert set(list_mixers()) >= {"gated_cnn", "linear", "linear_rope", "softmax", "causal", "hybrid"}
     assert "rope" in mixer_options("linear_rope") and "window" in mixer_options("hybrid")
     assert "rope" not in mixer_options("none") and "kernel_size" in mixer_options("none")
 
@@ -384,7 +384,7 @@ def test_recompute_policy_is_stated_by_the_contract_for_every_mixer():
     assert AttentionMixer.recompute_attend is True and HybridAttention.recompute_attend is True
     assert LinearAttention.recompute_attend is False and SoftmaxAttention.recompute_attend is False
     others = [n for n in list_mixers() if not issubclass(get_mixer_class(n), AttentionMixer)]
-    assert {"none", "mlla"} <= set(others)
+    assert {"gated_cnn", "mlla"} <= set(others)
     assert not any(get_mixer_class(n).recompute_attend for n in others)
 
 
@@ -469,3 +469,29 @@ def test_init_model_weights_honours_a_modules_own_reset_parameters_and_never_pyt
     assert torch.equal(model[4].p, torch.ones(2)) and torch.equal(model[5].bias, torch.full((4,), -1.0))
     assert torch.equal(model[6].gamma, torch.full((4,), 1e-5)) and torch.equal(model[7].weight, torch.ones(3, 3))
     assert own_reset_parameters(nn.Linear(2, 2)) is None and own_reset_parameters(nn.ReLU()) is None
+
+
+def test_gated_cnn_is_registered_by_its_name_and_none_is_an_alias():
+    """The Gated CNN mixer is "gated_cnn"; "none", the name the ablation configs use, builds the same class (same
+    options and parameters) without being listed twice; an unknown name's error names both."""
+    from linvision.layers import TokenMixer, mixer_options
+    from linvision.layers.registry import register_mixer
+
+    assert get_mixer_class("gated_cnn") is GatedConvMixer and get_mixer_class("none") is GatedConvMixer
+    assert "gated_cnn" in list_mixers() and "none" not in list_mixers()
+    assert mixer_options("none") == mixer_options("gated_cnn")
+    torch.manual_seed(0)
+    a = create_mixer("none", 16, 2)
+    torch.manual_seed(0)
+    b = create_mixer("gated_cnn", 16, 2)
+    assert a.state_dict().keys() == b.state_dict().keys()
+    x = torch.randn(2, 12, 16)
+    torch.testing.assert_close(a(x, (3, 4)), b(x, (3, 4)), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"^token mixer: unknown 'gcnn'; allowed: .*gated_cnn.*none \(= gated_cnn\)"):
+        get_mixer_class("gcnn")
+    with pytest.raises(ValueError, match=r"^token mixer 'none' cannot take prefix tokens"):
+        check_prefix_tokens("none", 1)  # the name the caller gave; a built mixer by its registered name
+    with pytest.raises(ValueError, match=r"^token mixer 'gated_cnn' cannot take prefix tokens"):
+        check_prefix_tokens(a, 1)
+    with pytest.raises(ValueError, match=r"^name: token mixer 'none' is already registered by GatedConvMixer"):
+        register_mixer("another", "none")(type("Other", (TokenMixer,), {}))

@@ -611,7 +611,10 @@ def test_rope_entry_points_fall_back_to_an_absolute_embedding_for_a_mixer_withou
 
     kwargs = dict(SMALL_VIT, token_mixer="bidir_delta", **MEAN_POOL, num_classes=3)
     torch.manual_seed(0)
-    rope = timm.create_model("linvit_tiny_patch16_rope_224", **kwargs).eval()
+    with pytest.warns(UserWarning, match=r"^linvit_tiny_patch16_rope_224: the bidir_delta mixer takes no RoPE, so "
+                                         r"the model has a learned absolute position embedding instead") as record:
+        rope = timm.create_model("linvit_tiny_patch16_rope_224", **kwargs).eval()
+    assert len(record) == 1 and "\n" not in str(record[0].message)
     plain = timm.create_model("linvit_tiny_patch16_224", **kwargs, dynamic_img_size=True).eval()
     assert rope.rope is None and rope.dynamic_img_size and rope.pos_embed is not None
     assert not any(getattr(m, "rope_type", None) for m in rope.modules())
@@ -626,7 +629,8 @@ def test_rope_entry_points_fall_back_to_an_absolute_embedding_for_a_mixer_withou
         rope.pos_embed.add_(torch.randn_like(rope.pos_embed))
         assert not torch.allclose(rope(x), plain(x))  # the position embedding reaches the logits
         rope.pos_embed.copy_(shifted)
-    fixed = timm.create_model("linvit_tiny_patch16_rope_224", **kwargs, dynamic_img_size=False)
+    with pytest.warns(UserWarning, match="takes no RoPE"):
+        fixed = timm.create_model("linvit_tiny_patch16_rope_224", **kwargs, dynamic_img_size=False)
     assert fixed.pos_embed is not None and not fixed.dynamic_img_size
     assert fixed.pretrained_cfg["fixed_input_size"] is True
     # a mixer with a rope option keeps the entry point's RoPE and has no absolute embedding
@@ -639,6 +643,49 @@ def test_rope_entry_points_fall_back_to_an_absolute_embedding_for_a_mixer_withou
         with pytest.raises(ValueError, match=r"^rope: '(axial|mixed)' is not an option of the bidir_delta mixer") as e:
             make()
         assert "\n" not in str(e.value)
+
+
+def test_rope_entry_points_rope_none():
+    """rope="none" (or None when called directly: timm.create_model drops a None) to a *_rope_* entry point:
+    with a mixer without RoPE it asks for the absolute embedding the entry
+    point would fall back to (the same model, resampled to any grid, no warning); with a mixer that takes RoPE it
+    contradicts the entry point and fails in one line naming the plain variant to use instead."""
+    import warnings
+    from linvision.models.linvit import linvit_tiny_patch16_rope_224
+
+    kwargs = dict(SMALL_VIT, token_mixer="bidir_delta", **MEAN_POOL, num_classes=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.manual_seed(0)
+        quiet = timm.create_model("linvit_tiny_patch16_rope_224", **kwargs, rope="none").eval()
+        direct = linvit_tiny_patch16_rope_224(**kwargs, rope=None)
+    assert direct.rope is None and direct.dynamic_img_size and direct.pos_embed is not None
+    with pytest.warns(UserWarning, match="takes no RoPE"):
+        torch.manual_seed(0)
+        fallback = timm.create_model("linvit_tiny_patch16_rope_224", **kwargs).eval()
+    assert quiet.rope is None and quiet.dynamic_img_size and quiet.pretrained_cfg["fixed_input_size"] is False
+    x = torch.randn(1, 3, 96, 160)
+    with torch.no_grad():
+        torch.testing.assert_close(quiet(x), fallback(x), rtol=0, atol=0)
+    # a mixer with a rope option given no RoPE: refused, in one line, whatever the entry point
+    for variant, mixer, plain in (("linvit_tiny_patch16_rope_224", "linear_rope", "linvit_tiny_patch16_224"),
+                                  ("linvit_small_patch16_rope_224", "softmax", "linvit_small_patch16_224"),
+                                  ("linvit_small_patch16_rope_mixed_224", "linear", "linvit_small_patch16_224")):
+        with pytest.raises(ValueError, match=rf"^rope: 'none' asks {variant} for no RoPE, but its {mixer} mixer "
+                                             rf"takes RoPE; use {plain} for a learned absolute position "
+                                             rf"embedding$") as e:
+            timm.create_model(variant, **dict(SMALL_VIT, token_mixer=mixer), rope="none")
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"^rope: None asks linvit_tiny_patch16_rope_224 for no RoPE"):
+        linvit_tiny_patch16_rope_224(**SMALL_VIT, rope=None)
+    # "none" is None for the plain variants too
+    plain = timm.create_model("linvit_tiny_patch16_224", **SMALL_VIT, rope="none")
+    assert plain.rope is None and plain.pos_embed is not None
+    # the RoPE default with a mixer that takes it: no warning, RoPE in the mixer
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = timm.create_model("linvit_tiny_patch16_rope_224", **dict(SMALL_VIT, token_mixer="softmax"))
+    assert model.pos_embed is None and model.blocks[0].mixer.rope_type == "axial"
 
 
 # Every family a mixer can be swapped into, tiny: one block per stage.

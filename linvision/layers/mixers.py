@@ -76,11 +76,7 @@ def check_feature_map(feature_map: str, **needs: bool) -> str:
     """The canonical name of ``feature_map`` (lower case, an alias such as "elu+1" as "elu") if it names a map of
     :data:`linvision.ops.common.FEATURE_MAPS` with every property in ``needs`` (e.g. ``nonnegative=True`` for a
     normalised attention, ``causal=True`` for a scan), else ValueError naming the allowed maps, at construction
-    rather than in the first forward. "none" is refused: in the layers it names the Gated CNN mixer; the map that
-    leaves q and k as they are is "identity"."""
-    if isinstance(feature_map, str) and feature_map.lower() == "none":
-        raise ValueError("feature_map: 'none' names the Gated CNN token mixer, not a feature map; the map that "
-                         "leaves q and k unchanged is 'identity'")
+    rather than in the first forward."""
     name = feature_map_name(feature_map) if isinstance(feature_map, str) else None
     allowed = feature_maps_where(**needs)
     if name in FEATURE_MAPS and name not in allowed:
@@ -440,9 +436,10 @@ class HybridAttention(LinearAttention):
         return f"{super().extra_repr()}, window={self.window}"
 
 
-@register_mixer("none")
+@register_mixer("gated_cnn", "none")
 class GatedConvMixer(TokenMixer):
-    """MambaOut's Gated CNN as a token mixer (no attention): fc1 expands C to 2 * hidden channels split into
+    """MambaOut's Gated CNN as a token mixer (no attention), registered as "gated_cnn" ("none", the name the
+    ablation configs use, is an alias): fc1 expands C to 2 * hidden channels split into
     a gate g (hidden), an identity part i (hidden - conv) and a conv part c (conv = conv_ratio * C channels);
     out = fc2(act(g) * concat(i, dwconv_k(c))). ``num_heads`` is accepted for the common interface only.
 

@@ -26,6 +26,7 @@ __all__ = ["TokenMixer", "register_mixer", "create_mixer", "get_mixer_class", "l
            "no_weight_decay_of", "takes_prefix_tokens", "check_prefix_tokens", "takes_layout", "check_layout"]
 
 _MIXERS: Dict[str, Type[nn.Module]] = {}
+_ALIASES: Dict[str, str] = {}  # alias -> registered name
 
 
 class TokenMixer(nn.Module):
@@ -77,17 +78,21 @@ class TokenMixer(nn.Module):
         return mixer_options(cls)
 
 
-def register_mixer(name: str) -> Callable[[Type[nn.Module]], Type[nn.Module]]:
+def register_mixer(name: str, *aliases: str) -> Callable[[Type[nn.Module]], Type[nn.Module]]:
     """Class decorator that registers a token mixer under ``name`` (and with timm as an FX leaf module); TypeError
-    for a class that is not a :class:`TokenMixer`."""
+    for a class that is not a :class:`TokenMixer`. ``aliases``: other names that build the same class (older
+    spellings configs still use); :func:`list_mixers` lists ``name`` only."""
 
     def wrap(cls: Type[nn.Module]) -> Type[nn.Module]:
         if not (isinstance(cls, type) and issubclass(cls, TokenMixer)):
             raise TypeError(f"register_mixer: {getattr(cls, '__name__', cls)!r} is not a TokenMixer subclass "
                             f"(linvision.layers.TokenMixer: the contract every registered mixer keeps)")
-        if name in _MIXERS and _MIXERS[name] is not cls:
-            raise ValueError(f"name: token mixer {name!r} is already registered by {_MIXERS[name].__name__}")
+        for key in (name, *aliases):
+            known = _MIXERS.get(key) or _MIXERS.get(_ALIASES.get(key, ""))
+            if known is not None and known is not cls:
+                raise ValueError(f"name: token mixer {key!r} is already registered by {known.__name__}")
         _MIXERS[name] = cls
+        _ALIASES.update({alias: name for alias in aliases})
         return register_notrace_module(cls)
 
     return wrap
@@ -105,8 +110,12 @@ def get_mixer_class(mixer: MixerSpec) -> Type[nn.Module]:
     layer arguments take a name or a class). ValueError names the known mixers otherwise."""
     if isinstance(mixer, type) and issubclass(mixer, nn.Module):
         return mixer
+    if isinstance(mixer, str) and mixer in _ALIASES:
+        return _MIXERS[_ALIASES[mixer]]
     if not isinstance(mixer, str) or mixer not in _MIXERS:
-        raise ValueError(f"token mixer: unknown {mixer!r}; allowed: {', '.join(list_mixers())} or an nn.Module class")
+        aliases = "".join(f", {a} (= {n})" for a, n in sorted(_ALIASES.items()))
+        raise ValueError(f"token mixer: unknown {mixer!r}; allowed: {', '.join(list_mixers())}{aliases} "
+                         "or an nn.Module class")
     return _MIXERS[mixer]
 
 
@@ -186,9 +195,11 @@ def parse_mixer_list(token_mixers: Union[MixerSpec, Sequence[MixerSpec]], num_st
         names = names * num_stages
     if len(names) != num_stages:
         raise ValueError(f"{name}: {len(names)} names {names} for {num_stages} stages; give 1 or {num_stages}")
-    unknown = [n for n in names if not (isinstance(n, type) and issubclass(n, nn.Module)) and n not in _MIXERS]
+    unknown = [n for n in names if not (isinstance(n, type) and issubclass(n, nn.Module)) and n not in _MIXERS
+               and n not in _ALIASES]
     if unknown:
-        raise ValueError(f"{name}: unknown {unknown}; allowed: {', '.join(list_mixers())}")
+        aliases = "".join(f", {a} (= {n})" for a, n in sorted(_ALIASES.items()))
+        raise ValueError(f"{name}: unknown {unknown}; allowed: {', '.join(list_mixers())}{aliases}")
     return tuple(names)
 
 

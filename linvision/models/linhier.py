@@ -11,7 +11,7 @@ stages), blocks (:class:`linvision.layers.MixerBlock` with CPE) of
 and a norm -> global pool -> linear head. The default mixer is "linear_rope" with an output gate: linear
 attention (elu+1) with 2D RoPE on the numerator and LePE, gated by SiLU of a projection of the input — the
 MLLA block (Han et al. 2024, "Demystify Mamba in Vision: A Linear Attention Perspective", arXiv:2405.16605).
-With the mixer "none" in every stage the block's mixer is MambaOut's Gated CNN (Yu & Wang 2024,
+With the mixer "gated_cnn" (alias "none") in every stage the block's mixer is MambaOut's Gated CNN (Yu & Wang 2024,
 arXiv:2405.07992), so linear attention and its absence are compared in the same network.
 
 Activations are kept channels-last (B, H, W, C) between blocks; mixers see (B, H*W, C) and the grid (H, W).
@@ -383,13 +383,13 @@ def linhier_base_224(pretrained: bool = False, **kwargs) -> LinHier:
 
 @register_model
 def linhier_gcnn_femto_224(pretrained: bool = False, **kwargs) -> LinHier:
-    args = merge_options(_FEMTO, dict(token_mixers="none"), **kwargs)
+    args = merge_options(_FEMTO, dict(token_mixers="gated_cnn"), **kwargs)
     return _create_linhier("linhier_gcnn_femto_224", pretrained, **args)
 
 
 @register_model
 def linhier_gcnn_tiny_224(pretrained: bool = False, **kwargs) -> LinHier:
-    args = dict(depths=(2, 2, 7, 2), dims=(80, 160, 320, 576), num_heads=(2, 4, 8, 16), token_mixers="none")
+    args = dict(depths=(2, 2, 7, 2), dims=(80, 160, 320, 576), num_heads=(2, 4, 8, 16), token_mixers="gated_cnn")
     return _create_linhier("linhier_gcnn_tiny_224", pretrained, **merge_options(args, **kwargs))
 
 

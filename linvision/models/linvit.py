@@ -26,9 +26,11 @@ Position information comes from either
   arXiv:2403.13298), with no absolute embedding: the weights fit any grid and aspect ratio.
 
 A model never goes without either. The ``*_rope_*`` entry points' RoPE is a default: with a mixer that has no
-``rope`` option (the ``bidir_*`` scans, ``none``) they build the learned absolute embedding instead, resampled to
-every input's grid (``dynamic_img_size=True`` unless the caller sets it), so the model still takes any grid. A
-``rope`` the caller gives must fit the mixer: ValueError in one line, naming the option and the mixer, otherwise.
+``rope`` option (the ``bidir_*`` scans, ``gated_cnn``) they build the learned absolute embedding instead,
+resampled to every input's grid (``dynamic_img_size=True`` unless the caller sets it), so the model still takes
+any grid, and say so in one UserWarning line (``rope="none"`` asks for it without one). A ``rope`` the caller gives
+must fit the mixer: ValueError in one line, naming the option and the mixer, otherwise; ``rope="none"`` to a
+``*_rope_*`` entry point whose mixer takes RoPE is refused too, naming the plain variant to use instead.
 
 There are no linvit weights of its own (``pretrained=True`` without a tag fails and says so): the ``.deit_fb_in1k``
 tags point at timm's DeiT softmax weights of the same shape, which ``checkpoint_filter_fn`` converts (:func:`convert_vit_state_dict`) into the start of
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import warnings
 from typing import Any, Dict, List, Optional, Tuple, Type, Union
 
 import torch
@@ -88,11 +91,11 @@ class LinViT(nn.Module):
             the prefix tokens too (timm's and DeiT's ViT).
         fc_norm: the final norm after the pooling instead of before it; None (default, as timm's
             VisionTransformer): after the pooling for 'avg', 'max' and 'avgmax', before it for 'token' and ''.
-        token_mixer: a registered mixer name ("linear", "linear_rope", "softmax", "causal", "hybrid", "none", ...)
+        token_mixer: a registered mixer name ("linear", "linear_rope", "softmax", "causal", "hybrid", "gated_cnn", ...)
             or a mixer class (built as ``cls(dim, num_heads, **mixer_kwargs)``).
         mixer_kwargs: extra options for the mixer (e.g. feature_map="relu", lepe=True).
-        rope: None (absolute position embedding), "axial" or "mixed" (2D RoPE in the mixer, no absolute
-            embedding); the mixer must have a ``rope`` option for the last two.
+        rope: None or "none" (absolute position embedding), "axial" or "mixed" (2D RoPE in the mixer, no
+            absolute embedding); the mixer must have a ``rope`` option for the last two.
         dynamic_img_size: resample the absolute position embedding to the input's grid at every call.
     Raises ValueError for an unknown rope or global_pool, a rope the mixer has no option for, global_pool='token'
     without a class token, or prefix tokens with a mixer that cannot take them.
@@ -124,6 +127,7 @@ class LinViT(nn.Module):
         act_layer: Type[nn.Module] = nn.GELU,
     ):
         super().__init__()
+        rope = None if rope == "none" else rope  # the spelling that survives timm.create_model, which drops None
         if rope not in ROPE_TYPES:
             raise ValueError(f"rope: unknown {rope!r}; allowed: {ROPE_TYPES}")
         if rope is not None and not _has_rope(token_mixer):
@@ -632,19 +636,37 @@ _BASE = dict(patch_size=16, embed_dim=768, depth=12, num_heads=12)
 _ROPE = dict(token_mixer="linear_rope", rope="axial")
 
 
-def _rope_options(*defaults: Dict[str, Any], **kwargs: Any) -> Dict[str, Any]:
-    """merge_options for the RoPE entry points, whose ``rope`` is a default: a mixer without a ``rope`` option
-    (and no ``rope`` in the caller's mixer_kwargs) drops it, and the model falls back to the learned absolute
-    position embedding, resampled to every input's grid unless the caller sets ``dynamic_img_size``, as the RoPE
-    variants take any grid. A ``rope`` the caller gives stays, and LinViT refuses it for such a mixer."""
+def _rope_options(variant: str, *defaults: Dict[str, Any], **kwargs: Any) -> Dict[str, Any]:
+    """merge_options for the RoPE entry points, whose ``rope`` is a default. The rule, one of three cases:
+
+    - the mixer takes RoPE (a ``rope`` option): the model has RoPE; ``rope="none"`` (or None, which
+      timm.create_model drops) contradicts the entry point and fails in one line naming the plain variant;
+    - the mixer takes no RoPE (the ``bidir_*`` scans, ``gated_cnn``): the model gets the learned absolute position
+      embedding in place of RoPE, resampled to every input's grid unless the caller sets ``dynamic_img_size``, as
+      the RoPE variants take any grid; it says so in one UserWarning line unless the caller asked ``rope="none"``;
+    - another ``rope`` the caller gives stays, and LinViT refuses it for a mixer without RoPE.
+    A ``rope`` in the caller's mixer_kwargs is left to the mixer."""
     args = merge_options(*defaults, **kwargs)
-    if "rope" in kwargs or args.get("rope") is None or "rope" in (args.get("mixer_kwargs") or {}):
+    if "rope" in (args.get("mixer_kwargs") or {}):
         return args
-    if not _has_rope(args.get("token_mixer", "linear")):
-        args["rope"] = None
-        args.setdefault("dynamic_img_size", True)
-        if not args["dynamic_img_size"]:  # a fixed absolute embedding: the cfg says so, as for the plain variants
-            args["pretrained_cfg_overlay"] = dict(args.get("pretrained_cfg_overlay") or {}, fixed_input_size=True)
+    mixer, given = args.get("token_mixer", "linear"), "rope" in kwargs
+    no_rope = given and kwargs["rope"] in (None, "none")  # timm.create_model drops a None: "none" says it there
+    if _has_rope(mixer):
+        if no_rope:
+            plain = variant.replace("_rope_mixed", "").replace("_rope", "")
+            raise ValueError(f"rope: {kwargs['rope']!r} asks {variant} for no RoPE, but its {_mixer_name(mixer)} "
+                             f"mixer takes RoPE; use {plain} for a learned absolute position embedding")
+        return args
+    if given and not no_rope:
+        return args  # LinViT refuses it in one line, naming the option and the mixer
+    if not given:
+        warnings.warn(f"{variant}: the {_mixer_name(mixer)} mixer takes no RoPE, so the model has a learned absolute "
+                      "position embedding instead (rope='none' asks for it without this warning)",
+                      UserWarning, stacklevel=3)
+    args["rope"] = None
+    args.setdefault("dynamic_img_size", True)
+    if not args["dynamic_img_size"]:  # a fixed absolute embedding: the cfg says so, as for the plain variants
+        args["pretrained_cfg_overlay"] = dict(args.get("pretrained_cfg_overlay") or {}, fixed_input_size=True)
     return args
 
 
@@ -665,20 +687,23 @@ def linvit_base_patch16_224(pretrained: bool = False, **kwargs) -> LinViT:
 
 @register_model
 def linvit_tiny_patch16_rope_224(pretrained: bool = False, **kwargs) -> LinViT:
-    return _create_linvit("linvit_tiny_patch16_rope_224", pretrained, **_rope_options(_TINY, _ROPE, **kwargs))
+    return _create_linvit("linvit_tiny_patch16_rope_224", pretrained,
+                          **_rope_options("linvit_tiny_patch16_rope_224", _TINY, _ROPE, **kwargs))
 
 
 @register_model
 def linvit_small_patch16_rope_224(pretrained: bool = False, **kwargs) -> LinViT:
-    return _create_linvit("linvit_small_patch16_rope_224", pretrained, **_rope_options(_SMALL, _ROPE, **kwargs))
+    return _create_linvit("linvit_small_patch16_rope_224", pretrained,
+                          **_rope_options("linvit_small_patch16_rope_224", _SMALL, _ROPE, **kwargs))
 
 
 @register_model
 def linvit_base_patch16_rope_224(pretrained: bool = False, **kwargs) -> LinViT:
-    return _create_linvit("linvit_base_patch16_rope_224", pretrained, **_rope_options(_BASE, _ROPE, **kwargs))
+    return _create_linvit("linvit_base_patch16_rope_224", pretrained,
+                          **_rope_options("linvit_base_patch16_rope_224", _BASE, _ROPE, **kwargs))
 
 
 @register_model
 def linvit_small_patch16_rope_mixed_224(pretrained: bool = False, **kwargs) -> LinViT:
-    args = _rope_options(_SMALL, _ROPE, dict(rope="mixed"), **kwargs)
+    args = _rope_options("linvit_small_patch16_rope_mixed_224", _SMALL, _ROPE, dict(rope="mixed"), **kwargs)
     return _create_linvit("linvit_small_patch16_rope_mixed_224", pretrained, **args)

@@ -45,7 +45,7 @@ def test_pages_have_examples():
 def skip_reason(code: str):
     if ('"cuda"' in code or ".cuda()" in code) and not torch.cuda.is_available():
         return "needs a GPU"
-    if '"output/' in code:
+    if re.search(r'"(local-dir:)?output/', code):
         return "needs a trained run folder (the training command of the same page)"
     if re.search(r'create_model\("[^"]+\.[^"]+", pretrained=True', code):
         return "downloads pretrained weights from the hub"

@@ -379,8 +379,8 @@ def test_models_keep_the_gated_mixers_own_start():
 
     alone = create_mixer("bidir_gated", 64, 4)
     models = [timm.create_model("linhier_tiny_224", token_mixers="bidir_gated"),
-              timm.create_model("linvit_tiny_patch16_rope_224", token_mixer="bidir_gated", class_token=False,
-                                global_pool="avg"),
+              timm.create_model("linvit_tiny_patch16_rope_224", token_mixer="bidir_gated", rope="none",
+                                class_token=False, global_pool="avg"),
               create_dit("digits", self_attn="bidir_gated")]
     gates = [alone] + [m for model in models for m in model.modules() if isinstance(m, BidirGatedAttention)]
     assert len(gates) > 1 + 12 + 4

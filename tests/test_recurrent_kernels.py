@@ -190,7 +190,8 @@ def test_bidirectional_gated_on_kernels(gate, d):
         _assert_close_to(f"d{name}", x, y, TOL_GRAD)
 
 
-@pytest.mark.parametrize("form", ["delta", "gated_head", "gated_channel"])
+@pytest.mark.parametrize("form", [pytest.param("delta", marks=pytest.mark.slow), "gated_head",
+                                  pytest.param("gated_channel", marks=pytest.mark.slow)])
 def test_bidirectional_scans_with_lengths_on_kernels(form):
     """Images of different sizes padded into one batch (``lengths``) on fla's kernels: each sample's backward scan
     runs over its own tokens reversed, the padding (here inf) after them, so each sample's outputs and gradients

@@ -210,11 +210,11 @@ MODELS = {  # name, options: every mixer of the isotropic family that takes a Na
     "linear_abs_pos_avg": ("linvit_tiny_patch16_224", {"dynamic_img_size": True, "global_pool": "avg"}),
     "registers_no_embed_class": ("linvit_tiny_patch16_224", {"dynamic_img_size": True, "reg_tokens": 2,
                                                              "no_embed_class": True}),
-    # the scans: no prefix tokens, mean pooling, the absolute embedding the *_rope_* entry point gives them
-    "bidir_delta": ("linvit_tiny_patch16_rope_224", {"token_mixer": "bidir_delta", "class_token": False,
+    # the scans: no prefix tokens, mean pooling, the absolute embedding asked for (rope="none")
+    "bidir_delta": ("linvit_tiny_patch16_rope_224", {"token_mixer": "bidir_delta", "rope": "none", "class_token": False,
                                                      "global_pool": "avg", "mixer_kwargs": {"chunk_size": 4}}),
     "bidir_gated_both_orders_lepe": ("linvit_tiny_patch16_rope_224", {
-        "token_mixer": "bidir_gated", "class_token": False, "global_pool": "avg",
+        "token_mixer": "bidir_gated", "rope": "none", "class_token": False, "global_pool": "avg",
         "mixer_kwargs": {"column_major": True, "lepe": True, "chunk_size": 4}}),
 }
 
@@ -318,7 +318,7 @@ def test_naflex_refusals_are_one_line():
                           global_pool="avg")
     with pytest.raises(ValueError, match="'hybrid' cannot take a batch of images of different sizes"):
         windows(batch)
-    scan = tiny_linvit("linvit_tiny_patch16_rope_224", token_mixer="bidir_delta", class_token=False,
+    scan = tiny_linvit("linvit_tiny_patch16_rope_224", token_mixer="bidir_delta", rope="none", class_token=False,
                        global_pool="avg")
     holes = {**batch, "patch_valid": batch["patch_valid"].roll(1, dims=1),
              "patch_coord": batch["patch_coord"].roll(1, dims=1)}

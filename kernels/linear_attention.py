@@ -688,9 +688,8 @@ class _Tokens:
             off = torch.tensor(offsets, dtype=torch.float32, device=q.device)
             self.pos = (positions.to(device=q.device, dtype=torch.float32) + off).contiguous()
             self.stride_pb = 0 if self.pos.shape[0] == 1 else self.pos.stride(0)
-        mask_queries = self.has_valid and q.shape[2] == (valid.shape[1] if valid is not None else -1)
         self.keys = dict(MASK=self.has_valid, COUNTED=self.has_valid)
-        self.queries = dict(MASK=mask_queries, COUNTED=self.has_valid)
+        self.queries = dict(MASK=self.has_valid and q.shape[2] == valid.shape[1], COUNTED=self.has_valid)
 
     def scale(self, x: float, n: int) -> float:
         """``x`` times n, the number of keys, when it is the same for every sample (no mask): the kernels multiply

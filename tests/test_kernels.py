@@ -502,6 +502,45 @@ def test_token_mask_and_positions_match_the_reference(feature, rope, split, dtyp
             assert not g.masked_select(~valid[:, None, :, None]).any(), name
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float16, marks=pytest.mark.slow)])
+def test_token_mask_and_positions_under_autocast_batch_one_odd_grid(dtype):
+    """As users run a NaFlex model: batch 1, one odd non-square image (41 x 97 patches and a class token, 3,978
+    tokens, padded to 4,100 with inf; the interpreter's size: test_variable_length runs the PyTorch path at 131k),
+    fp32 inputs under autocast, a forward under inference_mode, then one with gradients: the output (in the
+    autocast dtype) and the gradients against the float64 reference on the operands autocast gives the kernels
+    (bf16-rounded under bf16, the fp32 inputs under fp16)."""
+    rows, cols, n = 41, 97, 4100
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g).to(DEVICE) for _ in range(3))
+    valid = torch.zeros(1, n, dtype=torch.bool, device=DEVICE)
+    valid[0, :1 + rows * cols] = True
+    for t in (q, k, v):
+        t[~valid[:, None, :, None].expand_as(t)] = float("inf")
+    r, c = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+    positions = torch.zeros(1, n - 1, 2, device=DEVICE)
+    positions[0, :rows * cols] = torch.stack([r.flatten(), c.flatten()], -1).float()
+    fx, fy = mixed_rope_freqs(16, 2, generator=torch.Generator().manual_seed(6))
+    spec = Rope(fx.to(DEVICE), fy.to(DEVICE), (1, n - 1), num_prefix_tokens=1, positions=positions)
+    device_type = "cuda" if DEVICE == "cuda" else "cpu"
+    with torch.inference_mode(), torch.autocast(device_type, dtype=dtype):
+        first = linear_attention_triton(q, k, v, "elu", rope=spec, valid=valid)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with torch.autocast(device_type, dtype=dtype):
+        out = linear_attention_triton(*leaves, "elu", rope=spec, valid=valid)
+    assert out.dtype == first.dtype == dtype and torch.equal(out.detach(), first)
+    do = torch.randn(out.shape, generator=g).to(DEVICE)
+    grads = torch.autograd.grad(out, leaves, do.to(dtype))
+    operand = dtype if dtype == torch.bfloat16 else torch.float32
+    ref_leaves = [t.to(operand).double().requires_grad_() for t in (q, k, v)]
+    ref = linear_attention_reference(*ref_leaves, "elu", rope=spec, valid=valid)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, do.double())
+    assert _rel_err(out, ref) < TOL[dtype]
+    assert not out.masked_select(~valid[:, None, :, None]).any()
+    for name, gr, r in zip("qkv", grads, ref_grads):
+        assert torch.isfinite(gr).all(), name
+        assert _rel_err(gr, r, 0.1 * r.abs().max().item()) < 4 * TOL[dtype], name
+
+
 def test_token_mask_with_fewer_queries_than_keys():
     """Cross attention (Nq != Nk): the mask drops keys from the state and the means; every query is computed."""
     q, k, v, do = _inputs(2, 2, 5, 37, 16, 8, torch.float32, "elu")

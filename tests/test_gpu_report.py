@@ -48,7 +48,9 @@ def test_dry_run_writes_the_report_of_every_part(tmp_path, capsys):
     tests = report["parts"]["tests"]
     counts = tests["counts"]
     assert all(isinstance(v, int) for v in counts.values())
-    assert counts["collected"] >= 250 and counts["run"] == counts["passed"] >= 1
+    # a case marked slow is skipped without --runslow; every other selected case runs and passes
+    assert counts["collected"] >= 250 and counts["run"] == counts["passed"] + counts["skipped"]
+    assert counts["passed"] >= 1
     assert counts["failed"] == counts["error"] == 0 and counts["deselected"] == counts["collected"] - counts["run"]
     assert "tests/test_kernels.py::test_autocast_runs_in_the_autocast_dtype" in tests["autocast"]["tests"]
     assert tests["autocast"]["passed"] >= 1 and tests["failures"] == []

@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from linvision.engine.ablate import add_ablate_args, markdown_table, run_ablation
-from linvision.engine.config import parse_args
+from linvision.experiments.ablate import add_ablate_args, markdown_table, run_ablation
+from linvision.utils.config import parse_args
 
 
 def _args(data, tmp_path, *extra):
@@ -78,8 +78,8 @@ def test_one_seed_prints_no_spread(data, tmp_path):
 
 
 def test_photos_set_is_offline_disjoint_and_balanced():
-    from linvision.engine.data import create_dataset
-    from linvision.engine.texture_data import CLASSES, CROP, photo_parts
+    from linvision.data.datasets import create_dataset
+    from linvision.data.texture import CLASSES, CROP, photo_parts
 
     pytest.importorskip("skimage")
     train = create_dataset("photos", None, "train", digits_size=48)
@@ -103,8 +103,8 @@ def test_photos_set_is_offline_disjoint_and_balanced():
 def test_photos_aspect_set_keeps_mixed_aspects_of_disjoint_parts():
     """photos_aspect: crops of 1:3 to 3:1 (not all square) of about 64 x 64 source pixels, at their own aspect,
     from the same disjoint parts as the square set's, the same at every construction and rendering size."""
-    from linvision.engine.data import create_dataset
-    from linvision.engine.texture_data import ASPECT_RANGE, CLASSES, CROP, photo_parts
+    from linvision.data.datasets import create_dataset
+    from linvision.data.texture import ASPECT_RANGE, CLASSES, CROP, photo_parts
 
     pytest.importorskip("skimage")
     train = create_dataset("photos_aspect", None, "train", digits_size=64)

@@ -13,11 +13,11 @@ import torch
 
 pytest.importorskip("segmentation_models_pytorch")
 
-from linvision.engine.ablate import add_ablate_args, run_ablation  # noqa: E402
-from linvision.engine.config import parse_args  # noqa: E402
-from linvision.engine.mosaic_data import MosaicSegmentation  # noqa: E402
-from linvision.engine.seg_data import JointTransform  # noqa: E402
-from linvision.engine.segmenter import load_segmenter  # noqa: E402
+from linvision.experiments.ablate import add_ablate_args, run_ablation  # noqa: E402
+from linvision.utils.config import parse_args  # noqa: E402
+from linvision.data.mosaic import MosaicSegmentation  # noqa: E402
+from linvision.data.segmentation import JointTransform  # noqa: E402
+from linvision.training.segmenter import load_segmenter  # noqa: E402
 
 VAL = 2
 

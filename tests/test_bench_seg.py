@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from linvision.engine.benchmark import (
+from linvision.benchmark.throughput import (
     add_comparisons,
     benchmark_point,
     benchmark_point_with_timeout,
@@ -18,7 +18,7 @@ from linvision.engine.benchmark import (
     run_sweep,
     size_label,
 )
-from linvision.engine.segmenter import build_segmenter
+from linvision.training.segmenter import build_segmenter
 
 smp = pytest.importorskip("segmentation_models_pytorch")
 

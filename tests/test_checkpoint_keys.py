@@ -5,7 +5,7 @@ import timm
 import torch
 
 import linvision  # noqa: F401  (registers the models)
-from linvision.engine.checkpoint import load_pretrained
+from linvision.utils.checkpoint import load_pretrained
 from linvision.models import linhier, linvit
 from linvision.models.published import DEFAULT_WEIGHT_KEYS, load_published, unwrap_state_dict
 from linvision.safe_pickle import read_checkpoint
@@ -98,7 +98,7 @@ def test_a_file_without_weights_fails_in_one_line(tmp_path):
 def test_a_timm_training_checkpoint_gives_its_weights_and_ema_apart(tmp_path):
     """--resume from timm's train.py file (engine.resume.read_timm_checkpoint) reads 'state_dict' and
     'state_dict_ema' each as the state dict it is, through the same unwrap_state_dict, 'module.' prefixes removed."""
-    from linvision.engine.resume import read_timm_checkpoint
+    from linvision.training.resume import read_timm_checkpoint
 
     model = _create("linhier")
     path = tmp_path / "checkpoint-0.pth.tar"

@@ -1,6 +1,6 @@
 """The transforms of training and validation come from timm's data config: the model's pretrained cfg
 (interpolation, crop_pct, crop_mode, mean, std), with the user's flags winning, resolved by one function
-(linvision.engine.data.resolve_data_config) that linvision-train and linvision-validate both call, and recorded in
+(linvision.data.datasets.resolve_data_config) that linvision-train and linvision-validate both call, and recorded in
 a run's model.json so that validating the run's checkpoint transforms images the same way."""
 import argparse
 import json
@@ -18,16 +18,16 @@ from timm.data import create_transform
 from timm.data import resolve_data_config as timm_resolve_data_config
 from torchvision import transforms as T
 
-import linvision.engine.train as train_module
-import linvision.engine.validate as validate_module
+import linvision.training.train as train_module
+import linvision.training.validate as validate_module
 import linvision.models  # noqa: F401  (registers linvision's models)
-from linvision.engine.checkpoint import recorded_data_config
-from linvision.engine.config import parse_args
-from linvision.engine.data import DigitsDataset, build_transform, resolve_data_config
-from linvision.engine.factory import create_model, models_with_weights
-from linvision.engine.train import add_train_args, train, train_data_config
-from linvision.engine.train_config import TrainConfig
-from linvision.engine.validate import add_validate_args, validate_checkpoint
+from linvision.utils.checkpoint import recorded_data_config
+from linvision.utils.config import parse_args
+from linvision.data.datasets import DigitsDataset, build_transform, resolve_data_config
+from linvision.utils.factory import create_model, models_with_weights
+from linvision.training.train import add_train_args, train, train_data_config
+from linvision.training.train_config import TrainConfig
+from linvision.training.validate import add_validate_args, validate_checkpoint
 from support import TINY_VIT, run_tool, step_losses, tiny_train_flags, write_image_folder
 
 LINVISION_MODULES = ["mlla", "ravlt", "linhier", "linvit"]

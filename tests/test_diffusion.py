@@ -271,7 +271,7 @@ def test_sample_classification_sees_the_classifier_preprocessing():
 
     from linvision.diffusion.sampling import classify_images
     from linvision.diffusion.data import load_images
-    from linvision.engine.data import DigitsDataset
+    from linvision.data.datasets import DigitsDataset
 
     class Capture(torch.nn.Module):
         def __init__(self):

@@ -142,7 +142,7 @@ def _pets_and_weights(folder):
 
 def _scenes(folder):
     """Image/mask folders in the layout /data/scenes stands for: mosaics, so a mosaic-trained segmenter's classes."""
-    from linvision.engine.mosaic_data import write_mosaic_folders
+    from linvision.data.mosaic import write_mosaic_folders
 
     return {"scenes": write_mosaic_folders(os.path.join(folder, "scenes"), size=128, train=2, val=2)}
 

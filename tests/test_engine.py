@@ -8,14 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from linvision.engine.benchmark import MemoryMeter, benchmark_point, plot_results, run_sweep
-from linvision.engine.checkpoint import load_model, load_pretrained, save_checkpoint
-from linvision.engine.factory import create_model
-from linvision.engine.files import atomic_write
-from linvision.engine.config import ConfigError, parse_args, parse_kwargs
-from linvision.engine.data import BadImageError, ShardedSampler, create_dataset
-from linvision.engine.evaluate import evaluate
-from linvision.engine.train import add_train_args, train
+from linvision.benchmark.throughput import MemoryMeter, benchmark_point, plot_results, run_sweep
+from linvision.utils.checkpoint import load_model, load_pretrained, save_checkpoint
+from linvision.utils.factory import create_model
+from linvision.utils.files import atomic_write
+from linvision.utils.config import ConfigError, parse_args, parse_kwargs
+from linvision.data.datasets import BadImageError, ShardedSampler, create_dataset
+from linvision.training.evaluate import evaluate
+from linvision.training.train import add_train_args, train
 from support import TINY_VIT, step_losses, write_image_folder
 
 
@@ -205,7 +205,7 @@ def test_train_config_makes_the_flags_and_runs_as_a_dataclass(tmp_path):
 
     import yaml
 
-    from linvision.engine.train_config import RUN_ONLY_KEYS, TrainConfig
+    from linvision.training.train_config import RUN_ONLY_KEYS, TrainConfig
 
     parser = add_train_args(argparse.ArgumentParser())
     dests = {a.dest for a in parser._actions if a.dest != "help"}
@@ -263,7 +263,7 @@ def test_sweep_records_failures_and_goes_on(tmp_path):
 def test_model_specs_twin_ratios_and_gemm_fraction(tmp_path):
     """A model spec carries its own options (over the common ones); --twin ratios are each point's figures over
     the twin's at the same size (1 for the twin); the GEMM fraction is 2 x GFLOPs x batch / forward time / rate."""
-    from linvision.engine.benchmark import add_comparisons, comparison_table, parse_model_spec
+    from linvision.benchmark.throughput import add_comparisons, comparison_table, parse_model_spec
 
     assert parse_model_spec("test_vit") == ("test_vit", {})
     assert parse_model_spec("m:token_mixer=softmax,depth=2,rope=null") == (
@@ -340,10 +340,10 @@ class _Sdpa(nn.Module):
 def test_flop_counter_counts_sdpa_on_this_torch():
     """Softmax attention counts 2 * B * H * N^2 * D multiply-accumulates (QK^T and PV). torch's counter lost
     its CPU SDPA kernel in a release; linvision registers the formula for every SDPA kernel torch lacks. If
-    this fails, torch dispatches SDPA to a kernel not listed in linvision.engine.flops.SDPA_OPS."""
+    this fails, torch dispatches SDPA to a kernel not listed in linvision.benchmark.flops.SDPA_OPS."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from linvision.engine.flops import count_gflops
+    from linvision.benchmark.flops import count_gflops
 
     b, h, n, d = 1, 2, 48, 8
     gflops = count_gflops(_Sdpa(), 16)
@@ -361,7 +361,7 @@ def test_gflops_match_timm_published_vit_small():
     """timm lists vit_small_patch16_224 at 4.6 GMACs (4.25 of them outside attention)."""
     import timm
 
-    from linvision.engine.flops import count_gflops
+    from linvision.benchmark.flops import count_gflops
 
     assert count_gflops(timm.create_model("vit_small_patch16_224")) == pytest.approx(4.6, abs=0.01)
 
@@ -370,7 +370,7 @@ def test_ablate_digits_trains_with_more_than_one_token_in_the_last_stage():
     """The resolution column of configs/ablate_digits.yaml is only meaningful when the training size leaves the
     deepest stages a real grid: at 32 px the stride-32 model's last stage is one token (its conv taps off the
     centre never trained) and every mixer, plain convolutions included, fell to chance at 2x."""
-    from linvision.engine.config import load_yaml
+    from linvision.utils.config import load_yaml
 
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
     cfg = load_yaml(os.path.join(root, "ablate_digits.yaml"))
@@ -383,7 +383,7 @@ def test_ablate_digits_trains_with_more_than_one_token_in_the_last_stage():
 
 
 def test_distillation_loss_matches_its_formula():
-    from linvision.engine.distill import distillation_loss
+    from linvision.training.distill import distillation_loss
 
     g = torch.Generator().manual_seed(0)
     s, t = torch.randn(5, 7, generator=g, dtype=torch.float64), torch.randn(5, 7, generator=g, dtype=torch.float64)

@@ -356,7 +356,7 @@ def test_help_command_line_parses(command, line, module, args):
     """Each command line of a tool's --help is one the tool accepts (parsed only, nothing runs); a --config names a
     config shipped with linvision, whose keys are flags of the tool."""
     import importlib
-    from linvision.engine.config import packaged_config, parse_args
+    from linvision.utils.config import packaged_config, parse_args
     parser = importlib.import_module(module).build_parser()
     configs = [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--config", "-c")]
     for name in configs:

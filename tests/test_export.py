@@ -9,7 +9,7 @@ import timm
 import torch
 
 import linvision
-from linvision.engine.export import compare_with_eager, export_onnx, export_program, input_constraints, load_exported
+from linvision.export.program import compare_with_eager, export_onnx, export_program, input_constraints, load_exported
 from support import run_tool
 from test_models import ALL_NAMES, _reduced
 

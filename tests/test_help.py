@@ -9,7 +9,7 @@ import tomllib
 
 import pytest
 
-from linvision.engine.cli import HelpFormatter, tool_parser
+from linvision.utils.cli import HelpFormatter, tool_parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

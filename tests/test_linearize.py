@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 import linvision  # noqa: F401  (registers the models)
-from linvision.engine.data import build_transform, create_dataset
-from linvision.engine.linearize import attention_errors, attention_transfer, build_student, transfer_parameters
+from linvision.data.datasets import build_transform, create_dataset
+from linvision.experiments.linearize import attention_errors, attention_transfer, build_student, transfer_parameters
 from linvision.models.linvit import checkpoint_filter_fn
 
 SHAPE = dict(embed_dim=64, depth=3, num_heads=2)
@@ -233,7 +233,7 @@ def test_linearize_tool_end_to_end(tmp_path):
     from safetensors.torch import load_file
     from support import run_tool
 
-    from linvision.engine.checkpoint import load_model
+    from linvision.utils.checkpoint import load_model
 
     shape = ["patch_size=4", "embed_dim=32", "depth=2", "num_heads=2"]
     run_tool("train.py", "--dataset", "digits", "--img-size", "16", "--model", "vit_tiny_patch16_224",

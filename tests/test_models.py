@@ -8,7 +8,7 @@ from timm.models import get_model_input_config
 from timm.optim import param_groups_layer_decay
 
 import linvision
-from linvision.engine.flops import count_gflops, count_params
+from linvision.benchmark.flops import count_gflops, count_params
 
 FAMILY_NAMES = {
     "linvit": [

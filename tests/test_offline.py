@@ -86,7 +86,7 @@ def test_failed_download_is_one_line_and_its_advice_works(name, tmp_path, monkey
 def test_the_manual_lists_every_published_file_where_the_message_points():
     """The offline section of docs/models/published.md (the page the message names) gives, for every MLLA and
     RAVLT weight tag, the address its pretrained cfg downloads from and the file name timm's cache uses."""
-    from linvision.engine.factory import models_with_weights
+    from linvision.utils.factory import models_with_weights
 
     with open(os.path.join(ROOT, "docs", "models", "published.md")) as f:
         section = f.read().split("## Offline: the authors' file by hand", 1)[1].split("\n## ", 1)[0]
@@ -256,7 +256,7 @@ def test_flags_typed_win_over_the_config_file(tool, tmp_path, capsys):
     --no-pretrained exists; --help shows the pair."""
     import importlib
 
-    from linvision.engine.config import parse_args
+    from linvision.utils.config import parse_args
 
     parser = importlib.import_module(f"linvision.tools.{tool}").build_parser
     on, local = tmp_path / "on.yaml", tmp_path / "local.yaml"

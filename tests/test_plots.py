@@ -7,8 +7,8 @@ import pytest
 from matplotlib.colors import to_hex
 from matplotlib.container import ErrorbarContainer
 
-from linvision.engine.ablate import _accuracy_figure
-from linvision.engine.benchmark import (_empty_point, _timing, benchmark_point, results_figure, runs_phrase,
+from linvision.experiments.ablate import _accuracy_figure
+from linvision.benchmark.throughput import (_empty_point, _timing, benchmark_point, results_figure, runs_phrase,
                                         series_styles, write_results)
 
 matplotlib.use("Agg")

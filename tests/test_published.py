@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import linvision
-from linvision.engine.checkpoint import load_pretrained
-from linvision.engine.flops import count_gflops, count_params
+from linvision.utils.checkpoint import load_pretrained
+from linvision.benchmark.flops import count_gflops, count_params
 from linvision.safe_pickle import NotLoaded, read_checkpoint
 from support import run_tool, write_image_folder
 
@@ -510,7 +510,7 @@ def test_validate_pretrained_evaluates_the_downloaded_weights(tmp_path, monkeypa
     """linvision-validate --model mlla_tiny.in1k --pretrained: the weights come through timm's cache and the
     reported loss and top-1 are those of the model built from the same file, on the same images transformed as
     its pretrained cfg says (bicubic, crop 0.875, ImageNet mean and std)."""
-    from linvision.engine.data import build_transform, create_dataset
+    from linvision.data.datasets import build_transform, create_dataset
 
     state = published_layout("mlla_tiny")
     path = tmp_path / "mlla_t.pth"
@@ -548,8 +548,8 @@ def test_fine_tuning_recipes_name_weights_and_decay_by_layer(config):
 
     from timm.optim import create_optimizer_v2
 
-    from linvision.engine.config import parse_args
-    from linvision.engine.factory import check_pretrained
+    from linvision.utils.config import parse_args
+    from linvision.utils.factory import check_pretrained
 
     parser = importlib.import_module("linvision.tools.train").build_parser()
     args = parse_args(parser, ["--config", config, "--data-dir", "/data/pets"])

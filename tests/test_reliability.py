@@ -9,8 +9,8 @@ import pytest
 import torch
 from PIL import Image
 
-from linvision.engine.files import recover_checkpoint_folder, write_checkpoint_folder
-from linvision.engine.run_folder import claim_run_folder
+from linvision.utils.files import recover_checkpoint_folder, write_checkpoint_folder
+from linvision.utils.run_folder import claim_run_folder
 from support import (PY, ROOT, SUBPROCESS_TIMEOUT, TINY_VIT, logs, run_tool, spawn, step_losses,
                      tiny_train_flags, wait_until, write_image_folder)
 
@@ -125,7 +125,7 @@ def test_unreadable_images_are_found_before_the_first_step(tmp_path):
 
 def test_unreadable_segmentation_files_are_found_before_the_first_step(tmp_path):
     """An image and a mask that cannot be read: one line naming both; --skip-bad-images leaves their samples out."""
-    from linvision.engine.mosaic_data import write_mosaic_folders
+    from linvision.data.mosaic import write_mosaic_folders
 
     root = write_mosaic_folders(str(tmp_path / "data"), size=128, train=5, val=2, seed=0)
     bad = [os.path.join(root, "train", "images", "00001.png"), os.path.join(root, "val", "masks", "00000.png")]
@@ -147,7 +147,7 @@ def test_unreadable_segmentation_files_are_found_before_the_first_step(tmp_path)
 def test_an_error_after_the_first_step_saves_a_checkpoint_to_resume(tmp_path, monkeypatch):
     """With --no-check-images a bad file is found when a batch draws it: last/ is saved at the step before, the
     message says how to continue, and the run continues from there once the file is fixed."""
-    import linvision.engine.data as data_module
+    import linvision.data.datasets as data_module
 
     data = write_image_folder(tmp_path / "data")
     broken = tmp_path / "broken.png"
@@ -208,7 +208,7 @@ def _content(folder):
 def test_checkpoint_folder_survives_a_crash_at_every_step(tmp_path, monkeypatch):
     """A crash while writing, between the two renames, or before the old copy is removed leaves the old or the
     new checkpoint whole once recovered (what a resumed run does first), never files of both."""
-    import linvision.engine.files as ck
+    import linvision.utils.files as ck
 
     folder = str(tmp_path / "last")
     write_checkpoint_folder(folder, _files("old"))
@@ -329,7 +329,7 @@ def test_weight_loads_are_reported_and_incompatible_ones_refused(data, tmp_path)
 
 
 def test_sixteen_bit_images_are_scaled_not_clipped(tmp_path):
-    from linvision.engine.data import _load_rgb
+    from linvision.data.datasets import _load_rgb
 
     grey = (np.arange(32 * 32).reshape(32, 32) * 64).astype(np.uint16)  # 0 .. 65472
     Image.fromarray(grey).save(tmp_path / "g16.png")
@@ -491,9 +491,9 @@ def test_loader_workers_leave_the_group_but_still_end_on_sigterm():
     SIGTERM's default action even when forked under the training loop's stop-flag handler: the DataLoader and
     multiprocessing's exit handler end stuck workers with it, so a worker that survived it would leave the
     process hanging at exit."""
-    from linvision.engine.data import ShardedSampler, create_loader
+    from linvision.data.datasets import ShardedSampler, create_loader
 
-    from linvision.engine.interrupt import StopFlag
+    from linvision.utils.interrupt import StopFlag
 
     loader = create_loader(list(range(8)), 2, ShardedSampler(8, shuffle=False), num_workers=1)
     with StopFlag():  # the workers are forked while the trainer's handler is installed, as in training

@@ -11,10 +11,10 @@ import torch
 from support import PY, run_subprocess, run_tool, write_image_folder
 from timm.models._hub import load_model_config_from_path
 
-from linvision.engine import load_model, save_checkpoint
-from linvision.engine.checkpoint import recorded_data_config
-from linvision.engine.factory import create_model
-from linvision.engine.resume import is_external_checkpoint
+from linvision.utils import load_model, save_checkpoint
+from linvision.utils.checkpoint import recorded_data_config
+from linvision.utils.factory import create_model
+from linvision.training.resume import is_external_checkpoint
 
 MODEL = "linvit_tiny_patch16_rope_224"
 KWARGS = {"embed_dim": 32, "depth": 2, "num_heads": 2, "patch_size": 4}

@@ -1,5 +1,5 @@
 """Segmentation: linvision's backbones as encoders of segmentation_models_pytorch (smp) through its timm
-("tu-") encoders, and the offline mosaic set (linvision.engine.mosaic_data).
+("tu-") encoders, and the offline mosaic set (linvision.data.mosaic).
 
 The encoders are checked against the backbone itself: smp's feature maps equal the stage (or block) outputs of
 the same network run as timm's classifier with the encoder's weights, bit for bit, at a non-square size that is
@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 
 import linvision  # noqa: F401  (registers the models with timm)
-from linvision.engine import mosaic_data
-from linvision.engine.mosaic_data import (CLASSES, IGNORE_INDEX, MEAN, STD, WINDOW, MosaicSegmentation,
+from linvision.data import mosaic as mosaic_data
+from linvision.data.mosaic import (CLASSES, IGNORE_INDEX, MEAN, STD, WINDOW, MosaicSegmentation,
                                           SegmentationFolder, make_mosaic, render_window, write_mosaic_folders)
-from linvision.engine.texture_data import photo_parts, photograph
+from linvision.data.texture import photo_parts, photograph
 
 smp = pytest.importorskip("segmentation_models_pytorch")
 
@@ -353,7 +353,7 @@ def test_scores_are_all_in_percent_and_miou_is_the_mean_of_the_classes():
     """Per-class pixel counts of 4 classes (class 3 neither in the masks nor predicted): the IoU of each class is
     tp / (tp + fp + fn) in percent, None for class 3, mIoU their mean and pixel accuracy the share of labelled
     pixels predicted right, in percent too."""
-    from linvision.engine.seg_metrics import segmentation_scores
+    from linvision.training.seg_metrics import segmentation_scores
 
     tp = torch.tensor([30.0, 10.0, 0.0, 0.0])
     fp = torch.tensor([10.0, 0.0, 5.0, 0.0])

@@ -9,8 +9,8 @@ import signal
 
 import pytest
 
-from linvision.engine.config import parse_args
-from linvision.engine.train import add_train_args
+from linvision.utils.config import parse_args
+from linvision.training.train import add_train_args
 from support import (PY, ROOT, logs, run_subprocess, run_tool, spawn, step_losses, tiny_train_flags, wait_until,
                      write_image_folder)
 

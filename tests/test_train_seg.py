@@ -20,13 +20,13 @@ from safetensors.torch import load_file
 
 pytest.importorskip("segmentation_models_pytorch")
 
-from linvision.engine.mosaic_data import MEAN, MosaicSegmentation, SegmentationFolder, write_mosaic_folders  # noqa: E402
-from linvision.engine.seg_config import SegTrainConfig, add_seg_train_args  # noqa: E402
-from linvision.engine.seg_data import JointTransform, PadCollate  # noqa: E402
-from linvision.engine.seg_task import train_segmentation  # noqa: E402
-from linvision.engine.segmenter import load_segmenter  # noqa: E402
-from linvision.engine.train import train  # noqa: E402
-from linvision.engine.train_config import TrainConfig  # noqa: E402
+from linvision.data.mosaic import MEAN, MosaicSegmentation, SegmentationFolder, write_mosaic_folders  # noqa: E402
+from linvision.training.seg_config import SegTrainConfig, add_seg_train_args  # noqa: E402
+from linvision.data.segmentation import JointTransform, PadCollate  # noqa: E402
+from linvision.training.seg_task import train_segmentation  # noqa: E402
+from linvision.training.segmenter import load_segmenter  # noqa: E402
+from linvision.training.train import train  # noqa: E402
+from linvision.training.train_config import TrainConfig  # noqa: E402
 from support import PY, ROOT, run_subprocess, run_tool, step_losses  # noqa: E402
 
 @pytest.fixture(autouse=True, scope="module")
@@ -83,15 +83,15 @@ def test_flags_are_the_fields_of_seg_train_config():
 def test_the_decoder_flag_takes_the_segmenters_one_table_without_importing_smp():
     """--decoder's choices are segmenter.DECODERS (the benchmark's too), each with a stride; parsing the flags
     and checking the names imports no smp (a fresh process)."""
-    from linvision.engine import benchmark
-    from linvision.engine.segmenter import DECODERS, STRIDE
+    from linvision.benchmark import throughput as benchmark
+    from linvision.training.segmenter import DECODERS, STRIDE
 
     assert list(DECODERS) == ["unet", "fpn", "segformer", "upernet", "dpt"] and set(STRIDE) == set(DECODERS)
     assert benchmark.DECODERS is DECODERS
     choices = next(a.choices for a in add_seg_train_args(argparse.ArgumentParser())._actions if a.dest == "decoder")
     assert choices == list(DECODERS)
     code = ("import argparse, sys\n"
-            "from linvision.engine.seg_config import add_seg_train_args\n"
+            "from linvision.training.seg_config import add_seg_train_args\n"
             "args = add_seg_train_args(argparse.ArgumentParser()).parse_args(['--decoder', 'fpn'])\n"
             "print(args.decoder, 'segmentation_models_pytorch' in sys.modules)")
     proc = run_subprocess([PY, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
@@ -387,7 +387,7 @@ def test_a_segmenter_saved_with_the_encoder_s_unused_final_layer_still_loads(tmp
 
     from safetensors.torch import save_file
 
-    from linvision.engine.segmenter import build_segmenter, load_segmenter
+    from linvision.training.segmenter import build_segmenter, load_segmenter
 
     for encoder, extra in (("mlla_tiny", {"encoder.model.model.final.weight": torch.ones(512)}),
                            ("ravlt_tiny", {"encoder.model.model.final.conv.weight": torch.ones(8, 512, 1, 1)})):
@@ -410,7 +410,7 @@ def test_a_segmenter_saved_with_the_encoder_s_unused_final_layer_still_loads(tmp
 def test_model_json_has_one_reader(tmp_path):
     """load_segmenter, checkpoint_task and load_model read model.json through read_checkpoint_meta: the same
     one-line errors (not JSON; not an object with the keys the reader needs, naming them), the task it names."""
-    from linvision.engine.checkpoint import checkpoint_task, load_model
+    from linvision.utils.checkpoint import checkpoint_task, load_model
 
     meta = tmp_path / "model.json"
     meta.write_text("{not json")

@@ -7,7 +7,7 @@ import pytest
 import yaml
 from support import run_tool, tiny_train_flags, write_image_folder
 
-from linvision.engine.run_data import run_data
+from linvision.data.run_data import run_data
 
 
 @pytest.fixture(scope="module")

@@ -367,7 +367,7 @@ def test_validate_with_the_naflex_loader_scores_each_image_at_its_own_aspect(tmp
     result = json.loads(proc.stdout)["results"][0]
     assert result["naflex_max_seq_len"] == 16 and result["count"] == 6
 
-    from linvision.engine.checkpoint import load_model
+    from linvision.utils.checkpoint import load_model
 
     model, meta = load_model(str(tmp_path / "r"))
     resize = create_transform(is_training=False, interpolation="bilinear", mean=meta["mean"], std=meta["std"],

@@ -17,9 +17,9 @@ mosaics rendered at each --eval-sizes (128 to 1024 px).
 """
 import argparse
 
-from linvision.engine.ablate import add_ablate_args, run_ablation
-from linvision.engine.cli import run_cli, tool_parser
-from linvision.engine.config import add_config_arg, parse_args
+from linvision.experiments.ablate import add_ablate_args, run_ablation
+from linvision.utils.cli import run_cli, tool_parser
+from linvision.utils.config import add_config_arg, parse_args
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -32,7 +32,7 @@ import torch
 
 from linvision.diffusion.block import SanaBlock
 from linvision.diffusion.model import DIT_CONFIGS
-from linvision.engine.cli import tool_parser
+from linvision.utils.cli import tool_parser
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

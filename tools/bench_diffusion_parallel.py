@@ -51,7 +51,7 @@ def worker(args: argparse.Namespace) -> None:
     """One rank of one point: train ``args.steps`` steps and write every rank's figures to ``args.result``."""
     import torch.distributed as dist
 
-    from linvision.engine.distributed import barrier, cleanup, init_distributed
+    from linvision.utils.distributed import barrier, cleanup, init_distributed
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -163,7 +163,7 @@ def table(points: List[Dict[str, Any]], args: argparse.Namespace) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of linvision-bench-diffusion-parallel (and of its torchrun workers: the hidden flags)."""
-    from linvision.engine.cli import tool_parser
+    from linvision.utils.cli import tool_parser
 
     p = tool_parser("linvision-bench-diffusion-parallel", __doc__)
     p.add_argument("--model", default="sana_600m", help="a config of linvision.diffusion.DIT_CONFIGS")
@@ -206,7 +206,7 @@ def main() -> int:
     text = table(points, args)
     print(text)
     if args.out:
-        from linvision.engine.files import atomic_write_text
+        from linvision.utils.files import atomic_write_text
 
         atomic_write_text(args.out + ".md", text + "\n")
         atomic_write_text(args.out + ".json", json.dumps({"args": {k: v for k, v in vars(args).items()
@@ -216,7 +216,7 @@ def main() -> int:
 
 
 def cli() -> None:
-    from linvision.engine.cli import run_cli
+    from linvision.utils.cli import run_cli
 
     run_cli(main)
 

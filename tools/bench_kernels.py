@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from linvision.engine.cli import tool_parser
+from linvision.utils.cli import tool_parser
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -52,12 +52,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from linvision.engine.amp import autocast
-from linvision.engine.benchmark import (MemoryMeter, _timed, _timing, free_memory, parse_model_spec, runs_phrase,
+from linvision.utils.amp import autocast
+from linvision.benchmark.throughput import (MemoryMeter, _timed, _timing, free_memory, parse_model_spec, runs_phrase,
                                         series_styles)
-from linvision.engine.cli import run_cli, tool_parser
-from linvision.engine.config import parse_kwargs
-from linvision.engine.factory import check_model_name, create_model
+from linvision.utils.cli import run_cli, tool_parser
+from linvision.utils.config import parse_kwargs
+from linvision.utils.factory import check_model_name, create_model
 
 DEFAULT_BUDGETS = (256, 1024, 4096, 16384)
 SOFTMAX_TINY = "naflexvit_tiny_patch16"
@@ -69,7 +69,7 @@ ALIASES = {
 }
 DEFAULT_MODELS = ("linvit_tiny_patch16_224", "linvit_tiny_patch16_rope_224", SOFTMAX_TINY)
 MODES = ("infer", "train")
-DTYPES = {"float32": "none", "bfloat16": "bf16"}  # --dtype -> the autocast choice of linvision.engine.amp
+DTYPES = {"float32": "none", "bfloat16": "bf16"}  # --dtype -> the autocast choice of linvision.utils.amp
 FIELDS = ("model", "input", "budget", "mode", "batch", "seq_len", "tokens_per_image", "fill_pct", "images_per_s",
           "images_per_s_min", "images_per_s_max", "ms", "ms_min", "ms_max", "spread_pct", "iters", "peak_mib",
           "time_vs_ref", "attn_matrix_mib", "params_m", "status", "reason", "device", "dtype", "threads")

@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from linvision.engine.benchmark import (
+from linvision.benchmark.throughput import (
     DECODERS,
     DEFAULT_MODELS,
     add_comparisons,
@@ -47,9 +47,9 @@ from linvision.engine.benchmark import (
     run_sweep,
     write_results,
 )
-from linvision.engine.factory import check_model_name
-from linvision.engine.cli import add_amp_arg, run_cli, tool_parser
-from linvision.engine.config import add_config_arg, parse_args, parse_kwargs
+from linvision.utils.factory import check_model_name
+from linvision.utils.cli import add_amp_arg, run_cli, tool_parser
+from linvision.utils.config import add_config_arg, parse_args, parse_kwargs
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -417,7 +417,7 @@ WIDTHS = (17, 4, 9, 5, 10, 5, 7, 7, 9, 5)
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of linvision-check-kernels (imports no Triton)."""
-    from linvision.engine.cli import tool_parser
+    from linvision.utils.cli import tool_parser
     from linvision.kernels.common import KERNEL_NAMES
 
     p = tool_parser("linvision-check-kernels", __doc__)

@@ -19,8 +19,8 @@ from linvision.diffusion.flow import SAMPLERS
 from linvision.diffusion.sampling import classify_images, decoder_for, sample_classes, save_grid
 from linvision.diffusion.checkpoint import load_dit
 from linvision.diffusion.data import load_images
-from linvision.engine import load_model
-from linvision.engine.cli import run_cli, tool_parser
+from linvision import load_model
+from linvision.utils.cli import run_cli, tool_parser
 
 
 def build_parser() -> argparse.ArgumentParser:

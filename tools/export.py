@@ -17,11 +17,11 @@ import os
 
 import torch
 
-from linvision.engine.cli import run_cli, tool_parser
-from linvision.engine.config import parse_kwargs
-from linvision.engine.export import (FORMATS, compare_with_eager, export_onnx, export_program, input_constraints,
+from linvision.utils.cli import run_cli, tool_parser
+from linvision.utils.config import parse_kwargs
+from linvision.export.program import (FORMATS, compare_with_eager, export_onnx, export_program, input_constraints,
                                      load_exported, save_program, time_runner)
-from linvision.engine.files import atomic_write_text
+from linvision.utils.files import atomic_write_text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _load_model(args):
     """(model, the size it was trained at: a checkpoint's recorded img_size, else None)."""
     if args.checkpoint:
-        from linvision.engine.checkpoint import load_model
+        from linvision.utils.checkpoint import load_model
 
         model, meta = load_model(args.checkpoint)
         size = meta.get("img_size")
@@ -67,7 +67,7 @@ def _load_model(args):
     import timm
 
     import linvision  # noqa: F401  registers the models
-    from linvision.engine.factory import check_model_name
+    from linvision.utils.factory import check_model_name
 
     check_model_name(args.model)
     kwargs = parse_kwargs(args.model_kwargs)
@@ -75,7 +75,7 @@ def _load_model(args):
         kwargs["num_classes"] = args.num_classes
     model = timm.create_model(args.model, pretrained=args.pretrained, **kwargs)
     if args.pretrained_path:
-        from linvision.engine.checkpoint import load_pretrained
+        from linvision.utils.checkpoint import load_pretrained
 
         load_pretrained(model, args.pretrained_path)
     return model.eval(), None

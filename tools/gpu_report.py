@@ -46,7 +46,7 @@ import time
 import xml.etree.ElementTree as ET
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from linvision.engine.cli import AMP_HELP, amp_flag_options, run_cli, tool_parser
+from linvision.utils.cli import AMP_HELP, amp_flag_options, run_cli, tool_parser
 
 PARTS = ("tests", "kernels", "models")
 TITLES = {"tests": "1. CUDA tests", "kernels": "2. Kernels against SDPA", "models": "3. Models at high resolution"}
@@ -63,7 +63,7 @@ DRY = {"tests_k": "autocast", "n": [512], "heads": 1, "dim": 16, "dtype": "float
 
 
 def _img_size(value: str):
-    from linvision.engine.benchmark import parse_img_size
+    from linvision.benchmark.throughput import parse_img_size
 
     try:
         return parse_img_size(value)
@@ -410,9 +410,9 @@ def kernels_part(settings: Dict[str, Any], save: Callable[..., None]) -> None:
 
 
 def models_part(settings: Dict[str, Any], save: Callable[..., None]) -> None:
-    """Part 3, in its own process: :func:`linvision.engine.benchmark.run_sweep` over the models and sizes, each
+    """Part 3, in its own process: :func:`linvision.benchmark.throughput.run_sweep` over the models and sizes, each
     point saved as it finishes; then each model against the twin, the results files and the plot in models/."""
-    from linvision.engine.benchmark import add_comparisons, comparison_table, plot_results, run_sweep, write_results
+    from linvision.benchmark.throughput import add_comparisons, comparison_table, plot_results, run_sweep, write_results
 
     out_dir = settings["out_dir"]
     points_path = os.path.join(out_dir, "results.jsonl")
@@ -586,8 +586,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     import torch
 
-    from linvision.engine.benchmark import parse_model_spec
-    from linvision.engine.factory import check_model_name
+    from linvision.benchmark.throughput import parse_model_spec
+    from linvision.utils.factory import check_model_name
 
     for name in ("tests_timeout", "kernels_timeout", "models_timeout", "point_timeout"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:

@@ -20,11 +20,11 @@ import json
 import torch
 from safetensors.torch import save_file
 
-from linvision.engine.checkpoint import load_model
-from linvision.engine.cli import run_cli, tool_parser
-from linvision.engine.config import add_config_arg, parse_args, parse_kwargs
-from linvision.engine.data import build_transform, create_dataset
-from linvision.engine.linearize import TRANSFER_PARAMS, attention_errors, attention_transfer, build_student
+from linvision.utils.checkpoint import load_model
+from linvision.utils.cli import run_cli, tool_parser
+from linvision.utils.config import add_config_arg, parse_args, parse_kwargs
+from linvision.data.datasets import build_transform, create_dataset
+from linvision.experiments.linearize import TRANSFER_PARAMS, attention_errors, attention_transfer, build_student
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,7 +5,7 @@ r"""Params / GFLOPs of every registered linvision model, and what pretrained=Tru
     linvision-model-table --json docs/models.json           # measure and store: the manual's table and cards
     linvision-model-table --from-json docs/models.json --style front   # README's table, nothing measured
 
-GFLOPs are multiply-accumulates of one forward pass of one image (see linvision.engine.flops); the column without
+GFLOPs are multiply-accumulates of one forward pass of one image (see linvision.benchmark.flops); the column without
 attention leaves out the products of two activations (batched matmuls, SDPA), as papers that count convolutions
 and projections only do. Measuring builds every model (a minute or two on a CPU); --from-json renders stored rows.
 """
@@ -19,9 +19,9 @@ import timm
 import torch
 
 import linvision
-from linvision.engine.cli import tool_parser
-from linvision.engine.files import atomic_write_text
-from linvision.engine.flops import count_gflops, count_params
+from linvision.utils.cli import tool_parser
+from linvision.utils.files import atomic_write_text
+from linvision.benchmark.flops import count_gflops, count_params
 
 DEFAULT_FILTER = ("lin*", "mlla*", "ravlt*")
 COMMAND = "linvision-model-table --json docs/models.json"

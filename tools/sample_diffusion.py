@@ -18,7 +18,7 @@ from linvision.diffusion.flow import SAMPLERS
 from linvision.diffusion.data import CaptionEmbeddings
 from linvision.diffusion.sampling import decoder_for, sample_captions, sample_classes, save_grid
 from linvision.diffusion.checkpoint import load_dit
-from linvision.engine.cli import run_cli, tool_parser
+from linvision.utils.cli import run_cli, tool_parser
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,13 +20,13 @@ enough; --resume FILE.pth.tar starts a new run from a timm train.py checkpoint (
 with the recipe given on the command line. timm's spellings work: -b, -j, a bare --amp (bf16),
 --initial-checkpoint, --dataset torch/<name>. Every flag is also a key of a --config YAML file (img_size or
 img-size); the command line wins. The run folder <output>/<experiment> receives config.yaml, metrics.jsonl,
-summary.json and the checkpoints last/ and best/ (load them with linvision.engine.load_model).
+summary.json and the checkpoints last/ and best/ (load them with linvision.load_model).
 """
 import argparse
 
-from linvision.engine.cli import run_cli, tool_parser
-from linvision.engine.config import add_config_arg, parse_args
-from linvision.engine.train import add_train_args, resume_config, train
+from linvision.utils.cli import run_cli, tool_parser
+from linvision.utils.config import add_config_arg, parse_args
+from linvision.training.train import add_train_args, resume_config, train
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,11 +25,11 @@ from dataclasses import fields
 import torch
 
 from linvision.diffusion.train import DiffusionTrainConfig, train_dit
-from linvision.engine.cli import run_cli, tool_parser
-from linvision.engine.config import add_config_arg, parse_args, parse_kwargs, save_yaml
-from linvision.engine.distributed import cleanup, init_distributed, on_main
-from linvision.engine.files import atomic_write
-from linvision.engine.run_folder import claim_run_folder
+from linvision.utils.cli import run_cli, tool_parser
+from linvision.utils.config import add_config_arg, parse_args, parse_kwargs, save_yaml
+from linvision.utils.distributed import cleanup, init_distributed, on_main
+from linvision.utils.files import atomic_write
+from linvision.utils.run_folder import claim_run_folder
 
 
 def _flag_type(annotation: typing.Any) -> type:

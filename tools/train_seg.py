@@ -18,21 +18,21 @@ More:
 
 --dataset folder reads <data-dir>/train/images/NAME.png with <data-dir>/train/masks/NAME.png, and val/ alike:
 masks are 8-bit PNGs of class indices, --ignore-index (255) for unlabelled pixels, and <data-dir>/dataset.json
-(as linvision.engine.mosaic_data writes it) names the classes, else --num-classes gives their number.
+(as linvision.data.mosaic writes it) names the classes, else --num-classes gives their number.
 Training crops are random resized crops of --img-size px, flipped, the same for the image and its mask;
 validation runs on the whole images, and mIoU over the whole validation set picks best/. A resumed run (--resume
 with its run folder, its last/ or a file in it) takes its saved config.yaml as defaults, so the folder alone is
 enough. Every flag is also a key of a --config YAML file (img_size or img-size); the command line wins. The run
 folder <output>/<experiment> receives config.yaml, metrics.jsonl (val_miou, val_pixel_acc, val_loss per
 epoch), summary.json and the checkpoints last/ and best/ (load them with
-linvision.engine.segmenter.load_segmenter). Needs segmentation_models_pytorch: pip install "linvision[seg]".
+linvision.training.segmenter.load_segmenter). Needs segmentation_models_pytorch: pip install "linvision[seg]".
 """
 import argparse
 
-from linvision.engine.cli import run_cli, tool_parser
-from linvision.engine.config import add_config_arg, parse_args
-from linvision.engine.resume import resume_config
-from linvision.engine.seg_config import add_seg_train_args
+from linvision.utils.cli import run_cli, tool_parser
+from linvision.utils.config import add_config_arg, parse_args
+from linvision.training.resume import resume_config
+from linvision.training.seg_config import add_seg_train_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main() -> int:
-    from linvision.engine.seg_task import train_segmentation
+    from linvision.training.seg_task import train_segmentation
 
     parser = build_parser()
     args = parse_args(parser)

@@ -21,9 +21,9 @@ they are, or at a size resized alike (masks by nearest neighbour) so that the sh
 import argparse
 import json
 
-from linvision.engine.cli import run_cli, tool_parser
-from linvision.engine.config import add_config_arg, parse_args
-from linvision.engine.validate import add_validate_args, validate_checkpoint
+from linvision.utils.cli import run_cli, tool_parser
+from linvision.utils.config import add_config_arg, parse_args
+from linvision.training.validate import add_validate_args, validate_checkpoint
 
 
 def build_parser() -> argparse.ArgumentParser:

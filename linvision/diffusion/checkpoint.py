@@ -1,4 +1,4 @@
-"""LinDiT checkpoints in the library's one checkpoint format (:mod:`linvision.engine.checkpoint`): a folder
+"""LinDiT checkpoints in the library's one checkpoint format (:mod:`linvision.utils.checkpoint`): a folder
 (``<run>/last``) with model.safetensors (the trained weights), ema.safetensors (their exponential moving
 average, what sampling uses by default), model.json ({"model": "lindit", "num_classes", "model_config": the
 DiTConfig fields, "data", "step", ...}) and train_state.pt, written as one unit.
@@ -19,14 +19,14 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from linvision.engine.checkpoint import (
+from linvision.utils.checkpoint import (
     load_checkpoint_weights,
     read_checkpoint_meta,
     resolve_checkpoint,
     save_checkpoint,
 )
-from linvision.engine.distributed import DistInfo, barrier, on_main
-from linvision.engine.files import begin_checkpoint_folder, commit_checkpoint_folder
+from linvision.utils.distributed import DistInfo, barrier, on_main
+from linvision.utils.files import begin_checkpoint_folder, commit_checkpoint_folder
 
 from .model import LinDiT, create_dit
 
@@ -44,7 +44,7 @@ def _description(model: LinDiT, meta: Dict[str, Any]) -> Dict[str, Any]:
 
 def save_dit_checkpoint(folder: str, model: LinDiT, ema: LinDiT, meta: Dict[str, Any],
                         train_state: Optional[Dict[str, Any]] = None) -> None:
-    """:func:`linvision.engine.checkpoint.save_checkpoint` of a LinDiT, its EMA copy and ``meta``."""
+    """:func:`linvision.utils.checkpoint.save_checkpoint` of a LinDiT, its EMA copy and ``meta``."""
     save_checkpoint(folder, model, _description(model, meta), train_state, ema=ema)
 
 
@@ -157,7 +157,7 @@ def load_dit(path: str, ema: bool = True, device: str = "cpu") -> Tuple[LinDiT, 
     meta = read_checkpoint_meta(folder)
     if meta["model"] != DIT_MODEL_NAME or "model_config" not in meta:
         raise ValueError(f"checkpoint: {folder} holds a {meta['model']!r}, not a {DIT_MODEL_NAME} (tools/train.py "
-                         f"checkpoints load with linvision.engine.load_model)")
+                         f"checkpoints load with linvision.load_model)")
     model = create_dit(meta["model_config"])
     if is_sharded_checkpoint(folder):
         key = "ema" if ema else "model"

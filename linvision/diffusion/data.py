@@ -1,6 +1,6 @@
 """Images for the diffusion trainer, as tensors in [-1, 1].
 
-The digits data is :class:`linvision.engine.data.DigitsDataset` (the same 8x8 upscaling the classification
+The digits data is :class:`linvision.data.datasets.DigitsDataset` (the same 8x8 upscaling the classification
 tool uses), kept as one grey channel; an image folder (``<root>/<class>/*``) is resized and centre-cropped,
 image by image when a batch asks for it (:class:`ImageSet`) or all at once (:func:`load_images`).
 """
@@ -17,7 +17,7 @@ __all__ = ["ImageSet", "load_images", "CaptionEmbeddings"]
 
 
 def _digits_tensors(img_size: int, split: str) -> Tuple[Tensor, Tensor]:
-    from linvision.engine.data import DigitsDataset
+    from linvision.data.datasets import DigitsDataset
 
     ds = DigitsDataset(split, size=img_size)
     grey = np.stack([np.asarray(img)[:, :, 0] for img in ds.images])  # the RGB channels are equal

@@ -24,8 +24,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from linvision.engine.distributed import DistInfo, barrier, on_main
-from linvision.engine.files import atomic_write, atomic_write_text, remove_stale_temporaries
+from linvision.utils.distributed import DistInfo, barrier, on_main
+from linvision.utils.files import atomic_write, atomic_write_text, remove_stale_temporaries
 
 __all__ = ["CACHE_FILE", "SOURCE_FILE", "build_latent_cache", "LatentCache"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from linvision.engine.distributed import DistInfo
+from linvision.utils.distributed import DistInfo
 
 from .model import LinDiT
 

@@ -7,7 +7,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from linvision.engine.files import atomic_write
+from linvision.utils.files import atomic_write
 
 from .flow import caption_condition, sample_flow
 from .model import LinDiT
@@ -91,7 +91,7 @@ def save_grid(images: Tensor, path: str, ncol: int) -> None:
 @torch.no_grad()
 def classify_images(classifier: torch.nn.Module, images: Tensor, meta: dict, batch_size: int = 256) -> Tensor:
     """Predicted classes (K,) of images (K, C, H, W) in [-1, 1] by a classifier of
-    :func:`linvision.engine.load_model`: grey images are repeated to the classifier's channels, resized
+    :func:`linvision.load_model`: grey images are repeated to the classifier's channels, resized
     (bilinear) to its ``img_size`` when they differ, and normalised with its ``mean`` / ``std``."""
     device = next(classifier.parameters()).device
     x = to_unit_range(images)

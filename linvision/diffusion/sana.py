@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from linvision.engine.files import write_checkpoint_folder
+from linvision.utils.files import write_checkpoint_folder
 
 from .model import DiTConfig, LinDiT
 
@@ -284,7 +284,7 @@ def load_diffusers_folder(path: str, exact_eps: bool = False, device: str = "cpu
 def save_diffusers_folder(model: LinDiT, path: str, max_shard_bytes: Optional[int] = None) -> None:
     """Write ``model`` as a ``SanaTransformer2DModel`` folder (config.json and the safetensors weights, in
     shards of at most ``max_shard_bytes`` with an index when given and needed), as one unit
-    (:func:`linvision.engine.files.write_checkpoint_folder`)."""
+    (:func:`linvision.utils.files.write_checkpoint_folder`)."""
     cfg = model.cfg
     config = config_to_diffusers(cfg, getattr(model, "diffusers_extra", None))
     state = {k: v.detach().cpu().contiguous() for k, v in state_dict_to_diffusers(model.state_dict(), cfg).items()}

@@ -1,7 +1,7 @@
-"""Training of :class:`LinDiT` with rectified flow: the recipe and the loop the tools call, on the engine's and
-timm's parts: ``timm.optim.create_optimizer_v2`` (AdamW; the model's ``no_weight_decay()`` keeps the modulation
+"""Training of :class:`LinDiT` with rectified flow: the recipe and the loop the tools call, on linvision.utils'
+and timm's parts: ``timm.optim.create_optimizer_v2`` (AdamW; the model's ``no_weight_decay()`` keeps the modulation
 tables undecayed), ``timm.utils.ModelEmaV3`` (decay warmed up as min(ema_decay, (k + 1) / (k + 10)) at update
-k), torch's ``LambdaLR`` (linear warm-up, cosine to 10%) and the engine's checkpoint folder
+k), torch's ``LambdaLR`` (linear warm-up, cosine to 10%) and the shared checkpoint folder
 (:mod:`linvision.diffusion.checkpoint`; the train state is read with ``weights_only=True``). Data comes from
 :mod:`linvision.diffusion.data`.
 """
@@ -18,8 +18,8 @@ from timm.optim import create_optimizer_v2
 from timm.utils import ModelEmaV3
 from torch import Tensor, nn
 
-from linvision.engine.checkpoint import load_torch_file
-from linvision.engine.distributed import (
+from linvision.utils.checkpoint import load_torch_file
+from linvision.utils.distributed import (
     DistInfo,
     all_reduce_max,
     all_reduce_sum,
@@ -27,8 +27,8 @@ from linvision.engine.distributed import (
     cleanup,
     init_distributed,
 )
-from linvision.engine.files import recover_checkpoint_folder
-from linvision.engine.interrupt import StopFlag, TrainInterrupted
+from linvision.utils.files import recover_checkpoint_folder
+from linvision.utils.interrupt import StopFlag, TrainInterrupted
 
 from .checkpoint import load_train_state, optimizer_state, save_dit_checkpoint, save_sharded_dit_checkpoint
 from .data import CaptionEmbeddings, ImageSet

@@ -34,7 +34,7 @@ must fit the mixer: ValueError in one line, naming the option and the mixer, oth
 
 There are no linvit weights of its own (``pretrained=True`` without a tag fails and says so): the ``.deit_fb_in1k``
 tags point at timm's DeiT softmax weights of the same shape, which ``checkpoint_filter_fn`` converts (:func:`convert_vit_state_dict`) into the start of
-linearization (``linvision.engine.linearize``); a local copy loads with ``pretrained_cfg_overlay=dict(file=...)``.
+linearization (``linvision.experiments.linearize``); a local copy loads with ``pretrained_cfg_overlay=dict(file=...)``.
 
 The token mixer is one argument (``token_mixer="softmax"`` for the softmax twin of a model); the model hands
 its ``rope`` to whatever mixer it builds, so the twin sees positions the same way.

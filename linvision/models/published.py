@@ -3,9 +3,9 @@
 
 :func:`unwrap_state_dict` is the one place where the weights are picked out of a loaded checkpoint and the
 wrapper prefixes (``module.``, ``_orig_mod.``) come off: linvit's and linhier's ``checkpoint_filter_fn``, the
-published families' filters, :mod:`linvision.engine.checkpoint` (``--pretrained-path``) and
-:mod:`linvision.engine.resume` (a timm train.py checkpoint's weights and EMA) all call it, with one order of keys,
-:data:`DEFAULT_WEIGHT_KEYS`. It sits here, in models/, the lowest layer among its callers (engine/ imports models/,
+published families' filters, :mod:`linvision.utils.checkpoint` (``--pretrained-path``) and
+:mod:`linvision.training.resume` (a timm train.py checkpoint's weights and EMA) all call it, with one order of keys,
+:data:`DEFAULT_WEIGHT_KEYS`. It sits here, in models/, the lowest layer among its callers (utils/ imports models/,
 never the reverse).
 
 :func:`load_published` is what a family's ``load_pretrained`` (timm's ``custom_load`` hook) and

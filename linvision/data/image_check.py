@@ -4,7 +4,7 @@ stops a run before it starts, all such files named at once, instead of ending it
 :func:`check_image_files` decodes each file (a JPEG at 1/8 scale, which still reads the whole stream, so a
 truncated file is found) on a pool of threads with a progress bar. It knows the datasets backed by files:
 torchvision's ``ImageFolder`` (``samples``) and any dataset with ``sample_files()`` and ``keep_samples()``
-(:class:`~linvision.engine.mosaic_data.SegmentationFolder`: an image and its mask per sample); others (in
+(:class:`~linvision.data.mosaic.SegmentationFolder`: an image and its mask per sample); others (in
 memory, torchvision's packed sets) have nothing to check.
 """
 from __future__ import annotations

@@ -22,7 +22,7 @@ a crash leaves the previous checkpoint or the new one, never a mix of files from
 
 Load a trained model with :func:`load_model`::
 
-    from linvision.engine import load_model
+    from linvision import load_model
     model, meta = load_model("output/digits_demo")        # the run's best checkpoint, in eval mode
     logits = model(images)                                # images normalised with meta["mean"], meta["std"]
 

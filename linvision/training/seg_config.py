@@ -1,8 +1,8 @@
 """The recipe of semantic-segmentation training as one dataclass, :class:`SegTrainConfig`: the flags of
 ``linvision-train-seg``, the keys of its YAML configs and the keyword arguments of
-:func:`linvision.engine.seg_task.train_segmentation` are its fields.
+:func:`linvision.training.seg_task.train_segmentation` are its fields.
 
-It stands beside :class:`~linvision.engine.train_config.TrainConfig` on the same base: the fields both have
+It stands beside :class:`~linvision.training.train_config.TrainConfig` on the same base: the fields both have
 (the optimizer, schedule, EMA, AMP and run options) are TrainConfig's (:func:`shared_field`: the same spellings
 and help), the others are the segmentation task's (the head, the encoder, the ignore index, the mosaics).
 :func:`add_seg_train_args` makes the flags with the builder of TrainConfig's.
@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
-from .segmenter import DECODERS  # names to smp's class names as strings: smp is not imported for the flags
+from .segmenter import DECODERS
 from .train_config import (PretrainedFlag, PretrainedPathFlag, Recipe, add_config_args, recipe_field, require,
                            shared_field)
 
@@ -109,9 +109,9 @@ class SegTrainConfig(Recipe):
         """ValueError naming the flag (and YAML key) of the first value the recipe cannot use; a missing data
         folder, a missing segmentation_models_pytorch, an unknown encoder and an encoder without weights for
         ``pretrained`` fail here, before a run folder is made or the data are read."""
-        from .config import parse_kwargs
-        from .factory import check_model_name, check_pretrained
-        from .mosaic_data import MAX_SIZE, MIN_SIZE
+        from linvision.utils.config import parse_kwargs
+        from linvision.utils.factory import check_model_name, check_pretrained
+        from linvision.data.mosaic import MAX_SIZE, MIN_SIZE
         from .segmenter import STRIDE, import_smp
 
         def need(ok: bool, key: str, what: str) -> None:

@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .amp import autocast
-from .distributed import DistInfo, all_reduce_sum
+from linvision.utils.amp import autocast
+from linvision.utils.distributed import DistInfo, all_reduce_sum
+
 from .segmenter import import_smp
 
 __all__ = ["evaluate_segmentation", "segmentation_scores"]

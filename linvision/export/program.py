@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from .files import atomic_write
+from linvision.utils.files import atomic_write
 
 __all__ = ["FORMATS", "input_constraints", "check_size", "dynamic_shapes", "export_program", "save_program",
            "export_onnx", "load_exported", "compare_with_eager", "time_runner"]

@@ -3,7 +3,7 @@
 An image of ``size`` x ``size`` px is divided into 3 to 6 regions of random, curved shape: a Voronoi partition of
 random seeds in which every point is first displaced by a smooth random field (a sum of three sinusoids per axis),
 so boundaries bend. Each region shows one class's photograph (the 10 classes of
-:mod:`linvision.engine.texture_data`, all distinct within an image), and the mask holds that class's index at
+:mod:`linvision.data.texture`, all distinct within an image), and the mask holds that class's index at
 every pixel of the region.
 
 What a region shows: a window of ``WINDOW`` (128) x 128 source pixels of its photograph, at a position drawn
@@ -43,8 +43,9 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from .files import atomic_write_text
-from .texture_data import CLASSES, photo_parts, photograph
+from linvision.utils.files import atomic_write_text
+
+from .texture import CLASSES, photo_parts, photograph
 
 __all__ = ["Mosaic", "make_mosaic", "render_window", "MosaicSegmentation", "SegmentationFolder",
            "write_mosaic_folders", "to_tensors", "CLASSES", "IGNORE_INDEX", "WINDOW", "MIN_SIZE", "MAX_SIZE", "MEAN", "STD"]
@@ -220,7 +221,7 @@ def write_mosaic_folders(root: str, size: int = 256, train: int = LENGTH["train"
             m.image.save(os.path.join(images, f"{i:05d}.png"))
             Image.fromarray(m.mask).save(os.path.join(masks, f"{i:05d}.png"))
     meta = dict(classes=list(CLASSES), ignore_index=IGNORE_INDEX, size=size, seed=seed, splits=counts,
-                source="linvision.engine.mosaic_data")
+                source="linvision.data.mosaic")
     atomic_write_text(os.path.join(root, "dataset.json"), json.dumps(meta, indent=1) + "\n")
     return root
 

@@ -4,7 +4,7 @@ name, and rebuilt from a checkpoint folder of ``linvision-train-seg``.
 smp is an optional dependency (``pip install "linvision[seg]"``); it is imported here only, when a segmenter is
 built, and its absence is one :class:`MissingExtraError` naming that command.
 
-A checkpoint of a segmenter is the engine's folder (:mod:`linvision.engine.checkpoint`)::
+A checkpoint of a segmenter is the engine's folder (:mod:`linvision.utils.checkpoint`)::
 
     model.safetensors   the segmenter's weights (encoder and head)
     model.json          {"task": "segmentation", "encoder", "decoder", "num_classes", "classes", "in_chans",
@@ -12,7 +12,7 @@ A checkpoint of a segmenter is the engine's folder (:mod:`linvision.engine.check
 
 Load it with :func:`load_segmenter`::
 
-    from linvision.engine.segmenter import load_segmenter
+    from .segmenter import load_segmenter
     model, meta = load_segmenter("output/seg_mosaics")     # the run's best checkpoint, in eval mode
     classes = model(images).argmax(1)                      # images normalised with meta["mean"], meta["std"]
 """
@@ -99,11 +99,11 @@ def load_segmenter(path: str, device: str = "cpu") -> Tuple[nn.Module, Dict[str,
     Raises FileNotFoundError when there is no checkpoint, ValueError when model.json describes no segmenter or the
     weights do not fit it.
     """
-    from .checkpoint import load_checkpoint_weights, read_checkpoint_meta, resolve_checkpoint
+    from linvision.utils.checkpoint import load_checkpoint_weights, read_checkpoint_meta, resolve_checkpoint
 
     folder = resolve_checkpoint(path)
     meta = read_checkpoint_meta(folder, _META_KEYS, "it describes no segmenter (a classifier's checkpoint loads "
-                                                    "with linvision.engine.load_model)")
+                                                    "with linvision.load_model)")
     model = build_segmenter(meta["decoder"], meta["encoder"], meta["num_classes"], meta.get("model_kwargs"),
                             meta.get("decoder_kwargs"), in_chans=meta.get("in_chans", 3))
     # checkpoints written before the features-only encoder dropped its unused final layer still hold it

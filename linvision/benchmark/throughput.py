@@ -17,7 +17,7 @@ and the label ``"HxW"`` otherwise, and ``height``, ``width`` and ``pixels`` hold
 
 With ``decoder`` a point measures the backbone as the encoder of a segmentation head of
 segmentation_models_pytorch (smp, the ``seg`` extra), built as ``linvision-train-seg`` builds it
-(:func:`linvision.engine.segmenter.build_segmenter`): ``smp.UPerNet("tu-<name>", encoder_weights=None,
+(:func:`linvision.training.segmenter.build_segmenter`): ``smp.UPerNet("tu-<name>", encoder_weights=None,
 classes=N, **options)``, the backbone's options passed through smp to timm; its training step is the
 cross-entropy of the per-pixel logits against random labels of the output's size.
 
@@ -47,11 +47,11 @@ import torch
 from torch import nn
 
 from linvision.ops import record_backends
+from linvision.training.segmenter import DECODERS, build_segmenter, check_decoder
+from linvision.utils.amp import autocast
+from linvision.utils.factory import create_model
 
-from .amp import autocast
-from .factory import create_model
 from .flops import count_gflops, count_params
-from .segmenter import DECODERS, build_segmenter, check_decoder  # the heads of --decoder (smp imported on use)
 
 __all__ = ["BenchmarkPoint", "benchmark_point", "run_sweep", "write_results", "plot_results", "DEFAULT_MODELS",
            "MemoryMeter", "parse_model_spec", "gemm_gflop_s", "add_comparisons", "comparison_table",
@@ -222,7 +222,7 @@ def benchmark_point(name: str, img_size: Size, batch_size: int = 8, device: str 
     "bidirectional_delta_rule_attention: fla"). Figures
     not reached before a failure are NaN. ``build_fn(name, size, kwargs)`` gets the side of a square or (H, W);
     by default timm's model, or with ``decoder`` (one of :data:`DECODERS`) the segmenter of
-    :func:`~linvision.engine.segmenter.build_segmenter` (whatever the size: its heads take any), whose
+    :func:`~linvision.training.segmenter.build_segmenter` (whatever the size: its heads take any), whose
     training loss is per-pixel cross-entropy against random labels in [0, classes). ``report`` is called with
     the point once its inference figures are in.
     """
@@ -361,7 +361,7 @@ def parse_model_spec(spec: str) -> Tuple[str, Dict[str, Any]]:
     """``"name"`` or ``"name:key=value,key=value"`` (options of this model only, values without commas, e.g.
     ``linvit_tiny_patch16_rope_224:token_mixer=softmax,patch_size=8``) -> (name, kwargs); values parsed as
     YAML scalars. ValueError in one line for a malformed option."""
-    from .config import parse_kwargs
+    from linvision.utils.config import parse_kwargs
 
     name, _, options = spec.partition(":")
     if not options:

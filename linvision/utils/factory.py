@@ -68,7 +68,7 @@ def create_model(name: str, num_classes: Optional[int] = None, in_chans: int = 3
 
     ``img_size`` is passed to models that take it (ViTs: the position-embedding grid; an ``img_size`` in
     ``model_kwargs`` wins), and ignored by models that run at any size without it (convolutional networks).
-    Local weights are loaded afterwards with :func:`linvision.engine.checkpoint.load_pretrained`. Raises
+    Local weights are loaded afterwards with :func:`linvision.utils.checkpoint.load_pretrained`. Raises
     ValueError for an unknown ``name`` (with close names), TypeError for a keyword the model does not take.
     """
     import timm

@@ -3,7 +3,7 @@
 One macro-architecture (the hierarchical ``linhier`` family, or the isotropic ``linvit``, at a size given by
 ``model_kwargs``), one training recipe; only the token mixer changes (``mixers``: registry names, the same
 mixer in every stage, or for linhier per-stage comma strings such as ``none,none,linear,softmax``). For each mixer and each seed in ``seeds``
-(default: ``seed`` alone) the tool trains a classifier with :func:`linvision.engine.train.train` and evaluates
+(default: ``seed`` alone) the tool trains a classifier with :func:`linvision.training.train.train` and evaluates
 it at the training resolution and at other ones without fine-tuning; top-1 is reported as the mean over seeds
 with the sample standard deviation and the per-seed values. Throughput and memory are measured once per mixer
 at several resolutions, plus parameters and FLOPs. A mixer that cannot run at a size gets that failure in the
@@ -11,8 +11,8 @@ table, not a crash.
 
 ``task: segment`` asks the same of semantic segmentation: the encoder ``model`` (with each mixer) in the smp
 head ``decoder`` is trained on the offline texture mosaics (``dataset: mosaic``) by
-:func:`linvision.engine.seg_task.train_segmentation` with the segmentation recipe
-(:class:`~linvision.engine.seg_config.SegTrainConfig`: the training flags plus ``decoder``,
+:func:`linvision.training.seg_task.train_segmentation` with the segmentation recipe
+(:class:`~linvision.training.seg_config.SegTrainConfig`: the training flags plus ``decoder``,
 ``decoder_kwargs``, ``mosaic_size``, ``mosaic_train``, ``mosaic_val``, ``ignore_index``); the run's ``best/``
 is evaluated (mIoU and pixel accuracy over the whole validation set) on the validation mosaics rendered at each
 evaluation size, the same layouts at a finer resolution, and the segmenter is benchmarked (training step:
@@ -35,14 +35,15 @@ import time
 from dataclasses import MISSING, fields
 from typing import Any, Dict
 
-from .benchmark import _empty_point, benchmark_point, dodge, plot_results, runs_phrase, series_styles
-from .factory import create_model
-from .config import parse_kwargs
-from .flops import count_gflops, count_params
-from .run_folder import claim_run_folder
-from .seg_config import SegTrainConfig
-from .train import TrainConfig, add_train_args, train
-from .validate import validate_checkpoint
+from linvision.benchmark.flops import count_gflops, count_params
+from linvision.benchmark.throughput import (_empty_point, benchmark_point, dodge, plot_results, runs_phrase,
+                                            series_styles)
+from linvision.training.seg_config import SegTrainConfig
+from linvision.training.train import TrainConfig, add_train_args, train
+from linvision.training.validate import validate_checkpoint
+from linvision.utils.config import parse_kwargs
+from linvision.utils.factory import create_model
+from linvision.utils.run_folder import claim_run_folder
 
 __all__ = ["add_ablate_args", "run_ablation", "markdown_table"]
 
@@ -149,10 +150,10 @@ def _run_ablation(args: argparse.Namespace, run_dir: str, log) -> Dict[str, Any]
               "dataset": args.dataset, "eval_sizes": eval_sizes, "bench_sizes": bench_sizes,
               "bench_batch_size": args.bench_batch_size, "device": str(_device(args)), "rows": rows}
     if segment:
-        from .mosaic_data import MAX_SIZE, MIN_SIZE
-        from .seg_task import train_segmentation
-        from .seg_validate import validate_segmenter
-        from .segmenter import build_segmenter
+        from linvision.data.mosaic import MAX_SIZE, MIN_SIZE
+        from linvision.training.seg_task import train_segmentation
+        from linvision.training.seg_validate import validate_segmenter
+        from linvision.training.segmenter import build_segmenter
 
         bad = [s for s in eval_sizes if not MIN_SIZE <= s <= MAX_SIZE]
         if bad:

@@ -13,10 +13,9 @@ import torch.distributed as dist
 from timm.utils import unwrap_model
 
 from linvision.models.published import unwrap_state_dict
-
-from .checkpoint import load_torch_file
-from .distributed import DistInfo
-from .files import atomic_write_text
+from linvision.utils.checkpoint import load_torch_file
+from linvision.utils.distributed import DistInfo
+from linvision.utils.files import atomic_write_text
 
 __all__ = ["resume_config", "is_external_checkpoint", "resume_folder", "read_timm_checkpoint",
            "load_timm_checkpoint", "rng_state", "set_rng_state", "gather_rng", "truncate_metrics"]

@@ -9,7 +9,7 @@ RoPE or convolutions run at any size as they are, a learned absolute position em
 size's grid; a model that cannot run at a size gets an ``error`` entry for it and the other sizes are still
 evaluated.
 
-Given a checkpoint alone, it is evaluated on the data its run was trained and validated on (:func:`~linvision.engine.run_data.run_data`):
+Given a checkpoint alone, it is evaluated on the data its run was trained and validated on (:func:`~linvision.data.run_data.run_data`):
 the dataset and data folder recorded in the config.yaml of the run folder it belongs to, else in its model.json.
 """
 from __future__ import annotations
@@ -18,15 +18,17 @@ import argparse
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .checkpoint import checkpoint_task, load_model, read_checkpoint_meta, recorded_data_config, resolve_checkpoint
-from .cli import add_amp_arg
-from .data import (INTERPOLATIONS, ShardedSampler, build_transform, check_transform_options, create_dataset,
-                   create_loader, resolve_data_config)
-from .distributed import barrier, cleanup, init_distributed
+from linvision.data.datasets import (INTERPOLATIONS, ShardedSampler, build_transform, check_transform_options,
+                                     create_dataset, create_loader, resolve_data_config)
+from linvision.data.naflex import check_naflex_model, naflex_eval_parts
+from linvision.data.run_data import run_data
+from linvision.utils.checkpoint import (checkpoint_task, load_model, read_checkpoint_meta, recorded_data_config,
+                                        resolve_checkpoint)
+from linvision.utils.cli import add_amp_arg
+from linvision.utils.distributed import barrier, cleanup, init_distributed
+from linvision.utils.factory import check_pretrained, create_model
+
 from .evaluate import evaluate
-from .factory import check_pretrained, create_model
-from .naflex_loader import check_naflex_model, naflex_eval_parts
-from .run_data import run_data
 
 __all__ = ["add_validate_args", "validate_checkpoint", "eval_data_config"]
 
@@ -100,7 +102,7 @@ def _pretrained_meta(name: str) -> Dict[str, Any]:
 def eval_data_config(meta: Optional[Dict[str, Any]], size: int, model=None, interpolation: Optional[str] = None,
                      crop_pct: Optional[float] = None) -> Dict[str, Any]:
     """The settings of the validation transform at ``size``
-    (:func:`~linvision.engine.data.resolve_data_config`): ``interpolation`` and ``crop_pct`` where given, else
+    (:func:`~linvision.data.datasets.resolve_data_config`): ``interpolation`` and ``crop_pct`` where given, else
     those a checkpoint's model.json (``meta``) records, or with ``meta`` None, those of ``model``'s pretrained
     cfg (a model's trained weights)."""
     recorded = recorded_data_config(meta) if meta is not None else None
@@ -147,7 +149,7 @@ def validate_checkpoint(checkpoint: Optional[str], dataset: Optional[str] = None
 
     Returns {"checkpoint", "model", "results": [{"img_size", "top1", "top5", "loss", "count"} or
     {"img_size", "error"}, each with the "interpolation" and "crop_pct" it ran with]}; a segmenter's checkpoint
-    (``linvision-train-seg``) is scored by :func:`~linvision.engine.seg_validate.validate_segmenter` instead
+    (``linvision-train-seg``) is scored by :func:`~linvision.training.seg_validate.validate_segmenter` instead
     (mIoU and pixel accuracy). Raises FileNotFoundError for a missing checkpoint or data folder, ValueError for a
     model without trained weights or a bad ``interpolation`` or ``crop_pct``. Runs under torchrun too (each rank
     evaluates a shard; the figures are reduced).

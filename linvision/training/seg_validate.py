@@ -19,12 +19,13 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from .data import ShardedSampler, create_loader
-from .distributed import cleanup, init_distributed
-from .seg_data import MOSAIC_SEED, JointTransform, PadCollate, SegmentationSamples, pil_pair
+from linvision.data.datasets import ShardedSampler, create_loader
+from linvision.data.run_data import run_data
+from linvision.data.segmentation import MOSAIC_SEED, JointTransform, PadCollate, SegmentationSamples, pil_pair
+from linvision.utils.distributed import cleanup, init_distributed
+
 from .seg_metrics import evaluate_segmentation
 from .segmenter import STRIDE, load_segmenter
-from .run_data import run_data
 
 __all__ = ["validate_segmenter", "DEFAULT_MOSAIC_VAL"]
 
@@ -35,7 +36,7 @@ def _validation_set(dataset: str, data_dir: Optional[str], size: Optional[int], 
                     mosaic_val: Optional[int]):
     """The raw validation set of ``dataset`` at ``size`` (mosaics rendered at it; a folder's images as they are,
     the resizing left to the transform) and the resize the transform applies."""
-    from .mosaic_data import MosaicSegmentation, SegmentationFolder
+    from linvision.data.mosaic import MosaicSegmentation, SegmentationFolder
 
     if dataset == "mosaic":
         count = mosaic_val or meta.get("mosaic_val") or DEFAULT_MOSAIC_VAL
@@ -60,7 +61,7 @@ def validate_segmenter(checkpoint: str, dataset: Optional[str] = None, data_dir:
     """Score the segmenter of ``checkpoint`` (a checkpoint folder of ``linvision-train-seg``, or its run folder:
     best/, else last/) at each of ``img_sizes``.
 
-    ``dataset`` and ``data_dir`` default to those its run recorded (:func:`~linvision.engine.run_data.run_data`:
+    ``dataset`` and ``data_dir`` default to those its run recorded (:func:`~linvision.data.run_data.run_data`:
     the run folder's config.yaml, else model.json), a one-line note on stderr saying which data it scores on;
     ``img_sizes`` default to the mosaics' training size, or a folder's images as they are (``None`` in the list
     means that too). ``mosaic_val``: how many validation mosaics (default: as many as the run scored on).

@@ -1,5 +1,5 @@
 """Semantic segmentation as a task of the engine's trainer (``linvision-train-seg``): :class:`SegmentationTask`
-gives :func:`linvision.engine.train.train` the image/mask data with joint transforms (:mod:`.seg_data`), an smp
+gives :func:`linvision.training.train.train` the image/mask data with joint transforms (:mod:`.seg_data`), an smp
 segmenter on a timm encoder (:mod:`.segmenter`), cross-entropy that skips the ignore index, and mIoU and pixel
 accuracy over the whole validation set (:mod:`.seg_metrics`), mIoU picking ``best/``. The run folder, its records
 and checkpoints, exact resumption, signals, AMP, DDP, the EMA and the progress bars are the trainer's.
@@ -12,10 +12,11 @@ from typing import Any, Dict, Union
 import torch
 from torch import nn
 
-from .config import parse_kwargs
-from .distributed import DistInfo
+from linvision.data.segmentation import JointTransform, PadCollate, SegmentationSamples, segmentation_sets
+from linvision.utils.config import parse_kwargs
+from linvision.utils.distributed import DistInfo
+
 from .seg_config import SegTrainConfig
-from .seg_data import JointTransform, PadCollate, SegmentationSamples, segmentation_sets
 from .seg_metrics import evaluate_segmentation
 from .segmenter import STRIDE, build_segmenter, encoder_pretrained_cfg
 from .train import Task, TaskParts, check_data_files, rank0_first, train
@@ -25,7 +26,7 @@ __all__ = ["SegmentationTask", "train_segmentation"]
 
 def train_segmentation(cfg: Union[SegTrainConfig, argparse.Namespace]) -> Dict[str, Any]:
     """Train a segmenter as ``cfg`` (a :class:`SegTrainConfig`, or the flags of ``linvision-train-seg``) says;
-    returns the summary it also writes into the run folder (see :func:`linvision.engine.train.train`)."""
+    returns the summary it also writes into the run folder (see :func:`linvision.training.train.train`)."""
     cfg = SegTrainConfig.from_namespace(cfg)
     return train(cfg, SegmentationTask(cfg))
 

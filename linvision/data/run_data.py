@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, Optional, Tuple
 
-from .checkpoint import resolve_checkpoint
-from .config import load_yaml
+from linvision.utils.checkpoint import resolve_checkpoint
+from linvision.utils.config import load_yaml
 
 __all__ = ["run_data"]
 

@@ -1,11 +1,11 @@
 """The trainer behind ``linvision-train`` and ``linvision-train-seg``: :func:`train` runs a recipe (a
-:class:`~linvision.engine.train_config.TrainConfig`, or another task's, such as
-:class:`~linvision.engine.seg_config.SegTrainConfig`) in named steps (set up, restore, a step, an epoch, its end,
+:class:`~linvision.training.train_config.TrainConfig`, or another task's, such as
+:class:`~linvision.training.seg_config.SegTrainConfig`) in named steps (set up, restore, a step, an epoch, its end,
 finish) over a :class:`_Run` that holds the run's parts and position.
 
 What differs between tasks is a :class:`Task` given with the recipe: the data with its transforms and the model
 (:meth:`Task.build`), the loss, the evaluation and the figure that picks ``best/``.
-:class:`ClassificationTask` is image classification; ``linvision.engine.seg_task.SegmentationTask`` is semantic
+:class:`ClassificationTask` is image classification; ``linvision.training.seg_task.SegmentationTask`` is semantic
 segmentation. Everything else is shared: the run folder and its records, the checkpoints, exact resumption,
 saving on a signal, AMP, DistributedDataParallel, the EMA of the weights, progress bars and ``stop_after_steps``.
 
@@ -36,22 +36,23 @@ import torch.distributed as dist
 from timm.utils import random_seed, unwrap_model
 from torch import nn
 
-from .amp import autocast
-from .checkpoint import (load_pretrained, load_torch_file, read_checkpoint_meta, recorded_data_config,
-                         save_checkpoint)
-from .config import parse_kwargs, save_yaml
-from .data import ShardedSampler, build_transform, create_dataset, create_loader, resolve_data_config
+from linvision.data.datasets import ShardedSampler, build_transform, create_dataset, create_loader, resolve_data_config
+from linvision.data.image_check import check_image_files, find_unreadable
+from linvision.data.naflex import NaFlexBatches, check_naflex_model, naflex_eval_parts, naflex_train_batches
+from linvision.utils.amp import autocast
+from linvision.utils.checkpoint import (load_pretrained, load_torch_file, read_checkpoint_meta, recorded_data_config,
+                                        save_checkpoint)
+from linvision.utils.config import parse_kwargs, save_yaml
+from linvision.utils.distributed import DistInfo, all_reduce_max, all_reduce_sum, barrier, cleanup, init_distributed
+from linvision.utils.factory import check_img_size, create_model
+from linvision.utils.files import atomic_write, atomic_write_text
+from linvision.utils.interrupt import StopFlag, TrainInterrupted
+from linvision.utils.run_folder import claim_run_folder
+
 from .distill import distillation_loss, load_teacher
-from .distributed import DistInfo, all_reduce_max, all_reduce_sum, barrier, cleanup, init_distributed
 from .evaluate import evaluate, to_device
-from .factory import check_img_size, create_model
-from .files import atomic_write, atomic_write_text
-from .image_check import check_image_files, find_unreadable
-from .interrupt import StopFlag, TrainInterrupted
-from .naflex_loader import NaFlexBatches, check_naflex_model, naflex_eval_parts, naflex_train_batches
-from .resume import (gather_rng, is_external_checkpoint, load_timm_checkpoint, read_timm_checkpoint,
-                     resume_config, resume_folder, set_rng_state, truncate_metrics)
-from .run_folder import claim_run_folder
+from .resume import (gather_rng, is_external_checkpoint, load_timm_checkpoint, read_timm_checkpoint, resume_config,
+                     resume_folder, set_rng_state, truncate_metrics)
 from .train_config import Recipe, TrainConfig, add_train_args
 
 __all__ = ["TrainConfig", "add_train_args", "train", "resume_config", "TrainInterrupted", "Task", "TaskParts",
@@ -108,7 +109,7 @@ def _report_pretrained(model: nn.Module, num_classes: int) -> None:
 
 def check_data_files(cfg: Recipe, info: DistInfo, datasets: Dict[str, Any]) -> None:
     """Read every image file of ``datasets`` ({split name: dataset}) before the first step, unless
-    ``cfg.check_images`` is off (:func:`~linvision.engine.image_check.check_image_files`): one error naming every
+    ``cfg.check_images`` is off (:func:`~linvision.data.image_check.check_image_files`): one error naming every
     unreadable file, or with ``cfg.skip_bad_images`` the samples without them. Rank 0 reads; the other ranks
     take its findings, so every rank keeps the same samples."""
     if not cfg.check_images:
@@ -203,7 +204,7 @@ class Task:
 
 def train_data_config(cfg: TrainConfig, model: nn.Module,
                       recorded: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """The settings of a classification run's transforms (:func:`~linvision.engine.data.resolve_data_config`):
+    """The settings of a classification run's transforms (:func:`~linvision.data.datasets.resolve_data_config`):
     the recipe's ``img_size``, and its ``interpolation``, ``crop_pct``, ``mean`` and ``std`` where given, else
     those of ``recorded`` (a resumed run's: :func:`resumed_data_config`) when given, else those of ``model``'s
     pretrained cfg."""
@@ -213,7 +214,7 @@ def train_data_config(cfg: TrainConfig, model: nn.Module,
 
 def resumed_data_config(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
     """The transform settings that the run ``cfg.resume`` continues recorded in its ``last/model.json``
-    (:func:`~linvision.engine.checkpoint.recorded_data_config`), so that resuming does not change how images are
+    (:func:`~linvision.utils.checkpoint.recorded_data_config`), so that resuming does not change how images are
     transformed mid-run: a run started before the transform's interpolation was configurable (its config.yaml
     has no ``interpolation``, its model.json none either) goes on with bilinear and the crop_pct it recorded, not
     with the model's pretrained cfg. None when ``cfg`` starts a run, or starts from a timm checkpoint file, or
@@ -335,7 +336,7 @@ def _append_jsonl(path: str, record: Dict[str, Any]) -> None:
 def train(cfg: Union[Recipe, argparse.Namespace], task: Optional[Task] = None) -> Dict[str, Any]:
     """Run training as ``cfg`` says for ``task``: by default image classification (:class:`ClassificationTask`)
     with a :class:`TrainConfig` or the flags of :func:`add_train_args`; another task comes with its own recipe
-    (:func:`linvision.engine.seg_task.train_segmentation`: a ``SegmentationTask`` and a ``SegTrainConfig``).
+    (:func:`linvision.training.seg_task.train_segmentation`: a ``SegmentationTask`` and a ``SegTrainConfig``).
     Returns the summary it also writes.
 
     Writes into the run folder: config.yaml, metrics.jsonl (step and epoch records), summary.json, and the

@@ -2,8 +2,8 @@
 of every mask against the classes, and the padding that batches validation images of several sizes.
 
 - Sets: ``"folder"`` reads ``data_dir/train|val/images|masks/*.png`` with
-  :class:`~linvision.engine.mosaic_data.SegmentationFolder` (masks: 8-bit class indices, the ignore index for
-  unlabelled pixels); ``"mosaic"`` is :class:`~linvision.engine.mosaic_data.MosaicSegmentation`, the offline
+  :class:`~linvision.data.mosaic.SegmentationFolder` (masks: 8-bit class indices, the ignore index for
+  unlabelled pixels); ``"mosaic"`` is :class:`~linvision.data.mosaic.MosaicSegmentation`, the offline
   texture mosaics (seed 0), with nothing on disk.
 - Training samples (:class:`JointTransform` with a crop size): torchvision's ``RandomResizedCrop`` and
   ``RandomHorizontalFlip`` (``transforms.v2``) drawn once and applied to the image and its mask alike, the mask
@@ -42,7 +42,7 @@ def segmentation_sets(dataset: str, data_dir: Optional[str], mosaic_size: int = 
     Raises ValueError for another dataset or a folder set without ``data_dir``, FileNotFoundError for a missing
     folder, split or mask.
     """
-    from .mosaic_data import MosaicSegmentation, SegmentationFolder
+    from .mosaic import MosaicSegmentation, SegmentationFolder
 
     if dataset == "mosaic":
         train = MosaicSegmentation("train", mosaic_size, mosaic_train, seed=MOSAIC_SEED, transform=pil_pair)

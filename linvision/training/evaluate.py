@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .amp import autocast
-from .distributed import DistInfo, all_reduce_sum
+from linvision.utils.amp import autocast
+from linvision.utils.distributed import DistInfo, all_reduce_sum
 
 __all__ = ["evaluate", "to_device"]
 

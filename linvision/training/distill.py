@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .checkpoint import load_model
+from linvision.utils.checkpoint import load_model
 
 __all__ = ["distillation_loss", "load_teacher"]
 

@@ -1,10 +1,10 @@
 """The recipe of classification training as one dataclass, :class:`TrainConfig`: the training flags of the tools,
-the keys of their YAML configs and the keyword arguments of :func:`linvision.engine.train.train` are its fields.
+the keys of their YAML configs and the keyword arguments of :func:`linvision.training.train.train` are its fields.
 
 A field's metadata holds its command-line spelling (timm's: ``-b``, ``-j``, ``--initial-checkpoint``), help and
 group; :func:`add_config_args` makes the flags of any such dataclass from them (:func:`add_train_args`: those of
 :class:`TrainConfig`), so a new option is one field. Another task's recipe
-(:class:`~linvision.engine.seg_config.SegTrainConfig`) is a dataclass beside this one, on the same base
+(:class:`~linvision.training.seg_config.SegTrainConfig`) is a dataclass beside this one, on the same base
 (:class:`Recipe`), taking the fields both share from here with :func:`shared_field`.
 
 The two sources of weights are one choice: ``--pretrained`` (``--no-pretrained``) and ``--pretrained-path FILE``.
@@ -19,8 +19,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional
 
-from .cli import AMP_HELP, amp_flag_options
-from .data import INTERPOLATIONS
+from linvision.data.datasets import INTERPOLATIONS
+from linvision.utils.cli import AMP_HELP, amp_flag_options
 
 __all__ = ["TrainConfig", "Recipe", "add_train_args", "add_config_args", "recipe_field", "shared_field", "require",
            "RUN_ONLY_KEYS", "PretrainedFlag", "PretrainedPathFlag"]
@@ -229,8 +229,8 @@ class TrainConfig(Recipe):
     def check(self) -> None:
         """ValueError naming the flag (and YAML key) of the first value the recipe cannot use; a model without
         weights for ``pretrained`` fails here, before a run folder or the data are touched."""
-        from .config import parse_kwargs
-        from .factory import check_pretrained
+        from linvision.utils.config import parse_kwargs
+        from linvision.utils.factory import check_pretrained
 
         def need(ok: bool, key: str, what: str) -> None:
             require(self, ok, key, what)

@@ -9,7 +9,7 @@ Four sources, chosen by ``dataset``:
 - ``"digits"``: scikit-learn's 8x8 handwritten digits (1797 images, 10 classes, shipped with scikit-learn),
   upscaled to RGB images, split 80/20 with a fixed seed. It needs no file and no network.
 - ``"photos"``: 10 classes of crops of the photographs shipped with scikit-image and scikit-learn, training and
-  validation crops from disjoint parts of each photograph (:mod:`linvision.engine.texture_data`); offline.
+  validation crops from disjoint parts of each photograph (:mod:`linvision.data.texture`); offline.
   ``"photos_aspect"``: the same at aspect ratios from 1:3 to 3:1, each image at its own aspect (for NaFlex).
 
 Unreadable images raise :class:`BadImageError` naming the file; 16-bit greyscale images are scaled to 8 bits
@@ -89,7 +89,7 @@ def create_dataset(dataset: str, data_dir: Optional[str], split: str, transform:
     if dataset == "digits":
         return DigitsDataset(split, size=digits_size, transform=transform)
     if dataset in ("photos", "photos_aspect"):  # crops of photographs shipped with scikit-image, scikit-learn
-        from .texture_data import PhotoAspectCropsDataset, PhotoCropsDataset
+        from .texture import PhotoAspectCropsDataset, PhotoCropsDataset
 
         cls = PhotoCropsDataset if dataset == "photos" else PhotoAspectCropsDataset
         return cls(split, size=digits_size, transform=transform)
@@ -247,7 +247,7 @@ def _seed_worker(worker_id: int) -> None:
     # numpy and random in workers follow torch's per-worker seed, so augmentations are reproducible
     import random
 
-    from .interrupt import prepare_worker_signals
+    from linvision.utils.interrupt import prepare_worker_signals
 
     prepare_worker_signals()  # a signal to the run's process group is the main process's (it saves first)
     seed = torch.initial_seed() % 2**32
@@ -256,10 +256,10 @@ def _seed_worker(worker_id: int) -> None:
 
 
 class _Loader(DataLoader):
-    """A DataLoader that forks its workers with SIGINT/SIGTERM held back (see linvision.engine.interrupt)."""
+    """A DataLoader that forks its workers with SIGINT/SIGTERM held back (see linvision.utils.interrupt)."""
 
     def _get_iterator(self):
-        from .interrupt import blocked_stop_signals
+        from linvision.utils.interrupt import blocked_stop_signals
 
         with blocked_stop_signals():
             return super()._get_iterator()

@@ -592,6 +592,17 @@ def test_entry_point_defaults_give_way_and_options_never_vanish():
     assert rala.feature_map == "relu" and rala.rope_type == "axial" and rala.lepe is not None
     default = timm.create_model("ravlt_tiny", depths=(1, 1, 1, 1)).stages[0].blocks[0].mixer
     assert default.feature_map != "relu" and default.rope_type == "axial"
+    # the blocks' options are named arguments like any other (RAVLT's CPE before the mixer only, its MLP with a
+    # depthwise conv), overridable the same way; the family's mixer defaults are its class's, not an argument
+    from linvision.layers import DwConvMlp
+    from linvision.models.ravlt import Ravlt
+
+    block = ravlt.stages[0].blocks[0]
+    assert block.cpe == "first" and isinstance(block.mlp, DwConvMlp) and Ravlt.mixer_defaults["lepe"] is True
+    assert timm.create_model("ravlt_tiny", depths=(1, 1, 1, 1), cpe=False).stages[0].blocks[0].cpe is False
+    for old in ("block_kwargs", "mixer_defaults"):
+        with pytest.raises(TypeError, match=old):
+            timm.create_model("linhier_gcnn_femto_224", **{old: {}})
 
     with pytest.raises(ValueError, match=r"^mixer_kwargs: 'feture_map' is not an option of the bidir_delta mixer"):
         timm.create_model("linhier_delta_femto_224", mixer_kwargs=dict(feture_map="relu"))

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import ClassifierHead, ClNormMlpClassifierHead, LayerNorm
+from timm.layers import ClassifierHead, ClNormMlpClassifierHead, LayerNorm, Mlp
 from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
@@ -37,11 +37,6 @@ from linvision.layers.registry import MixerSpec
 from .published import require_weights, unwrap_state_dict
 
 __all__ = ["LinHier"]
-
-# The family's default mixer options: every stage whose mixer takes one receives it (the gate of the MLLA block);
-# mixers without it (the Gated CNN) do not. ``mixer_kwargs`` overrides them.
-_DEFAULT_MIXER_KWARGS = dict(gate=True)
-
 
 def _to_nchw(x: Tensor) -> Tensor:
     return x.permute(0, 3, 1, 2)
@@ -81,19 +76,20 @@ class Downsample(nn.Module):
 
 
 class HierStage(nn.Module):
-    """Optional downsample (``downsample``: a module or None), then ``depth`` blocks with one token mixer
-    (``block_kwargs``: further :class:`MixerBlock` options)."""
+    """Optional downsample (``downsample``: a module or None), then ``depth`` :class:`MixerBlock` s with one token
+    mixer (``cpe``, ``layer_scale_init`` and ``mlp_layer``: the blocks' options of those names)."""
 
     def __init__(
         self, dim: int, depth: int, num_heads: int, token_mixer: MixerSpec, mixer_kwargs: Optional[Dict],
         downsample: Optional[nn.Module], mlp_ratio: float, drop_path: Sequence[float], norm_layer: Type[nn.Module],
-        act_layer: Type[nn.Module], block_kwargs: Dict[str, Any],
+        act_layer: Type[nn.Module], cpe: Union[bool, str] = True, layer_scale_init: Optional[float] = None,
+        mlp_layer: Type[nn.Module] = Mlp,
     ):
         super().__init__()
         self.downsample = downsample if downsample is not None else nn.Identity()
         self.blocks = nn.Sequential(*[
             MixerBlock(dim, num_heads, token_mixer, mixer_kwargs, mlp_ratio, drop_path[i], norm_layer=norm_layer,
-                       act_layer=act_layer, **block_kwargs)
+                       act_layer=act_layer, cpe=cpe, layer_scale_init=layer_scale_init, mlp_layer=mlp_layer)
             for i in range(depth)
         ])
         self.grad_checkpointing = False
@@ -118,23 +114,28 @@ class LinHier(nn.Module):
         dims: channels per stage (4 values).
         num_heads: heads per stage (4 values).
         token_mixers: one mixer (a registered name or a mixer class), 4 comma-separated names, or a sequence of 4.
-        mixer_kwargs: the caller's options for the mixers; each stage's mixer receives those it has, and each must
-            be an option of at least one stage's mixer (ValueError naming it otherwise).
-        mixer_defaults: the family's options (default: gate=True), given to the stages whose mixer takes them and
-            overridden by ``mixer_kwargs``.
+        mixer_kwargs: the caller's options for the mixers, over the family's :attr:`mixer_defaults`; each stage's
+            mixer receives those it has, and each must be an option of at least one stage's mixer (ValueError
+            naming it otherwise).
         mlp_ratio: MLP hidden size / dim.
         img_size: nominal input size (recorded; nothing depends on it).
         stem_layer: built as ``stem_layer(in_chans, dims[0])`` (default: :class:`Stem` with ``norm_layer`` and
             ``act_layer``); maps an NCHW image to channels-last features.
         downsample_layer: built as ``downsample_layer(in_dim, dim)`` between stages (default: :class:`Downsample`
             with ``norm_layer``); maps channels-last to channels-last features.
-        block_kwargs: further options of every :class:`MixerBlock` (default: ``cpe=True``).
+        cpe: the blocks' 3x3 depthwise-conv position encoding: before the mixer and the MLP (True), before the
+            mixer only ("first"), or none (False).
+        mlp_layer: the blocks' MLP class (timm's ``Mlp``; RAVLT: :class:`~linvision.layers.DwConvMlp`).
         layer_scale_init: initial layer scale of the blocks, one value or one per stage (None: no layer scale).
         final_layer: built as ``final_layer(dims[-1])`` after the last stage, on channels-last features (a norm
             before pooling, or a conv head whose ``out_chs`` becomes ``num_features``); the head is then pooling and
             a linear classifier. None (default): the head normalises after pooling.
     Raises ValueError for inconsistent stage lists or unknown mixers.
     """
+
+    # The family's mixer options: every stage whose mixer takes one receives it (the gate of the MLLA block; the
+    # Gated CNN takes none); the caller's ``mixer_kwargs`` override them. A family on LinHier sets its own.
+    mixer_defaults: Dict[str, Any] = dict(gate=True)
 
     def __init__(
         self,
@@ -146,7 +147,6 @@ class LinHier(nn.Module):
         num_heads: Sequence[int] = (2, 4, 8, 16),
         token_mixers: Union[MixerSpec, Sequence[MixerSpec]] = "linear_rope",
         mixer_kwargs: Optional[Dict[str, Any]] = None,
-        mixer_defaults: Optional[Dict[str, Any]] = None,
         mlp_ratio: float = 4.0,
         drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
@@ -155,7 +155,8 @@ class LinHier(nn.Module):
         act_layer: Type[nn.Module] = nn.GELU,
         stem_layer: Optional[Callable[[int, int], nn.Module]] = None,
         downsample_layer: Optional[Callable[[int, int], nn.Module]] = None,
-        block_kwargs: Optional[Dict[str, Any]] = None,
+        cpe: Union[bool, str] = True,
+        mlp_layer: Type[nn.Module] = Mlp,
         layer_scale_init: Union[None, float, Sequence[Optional[float]]] = None,
         final_layer: Optional[Callable[[int], nn.Module]] = None,
     ):
@@ -169,15 +170,13 @@ class LinHier(nn.Module):
             raise ValueError(f"layer_scale_init: {len(layer_scale_init)} values for {len(depths)} stages")
         stem_layer = stem_layer or partial(Stem, norm_layer=norm_layer, act_layer=act_layer)
         downsample_layer = downsample_layer or partial(Downsample, norm_layer=norm_layer)
-        block_kwargs = dict(dict(cpe=True), **(block_kwargs or {}))
         self.token_mixers = parse_mixer_list(token_mixers, len(depths))
         self.num_classes = num_classes
         self.in_chans = in_chans
         self.img_size = img_size
         self.drop_rate = drop_rate
         self.output_fmt = "NHWC"
-        stage_options = stage_mixer_options(
-            self.token_mixers, mixer_kwargs, _DEFAULT_MIXER_KWARGS if mixer_defaults is None else mixer_defaults)
+        stage_options = stage_mixer_options(self.token_mixers, mixer_kwargs, self.mixer_defaults)
 
         self.stem = stem_layer(in_chans, dims[0])
         rates = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
@@ -188,8 +187,7 @@ class LinHier(nn.Module):
             stride *= 2 if i > 0 else 1
             self.stages.append(HierStage(
                 dim, depth, heads, mixer, stage_options[i], downsample_layer(in_dim, dim) if i > 0 else None, mlp_ratio,
-                rates[start:start + depth], norm_layer, act_layer,
-                dict(block_kwargs, layer_scale_init=layer_scale_init[i]),
+                rates[start:start + depth], norm_layer, act_layer, cpe, layer_scale_init[i], mlp_layer,
             ))
             self.feature_info.append(dict(num_chs=dim, reduction=stride, module=f"stages.{i}"))
             in_dim, start = dim, start + depth

@@ -172,16 +172,17 @@ default_cfgs = generate_default_cfgs({
 class Ravlt(LinHier):
     """:class:`LinHier` with RAVLT's layers; loads the authors' files (timm's ``custom_load``)."""
 
+    mixer_defaults = _MIXER_KWARGS
+
     def load_pretrained(self, path: str) -> None:
         load_published(self, path, checkpoint_filter_fn)
 
 
 def _create_ravlt(variant: str, pretrained: bool = False, **kwargs) -> LinHier:
     args = dict(
-        token_mixers="ravlt_rala,ravlt_rala,ravlt_softmax,ravlt_softmax", mixer_defaults=_MIXER_KWARGS,
-        mlp_ratio=3.5, stem_layer=RavltStem,
+        token_mixers="ravlt_rala,ravlt_rala,ravlt_softmax,ravlt_softmax", mlp_ratio=3.5, stem_layer=RavltStem,
         downsample_layer=partial(ChannelsLastConv, kernel_size=3, stride=2, apply_act=False),
-        block_kwargs=dict(cpe="first", mlp_layer=DwConvMlp),
+        cpe="first", mlp_layer=DwConvMlp,
         final_layer=partial(ChannelsLastConv, out_chs=1024, act_layer=nn.SiLU),
     )
     return build_published(Ravlt, variant, pretrained, checkpoint_filter_fn, **merge_options(args, **kwargs))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from typing import Callable, Iterator, List, Optional, Set, Tuple, TypeVar
 
 import torch
@@ -47,6 +48,7 @@ from linvision.kernels.common import (
 
 __all__ = [
     "BACKENDS",
+    "warn_fallback",
     "DEFAULT_EPS",
     "FEATURE_MAP_ALIASES",
     "FEATURE_MAPS",
@@ -163,3 +165,13 @@ def full_precision(op: _Op) -> _Op:
         return result
 
     return run  # type: ignore[return-value]
+
+
+def warn_fallback(warned: Set[str], op: str, kernels: str, reason: str, stacklevel: int) -> None:
+    """A RuntimeWarning that ``backend="auto"`` runs a call of ``op`` in PyTorch instead of ``kernels``, for
+    ``reason``; said once per reason (``warned``: the caller's record of the reasons said so far)."""
+    if reason in warned:
+        return
+    warned.add(reason)
+    warnings.warn(f"{op}: backend='auto' runs this call in PyTorch, not {kernels}: {reason} (said once per reason; "
+                  "backend='torch' chooses PyTorch without this warning)", RuntimeWarning, stacklevel=stacklevel)

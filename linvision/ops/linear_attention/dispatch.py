@@ -2,13 +2,12 @@
 ``linvision.kernels`` or in PyTorch (:mod:`.reference`, :mod:`.chunk`)."""
 from __future__ import annotations
 
-import warnings
 from typing import Optional, Set
 
 from torch import Tensor
 
 from ..common import (DEFAULT_EPS, check_int, check_qkv, check_rope, check_valid, full_precision, is_exporting,
-                      note_backend)
+                      note_backend, warn_fallback)
 from ..feature_maps import FeatureMap, FeatureMapArg, get_feature_map
 from ..rope import Rope
 from .chunk import causal_attention
@@ -22,13 +21,7 @@ _WARNED: Set[str] = set()
 
 
 def _warn_once(reason: str) -> None:
-    if reason not in _WARNED:
-        _WARNED.add(reason)
-        warnings.warn(
-            f"linear_attention: backend='auto' runs this call in PyTorch, not the fused kernels: {reason} "
-            "(said once per reason; backend='torch' chooses PyTorch without this warning)",
-            RuntimeWarning, stacklevel=3,
-        )
+    warn_fallback(_WARNED, "linear_attention", "the fused kernels", reason, stacklevel=4)
 
 
 def _fused(

@@ -37,14 +37,13 @@ call fits them, else PyTorch with a ``RuntimeWarning`` once per reason (CPU tens
 from __future__ import annotations
 
 import os
-import warnings
 from typing import TYPE_CHECKING, Callable, Optional, Set, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..common import check_backend, is_exporting, note_backend
+from ..common import check_backend, is_exporting, note_backend, warn_fallback
 
 if TYPE_CHECKING:
     from .scan import Reversal
@@ -117,13 +116,7 @@ def kernel_reason(q: Tensor, v: Tensor, gated: bool) -> Optional[str]:
 
 
 def _warn_once(op: str, reason: str) -> None:
-    if reason not in _WARNED:
-        _WARNED.add(reason)
-        warnings.warn(
-            f"{op}: backend='auto' runs this call in PyTorch, not fla's kernels: {reason} "
-            "(said once per reason; backend='torch' chooses PyTorch without this warning)",
-            RuntimeWarning, stacklevel=4,
-        )
+    warn_fallback(_WARNED, op, "fla's kernels", reason, stacklevel=5)
 
 
 def kernel_path(backend: str, q: Tensor, v: Tensor, op: str, gated: bool) -> bool:

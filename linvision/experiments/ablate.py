@@ -32,8 +32,8 @@ import json
 import math
 import os
 import time
-from dataclasses import MISSING, fields
-from typing import Any, Dict
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, Callable, Dict, List, Tuple
 
 from linvision.benchmark.flops import count_gflops, count_params
 from linvision.benchmark.throughput import (_empty_point, benchmark_point, dodge, plot_results, runs_phrase,
@@ -138,50 +138,83 @@ def _seed_stats(values) -> Dict[str, Any]:
     return {"mean": mean, "std": std, "values": values}
 
 
+@dataclass(frozen=True)
+class _Task:
+    """What the classification and the segmentation ablation do differently, chosen once per ablation."""
+
+    name: str  # ablation.json's "task": "classify" or "segment"
+    recipe: Any  # the training flags (TrainConfig or SegTrainConfig); each run changes what differs with replace
+    build: Callable[[Dict[str, Any], int, int], Any]  # (model kwargs, classes, size) -> the model of one mixer
+    fit: Callable[[Any], Dict[str, Any]]  # one run's config -> its summary
+    validate: Callable[[str], List[Dict[str, Any]]]  # a run folder -> its entries at the evaluation sizes
+    best: str  # the summary's best validation score, kept in each run and row
+    in_chans: int  # input channels of the FLOPs count
+    head: str  # what the throughput figure's title calls the model
+    extra: Dict[str, Any]  # the task's own fields of ablation.json
+
+
+def _classify_task(args: argparse.Namespace, eval_sizes: List[int]) -> _Task:
+    """The classification ablation: ``args.model`` trained by :func:`train`, scored by :func:`validate_checkpoint`."""
+
+    def build(kwargs: Dict[str, Any], num_classes: int, size: int):
+        return create_model(args.model, num_classes=num_classes, in_chans=args.in_chans, model_kwargs=kwargs,
+                            img_size=size)
+
+    def validate(run_dir: str) -> List[Dict[str, Any]]:
+        return validate_checkpoint(run_dir, args.dataset, args.data_dir, eval_sizes, args.batch_size, args.workers,
+                                   args.amp, args.device, args.progress)["results"]
+
+    return _Task("classify", TrainConfig.from_namespace(args), build, train, validate, best="best_top1",
+                 in_chans=args.in_chans, head=args.model, extra={})
+
+
+def _segment_task(args: argparse.Namespace, eval_sizes: List[int]) -> _Task:
+    """The segmentation ablation: the encoder ``args.model`` in the smp head ``args.decoder``, trained on the
+    mosaics and scored on the validation mosaics rendered at each evaluation size. Raises ValueError for an
+    evaluation size the mosaics are not rendered at."""
+    from linvision.data.mosaic import MAX_SIZE, MIN_SIZE
+    from linvision.training.seg_task import train_segmentation
+    from linvision.training.seg_validate import validate_segmenter
+    from linvision.training.segmenter import build_segmenter
+
+    bad = [s for s in eval_sizes if not MIN_SIZE <= s <= MAX_SIZE]
+    if bad:
+        raise ValueError(f"eval_sizes: the mosaics are rendered at {MIN_SIZE} to {MAX_SIZE} px, got {bad}")
+    recipe = SegTrainConfig.from_namespace(args).replace(encoder=args.model)
+    decoder_kwargs = parse_kwargs(recipe.decoder_kwargs, "decoder_kwargs")
+
+    def build(kwargs: Dict[str, Any], num_classes: int, size: int):
+        return build_segmenter(recipe.decoder, args.model, num_classes, kwargs, decoder_kwargs)
+
+    def validate(run_dir: str) -> List[Dict[str, Any]]:
+        return validate_segmenter(run_dir, "mosaic", None, eval_sizes, args.batch_size, args.workers, args.amp,
+                                  str(_device(args)), args.progress, mosaic_val=recipe.mosaic_val)["results"]
+
+    extra = {"decoder": recipe.decoder, "decoder_kwargs": decoder_kwargs, "mosaic_size": recipe.mosaic_size,
+             "mosaic_train": recipe.mosaic_train, "mosaic_val": recipe.mosaic_val}
+    return _Task("segment", recipe, build, train_segmentation, validate, best="best_miou", in_chans=3,
+                 head=f"{args.decoder} on {args.model}", extra=extra)
+
+
 def _run_ablation(args: argparse.Namespace, run_dir: str, log) -> Dict[str, Any]:
-    segment = getattr(args, "task", "classify") == "segment"
+    """Train every mixer once per seed in ``run_dir``, score and benchmark it, rewriting the table and json after
+    each; then draw the figures. Returns the result (ablation.json's content) with the folder and the table."""
     base_kwargs = parse_kwargs(args.model_kwargs)
     eval_sizes = args.eval_sizes or [args.img_size * f for f in (1, 2, 4)]
     bench_sizes = args.bench_sizes or [args.img_size * f for f in (1, 2, 4, 8)]
     seeds = list(getattr(args, "seeds", None) or [args.seed])
+    make_task = _segment_task if getattr(args, "task", "classify") == "segment" else _classify_task
+    task = make_task(args, eval_sizes)
     rows, bench_points = [], []
-    result = {"task": "segment" if segment else "classify", "model": args.model, "model_kwargs": base_kwargs,
-              "img_size": args.img_size, "epochs": args.epochs, "seed": args.seed, "seeds": seeds,
-              "dataset": args.dataset, "eval_sizes": eval_sizes, "bench_sizes": bench_sizes,
-              "bench_batch_size": args.bench_batch_size, "device": str(_device(args)), "rows": rows}
-    if segment:
-        from linvision.data.mosaic import MAX_SIZE, MIN_SIZE
-        from linvision.training.seg_task import train_segmentation
-        from linvision.training.seg_validate import validate_segmenter
-        from linvision.training.segmenter import build_segmenter
-
-        bad = [s for s in eval_sizes if not MIN_SIZE <= s <= MAX_SIZE]
-        if bad:
-            raise ValueError(f"eval_sizes: the mosaics are rendered at {MIN_SIZE} to {MAX_SIZE} px, got {bad}")
-        # the segmentation flags; each run changes what differs with replace
-        recipe = SegTrainConfig.from_namespace(args).replace(encoder=args.model)
-        decoder_kwargs = parse_kwargs(recipe.decoder_kwargs, "decoder_kwargs")
-        result.update(decoder=recipe.decoder, decoder_kwargs=decoder_kwargs, mosaic_size=recipe.mosaic_size,
-                      mosaic_train=recipe.mosaic_train, mosaic_val=recipe.mosaic_val)
-
-        def build(kwargs, num_classes, size):
-            return build_segmenter(recipe.decoder, args.model, num_classes, kwargs, decoder_kwargs)
-
-        def fit(cfg):
-            return train_segmentation(cfg)
-    else:
-        recipe = TrainConfig.from_namespace(args)  # the training flags; each run changes what differs with replace
-
-        def build(kwargs, num_classes, size):
-            return create_model(args.model, num_classes=num_classes, in_chans=args.in_chans, model_kwargs=kwargs,
-                                img_size=size)
-
-        fit = train
-    score = "miou" if segment else "accuracy"
+    result = {"task": task.name, "model": args.model, "model_kwargs": base_kwargs, "img_size": args.img_size,
+              "epochs": args.epochs, "seed": args.seed, "seeds": seeds, "dataset": args.dataset,
+              "eval_sizes": eval_sizes, "bench_sizes": bench_sizes, "bench_batch_size": args.bench_batch_size,
+              "device": str(_device(args)), "rows": rows, **task.extra}
+    metrics = _metrics(result)
     # every model is built once before any training, so that a mixer the model cannot take (a grid mixer in a
     # linvit with a class token) fails at once, not after the mixers before it have trained
     for mixer in args.mixers:
-        build({**base_kwargs, _mixer_key(args.model): mixer}, 2, args.img_size)
+        task.build({**base_kwargs, _mixer_key(args.model): mixer}, 2, args.img_size)
     start = time.time()
     for index, mixer in enumerate(args.mixers):
         label = _mixer_label(mixer)
@@ -192,82 +225,100 @@ def _run_ablation(args: argparse.Namespace, run_dir: str, log) -> Dict[str, Any]
                 f"{time.time() - start:.0f} s so far: training {args.epochs} epochs at {args.img_size} px")
             # only the training flags, so each run folder can be resumed or inspected with linvision-train (-seg);
             # a fresh ablation folder holds no runs to overwrite
-            run_cfg = recipe.replace(model_kwargs=mixer_kwargs, seed=seed, output=os.path.join(run_dir, "runs"),
-                                     resume=None, experiment=label if len(seeds) == 1 else f"{label}-s{seed}",
-                                     overwrite=False)
-            t0 = time.time()
-            summary = fit(run_cfg)
-            train_s = time.time() - t0
-            log(f"   evaluating at {', '.join(map(str, eval_sizes))} px")
-            if segment:
-                val = validate_segmenter(summary["run_dir"], "mosaic", None, eval_sizes, args.batch_size,
-                                         args.workers, args.amp, str(_device(args)), args.progress,
-                                         mosaic_val=recipe.mosaic_val)["results"]
-                runs.append({"seed": seed, "train_s": train_s, "best_miou": summary["best_miou"],
-                             "num_classes": summary["num_classes"],
-                             "miou": {str(r["img_size"]): r.get("miou", r.get("error")) for r in val},
-                             "pixel_acc": {str(r["img_size"]): r.get("pixel_acc", r.get("error")) for r in val}})
-                continue
-            val = validate_checkpoint(summary["run_dir"], args.dataset, args.data_dir, eval_sizes, args.batch_size,
-                                      args.workers, args.amp, args.device, args.progress)
-            runs.append({"seed": seed, "train_s": train_s, "best_top1": summary["best_top1"],
-                         "num_classes": summary["num_classes"],
-                         "accuracy": {str(r["img_size"]): r.get("top1", r.get("error")) for r in val["results"]}})
-        num_classes = runs[0]["num_classes"]
-        model = build(mixer_kwargs, num_classes, args.img_size)
-        row = {"mixer": label, "params_m": count_params(model) / 1e6,
-               "gflops": count_gflops(model, (3 if segment else args.in_chans, args.img_size, args.img_size)),
-               "train_s": sum(r["train_s"] for r in runs) / len(runs)}
-        metrics = ("miou", "pixel_acc") if segment else ("accuracy",)
-        if segment:
-            row["best_miou"] = _seed_stats([r["best_miou"] for r in runs])["mean"]
-        else:
-            row["best_top1"] = _seed_stats([r["best_top1"] for r in runs])["mean"]
-        for metric in metrics:
-            stats = {str(s): _seed_stats([r[metric][str(s)] for r in runs]) for s in eval_sizes}
-            row[metric] = {s: st["mean"] for s, st in stats.items()}
-            row[f"{metric}_std"] = {s: st["std"] for s, st in stats.items()}
-            row[f"{metric}_seeds"] = {s: st["values"] for s, st in stats.items()}
-        row.update(runs=runs, bench={})
-        del model
-        log(f"   benchmarking at {', '.join(map(str, bench_sizes))} px ({runs_phrase(args.bench_iters)} "
-            f"of batch {args.bench_batch_size} per figure)")
-        previous = None  # (size, seconds) of the last point measured
-        for size in bench_sizes:
-            limit = getattr(args, "bench_time_limit", None)
-            predicted = previous[1] * (size / previous[0]) ** 2 if previous else 0.0
-            if limit is not None and predicted > limit:
-                point = _skipped_point(args.model, size, args.bench_batch_size, str(_device(args)), args.amp,
-                                       f"the {previous[0]} px point took {previous[1]:.0f} s; {size} px would take "
-                                       f"at least {predicted:.0f} s, over --bench-time-limit {limit:g} s")
-            else:
-                t0 = time.time()
-                point = benchmark_point(
-                    args.model, size, batch_size=args.bench_batch_size, device=str(_device(args)), amp=args.amp,
-                    warmup=1, iters=args.bench_iters, model_kwargs=mixer_kwargs, flops=False,
-                    build_fn=lambda name, size, kw: build(kw, num_classes, size))
-                previous = (size, time.time() - t0)
-            point["mixer"] = label
-            bench_points.append(point)
-            row["bench"][str(size)] = {k: point[k] for k in BENCH_KEYS}
+            run_cfg = task.recipe.replace(model_kwargs=mixer_kwargs, seed=seed, output=os.path.join(run_dir, "runs"),
+                                          resume=None, experiment=label if len(seeds) == 1 else f"{label}-s{seed}",
+                                          overwrite=False)
+            runs.append(_train_and_score(task, run_cfg, seed, metrics, eval_sizes, log))
+        row = _mixer_row(args, task, label, mixer_kwargs, runs, metrics, eval_sizes)
+        points = _benchmark(args, task, label, mixer_kwargs, runs[0]["num_classes"], bench_sizes, log)
+        bench_points += points
+        row["bench"] = {str(size): {k: point[k] for k in BENCH_KEYS} for size, point in zip(bench_sizes, points)}
         rows.append(row)
-        spread = len(seeds) > 1  # one seed has no spread to print
-        scores = ", ".join(f"{s} px {_cell(v, '.2f')}" + (f" +- {_cell(row[score + '_std'][s], '.2f')}"
-                                                          if spread and not isinstance(v, str) else "")
-                           for s, v in row[score].items())
-        log(f"   {_SCORE_LABEL[score]} {scores}; {row['params_m']:.3f} M params, {row['gflops']:.4f} GFLOPs, "
-            f"trained in {row['train_s']:.0f} s per seed")
+        log(_score_line(row, metrics[0], spread=len(seeds) > 1))  # one seed has no spread to print
         table = _write_results(result, run_dir)  # after every mixer: a stopped run keeps what it finished
     _plot_accuracy(result, os.path.join(run_dir, "accuracy.png"))
-    head = f"{args.decoder} on {args.model}" if segment else args.model
     plot_results(bench_points, os.path.join(run_dir, "throughput_memory.png"), label_key="mixer",
-                 title=f"{head} {base_kwargs}, batch {args.bench_batch_size}")
+                 title=f"{task.head} {base_kwargs}, batch {args.bench_batch_size}")
     result["run_dir"] = run_dir
     result["table"] = table
     return result
 
 
+def _train_and_score(task: _Task, run_cfg: Any, seed: int, metrics: Tuple[str, ...], eval_sizes: List[int],
+                     log) -> Dict[str, Any]:
+    """Train one run (one mixer, one seed) and score it at every evaluation size: its entry of the row's runs."""
+    t0 = time.time()
+    summary = task.fit(run_cfg)
+    train_s = time.time() - t0
+    log(f"   evaluating at {', '.join(map(str, eval_sizes))} px")
+    val = task.validate(summary["run_dir"])
+    return {"seed": seed, "train_s": train_s, task.best: summary[task.best], "num_classes": summary["num_classes"],
+            **{metric: _per_size(val, _RESULT_KEYS[metric]) for metric in metrics}}
+
+
+def _per_size(results: List[Dict[str, Any]], key: str) -> Dict[str, Any]:
+    """``key`` of each validation entry by its size (a string), or the entry's error where that size failed."""
+    return {str(r["img_size"]): r.get(key, r.get("error")) for r in results}
+
+
+def _mixer_row(args: argparse.Namespace, task: _Task, label: str, mixer_kwargs: Dict[str, Any],
+               runs: List[Dict[str, Any]], metrics: Tuple[str, ...], eval_sizes: List[int]) -> Dict[str, Any]:
+    """One mixer's row (without its benchmark): parameters and FLOPs of its model, the mean training time and best
+    score, and each score's mean, spread and per-seed values over ``runs`` at every evaluation size."""
+    model = task.build(mixer_kwargs, runs[0]["num_classes"], args.img_size)
+    row = {"mixer": label, "params_m": count_params(model) / 1e6,
+           "gflops": count_gflops(model, (task.in_chans, args.img_size, args.img_size)),
+           "train_s": sum(r["train_s"] for r in runs) / len(runs),
+           task.best: _seed_stats([r[task.best] for r in runs])["mean"]}
+    for metric in metrics:
+        stats = {str(s): _seed_stats([r[metric][str(s)] for r in runs]) for s in eval_sizes}
+        row[metric] = {s: st["mean"] for s, st in stats.items()}
+        row[f"{metric}_std"] = {s: st["std"] for s, st in stats.items()}
+        row[f"{metric}_seeds"] = {s: st["values"] for s, st in stats.items()}
+    row["runs"] = runs
+    return row
+
+
+def _benchmark(args: argparse.Namespace, task: _Task, label: str, mixer_kwargs: Dict[str, Any], num_classes: int,
+               sizes: List[int], log) -> List[Dict[str, Any]]:
+    """One mixer's benchmark points at ``sizes``, each labelled with the mixer; a size is skipped (recorded as such)
+    when the previous point, scaled by the ratio of pixels, would take longer than ``--bench-time-limit``."""
+    log(f"   benchmarking at {', '.join(map(str, sizes))} px ({runs_phrase(args.bench_iters)} "
+        f"of batch {args.bench_batch_size} per figure)")
+    limit = getattr(args, "bench_time_limit", None)
+    points, previous = [], None  # previous: (size, seconds) of the last point measured
+    for size in sizes:
+        predicted = previous[1] * (size / previous[0]) ** 2 if previous else 0.0
+        if limit is not None and predicted > limit:
+            point = _skipped_point(args.model, size, args.bench_batch_size, str(_device(args)), args.amp,
+                                   f"the {previous[0]} px point took {previous[1]:.0f} s; {size} px would take "
+                                   f"at least {predicted:.0f} s, over --bench-time-limit {limit:g} s")
+        else:
+            t0 = time.time()
+            point = benchmark_point(
+                args.model, size, batch_size=args.bench_batch_size, device=str(_device(args)), amp=args.amp,
+                warmup=1, iters=args.bench_iters, model_kwargs=mixer_kwargs, flops=False,
+                build_fn=lambda name, size, kw: task.build(kw, num_classes, size))
+            previous = (size, time.time() - t0)
+        point["mixer"] = label
+        points.append(point)
+    return points
+
+
+def _score_line(row: Dict[str, Any], metric: str, spread: bool) -> str:
+    """The console's line of a finished mixer: ``metric`` at each evaluation size (with ``spread``, plus and minus
+    the seeds' standard deviation), parameters, FLOPs and training time."""
+    scores = ", ".join(f"{s} px {_cell(v, '.2f')}" + (f" +- {_cell(row[metric + '_std'][s], '.2f')}"
+                                                      if spread and not isinstance(v, str) else "")
+                       for s, v in row[metric].items())
+    return (f"   {_SCORE_LABEL[metric]} {scores}; {row['params_m']:.3f} M params, {row['gflops']:.4f} GFLOPs, "
+            f"trained in {row['train_s']:.0f} s per seed")
+
+
 _SCORE_LABEL = {"accuracy": "top-1", "miou": "mIoU", "pixel_acc": "pixel acc"}
+
+# the key of each score in the entries that validation returns per size
+_RESULT_KEYS = {"accuracy": "top1", "miou": "miou", "pixel_acc": "pixel_acc"}
 
 
 # what ablation.json keeps of each benchmark point: enough to draw throughput_memory.png again

@@ -116,10 +116,7 @@ def _validate_naflex(checkpoint, pretrained, meta, source, dataset, data_dir, ma
     if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
         raise ValueError(f"naflex_max_seq_len: must be an int >= 1, got {max_seq_len!r}")
     size = meta["img_size"]
-    if checkpoint:
-        model, _ = load_model(checkpoint, device=str(info.device), img_size=size)
-    else:
-        model = create_model(pretrained, img_size=size, pretrained=True).to(info.device).eval()
+    model = _model_at(checkpoint, pretrained, size, info, first=False)
     patch_size = check_naflex_model(model, meta["model"])
     data_config = eval_data_config(meta if checkpoint else None, size, model, interpolation, None)
     transform, collate = naflex_eval_parts(patch_size, max_seq_len, data_config)
@@ -130,6 +127,62 @@ def _validate_naflex(checkpoint, pretrained, meta, source, dataset, data_dir, ma
     loader.collate_fn = collate
     res = evaluate(model, loader, info, amp=amp, progress=progress)
     return {"naflex_max_seq_len": max_seq_len, **res, "interpolation": data_config["interpolation"]}
+
+
+def _model_at(checkpoint: Optional[str], pretrained: Optional[str], size: int, info, first: bool):
+    """The model to evaluate at ``size``, built for it (a fixed position-embedding grid is resampled to it): the
+    checkpoint's, or ``pretrained``'s trained weights; for the ``first`` size rank 0 fills timm's cache before the
+    other ranks read it."""
+    if checkpoint:
+        model, _ = load_model(checkpoint, device=str(info.device), img_size=size)
+        return model
+    if first and not info.is_main:
+        barrier(info)
+    model = create_model(pretrained, img_size=size, pretrained=True).to(info.device).eval()
+    if first and info.is_main:
+        barrier(info)
+    return model
+
+
+def _print_note(note: Optional[str], info) -> None:
+    """Say on rank 0 (on stderr) where the data came from, when the run's record chose it."""
+    if note and info.is_main:
+        print(note, file=sys.stderr, flush=True)
+
+
+def _validate_sizes(checkpoint, pretrained, meta, source, dataset, data_dir, sizes, batch_size, workers, amp,
+                    progress, info, interpolation, crop_pct, note) -> List[Dict[str, Any]]:
+    """One evaluation at each of ``sizes``, the model rebuilt for each; a size the model cannot run at gets an
+    ``error`` entry."""
+    results = []
+    for size in sizes:
+        model = _model_at(checkpoint, pretrained, size, info, first=size == sizes[0])
+        data_config = eval_data_config(meta if checkpoint else None, size, model, interpolation, crop_pct)
+        transform = build_transform(is_training=False, **data_config)
+        val_set = create_dataset(dataset, data_dir, "val", transform=transform, digits_size=size)
+        _check_classes(meta, val_set, source)
+        _print_note(note, info)
+        note = None
+        sampler = ShardedSampler(len(val_set), info.rank, info.world_size, shuffle=False)
+        loader = create_loader(val_set, batch_size, sampler, workers)
+        try:
+            res = evaluate(model, loader, info, amp=amp, progress=progress)
+        except (RuntimeError, ValueError, AssertionError) as e:  # a model tied to one input size
+            res = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"}
+        results.append({"img_size": size, **res, "interpolation": data_config["interpolation"],
+                        "crop_pct": data_config["crop_pct"]})
+    return results
+
+
+def _check_segmenter_options(interpolation: Optional[str], crop_pct: Optional[float],
+                             naflex_max_seq_len: Optional[int]) -> None:
+    """ValueError for the options of classifiers given with a segmenter's checkpoint."""
+    if interpolation is not None or crop_pct is not None:
+        raise ValueError("interpolation/crop_pct: a segmenter is scored on whole images; these apply to "
+                         "classifiers only")
+    if naflex_max_seq_len is not None:
+        raise ValueError("naflex_loader: a segmenter is scored on whole images at their own size already; "
+                         "the NaFlex loader is for classifiers")
 
 
 def validate_checkpoint(checkpoint: Optional[str], dataset: Optional[str] = None, data_dir: Optional[str] = None,
@@ -159,12 +212,7 @@ def validate_checkpoint(checkpoint: Optional[str], dataset: Optional[str] = None
     if checkpoint and checkpoint_task(checkpoint) == "segmentation":  # a checkpoint of linvision-train-seg
         from .seg_validate import validate_segmenter
 
-        if interpolation is not None or crop_pct is not None:
-            raise ValueError("interpolation/crop_pct: a segmenter is scored on whole images; these apply to "
-                             "classifiers only")
-        if naflex_max_seq_len is not None:
-            raise ValueError("naflex_loader: a segmenter is scored on whole images at their own size already; "
-                             "the NaFlex loader is for classifiers")
+        _check_segmenter_options(interpolation, crop_pct, naflex_max_seq_len)
         return validate_segmenter(checkpoint, dataset, data_dir, img_sizes, batch_size, workers, amp, device,
                                   progress)
     check_transform_options(interpolation, crop_pct)  # a bad value ends here, before any model is built
@@ -180,40 +228,13 @@ def validate_checkpoint(checkpoint: Optional[str], dataset: Optional[str] = None
             if img_sizes:
                 raise ValueError("img_size: --naflex-loader evaluates each image at its own size; give one or the "
                                  "other")
-            if note and info.is_main:
-                print(note, file=sys.stderr, flush=True)
-            result = _validate_naflex(checkpoint, pretrained, meta, source, dataset, data_dir, naflex_max_seq_len,
-                                      batch_size, workers, amp, progress, info, interpolation)
-            barrier(info)
-            return {"checkpoint": checkpoint or "pretrained", "model": meta["model"],
-                    "train_img_size": meta["img_size"], "results": [result]}
-        sizes: List[int] = list(img_sizes or [meta["img_size"]])
-        results = []
-        for size in sizes:
-            # built for each size (a fixed position-embedding grid is resampled to it)
-            if checkpoint:
-                model, _ = load_model(checkpoint, device=str(info.device), img_size=size)
-            else:
-                if size == sizes[0] and not info.is_main:
-                    barrier(info)  # rank 0 fills timm's cache first
-                model = create_model(pretrained, img_size=size, pretrained=True).to(info.device).eval()
-                if size == sizes[0] and info.is_main:
-                    barrier(info)
-            data_config = eval_data_config(meta if checkpoint else None, size, model, interpolation, crop_pct)
-            transform = build_transform(is_training=False, **data_config)
-            val_set = create_dataset(dataset, data_dir, "val", transform=transform, digits_size=size)
-            _check_classes(meta, val_set, source)
-            if note and info.is_main:
-                print(note, file=sys.stderr, flush=True)
-                note = None
-            sampler = ShardedSampler(len(val_set), info.rank, info.world_size, shuffle=False)
-            loader = create_loader(val_set, batch_size, sampler, workers)
-            try:
-                res = evaluate(model, loader, info, amp=amp, progress=progress)
-            except (RuntimeError, ValueError, AssertionError) as e:  # a model tied to one input size
-                res = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"}
-            results.append({"img_size": size, **res, "interpolation": data_config["interpolation"],
-                            "crop_pct": data_config["crop_pct"]})
+            _print_note(note, info)
+            results = [_validate_naflex(checkpoint, pretrained, meta, source, dataset, data_dir, naflex_max_seq_len,
+                                        batch_size, workers, amp, progress, info, interpolation)]
+        else:
+            sizes: List[int] = list(img_sizes or [meta["img_size"]])
+            results = _validate_sizes(checkpoint, pretrained, meta, source, dataset, data_dir, sizes, batch_size,
+                                      workers, amp, progress, info, interpolation, crop_pct, note)
         barrier(info)
         return {"checkpoint": checkpoint or "pretrained", "model": meta["model"], "train_img_size": meta["img_size"],
                 "results": results}

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from linvision.benchmark.plots import plot_results
 from linvision.benchmark.throughput import (
     add_comparisons,
     benchmark_point,
@@ -14,7 +15,6 @@ from linvision.benchmark.throughput import (
     check_decoder,
     comparison_table,
     parse_img_size,
-    plot_results,
     run_sweep,
     size_label,
 )

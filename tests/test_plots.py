@@ -8,8 +8,8 @@ from matplotlib.colors import to_hex
 from matplotlib.container import ErrorbarContainer
 
 from linvision.experiments.ablate import _accuracy_figure
-from linvision.benchmark.throughput import (_empty_point, _timing, benchmark_point, results_figure, runs_phrase,
-                                        series_styles, write_results)
+from linvision.benchmark.plots import results_figure, series_styles
+from linvision.benchmark.throughput import _empty_point, benchmark_point, runs_phrase, timing, write_results
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -24,8 +24,8 @@ def _close_figures():
 def _point(model, size, seconds, status="ok"):
     """A point of batch 2 whose timed runs took ``seconds`` (the same for training, doubled)."""
     p = _empty_point(model, size, 2, "cpu", "none", len(seconds))
-    p.update(_timing("infer", seconds, 2), infer_mem_mb=10.0 * size)
-    p.update(_timing("train", [2 * s for s in seconds], 2), train_mem_mb=30.0 * size)
+    p.update(timing("infer", seconds, 2), infer_mem_mb=10.0 * size)
+    p.update(timing("train", [2 * s for s in seconds], 2), train_mem_mb=30.0 * size)
     p["status"] = status
     return p
 
@@ -44,14 +44,14 @@ def _legend_outside(fig, legend):
 
 
 def test_timing_keeps_the_median_and_the_range():
-    t = _timing("infer", [0.3, 0.1, 1.0, 0.2, 0.4], 4)  # seconds of five runs of a batch of 4
+    t = timing("infer", [0.3, 0.1, 1.0, 0.2, 0.4], 4)  # seconds of five runs of a batch of 4
     assert t["infer_ms"] == pytest.approx(300.0) and t["infer_img_s"] == pytest.approx(4 / 0.3)
     assert t["infer_ms_min"] == pytest.approx(100.0) and t["infer_ms_max"] == pytest.approx(1000.0)
     assert t["infer_img_s_min"] == pytest.approx(4 / 1.0) and t["infer_img_s_max"] == pytest.approx(4 / 0.1)
     assert t["infer_spread_pct"] == pytest.approx(100 * 0.9 / 0.3)
-    even = _timing("train", [0.1, 0.4, 0.2, 0.3], 1)
+    even = timing("train", [0.1, 0.4, 0.2, 0.3], 1)
     assert even["train_ms"] == pytest.approx(250.0)  # the mean of the middle two
-    one = _timing("train", [0.5], 1)
+    one = timing("train", [0.5], 1)
     assert one["train_img_s"] == one["train_img_s_min"] == one["train_img_s_max"] == 2.0
     assert one["train_spread_pct"] == 0.0
 

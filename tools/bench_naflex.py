@@ -53,8 +53,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from linvision.utils.amp import autocast
-from linvision.benchmark.throughput import (MemoryMeter, _timed, _timing, free_memory, parse_model_spec, runs_phrase,
-                                        series_styles)
+from linvision.benchmark.plots import series_styles
+from linvision.benchmark.throughput import MemoryMeter, free_memory, parse_model_spec, runs_phrase, timed, timing
 from linvision.utils.cli import run_cli, tool_parser
 from linvision.utils.config import parse_kwargs
 from linvision.utils.factory import check_model_name, create_model
@@ -337,19 +337,19 @@ def measure(spec: str, input_kind: str, budget: int, mode: str, args, images: Li
             return ref_ms is not None and seconds * 1e3 > args.slow_factor * ref_ms
 
         with MemoryMeter(dev) as mem:
-            done = _timed(run, dev, 0, 1)
+            done = timed(run, dev, 0, 1)
             long = args.max_run_s is not None and done[0] > args.max_run_s
             if over(done[0]) and not long:  # the first run may pay one-time costs: a second one confirms
-                done += _timed(run, dev, 0, 1)
+                done += timed(run, dev, 0, 1)
                 long = args.max_run_s is not None and done[-1] > args.max_run_s
             slow = over(done[-1])
             if slow or long:
                 times = done[-1:]
             elif args.warmup == 0:  # the runs done are timed ones
-                times = done + _timed(run, dev, 0, max(args.iters - len(done), 0))
+                times = done + timed(run, dev, 0, max(args.iters - len(done), 0))
             else:
-                times = _timed(run, dev, max(args.warmup - len(done), 0), args.iters)
-        fig = _timing("t", times, args.batch)
+                times = timed(run, dev, max(args.warmup - len(done), 0), args.iters)
+        fig = timing("t", times, args.batch)
         row.update(images_per_s=fig["t_img_s"], images_per_s_min=fig["t_img_s_min"],
                    images_per_s_max=fig["t_img_s_max"], ms=fig["t_ms"], ms_min=fig["t_ms_min"],
                    ms_max=fig["t_ms_max"], spread_pct=fig["t_spread_pct"], iters=len(times), peak_mib=mem.peak_mb)

@@ -34,6 +34,7 @@ import time
 
 import torch
 
+from linvision.benchmark.plots import plot_results
 from linvision.benchmark.throughput import (
     DECODERS,
     DEFAULT_MODELS,
@@ -43,7 +44,6 @@ from linvision.benchmark.throughput import (
     gemm_gflop_s,
     parse_img_size,
     parse_model_spec,
-    plot_results,
     run_sweep,
     write_results,
 )

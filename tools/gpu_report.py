@@ -412,7 +412,8 @@ def kernels_part(settings: Dict[str, Any], save: Callable[..., None]) -> None:
 def models_part(settings: Dict[str, Any], save: Callable[..., None]) -> None:
     """Part 3, in its own process: :func:`linvision.benchmark.throughput.run_sweep` over the models and sizes, each
     point saved as it finishes; then each model against the twin, the results files and the plot in models/."""
-    from linvision.benchmark.throughput import add_comparisons, comparison_table, plot_results, run_sweep, write_results
+    from linvision.benchmark.plots import plot_results
+    from linvision.benchmark.throughput import add_comparisons, comparison_table, run_sweep, write_results
 
     out_dir = settings["out_dir"]
     points_path = os.path.join(out_dir, "results.jsonl")

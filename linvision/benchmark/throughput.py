@@ -25,8 +25,8 @@ Each time is the median of ``iters`` timed runs after ``warmup`` untimed ones: o
 on the machine moves a median less than a mean. A point records the median and the fastest and slowest runs
 (``infer_ms``, ``infer_ms_min``, ``infer_ms_max``; ``infer_img_s`` from the median, ``infer_img_s_min`` from
 the slowest run, ``infer_img_s_max`` from the fastest; the same for ``train_``), and the spread (slowest -
-fastest) / median in percent; :func:`plot_results` draws the median with a bar from the slowest to the fastest
-run.
+fastest) / median in percent; :func:`~.plots.plot_results` draws the median with a bar from the slowest to the
+fastest run.
 
 With ``point_timeout`` (seconds) each point runs in a process of its own and is stopped when it runs past the
 budget; it is then recorded with status ``"timeout"`` and keeps the figures it finished (the inference figures
@@ -53,10 +53,9 @@ from linvision.utils.factory import create_model
 
 from .flops import count_gflops, count_params
 
-__all__ = ["BenchmarkPoint", "benchmark_point", "run_sweep", "write_results", "plot_results", "DEFAULT_MODELS",
-           "MemoryMeter", "parse_model_spec", "gemm_gflop_s", "add_comparisons", "comparison_table",
-           "parse_img_size", "size_label", "DECODERS", "check_decoder", "results_figure",
-           "series_styles", "runs_phrase", "free_memory"]
+__all__ = ["BenchmarkPoint", "benchmark_point", "run_sweep", "write_results", "DEFAULT_MODELS", "MemoryMeter",
+           "parse_model_spec", "gemm_gflop_s", "add_comparisons", "comparison_table", "parse_img_size", "size_label",
+           "DECODERS", "check_decoder", "runs_phrase", "free_memory", "timed", "timing"]
 
 # a linvision model against timm's softmax ViT and timm's MambaOut of about the same size (22-27M parameters)
 DEFAULT_MODELS = ["linhier_tiny_224", "vit_small_patch16_224", "mambaout_tiny"]
@@ -142,8 +141,9 @@ def _build(name: str, img_size: Size, model_kwargs: Dict[str, Any]) -> nn.Module
     return create_model(name, model_kwargs=model_kwargs, img_size=img_size)
 
 
-def _timed(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> List[float]:
-    """Seconds of each of ``iters`` calls of ``fn`` after ``warmup`` calls (synchronised on CUDA)."""
+def timed(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> List[float]:
+    """Seconds of each of ``iters`` calls of ``fn`` after ``warmup`` untimed calls (on CUDA the device is
+    synchronised before and after each timed call): the runs that :func:`timing` sums up."""
     for _ in range(warmup):
         fn()
     times = []
@@ -164,7 +164,7 @@ def _median(values: Sequence[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def _timing(prefix: str, times: List[float], batch_size: int) -> Dict[str, float]:
+def timing(prefix: str, times: List[float], batch_size: int) -> Dict[str, float]:
     """The figures of the timed runs ``times`` (seconds per batch): ``<prefix>_ms`` (median),
     ``<prefix>_ms_min``/``_max`` (fastest/slowest run), ``<prefix>_img_s`` (batch / median) and its
     ``_min``/``_max`` (of the slowest/fastest run), ``<prefix>_spread_pct`` ((slowest - fastest) / median in
@@ -176,8 +176,19 @@ def _timing(prefix: str, times: List[float], batch_size: int) -> Dict[str, float
             f"{prefix}_spread_pct": 100.0 * (slowest - fastest) / median}
 
 
-# the figures of a point's timed runs, in the order of its record (see _timing)
+# the figures of a point's timed runs, in the order of its record (see timing)
 TIMING_KEYS = ("img_s", "img_s_min", "img_s_max", "ms", "ms_min", "ms_max", "spread_pct")
+
+
+def runs_phrase(iters: Any) -> str:
+    """What a figure of ``iters`` timed runs is: ``"1 timed run"``, ``"median of 5 timed runs"``; for a list of
+    counts (points timed differently) ``"median of 2 to 5 timed runs"``."""
+    counts = sorted({int(n) for n in iters}) if isinstance(iters, (list, tuple, set)) else [int(iters)]
+    if counts == [1]:
+        return "1 timed run"
+    if len(counts) == 1:
+        return f"median of {counts[0]} timed runs"
+    return f"median of {counts[0]} to {counts[-1]} timed runs"
 
 
 def _empty_point(name: str, img_size: Any, batch_size: int, device: str, amp: str, iters: int,
@@ -230,51 +241,19 @@ def benchmark_point(name: str, img_size: Size, batch_size: int = 8, device: str 
         raise ValueError(f"iters: at least 1 timed iteration, got {iters}")
     dev = torch.device(device)
     size = parse_img_size(img_size)
-    h, w = _hw(size)
     point = _empty_point(name, size, batch_size, str(dev), amp, iters, decoder, classes)
     if build_fn is None:  # with a decoder, linvision-train-seg's segmenter (it takes any size: none is passed)
         build_fn = _build if decoder is None else lambda n, _size, kw: build_segmenter(decoder, n, classes, kw)
     model = x = None
     try:
         model = build_fn(name, size, dict(model_kwargs or {})).to(dev)
-        point["params_m"] = count_params(model) / 1e6
-        if flops:
-            point["gflops"] = count_gflops(model, (h, w))
-        x = torch.randn(batch_size, 3, h, w, device=dev)
-        model.eval()
-        with torch.no_grad():
-            def infer():
-                with autocast(dev, amp):
-                    model(x)
-
-            with MemoryMeter(dev) as mem, record_backends() as used:
-                times = _timed(infer, dev, warmup, iters)
-        point.update(_timing("infer", times, batch_size), infer_mem_mb=mem.peak_mb, backends=backends_label(used))
+        _count(point, model, flops)
+        x = torch.randn(batch_size, 3, point["height"], point["width"], device=dev)
+        _measure_inference(point, model, x, dev, amp, warmup, iters)
         if report is not None:
             report(point)
         if train:
-            model.train()
-            optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-            labels = {}
-
-            def loss_of(out: torch.Tensor) -> torch.Tensor:
-                if decoder is None:
-                    return out.float().mean()
-                if "y" not in labels:  # random labels of the output's own size, drawn once
-                    labels["y"] = torch.randint(0, out.shape[1], (out.shape[0], *out.shape[2:]), device=dev)
-                return torch.nn.functional.cross_entropy(out.float(), labels["y"])
-
-            def step():
-                with autocast(dev, amp):
-                    loss = loss_of(model(x))
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-
-            with MemoryMeter(dev) as mem, record_backends() as used:
-                times = _timed(step, dev, warmup, iters)
-            point["backends"] = backends_label(used, point["backends"])
-            point.update(_timing("train", times, batch_size), train_mem_mb=mem.peak_mb)
+            _measure_training(point, model, x, dev, amp, warmup, iters, decoder)
     except torch.OutOfMemoryError as e:
         point.update(status="oom", error=str(e).strip().splitlines()[0][:300])
     except Exception as e:  # the sweep records any failure of one point and goes on
@@ -284,6 +263,58 @@ def benchmark_point(name: str, img_size: Size, batch_size: int = 8, device: str 
         del model, x
         free_memory(dev)
     return point
+
+
+def _count(point: BenchmarkPoint, model: nn.Module, flops: bool) -> None:
+    """The model's parameters (millions) into ``point``, and with ``flops`` its GFLOPs per image at the point's
+    size."""
+    point["params_m"] = count_params(model) / 1e6
+    if flops:
+        point["gflops"] = count_gflops(model, (point["height"], point["width"]))
+
+
+def _measure_inference(point: BenchmarkPoint, model: nn.Module, x: torch.Tensor, dev: torch.device, amp: str,
+                       warmup: int, iters: int) -> None:
+    """The inference figures of ``point``: ``model(x)`` in eval mode without gradients, timed, with the peak
+    memory it adds and the path each dispatching op took."""
+    model.eval()
+    with torch.no_grad():
+        def infer():
+            with autocast(dev, amp):
+                model(x)
+
+        with MemoryMeter(dev) as mem, record_backends() as used:
+            times = timed(infer, dev, warmup, iters)
+    point.update(timing("infer", times, len(x)), infer_mem_mb=mem.peak_mb, backends=backends_label(used))
+
+
+def _measure_training(point: BenchmarkPoint, model: nn.Module, x: torch.Tensor, dev: torch.device, amp: str,
+                      warmup: int, iters: int, decoder: Optional[str]) -> None:
+    """The training figures of ``point``: forward, backward and an SGD step on ``x``, timed, with the peak
+    memory they add; the loss is the output's mean, or with a ``decoder`` the per-pixel cross-entropy against
+    random labels of the output's size (drawn once)."""
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    labels = {}
+
+    def loss_of(out: torch.Tensor) -> torch.Tensor:
+        if decoder is None:
+            return out.float().mean()
+        if "y" not in labels:  # random labels of the output's own size, drawn once
+            labels["y"] = torch.randint(0, out.shape[1], (out.shape[0], *out.shape[2:]), device=dev)
+        return torch.nn.functional.cross_entropy(out.float(), labels["y"])
+
+    def step():
+        with autocast(dev, amp):
+            loss = loss_of(model(x))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    with MemoryMeter(dev) as mem, record_backends() as used:
+        times = timed(step, dev, warmup, iters)
+    point["backends"] = backends_label(used, point["backends"])
+    point.update(timing("train", times, len(x)), train_mem_mb=mem.peak_mb)
 
 
 def free_memory(dev: torch.device) -> None:
@@ -380,7 +411,7 @@ def gemm_gflop_s(device: str = "cpu", m: int = 4096, k: int = 384, n: int = 1536
     4096 tokens."""
     dev = torch.device(device)
     a, b = torch.randn(m, k, device=dev, dtype=dtype), torch.randn(k, n, device=dev, dtype=dtype)
-    times = _timed(lambda: a @ b, dev, 1, iters)
+    times = timed(lambda: a @ b, dev, 1, iters)
     return 2 * m * k * n / min(times) / 1e9
 
 
@@ -502,193 +533,3 @@ def write_results(points: List[BenchmarkPoint], out_dir: str) -> None:
             writer.writeheader()
             writer.writerows(points)
 
-
-# Qualitative colours (matplotlib's tab10, then black), each series with a marker of its own as well; past eleven
-# series the colours come round again with another line style and shifted markers, so no two series look alike.
-COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
-           "#17becf", "#000000")
-MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h")
-LINESTYLES = ("-", "--", ":", "-.")
-
-
-def series_styles(n: int) -> List[Dict[str, str]]:
-    """Colour, marker and line style of each of ``n`` series: :data:`COLOURS` in turn with :data:`MARKERS`;
-    after the eleventh the same colours dashed (then dotted), the markers shifted by one."""
-    styles = []
-    for k in range(n):
-        cycle, i = divmod(k, len(COLOURS))
-        styles.append({"color": COLOURS[i], "marker": MARKERS[(i + cycle) % len(MARKERS)],
-                       "linestyle": LINESTYLES[cycle % len(LINESTYLES)]})
-    return styles
-
-
-def runs_phrase(iters: Any) -> str:
-    """What a figure of ``iters`` timed runs is: ``"1 timed run"``, ``"median of 5 timed runs"``; for a list of
-    counts (points timed differently) ``"median of 2 to 5 timed runs"``."""
-    counts = sorted({int(n) for n in iters}) if isinstance(iters, (list, tuple, set)) else [int(iters)]
-    if counts == [1]:
-        return "1 timed run"
-    if len(counts) == 1:
-        return f"median of {counts[0]} timed runs"
-    return f"median of {counts[0]} to {counts[-1]} timed runs"
-
-
-def dodge(k: int, n: int, width: float) -> float:
-    """The factor that moves series ``k`` of ``n`` sideways on a log axis, all of them spread over ``width``
-    octaves around the true position, so that the bars of one size do not hide each other."""
-    return 2 ** ((k - (n - 1) / 2) * width / max(n - 1, 1)) if n > 1 else 1.0
-
-
-def _spread_handle(label: str):
-    """A legend entry that shows a grey point with its bar."""
-    from matplotlib.collections import LineCollection
-    from matplotlib.container import ErrorbarContainer
-    from matplotlib.lines import Line2D
-
-    point = Line2D([], [], color="0.35", marker="o", ms=4, linestyle="none")
-    return ErrorbarContainer((point, (), (LineCollection([], colors="0.35"),)), has_xerr=False, has_yerr=True,
-                             label=label)
-
-
-def results_figure(points: List[BenchmarkPoint], title: str = "", label_key: str = "model"):
-    """The figure of :func:`plot_results` (a matplotlib Figure, not closed), or None when no point measured
-    anything."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter, NullLocator
-
-    def measured(p: BenchmarkPoint, key: str) -> bool:  # a point stopped after its inference keeps those figures
-        return (p["status"] == "ok" or p["status"] == "timeout") and _figure(p.get(key)) and p[key] > 0
-
-    square = all(isinstance(p["img_size"], int) for p in points)
-
-    def x_of(p: BenchmarkPoint) -> int:
-        if square:
-            return p["img_size"]
-        h, w = _hw(p["img_size"])
-        return h * w
-
-    def number(value: float, _pos=None) -> str:
-        return f"{value:g}"
-
-    panels = [("infer_img_s", "inference images/s"), ("train_img_s", "training images/s"),
-              ("infer_mem_mb", "inference peak memory (MiB)"), ("train_mem_mb", "training peak memory (MiB)")]
-    # A panel with nothing measured (e.g. training with --no-train) would have no log scale: leave it out.
-    panels = [(key, label) for key, label in panels if any(measured(p, key) for p in points)]
-    if not panels:
-        return None
-    names = list(dict.fromkeys(str(p[label_key]) for p in points))
-    styles = dict(zip(names, series_styles(len(names))))
-    runs = sorted({int(p["iters"]) for p in points if _figure(p.get("iters")) and p["iters"] >= 1
-                   and any(measured(p, key) for key, _ in panels)})
-
-    def has_spread(p: BenchmarkPoint, key: str) -> bool:  # a throughput figure of several runs with their range
-        return (key.endswith("_img_s") and p.get("iters", 1) > 1 and measured(p, key)
-                and _figure(p.get(f"{key}_min")) and _figure(p.get(f"{key}_max")))
-
-    bars = any(has_spread(p, key) for p in points for key, _ in panels)
-    ticks = {x_of(p): str(p["img_size"]) for p in points}
-    sizes = sorted(ticks)
-    gaps = [math.log2(b / a) for a, b in zip(sizes, sizes[1:])]
-    width = min([0.12] + [0.25 * g for g in gaps])  # the octaves the series of one size are spread over
-    not_measured = sorted({p["status"] for p in points for key, _ in panels
-                           if not measured(p, key) and p["status"] != "ok"})
-    handles = [Line2D([], [], ms=5, label=name, **styles[name]) for name in names]
-    if bars:
-        handles.append(_spread_handle("images/s: bar from the slowest to the fastest timed run"))
-    if not_measured:
-        handles.append(Line2D([], [], marker="x", color="0.35", linestyle="none", ms=7,
-                              label=f"not measured ({', '.join(not_measured)}), in the series' colour"))
-    ncols = min(2, len(panels))
-    nrows = math.ceil(len(panels) / ncols)
-    # legend columns: as many as fit the figure's width (about 16 characters per inch at fontsize 9)
-    fig_w = 4.6 * ncols
-    longest = max(len(str(h.get_label())) for h in handles)
-    legend_cols = max(1, min(len(handles), int(16 * fig_w) // (longest + 6)))
-    legend_rows = math.ceil(len(handles) / legend_cols)
-    legend_h = 0.25 + 0.22 * legend_rows
-    heading = [title] if title else []
-    heading.append(f"images/s: {runs_phrase(runs or [1])} per point; memory: peak added by a pass")
-    title_h = 0.25 + 0.2 * len(heading)
-    height = 3.2 * nrows + legend_h + title_h
-    fig, axes = plt.subplots(nrows, ncols, figsize=(fig_w, height), squeeze=False)
-    for i, (key, label) in enumerate(panels):
-        ax = axes[i // ncols][i % ncols]
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        spread = key.endswith("_img_s") and bars
-        for n, name in enumerate(names):
-            rows = [p for p in points if str(p[label_key]) == name and measured(p, key)]
-            shift = dodge(n, len(names), width) if spread else 1.0
-            xs, ys = [x_of(p) * shift for p in rows], [p[key] for p in rows]
-            if spread:
-                low = [p[key] - p[f"{key}_min"] if has_spread(p, key) else 0.0 for p in rows]
-                high = [p[f"{key}_max"] - p[key] if has_spread(p, key) else 0.0 for p in rows]
-                ax.errorbar(xs, ys, yerr=[low, high], ms=4, capsize=2.5, elinewidth=1, label=name,
-                            **styles[name])
-            else:
-                ax.plot(xs, ys, ms=4, label=name, **styles[name])
-        ax.autoscale_view()
-        bottom, top = ax.get_ylim()
-        for name in names:  # failed points: an x at the bottom of the panel, in the series' colour
-            failed = [x_of(p) for p in points if str(p[label_key]) == name and not measured(p, key)
-                      and p["status"] != "ok"]
-            if failed:
-                ax.plot(failed, [bottom] * len(failed), "x", color=styles[name]["color"], ms=8, clip_on=False)
-        ax.set_ylim(bottom, top)
-        ax.xaxis.set_minor_locator(NullLocator())
-        ax.set_xticks(sizes, [ticks[s] for s in sizes])
-        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0), numticks=12))
-        ax.yaxis.set_major_formatter(FuncFormatter(number))
-        ax.yaxis.set_minor_formatter(NullFormatter())
-        ax.tick_params(labelsize=8)
-        ax.set_xlabel("resolution (px)" if square else "pixels (ticks: side or height x width)", fontsize=9)
-        ax.set_title(label, fontsize=10)
-        ax.grid(True, which="major", alpha=0.3)
-    for j in range(len(panels), nrows * ncols):
-        axes[j // ncols][j % ncols].set_visible(False)
-    fig.suptitle("\n".join(heading), fontsize=10)
-    fig.legend(handles=handles, loc="lower center", ncol=legend_cols, fontsize=9, frameon=False)
-    fig.tight_layout(rect=(0, legend_h / height, 1, 1))  # tight_layout leaves the title its room
-    # tick labels that would overlap their neighbour are blanked, keeping the largest size's
-    fig.canvas.draw()
-    renderer = fig.canvas.get_renderer()
-    for i in range(len(panels)):
-        ax = axes[i // ncols][i % ncols]
-        labels = ax.get_xticklabels()
-        boxes = [t.get_window_extent(renderer) for t in labels]
-        keep = [True] * len(labels)
-        right = math.inf
-        for k in range(len(labels) - 1, -1, -1):  # from the largest size leftwards
-            if boxes[k].x1 + 3 > right:
-                keep[k] = False
-            else:
-                right = boxes[k].x0
-        ax.set_xticks(sizes, [ticks[s] if kept else "" for s, kept in zip(sizes, keep)])
-    return fig
-
-
-def plot_results(points: List[BenchmarkPoint], path: str, title: str = "", label_key: str = "model") -> bool:
-    """PNG with inference and training throughput and peak memory against resolution (log axes), one series per
-    distinct ``point[label_key]``; returns whether it was written (False when no point measured anything). The
-    x axis is the side when every size is square, else the pixel count, each tick labelled with its size.
-
-    Each throughput point is the median of the point's timed runs, with a bar from its slowest to its fastest
-    run (points of one run have none); the series of one size are set a little apart sideways so that their bars
-    stay visible. Every series has its own colour and marker. The panels sit two to a row under the title (the
-    number of timed runs is its last line) with one legend below them all, outside every panel: the series, what
-    the bars are, and the x that marks a point not measured (at the bottom of its panel, in its series' colour,
-    with the statuses in the legend). Every measured resolution has a tick, and a tick label that would run into
-    its neighbour is left out (the largest size keeps its label).
-    """
-    import matplotlib.pyplot as plt
-
-    fig = results_figure(points, title, label_key)
-    if fig is None:
-        return False
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True

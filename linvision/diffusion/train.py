@@ -11,7 +11,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from timm.optim import create_optimizer_v2
@@ -250,12 +250,67 @@ def train_dit(cfg: DiffusionTrainConfig, out_dir: str, resume: bool = False, sto
 
 def _train(cfg: DiffusionTrainConfig, out_dir: str, resume: bool, stop_after: Optional[int],
            log: Callable[[str], None], info: DistInfo) -> Dict[str, Any]:
+    """The run, step by step: the parts, the state it resumes from, then the steps until ``cfg.steps``,
+    ``stop_after``, the time budget or a signal, and the last checkpoint; each step is one function below."""
+    run = _set_up(cfg, out_dir, resume, log, info)
+    if resume:
+        _restore(run)
+    _report(run)
+    run.start = time.perf_counter()
+    run.model.train()
+    with StopFlag() as stop:
+        while run.step < (cfg.steps if stop_after is None else min(cfg.steps, stop_after)):
+            if _out_of_time(run):
+                break
+            loss, lr = _train_step(run)
+            run.window += torch.tensor([loss, 1.0], dtype=torch.float64)
+            if run.step % cfg.log_every == 0 or run.step == cfg.steps:
+                _log_losses(run, lr)
+            _checkpoint_when_due(run, stop)
+    if not (cfg.save_every and run.step % cfg.save_every == 0 and run.step > 0):  # else just saved
+        _save(run)
+    return {"step": run.step, "losses": run.losses, "elapsed_s": time.perf_counter() - run.start}
+
+
+@dataclass
+class _Run:
+    """What one run of :func:`train_dit` holds while it runs: its parts (built by :func:`_set_up`) and its
+    position."""
+
+    cfg: DiffusionTrainConfig
+    info: DistInfo
+    log: Callable[[str], None]
+    last: str  # the checkpoint folder, out_dir/last
+    per_rank: int  # images of each step on this rank
+    data: _TrainingData
+    captions: Optional[CaptionEmbeddings]
+    model: LinDiT
+    ema: ModelEmaV3
+    step_model: nn.Module  # the model as it runs the steps (DDP- or FSDP-wrapped)
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    data_gen: torch.Generator  # the batches' indices, the same on every rank
+    noise_gen: torch.Generator  # the batches' noise, the same on every rank
+    meta: Dict[str, Any]  # of every checkpoint: the data and the parallel mode
+    step: int = 0
+    start: float = 0.0  # perf_counter() when the steps began
+    losses: List[float] = field(default_factory=list)  # the logged means over all ranks
+    # this rank's loss sum and step count since the last log line (summed over the ranks when logged)
+    window: Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
+
+    @property
+    def rows(self) -> slice:
+        """This rank's rows of each global batch."""
+        return slice(self.info.rank * self.per_rank, (self.info.rank + 1) * self.per_rank)
+
+
+def _set_up(cfg: DiffusionTrainConfig, out_dir: str, resume: bool, log: Callable[[str], None],
+            info: DistInfo) -> _Run:
+    """This rank's share of the batch, the data (and captions), the model (from ``cfg.init_from`` when not
+    resuming), its EMA and parallel wrapper, the optimizer, the schedule and the generators of the batches and
+    the noise. ValueError when the batch does not split over the ranks or the classes do not fit the model."""
     if cfg.batch_size % info.world_size:
         raise ValueError(f"batch_size: {cfg.batch_size} images per step do not split over {info.world_size} ranks")
-    per_rank = cfg.batch_size // info.world_size
-    lo, hi = info.rank * per_rank, (info.rank + 1) * per_rank
-    device = info.device
-    sharded = cfg.parallel == "fsdp"
     model_cfg = cfg.model_config()
     data = _training_data(cfg, model_cfg, out_dir, info, log)
     captions = _captions(cfg, model_cfg, len(data.labels))
@@ -273,83 +328,109 @@ def _train(cfg: DiffusionTrainConfig, out_dir: str, resume: bool, stop_after: Op
     step_model = parallelize(model, ema.module, cfg.parallel, info, cfg.fsdp_param_dtype)
     opt = create_optimizer_v2(model, opt="adamw", lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_factor(k, cfg))
-    data_gen = torch.Generator().manual_seed(cfg.seed)
-    noise_gen = torch.Generator(device=device).manual_seed(cfg.seed + 1)
-    step = 0
-    last = os.path.join(out_dir, "last")
-    if resume:
-        if info.is_main:
-            recover_checkpoint_folder(last)
-        barrier(info)
-        state = load_torch_file(os.path.join(last, "train_state.pt"), "resume")
-        load_train_state(last, step_model, ema.module, opt, state)
-        sched.load_state_dict(state["scheduler"])
-        data_gen.set_state(state["data_gen"])
-        try:
-            noise_gen.set_state(state["noise_gen"])
-        except RuntimeError:  # a CUDA generator's state does not fit a CPU one, and the other way round
-            raise ValueError(f"resume: {last} was trained with its noise on another kind of device than this "
-                             f"run's {device.type}; resume it on the same kind") from None
-        step = state["step"]
-        log(f"resumed from {last} at step {step}")
     meta = {"data": {"dataset": cfg.dataset, "classes": data.classes, "value_range": [-1.0, 1.0],
                      "autoencoder": cfg.autoencoder and os.path.abspath(cfg.autoencoder),
                      "captions": cfg.captions and os.path.abspath(cfg.captions)},
             "parallel": {"mode": cfg.parallel, "world_size": info.world_size}}
+    return _Run(cfg, info, log, os.path.join(out_dir, "last"), cfg.batch_size // info.world_size, data, captions,
+                model, ema, step_model, opt, sched, data_gen=torch.Generator().manual_seed(cfg.seed),
+                noise_gen=torch.Generator(device=info.device).manual_seed(cfg.seed + 1), meta=meta)
 
-    def save() -> None:
-        train_state = {"scheduler": sched.state_dict(), "step": step, "data_gen": data_gen.get_state(),
-                       "noise_gen": noise_gen.get_state(), "config": cfg.to_dict()}
-        if sharded:
-            save_sharded_dit_checkpoint(last, model, ema.module, opt, {**meta, "step": step}, train_state, info)
-        elif info.is_main:
-            save_dit_checkpoint(last, model, ema.module, {**meta, "step": step},
-                                {**train_state, "optimizer": optimizer_state(model, opt)})
-        barrier(info)  # no rank leaves (and ends the job on an interruption) before the checkpoint is whole
 
-    n_params = sum(p.numel() for p in model.parameters())  # a sharded parameter reports its whole size
-    log(f"LinDiT {n_params / 1e6:.2f}M params, {len(data.labels)} images{' with captions' if captions else ''}, "
-        f"device {device}, {info.world_size} rank(s) x {per_rank} images per step"
-        f"{f', {cfg.parallel}' if info.distributed or sharded else ''}")
-    losses: List[float] = []
-    window = torch.zeros(2, dtype=torch.float64)  # loss sum over ranks and steps, step count
-    start = time.perf_counter()
-    model.train()
-    with StopFlag() as stop:
-        while step < (cfg.steps if stop_after is None else min(cfg.steps, stop_after)):
-            out_of_time = cfg.max_minutes is not None and time.perf_counter() - start > 60 * cfg.max_minutes
-            if all_reduce_max(int(out_of_time), info):  # every rank stops at the same step
-                log(f"time budget of {cfg.max_minutes} min reached at step {step}")
-                break
-            idx = torch.randint(len(data.labels), (cfg.batch_size,), generator=data_gen)[lo:hi]
-            x0 = data.inputs(idx).to(device)
-            t, eps, drop = flow_noise(cfg.batch_size, x0.shape[1:], cfg.class_dropout, generator=noise_gen,
-                                      device=device, dtype=x0.dtype)
-            noise = (t[lo:hi], eps[lo:hi], drop[lo:hi])
-            lr = opt.param_groups[0]["lr"]
-            if captions is None:
-                loss = flow_matching_loss(step_model, x0, data.labels[idx].to(device), cfg.class_dropout,
-                                          null_class=model.null_class, noise=noise)
-            else:
-                context, mask = captions.rows(idx)
-                loss = flow_matching_loss(step_model, x0, None, cfg.class_dropout, noise=noise,
-                                          context=context.to(device), context_mask=mask.to(device))
-            optimizer_step(loss, model, opt, ema, step, cfg.grad_clip)
-            sched.step()
-            step += 1
-            window += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                total = all_reduce_sum(window, info)
-                losses.append(float(total[0] / total[1]))
-                log(f"step {step:6d}  loss {losses[-1]:.4f}  lr {lr:.2e}  "
-                    f"{time.perf_counter() - start:.0f}s")
-                window.zero_()
-            signum = all_reduce_max(stop.signum, info)  # every rank stops at the same step
-            if signum:  # saved at this step, then the tool exits with 128 + the signal
-                save()
-                raise TrainInterrupted(signum, last, "the same command with --resume")
-            if cfg.save_every and step % cfg.save_every == 0:
-                save()
-    if not (cfg.save_every and step % cfg.save_every == 0 and step > 0):  # else just saved
-        save()
-    return {"step": step, "losses": losses, "elapsed_s": time.perf_counter() - start}
+def _restore(run: _Run) -> None:
+    """The weights, EMA, optimizer, schedule, generators and step of ``run.last`` (a folder an interrupted save
+    left half-written recovered first). ValueError when its noise generator was on another kind of device."""
+    info, last = run.info, run.last
+    if info.is_main:
+        recover_checkpoint_folder(last)
+    barrier(info)
+    state = load_torch_file(os.path.join(last, "train_state.pt"), "resume")
+    load_train_state(last, run.step_model, run.ema.module, run.opt, state)
+    run.sched.load_state_dict(state["scheduler"])
+    run.data_gen.set_state(state["data_gen"])
+    try:
+        run.noise_gen.set_state(state["noise_gen"])
+    except RuntimeError:  # a CUDA generator's state does not fit a CPU one, and the other way round
+        raise ValueError(f"resume: {last} was trained with its noise on another kind of device than this "
+                         f"run's {info.device.type}; resume it on the same kind") from None
+    run.step = state["step"]
+    run.log(f"resumed from {last} at step {run.step}")
+
+
+def _report(run: _Run) -> None:
+    """The run's line in the log: the model's size, the data, the device and how the ranks share each step."""
+    cfg, info = run.cfg, run.info
+    n_params = sum(p.numel() for p in run.model.parameters())  # a sharded parameter reports its whole size
+    parallel = f", {cfg.parallel}" if info.distributed or cfg.parallel == "fsdp" else ""
+    run.log(f"LinDiT {n_params / 1e6:.2f}M params, {len(run.data.labels)} images"
+            f"{' with captions' if run.captions else ''}, device {info.device}, {info.world_size} rank(s) x "
+            f"{run.per_rank} images per step{parallel}")
+
+
+def _save(run: _Run) -> None:
+    """The checkpoint ``run.last`` at the current step: sharded by every rank with FSDP, else by rank 0; no rank
+    leaves before it is whole."""
+    cfg, info, step = run.cfg, run.info, run.step
+    train_state = {"scheduler": run.sched.state_dict(), "step": step, "data_gen": run.data_gen.get_state(),
+                   "noise_gen": run.noise_gen.get_state(), "config": cfg.to_dict()}
+    if cfg.parallel == "fsdp":
+        save_sharded_dit_checkpoint(run.last, run.model, run.ema.module, run.opt, {**run.meta, "step": step},
+                                    train_state, info)
+    elif info.is_main:
+        save_dit_checkpoint(run.last, run.model, run.ema.module, {**run.meta, "step": step},
+                            {**train_state, "optimizer": optimizer_state(run.model, run.opt)})
+    barrier(info)  # no rank leaves (and ends the job on an interruption) before the checkpoint is whole
+
+
+def _out_of_time(run: _Run) -> bool:
+    """Whether ``cfg.max_minutes`` of training have passed on any rank (so that every rank stops at the same
+    step); logged when they have."""
+    cfg = run.cfg
+    out_of_time = cfg.max_minutes is not None and time.perf_counter() - run.start > 60 * cfg.max_minutes
+    if all_reduce_max(int(out_of_time), run.info):
+        run.log(f"time budget of {cfg.max_minutes} min reached at step {run.step}")
+        return True
+    return False
+
+
+def _train_step(run: _Run) -> Tuple[float, float]:
+    """One optimizer update: this rank's rows of the global batch of indices and noise, the flow-matching loss
+    (class- or caption-conditioned), the update and the schedule's step; returns (the loss, the learning rate
+    it used)."""
+    cfg, data, device, rows = run.cfg, run.data, run.info.device, run.rows
+    idx = torch.randint(len(data.labels), (cfg.batch_size,), generator=run.data_gen)[rows]
+    x0 = data.inputs(idx).to(device)
+    t, eps, drop = flow_noise(cfg.batch_size, x0.shape[1:], cfg.class_dropout, generator=run.noise_gen,
+                              device=device, dtype=x0.dtype)
+    noise = (t[rows], eps[rows], drop[rows])
+    lr = run.opt.param_groups[0]["lr"]
+    if run.captions is None:
+        loss = flow_matching_loss(run.step_model, x0, data.labels[idx].to(device), cfg.class_dropout,
+                                  null_class=run.model.null_class, noise=noise)
+    else:
+        context, mask = run.captions.rows(idx)
+        loss = flow_matching_loss(run.step_model, x0, None, cfg.class_dropout, noise=noise,
+                                  context=context.to(device), context_mask=mask.to(device))
+    optimizer_step(loss, run.model, run.opt, run.ema, run.step, cfg.grad_clip)
+    run.sched.step()
+    run.step += 1
+    return loss.item(), lr
+
+
+def _log_losses(run: _Run, lr: float) -> None:
+    """The mean loss over all ranks since the last log line, into ``run.losses`` and the log."""
+    total = all_reduce_sum(run.window, run.info)
+    run.losses.append(float(total[0] / total[1]))
+    run.log(f"step {run.step:6d}  loss {run.losses[-1]:.4f}  lr {lr:.2e}  {time.perf_counter() - run.start:.0f}s")
+    run.window.zero_()
+
+
+def _checkpoint_when_due(run: _Run, stop: StopFlag) -> None:
+    """After a step: on a signal to any rank, the checkpoint at this step, then TrainInterrupted (the tool exits
+    with 128 + the signal); else the checkpoint every ``cfg.save_every`` steps."""
+    signum = all_reduce_max(stop.signum, run.info)  # every rank stops at the same step
+    if signum:
+        _save(run)
+        raise TrainInterrupted(signum, run.last, "the same command with --resume")
+    if run.cfg.save_every and run.step % run.cfg.save_every == 0:
+        _save(run)

@@ -36,8 +36,8 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any, Callable, Dict, List, Tuple
 
 from linvision.benchmark.flops import count_gflops, count_params
-from linvision.benchmark.throughput import (_empty_point, benchmark_point, dodge, plot_results, runs_phrase,
-                                            series_styles)
+from linvision.benchmark.plots import dodge, plot_results, series_styles
+from linvision.benchmark.throughput import _empty_point, benchmark_point, runs_phrase
 from linvision.training.seg_config import SegTrainConfig
 from linvision.training.train import TrainConfig, add_train_args, train
 from linvision.training.validate import validate_checkpoint

@@ -211,3 +211,16 @@ def test_contributing_page_names_every_module_where_it_lives():
         present = {p.stem for p in folder.rglob("*.py") if p.stem != "__init__"}
         assert present - named == set(), f"{name}: modules the Contributing page does not name"
         assert named - present == set(), f"{name}: the Contributing page names modules that do not exist"
+
+
+def test_no_function_of_linvision_is_longer_than_80_lines():
+    """Readable at once: every function and method under linvision/ (its def line to its last, docstring included)
+    fits in 80 lines; a longer one is split into named steps."""
+    long = []
+    for path in sorted((ROOT / "linvision").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 80:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, long

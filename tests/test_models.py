@@ -782,3 +782,33 @@ def test_converted_vit_output_gate_starts_as_a_pass_through(mixer):
     x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
     with torch.no_grad():
         torch.testing.assert_close(gated(x), plain(x), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("rope", ["axial", "mixed"])
+def test_a_learned_absolute_embedding_beside_rope_is_added_at_every_grid(rope):
+    """pos_embed='learn' on a RoPE model (EVA-02's pairing): the tokens are the RoPE model's plus timm's resampling
+    of the embedding to the input's grid (class-token row included), at the training grid and at an odd
+    non-square one; with the embedding zeroed the logits are the RoPE-only model's, in float64. pos_embed='none'
+    removes the plain model's embedding; anything else fails in one line."""
+    kwargs = dict(SMALL_VIT, patch_size=8, img_size=32, num_classes=5, token_mixer="softmax", rope=rope)
+    torch.manual_seed(0)
+    both = timm.create_model("linvit_tiny_patch16_rope_224", pos_embed="learn", **kwargs).double().eval()
+    rope_only = timm.create_model("linvit_tiny_patch16_rope_224", **kwargs).double().eval()
+    assert rope_only.pos_embed is None and both.pos_embed.shape == (1, 1 + 16, 32)
+    missing, unexpected = rope_only.load_state_dict(both.state_dict(), strict=False)[:2]
+    assert missing == [] and unexpected == ["pos_embed"]
+    for h, w in ((32, 32), (40, 72)):
+        x = torch.randn(2, 3, h, w, dtype=torch.float64)
+        tokens, grid = both._embed(x)
+        expected = resample_abs_pos_embed(both.pos_embed, new_size=grid, old_size=(4, 4), num_prefix_tokens=1)
+        torch.testing.assert_close(tokens, rope_only._embed(x)[0] + expected, rtol=0, atol=1e-12)
+        assert grid == (h // 8, w // 8)
+    with torch.no_grad():
+        both.pos_embed.zero_()
+    x = torch.randn(1, 3, 40, 72, dtype=torch.float64)
+    torch.testing.assert_close(both(x), rope_only(x), rtol=0, atol=1e-12)
+
+    plain = timm.create_model("linvit_tiny_patch16_224", pos_embed="none", **dict(kwargs, rope="none"))
+    assert plain.pos_embed is None and "pos_embed" not in plain.state_dict()
+    with pytest.raises(ValueError, match=r"^pos_embed: unknown 'sincos'"):
+        timm.create_model("linvit_tiny_patch16_224", pos_embed="sincos")

@@ -94,8 +94,11 @@ class LinViT(nn.Module):
         token_mixer: a registered mixer name ("linear", "linear_rope", "softmax", "causal", "hybrid", "gated_cnn", ...)
             or a mixer class (built as ``cls(dim, num_heads, **mixer_kwargs)``).
         mixer_kwargs: extra options for the mixer (e.g. feature_map="relu", lepe=True).
-        rope: None or "none" (absolute position embedding), "axial" or "mixed" (2D RoPE in the mixer, no
-            absolute embedding); the mixer must have a ``rope`` option for the last two.
+        rope: None or "none" (absolute position embedding), "axial" or "mixed" (2D RoPE in the mixer); the mixer
+            must have a ``rope`` option for the last two.
+        pos_embed: the learned absolute position embedding, as timm's VisionTransformer names it: "learn" (one),
+            "none" (none), or None (default): "learn" without RoPE, "none" with it. "learn" beside RoPE is EVA-02's
+            pairing; the embedding is then resampled to every input's grid, so the model still takes any size.
         dynamic_img_size: resample the absolute position embedding to the input's grid at every call.
     Raises ValueError for an unknown rope or global_pool, a rope the mixer has no option for, global_pool='token'
     without a class token, or prefix tokens with a mixer that cannot take them.
@@ -119,6 +122,7 @@ class LinViT(nn.Module):
         token_mixer: Union[str, Type[nn.Module]] = "linear",
         mixer_kwargs: Optional[Dict[str, Any]] = None,
         rope: Optional[str] = None,
+        pos_embed: Optional[str] = None,
         dynamic_img_size: bool = False,
         drop_rate: float = 0.0,
         proj_drop_rate: float = 0.0,
@@ -134,6 +138,10 @@ class LinViT(nn.Module):
             raise ValueError(f"rope: {rope!r} is not an option of the {_mixer_name(token_mixer)} mixer (it has no "
                              "RoPE); build it with rope=None, a learned absolute position embedding")
         _check_pool(global_pool, class_token)
+        if pos_embed not in (None, "learn", "none"):
+            raise ValueError(f"pos_embed: unknown {pos_embed!r}; allowed: 'learn', 'none' or None (learn without "
+                             "RoPE, none with it)")
+        learned = (rope is None) if pos_embed is None else pos_embed == "learn"
         if isinstance(reg_tokens, bool) or not isinstance(reg_tokens, int) or reg_tokens < 0:
             raise ValueError(f"reg_tokens: must be an int >= 0, got {reg_tokens!r}")
         self.num_classes = num_classes
@@ -150,12 +158,12 @@ class LinViT(nn.Module):
 
         self.patch_embed = PatchEmbed(
             img_size, patch_size, in_chans, embed_dim, output_fmt="NHWC",
-            strict_img_size=rope is None and not dynamic_img_size,
+            strict_img_size=learned and rope is None and not dynamic_img_size,
         )
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
         self.reg_token = nn.Parameter(torch.zeros(1, reg_tokens, embed_dim)) if reg_tokens else None
         embed_len = self.patch_embed.num_patches + (0 if no_embed_class else self.num_prefix_tokens)
-        self.pos_embed = nn.Parameter(torch.zeros(1, embed_len, embed_dim)) if rope is None else None
+        self.pos_embed = nn.Parameter(torch.zeros(1, embed_len, embed_dim)) if learned else None
         # the RoPE variant reaches the mixer (checked above to take it); the caller's options must all fit the mixer
         options = stage_mixer_options([token_mixer], mixer_kwargs, dict(rope=rope) if rope is not None else None)[0]
         rates = torch.linspace(0, drop_path_rate, depth).tolist()
@@ -216,9 +224,9 @@ class LinViT(nn.Module):
         if self.pos_embed is None:
             return (torch.cat(prefix + [x], dim=1) if prefix else x), (h, w)
         pos = self.pos_embed
-        if self.dynamic_img_size:
+        if self.dynamic_img_size or self.rope is not None:
             # timm's resampler returns the embedding unchanged on the training grid; it is an FX leaf, so the grid
-            # comparison stays out of the traced path.
+            # comparison stays out of the traced path. A RoPE model takes any size, its embedding too.
             pos = resample_abs_pos_embed(pos, new_size=(h, w), old_size=self.patch_embed.grid_size,
                                          num_prefix_tokens=0 if self.no_embed_class else self.num_prefix_tokens)
         if self.no_embed_class or not prefix:

@@ -427,13 +427,15 @@ def test_model_table_says_what_pretrained_loads():
         "linvit_tiny_patch16_224"]
 
 
-@pytest.mark.parametrize("family", ["mlla", "ravlt"])
+@pytest.mark.parametrize("family", ["mlla", "ravlt", "mavit"])
 def test_published_attention_runs_on_the_fused_kernels(family):
     """The families' linear attention with their RoPE conventions (MLLA: one table across heads, per-head
-    frequency tensors; RAVLT: per-head linspace table, RALA's reweighted keys through the identity map) gives the
-    PyTorch path's output and gradients on the fused kernels (Triton interpreter on CPU)."""
+    frequency tensors; RAVLT: per-head linspace table, RALA's reweighted keys through the identity map; MAViT: the
+    same table, MALA's augmented q and k) gives the PyTorch path's output and gradients on the fused kernels
+    (Triton interpreter on CPU)."""
     pytest.importorskip("triton")
-    from linvision.ops import axial_rope, linear_attention, rank_augmented_linear_attention
+    from linvision.ops import axial_rope, linear_attention, magnitude_aware_linear_attention
+    from linvision.ops import rank_augmented_linear_attention
 
     torch.manual_seed(0)
     heads, d, grid = 2, 32, (3, 5)
@@ -446,9 +448,10 @@ def test_published_attention_runs_on_the_fused_kernels(family):
             return linear_attention(q, k, v, "elu", rope=rope, eps=1e-6, backend=backend)
     else:
         rope = axial_rope(d, grid, theta=1e4, row_first=True, endpoint=True)
+        attention = rank_augmented_linear_attention if family == "ravlt" else magnitude_aware_linear_attention
 
         def run(backend):
-            return rank_augmented_linear_attention(q, k, v, rope=rope, backend=backend)
+            return attention(q, k, v, rope=rope, backend=backend)
     outs, grads = [], []
     for backend in ("torch", "triton"):
         out = run(backend)

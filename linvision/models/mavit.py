@@ -15,7 +15,7 @@ before the mixer, layer scale and :class:`~linvision.layers.DwConvMlp`, the conv
   element-wise output modulation (attention + LePE) * (W_o x) before the projection;
 - stages 3-4: RAVLT's softmax mixer (``"ravlt_softmax"``), which is MAViT's too.
 
-The sizes are RAVLT's (:data:`linvision.models.ravlt.SIZES`); the authors' checkpoints share RAVLT's layout, so
+The sizes are RAVLT's (``linvision.models.ravlt.SIZES``); the authors' checkpoints share RAVLT's layout, so
 :func:`linvision.models.ravlt.checkpoint_filter_fn` maps them (q and k rows reordered to the RoPE pairs used here,
 the same outputs; the magnitude term m_i = s phi(q_i).kbar is a dot product, unchanged by the reordering).
 Evaluation as the authors': resize to 256/224 of the crop (bicubic), centre crop 224, ImageNet mean/std.
@@ -32,6 +32,7 @@ from linvision.layers.variant_mixers import MALAttention, OutputModulation
 from .linhier import LinHier
 from .published import published_cfg
 from .ravlt import SIZES, Ravlt, RavltRope, create_ravlt_like
+from .ravlt import checkpoint_filter_fn  # noqa: F401  (MAViT's files have RAVLT's layout)
 
 __all__ = ["Mavit", "MavitMala"]
 

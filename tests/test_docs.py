@@ -50,9 +50,9 @@ def test_api_reference_and_model_cards_are_built(site):
     api = _text(site, "api/ops.html")
     assert 'id="linvision.ops.linear_attention.dispatch.linear_attention"' in api
     cards = _text(site, "models/published.html")
-    for name in ("mlla_tiny", "ravlt_large"):
+    for name in ("mlla_tiny", "ravlt_large", "mavit_small"):
         assert f"<code>{name}</code>" in cards
-    assert "Demystify Mamba in Vision" in cards and "arXiv:2411.07635" in cards
+    assert "Demystify Mamba in Vision" in cards and "arXiv:2411.07635" in cards and "arXiv:2507.00698" in cards
 
 
 def test_build_fails_on_a_broken_link(tmp_path):

@@ -22,6 +22,7 @@ FAMILY_NAMES = {
     ],
     "mlla": ["mlla_tiny", "mlla_small", "mlla_base"],
     "ravlt": ["ravlt_tiny", "ravlt_small", "ravlt_base", "ravlt_large"],
+    "mavit": ["mavit_tiny", "mavit_small", "mavit_base", "mavit_large"],
 }
 ALL_NAMES = [n for names in FAMILY_NAMES.values() for n in names]
 
@@ -103,7 +104,7 @@ def _fx_model(model):
 
 
 def test_import_registers_every_model():
-    assert sorted(timm.list_models([f"{family}*" for family in ("lin", "mlla", "ravlt")])) == sorted(ALL_NAMES)
+    assert sorted(timm.list_models([f"{family}*" for family in ("lin", "mlla", "ravlt", "mavit")])) == sorted(ALL_NAMES)
     for family, names in FAMILY_NAMES.items():
         assert sorted(timm.list_models(module=family)) == sorted(names)
 

@@ -1,5 +1,5 @@
-"""The published backbones (MLLA, RAVLT): the authors' checkpoint layout loads with every tensor used, the sizes
-match the published tables, blocks equal explicit float64 formulas of the authors' definitions (their RoPE
+"""The published backbones (MLLA, RAVLT, MAViT): the authors' checkpoint layout loads with every tensor used, the
+sizes match the published tables, blocks equal explicit float64 formulas of the authors' definitions (their RoPE
 conventions included) at any grid, and checkpoint pickles run no code.
 
 tests/data/published/<model>.txt lists the tensor names, shapes and dtypes of each authors' checkpoint; the files
@@ -28,10 +28,12 @@ DATA = Path(__file__).parent / "data" / "published"
 PUBLISHED = {
     "mlla_tiny": (25, 4.2, True), "mlla_small": (43, 7.3, True), "mlla_base": (96, 16.2, True),
     "ravlt_tiny": (15, 2.4, False), "ravlt_small": (26, 4.6, False), "ravlt_base": (48, 9.9, False),
-    "ravlt_large": (95, 16.0, False),
+    "ravlt_large": (95, 16.0, False), "mavit_small": (27, 4.6, False),
 }
-SLOW = ("mlla_base", "ravlt_base", "ravlt_large")
+UNCOUNTED = ("mavit_tiny", "mavit_base", "mavit_large")  # published weights, no published size figures
+SLOW = ("mlla_base", "ravlt_base", "ravlt_large", "mavit_base", "mavit_large")
 NAMES = [pytest.param(n, id=n, marks=[pytest.mark.slow] if n in SLOW else []) for n in PUBLISHED]
+LAYOUTS = NAMES + [pytest.param(n, id=n, marks=[pytest.mark.slow] if n in SLOW else []) for n in UNCOUNTED]
 RESOLUTION_BUFFERS = (".attn.rope.rotations", ".RoPE.angle")  # rebuilt per input, never loaded
 
 
@@ -86,7 +88,7 @@ def _sorted_values(tensors):
     return torch.sort(torch.cat([t.double().flatten() for t in tensors])).values
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", LAYOUTS)
 def test_published_layout_loads_every_tensor(name, tmp_path):
     """Every tensor of the file lands in the model (a bijection: the sorted values are equal, so nothing is missing,
     duplicated or changed), from the raw weights, not the EMA copy; the q/k rows follow the pairs of RoPE."""
@@ -267,61 +269,120 @@ def _conv1x1(x, weight, bias):
     return F.linear(x, weight.flatten(1), bias)
 
 
-@pytest.mark.parametrize("stage, kind", [(0, "rala"), (1, "rala"), (2, "softmax")])
-def test_ravlt_blocks_equal_the_authors_formulas_at_any_grid(stage, kind, tmp_path):
-    """RAVLT's blocks: RoPE per head (pairs (2t, 2t+1); the first D/4 pairs turn with the row, the rest with the
-    column, frequencies 10000^-linspace(0, 1, D/4)); RALA reweights the keys by softmax(D^-1/2 qbar.k_j) * N;
-    softmax stages rotate q and k; LePE 5x5 on v; (attention + LePE) * o with o a linear projection; layer scale."""
-    torch.manual_seed(stage)
-    model, sd = _published_model("ravlt_tiny", tmp_path)
-    p = f"layers.{stage}.blocks.0."
+def _authors_attention(q, k, v, d, kind, angles):
+    """The token mixing of RAVLT's and MAViT's stages on heads (B, heads, N, D), as the authors compute it."""
+    n = q.shape[-2]
+    if kind == "rala":
+        q, k = F.elu(q) + 1, F.elu(k) + 1
+        weights = torch.softmax(d ** -0.5 * q.mean(dim=-2, keepdim=True) @ k.transpose(-1, -2), dim=-1)
+        k = k * weights.transpose(-1, -2) * n
+        return _linear_attention_explicit(q, k, v, _interleaved_rotate(q, angles), _interleaved_rotate(k, angles),
+                                          eps=1e-6)
+    if kind == "mala":  # z = s phi(q).mean(phi(k)) before RoPE; (s/N) rq rk^T v (1 + 1/(z + eps)) - z mean(v)
+        q, k = F.elu(q) + 1, F.elu(k) + 1
+        z = d ** -0.5 * q @ k.mean(dim=-2, keepdim=True).transpose(-1, -2)
+        kv = _interleaved_rotate(k, angles).transpose(-1, -2) @ v * (d ** -0.5 / n)
+        return _interleaved_rotate(q, angles) @ kv * (1 + 1 / (z + 1e-6)) - z * v.mean(dim=-2, keepdim=True)
+    rq, rk = _interleaved_rotate(q, angles), _interleaved_rotate(k, angles)
+    return torch.softmax(d ** -0.5 * rq @ rk.transpose(-1, -2), dim=-1) @ v
+
+
+def _authors_block(sd, p, x, heads, kind):
+    """One RAVLT / MAViT block (prefix ``p`` of the authors' state dict ``sd``) on x (B, H, W, C), in float64: CPE,
+    LayerNorm (eps 1e-6), qkvo 1x1 conv, the mixing with RoPE per head (pairs (2t, 2t+1); the first D/4 pairs turn
+    with the row, the rest with the column, frequencies 10000^-linspace(0, 1, D/4)), LePE 5x5 on v,
+    (attention + LePE) * o, the projection, layer scale; LayerNorm, the MLP with its residual 3x3 depthwise conv,
+    layer scale."""
     w_ = lambda n: sd[p + n]  # noqa: E731
-    c = w_("norm1.norm.weight").shape[0]
-    heads = model.stages[stage].blocks[0].mixer.num_heads
+    b, h, w, c = x.shape
     d = c // heads
+    y = x + _dwconv(x, w_("pos.weight"), w_("pos.bias"))
+    t = F.layer_norm(y, (c,), w_("norm1.norm.weight"), w_("norm1.norm.bias"), eps=1e-6).reshape(b, h * w, c)
+    q, k, v, o = _conv1x1(t, w_("attn.qkvo.weight"), w_("attn.qkvo.bias")).chunk(4, dim=-1)
+    lepe = _dwconv(v.reshape(b, h, w, c), w_("attn.lepe.weight"), w_("attn.lepe.bias")).reshape(b, h * w, c)
+    freqs = 10000.0 ** -torch.linspace(0, 1, d // 4, dtype=torch.float64)
+    rows, cols = _grid(h, w)
+    angles = torch.cat([rows[:, None] * freqs, cols[:, None] * freqs], dim=1)  # (N, D/2), every head
+    att = _authors_attention(*(_heads(z, heads) for z in (q, k, v)), d, kind, angles)
+    mixed = _conv1x1((_merge(att) + lepe) * o, w_("attn.proj.weight"), w_("attn.proj.bias")).reshape(b, h, w, c)
+    y = y + w_("gamma_1").flatten() * mixed
+    t = F.layer_norm(y, (c,), w_("norm2.norm.weight"), w_("norm2.norm.bias"), eps=1e-6)
+    hidden = F.gelu(_conv1x1(t, w_("ffn.fc1.weight"), w_("ffn.fc1.bias")))
+    hidden = hidden + _dwconv(hidden, w_("ffn.dwconv.weight"), w_("ffn.dwconv.bias"))
+    return y + w_("gamma_2").flatten() * _conv1x1(hidden, w_("ffn.fc2.weight"), w_("ffn.fc2.bias"))
+
+
+@pytest.mark.parametrize("name, stage, kind", [("ravlt_tiny", 0, "rala"), ("ravlt_tiny", 1, "rala"),
+                                               ("ravlt_tiny", 2, "softmax"), ("mavit_tiny", 0, "mala"),
+                                               ("mavit_tiny", 1, "mala"), ("mavit_tiny", 3, "softmax")])
+def test_ravlt_and_mavit_blocks_equal_the_authors_formulas_at_any_grid(name, stage, kind, tmp_path):
+    """RAVLT's and MAViT's blocks (:func:`_authors_block`): RALA reweights the keys by softmax(D^-1/2 qbar.k_j) * N;
+    MALA adds the query's magnitude z_i = D^-1/2 phi(q_i).mean(phi(k)); softmax stages rotate q and k."""
+    torch.manual_seed(stage)
+    model, sd = _published_model(name, tmp_path)
+    heads = model.stages[stage].blocks[0].mixer.num_heads
+    c = sd[f"layers.{stage}.blocks.0.norm1.norm.weight"].shape[0]
     for h, w in ((3, 5), (6, 4)):
         x = torch.randn(2, h, w, c, dtype=torch.float64)
-        y = x + _dwconv(x, w_("pos.weight"), w_("pos.bias"))
-        t = F.layer_norm(y, (c,), w_("norm1.norm.weight"), w_("norm1.norm.bias"), eps=1e-6).reshape(2, h * w, c)
-        q, k, v, o = _conv1x1(t, w_("attn.qkvo.weight"), w_("attn.qkvo.bias")).chunk(4, dim=-1)
-        lepe = _dwconv(v.reshape(2, h, w, c), w_("attn.lepe.weight"), w_("attn.lepe.bias")).reshape(2, h * w, c)
-        q, k, v = (_heads(z, heads) for z in (q, k, v))
-        freqs = 10000.0 ** -torch.linspace(0, 1, d // 4, dtype=torch.float64)
-        rows, cols = _grid(h, w)
-        angles = torch.cat([rows[:, None] * freqs, cols[:, None] * freqs], dim=1)  # (N, D/2), every head
-        n = h * w
-        if kind == "rala":
-            q, k = F.elu(q) + 1, F.elu(k) + 1
-            weights = torch.softmax(d ** -0.5 * q.mean(dim=-2, keepdim=True) @ k.transpose(-1, -2), dim=-1)
-            k = k * weights.transpose(-1, -2) * n
-            att = _linear_attention_explicit(q, k, v, _interleaved_rotate(q, angles), _interleaved_rotate(k, angles),
-                                             eps=1e-6)
-        else:
-            rq, rk = _interleaved_rotate(q, angles), _interleaved_rotate(k, angles)
-            att = torch.softmax(d ** -0.5 * rq @ rk.transpose(-1, -2), dim=-1) @ v
-        mixed = _conv1x1((_merge(att) + lepe) * o, w_("attn.proj.weight"), w_("attn.proj.bias")).reshape(2, h, w, c)
-        y = y + w_("gamma_1").flatten() * mixed
-        t = F.layer_norm(y, (c,), w_("norm2.norm.weight"), w_("norm2.norm.bias"), eps=1e-6)
-        hidden = F.gelu(_conv1x1(t, w_("ffn.fc1.weight"), w_("ffn.fc1.bias")))
-        hidden = hidden + _dwconv(hidden, w_("ffn.dwconv.weight"), w_("ffn.dwconv.bias"))
-        expected = y + w_("gamma_2").flatten() * _conv1x1(hidden, w_("ffn.fc2.weight"), w_("ffn.fc2.bias"))
+        expected = _authors_block(sd, f"layers.{stage}.blocks.0.", x, heads, kind)
         with torch.no_grad():
             got = model.stages[stage].blocks[0](x)
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)  # RoPE tables are fp32 by design
 
 
-def test_ravlt_head_equals_the_authors_conv_head(tmp_path):
-    """1x1 conv to 1024, BN, SiLU, average pool, 1x1 conv classifier."""
-    model, sd = _published_model("ravlt_tiny", tmp_path)
+def _bn(x, sd, p):
+    """The authors' BatchNorm ``p`` in eval mode on a channels-last x."""
+    return (x - sd[p + "running_mean"]) / torch.sqrt(sd[p + "running_var"] + 1e-5) * sd[p + "weight"] + sd[p + "bias"]
+
+
+def _conv_bn(x, sd, conv, bn, stride):
+    """3x3 conv (padding 1) with bias, then BatchNorm, on NCHW x."""
+    y = F.conv2d(x, sd[conv + "weight"], sd[conv + "bias"], stride=stride, padding=1)
+    return _bn(y.permute(0, 2, 3, 1), sd, bn).permute(0, 3, 1, 2)
+
+
+def _authors_head(sd, x):
+    """1x1 conv (1024 channels for RAVLT, 2048 / 2560 for MAViT), BN, SiLU, average pool, 1x1 conv classifier."""
+    z = _bn(_conv1x1(x, sd["proj.weight"], sd["proj.bias"]), sd, "norm.")
+    return _conv1x1(F.silu(z).mean(dim=(1, 2)), sd["head.weight"], sd["head.bias"])
+
+
+@pytest.mark.parametrize("name", ["ravlt_tiny", "mavit_tiny"])
+def test_published_head_equals_the_authors_conv_head(name, tmp_path):
+    model, sd = _published_model(name, tmp_path)
     x = torch.randn(2, 2, 3, 512, dtype=torch.float64)
-    z = _conv1x1(x, sd["proj.weight"], sd["proj.bias"])
-    z = (z - sd["norm.running_mean"]) / torch.sqrt(sd["norm.running_var"] + 1e-5) * sd["norm.weight"] + sd["norm.bias"]
-    expected = _conv1x1(F.silu(z).mean(dim=(1, 2)), sd["head.weight"], sd["head.bias"])
     with torch.no_grad():
-        torch.testing.assert_close(model.forward_head(model.final(x)), expected, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(model.forward_head(model.final(x)), _authors_head(sd, x), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("name", ["mlla_tiny", "ravlt_tiny"])
+@pytest.mark.parametrize("name, kinds", [("ravlt_tiny", ("rala", "rala", "softmax", "softmax")),
+                                         ("mavit_tiny", ("mala", "mala", "softmax", "softmax"))])
+def test_published_models_equal_the_authors_network(name, kinds, tmp_path):
+    """The whole network (one block a stage) loaded from a file in the authors' layout gives the logits of their
+    network written out in float64: a stem of four 3x3 conv-BN (strides 2, 1, 1, 2; GELU after the first three),
+    each stage's blocks then a 3x3/2 conv-BN to the next stage's width, the conv head; at two input sizes."""
+    model, sd = _published_model(name, tmp_path)
+    torch.manual_seed(0)
+    for size in ((64, 96), (96, 96)):
+        x = torch.randn(2, 3, *size, dtype=torch.float64)
+        y = x
+        for i, stride in enumerate((2, 1, 1, 2)):
+            y = _conv_bn(y, sd, f"patch_embed.proj.{3 * i}.", f"patch_embed.proj.{3 * i + 1}.", stride)
+            y = F.gelu(y) if i < 3 else y
+        for stage, kind in enumerate(kinds):
+            heads = model.stages[stage].blocks[0].mixer.num_heads
+            y = _authors_block(sd, f"layers.{stage}.blocks.0.", y.permute(0, 2, 3, 1), heads, kind)
+            y = y.permute(0, 3, 1, 2)
+            if stage < len(kinds) - 1:
+                y = _conv_bn(y, sd, f"layers.{stage}.downsample.reduction.", f"layers.{stage}.downsample.norm.", 2)
+        expected = _authors_head(sd, y.permute(0, 2, 3, 1))
+        with torch.no_grad():
+            got = model(x)
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6 * scale)  # RoPE tables are fp32 by design
+
+
+@pytest.mark.parametrize("name", ["mlla_tiny", "ravlt_tiny", "mavit_tiny"])
 def test_published_weights_run_at_any_multiple_of_the_stride(name, tmp_path):
     model, _ = _published_model(name, tmp_path)
     for size in ((224, 224), (320, 320), (256, 384), (96, 160)):
@@ -366,13 +427,15 @@ def test_model_table_says_what_pretrained_loads():
         "linvit_tiny_patch16_224"]
 
 
-@pytest.mark.parametrize("family", ["mlla", "ravlt"])
+@pytest.mark.parametrize("family", ["mlla", "ravlt", "mavit"])
 def test_published_attention_runs_on_the_fused_kernels(family):
     """The families' linear attention with their RoPE conventions (MLLA: one table across heads, per-head
-    frequency tensors; RAVLT: per-head linspace table, RALA's reweighted keys through the identity map) gives the
-    PyTorch path's output and gradients on the fused kernels (Triton interpreter on CPU)."""
+    frequency tensors; RAVLT: per-head linspace table, RALA's reweighted keys through the identity map; MAViT: the
+    same table, MALA's augmented q and k) gives the PyTorch path's output and gradients on the fused kernels
+    (Triton interpreter on CPU)."""
     pytest.importorskip("triton")
-    from linvision.ops import axial_rope, linear_attention, rank_augmented_linear_attention
+    from linvision.ops import axial_rope, linear_attention, magnitude_aware_linear_attention
+    from linvision.ops import rank_augmented_linear_attention
 
     torch.manual_seed(0)
     heads, d, grid = 2, 32, (3, 5)
@@ -385,9 +448,10 @@ def test_published_attention_runs_on_the_fused_kernels(family):
             return linear_attention(q, k, v, "elu", rope=rope, eps=1e-6, backend=backend)
     else:
         rope = axial_rope(d, grid, theta=1e4, row_first=True, endpoint=True)
+        attention = rank_augmented_linear_attention if family == "ravlt" else magnitude_aware_linear_attention
 
         def run(backend):
-            return rank_augmented_linear_attention(q, k, v, rope=rope, backend=backend)
+            return attention(q, k, v, rope=rope, backend=backend)
     outs, grads = [], []
     for backend in ("torch", "triton"):
         out = run(backend)
@@ -428,6 +492,32 @@ def test_pretrained_true_downloads_the_published_url_and_adapts_head_and_channel
     torch.testing.assert_close(model.final.weight, state["norm.weight"], rtol=0, atol=0)
     assert model.head.fc.weight.shape == (5, 512)
     assert model(torch.randn(1, 1, 64, 96)).shape == (1, 5)
+
+
+def test_mavit_pretrained_true_reads_the_hub_file_and_runs_no_code(tmp_path, monkeypatch):
+    """pretrained=True takes MAViT's file from the authors' Hugging Face hub repository (only the transfer is
+    replaced by a local file here) and reads it as the other published files: the raw weights under 'model', no
+    code from the pickle run."""
+    import timm.models._hub as hub
+
+    marker = tmp_path / "marker"
+    state = published_layout("mavit_tiny", one_block=True)
+    path = tmp_path / "MAViT_T.pth"
+    save_published(path, state, payload=_Crafted(str(marker)))
+    asked = []
+
+    def download(repo_id, filename, revision=None, cache_dir=None):
+        asked.append((repo_id, filename))
+        return str(path)
+
+    monkeypatch.setattr(hub, "hf_hub_download", download)
+    model = timm.create_model("mavit_tiny", depths=(1, 1, 1, 1), pretrained=True)
+    assert asked == [("aldjalkdf/MAViT", "MAViT_T.pth")] and not marker.exists()
+    torch.testing.assert_close(model.final.conv.weight, state["proj.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(model.head.fc.weight, state["head.weight"].flatten(1), rtol=0, atol=0)
+    small = timm.models.get_pretrained_cfg("mavit_small.in1k")
+    assert small.hf_hub_filename == "MAViT_S.pth" and "84.7" in small.description
+    assert (small.crop_pct, small.interpolation) == (0.875, "bicubic")
 
 
 def _serve_from(monkeypatch, tmp_path, path):

@@ -109,12 +109,18 @@ def require_weights(variant: str, pretrained: bool, kwargs: Dict[str, Any], hint
                          f"(or pretrained_cfg_overlay=dict(file=...) for a local checkpoint)")
 
 
-def published_cfg(top1: float, **kwargs) -> Dict[str, Any]:
+def published_cfg(top1: Optional[float], **kwargs) -> Dict[str, Any]:
     """The pretrained cfg of a published ImageNet-1k classifier evaluated at 224 px (ImageNet mean/std, bicubic,
     crop 0.875, stride 32, classifier ``head.fc``), read by :func:`load_published` (``custom_load``); ``kwargs``
-    give the source (url, licence, paper, first conv). The published top-1 goes into notes and description."""
+    give the source (url or hub file, licence, paper, first conv). The published top-1 goes into notes and
+    description; None where it is not recorded (the description says so)."""
     from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
+    if top1 is None:
+        notes, description = (), "the authors' ImageNet-1k weights (published top-1 not recorded here)"
+    else:
+        notes = (f"published ImageNet-1k top-1 {top1} (224 px)",)
+        description = f"the authors' ImageNet-1k weights (top-1 {top1}% as published)"
     return {
         "num_classes": 1000,
         "input_size": (3, 224, 224),
@@ -127,8 +133,8 @@ def published_cfg(top1: float, **kwargs) -> Dict[str, Any]:
         "std": IMAGENET_DEFAULT_STD,
         "classifier": "head.fc",
         "custom_load": True,
-        "notes": (f"published ImageNet-1k top-1 {top1} (224 px)",),
-        "description": f"the authors' ImageNet-1k weights (top-1 {top1}% as published)",
+        "notes": notes,
+        "description": description,
         **kwargs,
     }
 

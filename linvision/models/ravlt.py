@@ -39,7 +39,7 @@ from .linhier import LinHier
 from .published import build_published, load_published, published_cfg, unwrap_state_dict
 
 __all__ = ["Ravlt", "RavltRope", "RavltRala", "RavltSoftmax", "ChannelsLastConv", "RavltStem",
-           "checkpoint_filter_fn"]
+           "checkpoint_filter_fn", "SIZES", "create_ravlt_like"]
 
 # The weights taken from a training checkpoint: the raw weights under "model". The authors' evaluation prints the
 # accuracy of both the raw and the EMA copy and neither their README nor their paper says which one is published;
@@ -178,41 +178,46 @@ class Ravlt(LinHier):
         load_published(self, path, checkpoint_filter_fn)
 
 
-def _create_ravlt(variant: str, pretrained: bool = False, **kwargs) -> LinHier:
+# Sizes shared with MAViT (the same stages; MAViT's conv head is wider).
+SIZES: Dict[str, Dict[str, Any]] = {
+    "tiny": dict(depths=(2, 2, 6, 2), dims=(64, 128, 256, 512), num_heads=(1, 2, 4, 8), layer_scale_init=1.0),
+    "small": dict(depths=(3, 5, 9, 3), dims=(64, 128, 320, 512), num_heads=(1, 2, 5, 8), layer_scale_init=1.0),
+    "base": dict(depths=(4, 6, 12, 6), dims=(96, 192, 384, 512), num_heads=(1, 2, 6, 8),
+                 layer_scale_init=(1.0, 1.0, 1e-6, 1e-6)),
+    "large": dict(depths=(4, 7, 19, 8), dims=(96, 192, 448, 640), num_heads=(1, 2, 7, 10), layer_scale_init=1e-6),
+}
+
+
+def create_ravlt_like(model_cls: type, variant: str, pretrained: bool = False, head_chs: int = 1024,
+                      **kwargs) -> LinHier:
+    """A model of RAVLT's layout (stem, downsampling, blocks, a conv head of ``head_chs`` channels) as ``model_cls``,
+    built through :func:`build_published`; ``kwargs`` override any option (``token_mixers``, sizes)."""
     args = dict(
         token_mixers="ravlt_rala,ravlt_rala,ravlt_softmax,ravlt_softmax", mlp_ratio=3.5, stem_layer=RavltStem,
         downsample_layer=partial(ChannelsLastConv, kernel_size=3, stride=2, apply_act=False),
         cpe="first", mlp_layer=DwConvMlp,
-        final_layer=partial(ChannelsLastConv, out_chs=1024, act_layer=nn.SiLU),
+        final_layer=partial(ChannelsLastConv, out_chs=head_chs, act_layer=nn.SiLU),
     )
-    return build_published(Ravlt, variant, pretrained, checkpoint_filter_fn, **merge_options(args, **kwargs))
+    return build_published(model_cls, variant, pretrained, checkpoint_filter_fn, **merge_options(args, **kwargs))
 
 
 # Published training used stochastic depth 0.1 / 0.15 / 0.4 / 0.55 (T / S / B / L); the models default to none,
 # as timm's do.
 @register_model
 def ravlt_tiny(pretrained: bool = False, **kwargs) -> LinHier:
-    dims = (64, 128, 256, 512)
-    args = dict(depths=(2, 2, 6, 2), dims=dims, num_heads=(1, 2, 4, 8), layer_scale_init=1.0)
-    return _create_ravlt("ravlt_tiny", pretrained, **merge_options(args, **kwargs))
+    return create_ravlt_like(Ravlt, "ravlt_tiny", pretrained, **merge_options(SIZES["tiny"], **kwargs))
 
 
 @register_model
 def ravlt_small(pretrained: bool = False, **kwargs) -> LinHier:
-    dims = (64, 128, 320, 512)
-    args = dict(depths=(3, 5, 9, 3), dims=dims, num_heads=(1, 2, 5, 8), layer_scale_init=1.0)
-    return _create_ravlt("ravlt_small", pretrained, **merge_options(args, **kwargs))
+    return create_ravlt_like(Ravlt, "ravlt_small", pretrained, **merge_options(SIZES["small"], **kwargs))
 
 
 @register_model
 def ravlt_base(pretrained: bool = False, **kwargs) -> LinHier:
-    dims = (96, 192, 384, 512)
-    args = dict(depths=(4, 6, 12, 6), dims=dims, num_heads=(1, 2, 6, 8), layer_scale_init=(1.0, 1.0, 1e-6, 1e-6))
-    return _create_ravlt("ravlt_base", pretrained, **merge_options(args, **kwargs))
+    return create_ravlt_like(Ravlt, "ravlt_base", pretrained, **merge_options(SIZES["base"], **kwargs))
 
 
 @register_model
 def ravlt_large(pretrained: bool = False, **kwargs) -> LinHier:
-    dims = (96, 192, 448, 640)
-    args = dict(depths=(4, 7, 19, 8), dims=dims, num_heads=(1, 2, 7, 10), layer_scale_init=1e-6)
-    return _create_ravlt("ravlt_large", pretrained, **merge_options(args, **kwargs))
+    return create_ravlt_like(Ravlt, "ravlt_large", pretrained, **merge_options(SIZES["large"], **kwargs))

@@ -131,17 +131,8 @@ class LinViT(nn.Module):
         act_layer: Type[nn.Module] = nn.GELU,
     ):
         super().__init__()
-        rope = None if rope == "none" else rope  # the spelling that survives timm.create_model, which drops None
-        if rope not in ROPE_TYPES:
-            raise ValueError(f"rope: unknown {rope!r}; allowed: {ROPE_TYPES}")
-        if rope is not None and not _has_rope(token_mixer):
-            raise ValueError(f"rope: {rope!r} is not an option of the {_mixer_name(token_mixer)} mixer (it has no "
-                             "RoPE); build it with rope=None, a learned absolute position embedding")
+        rope, learned = _position_options(rope, pos_embed, token_mixer)
         _check_pool(global_pool, class_token)
-        if pos_embed not in (None, "learn", "none"):
-            raise ValueError(f"pos_embed: unknown {pos_embed!r}; allowed: 'learn', 'none' or None (learn without "
-                             "RoPE, none with it)")
-        learned = (rope is None) if pos_embed is None else pos_embed == "learn"
         if isinstance(reg_tokens, bool) or not isinstance(reg_tokens, int) or reg_tokens < 0:
             raise ValueError(f"reg_tokens: must be an int >= 0, got {reg_tokens!r}")
         self.num_classes = num_classes
@@ -437,6 +428,21 @@ def _pass_through_bias(mixer: nn.Module) -> float:
 def _is_softmax_vit(state_dict: Dict[str, Tensor]) -> bool:
     """A timm VisionTransformer state dict (DeiT, AugReg ViT, ...): attention weights under ``blocks.i.attn``."""
     return any(k.startswith("blocks.") and ".attn.qkv." in k for k in state_dict)
+
+
+def _position_options(rope: Optional[str], pos_embed: Optional[str], token_mixer) -> Tuple[Optional[str], bool]:
+    """(the RoPE variant or None, whether the model has a learned absolute embedding) from LinViT's ``rope`` and
+    ``pos_embed``; ValueError in one line for an unknown value or a RoPE the mixer has no option for."""
+    rope = None if rope == "none" else rope  # the spelling that survives timm.create_model, which drops None
+    if rope not in ROPE_TYPES:
+        raise ValueError(f"rope: unknown {rope!r}; allowed: {ROPE_TYPES}")
+    if rope is not None and not _has_rope(token_mixer):
+        raise ValueError(f"rope: {rope!r} is not an option of the {_mixer_name(token_mixer)} mixer (it has no "
+                         "RoPE); build it with rope=None, a learned absolute position embedding")
+    if pos_embed not in (None, "learn", "none"):
+        raise ValueError(f"pos_embed: unknown {pos_embed!r}; allowed: 'learn', 'none' or None (learn without "
+                         "RoPE, none with it)")
+    return rope, (rope is None) if pos_embed is None else pos_embed == "learn"
 
 
 def _split_prefix_rows(pos_embed: Tensor, num_prefix_tokens: int, name: str = "pos_embed") -> Tuple[Tensor, Tensor]:

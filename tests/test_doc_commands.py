@@ -345,6 +345,13 @@ CHAINS: Dict[str, Chain] = {
         "linvision-train -c configs/vit_twin_photos.yaml $R token_mixer=bidir_delta class_token=False "
         "global_pool=avg fc_norm=False --seed 0",
     ))),
+    "rope_positions": Chain(steps=(
+        Step("linvision-train -c configs/vit_twin_photos.yaml $R token_mixer=softmax pos_embed=learn --seed 0 "
+             "--experiment rope_abs", extra=EPOCH, why=ONE_EPOCH),
+        Step("linvision-train -c configs/vit_twin_photos.yaml $R token_mixer=softmax rope=mixed --seed 0 "
+             "--experiment rope_mixed", extra=EPOCH, why=ONE_EPOCH),
+        Step("linvision-validate --checkpoint output/rope_abs --img-size 64 96 128"),
+    )),
     "bench_core_op": Chain(steps=(
         Step("linvision-benchmark --model linhier_tiny_224:token_mixers=linear_rope "
              "linhier_tiny_224:token_mixers=bidir_delta linhier_tiny_224:token_mixers=bidir_gated --twin "

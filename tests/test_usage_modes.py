@@ -195,3 +195,33 @@ def test_vit_models_inference_mode_then_training(name, cold_rope_caches):
     want_loss, want = loss_and_grads(fresh.train(), x)
     torch.testing.assert_close(loss, want_loss)
     assert_grads_close(got, want)
+
+
+@pytest.mark.parametrize("amp", list(AMP))
+def test_absolute_embedding_beside_rope_at_100k_tokens_under_autocast(amp, cold_rope_caches):
+    """pos_embed='learn' beside axial RoPE as a high-resolution user runs it: batch 1 of an odd non-square image of
+    100,172 patch tokens (2528 x 2536 px at patch 8; the embedding resampled from the 4 x 4 training grid), a
+    forward under inference_mode, then fp16/bf16 autocast forward and backward: finite, the logits within the
+    autocast tolerance of fp32, and the embedding's gradient that of a copy that never saw inference mode."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("linvit_tiny_patch16_rope_224", pos_embed="learn", patch_size=8, img_size=32,
+                              embed_dim=32, depth=1, num_heads=2, num_classes=5)
+    fresh = copy.deepcopy(model)
+    x = torch.randn(1, 3, 2528, 2536, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        want = model.eval()(x)
+    assert want.shape == (1, 5) and torch.isfinite(want).all()
+    grads_of = []
+    for m in (model, fresh):
+        m.train().zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=AMP[amp]):
+            logits = m(x)
+        F.cross_entropy(logits.float(), labels(1)).backward()
+        grads_of.append(m.pos_embed.grad)
+        scale = float(want.abs().amax())
+        assert torch.isfinite(logits).all()
+        torch.testing.assert_close(logits.float(), want, rtol=0, atol=AMP_TOL[amp] * max(scale, 1.0))
+    assert torch.isfinite(grads_of[0]).all() and grads_of[0].abs().amax() > 0
+    torch.testing.assert_close(grads_of[0], grads_of[1])

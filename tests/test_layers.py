@@ -23,12 +23,13 @@ def _rotate(x, cos, sin):
     return torch.cat([x[..., :p] * cos - x[..., p:] * sin, x[..., :p] * sin + x[..., p:] * cos], dim=-1)
 
 
-def _axial_tables(d, h, w):
-    """Axial RoPE angles written out: pairs t < D/4 rotate with the column, the others with the row."""
+def _axial_tables(d, h, w, centre=False):
+    """Axial RoPE angles written out: pairs t < D/4 rotate with the column, the others with the row; positions
+    counted from the first patch, or from the grid's centre."""
     p = d // 2
     mag = 1.0 / 100.0 ** (torch.arange(0, d, 4, dtype=torch.float64) / d)
-    rows = torch.arange(h, dtype=torch.float64).repeat_interleave(w)
-    cols = torch.arange(w, dtype=torch.float64).repeat(h)
+    rows = torch.arange(h, dtype=torch.float64).repeat_interleave(w) - ((h - 1) / 2 if centre else 0)
+    cols = torch.arange(w, dtype=torch.float64).repeat(h) - ((w - 1) / 2 if centre else 0)
     ang = torch.cat([cols[:, None] * mag[None], rows[:, None] * mag[None]], dim=-1)  # (N, P)
     assert ang.shape[-1] == p
     return ang.cos(), ang.sin()
@@ -111,6 +112,33 @@ def test_softmax_mixer_with_prefix_tokens_matches_explicit_formula():
     scores = _rotate(q, cos, sin) @ _rotate(k, cos, sin).transpose(-1, -2) / math.sqrt(8)
     expected = mixer.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(x.shape))
     torch.testing.assert_close(mixer(x, (3, 4), num_prefix_tokens=1), expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("rope", ["axial", "mixed"])
+def test_rope_origin_centre_puts_the_class_token_at_the_grid_centre(rope):
+    """rope_origin='centre': the grid's positions are counted from its centre, so the unrotated class token sits
+    there as RoPE sees it (softmax, float64, a 3 x 4 grid). Without prefix tokens nothing changes."""
+    torch.manual_seed(3)
+    mixer = create_mixer("softmax", 32, 4, rope=rope, rope_origin="centre").double()
+    x = torch.randn(2, 1 + 12, 32, dtype=torch.float64)
+    q, k, v = _qkv(mixer, x)
+    if rope == "axial":
+        cos, sin = _with_prefix_rows(_axial_tables(8, 3, 4, centre=True), 1)
+    else:  # per head: col * fx + row * fy from the centre, written out
+        rows = torch.arange(3, dtype=torch.float64).repeat_interleave(4) - 1.0
+        cols = torch.arange(4, dtype=torch.float64).repeat(3) - 1.5
+        ang = cols[None, :, None] * mixer.rope_freqs_x[:, None] + rows[None, :, None] * mixer.rope_freqs_y[:, None]
+        ang = torch.cat([ang.new_zeros(4, 1, 4), ang], dim=1)  # (heads, 1 + 12, P)
+        cos, sin = ang.cos(), ang.sin()
+    scores = _rotate(q, cos, sin) @ _rotate(k, cos, sin).transpose(-1, -2) / math.sqrt(8)
+    expected = mixer.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(x.shape))
+    torch.testing.assert_close(mixer(x, (3, 4), num_prefix_tokens=1), expected, rtol=1e-5, atol=1e-7)
+    corner = create_mixer("softmax", 32, 4, rope=rope).double()
+    corner.load_state_dict(mixer.state_dict())
+    assert not torch.allclose(corner(x, (3, 4), num_prefix_tokens=1), expected, rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(corner(x[:, 1:], (3, 4)), mixer(x[:, 1:], (3, 4)), rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="rope_origin: unknown 'middle'"):
+        create_mixer("softmax", 32, 4, rope=rope, rope_origin="middle")
 
 
 @pytest.mark.parametrize("name", list_mixers())

@@ -207,6 +207,7 @@ MODELS = {  # name, options: every mixer of the isotropic family that takes a Na
     "linear_rope": ("linvit_tiny_patch16_rope_224", {}),  # 2D RoPE on the numerator and LePE
     "softmax_twin": ("linvit_tiny_patch16_rope_224", {"token_mixer": "softmax"}),
     "mixed_rope": ("linvit_small_patch16_rope_mixed_224", {}),
+    "rope_origin_centre": ("linvit_tiny_patch16_rope_224", {"mixer_kwargs": {"rope_origin": "centre"}}),
     "linear_abs_pos_avg": ("linvit_tiny_patch16_224", {"dynamic_img_size": True, "global_pool": "avg"}),
     "registers_no_embed_class": ("linvit_tiny_patch16_224", {"dynamic_img_size": True, "reg_tokens": 2,
                                                              "no_embed_class": True}),

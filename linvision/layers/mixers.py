@@ -54,6 +54,7 @@ from .registry import TokenMixer, check_layout, check_prefix_tokens, register_mi
 __all__ = [
     "check_feature_map",
     "ROPE_TYPES",
+    "ROPE_ORIGINS",
     "EPS_FORMS",
     "LAYER_FEATURE_MAPS",
     "AttentionMixer",
@@ -66,6 +67,7 @@ __all__ = [
 ]
 
 ROPE_TYPES = (None, "axial", "mixed")
+ROPE_ORIGINS = ("corner", "centre")
 # The maps of the normalised attention mixers (linear, hybrid, rala, mala): the non-negative ones of the table
 # linvision.ops.common.FEATURE_MAPS. Causal and recurrent mixers take those of them that are also causal.
 LAYER_FEATURE_MAPS = feature_maps_where(nonnegative=True)
@@ -97,6 +99,10 @@ class AttentionMixer(TokenMixer):
         rope: None, "axial" (fixed frequencies) or "mixed" (learnable per-head frequencies); needs D % 4 == 0.
         rope_theta: base of the axial frequencies (default 100, RoPE-ViT; MLLA and RAVLT use 10000).
         rope_row_first: the first half of the axial channel pairs follows the row (MLLA, RAVLT), not the column.
+        rope_origin: where the grid's position (0, 0) lies, and so where the unrotated prefix tokens (class
+            token) sit as RoPE sees them: "corner" (the first patch, RoPE-ViT's convention) or "centre" (the
+            middle of each image's grid). Tokens of the grid see each other the same either way: without prefix
+            tokens the outputs are equal.
         lepe: add a depthwise conv of V (on the grid) to the attention output; lepe_kernel its size (default 3).
         gate: multiply the attention output (with LePE) by act(W_g x) before the output projection; act is the
             class's :meth:`gate_activation` (SiLU here, MLLA's gate; RALA's output modulation has none).
@@ -122,7 +128,7 @@ class AttentionMixer(TokenMixer):
 
     def __init__(
         self, dim: int, num_heads: int, *, rope: Optional[str] = None, rope_theta: float = 100.0,
-        rope_row_first: bool = False, lepe: bool = False, lepe_kernel: int = 3, gate: bool = False,
+        rope_row_first: bool = False, rope_origin: str = "corner", lepe: bool = False, lepe_kernel: int = 3, gate: bool = False,
         qkv_bias: bool = True, proj_drop: float = 0.0,
     ):
         super().__init__()
@@ -130,6 +136,8 @@ class AttentionMixer(TokenMixer):
             raise ValueError(f"num_heads: {num_heads} must be >= 1 and divide dim={dim}")
         if rope not in ROPE_TYPES:
             raise ValueError(f"rope: unknown {rope!r}; allowed: {ROPE_TYPES}")
+        if rope_origin not in ROPE_ORIGINS:
+            raise ValueError(f"rope_origin: unknown {rope_origin!r}; allowed: {', '.join(ROPE_ORIGINS)}")
         if lepe_kernel < 1 or lepe_kernel % 2 == 0:
             raise ValueError(f"lepe_kernel: must be an odd size >= 1, got {lepe_kernel}")
         self.dim = dim
@@ -137,6 +145,7 @@ class AttentionMixer(TokenMixer):
         self.head_dim = dim // num_heads
         self.rope_type = rope
         self.rope_axial = dict(theta=rope_theta, row_first=rope_row_first)  # keywords of axial_rope
+        self.rope_origin = rope_origin
         if rope is not None and self.rope_dim % 4 != 0:
             raise ValueError(f"rope: 2D RoPE needs a (feature) head dim divisible by 4, got {self.rope_dim}")
         self.qkv = self.build_qkv(dim, qkv_bias)
@@ -174,16 +183,25 @@ class AttentionMixer(TokenMixer):
         autograd graph)."""
         if self.rope_type is None:
             return None
+        offset = self._rope_offset(hw, num_prefix_tokens)
         if self.rope_type == "axial":
             return axial_rope(self.rope_dim, hw, num_prefix_tokens=num_prefix_tokens, device=device, num_heads=1,
-                              **self.rope_axial)
-        return Rope(self.rope_freqs_x, self.rope_freqs_y, hw, num_prefix_tokens)
+                              offset=offset, **self.rope_axial)
+        return Rope(self.rope_freqs_x, self.rope_freqs_y, hw, num_prefix_tokens, offset)
+
+    def _rope_offset(self, hw: Tuple[int, int], num_prefix_tokens: int) -> Tuple[float, float]:
+        """The shift of the grid positions that puts (0, 0) where ``rope_origin`` says (only prefix tokens see it)."""
+        if self.rope_origin == "corner" or not num_prefix_tokens:
+            return (0.0, 0.0)
+        return (-(hw[0] - 1) / 2, -(hw[1] - 1) / 2)
 
     def make_rope_at(self, positions: Tensor, num_prefix_tokens: int = 0) -> Optional[Rope]:
         """The rotation of tokens at their own (row, col) (``positions`` (B, M, 2), images of different sizes in
         one batch), with the frequencies :meth:`make_rope` uses; None without RoPE."""
         if self.rope_type is None:
             return None
+        if self.rope_origin == "centre" and num_prefix_tokens:  # each image's own centre (padding sits at 0)
+            positions = positions - positions.amax(dim=1, keepdim=True).to(torch.float32) / 2
         if self.rope_type == "axial":
             fx, fy = axial_rope_freqs(self.rope_dim, num_heads=1, **self.rope_axial)
             return rope_at(fx.to(positions.device), fy.to(positions.device), positions, num_prefix_tokens)

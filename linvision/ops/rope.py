@@ -228,18 +228,19 @@ def rope_1d(dim: int, num_tokens: int, theta: float = 10000.0, num_prefix_tokens
 
 
 def axial_rope(dim: int, grid: Tuple[int, int], theta: float = 100.0, num_prefix_tokens: int = 0, device=None, *,
-               row_first: bool = False, endpoint: bool = False, num_heads: int = 1) -> Rope:
-    """2D axial RoPE for an H x W grid (frequencies: :func:`axial_rope_freqs`); the object and its fp32 tables are
-    cached per (dim, H, W, theta, prefix, device, row_first, endpoint, num_heads, inference mode) for the last
-    ``CACHE_SIZE`` such keys, except while a graph is traced."""
+               row_first: bool = False, endpoint: bool = False, num_heads: int = 1,
+               offset: Tuple[float, float] = (0.0, 0.0)) -> Rope:
+    """2D axial RoPE for an H x W grid (frequencies: :func:`axial_rope_freqs`; ``offset`` as :class:`Rope`'s); the
+    object and its fp32 tables are cached per (dim, H, W, theta, prefix, device, row_first, endpoint, num_heads,
+    offset, inference mode) for the last ``CACHE_SIZE`` such keys, except while a graph is traced."""
     grid = check_grid(grid)
     if is_tracing(*grid):  # a traced graph computes the tables itself: nothing cached, nothing taken from the cache
         fx, fy = axial_rope_freqs(dim, theta, row_first=row_first, endpoint=endpoint, num_heads=num_heads)
-        return Rope(fx.to(device), fy.to(device), grid, num_prefix_tokens)
+        return Rope(fx.to(device), fy.to(device), grid, num_prefix_tokens, offset)
     key = (dim, grid, float(theta), num_prefix_tokens, str(torch.device(device or "cpu")), row_first, endpoint,
-           num_heads, torch.is_inference_mode_enabled())
+           num_heads, tuple(map(float, offset)), torch.is_inference_mode_enabled())
     cached = _AXIAL_CACHE.lookup(key)
     if cached is None:
         fx, fy = axial_rope_freqs(dim, theta, row_first=row_first, endpoint=endpoint, num_heads=num_heads)
-        cached = _AXIAL_CACHE.store(key, Rope(fx.to(device), fy.to(device), grid, num_prefix_tokens))
+        cached = _AXIAL_CACHE.store(key, Rope(fx.to(device), fy.to(device), grid, num_prefix_tokens, offset))
     return cached

@@ -9,7 +9,7 @@ from torch import nn
 from linvision.layers import (MixerBlock, check_prefix_tokens, create_mixer, get_mixer_class, list_mixers,
                               mixer_options, takes_prefix_tokens)
 from linvision.layers.mixers import GatedConvMixer, HybridAttention, window_merge, window_partition
-from linvision.ops import axial_rope
+from linvision.ops import axial_rope, axial_rope_freqs
 
 
 def _qkv(mixer, x):
@@ -139,6 +139,30 @@ def test_rope_origin_centre_puts_the_class_token_at_the_grid_centre(rope):
     torch.testing.assert_close(corner(x[:, 1:], (3, 4)), mixer(x[:, 1:], (3, 4)), rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="rope_origin: unknown 'middle'"):
         create_mixer("softmax", 32, 4, rope=rope, rope_origin="middle")
+
+
+def test_rope_fraction_turns_only_that_share_of_the_channel_pairs():
+    """rope_fraction=0.5 with a head dim of 16: of each axis' 4 pairs, 2 turn with the frequencies of a head dim of
+    8 (1 and 100^-1/2), the other 2 carry no position (float64, softmax with a class token, 3 x 4 grid)."""
+    torch.manual_seed(5)
+    mixer = create_mixer("softmax", 32, 2, rope="axial", rope_fraction=0.5).double()
+    x = torch.randn(2, 1 + 12, 32, dtype=torch.float64)
+    q, k, v = _qkv(mixer, x)
+    rows = torch.arange(3, dtype=torch.float64).repeat_interleave(4)
+    cols = torch.arange(4, dtype=torch.float64).repeat(3)
+    mag = torch.tensor([1.0, 0.1], dtype=torch.float64)
+    still = torch.zeros(12, 2, dtype=torch.float64)
+    ang = torch.cat([cols[:, None] * mag, still, rows[:, None] * mag, still], dim=-1)  # (12, 8 pairs)
+    cos, sin = _with_prefix_rows((ang.cos(), ang.sin()), 1)
+    scores = _rotate(q, cos, sin) @ _rotate(k, cos, sin).transpose(-1, -2) / math.sqrt(16)
+    expected = mixer.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(x.shape))
+    torch.testing.assert_close(mixer(x, (3, 4), num_prefix_tokens=1), expected, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="rope_fraction: only axial RoPE"):
+        create_mixer("softmax", 32, 2, rope="mixed", rope_fraction=0.5)
+    with pytest.raises(ValueError, match=r"rope_fraction: the fraction .* must be in \(0, 1\], got 0.0"):
+        create_mixer("softmax", 32, 2, rope="axial", rope_fraction=0.0)
+    with pytest.raises(ValueError, match=r"rotate: the fraction .* must be in \(0, 1\], got 1.5"):
+        axial_rope_freqs(16, rotate=1.5)
 
 
 @pytest.mark.parametrize("name", list_mixers())

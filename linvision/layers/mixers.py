@@ -99,6 +99,8 @@ class AttentionMixer(TokenMixer):
         rope: None, "axial" (fixed frequencies) or "mixed" (learnable per-head frequencies); needs D % 4 == 0.
         rope_theta: base of the axial frequencies (default 100, RoPE-ViT; MLLA and RAVLT use 10000).
         rope_row_first: the first half of the axial channel pairs follows the row (MLLA, RAVLT), not the column.
+        rope_fraction: the fraction of the axial channel pairs that turn (default 1, all; the rest carry no
+            position, :func:`~linvision.ops.axial_rope_freqs`' ``rotate``); axial RoPE only.
         rope_origin: where the grid's position (0, 0) lies, and so where the unrotated prefix tokens (class
             token) sit as RoPE sees them: "corner" (the first patch, RoPE-ViT's convention) or "centre" (the
             middle of each image's grid). Tokens of the grid see each other the same either way: without prefix
@@ -128,7 +130,7 @@ class AttentionMixer(TokenMixer):
 
     def __init__(
         self, dim: int, num_heads: int, *, rope: Optional[str] = None, rope_theta: float = 100.0,
-        rope_row_first: bool = False, rope_origin: str = "corner", lepe: bool = False, lepe_kernel: int = 3, gate: bool = False,
+        rope_row_first: bool = False, rope_fraction: float = 1.0, rope_origin: str = "corner", lepe: bool = False, lepe_kernel: int = 3, gate: bool = False,
         qkv_bias: bool = True, proj_drop: float = 0.0,
     ):
         super().__init__()
@@ -136,6 +138,11 @@ class AttentionMixer(TokenMixer):
             raise ValueError(f"num_heads: {num_heads} must be >= 1 and divide dim={dim}")
         if rope not in ROPE_TYPES:
             raise ValueError(f"rope: unknown {rope!r}; allowed: {ROPE_TYPES}")
+        if not 0.0 < rope_fraction <= 1.0:
+            raise ValueError(f"rope_fraction: the fraction of channel pairs that turn must be in (0, 1], got "
+                             f"{rope_fraction}")
+        if rope_fraction != 1.0 and rope != "axial":
+            raise ValueError(f"rope_fraction: only axial RoPE turns a fraction of its channels; rope is {rope!r}")
         if rope_origin not in ROPE_ORIGINS:
             raise ValueError(f"rope_origin: unknown {rope_origin!r}; allowed: {', '.join(ROPE_ORIGINS)}")
         if lepe_kernel < 1 or lepe_kernel % 2 == 0:
@@ -144,7 +151,7 @@ class AttentionMixer(TokenMixer):
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.rope_type = rope
-        self.rope_axial = dict(theta=rope_theta, row_first=rope_row_first)  # keywords of axial_rope
+        self.rope_axial = dict(theta=rope_theta, row_first=rope_row_first, rotate=rope_fraction)  # axial_rope's
         self.rope_origin = rope_origin
         if rope is not None and self.rope_dim % 4 != 0:
             raise ValueError(f"rope: 2D RoPE needs a (feature) head dim divisible by 4, got {self.rope_dim}")

@@ -179,18 +179,26 @@ def _rope_magnitudes(dim: int, theta: float, endpoint: bool = False) -> Tensor:
 
 
 def axial_rope_freqs(dim: int, theta: float = 100.0, *, row_first: bool = False, endpoint: bool = False,
-                     num_heads: int = 1) -> Tuple[Tensor, Tensor]:
+                     num_heads: int = 1, rotate: float = 1.0) -> Tuple[Tensor, Tensor]:
     """Axial frequencies (fx, fy): half of the dim/2 channel pairs follow the column, the other half the row, each
     half with the frequencies of :func:`_rope_magnitudes`.
 
     row_first: the first half of the pairs follows the row (MLLA, RAVLT) instead of the column (RoPE-ViT).
+    rotate: the fraction of each half's pairs that turn (rounded to whole pairs, at least one); they take the
+        frequencies of a head dim that size, from 1 down to 1/theta, and the remaining pairs frequency 0 (they
+        carry no position: partial rotation, as GPT-NeoX's rotary_pct).
     num_heads: 1 gives one table of shape (dim/2,) for every head. More than one makes ``dim`` the channels of
         all heads together (MLLA's table over the whole channel dimension) and splits the pairs into per-head
         tables of shape (num_heads, dim/2/num_heads), heads taking consecutive pairs.
     """
     if num_heads < 1 or dim % (2 * num_heads) != 0:
         raise ValueError(f"num_heads: {num_heads} must be >= 1 and divide the {dim // 2} channel pairs of dim={dim}")
+    if not 0.0 < rotate <= 1.0:
+        raise ValueError(f"rotate: the fraction of channel pairs that turn must be in (0, 1], got {rotate}")
     mag = _rope_magnitudes(dim, theta, endpoint)
+    turning = max(1, round(mag.numel() * rotate))
+    if turning < mag.numel():
+        mag = torch.cat([_rope_magnitudes(4 * turning, theta, endpoint), mag.new_zeros(mag.numel() - turning)])
     zeros = torch.zeros_like(mag)
     fx, fy = torch.cat([mag, zeros]), torch.cat([zeros, mag])
     if row_first:
@@ -228,19 +236,21 @@ def rope_1d(dim: int, num_tokens: int, theta: float = 10000.0, num_prefix_tokens
 
 
 def axial_rope(dim: int, grid: Tuple[int, int], theta: float = 100.0, num_prefix_tokens: int = 0, device=None, *,
-               row_first: bool = False, endpoint: bool = False, num_heads: int = 1,
+               row_first: bool = False, endpoint: bool = False, num_heads: int = 1, rotate: float = 1.0,
                offset: Tuple[float, float] = (0.0, 0.0)) -> Rope:
     """2D axial RoPE for an H x W grid (frequencies: :func:`axial_rope_freqs`; ``offset`` as :class:`Rope`'s); the
     object and its fp32 tables are cached per (dim, H, W, theta, prefix, device, row_first, endpoint, num_heads,
-    offset, inference mode) for the last ``CACHE_SIZE`` such keys, except while a graph is traced."""
+    rotate, offset, inference mode) for the last ``CACHE_SIZE`` such keys, except while a graph is traced."""
     grid = check_grid(grid)
     if is_tracing(*grid):  # a traced graph computes the tables itself: nothing cached, nothing taken from the cache
-        fx, fy = axial_rope_freqs(dim, theta, row_first=row_first, endpoint=endpoint, num_heads=num_heads)
+        fx, fy = axial_rope_freqs(dim, theta, row_first=row_first, endpoint=endpoint, num_heads=num_heads,
+                                  rotate=rotate)
         return Rope(fx.to(device), fy.to(device), grid, num_prefix_tokens, offset)
     key = (dim, grid, float(theta), num_prefix_tokens, str(torch.device(device or "cpu")), row_first, endpoint,
-           num_heads, tuple(map(float, offset)), torch.is_inference_mode_enabled())
+           num_heads, float(rotate), tuple(map(float, offset)), torch.is_inference_mode_enabled())
     cached = _AXIAL_CACHE.lookup(key)
     if cached is None:
-        fx, fy = axial_rope_freqs(dim, theta, row_first=row_first, endpoint=endpoint, num_heads=num_heads)
+        fx, fy = axial_rope_freqs(dim, theta, row_first=row_first, endpoint=endpoint, num_heads=num_heads,
+                                  rotate=rotate)
         cached = _AXIAL_CACHE.store(key, Rope(fx.to(device), fy.to(device), grid, num_prefix_tokens, offset))
     return cached

@@ -100,8 +100,9 @@ class LinViT(nn.Module):
             "none" (none), or None (default): "learn" without RoPE, "none" with it. "learn" beside RoPE is EVA-02's
             pairing; the embedding is then resampled to every input's grid, so the model still takes any size.
         dynamic_img_size: resample the absolute position embedding to the input's grid at every call.
-        norm_layer, act_layer, mlp_layer: the blocks' norm (also the final one), MLP activation and MLP class
-            (:class:`~linvision.layers.MixerBlock`).
+        norm_layer: the blocks' norm (also the final one).
+        act_layer: the MLP's activation.
+        mlp_layer: the MLP class, as :class:`~linvision.layers.MixerBlock` builds it.
         embed_layer: the patch embedding, built as timm's ``PatchEmbed`` (img_size, patch_size, in_chans,
             embed_dim, output_fmt="NHWC", strict_img_size=...), with its ``patch_size`` and ``grid_size``.
     Raises ValueError for an unknown rope or global_pool, a rope the mixer has no option for, global_pool='token'

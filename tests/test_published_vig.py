@@ -255,3 +255,12 @@ def test_vig_pretrained_true_reads_the_hub_file_and_runs_no_code(tmp_path, monke
         cfg = timm.models.get_pretrained_cfg(f"{name}.in1k")
         assert cfg.hf_hub_filename == file and top1 in cfg.description
         assert (cfg.crop_pct, cfg.interpolation, cfg.license) == (0.875, "bicubic", "mit")
+
+
+def test_vig_refuses_naflex_batches_in_one_line():
+    """timm's NaFlex batches (patches, not images) cannot go through ViG's conv stem: a ValueError saying so."""
+    model = timm.create_model("vig_tiny", depth=1).eval()
+    batch = dict(patches=torch.randn(1, 4, 16 * 16 * 3), patch_coord=torch.tensor([[[0, 0], [0, 1], [1, 0], [1, 1]]]),
+                 patch_valid=torch.ones(1, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="NaFlex"):
+        model(batch)

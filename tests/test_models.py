@@ -275,7 +275,11 @@ def test_torch_compile_matches_eager(name, kwargs):
     # rounding (a fused multiply-add) differs from eager's by an fp32 ulp, which float64 outputs then show: as an
     # error relative to each tensor's scale as well as each element's (a class token's gradient reaches ~30 at
     # init while some of its elements are near 0)
-    rope = any(getattr(m, "rope_type", None) for m in model.modules())
+    # ViG's position embedding is resampled in fp32 without antialiasing (the authors' way): inductor decomposes that
+    # bicubic interpolation and rounds it otherwise than eager's kernel (3e-6 on values of 3), so it takes the same
+    # tolerance as the fp32 RoPE tables
+    rope = any(getattr(m, "rope_type", None) for m in model.modules()) or not getattr(model, "pos_embed_antialias",
+                                                                                       True)
 
     def tol(t, rtol, atol):
         return dict(rtol=rtol, atol=max(atol, rtol * t.abs().max().item()) if rope else atol)

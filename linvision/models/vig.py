@@ -186,10 +186,11 @@ class Vig(LinViT):
         load_published(self, path, checkpoint_filter_fn)
 
 
-_RENAMES = (
+_RENAMES = (  # the authors' names -> linvision's, inside blocks.<i>.
     (".attn_norm.", ".norm1."), (".mlp_norm.", ".norm2."), (".attn.in_proj.0.", ".mixer.local."),
-    (".attn.qkv_proj.", ".mixer.qkv."), (".attn.gk_proj.", ".mixer.forget_gate."), (".attn.g_proj.", ".mixer.mix_gate."),
-    (".attn.g_norm.", ".mixer.norm_global."), (".attn.l_norm.", ".mixer.norm_local."), (".attn.o_proj.", ".mixer.proj."),
+    (".attn.qkv_proj.", ".mixer.qkv."), (".attn.gk_proj.", ".mixer.forget_gate."),
+    (".attn.g_proj.", ".mixer.mix_gate."), (".attn.g_norm.", ".mixer.norm_global."),
+    (".attn.l_norm.", ".mixer.norm_local."), (".attn.o_proj.", ".mixer.proj."),
     (".mlp.gate_proj.", ".mlp.fc1."), (".mlp.down_proj.", ".mlp.fc2."),
 )
 

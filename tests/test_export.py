@@ -95,7 +95,9 @@ def test_torchscript_exclusions_hold(name):
     pytest.importorskip("torch.jit")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch 2.14 deprecates torch.jit.script
-        with pytest.raises((torch.jit.frontend.NotSupportedError, RuntimeError)):
+        # OSError: TorchScript asks for the source of a generated dataclass method (TokenLayout's), e.g. for ViG,
+        # whose conv stem scripts and so lets the mixer be reached first
+        with pytest.raises((torch.jit.frontend.NotSupportedError, RuntimeError, OSError)):
             torch.jit.script(_model(name))
 
 

@@ -146,6 +146,27 @@ def test_linvit_in_dpt_at_another_size(name):
             timm.create_model(name, depth=1)(x)
 
 
+def test_vig_in_dpt_at_another_size():
+    """DPT on the published ViG (no class token; its conv stem and resampled position embedding take any size): the
+    encoder's four maps are the outputs of blocks 2, 5, 8 and 11 (tokens on the 6 x 10 grid), with no prefix
+    tokens."""
+    torch.manual_seed(0)
+    seg = smp.DPT("tu-vig_tiny", encoder_weights=None, classes=4, decoder_intermediate_channels=(16, 32, 32, 32),
+                  decoder_fusion_channels=16).eval()
+    assert seg.encoder._output_indices == [2, 5, 8, 11] and not seg.encoder.has_prefix_tokens
+    reference = timm.create_model("vig_tiny").eval()
+    assert not _copy_into(reference, seg.encoder.state_dict(), "model.")
+    x = torch.randn(1, 3, *SIZE)
+    with torch.no_grad():
+        features, prefix = seg.encoder(x)
+    blocks = _outputs_of(reference.blocks, reference, x)
+    grid = (SIZE[0] // 16, SIZE[1] // 16)
+    assert all(p is None for p in prefix)
+    for got, index in zip(features, [2, 5, 8, 11]):
+        torch.testing.assert_close(got, blocks[index].reshape(1, *grid, 192).permute(0, 3, 1, 2), rtol=0, atol=0)
+    _check_segmenter(seg, x, 4)
+
+
 def _serve_from(monkeypatch, tmp_path, path):
     """timm's hub download with only the network transfer replaced by a copy of ``path``; returns the urls asked
     for."""

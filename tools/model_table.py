@@ -23,18 +23,18 @@ from linvision.utils.cli import tool_parser
 from linvision.utils.files import atomic_write_text
 from linvision.benchmark.flops import count_gflops, count_params
 
-DEFAULT_FILTER = ("lin*", "mavit*", "mlla*", "ravlt*")
+DEFAULT_FILTER = ("lin*", "mavit*", "mlla*", "ravlt*", "vig*")
 COMMAND = "linvision-model-table --json docs/models.json"
 # the first matching prefix names the family
 FAMILIES = (("linvit_", "linvit"), ("linhier_delta_", "linhier (delta rule)"), ("linhier_gcnn_", "linhier (Gated CNN)"),
-            ("linhier_", "linhier"), ("mavit_", "MAViT"), ("mlla_", "MLLA"), ("ravlt_", "RAVLT"))
+            ("linhier_", "linhier"), ("mavit_", "MAViT"), ("mlla_", "MLLA"), ("ravlt_", "RAVLT"), ("vig_", "ViG"))
 UNTRAINED_USE = {  # what each family without trained weights is for, in README's line about them
     "linhier (delta rule)": "the bidirectional delta rule in every stage",
     "linhier": "linear attention with 2D RoPE in every stage",
     "linhier (Gated CNN)": "MambaOut's Gated CNN, no token mixer: the baseline of ablations",
     "linvit": "isotropic ViTs; `.deit_fb_in1k` loads DeiT's softmax weights as the start of linearization",
 }
-FRONT_ORDER = ("MLLA", "RAVLT", "MAViT", "linhier (delta rule)", "linhier", "linhier (Gated CNN)",
+FRONT_ORDER = ("MLLA", "RAVLT", "MAViT", "ViG", "linhier (delta rule)", "linhier", "linhier (Gated CNN)",
                "linvit")  # trained first
 
 

@@ -1,7 +1,8 @@
 """timm-registered model families; importing this package registers them with ``timm.create_model``."""
-from . import linhier, linvit, mavit, mlla, ravlt
+from . import linhier, linvit, mavit, mlla, ravlt, vig
 from .linhier import LinHier
 from .linvit import LinViT
 from .mavit import Mavit
 from .mlla import Mlla
 from .ravlt import Ravlt
+from .vig import Vig

@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 import pickle
 import warnings
-from typing import Any, Dict, List, Optional, Tuple, Type, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type, Union
 
 import torch
 from torch import Tensor, nn
@@ -53,7 +53,7 @@ from torch.utils.checkpoint import checkpoint
 from safetensors import SafetensorError
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 import torch.nn.functional as F
-from timm.layers import LayerNorm, PatchEmbed, global_pool_nlc, resample_abs_pos_embed, resample_patch_embed, trunc_normal_
+from timm.layers import LayerNorm, Mlp, PatchEmbed, global_pool_nlc, resample_abs_pos_embed, resample_patch_embed, trunc_normal_
 from timm.models.naflexvit import global_pool_naflex
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
@@ -100,9 +100,16 @@ class LinViT(nn.Module):
             "none" (none), or None (default): "learn" without RoPE, "none" with it. "learn" beside RoPE is EVA-02's
             pairing; the embedding is then resampled to every input's grid, so the model still takes any size.
         dynamic_img_size: resample the absolute position embedding to the input's grid at every call.
+        norm_layer: the blocks' norm (also the final one).
+        act_layer: the MLP's activation.
+        mlp_layer: the MLP class, as :class:`~linvision.layers.MixerBlock` builds it.
+        embed_layer: the patch embedding, built as timm's ``PatchEmbed`` (img_size, patch_size, in_chans,
+            embed_dim, output_fmt="NHWC", strict_img_size=...), with its ``patch_size`` and ``grid_size``.
     Raises ValueError for an unknown rope or global_pool, a rope the mixer has no option for, global_pool='token'
     without a class token, or prefix tokens with a mixer that cannot take them.
     """
+
+    pos_embed_antialias = True  # how the absolute position embedding is resampled (timm's default: antialiased)
 
     def __init__(
         self,
@@ -129,6 +136,8 @@ class LinViT(nn.Module):
         drop_path_rate: float = 0.0,
         norm_layer: Type[nn.Module] = LayerNorm,
         act_layer: Type[nn.Module] = nn.GELU,
+        embed_layer: Callable[..., nn.Module] = PatchEmbed,
+        mlp_layer: Type[nn.Module] = Mlp,
     ):
         super().__init__()
         rope, learned = _position_options(rope, pos_embed, token_mixer)
@@ -147,7 +156,7 @@ class LinViT(nn.Module):
         self.rope = rope
         self.token_mixer = token_mixer
 
-        self.patch_embed = PatchEmbed(
+        self.patch_embed = embed_layer(
             img_size, patch_size, in_chans, embed_dim, output_fmt="NHWC",
             strict_img_size=learned and rope is None and not dynamic_img_size,
         )
@@ -160,7 +169,7 @@ class LinViT(nn.Module):
         rates = torch.linspace(0, drop_path_rate, depth).tolist()
         self.blocks = nn.Sequential(*[
             MixerBlock(embed_dim, num_heads, token_mixer, options, mlp_ratio, rates[i], proj_drop_rate,
-                       norm_layer=norm_layer, act_layer=act_layer)
+                       norm_layer=norm_layer, act_layer=act_layer, mlp_layer=mlp_layer)
             for i in range(depth)
         ])
         reduction = self.patch_embed.patch_size[0]
@@ -219,7 +228,8 @@ class LinViT(nn.Module):
             # timm's resampler returns the embedding unchanged on the training grid; it is an FX leaf, so the grid
             # comparison stays out of the traced path. A RoPE model takes any size, its embedding too.
             pos = resample_abs_pos_embed(pos, new_size=(h, w), old_size=self.patch_embed.grid_size,
-                                         num_prefix_tokens=0 if self.no_embed_class else self.num_prefix_tokens)
+                                         num_prefix_tokens=0 if self.no_embed_class else self.num_prefix_tokens,
+                                         antialias=self.pos_embed_antialias)
         if self.no_embed_class or not prefix:
             x = x + pos
             return (torch.cat(prefix + [x], dim=1) if prefix else x), (h, w)

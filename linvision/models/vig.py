@@ -1,0 +1,271 @@
+"""ViG: isotropic backbones with bidirectional gated linear attention, loading the published ImageNet-1k weights.
+
+Liao et al. 2024, "ViG: Linear-complexity Visual Sequence Learning with Gated Linear Attention", arXiv:2405.18425;
+reference code github.com/hustvl/ViG (MIT licence; classification model ``ViG`` with the configs
+``configs/vig/vig-{t,s,b}.yaml``), weights on the Hugging Face hub repository ``hustvl/ViG``
+(``vig_{t,s,b}_{77p2,81p7,82p6}acc.pth``; the hub repository states apache-2.0).
+
+The network is :class:`~linvision.models.linvit.LinViT` without a class token, with:
+
+- ViG's patch embedding (:class:`VigStem`): a 9x9 conv of stride 8 (padding 1) to C/2 channels, LayerNorm, SiLU,
+  a 3x3 conv of stride 2 (padding 1) to C, LayerNorm: the grid of a 16-pixel patch embedding at multiples of 16;
+- a learned absolute position embedding on the 14 x 14 grid of 224 px, resampled (bicubic, not antialiased) to
+  every input's grid, so the model takes any input size;
+- RMSNorm (eps 1e-6) before the mixer, before the MLP and before the mean pooling; a SwiGLU MLP of hidden size
+  8/3 C without biases (:func:`swiglu_mlp`); a linear head on the mean of the normalised tokens;
+- the ``"vig_gla"`` mixer (registered here, :class:`VigGatedAttention`).
+
+Evaluation as the authors': resize to 256/224 of the crop (bicubic), centre crop 224, ImageNet mean/std.
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from timm.layers import GluMlp, LayerNorm2d, RmsNorm, resample_abs_pos_embed, to_2tuple
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from linvision.layers import TokenLayout, merge_options, register_mixer
+from linvision.layers.recurrent import BidirGatedAttention
+from linvision.layers.registry import check_layout, check_prefix_tokens
+from linvision.ops import check_grid, compute_dtype, gated_linear_attention, is_tracing
+
+from .linvit import LinViT
+from .published import (explain_failed_download, load_published, published_cfg, published_file_overlay,
+                        unwrap_state_dict)
+
+__all__ = ["Vig", "VigGatedAttention", "VigStem", "swiglu_mlp", "checkpoint_filter_fn"]
+
+HUB_ID = "hustvl/ViG"
+# The authors' training checkpoints keep the raw weights under "model" (and the EMA copy under "model_ema"); their
+# evaluation of a published file loads "model" (the hub files hold one copy of the weights).
+WEIGHT_KEYS = ("model", "state_dict")
+
+
+@register_mixer("vig_gla")
+class VigGatedAttention(BidirGatedAttention):
+    """ViG's token mixer: bidirectional gated linear attention with direction-wise gates and the 2D gating
+    locality injection. On tokens x (B, N, C) of the grid (H, W), with heads of Dk = expand_k C / heads key
+    channels and D = C / heads value channels:
+
+    - l = act(dwconv3x3(x)) (``local_act``: SiLU, ViG-T; none for S and B): the local branch, from which every
+      projection below is taken;
+    - q, k, v = W_qkv l (no bias; q scaled by Dk^-1/2);
+    - per-channel forget gates, one set per direction: log gamma = logsigmoid(W_2 W_1 l + b) / 16 with a rank-16
+      W_1 (``gate_rank``), its first Dk channels per head for the forward scan, the next for the backward one;
+    - o_i = (q_i S_i + q_i S'_i) / 4, S the forward scan S_i = diag(gamma_i) S_{i-1} + k_i^T v_i and S' the
+      backward scan with the backward gates; both scans include token i (its own term counts twice), and the
+      output is unnormalised. The /4 is the authors' evaluation (a mean of the two directions, halved again),
+      which the RMSNorm after it sees only through its eps;
+    - out = W_o act(g * RMSNorm(o) + (1 - g) * RMSNorm(l)) per head, g = sigmoid(W_g l + b_g) (the locality
+      injection; ``out_act``: SiLU on the mix, ViG-T).
+
+    The scans are :func:`linvision.ops.gated_linear_attention` (identity features, ``normalize=False``), the
+    backward one on the reversed sequence: fla-core's ``chunk_gla`` kernel for CUDA tensors, the PyTorch chunked
+    scan otherwise (``backend``, ``chunk_size``, as :class:`BidirGatedAttention`). It differs from the
+    ``"bidir_gated"`` mixer it derives from in everything but the per-channel gate's logsigmoid / 16 (see
+    docs/models/published.md): there, one gate serves both directions, features are elu+1, the output is
+    normalised and the backward scan leaves token i out.
+    Raises ValueError for a width that the heads or expand_k do not divide.
+    """
+
+    takes_layout = False  # each image's scan runs over its own grid; no NaFlex batches
+    feature_map_needs = dict(causal=True)  # unnormalised: the identity map (signed q, k)
+
+    def __init__(
+        self, dim: int, num_heads: int, *, expand_k: float = 0.5, gate_rank: int = 16, local_act: bool = False,
+        out_act: bool = False, forget_temperature: float = 16.0, norm_eps: float = 1e-6,
+        chunk_size: Optional[int] = None, proj_drop: float = 0.0, backend: str = "auto",
+    ):
+        super().__init__(dim, num_heads, forget_per_channel=True, forget_temperature=forget_temperature,
+                         feature_map="identity", chunk_size=chunk_size, qkv_bias=False, proj_drop=proj_drop,
+                         backend=backend)
+        key_dim = int(dim * expand_k)
+        if key_dim < num_heads or key_dim % num_heads:
+            raise ValueError(f"expand_k: {expand_k} x dim={dim} = {key_dim} key channels, not a multiple of "
+                             f"num_heads={num_heads}")
+        self.key_dim, self.key_head_dim = key_dim, key_dim // num_heads
+        self.local = nn.Conv2d(dim, dim, 3, padding=1, groups=dim, bias=False)
+        self.local_act = nn.SiLU() if local_act else nn.Identity()
+        self.qkv = nn.Linear(dim, 2 * key_dim + dim, bias=False)
+        self.forget_gate = nn.Sequential(nn.Linear(dim, gate_rank, bias=False), nn.Linear(gate_rank, 2 * key_dim))
+        self.mix_gate = nn.Linear(dim, dim)
+        self.norm_global = RmsNorm(self.head_dim, eps=norm_eps)
+        self.norm_local = RmsNorm(self.head_dim, eps=norm_eps)
+        self.out_act = nn.SiLU() if out_act else nn.Identity()
+        self.proj = nn.Linear(dim, dim, bias=False)
+
+    def init_weights(self) -> None:
+        """No start of its own: the model's generic initialisation (the forget gates' bias at 0, gamma about 0.96,
+        as the authors start)."""
+
+    def scan(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, lengths: Optional[Tensor] = None) -> Tensor:
+        """(q S + q S') / 4 for the forward and backward scans, each with its own gates from ``x`` (the local
+        branch); q, k (B, heads, N, Dk), v (B, heads, N, D)."""
+        b, n, _ = x.shape
+        log_gates = F.logsigmoid(self.forget_gate(x).to(compute_dtype(x.dtype))) / self.forget_temperature
+        forward, backward = (g.reshape(b, n, self.num_heads, -1).transpose(1, 2) for g in log_gates.chunk(2, -1))
+        run = partial(gated_linear_attention, feature_map="identity", normalize=False, chunk_size=self.chunk_size,
+                      backend=self.backend)
+        q = q * self.key_head_dim ** -0.5
+        out = run(q, k, v, forward)
+        out_back = run(q.flip(2), k.flip(2), v.flip(2), backward.flip(2)).flip(2)
+        return (out + out_back) / 4
+
+    def forward(self, x: Tensor, hw: Tuple[int, int], num_prefix_tokens: int = 0,
+                layout: Optional[TokenLayout] = None) -> Tensor:
+        """x: (B, N, C) tokens of the grid hw in raster order -> (B, N, C). ValueError for prefix tokens, a layout
+        or a grid that does not hold N tokens."""
+        check_prefix_tokens(self, num_prefix_tokens)
+        check_layout(self, layout)
+        b, n, c = x.shape
+        h, w = check_grid(hw, n, name="hw")
+        local = self.local_act(self.local(x.transpose(1, 2).reshape(b, c, h, w))).flatten(2).transpose(1, 2)
+        q, k, v = self.qkv(local).split([self.key_dim, self.key_dim, c], dim=-1)
+        q, k, v = (t.reshape(b, n, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
+        if self.recompute_attend and torch.is_grad_enabled() and q.requires_grad and not is_tracing(n):
+            out = checkpoint(self.attend, q, k, v, (h, w), None, local, use_reentrant=False)
+        else:
+            out = self.attend(q, k, v, (h, w), None, local)
+        out = self.norm_global(out.transpose(1, 2))  # (B, N, heads, D)
+        gate = torch.sigmoid(self.mix_gate(local)).reshape(b, n, self.num_heads, -1)
+        out = out * gate + self.norm_local(local.reshape(b, n, self.num_heads, -1)) * (1 - gate)
+        return self.proj_drop(self.proj(self.out_act(out.reshape(b, n, c))))
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, num_heads={self.num_heads}, key_dim={self.key_dim}"
+
+
+class VigStem(nn.Module):
+    """ViG's patch embedding, as timm's ``PatchEmbed`` is called by :class:`LinViT` (channels-last output): conv
+    9x9 / 8 (padding 1) to C/2, LayerNorm (eps 1e-5), SiLU, conv 3x3 / 2 (padding 1) to C, LayerNorm. An input of
+    a multiple of 16 gives the grid (H/16, W/16); other sizes give the convolutions' floor. ``patch_size`` must be
+    16; ``strict_img_size`` is ignored (any size runs)."""
+
+    def __init__(self, img_size: Any = 224, patch_size: int = 16, in_chans: int = 3, embed_dim: int = 768,
+                 output_fmt: str = "NHWC", strict_img_size: bool = False, **kwargs: Any):
+        super().__init__()
+        if to_2tuple(patch_size) != (16, 16) or output_fmt != "NHWC":
+            raise ValueError(f"VigStem: the stem has stride 16 and gives NHWC, not patch_size={patch_size!r}, "
+                             f"output_fmt={output_fmt!r}")
+        self.img_size = to_2tuple(img_size)
+        self.patch_size = (16, 16)
+        self.grid_size = (self.img_size[0] // 16, self.img_size[1] // 16)
+        self.num_patches = self.grid_size[0] * self.grid_size[1]
+        half = embed_dim // 2
+        self.proj = nn.Sequential(
+            nn.Conv2d(in_chans, half, 9, stride=8, padding=1), LayerNorm2d(half, eps=1e-5), nn.SiLU(),
+            nn.Conv2d(half, embed_dim, 3, stride=2, padding=1), LayerNorm2d(embed_dim, eps=1e-5),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(x).permute(0, 2, 3, 1)
+
+
+def swiglu_mlp(in_features: int, hidden_features: int, act_layer: type = nn.SiLU, drop: float = 0.0) -> nn.Module:
+    """ViG's MLP: fc2(act(a) * b) with (a, b) = fc1(x) split in two, no biases (timm's ``GluMlp``, the gate
+    first); ``hidden_features`` is the width of a and b."""
+    return GluMlp(in_features, 2 * hidden_features, act_layer=act_layer, bias=False, drop=drop, gate_last=False)
+
+
+class Vig(LinViT):
+    """:class:`LinViT` with ViG's layers; loads the authors' files (timm's ``custom_load``). Images only: the
+    conv stem does not embed NaFlex patches."""
+
+    pos_embed_antialias = False  # the authors resample with plain bicubic interpolation
+
+    def _embed_patches(self, patches: Tensor, patch_coord: Tensor, patch_valid: Optional[Tensor]):
+        raise ValueError("ViG embeds images with its conv stem; NaFlex patch batches are not supported")
+
+    def load_pretrained(self, path: str) -> None:
+        load_published(self, path, checkpoint_filter_fn)
+
+
+_RENAMES = (  # the authors' names -> linvision's, inside blocks.<i>.
+    (".attn_norm.", ".norm1."), (".mlp_norm.", ".norm2."), (".attn.in_proj.0.", ".mixer.local."),
+    (".attn.qkv_proj.", ".mixer.qkv."), (".attn.gk_proj.", ".mixer.forget_gate."),
+    (".attn.g_proj.", ".mixer.mix_gate."), (".attn.g_norm.", ".mixer.norm_global."),
+    (".attn.l_norm.", ".mixer.norm_local."), (".attn.o_proj.", ".mixer.proj."),
+    (".mlp.gate_proj.", ".mlp.fc1."), (".mlp.down_proj.", ".mlp.fc2."),
+)
+
+
+def checkpoint_filter_fn(checkpoint: Any, model: Vig) -> Dict[str, Tensor]:
+    """The authors' file (their names: ``attn_norm``, ``attn.qkv_proj``, ``attn.gk_proj``, ``mlp.gate_proj``, ...)
+    or linvision's own weights -> this model's state dict; the position embedding resampled (bicubic, not
+    antialiased, as the authors resample it at run time) to the model's grid when they differ. Names the model
+    does not have are kept, so that the strict load names them."""
+    state = unwrap_state_dict(checkpoint, WEIGHT_KEYS)
+    out = {}
+    for name, value in state.items():
+        if name.startswith("blocks."):
+            for old, new in _RENAMES:
+                name = name.replace(old, new)
+        if name == "pos_embed" and model.pos_embed is not None and value.shape != model.pos_embed.shape:
+            side = math.isqrt(value.shape[1])
+            value = resample_abs_pos_embed(value, new_size=model.patch_embed.grid_size, old_size=(side, side),
+                                           num_prefix_tokens=0, antialias=False)
+        out[name] = value
+    return out
+
+
+def _cfg(filename: str, top1: float) -> Dict[str, Any]:
+    # custom_load "hf": timm fetches the hub file and hands its path to Vig.load_pretrained (no code from the pickle
+    # runs); the url is the same file, for a timm without huggingface_hub.
+    return published_cfg(
+        top1, hf_hub_id=HUB_ID, hf_hub_filename=filename, custom_load="hf",
+        url=f"https://huggingface.co/{HUB_ID}/resolve/main/{filename}", first_conv="patch_embed.proj.0",
+        classifier="head", pool_size=None, license="mit", paper_ids="arXiv:2405.18425",
+        paper_name="ViG: Linear-complexity Visual Sequence Learning with Gated Linear Attention",
+        origin_url="https://github.com/hustvl/ViG",
+    )
+
+
+# Top-1: the authors' README (ImageNet-1k, 224 px); the file names are those of the hub repository's listing.
+default_cfgs = generate_default_cfgs({
+    "vig_tiny.in1k": _cfg("vig_t_77p2acc.pth", 77.2),
+    "vig_small.in1k": _cfg("vig_s_81p7acc.pth", 81.7),
+    "vig_base.in1k": _cfg("vig_b_82p6acc.pth", 82.6),
+})
+
+# vig-{t,s,b}.yaml: ViG-T has SiLU after the depthwise conv and on the mixed output, S and B neither.
+SIZES: Dict[str, Dict[str, Any]] = {
+    "tiny": dict(embed_dim=192, num_heads=3, mixer_kwargs=dict(local_act=True, out_act=True)),
+    "small": dict(embed_dim=384, num_heads=6, mixer_kwargs=dict(local_act=False, out_act=False)),
+    "base": dict(embed_dim=768, num_heads=12, mixer_kwargs=dict(local_act=False, out_act=False)),
+}
+_LAYERS = dict(
+    patch_size=16, depth=12, class_token=False, global_pool="avg", fc_norm=False, mlp_ratio=8 / 3,
+    token_mixer="vig_gla", dynamic_img_size=True, norm_layer=partial(RmsNorm, eps=1e-6), act_layer=nn.SiLU,
+    embed_layer=VigStem, mlp_layer=swiglu_mlp,
+)
+
+
+def _create_vig(variant: str, size: str, pretrained: bool, **kwargs: Any) -> Vig:
+    mixer_kwargs = dict(SIZES[size]["mixer_kwargs"], **(kwargs.pop("mixer_kwargs", None) or {}))
+    args = published_file_overlay(merge_options(_LAYERS, SIZES[size], dict(mixer_kwargs=mixer_kwargs), **kwargs))
+    out_indices = args.pop("out_indices", 3)
+    with explain_failed_download(variant, pretrained, args, "docs/models/published.md"):
+        return build_model_with_cfg(Vig, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
+                                    feature_cfg=dict(out_indices=out_indices, feature_cls="getter"), **args)
+
+
+# Published training used stochastic depth 0 / 0.2 / 0.5 (T / S / B); the models default to none, as timm's do.
+@register_model
+def vig_tiny(pretrained: bool = False, **kwargs) -> Vig:
+    return _create_vig("vig_tiny", "tiny", pretrained, **kwargs)
+
+
+@register_model
+def vig_small(pretrained: bool = False, **kwargs) -> Vig:
+    return _create_vig("vig_small", "small", pretrained, **kwargs)
+
+
+@register_model
+def vig_base(pretrained: bool = False, **kwargs) -> Vig:
+    return _create_vig("vig_base", "base", pretrained, **kwargs)

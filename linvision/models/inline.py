@@ -104,9 +104,11 @@ def checkpoint_filter_fn(checkpoint: Dict[str, Any], model: LinViT) -> Dict[str,
 
 
 def _cfg(url: str, filename: str, size: int, top1: float) -> Dict[str, Any]:
-    # (url, file name): the links end in "/?dl=1", from which timm's download cache cannot name a file
+    # (url, file name): the links end in "/?dl=1", from which timm's download cache cannot name a file. The
+    # top-1 is the README's, each model evaluated at its training size.
     return published_cfg(
         top1, url=(url, filename), input_size=(3, size, size), test_input_size=(3, size, size),
+        notes=(f"published ImageNet-1k top-1 {top1} ({size} px)",),
         fixed_input_size=True, pool_size=None, crop_mode="squash", first_conv="patch_embed.proj",
         classifier="head", license="unknown (no licence file: load, do not redistribute)",
         paper_ids="arXiv:2412.06590", paper_name="Bridging the Divide: Reconsidering Softmax and Linear Attention",

@@ -222,3 +222,30 @@ def test_pretrained_true_downloads_the_published_url_and_runs_no_code(tmp_path, 
     assert "74.5" in model.pretrained_cfg["description"] and "no licence" in model.pretrained_cfg["license"]
     small = timm.models.get_pretrained_cfg("inline_deit_small.in1k")
     assert small.url[0] == "https://cloud.tsinghua.edu.cn/f/2f3898b07e9247f3beb3/?dl=1"
+
+
+def test_offline_the_failure_names_the_file_and_the_manual_lists_it(tmp_path, monkeypatch):
+    """Without a network pretrained=True stops in one line naming the link, timm's cache name and the page whose
+    InLine-DeiT section lists every file (its address and its name in the cache)."""
+    import socket
+    import urllib.error
+
+    import timm.models._hub as hub
+    from linvision.models.published import WeightsDownloadError
+
+    def unreachable(url, dst, hash_prefix=None, progress=True):
+        raise urllib.error.URLError(socket.gaierror(-2, "Name or service not known"))
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    monkeypatch.setattr(hub, "download_url_to_file", unreachable)
+    with pytest.raises(WeightsDownloadError) as e:
+        timm.create_model("inline_deit_tiny", pretrained=True, depth=1)
+    message = str(e.value)
+    assert len(message.splitlines()) == 1 and "inline_deit_tiny_in1k.pth" in message
+    assert "https://cloud.tsinghua.edu.cn/f/1d6b8191ad6d4114b291/?dl=1" in message
+    assert message.endswith("the model cards in docs/models/published.md)")
+    page = (Path(__file__).parent.parent / "docs" / "models" / "published.md").read_text()
+    section = page.split("## InLine-DeiT (isotropic)", 1)[1].split("\n## ", 1)[0]
+    for name in PUBLISHED:
+        url, filename = timm.models.get_pretrained_cfg(name + ".in1k").url
+        assert f"| `{name}.in1k` | <{url}> | `{filename}` |" in section, name

@@ -249,3 +249,19 @@ def test_offline_the_failure_names_the_file_and_the_manual_lists_it(tmp_path, mo
     for name in PUBLISHED:
         url, filename = timm.models.get_pretrained_cfg(name + ".in1k").url
         assert f"| `{name}.in1k` | <{url}> | `{filename}` |" in section, name
+
+
+@pytest.mark.slow
+def test_onnx_runtime_matches_eager_at_other_sizes_and_batches(tmp_path):
+    """The local residual is nine shifted products, not a convolution with a group per image and channel (whose
+    group count follows the batch, which ONNX cannot export): the exported graph runs at other sizes and batches."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from linvision.export.program import compare_with_eager, export_onnx, load_exported
+
+    torch.manual_seed(0)
+    model = timm.create_model("inline_deit_tiny", embed_dim=32, num_heads=2, depth=2, dynamic_img_size=True).eval()
+    path = str(tmp_path / "inline.onnx")
+    export_onnx(model, (64, 96), path)
+    for row in compare_with_eager(model, load_exported(path, "onnx"), [(64, 96), (96, 48)], batch=3):
+        assert row["max_abs_diff"] <= 1e-4 * max(1.0, row["max_abs_output"]), row

@@ -64,19 +64,25 @@ class InLineDeitAttention(AttentionMixer):
                                    nn.Conv1d(dim, 9 * dim, 1, groups=num_heads))
 
     def local_kernels(self, x: Tensor) -> Tensor:
-        """x (B, N, C) -> the 3x3 kernels (B * C, 1, 3, 3) of the local residual, channel c's nine weights being
-        rows 9c..9c+8 of the second projection."""
+        """x (B, N, C) -> the 3x3 kernels (B, C, 9) of the local residual, row-major over the window; channel c's
+        nine weights are outputs 9c..9c+8 of the second projection."""
         b, _, c = x.shape
-        return self.local(x.mean(dim=1).unsqueeze(-1)).reshape(b * c, 1, 3, 3)
+        return self.local(x.mean(dim=1).unsqueeze(-1)).reshape(b, c, 9)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
         out = injective_linear_attention(q, k, v, scale=self.scale, rope=rope)
         b, nh, n, d = v.shape
         h, w = hw
         p = n - h * w  # prefix tokens
-        grid = v[:, :, p:].transpose(2, 3).reshape(1, b * nh * d, h, w)  # channel head * D + i, as x's
-        kernels = self.local_kernels(x).to(grid.dtype)
-        local = F.conv2d(grid, kernels, padding=1, groups=b * nh * d).reshape(b, nh, d, h * w).transpose(2, 3)
+        grid = v[:, :, p:].transpose(2, 3).reshape(b, nh * d, h, w)  # channel head * D + i, as x's
+        kernels = self.local_kernels(x).to(grid.dtype)[..., None, None]
+        # the per-image depthwise 3x3 cross-correlation as nine shifted products (no convolution with one group
+        # per image and channel, whose group count depends on the batch: ONNX cannot export that)
+        padded = F.pad(grid, (1, 1, 1, 1))
+        local = kernels[:, :, 0] * padded[:, :, :h, :w]
+        for t in range(1, 9):
+            local = local + kernels[:, :, t] * padded[:, :, t // 3:t // 3 + h, t % 3:t % 3 + w]
+        local = local.reshape(b, nh, d, h * w).transpose(2, 3)
         return out + (F.pad(local, (0, 0, p, 0)) if p else local).to(out.dtype)
 
     def extra_repr(self) -> str:

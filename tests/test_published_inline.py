@@ -182,14 +182,21 @@ def test_local_residual_differs_from_the_ablation_inline_mixer():
     assert create_mixer("inline", 16, 2).local[2].out_channels == 9 * 2  # per head, not per channel
 
 
-def test_any_grid_with_dynamic_img_size_and_features():
-    """Non-square inputs with the embedding resampled per call; forward_intermediates give the patch grid."""
-    model = timm.create_model("inline_deit_tiny", depth=2, dynamic_img_size=True).eval()
+def test_any_grid_with_dynamic_img_size_and_features(tmp_path):
+    """Non-square inputs with the embedding resampled per call, from the file's own grid (small: 18 x 18, not
+    resampled to 224 px first); forward_intermediates give the patch grid."""
+    state = {k: v for k, v in authors_layout("inline_deit_small").items()
+             if not k.startswith("blocks.") or k.startswith("blocks.0.")}
+    path = tmp_path / "inline_deit_s.pth"
+    save_authors(path, state)
+    model = timm.create_model("inline_deit_small", depth=1, dynamic_img_size=True, pretrained=True,
+                              pretrained_cfg_overlay=dict(file=str(path))).eval()
+    torch.testing.assert_close(model.pos_embed, state["pos_embed"], rtol=0, atol=0)
     x = torch.randn(1, 3, 96, 160)
     with torch.no_grad():
         assert model(x).shape == (1, 1000)
         final, feats = model.forward_intermediates(x)
-    assert feats[-1].shape == (1, 192, 6, 10)
+    assert feats[-1].shape == (1, 320, 6, 10)
 
 
 def test_pretrained_true_downloads_the_published_url_and_runs_no_code(tmp_path, monkeypatch):

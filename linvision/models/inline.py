@@ -134,13 +134,16 @@ SIZES: Dict[str, Dict[str, Any]] = {
     "small": dict(embed_dim=320, num_heads=10),
     "base": dict(embed_dim=384, num_heads=12),
 }
+TRAINING_SIZES = {"tiny": 224, "small": 288, "base": 448}
 _ARCH = dict(patch_size=16, depth=12, mlp_ratio=4.0, token_mixer="inline_deit", class_token=True, global_pool="token")
 
 
 def _create_inline_deit(variant: str, size: str, pretrained: bool, **kwargs) -> LinViT:
     out_indices = kwargs.pop("out_indices", 3)
-    if kwargs.get("dynamic_img_size"):  # the embedding is resampled per call: the cfg must not fix the size
+    if kwargs.get("dynamic_img_size"):  # the embedding is resampled per call: the cfg must not fix the size,
+        # and the embedding keeps its training grid (resampled once per input, not twice)
         kwargs["pretrained_cfg_overlay"] = dict(kwargs.get("pretrained_cfg_overlay") or {}, fixed_input_size=False)
+        kwargs.setdefault("img_size", TRAINING_SIZES[size])
     kwargs = published_file_overlay(merge_options(_ARCH, SIZES[size], **kwargs))
     with explain_failed_download(variant, pretrained, kwargs, "docs/models/published.md"):
         return build_model_with_cfg(InLineDeiT, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,

@@ -30,7 +30,7 @@ from linvision.training.train_config import TrainConfig
 from linvision.training.validate import add_validate_args, validate_checkpoint
 from support import TINY_VIT, run_tool, step_losses, tiny_train_flags, write_image_folder
 
-LINVISION_MODULES = ["mlla", "ravlt", "mavit", "vig", "linhier", "linvit"]
+LINVISION_MODULES = ["mlla", "ravlt", "mavit", "inline", "vig", "linhier", "linvit"]
 
 
 def _weighted_models():
@@ -83,13 +83,14 @@ def test_the_weighted_models_are_found():
     assert WEIGHTED == sorted(models_with_weights())
     for name in ("mlla_tiny.in1k", "mlla_small.in1k", "mlla_base.in1k", "ravlt_tiny.in1k", "ravlt_small.in1k",
                  "ravlt_base.in1k", "ravlt_large.in1k", "mavit_tiny.in1k", "mavit_small.in1k", "mavit_base.in1k",
-                 "mavit_large.in1k", "vig_tiny.in1k", "vig_small.in1k", "vig_base.in1k"):
+                 "mavit_large.in1k", "vig_tiny.in1k", "vig_small.in1k", "vig_base.in1k",
+                 "inline_deit_tiny.in1k", "inline_deit_small.in1k", "inline_deit_base.in1k"):
         assert name in WEIGHTED
 
 
 # one model of each family and cfg by default (the others differ only in size); all of them with --runslow
 _DEFAULT_WEIGHTED = ("linvit_tiny_patch16_rope_224.deit_fb_in1k", "mlla_tiny.in1k", "ravlt_tiny.in1k",
-                     "mavit_tiny.in1k", "vig_tiny.in1k")
+                     "mavit_tiny.in1k", "vig_tiny.in1k", "inline_deit_small.in1k")
 
 
 @pytest.mark.parametrize("name", [n if n in _DEFAULT_WEIGHTED else pytest.param(n, marks=pytest.mark.slow)
@@ -108,7 +109,11 @@ def test_pretrained_evaluation_uses_timms_transform(name, monkeypatch):
     assert repr(ours) == repr(theirs)
     resize, crop, normalize = _parts(ours)
     size = cfg.input_size[-1]
-    assert resize.size in (math.floor(size / cfg.crop_pct), [math.floor(size / cfg.crop_pct)])
+    scale = math.floor(size / cfg.crop_pct)
+    if cfg.crop_mode == "squash":  # a square resize, the aspect ratio not kept (InLine-DeiT's evaluation)
+        assert resize.size in ((scale, scale), [scale, scale])
+    else:
+        assert resize.size in (scale, [scale])
     assert resize.interpolation == T.InterpolationMode(cfg.interpolation)
     assert tuple(crop.size) == (size, size)
     assert normalize.mean.tolist() == pytest.approx(list(cfg.mean))
@@ -122,6 +127,9 @@ def test_pretrained_evaluation_uses_timms_transform(name, monkeypatch):
     if name.startswith(("mlla", "ravlt", "mavit", "vig")):  # the published evaluation transform
         assert resize.interpolation == T.InterpolationMode.BICUBIC and cfg.crop_pct == 0.875
         assert resize.size in (256, [256])
+    if name.startswith("inline_deit"):  # the authors' square resize to 256/224 of the crop, bicubic
+        assert resize.interpolation == T.InterpolationMode.BICUBIC and cfg.crop_pct == 0.875
+        assert resize.size in ((scale, scale), [scale, scale]) and cfg.crop_mode == "squash"
 
 
 def test_flags_override_the_pretrained_cfg(monkeypatch):

@@ -53,6 +53,7 @@ def test_api_reference_and_model_cards_are_built(site):
     for name in ("mlla_tiny", "ravlt_large", "mavit_small"):
         assert f"<code>{name}</code>" in cards
     assert "Demystify Mamba in Vision" in cards and "arXiv:2411.07635" in cards and "arXiv:2507.00698" in cards
+    assert "<code>inline_deit_base</code>" in cards and "arXiv:2412.06590" in cards
 
 
 def test_build_fails_on_a_broken_link(tmp_path):

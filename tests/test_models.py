@@ -24,6 +24,7 @@ FAMILY_NAMES = {
     "ravlt": ["ravlt_tiny", "ravlt_small", "ravlt_base", "ravlt_large"],
     "mavit": ["mavit_tiny", "mavit_small", "mavit_base", "mavit_large"],
     "vig": ["vig_tiny", "vig_small", "vig_base"],
+    "inline": ["inline_deit_tiny", "inline_deit_small", "inline_deit_base"],
 }
 ALL_NAMES = [n for names in FAMILY_NAMES.values() for n in names]
 
@@ -39,11 +40,14 @@ HIER_MIXERS = ("linhier_tiny_224", dict(SMALL_HIER, token_mixers="none,none,line
 
 
 def _isotropic(name):
-    """linvit and the published isotropic ViG: tokens out of forward_features, blocks under ``blocks``."""
-    return name.startswith(("linvit", "vig"))
+    """linvit and the published isotropic families (ViG; InLine-DeiT, a linvit with its own mixer): tokens out of
+    forward_features, blocks under ``blocks``."""
+    return name.startswith(("linvit", "vig", "inline"))
 
 
 def _reduced(name):
+    if name.startswith("inline"):  # built for 224-448 px: reduced to 64 px as well
+        return dict(SMALL_VIT, img_size=64)
     return dict(SMALL_VIT) if _isotropic(name) else dict(SMALL_HIER)
 
 
@@ -93,9 +97,10 @@ def _input_size(model):
 
 def _assert_gradients_reach(model, named_parameters):
     """Every parameter has a finite gradient, non-zero unless it cannot reach the logits: with the class token
-    pooled, the last block's LePE (it adds to the patch tokens only), whose gradient is exactly zero."""
-    unreached = (f"blocks.{len(model.blocks) - 1}.mixer.lepe.",) if getattr(model, "global_pool", None) == "token" \
-        else ()
+    pooled, the last block's LePE and InLine-DeiT's local residual (they add to the patch tokens only), whose
+    gradients are exactly zero."""
+    last = f"blocks.{len(model.blocks) - 1}.mixer."
+    unreached = (last + "lepe.", last + "local.") if getattr(model, "global_pool", None) == "token" else ()
     for pname, p in named_parameters:
         assert p.grad is not None and torch.isfinite(p.grad).all(), pname
         assert (p.grad.abs().sum() == 0) if pname.startswith(unreached) else (p.grad.abs().sum() > 0), pname
@@ -110,7 +115,7 @@ def _fx_model(model):
 
 
 def test_import_registers_every_model():
-    assert sorted(timm.list_models([f"{family}*" for family in ("lin", "mlla", "ravlt", "mavit", "vig")])) == sorted(ALL_NAMES)
+    assert sorted(timm.list_models([f"{family}*" for family in ("lin", "mlla", "ravlt", "mavit", "vig", "inline")])) == sorted(ALL_NAMES)
     for family, names in FAMILY_NAMES.items():
         assert sorted(timm.list_models(module=family)) == sorted(names)
 
@@ -121,7 +126,7 @@ def test_registered_model_forward(name):
     images of a batch are independent (an image gives the same logits alone as beside another: no mixer, norm
     or reshape mixes the batch), forward is forward_head(forward_features), and different images give different
     logits (the input reaches the head)."""
-    model = _create(name, num_classes=7, img_size=64) if name.startswith("linvit") else _create(name, num_classes=7)
+    model = _create(name, num_classes=7, img_size=64) if _isotropic(name) else _create(name, num_classes=7)
     model.eval()
     x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -147,7 +152,7 @@ def test_default_cfg(name, kwargs):
     assert model.get_classifier() is model.get_submodule(cfg["classifier"])
     assert model.num_classes == cfg["num_classes"]
     # fixed exactly when the patch embedding checks the size: the absolute-position linvit without dynamic_img_size
-    fixed = name.startswith("linvit") and "rope" not in name and not kwargs.get("dynamic_img_size", False)
+    fixed = _isotropic(name) and "rope" not in name and not kwargs.get("dynamic_img_size", False)
     assert cfg["fixed_input_size"] is fixed and get_model_input_config(model)["fixed_input_size"] is fixed
     stride = model.feature_info[-1]["reduction"]
     if cfg["pool_size"] is not None:
@@ -201,7 +206,7 @@ def test_fx_trace_forward(name, kwargs):
     block = "blocks.0" if _isotropic(name) else "stages.0.blocks.0"
     assert f"{block}.mlp.fc1" in nodes and f"{block}.mixer" in nodes
     assert not any(n.startswith(f"{block}.mixer.") for n in nodes)
-    if name.startswith("linvit") and "rope" not in name and not kwargs.get("dynamic_img_size", False):
+    if _isotropic(name) and "rope" not in name and not kwargs.get("dynamic_img_size", False):
         with pytest.raises(AssertionError):  # the size check stays in the traced graph
             graph_model(torch.randn(1, 3, x.shape[2] + 16, x.shape[3]))
 

@@ -119,11 +119,11 @@ def test_other_smp_heads_build_on_a_linvision_encoder_and_dilated_ones_say_why_n
             getattr(smp, head)("tu-linhier_delta_femto_224", encoder_weights=None, classes=3, **ONE_BLOCK)
 
 
-@pytest.mark.parametrize("name", ["linvit_tiny_patch16_rope_224", "linvit_tiny_patch16_224"])
+@pytest.mark.parametrize("name", ["linvit_tiny_patch16_rope_224", "linvit_tiny_patch16_224", "inline_deit_tiny"])
 def test_linvit_in_dpt_at_another_size(name):
-    """DPT on linvit (dynamic_img_size=True; the absolute-embedding model needs it, the RoPE one runs at any size
-    without it): the encoder's four maps are the outputs of blocks 2, 5, 8 and 11 (patch tokens on the 6 x 10 grid)
-    and its prefix tokens the class token after those blocks."""
+    """DPT on linvit and on InLine-DeiT, a linvit with its own mixer (dynamic_img_size=True; the absolute-embedding
+    models need it, the RoPE one runs at any size without it): the encoder's four maps are the outputs of blocks 2,
+    5, 8 and 11 (patch tokens on the 6 x 10 grid) and its prefix tokens the class token after those blocks."""
     torch.manual_seed(0)
     seg = smp.DPT(f"tu-{name}", encoder_weights=None, classes=4, dynamic_img_size=True,
                   decoder_intermediate_channels=(16, 32, 32, 32), decoder_fusion_channels=16).eval()

@@ -1,5 +1,6 @@
 """timm-registered model families; importing this package registers them with ``timm.create_model``."""
-from . import linhier, linvit, mavit, mlla, ravlt, vig
+from . import inline, linhier, linvit, mavit, mlla, ravlt, vig
+from .inline import InLineDeiT
 from .linhier import LinHier
 from .linvit import LinViT
 from .mavit import Mavit

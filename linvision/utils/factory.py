@@ -14,7 +14,7 @@ from torch import nn
 __all__ = ["check_model_name", "check_pretrained", "models_with_weights", "create_model", "check_img_size"]
 
 # the timm module names linvision registers its models under (linvision.models.<module>)
-_OWN_MODULES = ("mlla", "ravlt", "mavit", "vig", "linhier", "linvit")
+_OWN_MODULES = ("mlla", "ravlt", "mavit", "inline", "vig", "linhier", "linvit")
 
 
 def check_model_name(name: str) -> None:
@@ -30,8 +30,8 @@ def check_model_name(name: str) -> None:
 
 
 def models_with_weights() -> List[str]:
-    """linvision's models that ``pretrained=True`` loads, as ``name.tag`` (the published MLLA, RAVLT, MAViT and ViG
-    weights, and DeiT's softmax weights under linvit's ``.deit_fb_in1k``)."""
+    """linvision's models that ``pretrained=True`` loads, as ``name.tag`` (the published MLLA, RAVLT, MAViT,
+    InLine-DeiT and ViG weights, and DeiT's softmax weights under linvit's ``.deit_fb_in1k``)."""
     import timm
 
     import linvision.models  # noqa: F401

@@ -1,0 +1,167 @@
+"""InLine-DeiT: isotropic backbones with injective linear attention, loading the published ImageNet-1k weights.
+
+Han et al. 2024, "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024, arXiv:2412.06590;
+reference code github.com/LeapLabTHU/InLine (classification models ``inline_deit_tiny/small/base``), weights on
+TsinghuaCloud (links in its README). The repository carries no licence file: the weights are loaded from their
+published location, never redistributed.
+
+The network is DeiT's (:class:`~linvision.models.linvit.LinViT` with a class token, a learned absolute position
+embedding with a row for the class token, pre-norm blocks, LayerNorm eps 1e-6, the class token pooled after the
+final norm, a linear head) with the ``"inline_deit"`` mixer (registered here) in every block:
+
+- injective linear attention over all tokens, the class token included (N = 1 + H * W):
+  o_i = sum_j (s q_i.k_j - s q_i.kbar + 1) / N v_j with the identity map and s = D^-1/2
+  (:func:`linvision.ops.attention_variants.injective_linear_attention`);
+- the local residual on the patch tokens: a 3x3 depthwise convolution of v over the grid (zero padding) whose nine
+  weights per image and channel are predicted from the mean of the block's input over all tokens by two grouped
+  1x1 projections (one group per head) with a GELU between them; the class token gets none.
+
+The sizes are the authors': tiny 192 wide with 6 heads, small 320 / 10, base 384 / 12, all 12 blocks deep, trained
+at 224, 288 and 448 px. The absolute position embedding is resampled (bicubic) when the model is built for
+another size, or at every call with ``dynamic_img_size=True``; the mixer itself takes any grid.
+Evaluation as the authors': a square resize to 256/224 of the crop (bicubic, the aspect ratio not kept: timm's
+``crop_mode="squash"``), centre crop, ImageNet mean/std.
+
+The ablation's ``"inline"`` mixer (:mod:`linvision.layers.variant_mixers`) has the same attention but another local
+residual (nine weights per token and head from a 3x3 depthwise convolution of the input) and no class token; it is
+kept as the form the results page measured.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch.nn.functional as F
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from torch import Tensor, nn
+
+from linvision.layers import AttentionMixer, merge_options, register_mixer
+from linvision.ops import Rope
+from linvision.ops.attention_variants import injective_linear_attention
+
+from .linvit import LinViT
+from .linvit import checkpoint_filter_fn as linvit_filter
+from .published import (explain_failed_download, load_published, published_cfg, published_file_overlay,
+                        unwrap_state_dict)
+
+__all__ = ["InLineDeiT", "InLineDeitAttention", "checkpoint_filter_fn"]
+
+WEIGHT_KEYS = ("model", "state_dict")  # the authors' main.py saves the weights under 'model' (no EMA copy)
+
+
+@register_mixer("inline_deit")
+class InLineDeitAttention(AttentionMixer):
+    """InLine-DeiT's attention (see the module docstring): injective linear attention over every token and the
+    local residual of v on the grid, with kernels predicted per image and channel from the mean input token.
+
+    scale: score scale (default head_dim^-1/2). RoPE (if set) rotates q and k before the scores. Prefix tokens take
+    part in the attention and in the mean that predicts the kernels; the residual adds nothing to them.
+    """
+
+    def __init__(self, dim: int, num_heads: int, *, scale: Optional[float] = None, **kwargs):
+        super().__init__(dim, num_heads, **kwargs)
+        self.scale = scale
+        self.local = nn.Sequential(nn.Conv1d(dim, dim, 1, groups=num_heads), nn.GELU(),
+                                   nn.Conv1d(dim, 9 * dim, 1, groups=num_heads))
+
+    def local_kernels(self, x: Tensor) -> Tensor:
+        """x (B, N, C) -> the 3x3 kernels (B, C, 9) of the local residual, row-major over the window; channel c's
+        nine weights are outputs 9c..9c+8 of the second projection."""
+        b, _, c = x.shape
+        return self.local(x.mean(dim=1).unsqueeze(-1)).reshape(b, c, 9)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
+        out = injective_linear_attention(q, k, v, scale=self.scale, rope=rope)
+        b, nh, n, d = v.shape
+        h, w = hw
+        p = n - h * w  # prefix tokens
+        grid = v[:, :, p:].transpose(2, 3).reshape(b, nh * d, h, w)  # channel head * D + i, as x's
+        kernels = self.local_kernels(x).to(grid.dtype)[..., None, None]
+        # the per-image depthwise 3x3 cross-correlation as nine shifted products (no convolution with one group
+        # per image and channel, whose group count depends on the batch: ONNX cannot export that)
+        padded = F.pad(grid, (1, 1, 1, 1))
+        local = kernels[:, :, 0] * padded[:, :, :h, :w]
+        for t in range(1, 9):
+            local = local + kernels[:, :, t] * padded[:, :, t // 3:t // 3 + h, t % 3:t % 3 + w]
+        local = local.reshape(b, nh, d, h * w).transpose(2, 3)
+        return out + (F.pad(local, (0, 0, p, 0)) if p else local).to(out.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, local=per-image 3x3"
+
+
+class InLineDeiT(LinViT):
+    """:class:`LinViT` with the ``"inline_deit"`` mixer; loads the authors' files (timm's ``custom_load``)."""
+
+    def load_pretrained(self, path: str) -> None:
+        load_published(self, path, checkpoint_filter_fn)
+
+
+def checkpoint_filter_fn(checkpoint: Dict[str, Any], model: LinViT) -> Dict[str, Tensor]:
+    """The authors' checkpoint (weights under ``model``) in linvision's names: ``blocks.i.attn.*`` becomes
+    ``blocks.i.mixer.*`` and the kernel predictor ``attn.residual`` the mixer's ``local``; then linvit's filter
+    resamples the position embedding to the model's grid. A state dict in linvision's names passes unchanged."""
+    state = unwrap_state_dict(checkpoint, WEIGHT_KEYS)
+    out = {}
+    for name, value in state.items():
+        if ".attn." in name:
+            name = name.replace(".attn.residual.", ".mixer.local.").replace(".attn.", ".mixer.")
+        out[name] = value
+    return linvit_filter(out, model)
+
+
+def _cfg(url: str, filename: str, size: int, top1: float) -> Dict[str, Any]:
+    # (url, file name): the links end in "/?dl=1", from which timm's download cache cannot name a file. The
+    # top-1 is the README's, each model evaluated at its training size.
+    return published_cfg(
+        top1, url=(url, filename), input_size=(3, size, size), test_input_size=(3, size, size),
+        notes=(f"published ImageNet-1k top-1 {top1} ({size} px)",),
+        fixed_input_size=True, pool_size=None, crop_mode="squash", first_conv="patch_embed.proj",
+        classifier="head", license="unknown (no licence file: load, do not redistribute)",
+        paper_ids="arXiv:2412.06590", paper_name="Bridging the Divide: Reconsidering Softmax and Linear Attention",
+        origin_url="https://github.com/LeapLabTHU/InLine",
+    )
+
+
+_CLOUD = "https://cloud.tsinghua.edu.cn/f/{}/?dl=1"
+default_cfgs = generate_default_cfgs({
+    "inline_deit_tiny.in1k": _cfg(_CLOUD.format("1d6b8191ad6d4114b291"), "inline_deit_tiny_in1k.pth", 224, 74.5),
+    "inline_deit_small.in1k": _cfg(_CLOUD.format("2f3898b07e9247f3beb3"), "inline_deit_small_in1k.pth", 288, 80.2),
+    "inline_deit_base.in1k": _cfg(_CLOUD.format("10bdd726d4b0435eb34e"), "inline_deit_base_in1k.pth", 448, 82.3),
+})
+
+SIZES: Dict[str, Dict[str, Any]] = {
+    "tiny": dict(embed_dim=192, num_heads=6),
+    "small": dict(embed_dim=320, num_heads=10),
+    "base": dict(embed_dim=384, num_heads=12),
+}
+TRAINING_SIZES = {"tiny": 224, "small": 288, "base": 448}
+_ARCH = dict(patch_size=16, depth=12, mlp_ratio=4.0, token_mixer="inline_deit", class_token=True, global_pool="token")
+
+
+def _create_inline_deit(variant: str, size: str, pretrained: bool, **kwargs) -> LinViT:
+    out_indices = kwargs.pop("out_indices", 3)
+    if kwargs.get("dynamic_img_size"):  # the embedding is resampled per call: the cfg must not fix the size,
+        # and the embedding keeps its training grid (resampled once per input, not twice)
+        kwargs["pretrained_cfg_overlay"] = dict(kwargs.get("pretrained_cfg_overlay") or {}, fixed_input_size=False)
+        kwargs.setdefault("img_size", TRAINING_SIZES[size])
+    kwargs = published_file_overlay(merge_options(_ARCH, SIZES[size], **kwargs))
+    with explain_failed_download(variant, pretrained, kwargs, "docs/models/published.md"):
+        return build_model_with_cfg(InLineDeiT, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
+                                    feature_cfg=dict(out_indices=out_indices, feature_cls="getter"), **kwargs)
+
+
+# Published training used stochastic depth 0.1 (the authors' config default); the models default to none, as
+# timm's do.
+@register_model
+def inline_deit_tiny(pretrained: bool = False, **kwargs) -> LinViT:
+    return _create_inline_deit("inline_deit_tiny", "tiny", pretrained, **kwargs)
+
+
+@register_model
+def inline_deit_small(pretrained: bool = False, **kwargs) -> LinViT:
+    return _create_inline_deit("inline_deit_small", "small", pretrained, **kwargs)
+
+
+@register_model
+def inline_deit_base(pretrained: bool = False, **kwargs) -> LinViT:
+    return _create_inline_deit("inline_deit_base", "base", pretrained, **kwargs)

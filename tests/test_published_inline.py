@@ -1,0 +1,274 @@
+"""InLine-DeiT (the published isotropic InLine models): the authors' checkpoint layout loads with every tensor used,
+the sizes match the published table, the block equals an explicit float64 transcription of the authors' attention
+at odd grids with the class token, and pretrained=True fetches the published file without running code from it.
+
+tests/data/published/inline_deit_<size>.txt lists the tensor names, shapes and dtypes of the authors' checkpoint;
+the files built here from them hold random values."""
+import argparse
+import math
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+
+import linvision  # noqa: F401  (registers the models)
+from linvision.benchmark.flops import count_gflops, count_params
+from linvision.layers import create_mixer
+
+DATA = Path(__file__).parent / "data" / "published"
+# The authors' README: params (M), GFLOPs at the training size, the training size.
+PUBLISHED = {"inline_deit_tiny": (6.5, 1.1, 224), "inline_deit_small": (16.7, 5.0, 288),
+             "inline_deit_base": (23.8, 17.2, 448)}
+NAMES = [pytest.param(n, id=n, marks=[pytest.mark.slow] if n == "inline_deit_base" else []) for n in PUBLISHED]
+
+
+def authors_layout(name, seed=0):
+    """A state dict with the authors' names and shapes for ``name`` (random values)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for line in (DATA / f"{name}.txt").read_text().splitlines():
+        if line.startswith("#"):
+            continue
+        key, shape, _ = line.split()
+        shape = () if shape == "-" else tuple(int(s) for s in shape.split(","))
+        out[key] = (torch.randn(shape, generator=g, dtype=torch.float64) * 0.2).float()
+    return out
+
+
+class _TrainingConfig:
+    """Stands for the yacs config the authors' main.py pickles beside the weights."""
+
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+
+
+class _Crafted:
+    """An object whose unpickling would create ``marker`` if the reader ran code from the file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def save_authors(path, state, **extra):
+    """A file laid out as the authors' main.py saves it: the weights under 'model', optimizer and scheduler state,
+    the best accuracy, the epoch and the pickled config."""
+    torch.save({"model": state, "optimizer": {"state": {}, "param_groups": [{"lr": 0.1}]}, "lr_scheduler": {},
+                "max_accuracy": 74.5, "epoch": 299, "config": _TrainingConfig(lr=1e-3),
+                "args": argparse.Namespace(epochs=300), **extra}, path)
+
+
+def _sorted_values(tensors):
+    return torch.sort(torch.cat([t.double().flatten() for t in tensors])).values
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_authors_layout_loads_every_tensor(name, tmp_path):
+    """Every tensor of the file lands in the model (the sorted values are equal: nothing missing, duplicated or
+    changed); the kernel predictor becomes the mixer's ``local``. Built for another size, the position embedding
+    is resampled to that grid and the class token's row kept."""
+    state = authors_layout(name)
+    path = tmp_path / f"{name}.pth"
+    save_authors(path, state)
+    model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
+    own = model.state_dict()
+    assert len(own) == len(state)
+    torch.testing.assert_close(_sorted_values(own.values()), _sorted_values(state.values()), rtol=0, atol=0)
+    for key in ("attn.residual.0.weight", "attn.residual.2.bias", "attn.qkv.weight", "attn.proj.bias"):
+        ours = "blocks.5." + key.replace("attn.residual.", "mixer.local.").replace("attn.", "mixer.")
+        torch.testing.assert_close(own[ours], state["blocks.5." + key], rtol=0, atol=0)
+    if name == "inline_deit_tiny":
+        other = timm.create_model(name, pretrained=True, img_size=160, pretrained_cfg_overlay=dict(file=str(path)))
+        assert other.pos_embed.shape == (1, 1 + 10 * 10, 192)
+        torch.testing.assert_close(other.pos_embed[:, 0], state["pos_embed"][:, 0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_sizes_and_cfg_match_the_published_table(name):
+    params, gflops, size = PUBLISHED[name]
+    model = timm.create_model(name)
+    assert model.patch_embed.img_size == (size, size)
+    assert round(count_params(model) / 1e6, 1) == params
+    assert count_gflops(model, size) == pytest.approx(gflops, rel=0.03)
+    cfg = model.pretrained_cfg
+    assert cfg["input_size"] == (3, size, size) and cfg["fixed_input_size"]
+    assert (cfg["crop_pct"], cfg["crop_mode"], cfg["interpolation"]) == (0.875, "squash", "bicubic")
+
+
+def _gelu(x):
+    return 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
+
+
+def _grouped_1x1(x, weight, bias, groups):
+    """x (B, C_in) through a grouped 1x1 convolution: weight (C_out, C_in / groups, 1)."""
+    c_out, c_group = weight.shape[:2]
+    per = c_out // groups
+    return torch.cat([x[:, g * c_group:(g + 1) * c_group] @ weight[g * per:(g + 1) * per, :, 0].T
+                      for g in range(groups)], 1) + bias
+
+
+def _authors_attention(sd, x, heads, grid):
+    """The authors' attention written out: tokens x (B, 1 + H * W, C), the class token first. Weights
+    w_ij = (s q_i.k_j - s q_i.kbar + 1) / N over all N tokens; on the patch tokens a 3x3 cross-correlation of v
+    (zero padding) with nine weights per image and channel predicted from the mean token (grouped 1x1, GELU,
+    grouped 1x1; channel c's weights are outputs 9c..9c+8, row-major over the 3x3 window)."""
+    b, n, c = x.shape
+    d, (h, w) = c // heads, grid
+    q, k, v = (x @ sd["qkv.weight"].T + sd["qkv.bias"]).split(c, dim=-1)
+    out = torch.zeros_like(v)
+    s = d ** -0.5
+    for e in range(heads):
+        cols = slice(e * d, (e + 1) * d)
+        scores = s * q[..., cols] @ k[..., cols].transpose(1, 2)  # (B, N, N)
+        weights = (scores - scores.mean(dim=-1, keepdim=True) + 1) / n
+        out[..., cols] = weights @ v[..., cols]
+    kernels = _grouped_1x1(_gelu(_grouped_1x1(x.mean(1), sd["local.0.weight"], sd["local.0.bias"], heads)),
+                           sd["local.2.weight"], sd["local.2.bias"], heads).reshape(b, c, 3, 3)
+    vg = F.pad(v[:, 1:].reshape(b, h, w, c), (0, 0, 1, 1, 1, 1))
+    for r in range(h):
+        for col in range(w):
+            window = vg[:, r:r + 3, col:col + 3]  # (B, 3, 3, C)
+            out[:, 1 + r * w + col] += torch.einsum("bijc,bcij->bc", window, kernels)
+    return out @ sd["proj.weight"].T + sd["proj.bias"]
+
+
+def _layer_norm(x, weight, bias):
+    mean = x.mean(-1, keepdim=True)
+    var = ((x - mean) ** 2).mean(-1, keepdim=True)
+    return (x - mean) / torch.sqrt(var + 1e-6) * weight + bias
+
+
+@pytest.mark.parametrize("grid", [(3, 5), (5, 3), (1, 1)])
+def test_block_equals_the_authors_formula_at_odd_grids(grid):
+    """One InLine-DeiT block (class token + H x W patch tokens, random weights, float64) against the transcription:
+    x + attn(LN(x)), then + fc2(GELU(fc1(LN(x)))), LayerNorm eps 1e-6."""
+    torch.manual_seed(0)
+    heads, c = 3, 24
+    model = timm.create_model("inline_deit_tiny", embed_dim=c, num_heads=heads, depth=1, img_size=64,
+                              dynamic_img_size=True).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    block = model.blocks[0]
+    sd = {k: v for k, v in block.state_dict().items()}
+    x = torch.randn(2, 1 + grid[0] * grid[1], c, dtype=torch.float64)
+    with torch.no_grad():
+        ours = block(x, grid, num_prefix_tokens=1)
+    mixer_sd = {k[len("mixer."):]: v for k, v in sd.items() if k.startswith("mixer.")}
+    y = x + _authors_attention(mixer_sd, _layer_norm(x, sd["norm1.weight"], sd["norm1.bias"]), heads, grid)
+    hidden = _gelu(_layer_norm(y, sd["norm2.weight"], sd["norm2.bias"]) @ sd["mlp.fc1.weight"].T + sd["mlp.fc1.bias"])
+    expected = y + hidden @ sd["mlp.fc2.weight"].T + sd["mlp.fc2.bias"]
+    torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_local_residual_differs_from_the_ablation_inline_mixer():
+    """``inline`` and ``inline_deit`` share the injective attention (the same q, k, v give the same output without
+    the local residuals) and differ in the residual: the ablation's predicts nine weights per token and head."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 15, 16, dtype=torch.float64)
+    ablation = create_mixer("inline", 16, 2, local=False).double()
+    published = create_mixer("inline_deit", 16, 2).double()
+    published.qkv.load_state_dict(ablation.qkv.state_dict())
+    published.proj.load_state_dict(ablation.proj.state_dict())
+    with torch.no_grad():
+        for p in published.local.parameters():
+            p.zero_()
+        torch.testing.assert_close(published(x, (3, 5)), ablation(x, (3, 5)), rtol=1e-12, atol=1e-12)
+    assert "local.2.weight" in dict(create_mixer("inline", 16, 2).named_parameters())
+    assert create_mixer("inline", 16, 2).local[2].out_channels == 9 * 2  # per head, not per channel
+
+
+def test_any_grid_with_dynamic_img_size_and_features(tmp_path):
+    """Non-square inputs with the embedding resampled per call, from the file's own grid (small: 18 x 18, not
+    resampled to 224 px first); forward_intermediates give the patch grid."""
+    state = {k: v for k, v in authors_layout("inline_deit_small").items()
+             if not k.startswith("blocks.") or k.startswith("blocks.0.")}
+    path = tmp_path / "inline_deit_s.pth"
+    save_authors(path, state)
+    model = timm.create_model("inline_deit_small", depth=1, dynamic_img_size=True, pretrained=True,
+                              pretrained_cfg_overlay=dict(file=str(path))).eval()
+    torch.testing.assert_close(model.pos_embed, state["pos_embed"], rtol=0, atol=0)
+    x = torch.randn(1, 3, 96, 160)
+    with torch.no_grad():
+        assert model(x).shape == (1, 1000)
+        final, feats = model.forward_intermediates(x)
+    assert feats[-1].shape == (1, 320, 6, 10)
+
+
+def test_pretrained_true_downloads_the_published_url_and_runs_no_code(tmp_path, monkeypatch):
+    """pretrained=True fetches the TsinghuaCloud link into timm's cache under a file name (only the transfer is
+    replaced by a copy of a local file) and reads the raw weights under 'model' without running code from the
+    pickle; a new class count keeps the model's head."""
+    import shutil
+
+    import timm.models._hub as hub
+
+    marker = tmp_path / "marker"
+    state = {k: v for k, v in authors_layout("inline_deit_tiny").items()
+             if not k.startswith("blocks.") or k.startswith("blocks.0.")}
+    path = tmp_path / "inline_deit_t.pth"
+    save_authors(path, state, payload=_Crafted(str(marker)))
+    asked = []
+
+    def fetch(url, dst, hash_prefix=None, progress=True):
+        asked.append(url)
+        shutil.copy(path, dst)
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    monkeypatch.setattr(hub, "download_url_to_file", fetch)
+    model = timm.create_model("inline_deit_tiny", depth=1, pretrained=True, num_classes=5)
+    assert asked == ["https://cloud.tsinghua.edu.cn/f/1d6b8191ad6d4114b291/?dl=1"] and not marker.exists()
+    assert (tmp_path / "torch_home" / "hub" / "checkpoints" / "inline_deit_tiny_in1k.pth").is_file()
+    torch.testing.assert_close(model.blocks[0].mixer.local[2].weight, state["blocks.0.attn.residual.2.weight"],
+                               rtol=0, atol=0)
+    assert model.head.weight.shape == (5, 192)
+    assert "74.5" in model.pretrained_cfg["description"] and "no licence" in model.pretrained_cfg["license"]
+    small = timm.models.get_pretrained_cfg("inline_deit_small.in1k")
+    assert small.url[0] == "https://cloud.tsinghua.edu.cn/f/2f3898b07e9247f3beb3/?dl=1"
+
+
+def test_offline_the_failure_names_the_file_and_the_manual_lists_it(tmp_path, monkeypatch):
+    """Without a network pretrained=True stops in one line naming the link, timm's cache name and the page whose
+    InLine-DeiT section lists every file (its address and its name in the cache)."""
+    import socket
+    import urllib.error
+
+    import timm.models._hub as hub
+    from linvision.models.published import WeightsDownloadError
+
+    def unreachable(url, dst, hash_prefix=None, progress=True):
+        raise urllib.error.URLError(socket.gaierror(-2, "Name or service not known"))
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    monkeypatch.setattr(hub, "download_url_to_file", unreachable)
+    with pytest.raises(WeightsDownloadError) as e:
+        timm.create_model("inline_deit_tiny", pretrained=True, depth=1)
+    message = str(e.value)
+    assert len(message.splitlines()) == 1 and "inline_deit_tiny_in1k.pth" in message
+    assert "https://cloud.tsinghua.edu.cn/f/1d6b8191ad6d4114b291/?dl=1" in message
+    assert message.endswith("the model cards in docs/models/published.md)")
+    page = (Path(__file__).parent.parent / "docs" / "models" / "published.md").read_text()
+    section = page.split("## InLine-DeiT (isotropic)", 1)[1].split("\n## ", 1)[0]
+    for name in PUBLISHED:
+        url, filename = timm.models.get_pretrained_cfg(name + ".in1k").url
+        assert f"| `{name}.in1k` | <{url}> | `{filename}` |" in section, name
+
+
+@pytest.mark.slow
+def test_onnx_runtime_matches_eager_at_other_sizes_and_batches(tmp_path):
+    """The local residual is nine shifted products, not a convolution with a group per image and channel (whose
+    group count follows the batch, which ONNX cannot export): the exported graph runs at other sizes and batches."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from linvision.export.program import compare_with_eager, export_onnx, load_exported
+
+    torch.manual_seed(0)
+    model = timm.create_model("inline_deit_tiny", embed_dim=32, num_heads=2, depth=2, dynamic_img_size=True).eval()
+    path = str(tmp_path / "inline.onnx")
+    export_onnx(model, (64, 96), path)
+    for row in compare_with_eager(model, load_exported(path, "onnx"), [(64, 96), (96, 48)], batch=3):
+        assert row["max_abs_diff"] <= 1e-4 * max(1.0, row["max_abs_output"]), row

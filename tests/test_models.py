@@ -45,6 +45,12 @@ def _isotropic(name):
     return name.startswith(("linvit", "vig", "inline"))
 
 
+def _fixed_size(name, kwargs):
+    """The models whose patch embedding checks the size: an absolute position embedding (linvit's plain variants,
+    InLine-DeiT) without dynamic_img_size; ViG resamples its embedding to every input."""
+    return name.startswith(("linvit", "inline")) and "rope" not in name and not kwargs.get("dynamic_img_size", False)
+
+
 def _reduced(name):
     if name.startswith("inline"):  # built for 224-448 px: reduced to 64 px as well
         return dict(SMALL_VIT, img_size=64)
@@ -152,7 +158,7 @@ def test_default_cfg(name, kwargs):
     assert model.get_classifier() is model.get_submodule(cfg["classifier"])
     assert model.num_classes == cfg["num_classes"]
     # fixed exactly when the patch embedding checks the size: the absolute-position linvit without dynamic_img_size
-    fixed = _isotropic(name) and "rope" not in name and not kwargs.get("dynamic_img_size", False)
+    fixed = _fixed_size(name, kwargs)
     assert cfg["fixed_input_size"] is fixed and get_model_input_config(model)["fixed_input_size"] is fixed
     stride = model.feature_info[-1]["reduction"]
     if cfg["pool_size"] is not None:
@@ -206,7 +212,7 @@ def test_fx_trace_forward(name, kwargs):
     block = "blocks.0" if _isotropic(name) else "stages.0.blocks.0"
     assert f"{block}.mlp.fc1" in nodes and f"{block}.mixer" in nodes
     assert not any(n.startswith(f"{block}.mixer.") for n in nodes)
-    if _isotropic(name) and "rope" not in name and not kwargs.get("dynamic_img_size", False):
+    if _fixed_size(name, kwargs):
         with pytest.raises(AssertionError):  # the size check stays in the traced graph
             graph_model(torch.randn(1, 3, x.shape[2] + 16, x.shape[3]))
 

@@ -165,6 +165,11 @@ def test_rope_fraction_turns_only_that_share_of_the_channel_pairs():
         axial_rope_freqs(16, rotate=1.5)
 
 
+# mixers that take prefix tokens but whose grid part no option removes (InLine-DeiT's local residual on the patch
+# tokens, checked against its formula in test_published_inline)
+GRID_BOUND = {"inline_deit"}
+
+
 @pytest.mark.parametrize("name", list_mixers())
 def test_prefix_tokens_taken_or_refused_in_one_line(name):
     """A mixer that takes prefix tokens and has no RoPE or LePE treats them as tokens: the same output as the whole
@@ -178,7 +183,8 @@ def test_prefix_tokens_taken_or_refused_in_one_line(name):
         with pytest.raises(ValueError, match=f"token mixer {name!r} cannot take prefix tokens"):
             block(x, (3, 4), num_prefix_tokens=2)
         return
-    torch.testing.assert_close(mixer(x, (3, 4), num_prefix_tokens=2), mixer(x, (1, 14)), rtol=1e-10, atol=1e-12)
+    if name not in GRID_BOUND:
+        torch.testing.assert_close(mixer(x, (3, 4), num_prefix_tokens=2), mixer(x, (1, 14)), rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match="hw"):
         mixer(x, (3, 4), num_prefix_tokens=1)
 

@@ -105,8 +105,10 @@ def _assert_gradients_reach(model, named_parameters):
     """Every parameter has a finite gradient, non-zero unless it cannot reach the logits: with the class token
     pooled, the last block's LePE and InLine-DeiT's local residual (they add to the patch tokens only), whose
     gradients are exactly zero."""
-    last = f"blocks.{len(model.blocks) - 1}.mixer."
-    unreached = (last + "lepe.", last + "local.") if getattr(model, "global_pool", None) == "token" else ()
+    unreached = ()
+    if getattr(model, "global_pool", None) == "token":
+        last = f"blocks.{len(model.blocks) - 1}.mixer."
+        unreached = (last + "lepe.", last + "local.")
     for pname, p in named_parameters:
         assert p.grad is not None and torch.isfinite(p.grad).all(), pname
         assert (p.grad.abs().sum() == 0) if pname.startswith(unreached) else (p.grad.abs().sum() > 0), pname

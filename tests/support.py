@@ -122,3 +122,33 @@ def joined_lines(body, first: int):
         line, pending = pending + line, ""
         out.append((start, line))
     return out
+
+
+PUBLISHED_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "published")
+
+
+def published_tensors(name):
+    """(name, shape, dtype) of every tensor of an authors' checkpoint layout, from tests/data/published/NAME.txt."""
+    with open(os.path.join(PUBLISHED_DATA, f"{name}.txt")) as f:
+        for line in f.read().splitlines():
+            if line.startswith("#"):
+                continue
+            key, shape, dtype = line.split()
+            yield key, () if shape == "-" else tuple(int(n) for n in shape.split(",")), dtype
+
+
+class TrainingConfig:
+    """Stands for the yacs config / namespace objects the authors pickle beside the weights."""
+
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+
+
+class Crafted:
+    """An object whose unpickling would create ``marker`` if the reader ran code from the file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))

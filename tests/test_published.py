@@ -8,7 +8,6 @@ import argparse
 import json
 import math
 import os
-from pathlib import Path
 
 import pytest
 import timm
@@ -20,9 +19,8 @@ import linvision
 from linvision.utils.checkpoint import load_pretrained
 from linvision.benchmark.flops import count_gflops, count_params
 from linvision.safe_pickle import NotLoaded, read_checkpoint
-from support import run_tool, write_image_folder
+from support import Crafted, TrainingConfig, published_tensors, run_tool, write_image_folder
 
-DATA = Path(__file__).parent / "data" / "published"
 # Published params (M), GFLOPs at 224 and whether the published count includes the attention products (MLLA's
 # does; RAVLT's counts convolutions and projections only).
 PUBLISHED = {
@@ -42,13 +40,9 @@ def published_layout(name, seed=0, one_block=False):
     ``one_block`` only the first block of every stage (the layout of ``depths=(1, 1, 1, 1)``)."""
     g = torch.Generator().manual_seed(seed)
     out = {}
-    for line in (DATA / f"{name}.txt").read_text().splitlines():
-        if line.startswith("#"):
-            continue
-        key, shape, dtype = line.split()
+    for key, shape, dtype in published_tensors(name):
         if one_block and any(int(i) > 0 for i in __import__("re").findall(r"\.blocks\.(\d+)\.", key)):
             continue
-        shape = () if shape == "-" else tuple(int(s) for s in shape.split(","))
         if dtype == "int64":
             out[key] = torch.tensor(100)
         elif key.endswith("running_var"):
@@ -58,28 +52,11 @@ def published_layout(name, seed=0, one_block=False):
     return out
 
 
-class _TrainingConfig:
-    """Stands for the yacs config / namespace objects the authors pickle beside the weights."""
-
-    def __init__(self, **kwargs):
-        self.__dict__.update(kwargs)
-
-
-class _Crafted:
-    """An object whose unpickling would create ``marker`` if the reader ran code from the file."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
 def save_published(path, state, **extra):
     """A file laid out as the authors' training script writes it (weights under 'model', an EMA copy beside them,
     a pickled config, optimizer state), plus ``extra`` entries."""
     ema = {k: v + 1 if v.is_floating_point() else v for k, v in state.items()}
-    torch.save({"model": state, "state_dict_ema": ema, "model_ema": ema, "config": _TrainingConfig(lr=1e-3),
+    torch.save({"model": state, "state_dict_ema": ema, "model_ema": ema, "config": TrainingConfig(lr=1e-3),
                 "args": argparse.Namespace(epochs=300), "optimizer": {"state": {}, "param_groups": [{"lr": 0.1}]},
                 "epoch": 299, **extra}, path)
 
@@ -137,7 +114,7 @@ def test_files_of_another_model_and_bad_files_fail_in_one_line(tmp_path):
 def test_a_crafted_pickle_runs_no_code(tmp_path):
     marker = tmp_path / "marker"
     path = tmp_path / "crafted.pth"
-    save_published(path, published_layout("ravlt_tiny", one_block=True), payload=_Crafted(str(marker)))
+    save_published(path, published_layout("ravlt_tiny", one_block=True), payload=Crafted(str(marker)))
     checkpoint = read_checkpoint(str(path))
     assert not marker.exists()
     assert isinstance(checkpoint["payload"], NotLoaded) and checkpoint["payload"].global_name == "io.open"
@@ -503,7 +480,7 @@ def test_mavit_pretrained_true_reads_the_hub_file_and_runs_no_code(tmp_path, mon
     marker = tmp_path / "marker"
     state = published_layout("mavit_tiny", one_block=True)
     path = tmp_path / "MAViT_T.pth"
-    save_published(path, state, payload=_Crafted(str(marker)))
+    save_published(path, state, payload=Crafted(str(marker)))
     asked = []
 
     def download(repo_id, filename, revision=None, cache_dir=None):

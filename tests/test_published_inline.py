@@ -16,8 +16,8 @@ import torch.nn.functional as F
 import linvision  # noqa: F401  (registers the models)
 from linvision.benchmark.flops import count_gflops, count_params
 from linvision.layers import create_mixer
+from support import Crafted, TrainingConfig, published_tensors
 
-DATA = Path(__file__).parent / "data" / "published"
 # The authors' README: params (M), GFLOPs at the training size, the training size.
 PUBLISHED = {"inline_deit_tiny": (6.5, 1.1, 224), "inline_deit_small": (16.7, 5.0, 288),
              "inline_deit_base": (23.8, 17.2, 448)}
@@ -28,37 +28,16 @@ def authors_layout(name, seed=0):
     """A state dict with the authors' names and shapes for ``name`` (random values)."""
     g = torch.Generator().manual_seed(seed)
     out = {}
-    for line in (DATA / f"{name}.txt").read_text().splitlines():
-        if line.startswith("#"):
-            continue
-        key, shape, _ = line.split()
-        shape = () if shape == "-" else tuple(int(s) for s in shape.split(","))
+    for key, shape, _ in published_tensors(name):
         out[key] = (torch.randn(shape, generator=g, dtype=torch.float64) * 0.2).float()
     return out
-
-
-class _TrainingConfig:
-    """Stands for the yacs config the authors' main.py pickles beside the weights."""
-
-    def __init__(self, **kwargs):
-        self.__dict__.update(kwargs)
-
-
-class _Crafted:
-    """An object whose unpickling would create ``marker`` if the reader ran code from the file."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
 
 
 def save_authors(path, state, **extra):
     """A file laid out as the authors' main.py saves it: the weights under 'model', optimizer and scheduler state,
     the best accuracy, the epoch and the pickled config."""
     torch.save({"model": state, "optimizer": {"state": {}, "param_groups": [{"lr": 0.1}]}, "lr_scheduler": {},
-                "max_accuracy": 74.5, "epoch": 299, "config": _TrainingConfig(lr=1e-3),
+                "max_accuracy": 74.5, "epoch": 299, "config": TrainingConfig(lr=1e-3),
                 "args": argparse.Namespace(epochs=300), **extra}, path)
 
 
@@ -211,7 +190,7 @@ def test_pretrained_true_downloads_the_published_url_and_runs_no_code(tmp_path, 
     state = {k: v for k, v in authors_layout("inline_deit_tiny").items()
              if not k.startswith("blocks.") or k.startswith("blocks.0.")}
     path = tmp_path / "inline_deit_t.pth"
-    save_authors(path, state, payload=_Crafted(str(marker)))
+    save_authors(path, state, payload=Crafted(str(marker)))
     asked = []
 
     def fetch(url, dst, hash_prefix=None, progress=True):

@@ -6,7 +6,6 @@ resampling) at odd grids, and the hub file is read without running code from it.
 tests/data/published/vig_<size>.txt lists the tensor names, shapes and dtypes of the authors' checkpoints; the
 files built here from them hold random values."""
 import re
-from pathlib import Path
 
 import pytest
 import timm
@@ -16,8 +15,8 @@ import torch.nn.functional as F
 import linvision  # noqa: F401  (registers the models)
 from linvision.benchmark.flops import count_params
 from linvision.models.vig import VigGatedAttention
+from support import Crafted, published_tensors
 
-DATA = Path(__file__).parent / "data" / "published"
 README_PARAMS = {"vig_tiny": 6, "vig_small": 23, "vig_base": 89}  # M, the authors' README
 SLOW = ("vig_small", "vig_base")  # seconds to tens of seconds each on two cores
 SIZES = [pytest.param(n, id=n, marks=[pytest.mark.slow] if n in SLOW else []) for n in README_PARAMS]
@@ -28,27 +27,13 @@ def authors_layout(name, seed=0, depth=None):
     ``depth`` only the first ``depth`` blocks."""
     g = torch.Generator().manual_seed(seed)
     out = {}
-    for line in (DATA / f"{name}.txt").read_text().splitlines():
-        if line.startswith("#"):
-            continue
-        key, shape, _ = line.split()
+    for key, shape, _ in published_tensors(name):
         block = re.match(r"blocks\.(\d+)\.", key)
         if depth is not None and block and int(block.group(1)) >= depth:
             continue
-        shape = tuple(int(s) for s in shape.split(","))
         value = torch.randn(shape, generator=g, dtype=torch.float64) * 0.2
         out[key] = (value + 1 if "norm" in key or re.search(r"proj\.[14]\.weight", key) else value).float()
     return out
-
-
-class _Crafted:
-    """An object whose unpickling would create ``marker`` if the reader ran code from the file."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
 
 
 def _sorted_values(tensors):
@@ -239,7 +224,7 @@ def test_vig_pretrained_true_reads_the_hub_file_and_runs_no_code(tmp_path, monke
     marker = tmp_path / "marker"
     state = authors_layout("vig_tiny", depth=1)
     path = tmp_path / "vig_t_77p2acc.pth"
-    torch.save({"model": state, "payload": _Crafted(str(marker))}, path)
+    torch.save({"model": state, "payload": Crafted(str(marker))}, path)
     asked = []
 
     def download(repo_id, filename, revision=None, cache_dir=None):

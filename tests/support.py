@@ -152,3 +152,21 @@ class Crafted:
 
     def __reduce__(self):
         return (open, (self.marker, "w"))
+
+
+def serve_downloads_from(monkeypatch, tmp_path, path):
+    """timm's url download with only the network transfer replaced by a copy of ``path`` (timm's cache under
+    ``tmp_path``/torch_home); returns the list of urls asked for, filled as they are."""
+    import shutil
+
+    import timm.models._hub as hub
+
+    asked = []
+
+    def fetch(url, dst, hash_prefix=None, progress=True):
+        asked.append(url)
+        shutil.copy(path, dst)
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    monkeypatch.setattr(hub, "download_url_to_file", fetch)
+    return asked

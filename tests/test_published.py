@@ -19,7 +19,8 @@ import linvision
 from linvision.utils.checkpoint import load_pretrained
 from linvision.benchmark.flops import count_gflops, count_params
 from linvision.safe_pickle import NotLoaded, read_checkpoint
-from support import Crafted, TrainingConfig, published_tensors, run_tool, write_image_folder
+from support import (Crafted, TrainingConfig, published_tensors, run_tool, serve_downloads_from,
+                     write_image_folder)
 
 # Published params (M), GFLOPs at 224 and whether the published count includes the attention products (MLLA's
 # does; RAVLT's counts convolutions and projections only).
@@ -443,21 +444,10 @@ def test_pretrained_true_downloads_the_published_url_and_adapts_head_and_channel
     """pretrained=True fetches the cfg's url into timm's cache under a file name (only the network transfer is
     replaced by a copy of a local file here); a new class count keeps the model's head, no classifier drops it,
     one input channel gets the RGB kernel summed (timm's adapt_input_conv)."""
-    import shutil
-
-    import timm.models._hub as hub
-
     state = published_layout("mlla_tiny", one_block=True)
     path = tmp_path / "mlla_t.pth"
     save_published(path, state)
-    asked = []
-
-    def fetch(url, dst, hash_prefix=None, progress=True):
-        asked.append(url)
-        shutil.copy(path, dst)
-
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
-    monkeypatch.setattr(hub, "download_url_to_file", fetch)
+    asked = serve_downloads_from(monkeypatch, tmp_path, path)
     model = timm.create_model("mlla_tiny", depths=(1, 1, 1, 1), pretrained=True, num_classes=5, in_chans=1)
     assert asked == ["https://cloud.tsinghua.edu.cn/f/7a19712877cb4242889c/?dl=1"]
     assert (tmp_path / "torch_home" / "hub" / "checkpoints" / "mlla_tiny_in1k.pth").is_file()
@@ -497,24 +487,6 @@ def test_mavit_pretrained_true_reads_the_hub_file_and_runs_no_code(tmp_path, mon
     assert (small.crop_pct, small.interpolation) == (0.875, "bicubic")
 
 
-def _serve_from(monkeypatch, tmp_path, path):
-    """timm's hub download with only the network transfer replaced by a copy of ``path``; returns the list of urls
-    asked for."""
-    import shutil
-
-    import timm.models._hub as hub
-
-    asked = []
-
-    def fetch(url, dst, hash_prefix=None, progress=True):
-        asked.append(url)
-        shutil.copy(path, dst)
-
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
-    monkeypatch.setattr(hub, "download_url_to_file", fetch)
-    return asked
-
-
 def test_train_pretrained_fine_tunes_from_the_downloaded_weights_and_resumes(tmp_path, monkeypatch):
     """linvision-train --config finetune_mlla_tiny (--pretrained): the model's published file comes through timm's
     cache, two fine-tuning
@@ -524,7 +496,7 @@ def test_train_pretrained_fine_tunes_from_the_downloaded_weights_and_resumes(tmp
     state = published_layout("mlla_tiny", one_block=True)
     path = tmp_path / "mlla_t.pth"
     save_published(path, state)
-    asked = _serve_from(monkeypatch, tmp_path, path)
+    asked = serve_downloads_from(monkeypatch, tmp_path, path)
     kwargs = '{"depths": [1, 1, 1, 1]}'
     expected = timm.create_model("mlla_tiny", depths=(1, 1, 1, 1), pretrained=True, num_classes=4,
                                  pretrained_cfg_overlay=dict(file=str(path))).state_dict()
@@ -582,7 +554,7 @@ def test_validate_pretrained_evaluates_the_downloaded_weights(tmp_path, monkeypa
     state = published_layout("mlla_tiny")
     path = tmp_path / "mlla_t.pth"
     save_published(path, state)
-    asked = _serve_from(monkeypatch, tmp_path, path)
+    asked = serve_downloads_from(monkeypatch, tmp_path, path)
     data = write_image_folder(tmp_path / "data", classes=3, size=48)
     out = run_tool("validate.py", "--model", "mlla_tiny.in1k", "--pretrained", "--data-dir", data,
                    "--img-size", "32", "--device", "cpu").stdout

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import linvision  # noqa: F401  (registers the models)
 from linvision.benchmark.flops import count_gflops, count_params
 from linvision.layers import create_mixer
-from support import Crafted, TrainingConfig, published_tensors
+from support import Crafted, TrainingConfig, published_tensors, serve_downloads_from
 
 # The authors' README: params (M), GFLOPs at the training size, the training size.
 PUBLISHED = {"inline_deit_tiny": (6.5, 1.1, 224), "inline_deit_small": (16.7, 5.0, 288),
@@ -182,23 +182,12 @@ def test_pretrained_true_downloads_the_published_url_and_runs_no_code(tmp_path, 
     """pretrained=True fetches the TsinghuaCloud link into timm's cache under a file name (only the transfer is
     replaced by a copy of a local file) and reads the raw weights under 'model' without running code from the
     pickle; a new class count keeps the model's head."""
-    import shutil
-
-    import timm.models._hub as hub
-
     marker = tmp_path / "marker"
     state = {k: v for k, v in authors_layout("inline_deit_tiny").items()
              if not k.startswith("blocks.") or k.startswith("blocks.0.")}
     path = tmp_path / "inline_deit_t.pth"
     save_authors(path, state, payload=Crafted(str(marker)))
-    asked = []
-
-    def fetch(url, dst, hash_prefix=None, progress=True):
-        asked.append(url)
-        shutil.copy(path, dst)
-
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
-    monkeypatch.setattr(hub, "download_url_to_file", fetch)
+    asked = serve_downloads_from(monkeypatch, tmp_path, path)
     model = timm.create_model("inline_deit_tiny", depth=1, pretrained=True, num_classes=5)
     assert asked == ["https://cloud.tsinghua.edu.cn/f/1d6b8191ad6d4114b291/?dl=1"] and not marker.exists()
     assert (tmp_path / "torch_home" / "hub" / "checkpoints" / "inline_deit_tiny_in1k.pth").is_file()

@@ -21,6 +21,7 @@ from linvision.data import mosaic as mosaic_data
 from linvision.data.mosaic import (CLASSES, IGNORE_INDEX, MEAN, STD, WINDOW, MosaicSegmentation,
                                           SegmentationFolder, make_mosaic, render_window, write_mosaic_folders)
 from linvision.data.texture import photo_parts, photograph
+from support import serve_downloads_from
 
 smp = pytest.importorskip("segmentation_models_pytorch")
 
@@ -167,24 +168,6 @@ def test_vig_in_dpt_at_another_size():
     _check_segmenter(seg, x, 4)
 
 
-def _serve_from(monkeypatch, tmp_path, path):
-    """timm's hub download with only the network transfer replaced by a copy of ``path``; returns the urls asked
-    for."""
-    import shutil
-
-    import timm.models._hub as hub
-
-    asked = []
-
-    def fetch(url, dst, hash_prefix=None, progress=True):
-        asked.append(url)
-        shutil.copy(path, dst)
-
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
-    monkeypatch.setattr(hub, "download_url_to_file", fetch)
-    return asked
-
-
 def test_published_mlla_weights_reach_the_encoder_through_timms_cache(tmp_path, monkeypatch):
     """smp.Unet("tu-mlla_tiny.in1k", encoder_weights=True) has timm download the authors' file once into its cache
     (a classifier of the same tag reads the cache; a local copy loads through pretrained_cfg_overlay), and the
@@ -196,7 +179,7 @@ def test_published_mlla_weights_reach_the_encoder_through_timms_cache(tmp_path, 
     state = published_layout("mlla_tiny", one_block=True)
     path = tmp_path / "mlla_t.pth"
     save_published(path, state)
-    asked = _serve_from(monkeypatch, tmp_path, path)
+    asked = serve_downloads_from(monkeypatch, tmp_path, path)
     seg = smp.Unet("tu-mlla_tiny.in1k", encoder_weights=True, classes=3, **ONE_BLOCK, **DECODERS["Unet"])
     assert asked == ["https://cloud.tsinghua.edu.cn/f/7a19712877cb4242889c/?dl=1"]
     assert (tmp_path / "torch_home" / "hub" / "checkpoints" / "mlla_tiny_in1k.pth").is_file()

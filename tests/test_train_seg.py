@@ -293,12 +293,13 @@ def test_pretrained_encoder_starts_from_the_published_file(tmp_path, monkeypatch
     --pretrained-path with the same file gives the same encoder."""
     import timm
 
-    from test_published import RESOLUTION_BUFFERS, _serve_from, published_layout, save_published
+    from support import serve_downloads_from
+    from test_published import RESOLUTION_BUFFERS, published_layout, save_published
 
     state = published_layout("mlla_tiny", one_block=True)
     path = tmp_path / "mlla_t.pth"
     save_published(path, state)
-    asked = _serve_from(monkeypatch, tmp_path, path)
+    asked = serve_downloads_from(monkeypatch, tmp_path, path)
     reference = timm.create_model("mlla_tiny", depths=(1, 1, 1, 1), pretrained=True,
                                   pretrained_cfg_overlay=dict(file=str(path))).state_dict()
     flags = seg_flags(tmp_path, "--epochs", "1", "--stop-after-steps", "1", "--lr", "1e-12", "--warmup-lr",

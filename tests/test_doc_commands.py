@@ -351,6 +351,13 @@ CHAINS: Dict[str, Chain] = {
         Step("linvision-train -c configs/vit_twin_photos.yaml $R token_mixer=softmax rope=mixed --seed 0 "
              "--experiment rope_mixed", extra=EPOCH, why=ONE_EPOCH),
         Step("linvision-validate --checkpoint output/rope_abs --img-size 64 96 128"),
+        Step('linvision-train -c configs/vit_twin_photos.yaml $R token_mixer=softmax "mixer_kwargs={rope_theta: 10000}" '
+             '--seed 0 --experiment rope_theta', extra=EPOCH, why=ONE_EPOCH),
+        Step('linvision-train -c configs/vit_twin_photos.yaml $R token_mixer=softmax "mixer_kwargs={rope_origin: centre}" '
+             '--seed 0 --experiment rope_centre', extra=EPOCH, why=ONE_EPOCH),
+        Step('linvision-train -c configs/vit_twin_photos.yaml $R token_mixer=linear_rope '
+             '"mixer_kwargs={rope_origin: centre}" --seed 0 --experiment rope_centre_linear', extra=EPOCH,
+             why=ONE_EPOCH),
     )),
     "bench_core_op": Chain(steps=(
         Step("linvision-benchmark --model linhier_tiny_224:token_mixers=linear_rope "

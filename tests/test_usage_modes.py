@@ -197,17 +197,27 @@ def test_vit_models_inference_mode_then_training(name, cold_rope_caches):
     assert_grads_close(got, want)
 
 
+# position options of the RoPE family, each with the parameter whose gradient is compared
+POSITION_OPTIONS = {
+    "pos_embed_learn": (dict(pos_embed="learn"), "pos_embed"),
+    "rope_origin_centre": (dict(mixer_kwargs=dict(rope_origin="centre")), "blocks.0.mixer.qkv.weight"),
+}
+
+
 @pytest.mark.parametrize("amp", list(AMP))
-def test_absolute_embedding_beside_rope_at_100k_tokens_under_autocast(amp, cold_rope_caches):
-    """pos_embed='learn' beside axial RoPE as a high-resolution user runs it: batch 1 of an odd non-square image of
-    100,172 patch tokens (2528 x 2536 px at patch 8; the embedding resampled from the 4 x 4 training grid), a
-    forward under inference_mode, then fp16/bf16 autocast forward and backward: finite, the logits within the
-    autocast tolerance of fp32, and the embedding's gradient that of a copy that never saw inference mode."""
+@pytest.mark.parametrize("option", sorted(POSITION_OPTIONS))
+def test_rope_position_options_at_100k_tokens_under_autocast(option, amp, cold_rope_caches):
+    """pos_embed='learn' beside axial RoPE, and the class token at the grid's centre (rope_origin='centre'), as a
+    high-resolution user runs them: batch 1 of an odd non-square image of 100,172 patch tokens (2528 x 2536 px at
+    patch 8; an embedding resampled from the 4 x 4 training grid), a forward under inference_mode, then fp16/bf16
+    autocast forward and backward: finite, the logits within the autocast tolerance of fp32, and the option's
+    parameter's gradient that of a copy that never saw inference mode."""
     import timm
 
+    kwargs, param = POSITION_OPTIONS[option]
     torch.manual_seed(0)
-    model = timm.create_model("linvit_tiny_patch16_rope_224", pos_embed="learn", patch_size=8, img_size=32,
-                              embed_dim=32, depth=1, num_heads=2, num_classes=5)
+    model = timm.create_model("linvit_tiny_patch16_rope_224", patch_size=8, img_size=32, embed_dim=32, depth=1,
+                              num_heads=2, num_classes=5, **kwargs)
     fresh = copy.deepcopy(model)
     x = torch.randn(1, 3, 2528, 2536, generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
@@ -219,7 +229,7 @@ def test_absolute_embedding_beside_rope_at_100k_tokens_under_autocast(amp, cold_
         with torch.autocast("cpu", dtype=AMP[amp]):
             logits = m(x)
         F.cross_entropy(logits.float(), labels(1)).backward()
-        grads_of.append(m.pos_embed.grad)
+        grads_of.append(m.get_parameter(param).grad)
         scale = float(want.abs().amax())
         assert torch.isfinite(logits).all()
         torch.testing.assert_close(logits.float(), want, rtol=0, atol=AMP_TOL[amp] * max(scale, 1.0))

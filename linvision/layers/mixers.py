@@ -130,8 +130,8 @@ class AttentionMixer(TokenMixer):
 
     def __init__(
         self, dim: int, num_heads: int, *, rope: Optional[str] = None, rope_theta: float = 100.0,
-        rope_row_first: bool = False, rope_fraction: float = 1.0, rope_origin: str = "corner", lepe: bool = False, lepe_kernel: int = 3, gate: bool = False,
-        qkv_bias: bool = True, proj_drop: float = 0.0,
+        rope_row_first: bool = False, rope_fraction: float = 1.0, rope_origin: str = "corner", lepe: bool = False,
+        lepe_kernel: int = 3, gate: bool = False, qkv_bias: bool = True, proj_drop: float = 0.0,
     ):
         super().__init__()
         if num_heads < 1 or dim % num_heads != 0:

@@ -235,3 +235,33 @@ def test_rope_position_options_at_100k_tokens_under_autocast(option, amp, cold_r
         torch.testing.assert_close(logits.float(), want, rtol=0, atol=AMP_TOL[amp] * max(scale, 1.0))
     assert torch.isfinite(grads_of[0]).all() and grads_of[0].abs().amax() > 0
     torch.testing.assert_close(grads_of[0], grads_of[1])
+
+
+PUBLISHED_ISOTROPIC = {  # reduced to one block; the published layers and mixers as they are
+    "vig_tiny": dict(embed_dim=48, num_heads=2),
+    "inline_deit_tiny": dict(embed_dim=32, num_heads=2, dynamic_img_size=True),
+}
+
+
+@pytest.mark.parametrize("amp", list(AMP))
+@pytest.mark.parametrize("name", sorted(PUBLISHED_ISOTROPIC))
+def test_published_isotropic_models_at_100k_tokens_under_autocast(name, amp):
+    """ViG and InLine-DeiT as a high-resolution user fine-tunes them: batch 1 of an odd non-square image of 100,172
+    patch tokens (5056 x 5072 px), a forward under inference_mode, then an fp16/bf16 autocast forward and backward:
+    finite logits within the autocast tolerance of fp32 and a finite gradient for every parameter."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model(name, depth=1, num_classes=5, **PUBLISHED_ISOTROPIC[name])
+    x = torch.randn(1, 3, 16 * 316, 16 * 317, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        want = model.eval()(x)
+    assert want.shape == (1, 5) and torch.isfinite(want).all()
+    model.train()
+    with torch.autocast("cpu", dtype=AMP[amp]):
+        logits = model(x)
+    F.cross_entropy(logits.float(), labels(1)).backward()
+    assert torch.isfinite(logits).all()
+    torch.testing.assert_close(logits.float(), want, rtol=0, atol=AMP_TOL[amp] * max(float(want.abs().amax()), 1.0))
+    for pname, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), pname

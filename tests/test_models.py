@@ -25,6 +25,7 @@ FAMILY_NAMES = {
     "mavit": ["mavit_tiny", "mavit_small", "mavit_base", "mavit_large"],
     "vig": ["vig_tiny", "vig_small", "vig_base"],
     "inline": ["inline_deit_tiny", "inline_deit_small", "inline_deit_base"],
+    "polaformer": ["pola_swin_tiny", "pola_swin_small", "pola_swin_base"],
 }
 ALL_NAMES = [n for names in FAMILY_NAMES.values() for n in names]
 
@@ -123,7 +124,8 @@ def _fx_model(model):
 
 
 def test_import_registers_every_model():
-    assert sorted(timm.list_models([f"{family}*" for family in ("lin", "mlla", "ravlt", "mavit", "vig", "inline")])) == sorted(ALL_NAMES)
+    assert sorted(timm.list_models([f"{family}*" for family in ("lin", "mlla", "ravlt", "mavit", "vig", "inline",
+                                                                  "pola")])) == sorted(ALL_NAMES)
     for family, names in FAMILY_NAMES.items():
         assert sorted(timm.list_models(module=family)) == sorted(names)
 

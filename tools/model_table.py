@@ -23,20 +23,20 @@ from linvision.utils.cli import tool_parser
 from linvision.utils.files import atomic_write_text
 from linvision.benchmark.flops import count_gflops, count_params
 
-DEFAULT_FILTER = ("inline*", "lin*", "mavit*", "mlla*", "ravlt*", "vig*")
+DEFAULT_FILTER = ("inline*", "lin*", "mavit*", "mlla*", "pola*", "ravlt*", "vig*")
 COMMAND = "linvision-model-table --json docs/models.json"
 # the first matching prefix names the family
 FAMILIES = (("linvit_", "linvit"), ("linhier_delta_", "linhier (delta rule)"), ("linhier_gcnn_", "linhier (Gated CNN)"),
             ("linhier_", "linhier"), ("mavit_", "MAViT"), ("mlla_", "MLLA"), ("ravlt_", "RAVLT"), ("vig_", "ViG"),
-            ("inline_deit_", "InLine-DeiT"))
+            ("inline_deit_", "InLine-DeiT"), ("pola_swin_", "Pola-Swin"))
 UNTRAINED_USE = {  # what each family without trained weights is for, in README's line about them
     "linhier (delta rule)": "the bidirectional delta rule in every stage",
     "linhier": "linear attention with 2D RoPE in every stage",
     "linhier (Gated CNN)": "MambaOut's Gated CNN, no token mixer: the baseline of ablations",
     "linvit": "isotropic ViTs; `.deit_fb_in1k` loads DeiT's softmax weights as the start of linearization",
 }
-FRONT_ORDER = ("MLLA", "RAVLT", "MAViT", "InLine-DeiT", "ViG", "linhier (delta rule)", "linhier", "linhier (Gated CNN)",
-               "linvit")  # trained first
+FRONT_ORDER = ("MLLA", "RAVLT", "MAViT", "Pola-Swin", "InLine-DeiT", "ViG", "linhier (delta rule)", "linhier",
+               "linhier (Gated CNN)", "linvit")  # trained first
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,8 +117,10 @@ def front_table(rows: List[Dict]) -> str:
 
 
 def _has_weights(name: str) -> bool:
+    """Trained weights: a source timm downloads, or published ones loaded from a local copy (a published top-1
+    recorded, no address: Pola-Swin)."""
     cfg = timm.models.get_pretrained_cfg(name)
-    return bool(cfg is not None and cfg.has_weights)
+    return bool(cfg is not None and (cfg.has_weights or published_top1(name) is not None))
 
 
 def family(name: str) -> str:
@@ -141,7 +143,7 @@ def published_top1(name: str) -> Optional[float]:
 
 def weights_text(name: str) -> str:
     cfg = timm.models.get_pretrained_cfg(name)
-    if cfg is not None and cfg.has_weights:
+    if _has_weights(name):
         return f"`.{cfg.tag}`: {cfg.description}"
     tagged = [timm.models.get_pretrained_cfg(t) for t in timm.list_pretrained(f"{name}.*")]
     return "an error (no trained weights)" + "".join(f"; `.{c.tag}` loads {c.description}" for c in tagged)

@@ -5,17 +5,15 @@ arXiv:2501.15061; reference code github.com/ZacharyMeng/PolaFormer (MIT licence;
 ``PolaSwinTransformer``, configs ``cfgs/pola_swin_{t,s,b}.yaml``), weights on the Hugging Face hub repository
 ``ZachMeng/PolaFormer``.
 
-The network is :class:`~linvision.models.linhier.LinHier` with Swin's layers: a 4x4 patch embedding of stride 4 with
-LayerNorm, Swin's patch merging (2x2 neighbours concatenated, LayerNorm, a linear map to twice the channels)
-between stages, pre-norm blocks without CPE or layer scale (LayerNorm eps 1e-5, timm's ``Mlp``), a final LayerNorm,
-then mean pooling and a linear head. The stages are ``LLSS``:
+The network is :class:`~linvision.models.swinhier.SwinHier` (Swin's layers on LinHier) with the stages ``LLSS``:
 
 - stages 1-2: ``"pola_swin"`` (registered here, :class:`PolaSwinAttention`): polarity-aware linear attention over
   the whole stage (at 224 px the authors' window of 56 holds the whole 56 x 56 and 28 x 28 maps), with a learned
   position encoding added to the keys, a 5x5 depthwise convolution of v shared by the heads, and the output
   modulation (attention + conv) * (W_g x) before the projection;
-- stages 3-4: ``"swin_window"`` (:class:`SwinWindowAttention`): Swin's softmax attention in 7 x 7 windows with a
-  learned relative position bias, the windows of every second block shifted by half a window.
+- stages 3-4: ``"swin_window"`` (:class:`~linvision.models.swinhier.SwinWindowAttention`): Swin's softmax
+  attention in 7 x 7 windows with a learned relative position bias, the windows of every second block shifted by
+  half a window.
 
 At the training size every stage computes exactly the authors' model. At other sizes (any multiple of 32, square
 or not) the linear stages still attend over the whole map, with the key position encoding resampled (bicubic,
@@ -24,25 +22,22 @@ Evaluation as the authors' (Swin's): resize to 256/224 of the crop (bicubic), ce
 """
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Dict, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
-from timm.layers import Mlp, PatchEmbed, resample_abs_pos_embed, trunc_normal_
-from timm.models import generate_default_cfgs, register_model
-from timm.models.swin_transformer import PatchMerging, get_relative_position_index
+from timm.layers import resample_abs_pos_embed
+from timm.models import generate_default_cfgs, register_model, resolve_pretrained_cfg
 from torch import Tensor, nn
 
 from linvision.layers import merge_options, register_mixer
-from linvision.layers.mixers import AttentionMixer, window_merge, window_partition
 from linvision.layers.variant_mixers import OutputModulation, PolaAttention
 from linvision.ops import Rope
 
 from .linhier import LinHier
-from .published import build_published, load_published, published_cfg, require_weights, unwrap_state_dict
+from .published import load_published, published_cfg
+from .swinhier import SwinHier, create_swin_like, swin_checkpoint_filter
 
-__all__ = ["PolaSwin", "PolaSwinAttention", "SwinWindowAttention", "HeadSharedConv", "checkpoint_filter_fn"]
+__all__ = ["PolaSwin", "PolaSwinAttention", "HeadSharedConv", "checkpoint_filter_fn"]
 
 HUB_ID = "ZachMeng/PolaFormer"
 # The authors' main.py saves the weights under "model" (no EMA copy).
@@ -113,165 +108,53 @@ class PolaSwinAttention(OutputModulation, PolaAttention):
         return f"{super().extra_repr()}, key_pos_grid={self.key_pos_grid}"
 
 
-@register_mixer("swin_window")
-class SwinWindowAttention(AttentionMixer):
-    """Swin's window attention: softmax attention (scale D^-1/2) inside ``window`` x ``window`` windows, with a
-    learned bias per head and relative offset (``relative_position_bias_table``, (2 window - 1)^2 x heads).
-    ``shift``: the windows are shifted by half a window (Swin's odd blocks; along an axis no longer than the
-    window, nothing shifts), tokens brought together across the map's edge by the shift kept apart by a bias of
-    -100, as Swin does. The map is padded at the bottom and right to whole windows; padded keys take no weight.
-    No RoPE, no prefix tokens."""
-
-    takes_prefix_tokens = False
-
-    def __init__(self, dim: int, num_heads: int, *, window: int = 7, shift: bool = False, **kwargs):
-        super().__init__(dim, num_heads, **kwargs)
-        if window < 1:
-            raise ValueError(f"window: must be >= 1, got {window}")
-        self.window, self.shift = window, bool(shift)
-        self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * window - 1) ** 2, num_heads))
-        trunc_normal_(self.relative_position_bias_table, std=0.02)
-        self.register_buffer("relative_position_index", get_relative_position_index(window, window).flatten(),
-                             persistent=False)
-
-    @torch.jit.ignore
-    def no_weight_decay(self) -> set:
-        return super().no_weight_decay() | {"relative_position_bias_table"}
-
-    def _shifts(self, hw: Tuple[int, int]) -> Tuple[int, int]:
-        s = self.window // 2 if self.shift else 0
-        return tuple(s if n > self.window else 0 for n in hw)
-
-    def _bias(self, hw: Tuple[int, int], shifts: Tuple[int, int], device: torch.device, dtype: torch.dtype) -> Tensor:
-        """(heads, windows, w*w, w*w): the relative position bias, -100 between tokens of different regions of
-        the shifted map, -inf for padded keys."""
-        area = self.window * self.window
-        table = self.relative_position_bias_table.to(dtype)
-        bias = table[self.relative_position_index].reshape(area, area, -1).permute(2, 0, 1)[:, None]
-        (h, w), (sh, sw) = hw, shifts
-        rows = (torch.arange(h, device=device) >= h - sh).long() if sh else torch.zeros(h, dtype=torch.long,
-                                                                                         device=device)
-        cols = (torch.arange(w, device=device) >= w - sw).long() if sw else torch.zeros(w, dtype=torch.long,
-                                                                                         device=device)
-        region = (rows[:, None] * 2 + cols[None, :]).to(dtype).reshape(1, 1, h * w, 1)
-        windows, valid, _ = window_partition(region, hw, self.window)  # padded positions hold 0 and are invalid
-        windows = windows[0, 0, :, :, 0]  # (nW, w*w)
-        other = (windows[:, :, None] != windows[:, None, :]).to(dtype) * -100.0
-        other = other.masked_fill(~valid[:, None, :], float("-inf"))
-        return bias + other[None]
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
-        b, nh, n, d = q.shape
-        h, w = hw
-        shifts = self._shifts(hw)
-
-        def roll(t: Tensor, sign: int) -> Tensor:
-            if not any(shifts):
-                return t
-            grid = t.reshape(b, nh, h, w, d).roll((sign * shifts[0], sign * shifts[1]), dims=(2, 3))
-            return grid.reshape(b, nh, n, d)
-
-        qw, valid, padded = window_partition(roll(q, -1), hw, self.window)
-        kw, _, _ = window_partition(roll(k, -1), hw, self.window)
-        vw, _, _ = window_partition(roll(v, -1), hw, self.window)
-        out = F.scaled_dot_product_attention(qw, kw, vw, attn_mask=self._bias(hw, shifts, q.device, q.dtype))
-        return roll(window_merge(out, hw, padded, self.window), 1)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, window={self.window}, shift={self.shift}"
-
-
-def _stem(in_chans: int, dim: int) -> nn.Module:
-    """Swin's patch embedding: a 4x4 conv of stride 4 and LayerNorm, channels-last out."""
-    return PatchEmbed(None, 4, in_chans, dim, norm_layer=nn.LayerNorm, output_fmt="NHWC")
-
-
-class PolaSwin(LinHier):
-    """:class:`LinHier` with Swin's layers and PolaFormer's stages; loads the authors' files (timm's
+class PolaSwin(SwinHier):
+    """:class:`~linvision.models.swinhier.SwinHier` with PolaFormer's stages; loads the authors' files (timm's
     ``custom_load``). ``img_size``: the size whose stage grids the linear stages' key position encodings have
-    (224: 56 x 56 and 28 x 28). The window side of the softmax stages: ``mixer_kwargs=dict(window=...)`` (7)."""
-
-    mixer_defaults: Dict[str, Any] = dict(window=7)
-
-    def __init__(self, *, img_size: Any = 224, **kwargs):
-        super().__init__(img_size=img_size, **kwargs)
-        size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
-        for i, stage in enumerate(self.stages):
-            grid = (size[0] // (4 << i), size[1] // (4 << i))
-            for j, block in enumerate(stage.blocks):
-                if isinstance(block.mixer, PolaSwinAttention):
-                    block.mixer.set_key_position(grid)
-                if isinstance(block.mixer, SwinWindowAttention):
-                    block.mixer.shift = j % 2 == 1
+    (224: 56 x 56 and 28 x 28)."""
 
     def load_pretrained(self, path: str) -> None:
         load_published(self, path, checkpoint_filter_fn)
 
 
-def _published_name(name: str) -> str:
-    """linvision's name of a tensor of the authors' layout (``layers.i`` stages ending with their downsample)."""
-    import re
-
-    m = re.match(r"^layers\.(\d+)\.downsample\.(.*)$", name)
-    if m:  # the merging at the end of stage i is the one at the start of stage i + 1 here
-        return f"stages.{int(m.group(1)) + 1}.downsample.{m.group(2)}"
-    for old, new in ((r"^patch_embed\.", "stem."), (r"^layers\.(\d+)\.blocks\.", r"stages.\1.blocks."),
-                     (r"\.attn\.dwc\.", ".mixer.lepe.conv."),
-                     (r"\.attn\.positional_encoding$", ".mixer.key_pos"), (r"\.attn\.", ".mixer."),
-                     (r"^norm\.", "final."), (r"^head\.", "head.fc.")):
-        name = re.sub(old, new, name)
-    return name
+def _mixer_tensor(name: str, value: Tensor, mixer: nn.Module) -> Dict[str, Tensor]:
+    """PolaFormer's mixer tensors: ``qkvg`` splits into the q/k/v projection and the modulation ``gate``; the
+    per-channel scale and the power take the heads' shape; ``dwc`` is the head-shared conv; the key position
+    encoding is resampled to the model's grid where the file's differs (a model built for another size)."""
+    prefix, _, leaf = name.rpartition(".")
+    if ".mixer.qkvg." in name:
+        c = mixer.dim
+        return {name.replace(".qkvg.", ".qkv."): value[:3 * c], name.replace(".qkvg.", ".gate."): value[3 * c:]}
+    if name.endswith(".mixer.scale"):
+        return {prefix + ".qk_scale": value.reshape(mixer.num_heads, 1, mixer.head_dim)}
+    if name.endswith(".mixer.power"):
+        return {prefix + ".power_logit": value.reshape(mixer.num_heads, 1, mixer.head_dim)}
+    if ".mixer.dwc." in name:
+        return {name.replace(".mixer.dwc.", ".mixer.lepe.conv."): value}
+    if name.endswith(".mixer.positional_encoding"):
+        grid = getattr(mixer, "key_pos_grid", None)
+        side = int(round(value.shape[1] ** 0.5))
+        if grid is not None and (side, side) != grid and side * side == value.shape[1]:
+            value = resample_abs_pos_embed(value, list(grid), [side, side], num_prefix_tokens=0)
+        return {prefix + ".key_pos": value}
+    return {name: value}
 
 
 def checkpoint_filter_fn(checkpoint: Dict[str, Any], model: LinHier) -> Dict[str, Tensor]:
-    """The authors' checkpoint (weights under ``model``) in linvision's names: stage ``i``'s patch merging moves to
-    the start of stage ``i + 1``; ``qkvg`` splits into the q/k/v projection and the modulation ``gate``; the per-
-    channel scale and the power take the heads' shape; the key position encodings are resampled to the model's
-    grids where it was built for another size; the relative position indices and the shift masks (buffers the
-    model recomputes) are dropped. A state dict in linvision's own names passes unchanged."""
-    state = unwrap_state_dict(checkpoint, WEIGHT_KEYS)
-    if not any(k.startswith("layers.") for k in state):
-        return state
-    out = {}
-    for name, value in state.items():
-        if name.endswith((".relative_position_index", ".attn_mask")):
-            continue
-        new = _published_name(name)
-        prefix, _, leaf = new.rpartition(".")
-        if ".mixer." in new:
-            try:
-                mixer = model.get_submodule(new.split(".mixer.")[0] + ".mixer")
-            except AttributeError:  # a block this model lacks: left as it is, reported as unexpected
-                out[new] = value
-                continue
-            if ".mixer.qkvg." in new:
-                c = mixer.dim
-                out[new.replace(".qkvg.", ".qkv.")] = value[:3 * c]
-                out[new.replace(".qkvg.", ".gate.")] = value[3 * c:]
-                continue
-            if leaf == "scale" and new.endswith(".mixer.scale"):
-                out[prefix + ".qk_scale"] = value.reshape(mixer.num_heads, 1, mixer.head_dim)
-                continue
-            if leaf == "power":
-                out[prefix + ".power_logit"] = value.reshape(mixer.num_heads, 1, mixer.head_dim)
-                continue
-            if leaf == "key_pos" and getattr(mixer, "key_pos_grid", None) is not None:
-                n = value.shape[1]
-                side = int(round(n ** 0.5))
-                if (side, side) != mixer.key_pos_grid and side * side == n:
-                    value = resample_abs_pos_embed(value, list(mixer.key_pos_grid), [side, side],
-                                                   num_prefix_tokens=0)
-        out[new] = value
-    return out
+    """The authors' checkpoint (weights under ``model``) in linvision's names
+    (:func:`~linvision.models.swinhier.swin_checkpoint_filter`; the mixer tensors as :func:`_mixer_tensor` says).
+    A state dict in linvision's own names passes unchanged."""
+    return swin_checkpoint_filter(checkpoint, model, WEIGHT_KEYS, _mixer_tensor)
 
 
 def _cfg(top1: float) -> Dict[str, Any]:
-    # The hub repository's file names are not recorded here: pretrained=True asks for a local copy
-    # (pretrained_cfg_overlay=dict(file=...)); see the model cards.
+    # The hub repository's file names are not recorded here: the weights load from a local copy
+    # (pretrained_cfg_overlay=dict(file=...)); pretrained=True alone says so (_create_pola_swin).
     return published_cfg(
         top1, url="", first_conv="stem.proj", license="mit", paper_ids="arXiv:2501.15061",
         paper_name="PolaFormer: Polarity-aware Linear Attention for Vision Transformers",
         origin_url="https://github.com/ZacharyMeng/PolaFormer",
+        description=f"the authors' ImageNet-1k weights, from a local copy of the hub file (top-1 {top1}% as published)",
     )
 
 
@@ -289,14 +172,14 @@ SIZES: Dict[str, Dict[str, Any]] = {
 
 
 def _create_pola_swin(variant: str, size: str, pretrained: bool, **kwargs) -> LinHier:
-    require_weights(variant, pretrained, kwargs,
-                    hint=f"download the authors' file from https://huggingface.co/{HUB_ID} (its file names are "
-                         f"not recorded here) and pass it")
-    args = dict(token_mixers="pola_swin,pola_swin,swin_window,swin_window", stem_layer=_stem,
-                downsample_layer=partial(PatchMerging, norm_layer=nn.LayerNorm), norm_layer=nn.LayerNorm,
-                cpe=False, mlp_layer=Mlp, final_layer=nn.LayerNorm)
-    return build_published(PolaSwin, variant, pretrained, checkpoint_filter_fn,
-                           **merge_options(SIZES[size], args, **kwargs))
+    if pretrained:
+        cfg = resolve_pretrained_cfg(variant, kwargs.get("pretrained_cfg"), kwargs.get("pretrained_cfg_overlay"))
+        if not cfg.has_weights:
+            raise ValueError(f"pretrained: {variant}.{cfg.tag} loads the authors' file from a local copy: download it "
+                             f"from https://huggingface.co/{HUB_ID} (the file names there are not recorded here) "
+                             f"and pass pretrained_cfg_overlay=dict(file=PATH) (--pretrained-path PATH to the tools)")
+    return create_swin_like(PolaSwin, variant, pretrained, checkpoint_filter_fn, SIZES[size],
+                            **merge_options(dict(token_mixers="pola_swin,pola_swin,swin_window,swin_window"), **kwargs))
 
 
 # Published training used stochastic depth 0.2 / 0.3 / 0.5 (T / S / B); the models default to none, as timm's do.

@@ -1,0 +1,196 @@
+"""Swin's macro-architecture on :class:`~linvision.models.linhier.LinHier`, shared by the published Swin-shaped
+backbones (Pola-Swin in :mod:`linvision.models.polaformer`, InLine-Swin in :mod:`linvision.models.inline`).
+
+Liu et al. 2021, "Swin Transformer: Hierarchical Vision Transformer using Shifted Windows", arXiv:2103.14030. The
+layers: a 4x4 patch embedding of stride 4 with LayerNorm (timm's ``PatchEmbed``), timm's ``PatchMerging`` between
+stages (2x2 neighbours concatenated, LayerNorm, a linear map without bias to twice the channels), pre-norm blocks
+without CPE or layer scale (LayerNorm eps 1e-5, timm's ``Mlp``), a final LayerNorm, then mean pooling and a
+linear head. Softmax stages use ``"swin_window"`` (:class:`SwinWindowAttention`, registered here): the windows of
+every second block of a stage are shifted by half a window.
+
+The published linear-attention Swins use a window of 56 in their linear stages, which at 224 px holds the whole
+56 x 56, 28 x 28 and 14 x 14 maps: here those stages attend over the whole map at every size.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from timm.layers import Mlp, PatchEmbed, trunc_normal_
+from timm.models.swin_transformer import PatchMerging, get_relative_position_index
+from torch import Tensor, nn
+
+from linvision.layers import create_mixer, init_model_weights, merge_options, register_mixer
+from linvision.layers.mixers import AttentionMixer, window_merge, window_partition
+from linvision.layers.registry import MixerSpec, mixer_options
+from linvision.ops import Rope
+
+from .linhier import LinHier
+from .published import build_published, unwrap_state_dict
+
+__all__ = ["SwinHier", "SwinWindowAttention", "swin_stem", "swin_published_name", "swin_checkpoint_filter",
+           "create_swin_like"]
+
+# Buffers of the authors' Swin code that the model recomputes.
+RECOMPUTED = (".relative_position_index", ".attn_mask")
+
+
+@register_mixer("swin_window")
+class SwinWindowAttention(AttentionMixer):
+    """Swin's window attention: softmax attention (scale D^-1/2) inside ``window`` x ``window`` windows, with a
+    learned bias per head and relative offset (``relative_position_bias_table``, (2 window - 1)^2 x heads).
+    ``shift``: the windows are shifted by half a window (Swin's odd blocks; along an axis no longer than the
+    window, nothing shifts), tokens brought together across the map's edge by the shift kept apart by a bias of
+    -100, as Swin does. The map is padded at the bottom and right to whole windows; padded keys take no weight.
+    No RoPE, no prefix tokens."""
+
+    takes_prefix_tokens = False
+
+    def __init__(self, dim: int, num_heads: int, *, window: int = 7, shift: bool = False, **kwargs):
+        super().__init__(dim, num_heads, **kwargs)
+        if window < 1:
+            raise ValueError(f"window: must be >= 1, got {window}")
+        self.window, self.shift = window, bool(shift)
+        self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * window - 1) ** 2, num_heads))
+        trunc_normal_(self.relative_position_bias_table, std=0.02)
+        self.register_buffer("relative_position_index", get_relative_position_index(window, window).flatten(),
+                             persistent=False)
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set:
+        return super().no_weight_decay() | {"relative_position_bias_table"}
+
+    def _shifts(self, hw: Tuple[int, int]) -> Tuple[int, int]:
+        s = self.window // 2 if self.shift else 0
+        return tuple(s if n > self.window else 0 for n in hw)
+
+    def _bias(self, hw: Tuple[int, int], shifts: Tuple[int, int], device: torch.device, dtype: torch.dtype) -> Tensor:
+        """(heads, windows, w*w, w*w): the relative position bias, -100 between tokens of different regions of
+        the shifted map, -inf for padded keys."""
+        area = self.window * self.window
+        table = self.relative_position_bias_table.to(dtype)
+        bias = table[self.relative_position_index].reshape(area, area, -1).permute(2, 0, 1)[:, None]
+        (h, w), (sh, sw) = hw, shifts
+        rows = (torch.arange(h, device=device) >= h - sh).long() if sh else torch.zeros(h, dtype=torch.long,
+                                                                                         device=device)
+        cols = (torch.arange(w, device=device) >= w - sw).long() if sw else torch.zeros(w, dtype=torch.long,
+                                                                                         device=device)
+        region = (rows[:, None] * 2 + cols[None, :]).to(dtype).reshape(1, 1, h * w, 1)
+        windows, valid, _ = window_partition(region, hw, self.window)  # padded positions hold 0 and are invalid
+        windows = windows[0, 0, :, :, 0]  # (nW, w*w)
+        other = (windows[:, :, None] != windows[:, None, :]).to(dtype) * -100.0
+        other = other.masked_fill(~valid[:, None, :], float("-inf"))
+        return bias + other[None]
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
+        b, nh, n, d = q.shape
+        h, w = hw
+        shifts = self._shifts(hw)
+
+        def roll(t: Tensor, sign: int) -> Tensor:
+            if not any(shifts):
+                return t
+            grid = t.reshape(b, nh, h, w, d).roll((sign * shifts[0], sign * shifts[1]), dims=(2, 3))
+            return grid.reshape(b, nh, n, d)
+
+        qw, valid, padded = window_partition(roll(q, -1), hw, self.window)
+        kw, _, _ = window_partition(roll(k, -1), hw, self.window)
+        vw, _, _ = window_partition(roll(v, -1), hw, self.window)
+        out = F.scaled_dot_product_attention(qw, kw, vw, attn_mask=self._bias(hw, shifts, q.device, q.dtype))
+        return roll(window_merge(out, hw, padded, self.window), 1)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, window={self.window}, shift={self.shift}"
+
+
+def swin_stem(in_chans: int, dim: int) -> nn.Module:
+    """Swin's patch embedding: a 4x4 conv of stride 4 and LayerNorm, channels-last out."""
+    return PatchEmbed(None, 4, in_chans, dim, norm_layer=nn.LayerNorm, output_fmt="NHWC")
+
+
+class SwinHier(LinHier):
+    """:class:`LinHier` with Swin's layers (the module docstring). After the stages are built, the
+    ``"swin_window"`` mixers of every second block of a stage shift their windows, and mixers with a learned
+    position encoding of a grid (``set_key_position``) get the grid of their stage at ``img_size``.
+
+    lead_mixers: per stage None or (n, mixer): the first n blocks of that stage take ``mixer`` instead of the
+        stage's (the published "mixed" stages: a few linear-attention blocks, then window attention); each gets
+        the options of ``mixer_kwargs`` it takes. The window side of the softmax stages: ``mixer_kwargs=dict(
+        window=...)`` (7).
+    """
+
+    mixer_defaults: Dict[str, Any] = dict(window=7)
+
+    def __init__(self, *, img_size: Any = 224, lead_mixers: Optional[Sequence[Optional[Tuple[int, MixerSpec]]]] = None,
+                 **kwargs):
+        super().__init__(img_size=img_size, **kwargs)
+        size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
+        options = {**self.mixer_defaults, **(kwargs.get("mixer_kwargs") or {})}
+        for i, lead in enumerate(lead_mixers or ()):
+            if lead is None:
+                continue
+            count, mixer = lead
+            own = {k: v for k, v in options.items() if k in mixer_options(mixer)}
+            for block in self.stages[i].blocks[:count]:
+                old = block.mixer
+                block.mixer = create_mixer(mixer, old.dim, old.num_heads, **own)
+                init_model_weights(block.mixer)
+        for i, stage in enumerate(self.stages):
+            grid = (size[0] // (4 << i), size[1] // (4 << i))
+            for j, block in enumerate(stage.blocks):
+                if callable(getattr(block.mixer, "set_key_position", None)):
+                    block.mixer.set_key_position(grid)
+                if isinstance(block.mixer, SwinWindowAttention):
+                    block.mixer.shift = j % 2 == 1
+
+
+def swin_published_name(name: str) -> str:
+    """linvision's name of a tensor of the authors' Swin layout (``layers.i`` stages ending with their patch
+    merging, ``attn`` for the mixer)."""
+    import re
+
+    m = re.match(r"^layers\.(\d+)\.downsample\.(.*)$", name)
+    if m:  # the merging at the end of stage i is the one at the start of stage i + 1 here
+        return f"stages.{int(m.group(1)) + 1}.downsample.{m.group(2)}"
+    for old, new in ((r"^patch_embed\.", "stem."), (r"^layers\.(\d+)\.blocks\.", r"stages.\1.blocks."),
+                     (r"\.attn\.", ".mixer."), (r"^norm\.", "final."), (r"^head\.", "head.fc.")):
+        name = re.sub(old, new, name)
+    return name
+
+
+def swin_checkpoint_filter(checkpoint: Dict[str, Any], model: LinHier, weight_keys: Sequence[str],
+                           mixer_tensor: Optional[Callable[[str, Tensor, nn.Module], Dict[str, Tensor]]] = None,
+                           ) -> Dict[str, Tensor]:
+    """An authors' Swin-layout checkpoint in linvision's names (:func:`swin_published_name`), the recomputed
+    buffers dropped. ``mixer_tensor(name, value, mixer)``: a family's own mapping of a mixer's tensor (its
+    linvision name, before the family's renaming), returning the tensors it becomes. A state dict in linvision's
+    own names passes unchanged."""
+    state = unwrap_state_dict(checkpoint, weight_keys)
+    if not any(k.startswith("layers.") for k in state):
+        return state
+    out = {}
+    for name, value in state.items():
+        if name.endswith(RECOMPUTED):
+            continue
+        new = swin_published_name(name)
+        if mixer_tensor is not None and ".mixer." in new:
+            try:
+                mixer = model.get_submodule(new.split(".mixer.")[0] + ".mixer")
+            except AttributeError:  # a block this model lacks: left as it is, reported as unexpected
+                out[new] = value
+                continue
+            out.update(mixer_tensor(new, value, mixer))
+            continue
+        out[new] = value
+    return out
+
+
+def create_swin_like(model_cls: type, variant: str, pretrained: bool, filter_fn: Callable, sizes: Dict[str, Any],
+                     **kwargs) -> LinHier:
+    """A model of Swin's layout as ``model_cls`` (a :class:`SwinHier`), built through :func:`build_published`;
+    ``sizes`` (depths, dims, heads) and ``kwargs`` (``token_mixers``, ``lead_mixers``, options) over the layers."""
+    args = dict(stem_layer=swin_stem, downsample_layer=partial(PatchMerging, norm_layer=nn.LayerNorm),
+                norm_layer=nn.LayerNorm, cpe=False, mlp_layer=Mlp, final_layer=nn.LayerNorm)
+    return build_published(model_cls, variant, pretrained, filter_fn, **merge_options(sizes, args, **kwargs))

@@ -30,7 +30,7 @@ from linvision.training.train_config import TrainConfig
 from linvision.training.validate import add_validate_args, validate_checkpoint
 from support import TINY_VIT, run_tool, step_losses, tiny_train_flags, write_image_folder
 
-LINVISION_MODULES = ["mlla", "ravlt", "mavit", "inline", "vig", "linhier", "linvit"]
+LINVISION_MODULES = ["mlla", "ravlt", "mavit", "polaformer", "inline", "vig", "linhier", "linvit"]
 
 
 def _weighted_models():
@@ -84,13 +84,15 @@ def test_the_weighted_models_are_found():
     for name in ("mlla_tiny.in1k", "mlla_small.in1k", "mlla_base.in1k", "ravlt_tiny.in1k", "ravlt_small.in1k",
                  "ravlt_base.in1k", "ravlt_large.in1k", "mavit_tiny.in1k", "mavit_small.in1k", "mavit_base.in1k",
                  "mavit_large.in1k", "vig_tiny.in1k", "vig_small.in1k", "vig_base.in1k",
-                 "inline_deit_tiny.in1k", "inline_deit_small.in1k", "inline_deit_base.in1k"):
+                 "inline_deit_tiny.in1k", "inline_deit_small.in1k", "inline_deit_base.in1k",
+                 "inline_swin_tiny.in1k", "inline_swin_small.in1k", "inline_swin_base.in1k"):
         assert name in WEIGHTED
+    assert not any(n.startswith("pola_swin") for n in WEIGHTED)  # a local copy only: nothing to download
 
 
 # one model of each family and cfg by default (the others differ only in size); all of them with --runslow
 _DEFAULT_WEIGHTED = ("linvit_tiny_patch16_rope_224.deit_fb_in1k", "mlla_tiny.in1k", "ravlt_tiny.in1k",
-                     "mavit_tiny.in1k", "vig_tiny.in1k", "inline_deit_small.in1k")
+                     "mavit_tiny.in1k", "vig_tiny.in1k", "inline_deit_small.in1k", "inline_swin_tiny.in1k")
 
 
 @pytest.mark.parametrize("name", [n if n in _DEFAULT_WEIGHTED else pytest.param(n, marks=pytest.mark.slow)
@@ -124,7 +126,7 @@ def test_pretrained_evaluation_uses_timms_transform(name, monkeypatch):
     (result,) = out["results"]
     assert result["img_size"] == size
     assert result["interpolation"] == cfg.interpolation and result["crop_pct"] == cfg.crop_pct
-    if name.startswith(("mlla", "ravlt", "mavit", "vig")):  # the published evaluation transform
+    if name.startswith(("mlla", "ravlt", "mavit", "vig", "inline_swin")):  # the published evaluation transform
         assert resize.interpolation == T.InterpolationMode.BICUBIC and cfg.crop_pct == 0.875
         assert resize.size in (256, [256])
     if name.startswith("inline_deit"):  # the authors' square resize to 256/224 of the crop, bicubic

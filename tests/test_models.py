@@ -24,7 +24,8 @@ FAMILY_NAMES = {
     "ravlt": ["ravlt_tiny", "ravlt_small", "ravlt_base", "ravlt_large"],
     "mavit": ["mavit_tiny", "mavit_small", "mavit_base", "mavit_large"],
     "vig": ["vig_tiny", "vig_small", "vig_base"],
-    "inline": ["inline_deit_tiny", "inline_deit_small", "inline_deit_base"],
+    "inline": ["inline_deit_tiny", "inline_deit_small", "inline_deit_base", "inline_swin_tiny", "inline_swin_small",
+               "inline_swin_base"],
     "polaformer": ["pola_swin_tiny", "pola_swin_small", "pola_swin_base"],
 }
 ALL_NAMES = [n for names in FAMILY_NAMES.values() for n in names]
@@ -43,17 +44,17 @@ HIER_MIXERS = ("linhier_tiny_224", dict(SMALL_HIER, token_mixers="none,none,line
 def _isotropic(name):
     """linvit and the published isotropic families (ViG; InLine-DeiT, a linvit with its own mixer): tokens out of
     forward_features, blocks under ``blocks``."""
-    return name.startswith(("linvit", "vig", "inline"))
+    return name.startswith(("linvit", "vig", "inline_deit"))
 
 
 def _fixed_size(name, kwargs):
     """The models whose patch embedding checks the size: an absolute position embedding (linvit's plain variants,
     InLine-DeiT) without dynamic_img_size; ViG resamples its embedding to every input."""
-    return name.startswith(("linvit", "inline")) and "rope" not in name and not kwargs.get("dynamic_img_size", False)
+    return name.startswith(("linvit", "inline_deit")) and "rope" not in name and not kwargs.get("dynamic_img_size", False)
 
 
 def _reduced(name):
-    if name.startswith("inline"):  # built for 224-448 px: reduced to 64 px as well
+    if name.startswith("inline_deit"):  # built for 224-448 px: reduced to 64 px as well
         return dict(SMALL_VIT, img_size=64)
     return dict(SMALL_VIT) if _isotropic(name) else dict(SMALL_HIER)
 

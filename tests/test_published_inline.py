@@ -1,9 +1,10 @@
-"""InLine-DeiT (the published isotropic InLine models): the authors' checkpoint layout loads with every tensor used,
-the sizes match the published table, the block equals an explicit float64 transcription of the authors' attention
-at odd grids with the class token, and pretrained=True fetches the published file without running code from it.
+"""InLine-DeiT and InLine-Swin (the published InLine models): the authors' checkpoint layouts load with every
+tensor used, the sizes match the published tables, the blocks equal explicit float64 transcriptions of the
+authors' attention at odd grids (with the class token for DeiT, on the map alone for Swin), and pretrained=True
+fetches the published file without running code from it.
 
-tests/data/published/inline_deit_<size>.txt lists the tensor names, shapes and dtypes of the authors' checkpoint;
-the files built here from them hold random values."""
+tests/data/published/inline_{deit,swin}_<size>.txt list the tensor names, shapes and dtypes of the authors'
+checkpoints; the files built here from them hold random values."""
 import argparse
 import math
 from pathlib import Path
@@ -240,3 +241,115 @@ def test_onnx_runtime_matches_eager_at_other_sizes_and_batches(tmp_path):
     export_onnx(model, (64, 96), path)
     for row in compare_with_eager(model, load_exported(path, "onnx"), [(64, 96), (96, 48)], batch=3):
         assert row["max_abs_diff"] <= 1e-4 * max(1.0, row["max_abs_output"]), row
+
+
+# InLine-Swin: the authors' Swin models (their InLineSwin with cfgs/inline_swin_{t,s,b}.yaml) on linvision's
+# Swin layout; the README's params (M) and GFLOPs at 224 px.
+SWIN_PUBLISHED = {"inline_swin_tiny": (30, 4.5), "inline_swin_small": (50, 8.7), "inline_swin_base": (88, 15.4)}
+SWIN_NAMES = [pytest.param(n, id=n, marks=[] if n == "inline_swin_tiny" else [pytest.mark.slow])
+              for n in SWIN_PUBLISHED]
+SWIN_BUFFERS = (".relative_position_index", ".attn_mask")
+
+
+def swin_layout(name, stages=None):
+    """The authors' InLine-Swin tensors with random values (integers for the index buffers); ``stages``: keep only
+    that many blocks per stage (a reduced model's file)."""
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for key, shape, dtype in published_tensors(name):
+        if stages is not None and ".blocks." in key and int(key.split(".")[3]) >= stages[int(key.split(".")[1])]:
+            continue
+        out[key] = (torch.randint(0, 169, shape, generator=g) if dtype == "int64"
+                    else (torch.randn(shape, generator=g, dtype=torch.float64) * 0.2).float())
+    return out
+
+
+@pytest.mark.parametrize("name", SWIN_NAMES)
+def test_swin_authors_layout_loads_every_parameter_and_matches_the_table(name, tmp_path):
+    """Every tensor of the file but the recomputed buffers lands in the model unchanged; the kernel predictor
+    becomes the mixer's ``local``; params and GFLOPs are the README's (within 1 M and 2%); B's third stage starts
+    with two InLine blocks, then shifts every second window block."""
+    state = swin_layout(name)
+    path = tmp_path / f"{name}.pth"
+    save_authors(path, state)
+    model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
+    weights = {k: v for k, v in state.items() if not k.endswith(SWIN_BUFFERS)}
+    own = model.state_dict()
+    assert len(own) == len(weights)
+    torch.testing.assert_close(_sorted_values(own.values()), _sorted_values(weights.values()), rtol=0, atol=0)
+    torch.testing.assert_close(own["stages.1.blocks.1.mixer.local.2.weight"],
+                               state["layers.1.blocks.1.attn.residual.2.weight"], rtol=0, atol=0)
+    params, gflops = SWIN_PUBLISHED[name]
+    assert abs(count_params(model) / 1e6 - params) <= 1
+    assert count_gflops(model, 224) == pytest.approx(gflops, rel=0.02)
+    kinds = [type(b.mixer).__name__ for b in model.stages[2].blocks]
+    if name == "inline_swin_base":
+        assert kinds[:3] == ["InLineDeitAttention", "InLineDeitAttention", "SwinWindowAttention"]
+        assert [b.mixer.shift for b in model.stages[2].blocks[2:6]] == [False, True, False, True]
+
+
+@pytest.mark.parametrize("grid", [(6, 6), (3, 5)])
+def test_swin_linear_block_equals_the_authors_formula(grid):
+    """An InLine-Swin stage-1 block (float64, random weights) against the authors' attention written out on a map
+    without a class token (the transcription above with no prefix token), LayerNorm eps 1e-5."""
+    heads, c = 2, 16
+    model = timm.create_model("inline_swin_tiny", depths=(1, 1, 1, 1), dims=(c, 32, 32, 32),
+                              num_heads=(heads, 2, 2, 2)).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    block = model.stages[0].blocks[0]
+    sd = block.state_dict()
+    mixer_sd = {k[len("mixer."):]: v for k, v in sd.items() if k.startswith("mixer.")}
+    x = torch.randn(2, grid[0] * grid[1], c, dtype=torch.float64)
+
+    def norm(t, key):
+        mean = t.mean(-1, keepdim=True)
+        return (t - mean) / torch.sqrt(((t - mean) ** 2).mean(-1, keepdim=True) + 1e-5) * sd[key + ".weight"] \
+            + sd[key + ".bias"]
+
+    with torch.no_grad():
+        ours = block(x.reshape(2, *grid, c)).reshape(2, -1, c)
+        y = x + _authors_attention_no_prefix(mixer_sd, norm(x, "norm1"), heads, grid)
+        hidden = _gelu(norm(y, "norm2") @ sd["mlp.fc1.weight"].T + sd["mlp.fc1.bias"])
+        expected = y + hidden @ sd["mlp.fc2.weight"].T + sd["mlp.fc2.bias"]
+    torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-10)
+
+
+def _authors_attention_no_prefix(sd, x, heads, grid):
+    """InLine's attention on the map alone (the authors' Swin window holding the whole map): weights
+    (s q_i.k_j - s q_i.kbar + 1) / N, plus the 3x3 local residual of v with kernels from the mean token."""
+    b, n, c = x.shape
+    d, (h, w) = c // heads, grid
+    q, k, v = (x @ sd["qkv.weight"].T + sd["qkv.bias"]).split(c, dim=-1)
+    out = torch.zeros_like(v)
+    s = d ** -0.5
+    for e in range(heads):
+        cols = slice(e * d, (e + 1) * d)
+        scores = s * q[..., cols] @ k[..., cols].transpose(1, 2)
+        out[..., cols] = (scores - scores.mean(dim=-1, keepdim=True) + 1) / n @ v[..., cols]
+    kernels = _grouped_1x1(_gelu(_grouped_1x1(x.mean(1), sd["local.0.weight"], sd["local.0.bias"], heads)),
+                           sd["local.2.weight"], sd["local.2.bias"], heads).reshape(b, c, 3, 3)
+    vg = F.pad(v.reshape(b, h, w, c), (0, 0, 1, 1, 1, 1))
+    for r in range(h):
+        for col in range(w):
+            out[:, r * w + col] += torch.einsum("bijc,bcij->bc", vg[:, r:r + 3, col:col + 3], kernels)
+    return out @ sd["proj.weight"].T + sd["proj.bias"]
+
+
+def test_swin_pretrained_true_downloads_the_published_url(tmp_path, monkeypatch):
+    """pretrained=True fetches InLine-Swin-T's TsinghuaCloud link into timm's cache under a file name and runs no
+    code from the pickle; the model runs at a non-square size."""
+    marker = tmp_path / "marker"
+    state = swin_layout("inline_swin_tiny", stages=(1, 1, 1, 1))
+    path = tmp_path / "inline_swin_t.pth"
+    save_authors(path, state, payload=Crafted(str(marker)))
+    asked = serve_downloads_from(monkeypatch, tmp_path, path)
+    model = timm.create_model("inline_swin_tiny", depths=(1, 1, 1, 1), pretrained=True).eval()
+    assert asked == ["https://cloud.tsinghua.edu.cn/f/32810869fcc34410966b/?dl=1"] and not marker.exists()
+    torch.testing.assert_close(model.stages[3].blocks[0].mixer.relative_position_bias_table,
+                               state["layers.3.blocks.0.attn.relative_position_bias_table"], rtol=0, atol=0)
+    with torch.no_grad():
+        assert model(torch.randn(1, 3, 160, 224)).shape == (1, 1000)
+    cfg = model.pretrained_cfg
+    assert (cfg["crop_pct"], cfg["interpolation"]) == (0.875, "bicubic") and "82.4" in cfg["description"]

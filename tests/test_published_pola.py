@@ -293,3 +293,15 @@ def test_pretrained_true_without_a_file_names_the_hub_folder(tmp_path):
     cfg = model.pretrained_cfg
     assert (cfg["crop_pct"], cfg["interpolation"], cfg["license"]) == (0.875, "bicubic", "mit")
     assert "82.6" in cfg["description"]
+
+
+def test_the_tools_name_the_way_to_a_local_copy():
+    """linvision-train / -validate's --pretrained check: Pola-Swin's published weights load from a local copy
+    only, which the one-line error says (and no tool lists them among the downloadable weights)."""
+    from linvision.utils.factory import check_pretrained, models_with_weights
+
+    with pytest.raises(ValueError, match=r"pola_swin_tiny loads the authors' ImageNet-1k weights.*--pretrained-path") \
+            as info:
+        check_pretrained("pola_swin_tiny")
+    assert "\n" not in str(info.value) and "docs/models/published.md" in str(info.value)
+    assert not any(n.startswith("pola_swin") for n in models_with_weights())

@@ -28,14 +28,14 @@ COMMAND = "linvision-model-table --json docs/models.json"
 # the first matching prefix names the family
 FAMILIES = (("linvit_", "linvit"), ("linhier_delta_", "linhier (delta rule)"), ("linhier_gcnn_", "linhier (Gated CNN)"),
             ("linhier_", "linhier"), ("mavit_", "MAViT"), ("mlla_", "MLLA"), ("ravlt_", "RAVLT"), ("vig_", "ViG"),
-            ("inline_deit_", "InLine-DeiT"), ("pola_swin_", "Pola-Swin"))
+            ("inline_deit_", "InLine-DeiT"), ("inline_swin_", "InLine-Swin"), ("pola_swin_", "Pola-Swin"))
 UNTRAINED_USE = {  # what each family without trained weights is for, in README's line about them
     "linhier (delta rule)": "the bidirectional delta rule in every stage",
     "linhier": "linear attention with 2D RoPE in every stage",
     "linhier (Gated CNN)": "MambaOut's Gated CNN, no token mixer: the baseline of ablations",
     "linvit": "isotropic ViTs; `.deit_fb_in1k` loads DeiT's softmax weights as the start of linearization",
 }
-FRONT_ORDER = ("MLLA", "RAVLT", "MAViT", "Pola-Swin", "InLine-DeiT", "ViG", "linhier (delta rule)", "linhier",
+FRONT_ORDER = ("MLLA", "RAVLT", "MAViT", "InLine-Swin", "Pola-Swin", "InLine-DeiT", "ViG", "linhier (delta rule)", "linhier",
                "linhier (Gated CNN)", "linvit")  # trained first
 
 
@@ -61,7 +61,7 @@ def measure(names: Sequence[str], size: int = 224) -> List[Dict]:
     for name in names:
         torch.manual_seed(0)
         kwargs = {}
-        if name.startswith(("linvit", "inline")):  # the isotropic models: their own embedding (InLine-DeiT's at
+        if name.startswith(("linvit", "inline_deit")):  # the isotropic models: their own embedding (InLine-DeiT's at
             # 288 and 448 px counted as loaded), resampled to ``size``
             kwargs = dict(dynamic_img_size=True, img_size=timm.models.get_pretrained_cfg(name).input_size[-1])
         model = timm.create_model(name, **kwargs)

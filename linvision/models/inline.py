@@ -1,8 +1,9 @@
-"""InLine-DeiT: isotropic backbones with injective linear attention, loading the published ImageNet-1k weights.
+"""InLine-DeiT and InLine-Swin: backbones with injective linear attention, loading the published ImageNet-1k
+weights.
 
 Han et al. 2024, "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024, arXiv:2412.06590;
-reference code github.com/LeapLabTHU/InLine (classification models ``inline_deit_tiny/small/base``), weights on
-TsinghuaCloud (links in its README). The repository carries no licence file: the weights are loaded from their
+reference code github.com/LeapLabTHU/InLine (classification models ``inline_deit_tiny/small/base`` and
+``InLineSwin`` with ``cfgs/inline_swin_{t,s,b}.yaml``), weights on TsinghuaCloud (links in its README). The repository carries no licence file: the weights are loaded from their
 published location, never redistributed.
 
 The network is DeiT's (:class:`~linvision.models.linvit.LinViT` with a class token, a learned absolute position
@@ -22,6 +23,13 @@ another size, or at every call with ``dynamic_img_size=True``; the mixer itself 
 Evaluation as the authors': a square resize to 256/224 of the crop (bicubic, the aspect ratio not kept: timm's
 ``crop_mode="squash"``), centre crop, ImageNet mean/std.
 
+InLine-Swin is :class:`~linvision.models.swinhier.SwinHier` (Swin's layers) with ``"inline_deit"`` (no prefix
+tokens there) in its linear blocks: the authors' window of 56 holds the whole 56 x 56, 28 x 28 and 14 x 14 maps of
+224 px, so those blocks attend over the whole stage map, at every size here. Swin's shifted-window softmax
+attention (``"swin_window"``, window 7) fills the rest: stage 4 of T (``IIIS``), stages 3-4 of S (``IISS``), and
+stage 4 and all but the first two blocks of stage 3 of B (``IIMS2``). Evaluation as Swin's: resize to 256/224 of
+the crop (bicubic), centre crop 224, ImageNet mean/std.
+
 The ablation's ``"inline"`` mixer (:mod:`linvision.layers.variant_mixers`) has the same attention but another local
 residual (nine weights per token and head from a 3x3 depthwise convolution of the input) and no class token; it is
 kept as the form the results page measured.
@@ -38,12 +46,14 @@ from linvision.layers import AttentionMixer, merge_options, register_mixer
 from linvision.ops import Rope
 from linvision.ops.attention_variants import injective_linear_attention
 
+from .linhier import LinHier
 from .linvit import LinViT
 from .linvit import checkpoint_filter_fn as linvit_filter
 from .published import (explain_failed_download, load_published, published_cfg, published_file_overlay,
                         unwrap_state_dict)
+from .swinhier import SwinHier, create_swin_like, swin_checkpoint_filter
 
-__all__ = ["InLineDeiT", "InLineDeitAttention", "checkpoint_filter_fn"]
+__all__ = ["InLineDeiT", "InLineDeitAttention", "InLineSwin", "checkpoint_filter_fn", "swin_filter_fn"]
 
 WEIGHT_KEYS = ("model", "state_dict")  # the authors' main.py saves the weights under 'model' (no EMA copy)
 
@@ -165,3 +175,68 @@ def inline_deit_small(pretrained: bool = False, **kwargs) -> LinViT:
 @register_model
 def inline_deit_base(pretrained: bool = False, **kwargs) -> LinViT:
     return _create_inline_deit("inline_deit_base", "base", pretrained, **kwargs)
+
+
+class InLineSwin(SwinHier):
+    """:class:`~linvision.models.swinhier.SwinHier` with InLine's stages; loads the authors' files (timm's
+    ``custom_load``)."""
+
+    def load_pretrained(self, path: str) -> None:
+        load_published(self, path, swin_filter_fn)
+
+
+def _swin_mixer_tensor(name: str, value: Tensor, mixer: nn.Module) -> Dict[str, Tensor]:
+    return {name.replace(".mixer.residual.", ".mixer.local."): value}
+
+
+def swin_filter_fn(checkpoint: Dict[str, Any], model: LinHier) -> Dict[str, Tensor]:
+    """The authors' InLine-Swin checkpoint (weights under ``model``) in linvision's names
+    (:func:`~linvision.models.swinhier.swin_checkpoint_filter`; the kernel predictor ``attn.residual`` becomes the
+    mixer's ``local``, no tensor changed). A state dict in linvision's own names passes unchanged."""
+    return swin_checkpoint_filter(checkpoint, model, WEIGHT_KEYS, _swin_mixer_tensor)
+
+
+def _swin_cfg(key: str, top1: float) -> Dict[str, Any]:
+    return published_cfg(
+        top1, url=(_CLOUD.format(key), f"inline_swin_{key}.pth"), first_conv="stem.proj",
+        license="unknown (no licence file: load, do not redistribute)", paper_ids="arXiv:2412.06590",
+        paper_name="Bridging the Divide: Reconsidering Softmax and Linear Attention",
+        origin_url="https://github.com/LeapLabTHU/InLine",
+    )
+
+
+default_cfgs.update(generate_default_cfgs({
+    "inline_swin_tiny.in1k": _swin_cfg("32810869fcc34410966b", 82.4),
+    "inline_swin_small.in1k": _swin_cfg("e9657fd247c04c7cb1a1", 83.6),
+    "inline_swin_base.in1k": _swin_cfg("bf23564bb64c420aafe1", 84.1),
+}))
+
+_SWIN_SIZES: Dict[str, Dict[str, Any]] = {
+    "tiny": dict(depths=(2, 2, 6, 2), dims=(96, 192, 384, 768), num_heads=(3, 6, 12, 24),
+                 token_mixers="inline_deit,inline_deit,inline_deit,swin_window"),
+    "small": dict(depths=(2, 2, 18, 2), dims=(96, 192, 384, 768), num_heads=(3, 6, 12, 24),
+                  token_mixers="inline_deit,inline_deit,swin_window,swin_window"),
+    "base": dict(depths=(2, 2, 18, 2), dims=(128, 256, 512, 1024), num_heads=(4, 8, 16, 32),
+                 token_mixers="inline_deit,inline_deit,swin_window,swin_window",
+                 lead_mixers=(None, None, (2, "inline_deit"), None)),
+}
+
+
+def _create_inline_swin(variant: str, size: str, pretrained: bool, **kwargs) -> LinHier:
+    return create_swin_like(InLineSwin, variant, pretrained, swin_filter_fn, _SWIN_SIZES[size], **kwargs)
+
+
+# Published training used stochastic depth 0.2 / 0.3 / 0.5 (T / S / B); the models default to none, as timm's do.
+@register_model
+def inline_swin_tiny(pretrained: bool = False, **kwargs) -> LinHier:
+    return _create_inline_swin("inline_swin_tiny", "tiny", pretrained, **kwargs)
+
+
+@register_model
+def inline_swin_small(pretrained: bool = False, **kwargs) -> LinHier:
+    return _create_inline_swin("inline_swin_small", "small", pretrained, **kwargs)
+
+
+@register_model
+def inline_swin_base(pretrained: bool = False, **kwargs) -> LinHier:
+    return _create_inline_swin("inline_swin_base", "base", pretrained, **kwargs)

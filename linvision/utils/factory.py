@@ -14,7 +14,7 @@ from torch import nn
 __all__ = ["check_model_name", "check_pretrained", "models_with_weights", "create_model", "check_img_size"]
 
 # the timm module names linvision registers its models under (linvision.models.<module>)
-_OWN_MODULES = ("mlla", "ravlt", "mavit", "inline", "vig", "linhier", "linvit")
+_OWN_MODULES = ("mlla", "ravlt", "mavit", "polaformer", "inline", "vig", "linhier", "linvit")
 
 
 def check_model_name(name: str) -> None:
@@ -31,7 +31,8 @@ def check_model_name(name: str) -> None:
 
 def models_with_weights() -> List[str]:
     """linvision's models that ``pretrained=True`` loads, as ``name.tag`` (the published MLLA, RAVLT, MAViT,
-    InLine-DeiT and ViG weights, and DeiT's softmax weights under linvit's ``.deit_fb_in1k``)."""
+    InLine-DeiT, InLine-Swin and ViG weights, and DeiT's softmax weights under linvit's ``.deit_fb_in1k``;
+    Pola-Swin's load from a local copy only)."""
     import timm
 
     import linvision.models  # noqa: F401
@@ -47,6 +48,10 @@ def check_pretrained(name: str) -> None:
 
     check_model_name(name)
     cfg = get_pretrained_cfg(name)
+    if cfg is not None and not cfg.has_weights and any(n.startswith("published") for n in cfg.notes or ()):
+        raise ValueError(f"pretrained: {name} loads {cfg.description.split(' (')[0]}, which is not downloaded "
+                         f"for you: fetch the file (where: its model card, docs/models/published.md) and pass "
+                         f"--pretrained-path FILE")
     if cfg is None or not cfg.has_weights:
         base = name.split(".")[0]
         tags = [n for n in models_with_weights() if n.split(".")[0] == base]

@@ -347,6 +347,7 @@ def test_swin_pretrained_true_downloads_the_published_url(tmp_path, monkeypatch)
     asked = serve_downloads_from(monkeypatch, tmp_path, path)
     model = timm.create_model("inline_swin_tiny", depths=(1, 1, 1, 1), pretrained=True).eval()
     assert asked == ["https://cloud.tsinghua.edu.cn/f/32810869fcc34410966b/?dl=1"] and not marker.exists()
+    assert (tmp_path / "torch_home" / "hub" / "checkpoints" / "inline_swin_tiny_in1k.pth").is_file()
     torch.testing.assert_close(model.stages[3].blocks[0].mixer.relative_position_bias_table,
                                state["layers.3.blocks.0.attn.relative_position_bias_table"], rtol=0, atol=0)
     with torch.no_grad():

@@ -3,8 +3,8 @@ weights.
 
 Han et al. 2024, "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024, arXiv:2412.06590;
 reference code github.com/LeapLabTHU/InLine (classification models ``inline_deit_tiny/small/base`` and
-``InLineSwin`` with ``cfgs/inline_swin_{t,s,b}.yaml``), weights on TsinghuaCloud (links in its README). The repository carries no licence file: the weights are loaded from their
-published location, never redistributed.
+``InLineSwin`` with ``cfgs/inline_swin_{t,s,b}.yaml``), weights on TsinghuaCloud (links in its README). The
+repository carries no licence file: the weights are loaded from their published location, never redistributed.
 
 The network is DeiT's (:class:`~linvision.models.linvit.LinViT` with a class token, a learned absolute position
 embedding with a row for the class token, pre-norm blocks, LayerNorm eps 1e-6, the class token pooled after the
@@ -196,9 +196,9 @@ def swin_filter_fn(checkpoint: Dict[str, Any], model: LinHier) -> Dict[str, Tens
     return swin_checkpoint_filter(checkpoint, model, WEIGHT_KEYS, _swin_mixer_tensor)
 
 
-def _swin_cfg(key: str, top1: float) -> Dict[str, Any]:
+def _swin_cfg(size: str, key: str, top1: float) -> Dict[str, Any]:
     return published_cfg(
-        top1, url=(_CLOUD.format(key), f"inline_swin_{key}.pth"), first_conv="stem.proj",
+        top1, url=(_CLOUD.format(key), f"inline_swin_{size}_in1k.pth"), first_conv="stem.proj",
         license="unknown (no licence file: load, do not redistribute)", paper_ids="arXiv:2412.06590",
         paper_name="Bridging the Divide: Reconsidering Softmax and Linear Attention",
         origin_url="https://github.com/LeapLabTHU/InLine",
@@ -206,9 +206,9 @@ def _swin_cfg(key: str, top1: float) -> Dict[str, Any]:
 
 
 default_cfgs.update(generate_default_cfgs({
-    "inline_swin_tiny.in1k": _swin_cfg("32810869fcc34410966b", 82.4),
-    "inline_swin_small.in1k": _swin_cfg("e9657fd247c04c7cb1a1", 83.6),
-    "inline_swin_base.in1k": _swin_cfg("bf23564bb64c420aafe1", 84.1),
+    "inline_swin_tiny.in1k": _swin_cfg("tiny", "32810869fcc34410966b", 82.4),
+    "inline_swin_small.in1k": _swin_cfg("small", "e9657fd247c04c7cb1a1", 83.6),
+    "inline_swin_base.in1k": _swin_cfg("base", "bf23564bb64c420aafe1", 84.1),
 }))
 
 _SWIN_SIZES: Dict[str, Dict[str, Any]] = {

@@ -52,6 +52,9 @@ class SwinWindowAttention(AttentionMixer):
         super().__init__(dim, num_heads, **kwargs)
         if window < 1:
             raise ValueError(f"window: must be >= 1, got {window}")
+        if self.rope_type is not None:
+            raise ValueError(f"rope: swin_window places tokens by its relative position bias, not RoPE; got "
+                             f"{self.rope_type!r}")
         self.window, self.shift = window, bool(shift)
         self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * window - 1) ** 2, num_heads))
         trunc_normal_(self.relative_position_bias_table, std=0.02)

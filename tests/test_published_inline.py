@@ -91,8 +91,9 @@ def _grouped_1x1(x, weight, bias, groups):
                       for g in range(groups)], 1) + bias
 
 
-def _authors_attention(sd, x, heads, grid):
-    """The authors' attention written out: tokens x (B, 1 + H * W, C), the class token first. Weights
+def _authors_attention(sd, x, heads, grid, prefix=1):
+    """The authors' attention written out: tokens x (B, prefix + H * W, C), the class token first (DeiT; none on
+    the Swin models' maps, ``prefix=0``). Weights
     w_ij = (s q_i.k_j - s q_i.kbar + 1) / N over all N tokens; on the patch tokens a 3x3 cross-correlation of v
     (zero padding) with nine weights per image and channel predicted from the mean token (grouped 1x1, GELU,
     grouped 1x1; channel c's weights are outputs 9c..9c+8, row-major over the 3x3 window)."""
@@ -108,18 +109,18 @@ def _authors_attention(sd, x, heads, grid):
         out[..., cols] = weights @ v[..., cols]
     kernels = _grouped_1x1(_gelu(_grouped_1x1(x.mean(1), sd["local.0.weight"], sd["local.0.bias"], heads)),
                            sd["local.2.weight"], sd["local.2.bias"], heads).reshape(b, c, 3, 3)
-    vg = F.pad(v[:, 1:].reshape(b, h, w, c), (0, 0, 1, 1, 1, 1))
+    vg = F.pad(v[:, prefix:].reshape(b, h, w, c), (0, 0, 1, 1, 1, 1))
     for r in range(h):
         for col in range(w):
             window = vg[:, r:r + 3, col:col + 3]  # (B, 3, 3, C)
-            out[:, 1 + r * w + col] += torch.einsum("bijc,bcij->bc", window, kernels)
+            out[:, prefix + r * w + col] += torch.einsum("bijc,bcij->bc", window, kernels)
     return out @ sd["proj.weight"].T + sd["proj.bias"]
 
 
-def _layer_norm(x, weight, bias):
+def _layer_norm(x, weight, bias, eps=1e-6):
     mean = x.mean(-1, keepdim=True)
     var = ((x - mean) ** 2).mean(-1, keepdim=True)
-    return (x - mean) / torch.sqrt(var + 1e-6) * weight + bias
+    return (x - mean) / torch.sqrt(var + eps) * weight + bias
 
 
 @pytest.mark.parametrize("grid", [(3, 5), (5, 3), (1, 1)])
@@ -304,37 +305,14 @@ def test_swin_linear_block_equals_the_authors_formula(grid):
     x = torch.randn(2, grid[0] * grid[1], c, dtype=torch.float64)
 
     def norm(t, key):
-        mean = t.mean(-1, keepdim=True)
-        return (t - mean) / torch.sqrt(((t - mean) ** 2).mean(-1, keepdim=True) + 1e-5) * sd[key + ".weight"] \
-            + sd[key + ".bias"]
+        return _layer_norm(t, sd[key + ".weight"], sd[key + ".bias"], eps=1e-5)
 
     with torch.no_grad():
         ours = block(x.reshape(2, *grid, c)).reshape(2, -1, c)
-        y = x + _authors_attention_no_prefix(mixer_sd, norm(x, "norm1"), heads, grid)
+        y = x + _authors_attention(mixer_sd, norm(x, "norm1"), heads, grid, prefix=0)
         hidden = _gelu(norm(y, "norm2") @ sd["mlp.fc1.weight"].T + sd["mlp.fc1.bias"])
         expected = y + hidden @ sd["mlp.fc2.weight"].T + sd["mlp.fc2.bias"]
     torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-10)
-
-
-def _authors_attention_no_prefix(sd, x, heads, grid):
-    """InLine's attention on the map alone (the authors' Swin window holding the whole map): weights
-    (s q_i.k_j - s q_i.kbar + 1) / N, plus the 3x3 local residual of v with kernels from the mean token."""
-    b, n, c = x.shape
-    d, (h, w) = c // heads, grid
-    q, k, v = (x @ sd["qkv.weight"].T + sd["qkv.bias"]).split(c, dim=-1)
-    out = torch.zeros_like(v)
-    s = d ** -0.5
-    for e in range(heads):
-        cols = slice(e * d, (e + 1) * d)
-        scores = s * q[..., cols] @ k[..., cols].transpose(1, 2)
-        out[..., cols] = (scores - scores.mean(dim=-1, keepdim=True) + 1) / n @ v[..., cols]
-    kernels = _grouped_1x1(_gelu(_grouped_1x1(x.mean(1), sd["local.0.weight"], sd["local.0.bias"], heads)),
-                           sd["local.2.weight"], sd["local.2.bias"], heads).reshape(b, c, 3, 3)
-    vg = F.pad(v.reshape(b, h, w, c), (0, 0, 1, 1, 1, 1))
-    for r in range(h):
-        for col in range(w):
-            out[:, r * w + col] += torch.einsum("bijc,bcij->bc", vg[:, r:r + 3, col:col + 3], kernels)
-    return out @ sd["proj.weight"].T + sd["proj.bias"]
 
 
 def test_swin_pretrained_true_downloads_the_published_url(tmp_path, monkeypatch):

@@ -4,8 +4,9 @@ printed values) are what they give, and every tool command line of their shell b
 accepts.
 
 Examples that need a GPU are skipped without one; those that load a run folder ("output/...") need a training
-command first, and those that name a hub tag download weights: all three are skipped, saying which, and what they
-call is checked by the kernel, tool and model tests instead."""
+command first, those that name a hub tag download weights, and those that name a local weights file need it on the
+machine: all four are skipped, saying which, and what they call is checked by the kernel, tool and model tests
+instead."""
 import ast
 import builtins
 import glob
@@ -49,6 +50,8 @@ def skip_reason(code: str):
         return "needs a trained run folder (the training command of the same page)"
     if re.search(r'create_model\("[^"]+\.[^"]+", pretrained=True', code):
         return "downloads pretrained weights from the hub"
+    if re.search(r'pretrained_cfg_overlay=dict\(file="', code):
+        return "needs the authors' weights file on this machine"
     return None
 
 

@@ -744,12 +744,15 @@ def _dit(**kwargs):
     return create_dit("digits", **kwargs)
 
 
+NO_ROPE = {"agent": r"^rope: agent attention takes no RoPE", "swin_window": r"^rope: swin_window places tokens by"}
+
+
 def test_every_mixer_keeps_its_own_start_inside_every_family(monkeypatch):
     """Each registered mixer, built inside every family it can run in, keeps every parameter its own init fixes
     (the same under any seed: the gated forget gate at RetNet's decays, hybrid's mixing logits, PolaFormer's
     power and scale, ...) exactly as the mixer alone has it after its ``init_weights()``: no generic rule of a
-    model, which runs first, overwrites a mixer's start. The one pair that cannot be built is named: RAVLT's
-    family default is RoPE, which agent attention refuses."""
+    model, which runs first, overwrites a mixer's start. The pairs that cannot be built are named: RAVLT's
+    family default is RoPE, which agent attention and Swin's window attention refuse."""
     import linvision.diffusion.block as dit_block
     import linvision.layers.block as layers_block
     from linvision.layers import create_mixer, list_mixers
@@ -774,8 +777,8 @@ def test_every_mixer_keeps_its_own_start_inside_every_family(monkeypatch):
     for family, make in _INIT_FAMILIES.items():
         for name in list_mixers():
             built.clear()
-            if (family, name) == ("ravlt", "agent"):
-                with pytest.raises(ValueError, match=r"^rope: agent attention takes no RoPE"):
+            if family == "ravlt" and name in NO_ROPE:
+                with pytest.raises(ValueError, match=NO_ROPE[name]):
                     make(name)
                 continue
             make(name)

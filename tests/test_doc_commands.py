@@ -358,6 +358,10 @@ CHAINS: Dict[str, Chain] = {
         Step('linvision-train -c configs/vit_twin_photos.yaml $R token_mixer=linear_rope '
              '"mixer_kwargs={rope_origin: centre}" --seed 0 --experiment rope_centre_linear', extra=EPOCH,
              why=ONE_EPOCH),
+        Step('linvision-train -c configs/vit_twin_photos.yaml $R token_mixer=softmax "mixer_kwargs={rope_fraction: 0.5}" '
+             '--seed 0 --experiment rope_half', extra=EPOCH, why=ONE_EPOCH),
+        Step("linvision-train -c configs/vit_twin_photos.yaml --model linvit_tiny_patch16_224 --model-kwargs "
+             "patch_size=8 img_size=64 --seed 0 --experiment linear_abs", extra=EPOCH, why=ONE_EPOCH),
     )),
     "bench_core_op": Chain(steps=(
         Step("linvision-benchmark --model linhier_tiny_224:token_mixers=linear_rope "

@@ -140,6 +140,10 @@ class SwinHier(LinHier):
                 old = block.mixer
                 block.mixer = create_mixer(mixer, old.dim, old.num_heads, **own)
                 init_model_weights(block.mixer)
+            name = mixer if isinstance(mixer, str) else mixer.__name__
+            shown = list(self.token_mixers)
+            shown[i] = f"{name} x{count}+{shown[i]}"  # what the stage holds, for display
+            self.token_mixers = tuple(shown)
         for i, stage in enumerate(self.stages):
             grid = (size[0] // (4 << i), size[1] // (4 << i))
             for j, block in enumerate(stage.blocks):

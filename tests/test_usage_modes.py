@@ -237,23 +237,28 @@ def test_rope_position_options_at_100k_tokens_under_autocast(option, amp, cold_r
     torch.testing.assert_close(grads_of[0], grads_of[1])
 
 
-PUBLISHED_ISOTROPIC = {  # reduced to one block; the published layers and mixers as they are
-    "vig_tiny": dict(embed_dim=48, num_heads=2),
-    "inline_deit_tiny": dict(embed_dim=32, num_heads=2, dynamic_img_size=True),
+_SWIN_SMALL = dict(depths=(1, 1, 2, 1), dims=(16, 32, 32, 48), num_heads=(1, 2, 2, 3))
+PUBLISHED_HIGH_RES = {  # reduced; the published layers and mixers as they are; (options, patch stride)
+    "vig_tiny": (dict(depth=1, embed_dim=48, num_heads=2), 16),
+    "inline_deit_tiny": (dict(depth=1, embed_dim=32, num_heads=2, dynamic_img_size=True), 16),
+    "pola_swin_tiny": (_SWIN_SMALL, 4),  # two window blocks in stage 3: one shifted
+    "inline_swin_tiny": (_SWIN_SMALL, 4),
 }
 
 
 @pytest.mark.parametrize("amp", list(AMP))
-@pytest.mark.parametrize("name", sorted(PUBLISHED_ISOTROPIC))
-def test_published_isotropic_models_at_100k_tokens_under_autocast(name, amp):
-    """ViG and InLine-DeiT as a high-resolution user fine-tunes them: batch 1 of an odd non-square image of 100,172
-    patch tokens (5056 x 5072 px), a forward under inference_mode, then an fp16/bf16 autocast forward and backward:
-    finite logits within the autocast tolerance of fp32 and a finite gradient for every parameter."""
+@pytest.mark.parametrize("name", sorted(PUBLISHED_HIGH_RES))
+def test_published_models_at_100k_tokens_under_autocast(name, amp):
+    """ViG, InLine-DeiT, Pola-Swin and InLine-Swin as a high-resolution user fine-tunes them: batch 1 of an odd
+    non-square image of 100,172 tokens at the first stage (5056 x 5072 px at patch 16, 1264 x 1268 px at the
+    Swins' 4), a forward under inference_mode, then an fp16/bf16 autocast forward and backward: finite logits
+    within the autocast tolerance of fp32 and a finite gradient for every parameter."""
     import timm
 
     torch.manual_seed(0)
-    model = timm.create_model(name, depth=1, num_classes=5, **PUBLISHED_ISOTROPIC[name])
-    x = torch.randn(1, 3, 16 * 316, 16 * 317, generator=torch.Generator().manual_seed(3))
+    options, stride = PUBLISHED_HIGH_RES[name]
+    model = timm.create_model(name, num_classes=5, **options)
+    x = torch.randn(1, 3, stride * 316, stride * 317, generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         want = model.eval()(x)
     assert want.shape == (1, 5) and torch.isfinite(want).all()

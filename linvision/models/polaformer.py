@@ -121,7 +121,7 @@ def _mixer_tensor(name: str, value: Tensor, mixer: nn.Module) -> Dict[str, Tenso
     """PolaFormer's mixer tensors: ``qkvg`` splits into the q/k/v projection and the modulation ``gate``; the
     per-channel scale and the power take the heads' shape; ``dwc`` is the head-shared conv; the key position
     encoding is resampled to the model's grid where the file's differs (a model built for another size)."""
-    prefix, _, leaf = name.rpartition(".")
+    prefix = name.rpartition(".")[0]
     if ".mixer.qkvg." in name:
         c = mixer.dim
         return {name.replace(".qkvg.", ".qkv."): value[:3 * c], name.replace(".qkvg.", ".gate."): value[3 * c:]}

@@ -76,10 +76,8 @@ class SwinWindowAttention(AttentionMixer):
         table = self.relative_position_bias_table.to(dtype)
         bias = table[self.relative_position_index].reshape(area, area, -1).permute(2, 0, 1)[:, None]
         (h, w), (sh, sw) = hw, shifts
-        rows = (torch.arange(h, device=device) >= h - sh).long() if sh else torch.zeros(h, dtype=torch.long,
-                                                                                         device=device)
-        cols = (torch.arange(w, device=device) >= w - sw).long() if sw else torch.zeros(w, dtype=torch.long,
-                                                                                         device=device)
+        rows = torch.arange(h, device=device) >= h - sh  # the rows the shift brought in (none for sh = 0)
+        cols = torch.arange(w, device=device) >= w - sw
         region = (rows[:, None] * 2 + cols[None, :]).to(dtype).reshape(1, 1, h * w, 1)
         windows, valid, _ = window_partition(region, hw, self.window)  # padded positions hold 0 and are invalid
         windows = windows[0, 0, :, :, 0]  # (nW, w*w)

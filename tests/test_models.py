@@ -25,8 +25,8 @@ FAMILY_NAMES = {
     "mavit": ["mavit_tiny", "mavit_small", "mavit_base", "mavit_large"],
     "vig": ["vig_tiny", "vig_small", "vig_base"],
     "inline": ["inline_deit_tiny", "inline_deit_small", "inline_deit_base", "inline_swin_tiny", "inline_swin_small",
-               "inline_swin_base"],
-    "polaformer": ["pola_swin_tiny", "pola_swin_small", "pola_swin_base"],
+               "inline_swin_base", "inline_pvt_tiny", "inline_pvt_small", "inline_pvt_medium", "inline_pvt_large"],
+    "polaformer": ["pola_swin_tiny", "pola_swin_small", "pola_swin_base", "pola_pvt_tiny", "pola_pvt_small"],
 }
 ALL_NAMES = [n for names in FAMILY_NAMES.values() for n in names]
 

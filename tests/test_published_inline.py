@@ -1,9 +1,9 @@
-"""InLine-DeiT and InLine-Swin (the published InLine models): the authors' checkpoint layouts load with every
-tensor used, the sizes match the published tables, the blocks equal explicit float64 transcriptions of the
-authors' attention at odd grids (with the class token for DeiT, on the map alone for Swin), and pretrained=True
-fetches the published file without running code from it.
+"""InLine-DeiT, InLine-PVT and InLine-Swin (the published InLine models): the authors' checkpoint layouts load
+with every tensor used, the sizes match the published tables, the blocks equal explicit float64 transcriptions of
+the authors' attention at odd grids (with the class token for DeiT, on the map alone for PVT and Swin), and
+pretrained=True fetches the published file without running code from it.
 
-tests/data/published/inline_{deit,swin}_<size>.txt list the tensor names, shapes and dtypes of the authors'
+tests/data/published/inline_{deit,pvt,swin}_<size>.txt list the tensor names, shapes and dtypes of the authors'
 checkpoints; the files built here from them hold random values."""
 import argparse
 import math
@@ -332,3 +332,83 @@ def test_swin_pretrained_true_downloads_the_published_url(tmp_path, monkeypatch)
         assert model(torch.randn(1, 3, 160, 224)).shape == (1, 1000)
     cfg = model.pretrained_cfg
     assert (cfg["crop_pct"], cfg["interpolation"]) == (0.875, "bicubic") and "82.4" in cfg["description"]
+
+
+# InLine-PVT: the authors' PVT models (inline_pvt_tiny/small/medium/large) on linvision's PVT layout; the README's
+# params (M) and GFLOPs at 224 px (L: their model has 51.2 M parameters, the README says 50.2).
+PVT_PUBLISHED = {"inline_pvt_tiny": (12.0, 2.0), "inline_pvt_small": (21.6, 3.9), "inline_pvt_medium": (37.6, 6.9),
+                 "inline_pvt_large": (50.2, 10.2)}
+PVT_NAMES = [pytest.param(n, id=n, marks=[] if n == "inline_pvt_tiny" else [pytest.mark.slow]) for n in PVT_PUBLISHED]
+
+
+def pvt_layout(name, depth=None):
+    """The authors' InLine-PVT tensors with random values; ``depth``: keep that many blocks per stage."""
+    g = torch.Generator().manual_seed(0)
+    return {key: (torch.randn(shape, generator=g, dtype=torch.float64) * 0.2).float()
+            for key, shape, _ in published_tensors(name)
+            if depth is None or not key.startswith("block") or int(key.split(".")[1]) < depth}
+
+
+@pytest.mark.parametrize("name", PVT_NAMES)
+def test_pvt_authors_layout_loads_every_tensor_and_matches_the_table(name, tmp_path):
+    """Every tensor of the file lands in the model unchanged (q and kv joined as ``qkv``, the kernel predictor as
+    ``local``); params and GFLOPs are the README's (within 1 M and 2%)."""
+    state = pvt_layout(name)
+    path = tmp_path / f"{name}.pth"
+    save_authors(path, state)
+    model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
+    own = model.state_dict()
+    torch.testing.assert_close(_sorted_values(own.values()), _sorted_values(state.values()), rtol=0, atol=0)
+    assert count_params(model) == sum(v.numel() for v in state.values())
+    joined = torch.cat([state["block2.1.attn.q.bias"], state["block2.1.attn.kv.bias"]])
+    torch.testing.assert_close(own["stages.1.blocks.1.mixer.qkv.bias"], joined, rtol=0, atol=0)
+    torch.testing.assert_close(own["stages.1.blocks.1.mixer.local.0.weight"],
+                               state["block2.1.attn.residual.0.weight"], rtol=0, atol=0)
+    params, gflops = PVT_PUBLISHED[name]
+    assert abs(count_params(model) / 1e6 - params) <= 1
+    assert count_gflops(model, 224) == pytest.approx(gflops, rel=0.02)
+
+
+@pytest.mark.parametrize("grid", [(6, 6), (3, 5)])
+def test_pvt_block_equals_the_authors_formula(grid):
+    """An InLine-PVT stage-1 block (float64, random weights) against the authors' attention written out on a map
+    without a class token, LayerNorm eps 1e-6 and an MLP 8 times as wide."""
+    heads, c = 2, 16
+    model = timm.create_model("inline_pvt_tiny", depths=(1, 1, 1, 1), dims=(c, 32, 32, 32),
+                              num_heads=(heads, 2, 2, 2)).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    block = model.stages[0].blocks[0]
+    sd = block.state_dict()
+    mixer_sd = {k[len("mixer."):]: v for k, v in sd.items() if k.startswith("mixer.")}
+    x = torch.randn(2, grid[0] * grid[1], c, dtype=torch.float64)
+
+    def norm(t, key):
+        return _layer_norm(t, sd[key + ".weight"], sd[key + ".bias"], eps=1e-6)
+
+    with torch.no_grad():
+        ours = block(x.reshape(2, *grid, c)).reshape(2, -1, c)
+        y = x + _authors_attention(mixer_sd, norm(x, "norm1"), heads, grid, prefix=0)
+        hidden = _gelu(norm(y, "norm2") @ sd["mlp.fc1.weight"].T + sd["mlp.fc1.bias"])
+        expected = y + hidden @ sd["mlp.fc2.weight"].T + sd["mlp.fc2.bias"]
+    assert sd["mlp.fc1.weight"].shape == (8 * c, c)
+    torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_pvt_pretrained_true_downloads_the_published_url(tmp_path, monkeypatch):
+    """pretrained=True fetches InLine-PVT-T's TsinghuaCloud link into timm's cache under a file name and runs no
+    code from the pickle; the model runs at a non-square size."""
+    marker = tmp_path / "marker"
+    state = pvt_layout("inline_pvt_tiny", depth=1)
+    path = tmp_path / "inline_pvt_t.pth"
+    save_authors(path, state, payload=Crafted(str(marker)))
+    asked = serve_downloads_from(monkeypatch, tmp_path, path)
+    model = timm.create_model("inline_pvt_tiny", depths=(1, 1, 1, 1), pretrained=True).eval()
+    assert asked == ["https://cloud.tsinghua.edu.cn/f/90ac52b1555b401eb5e6/?dl=1"] and not marker.exists()
+    assert (tmp_path / "torch_home" / "hub" / "checkpoints" / "inline_pvt_tiny_in1k.pth").is_file()
+    torch.testing.assert_close(model.stem.pos_embed, state["pos_embed1"], rtol=0, atol=0)
+    with torch.no_grad():
+        assert model(torch.randn(1, 3, 160, 224)).shape == (1, 1000)
+    cfg = model.pretrained_cfg
+    assert (cfg["crop_pct"], cfg["interpolation"]) == (0.875, "bicubic") and "78.2" in cfg["description"]

@@ -1,9 +1,9 @@
-"""Pola-Swin (PolaFormer's published Swin models): the authors' checkpoint layout loads with every parameter used,
-the blocks equal explicit float64 transcriptions of the authors' attention (polarity-aware linear attention in
-stages 1-2, Swin's shifted-window softmax in stages 3-4), the models run at other sizes, and pretrained=True
-without a local file says where the weights are in one line.
+"""Pola-Swin and Pola-PVT (PolaFormer's published models): the authors' checkpoint layouts load with every
+parameter used, the blocks equal explicit float64 transcriptions of the authors' attention (polarity-aware linear
+attention in stages 1-2 of Swin and everywhere in PVT, Swin's shifted-window softmax in Swin's stages 3-4), the
+models run at other sizes, and pretrained=True without a local file says where the weights are in one line.
 
-tests/data/published/pola_swin_<size>.txt lists the tensor names, shapes and dtypes of the authors' checkpoint
+tests/data/published/pola_{swin,pvt}_<size>.txt list the tensor names, shapes and dtypes of the authors' checkpoint
 (their model's state dict, buffers included); the files built here from them hold random values."""
 import math
 
@@ -156,10 +156,12 @@ def _authors_swin(sd, x, heads, grid, window, shifts):
     return out @ sd["proj.weight"].T + sd["proj.bias"]
 
 
-def _authors_block(model_block, attention, x):
+def _authors_block(model_block, attention, x, eps=1e-5):
+    """x + attention(LN(x)), then + fc2(GELU(fc1(LN(x)))) (LayerNorm eps 1e-5 in Swin, 1e-6 in PVT)."""
     sd = model_block.state_dict()
-    y = x + attention(_layer_norm(x, sd["norm1.weight"], sd["norm1.bias"]))
-    hidden = F.gelu(_layer_norm(y, sd["norm2.weight"], sd["norm2.bias"]) @ sd["mlp.fc1.weight"].T + sd["mlp.fc1.bias"])
+    y = x + attention(_layer_norm(x, sd["norm1.weight"], sd["norm1.bias"], eps))
+    hidden = F.gelu(_layer_norm(y, sd["norm2.weight"], sd["norm2.bias"], eps) @ sd["mlp.fc1.weight"].T
+                    + sd["mlp.fc1.bias"])
     return y + hidden @ sd["mlp.fc2.weight"].T + sd["mlp.fc2.bias"]
 
 
@@ -280,9 +282,10 @@ def test_other_sizes_and_a_file_for_224_in_a_model_for_384(tmp_path):
 def test_pretrained_true_without_a_file_names_the_hub_folder(tmp_path):
     """The hub folder's file names are not recorded: pretrained=True says where to get the file and how to pass
     it, in one line; with the file given it loads, running no code from the pickle."""
-    with pytest.raises(ValueError, match=r"huggingface\.co/ZachMeng/PolaFormer.*pretrained_cfg_overlay") as info:
-        timm.create_model("pola_swin_tiny", pretrained=True)
-    assert "\n" not in str(info.value)
+    for name in ("pola_swin_tiny", "pola_pvt_tiny"):
+        with pytest.raises(ValueError, match=r"huggingface\.co/ZachMeng/PolaFormer.*pretrained_cfg_overlay") as info:
+            timm.create_model(name, pretrained=True)
+        assert "\n" not in str(info.value) and name in str(info.value)
     marker = tmp_path / "marker"
     state = authors_layout("pola_swin_tiny", stages=(1, 1, 1, 1))
     path = tmp_path / "pola_swin_t.pth"
@@ -300,8 +303,57 @@ def test_the_tools_name_the_way_to_a_local_copy():
     only, which the one-line error says (and no tool lists them among the downloadable weights)."""
     from linvision.utils.factory import check_pretrained, models_with_weights
 
-    with pytest.raises(ValueError, match=r"pola_swin_tiny loads the authors' ImageNet-1k weights.*--pretrained-path") \
-            as info:
-        check_pretrained("pola_swin_tiny")
-    assert "\n" not in str(info.value) and "docs/models/published.md" in str(info.value)
-    assert not any(n.startswith("pola_swin") for n in models_with_weights())
+    for name in ("pola_swin_tiny", "pola_pvt_small"):
+        with pytest.raises(ValueError, match=rf"{name} loads the authors' ImageNet-1k weights.*--pretrained-path") \
+                as info:
+            check_pretrained(name)
+        assert "\n" not in str(info.value) and "docs/models/published.md" in str(info.value)
+    assert not any(n.startswith("pola_") for n in models_with_weights())
+
+
+# Pola-PVT: the authors' PVT (pola_pvt_tiny / small with cfgs/pola_pvt_{t,s}.yaml) on linvision's PVT layout.
+PVT_NAMES = [pytest.param(n, id=n, marks=[pytest.mark.slow] if n != "pola_pvt_tiny" else [])
+             for n in ("pola_pvt_tiny", "pola_pvt_small")]
+
+
+@pytest.mark.parametrize("name", PVT_NAMES)
+def test_pvt_authors_layout_loads_every_parameter(name, tmp_path):
+    """Every tensor of the file but the final norm (built by the authors' PVT, never applied) lands in the model
+    unchanged; ``qg`` splits into q and the modulation, q and ``kv`` make ``qkv``; the parameter count is the
+    file's without that norm."""
+    state = authors_layout(name)
+    path = tmp_path / f"{name}.pth"
+    save_authors(path, state)
+    model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
+    weights = {k: v for k, v in state.items() if not k.startswith("norm.")}
+    assert len(weights) == len(state) - 2
+    assert count_params(model) == sum(v.numel() for v in weights.values())
+    torch.testing.assert_close(_sorted_values(model.state_dict().values()), _sorted_values(weights.values()),
+                               rtol=0, atol=0)
+    mixer = model.stages[2].blocks[1].mixer
+    c = mixer.dim
+    qg, kv = state["block3.1.attn.qg.weight"], state["block3.1.attn.kv.weight"]
+    torch.testing.assert_close(mixer.qkv.weight, torch.cat([qg[:c], kv]), rtol=0, atol=0)
+    torch.testing.assert_close(mixer.gate.bias, state["block3.1.attn.qg.bias"][c:], rtol=0, atol=0)
+    torch.testing.assert_close(mixer.key_pos, state["block3.1.attn.positional_encoding"], rtol=0, atol=0)
+    torch.testing.assert_close(model.stages[3].downsample.pos_embed, state["pos_embed4"], rtol=0, atol=0)
+    assert [b.mlp.fc1.out_features // b.mlp.fc1.in_features for s in model.stages for b in s.blocks[:1]] == [8, 8, 4, 4]
+
+
+@pytest.mark.parametrize("grid", [(6, 6), (5, 3)])
+def test_pvt_block_equals_the_authors_formula(grid):
+    """A Pola-PVT block (float64, random weights, the key encoding trained for this grid) against the same
+    transcription of the authors' attention (their PVT block computes q, g and k, v with two projections, the
+    same numbers), LayerNorm eps 1e-6 and an MLP 8 times as wide."""
+    heads, c = 2, 16
+    model = timm.create_model("pola_pvt_tiny", depths=(1, 1, 1, 1), dims=(c, 32, 32, 32), num_heads=(heads, 2, 2, 2),
+                              img_size=(4 * grid[0], 4 * grid[1]))
+    block = _random_double(model.stages[0].blocks[0])
+    assert block.mlp.fc1.out_features == 8 * c
+    x = torch.randn(2, grid[0] * grid[1], c, dtype=torch.float64)
+    mixer_sd = {k[len("mixer."):]: v for k, v in block.state_dict().items() if k.startswith("mixer.")}
+    with torch.no_grad():
+        ours = block(x.reshape(2, *grid, c)).reshape(2, -1, c)
+        expected = _authors_block(block, lambda t: _authors_pola(_to_authors(mixer_sd, heads), t, heads, grid), x,
+                                  eps=1e-6)
+    torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-10)

@@ -34,11 +34,13 @@ DECODERS = {  # small decoders: the encoder is what is checked
 }
 HIERARCHICAL = {"linhier_delta_femto_224": (48, 96, 192, 288), "mlla_tiny": (64, 128, 256, 512),
                 "ravlt_tiny": (64, 128, 256, 512), "mavit_tiny": (64, 128, 256, 512),
-                "pola_swin_tiny": (96, 192, 384, 768), "inline_swin_tiny": (96, 192, 384, 768)}
+                "pola_swin_tiny": (96, 192, 384, 768), "inline_swin_tiny": (96, 192, 384, 768),
+                "inline_pvt_tiny": (64, 128, 320, 512), "pola_pvt_tiny": (64, 128, 320, 512)}
 # smp builds each encoder's full-size model once more to read its strides (linhier does not build on the meta
 # device): 0.1-0.2 s for mlla_tiny, ravlt_tiny, mavit_tiny and pola_swin_tiny on idle cores, seconds on busy ones, so
 # each of them runs in one decoder unless --runslow (the encoder is the same in every decoder)
-FAST = {("mlla_tiny", "UPerNet"), ("ravlt_tiny", "Segformer"), ("mavit_tiny", "Unet"), ("pola_swin_tiny", "UPerNet")}
+FAST = {("mlla_tiny", "UPerNet"), ("ravlt_tiny", "Segformer"), ("mavit_tiny", "Unet"), ("pola_swin_tiny", "UPerNet"),
+        ("inline_pvt_tiny", "Segformer")}
 CASES = [pytest.param(name, decoder, id=f"{name}-{decoder}",
                       marks=[] if name.startswith("linhier") or (name, decoder) in FAST else [pytest.mark.slow])
          for name in HIERARCHICAL for decoder in DECODERS]

@@ -243,15 +243,17 @@ PUBLISHED_HIGH_RES = {  # reduced; the published layers and mixers as they are; 
     "inline_deit_tiny": (dict(depth=1, embed_dim=32, num_heads=2, dynamic_img_size=True), 16),
     "pola_swin_tiny": (_SWIN_SMALL, 4),  # two window blocks in stage 3: one shifted
     "inline_swin_tiny": (_SWIN_SMALL, 4),
+    "pola_pvt_tiny": (_SWIN_SMALL, 4),  # PVT: position embeddings resampled to the odd grids
+    "inline_pvt_tiny": (_SWIN_SMALL, 4),
 }
 
 
 @pytest.mark.parametrize("amp", list(AMP))
 @pytest.mark.parametrize("name", sorted(PUBLISHED_HIGH_RES))
 def test_published_models_at_100k_tokens_under_autocast(name, amp):
-    """ViG, InLine-DeiT, Pola-Swin and InLine-Swin as a high-resolution user fine-tunes them: batch 1 of an odd
-    non-square image of 100,172 tokens at the first stage (5056 x 5072 px at patch 16, 1264 x 1268 px at the
-    Swins' 4), a forward under inference_mode, then an fp16/bf16 autocast forward and backward: finite logits
+    """ViG, InLine-DeiT, Pola-Swin, InLine-Swin, Pola-PVT and InLine-PVT as a high-resolution user fine-tunes them:
+    batch 1 of an odd non-square image of 100,172 tokens at the first stage (5056 x 5072 px at patch 16,
+    1264 x 1268 px at the Swins' and PVTs' 4), a forward under inference_mode, then an fp16/bf16 autocast forward and backward: finite logits
     within the autocast tolerance of fp32 and a finite gradient for every parameter."""
     import timm
 

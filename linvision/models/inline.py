@@ -1,10 +1,11 @@
-"""InLine-DeiT and InLine-Swin: backbones with injective linear attention, loading the published ImageNet-1k
-weights.
+"""InLine-DeiT, InLine-PVT and InLine-Swin: backbones with injective linear attention, loading the published
+ImageNet-1k weights.
 
 Han et al. 2024, "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024, arXiv:2412.06590;
-reference code github.com/LeapLabTHU/InLine (classification models ``inline_deit_tiny/small/base`` and
-``InLineSwin`` with ``cfgs/inline_swin_{t,s,b}.yaml``), weights on TsinghuaCloud (links in its README). The
-repository carries no licence file: the weights are loaded from their published location, never redistributed.
+reference code github.com/LeapLabTHU/InLine (classification models ``inline_deit_tiny/small/base``,
+``inline_pvt_tiny/small/medium/large`` and ``InLineSwin`` with ``cfgs/inline_swin_{t,s,b}.yaml``), weights on
+TsinghuaCloud (links in its README). The repository carries no licence file: the weights are loaded from their
+published location, never redistributed.
 
 The network is DeiT's (:class:`~linvision.models.linvit.LinViT` with a class token, a learned absolute position
 embedding with a row for the class token, pre-norm blocks, LayerNorm eps 1e-6, the class token pooled after the
@@ -30,6 +31,10 @@ attention (``"swin_window"``, window 7) fills the rest: stage 4 of T (``IIIS``),
 stage 4 and all but the first two blocks of stage 3 of B (``IIMS2``). Evaluation as Swin's: resize to 256/224 of
 the crop (bicubic), centre crop 224, ImageNet mean/std.
 
+InLine-PVT is :class:`~linvision.models.pvthier.PvtHier` (PVT v1's layers) with ``"inline_deit"`` in every block
+over the whole stage map (the authors' key map is not reduced, ``PVT_LA_SR_RATIOS`` 1111); their separate q and kv
+projections load as one ``qkv``. Heads of 32 channels: 2, 4, 10, 16 per stage. Evaluation as Swin's.
+
 The ablation's ``"inline"`` mixer (:mod:`linvision.layers.variant_mixers`) has the same attention but another local
 residual (nine weights per token and head from a 3x3 depthwise convolution of the input) and no class token; it is
 kept as the form the results page measured.
@@ -51,9 +56,11 @@ from .linvit import LinViT
 from .linvit import checkpoint_filter_fn as linvit_filter
 from .published import (explain_failed_download, load_published, published_cfg, published_file_overlay,
                         unwrap_state_dict)
+from .pvthier import PvtHier, create_pvt_like, merge_q_kv, pvt_checkpoint_filter
 from .swinhier import SwinHier, create_swin_like, swin_checkpoint_filter
 
-__all__ = ["InLineDeiT", "InLineDeitAttention", "InLineSwin", "checkpoint_filter_fn", "swin_filter_fn"]
+__all__ = ["InLineDeiT", "InLineDeitAttention", "InLinePvt", "InLineSwin", "checkpoint_filter_fn", "pvt_filter_fn",
+           "swin_filter_fn"]
 
 WEIGHT_KEYS = ("model", "state_dict")  # the authors' main.py saves the weights under 'model' (no EMA copy)
 
@@ -196,9 +203,9 @@ def swin_filter_fn(checkpoint: Dict[str, Any], model: LinHier) -> Dict[str, Tens
     return swin_checkpoint_filter(checkpoint, model, WEIGHT_KEYS, _swin_mixer_tensor)
 
 
-def _swin_cfg(size: str, key: str, top1: float) -> Dict[str, Any]:
+def _hier_cfg(layout: str, size: str, key: str, top1: float) -> Dict[str, Any]:
     return published_cfg(
-        top1, url=(_CLOUD.format(key), f"inline_swin_{size}_in1k.pth"), first_conv="stem.proj",
+        top1, url=(_CLOUD.format(key), f"inline_{layout}_{size}_in1k.pth"), first_conv="stem.proj",
         license="unknown (no licence file: load, do not redistribute)", paper_ids="arXiv:2412.06590",
         paper_name="Bridging the Divide: Reconsidering Softmax and Linear Attention",
         origin_url="https://github.com/LeapLabTHU/InLine",
@@ -206,9 +213,13 @@ def _swin_cfg(size: str, key: str, top1: float) -> Dict[str, Any]:
 
 
 default_cfgs.update(generate_default_cfgs({
-    "inline_swin_tiny.in1k": _swin_cfg("tiny", "32810869fcc34410966b", 82.4),
-    "inline_swin_small.in1k": _swin_cfg("small", "e9657fd247c04c7cb1a1", 83.6),
-    "inline_swin_base.in1k": _swin_cfg("base", "bf23564bb64c420aafe1", 84.1),
+    "inline_swin_tiny.in1k": _hier_cfg("swin", "tiny", "32810869fcc34410966b", 82.4),
+    "inline_swin_small.in1k": _hier_cfg("swin", "small", "e9657fd247c04c7cb1a1", 83.6),
+    "inline_swin_base.in1k": _hier_cfg("swin", "base", "bf23564bb64c420aafe1", 84.1),
+    "inline_pvt_tiny.in1k": _hier_cfg("pvt", "tiny", "90ac52b1555b401eb5e6", 78.2),
+    "inline_pvt_small.in1k": _hier_cfg("pvt", "small", "1ab953b2479d433080a3", 82.0),
+    "inline_pvt_medium.in1k": _hier_cfg("pvt", "medium", "a72aec31e6084bc0a280", 83.2),
+    "inline_pvt_large.in1k": _hier_cfg("pvt", "large", "efd91318ba964f01b288", 83.6),
 }))
 
 _SWIN_SIZES: Dict[str, Dict[str, Any]] = {
@@ -240,3 +251,55 @@ def inline_swin_small(pretrained: bool = False, **kwargs) -> LinHier:
 @register_model
 def inline_swin_base(pretrained: bool = False, **kwargs) -> LinHier:
     return _create_inline_swin("inline_swin_base", "base", pretrained, **kwargs)
+
+
+class InLinePvt(PvtHier):
+    """:class:`~linvision.models.pvthier.PvtHier` with ``"inline_deit"`` in every block; loads the authors' files
+    (timm's ``custom_load``)."""
+
+    def load_pretrained(self, path: str) -> None:
+        load_published(self, path, pvt_filter_fn)
+
+
+def _pvt_mixer_tensors(prefix: str, tensors: Dict[str, Tensor], mixer: nn.Module) -> Dict[str, Tensor]:
+    tensors = {k.replace(".mixer.residual.", ".mixer.local."): v for k, v in tensors.items()}
+    return merge_q_kv(tensors, prefix)
+
+
+def pvt_filter_fn(checkpoint: Dict[str, Any], model: LinHier) -> Dict[str, Tensor]:
+    """The authors' InLine-PVT checkpoint (weights under ``model``) in linvision's names
+    (:func:`~linvision.models.pvthier.pvt_checkpoint_filter`; q and kv joined as ``qkv``, the kernel predictor
+    ``attn.residual`` the mixer's ``local``). A state dict in linvision's own names passes unchanged."""
+    return pvt_checkpoint_filter(checkpoint, model, WEIGHT_KEYS, _pvt_mixer_tensors)
+
+
+_PVT_SIZES: Dict[str, Dict[str, Any]] = {
+    size: dict(depths=depths, dims=(64, 128, 320, 512), num_heads=(2, 4, 10, 16), token_mixers="inline_deit")
+    for size, depths in (("tiny", (2, 2, 2, 2)), ("small", (3, 4, 6, 3)), ("medium", (3, 4, 18, 3)),
+                         ("large", (3, 8, 27, 3)))
+}
+
+
+def _create_inline_pvt(variant: str, size: str, pretrained: bool, **kwargs) -> LinHier:
+    return create_pvt_like(InLinePvt, variant, pretrained, pvt_filter_fn, _PVT_SIZES[size], **kwargs)
+
+
+# Published training used stochastic depth 0.1 / 0.1 / 0.3 / 0.3 (T / S / M / L); the models default to none.
+@register_model
+def inline_pvt_tiny(pretrained: bool = False, **kwargs) -> LinHier:
+    return _create_inline_pvt("inline_pvt_tiny", "tiny", pretrained, **kwargs)
+
+
+@register_model
+def inline_pvt_small(pretrained: bool = False, **kwargs) -> LinHier:
+    return _create_inline_pvt("inline_pvt_small", "small", pretrained, **kwargs)
+
+
+@register_model
+def inline_pvt_medium(pretrained: bool = False, **kwargs) -> LinHier:
+    return _create_inline_pvt("inline_pvt_medium", "medium", pretrained, **kwargs)
+
+
+@register_model
+def inline_pvt_large(pretrained: bool = False, **kwargs) -> LinHier:
+    return _create_inline_pvt("inline_pvt_large", "large", pretrained, **kwargs)

@@ -117,7 +117,7 @@ class LinHier(nn.Module):
         mixer_kwargs: the caller's options for the mixers, over the family's :attr:`mixer_defaults`; each stage's
             mixer receives those it has, and each must be an option of at least one stage's mixer (ValueError
             naming it otherwise).
-        mlp_ratio: MLP hidden size / dim.
+        mlp_ratio: MLP hidden size / dim, one value or one per stage.
         img_size: nominal input size (recorded; nothing depends on it).
         stem_layer: built as ``stem_layer(in_chans, dims[0])`` (default: :class:`Stem` with ``norm_layer`` and
             ``act_layer``); maps an NCHW image to channels-last features.
@@ -147,7 +147,7 @@ class LinHier(nn.Module):
         num_heads: Sequence[int] = (2, 4, 8, 16),
         token_mixers: Union[MixerSpec, Sequence[MixerSpec]] = "linear_rope",
         mixer_kwargs: Optional[Dict[str, Any]] = None,
-        mlp_ratio: float = 4.0,
+        mlp_ratio: Union[float, Sequence[float]] = 4.0,
         drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
         img_size: Union[int, Tuple[int, int]] = 224,
@@ -168,6 +168,9 @@ class LinHier(nn.Module):
             layer_scale_init = (layer_scale_init,) * len(depths)
         if len(layer_scale_init) != len(depths):
             raise ValueError(f"layer_scale_init: {len(layer_scale_init)} values for {len(depths)} stages")
+        mlp_ratios = (mlp_ratio,) * len(depths) if isinstance(mlp_ratio, (int, float)) else tuple(mlp_ratio)
+        if len(mlp_ratios) != len(depths):
+            raise ValueError(f"mlp_ratio: {len(mlp_ratios)} values for {len(depths)} stages")
         stem_layer = stem_layer or partial(Stem, norm_layer=norm_layer, act_layer=act_layer)
         downsample_layer = downsample_layer or partial(Downsample, norm_layer=norm_layer)
         self.token_mixers = parse_mixer_list(token_mixers, len(depths))
@@ -186,8 +189,8 @@ class LinHier(nn.Module):
         for i, (depth, dim, heads, mixer) in enumerate(zip(depths, dims, num_heads, self.token_mixers)):
             stride *= 2 if i > 0 else 1
             self.stages.append(HierStage(
-                dim, depth, heads, mixer, stage_options[i], downsample_layer(in_dim, dim) if i > 0 else None, mlp_ratio,
-                rates[start:start + depth], norm_layer, act_layer, cpe, layer_scale_init[i], mlp_layer,
+                dim, depth, heads, mixer, stage_options[i], downsample_layer(in_dim, dim) if i > 0 else None,
+                mlp_ratios[i], rates[start:start + depth], norm_layer, act_layer, cpe, layer_scale_init[i], mlp_layer,
             ))
             self.feature_info.append(dict(num_chs=dim, reduction=stride, module=f"stages.{i}"))
             in_dim, start = dim, start + depth

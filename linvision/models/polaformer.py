@@ -1,9 +1,10 @@
-"""Pola-Swin: Swin backbones with polarity-aware linear attention, loading the published ImageNet-1k weights.
+"""Pola-Swin and Pola-PVT: Swin and PVT backbones with polarity-aware linear attention, loading the published
+ImageNet-1k weights.
 
 Meng et al. 2025, "PolaFormer: Polarity-aware Linear Attention for Vision Transformers", ICLR 2025,
 arXiv:2501.15061; reference code github.com/ZacharyMeng/PolaFormer (MIT licence; classification model
-``PolaSwinTransformer``, configs ``cfgs/pola_swin_{t,s,b}.yaml``), weights on the Hugging Face hub repository
-``ZachMeng/PolaFormer``.
+``PolaSwinTransformer``, configs ``cfgs/pola_swin_{t,s,b}.yaml``; ``pola_pvt_tiny/small`` with
+``cfgs/pola_pvt_{t,s}.yaml``), weights on the Hugging Face hub repository ``ZachMeng/PolaFormer``.
 
 The network is :class:`~linvision.models.swinhier.SwinHier` (Swin's layers on LinHier) with the stages ``LLSS``:
 
@@ -19,6 +20,13 @@ At the training size every stage computes exactly the authors' model. At other s
 or not) the linear stages still attend over the whole map, with the key position encoding resampled (bicubic,
 antialiased) from its trained grid, and the window stages pad the map to whole windows, padded keys masked.
 Evaluation as the authors' (Swin's): resize to 256/224 of the crop (bicubic), centre crop 224, ImageNet mean/std.
+
+Pola-PVT is :class:`~linvision.models.pvthier.PvtHier` (PVT v1's layers) with ``"pola_swin"`` in every block: the
+authors' PVT attention is the same computation (their key map is not reduced, ``PVT_LA_SR_RATIOS`` 1111), with
+q and the modulation from one projection (``qg``) and k, v from another (``kv``), which load as ``qkv`` and
+``gate``. Their PVT builds a final norm that its forward never applies; the file's copy is not loaded. Only the
+tiny and small sizes have published weights and figures (78.8 and 81.9); the medium and large sizes of the
+authors' code are not registered.
 """
 from __future__ import annotations
 
@@ -35,9 +43,10 @@ from linvision.ops import Rope
 
 from .linhier import LinHier
 from .published import load_published, published_cfg
+from .pvthier import PvtHier, create_pvt_like, pvt_checkpoint_filter
 from .swinhier import SwinHier, create_swin_like, swin_checkpoint_filter
 
-__all__ = ["PolaSwin", "PolaSwinAttention", "HeadSharedConv", "checkpoint_filter_fn"]
+__all__ = ["PolaSwin", "PolaPvt", "PolaSwinAttention", "HeadSharedConv", "checkpoint_filter_fn", "pvt_filter_fn"]
 
 HUB_ID = "ZachMeng/PolaFormer"
 # The authors' main.py saves the weights under "model" (no EMA copy).
@@ -147,6 +156,36 @@ def checkpoint_filter_fn(checkpoint: Dict[str, Any], model: LinHier) -> Dict[str
     return swin_checkpoint_filter(checkpoint, model, WEIGHT_KEYS, _mixer_tensor)
 
 
+class PolaPvt(PvtHier):
+    """:class:`~linvision.models.pvthier.PvtHier` with ``"pola_swin"`` in every block; loads the authors' files
+    (timm's ``custom_load``). ``img_size``: the size whose stage grids the position embeddings have."""
+
+    def load_pretrained(self, path: str) -> None:
+        load_published(self, path, pvt_filter_fn)
+
+
+def _pvt_mixer_tensors(prefix: str, tensors: Dict[str, Tensor], mixer: nn.Module) -> Dict[str, Tensor]:
+    """Pola-PVT's mixer tensors: ``qg`` splits into q and the modulation ``gate``, q joins ``kv`` as ``qkv``; the
+    rest as Pola-Swin's (:func:`_mixer_tensor`)."""
+    out: Dict[str, Tensor] = {}
+    c = mixer.dim
+    for part in ("weight", "bias"):
+        qg, kv = tensors.pop(f"{prefix}.qg.{part}", None), tensors.pop(f"{prefix}.kv.{part}", None)
+        if qg is not None and kv is not None:
+            out[f"{prefix}.qkv.{part}"] = torch.cat([qg[:c], kv])
+            out[f"{prefix}.gate.{part}"] = qg[c:]
+    for name, value in tensors.items():
+        out.update(_mixer_tensor(name, value, mixer))
+    return out
+
+
+def pvt_filter_fn(checkpoint: Dict[str, Any], model: LinHier) -> Dict[str, Tensor]:
+    """The authors' Pola-PVT checkpoint (weights under ``model``) in linvision's names
+    (:func:`~linvision.models.pvthier.pvt_checkpoint_filter`, the mixers' tensors as :func:`_pvt_mixer_tensors`
+    says). A state dict in linvision's own names passes unchanged."""
+    return pvt_checkpoint_filter(checkpoint, model, WEIGHT_KEYS, _pvt_mixer_tensors)
+
+
 def _cfg(top1: float) -> Dict[str, Any]:
     # The hub repository's file names are not recorded here: the weights load from a local copy
     # (pretrained_cfg_overlay=dict(file=...)); pretrained=True alone says so (_create_pola_swin).
@@ -162,6 +201,8 @@ default_cfgs = generate_default_cfgs({
     "pola_swin_tiny.in1k": _cfg(82.6),
     "pola_swin_small.in1k": _cfg(83.6),
     "pola_swin_base.in1k": _cfg(83.8),
+    "pola_pvt_tiny.in1k": _cfg(78.8),
+    "pola_pvt_small.in1k": _cfg(81.9),
 })
 
 SIZES: Dict[str, Dict[str, Any]] = {
@@ -171,13 +212,24 @@ SIZES: Dict[str, Dict[str, Any]] = {
 }
 
 
-def _create_pola_swin(variant: str, size: str, pretrained: bool, **kwargs) -> LinHier:
+PVT_SIZES: Dict[str, Dict[str, Any]] = {
+    "tiny": dict(depths=(2, 2, 2, 2), dims=(64, 128, 320, 512), num_heads=(1, 2, 5, 8)),
+    "small": dict(depths=(3, 4, 6, 3), dims=(64, 128, 320, 512), num_heads=(1, 2, 5, 8)),
+}
+
+
+def _require_local_file(variant: str, pretrained: bool, kwargs: Dict[str, Any]) -> None:
+    """pretrained=True without a local file: one line saying where the file is and how to pass it."""
     if pretrained:
         cfg = resolve_pretrained_cfg(variant, kwargs.get("pretrained_cfg"), kwargs.get("pretrained_cfg_overlay"))
         if not cfg.has_weights:
             raise ValueError(f"pretrained: {variant}.{cfg.tag} loads the authors' file from a local copy: download it "
                              f"from https://huggingface.co/{HUB_ID} (the file names there are not recorded here) "
                              f"and pass pretrained_cfg_overlay=dict(file=PATH) (--pretrained-path PATH to the tools)")
+
+
+def _create_pola_swin(variant: str, size: str, pretrained: bool, **kwargs) -> LinHier:
+    _require_local_file(variant, pretrained, kwargs)
     return create_swin_like(PolaSwin, variant, pretrained, checkpoint_filter_fn, SIZES[size],
                             **merge_options(dict(token_mixers="pola_swin,pola_swin,swin_window,swin_window"), **kwargs))
 
@@ -196,3 +248,20 @@ def pola_swin_small(pretrained: bool = False, **kwargs) -> LinHier:
 @register_model
 def pola_swin_base(pretrained: bool = False, **kwargs) -> LinHier:
     return _create_pola_swin("pola_swin_base", "base", pretrained, **kwargs)
+
+
+def _create_pola_pvt(variant: str, size: str, pretrained: bool, **kwargs) -> LinHier:
+    _require_local_file(variant, pretrained, kwargs)
+    return create_pvt_like(PolaPvt, variant, pretrained, pvt_filter_fn, PVT_SIZES[size],
+                           **merge_options(dict(token_mixers="pola_swin"), **kwargs))
+
+
+# Published training used stochastic depth 0.1 (T and S); the models default to none, as timm's do.
+@register_model
+def pola_pvt_tiny(pretrained: bool = False, **kwargs) -> LinHier:
+    return _create_pola_pvt("pola_pvt_tiny", "tiny", pretrained, **kwargs)
+
+
+@register_model
+def pola_pvt_small(pretrained: bool = False, **kwargs) -> LinHier:
+    return _create_pola_pvt("pola_pvt_small", "small", pretrained, **kwargs)

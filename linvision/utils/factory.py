@@ -31,8 +31,8 @@ def check_model_name(name: str) -> None:
 
 def models_with_weights() -> List[str]:
     """linvision's models that ``pretrained=True`` loads, as ``name.tag`` (the published MLLA, RAVLT, MAViT,
-    InLine-DeiT, InLine-Swin and ViG weights, and DeiT's softmax weights under linvit's ``.deit_fb_in1k``;
-    Pola-Swin's load from a local copy only)."""
+    InLine and ViG weights, and DeiT's softmax weights under linvit's ``.deit_fb_in1k``; PolaFormer's load from a
+    local copy only)."""
     import timm
 
     import linvision.models  # noqa: F401

@@ -1,0 +1,179 @@
+"""PVT's macro-architecture on :class:`~linvision.models.linhier.LinHier`, shared by the published PVT-shaped
+backbones (Pola-PVT in :mod:`linvision.models.polaformer`, InLine-PVT in :mod:`linvision.models.inline`).
+
+Wang et al. 2021, "Pyramid Vision Transformer: A Versatile Backbone for Dense Prediction without Convolutions",
+arXiv:2102.12122 (PVT v1). The layers: every stage starts with a patch embedding (:class:`PvtPatchEmbed`: a
+conv with kernel = stride, 4 for the first stage and 2 after, then LayerNorm eps 1e-5) and adds a learned absolute
+position embedding of its grid; pre-norm blocks without CPE or layer scale (LayerNorm eps 1e-6, timm's ``Mlp``
+with a hidden size of 8, 8, 4, 4 times the width); no final norm; mean pooling and a linear head.
+
+The published linear-attention PVTs attend over the whole stage map in every block (no spatial reduction of the
+keys); PVT's own softmax stages with a spatially reduced key map are not built here.
+"""
+from __future__ import annotations
+
+import re
+from functools import partial
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+from timm.layers import Mlp, PatchEmbed, register_notrace_module, resample_abs_pos_embed, trunc_normal_
+from torch import Tensor, nn
+
+from linvision.layers import merge_options
+
+from .linhier import LinHier
+from .published import build_published, unwrap_state_dict
+
+__all__ = ["PvtHier", "PvtPatchEmbed", "pvt_published_name", "pvt_checkpoint_filter", "merge_q_kv",
+           "create_pvt_like"]
+
+
+@register_notrace_module  # resamples its embedding by the input's grid: one leaf of timm's FX tracing
+class PvtPatchEmbed(PatchEmbed):
+    """PVT's stage entry: timm's ``PatchEmbed`` (a ``patch`` x ``patch`` conv of stride ``patch``, LayerNorm),
+    channels-last out, then a learned absolute position embedding of the stage's grid
+    (:meth:`set_position`; none until a model sets its grid), resampled bilinearly (PVT's rule) to an input
+    whose grid differs. ``channels_last``: the input is (B, H, W, C), as between stages; else an image (B, C, H,
+    W)."""
+
+    def __init__(self, in_chans: int, dim: int, patch: int, channels_last: bool = False):
+        super().__init__(None, patch, in_chans, dim, norm_layer=nn.LayerNorm, output_fmt="NHWC")
+        self.channels_last = channels_last
+        self.pos_embed: Optional[nn.Parameter] = None
+        self.pos_grid: Optional[Tuple[int, int]] = None
+
+    def set_position(self, grid: Tuple[int, int]) -> None:
+        """Give the stage a learned position embedding of ``grid`` (H, W), drawn as PVT draws it."""
+        self.pos_grid = (int(grid[0]), int(grid[1]))
+        self.pos_embed = nn.Parameter(torch.zeros(1, grid[0] * grid[1], self.proj.out_channels))
+        trunc_normal_(self.pos_embed, std=0.02)
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set:
+        return {"pos_embed"} if self.pos_embed is not None else set()
+
+    def position(self, hw: Tuple[int, int]) -> Tensor:
+        """The position embedding on grid ``hw``: (1, H * W, C), resampled when ``hw`` is not its own grid."""
+        if tuple(hw) == self.pos_grid:
+            return self.pos_embed
+        return resample_abs_pos_embed(self.pos_embed, list(hw), list(self.pos_grid), num_prefix_tokens=0,
+                                      interpolation="bilinear", antialias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = super().forward(x.permute(0, 3, 1, 2) if self.channels_last else x)
+        if self.pos_embed is None:
+            return x
+        b, h, w, c = x.shape
+        return x + self.position((h, w)).to(x.dtype).reshape(1, h, w, c)
+
+    def extra_repr(self) -> str:
+        return f"pos_grid={self.pos_grid}"
+
+
+def stage_grids(img_size: Any, stages: int) -> Tuple[Tuple[int, int], ...]:
+    """The grid of every stage at ``img_size`` (an int or (H, W)): a quarter of the image, then halved by each
+    patch embedding, rounding down as the convolutions do."""
+    h, w = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
+    grids = [(h // 4, w // 4)]
+    for _ in range(stages - 1):
+        grids.append((grids[-1][0] // 2, grids[-1][1] // 2))
+    return tuple(grids)
+
+
+class PvtHier(LinHier):
+    """:class:`LinHier` with PVT's layers (the module docstring). After the stages are built, every patch
+    embedding gets the position embedding of its stage's grid at ``img_size``, and mixers with a learned position
+    encoding of a grid (``set_key_position``) get the grid of their stage."""
+
+    mixer_defaults: Dict[str, Any] = {}
+
+    def __init__(self, *, img_size: Any = 224, **kwargs):
+        super().__init__(img_size=img_size, **kwargs)
+        grids = stage_grids(img_size, len(self.stages))
+        self.stem.set_position(grids[0])
+        for i, stage in enumerate(self.stages):
+            if i > 0:
+                stage.downsample.set_position(grids[i])
+            for block in stage.blocks:
+                if callable(getattr(block.mixer, "set_key_position", None)):
+                    block.mixer.set_key_position(grids[i])
+
+
+def pvt_published_name(name: str) -> Optional[str]:
+    """linvision's name of a tensor of the authors' PVT layout (``patch_embed{i}``, ``pos_embed{i}`` and
+    ``block{i}`` per stage from 1, ``attn`` for the mixer); None for PVT's final norm, which the published
+    linear-attention PVTs build and never apply."""
+    m = re.match(r"^(patch_embed|pos_embed)(\d)(.*)$", name)
+    if m:
+        stage = int(m.group(2)) - 1
+        where = "stem" if stage == 0 else f"stages.{stage}.downsample"
+        return f"{where}.{'pos_embed' if m.group(1) == 'pos_embed' else m.group(3)[1:]}"
+    if name.startswith("norm."):
+        return None
+    m = re.match(r"^block(\d)\.(\d+)\.(.*)$", name)
+    if m:
+        name = f"stages.{int(m.group(1)) - 1}.blocks.{m.group(2)}.{m.group(3)}"
+    return re.sub(r"^head\.", "head.fc.", name.replace(".attn.", ".mixer."))
+
+
+def merge_q_kv(tensors: Dict[str, Tensor], prefix: str) -> Dict[str, Tensor]:
+    """The separate projections ``{prefix}.q`` (C outputs) and ``{prefix}.kv`` (2C: k, then v) of a mixer as one
+    ``{prefix}.qkv`` (q, k, v), weights and biases; the other tensors unchanged."""
+    out = {k: v for k, v in tensors.items() if not k.startswith((f"{prefix}.q.", f"{prefix}.kv."))}
+    for part in ("weight", "bias"):
+        if f"{prefix}.q.{part}" in tensors:
+            out[f"{prefix}.qkv.{part}"] = torch.cat([tensors[f"{prefix}.q.{part}"], tensors[f"{prefix}.kv.{part}"]])
+    return out
+
+
+def pvt_checkpoint_filter(checkpoint: Dict[str, Any], model: LinHier, weight_keys: Sequence[str],
+                          mixer_tensors: Callable[[str, Dict[str, Tensor], nn.Module], Dict[str, Tensor]],
+                          ) -> Dict[str, Tensor]:
+    """An authors' PVT-layout checkpoint in linvision's names (:func:`pvt_published_name`), the stages' position
+    embeddings resampled (bilinear) to the model's grids where the file's differ (a model built for another size).
+    ``mixer_tensors(prefix, tensors, mixer)``: a family's mapping of one mixer's tensors (their linvision names,
+    all under ``prefix``), returning the tensors they become. A state dict in linvision's own names passes
+    unchanged."""
+    state = unwrap_state_dict(checkpoint, weight_keys)
+    if not any(k.startswith("block1.") for k in state):
+        return state
+    out: Dict[str, Tensor] = {}
+    mixers: Dict[str, Dict[str, Tensor]] = {}
+    for name, value in state.items():
+        new = pvt_published_name(name)
+        if new is None:
+            continue
+        if ".mixer." in new:
+            mixers.setdefault(new.split(".mixer.")[0] + ".mixer", {})[new] = value
+            continue
+        if new.endswith("pos_embed"):
+            embed = model.get_submodule(new.rpartition(".")[0])
+            side = int(round(value.shape[1] ** 0.5))
+            if embed.pos_grid is not None and side * side == value.shape[1] and (side, side) != embed.pos_grid:
+                value = resample_abs_pos_embed(value, list(embed.pos_grid), [side, side], num_prefix_tokens=0,
+                                               interpolation="bilinear", antialias=False)
+        out[new] = value
+    for prefix, tensors in mixers.items():
+        try:
+            mixer = model.get_submodule(prefix)
+        except AttributeError:  # a block this model lacks: left as it is, reported as unexpected
+            out.update(tensors)
+            continue
+        out.update(mixer_tensors(prefix, tensors, mixer))
+    return out
+
+
+def _no_final_norm(dim: int) -> nn.Module:
+    return nn.Identity()
+
+
+def create_pvt_like(model_cls: type, variant: str, pretrained: bool, filter_fn: Callable, sizes: Dict[str, Any],
+                    **kwargs) -> LinHier:
+    """A model of PVT's layout as ``model_cls`` (a :class:`PvtHier`), built through :func:`build_published`;
+    ``sizes`` (depths, dims, heads) and ``kwargs`` (``token_mixers``, options) over the layers."""
+    args = dict(stem_layer=partial(PvtPatchEmbed, patch=4),
+                downsample_layer=partial(PvtPatchEmbed, patch=2, channels_last=True),
+                norm_layer=partial(nn.LayerNorm, eps=1e-6), cpe=False, mlp_layer=Mlp, mlp_ratio=(8, 8, 4, 4),
+                final_layer=_no_final_norm)
+    return build_published(model_cls, variant, pretrained, filter_fn, **merge_options(sizes, args, **kwargs))

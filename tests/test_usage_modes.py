@@ -272,3 +272,36 @@ def test_published_models_at_100k_tokens_under_autocast(name, amp):
     torch.testing.assert_close(logits.float(), want, rtol=0, atol=AMP_TOL[amp] * max(float(want.abs().amax()), 1.0))
     for pname, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), pname
+
+
+PUBLISHED_TINY = ["mlla_tiny", "ravlt_tiny", "mavit_tiny", "vig_tiny", "inline_deit_tiny", "inline_swin_tiny",
+                  "inline_pvt_tiny", "pola_swin_tiny", "pola_pvt_tiny"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the published models at full size on CUDA)")
+@pytest.mark.parametrize("amp", list(AMP))
+@pytest.mark.parametrize("name", PUBLISHED_TINY)
+def test_published_models_on_cuda_under_autocast(name, amp):
+    """Every published family's tiny model at full size on CUDA as a high-resolution user fine-tunes it: batch 1
+    of a 1000 x 1064 image (not a multiple of 32), a forward under inference_mode, then an fp16/bf16 autocast
+    forward and backward in training mode (ViG's scans on fla-core's kernels, the CUDA path): finite logits within
+    the autocast tolerance of the fp32 training-mode forward (the stems' batch norms use the batch's statistics
+    there) and a finite gradient for every parameter."""
+    import timm
+
+    torch.manual_seed(0)
+    options = dict(img_size=(1000, 1064), dynamic_img_size=True) if name == "inline_deit_tiny" else {}
+    model = timm.create_model(name, num_classes=5, **options).cuda()
+    x = torch.randn(1, 3, 1000, 1064, generator=torch.Generator().manual_seed(3)).cuda()
+    with torch.inference_mode():
+        assert torch.isfinite(model.eval()(x)).all()
+    model.train()
+    with torch.no_grad():
+        want = model(x).float()
+    with torch.autocast("cuda", dtype=AMP[amp]):
+        logits = model(x)
+    F.cross_entropy(logits.float(), labels(1).cuda()).backward()
+    assert torch.isfinite(logits).all()
+    torch.testing.assert_close(logits.float(), want, rtol=0, atol=AMP_TOL[amp] * max(float(want.abs().amax()), 1.0))
+    for pname, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), pname

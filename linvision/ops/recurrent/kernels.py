@@ -149,9 +149,12 @@ def operand_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 # --- layout: linvision's (B, H, N, X) as fla's (B * H, N, 1, X), heads folded into the batch ---
 
 def _fla(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """(B, H, N, X) -> contiguous (B * H, N, 1, X) in ``dtype`` (one copy at most)."""
+    """(B, H, N, X) -> contiguous (B * H, N, 1, X) in ``dtype`` (one copy at most). ``Tensor.to`` returns a
+    tensor already in ``dtype`` as it is, strides and all, whatever ``memory_format`` asks: that case is made
+    contiguous on its own (heads split off the channels, a reversed scan's inputs)."""
     b, h, n, c = x.shape
-    return x.to(dtype=dtype, memory_format=torch.contiguous_format).view(b * h, n, 1, c)
+    x = x.to(dtype=dtype, memory_format=torch.contiguous_format) if x.dtype != dtype else x.contiguous()
+    return x.view(b * h, n, 1, c)
 
 
 def _gate(log_gate: Tensor) -> Tensor:

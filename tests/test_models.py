@@ -25,7 +25,8 @@ FAMILY_NAMES = {
     "mavit": ["mavit_tiny", "mavit_small", "mavit_base", "mavit_large"],
     "vig": ["vig_tiny", "vig_small", "vig_base"],
     "inline": ["inline_deit_tiny", "inline_deit_small", "inline_deit_base", "inline_swin_tiny", "inline_swin_small",
-               "inline_swin_base", "inline_pvt_tiny", "inline_pvt_small", "inline_pvt_medium", "inline_pvt_large"],
+               "inline_swin_base", "inline_pvt_tiny", "inline_pvt_small", "inline_pvt_medium", "inline_pvt_large",
+               "inline_cswin_tiny", "inline_cswin_small", "inline_cswin_base"],
     "polaformer": ["pola_swin_tiny", "pola_swin_small", "pola_swin_base", "pola_pvt_tiny", "pola_pvt_small"],
 }
 ALL_NAMES = [n for names in FAMILY_NAMES.values() for n in names]
@@ -727,7 +728,7 @@ def test_rope_entry_points_rope_none():
 
 
 # Every family a mixer can be swapped into, tiny: one block per stage.
-_ONE_BLOCK = dict(depths=(1, 1, 1, 1), dims=(16, 32, 32, 32), num_heads=(1, 2, 2, 2))
+_ONE_BLOCK = dict(depths=(1, 1, 1, 1), dims=(16, 32, 32, 32), num_heads=(2, 2, 2, 2))  # even: cswin_stripes splits its heads
 _INIT_FAMILIES = {
     "linhier": lambda mixer: timm.create_model("linhier_tiny_224", token_mixers=mixer, **_ONE_BLOCK),
     "linvit": lambda mixer: timm.create_model("linvit_tiny_patch16_224", token_mixer=mixer, img_size=32,
@@ -744,7 +745,8 @@ def _dit(**kwargs):
     return create_dit("digits", **kwargs)
 
 
-NO_ROPE = {"agent": r"^rope: agent attention takes no RoPE", "swin_window": r"^rope: swin_window places tokens by"}
+NO_ROPE = {"agent": r"^rope: agent attention takes no RoPE", "swin_window": r"^rope: swin_window places tokens by",
+           "cswin_stripes": r"^rope: cswin_stripes places tokens by"}
 
 
 def test_every_mixer_keeps_its_own_start_inside_every_family(monkeypatch):
@@ -752,7 +754,7 @@ def test_every_mixer_keeps_its_own_start_inside_every_family(monkeypatch):
     (the same under any seed: the gated forget gate at RetNet's decays, hybrid's mixing logits, PolaFormer's
     power and scale, ...) exactly as the mixer alone has it after its ``init_weights()``: no generic rule of a
     model, which runs first, overwrites a mixer's start. The pairs that cannot be built are named: RAVLT's
-    family default is RoPE, which agent attention and Swin's window attention refuse."""
+    family default is RoPE, which agent attention and Swin's and CSWin's window attentions refuse."""
     import linvision.diffusion.block as dit_block
     import linvision.layers.block as layers_block
     from linvision.layers import create_mixer, list_mixers

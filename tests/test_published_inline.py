@@ -7,6 +7,7 @@ tests/data/published/inline_{deit,pvt,swin}_<size>.txt list the tensor names, sh
 checkpoints; the files built here from them hold random values."""
 import argparse
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -91,12 +92,14 @@ def _grouped_1x1(x, weight, bias, groups):
                       for g in range(groups)], 1) + bias
 
 
-def _authors_attention(sd, x, heads, grid, prefix=1):
+def _authors_attention(sd, x, heads, grid, prefix=1, mean_of=None, lepe=False):
     """The authors' attention written out: tokens x (B, prefix + H * W, C), the class token first (DeiT; none on
     the Swin models' maps, ``prefix=0``). Weights
     w_ij = (s q_i.k_j - s q_i.kbar + 1) / N over all N tokens; on the patch tokens a 3x3 cross-correlation of v
     (zero padding) with nine weights per image and channel predicted from the mean token (grouped 1x1, GELU,
-    grouped 1x1; channel c's weights are outputs 9c..9c+8, row-major over the 3x3 window)."""
+    grouped 1x1; channel c's weights are outputs 9c..9c+8, row-major over the 3x3 window). CSwin's: the kernels
+    from the mean of ``mean_of`` (the block's input before its norm), and with ``lepe`` a 3x3 depthwise
+    cross-correlation of v with the ``lepe`` weights and bias (zero padding) added."""
     b, n, c = x.shape
     d, (h, w) = c // heads, grid
     q, k, v = (x @ sd["qkv.weight"].T + sd["qkv.bias"]).split(c, dim=-1)
@@ -107,13 +110,17 @@ def _authors_attention(sd, x, heads, grid, prefix=1):
         scores = s * q[..., cols] @ k[..., cols].transpose(1, 2)  # (B, N, N)
         weights = (scores - scores.mean(dim=-1, keepdim=True) + 1) / n
         out[..., cols] = weights @ v[..., cols]
-    kernels = _grouped_1x1(_gelu(_grouped_1x1(x.mean(1), sd["local.0.weight"], sd["local.0.bias"], heads)),
+    mean = (x if mean_of is None else mean_of).mean(1)
+    kernels = _grouped_1x1(_gelu(_grouped_1x1(mean, sd["local.0.weight"], sd["local.0.bias"], heads)),
                            sd["local.2.weight"], sd["local.2.bias"], heads).reshape(b, c, 3, 3)
     vg = F.pad(v[:, prefix:].reshape(b, h, w, c), (0, 0, 1, 1, 1, 1))
     for r in range(h):
         for col in range(w):
             window = vg[:, r:r + 3, col:col + 3]  # (B, 3, 3, C)
             out[:, prefix + r * w + col] += torch.einsum("bijc,bcij->bc", window, kernels)
+            if lepe:
+                out[:, prefix + r * w + col] += (torch.einsum("bijc,cij->bc", window, sd["lepe.weight"][:, 0])
+                                                 + sd["lepe.bias"])
     return out @ sd["proj.weight"].T + sd["proj.bias"]
 
 
@@ -412,3 +419,145 @@ def test_pvt_pretrained_true_downloads_the_published_url(tmp_path, monkeypatch):
         assert model(torch.randn(1, 3, 160, 224)).shape == (1, 1000)
     cfg = model.pretrained_cfg
     assert (cfg["crop_pct"], cfg["interpolation"]) == (0.875, "bicubic") and "78.2" in cfg["description"]
+
+
+# InLine-CSwin: the authors' CSWin models (inline_cswin_tiny/small/base, attn_type IISS) on linvision's CSWin
+# layout; the README's GFLOPs at 224 px (its params, 25 / 43 / 96 M, are not those of the authors' own models of
+# these configs: 20.6 / 33.0 / 73.4 M, as here).
+CSWIN_GFLOPS = {"inline_cswin_tiny": 4.3, "inline_cswin_small": 6.8, "inline_cswin_base": 14.9}
+CSWIN_NAMES = [pytest.param(n, id=n, marks=[] if n == "inline_cswin_tiny" else [pytest.mark.slow])
+               for n in CSWIN_GFLOPS]
+
+
+def cswin_layout(name, seed=0, depth=None):
+    """The authors' InLine-CSwin tensors with random values; ``depth``: keep that many blocks per stage."""
+    g = torch.Generator().manual_seed(seed)
+    return {key: (torch.randn(shape, generator=g, dtype=torch.float64) * 0.2).float()
+            for key, shape, _ in published_tensors(name)
+            if depth is None or not re.match(r"stage\d\.", key) or int(key.split(".")[1]) < depth}
+
+
+@pytest.mark.parametrize("name", CSWIN_NAMES)
+def test_cswin_authors_layout_loads_the_ema_copy_and_matches_the_table(name, tmp_path):
+    """The file holds the raw weights under 'model' and the EMA copy under 'state_dict_ema': every tensor of the
+    EMA copy lands in the model unchanged; the stripes' two LePE convs (half the channels each) join as one, a
+    single branch's becomes ``lepe``, the kernel predictor ``local``; the GFLOPs are the README's (within 2%)."""
+    raw, ema = cswin_layout(name, seed=1), cswin_layout(name, seed=2)
+    path = tmp_path / f"{name}.pth"
+    save_authors(path, raw, state_dict_ema=ema, max_accuracy_e=83.2)
+    model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
+    own = model.state_dict()
+    assert count_params(model) == sum(v.numel() for v in ema.values())
+    torch.testing.assert_close(_sorted_values(own.values()), _sorted_values(ema.values()), rtol=0, atol=0)
+    joined = torch.cat([ema["stage3.0.attns.0.get_v.weight"], ema["stage3.0.attns.1.get_v.weight"]])
+    torch.testing.assert_close(own["stages.2.blocks.0.mixer.stripe_lepe.weight"], joined, rtol=0, atol=0)
+    torch.testing.assert_close(own["stages.3.blocks.0.mixer.lepe.bias"], ema["stage4.0.attns.0.get_v.bias"],
+                               rtol=0, atol=0)
+    torch.testing.assert_close(own["stages.0.blocks.1.mixer.local.2.weight"],
+                               ema["stage1.1.attns.0.residual.2.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(own["stages.1.downsample.conv.weight"], ema["merge1.conv.weight"], rtol=0, atol=0)
+    assert count_gflops(model, 224) == pytest.approx(CSWIN_GFLOPS[name], rel=0.02)
+    assert [type(s.blocks[0].mixer).__name__ for s in model.stages] == [
+        "InLineCswinAttention", "InLineCswinAttention", "CswinStripeAttention", "SoftmaxAttention"]
+
+
+def _cswin_model(**kwargs):
+    model = timm.create_model("inline_cswin_tiny", depths=(1, 1, 1, 1), dims=(16, 16, 16, 16),
+                              num_heads=(2, 2, 4, 2), **kwargs).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    return model
+
+
+def _block(block, attention, x):
+    """x + attention(LN(x), x), then + fc2(GELU(fc1(LN(x)))), LayerNorm eps 1e-5."""
+    sd = block.state_dict()
+
+    def norm(t, key):
+        return _layer_norm(t, sd[key + ".weight"], sd[key + ".bias"], eps=1e-5)
+
+    y = x + attention(norm(x, "norm1"), x)
+    hidden = _gelu(norm(y, "norm2") @ sd["mlp.fc1.weight"].T + sd["mlp.fc1.bias"])
+    return y + hidden @ sd["mlp.fc2.weight"].T + sd["mlp.fc2.bias"]
+
+
+@pytest.mark.parametrize("grid", [(6, 6), (3, 5)])
+def test_cswin_inline_block_equals_the_authors_formula(grid):
+    """An InLine-CSwin stage-1 block (float64, random weights) against the authors' attention written out: the
+    injective attention over the map, the local residual with kernels from the mean of the block's input before
+    its norm (not of the normalised tokens, as DeiT's), and the 3x3 LePE of v."""
+    heads = 2
+    block = _cswin_model().stages[0].blocks[0]
+    mixer_sd = {k[len("mixer."):]: v for k, v in block.state_dict().items() if k.startswith("mixer.")}
+    x = torch.randn(2, grid[0] * grid[1], 16, dtype=torch.float64)
+    with torch.no_grad():
+        ours = block(x.reshape(2, *grid, 16)).reshape(2, -1, 16)
+        expected = _block(block, lambda t, raw: _authors_attention(mixer_sd, t, heads, grid, prefix=0, mean_of=raw,
+                                                                   lepe=True), x)
+    torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-10)
+
+
+def _authors_stripes(sd, x, heads, grid, stripe):
+    """CSWin's cross-shaped window attention written out per token (tokens x (B, H * W, C)): q, k, v from qkv;
+    the first half of the heads attend to the keys of their vertical stripe (the columns of the token's block of
+    ``stripe`` columns, every row), the second half to those of their horizontal stripe (its block of ``stripe``
+    rows, every column), softmax(q.k / sqrt(D)); plus the 3x3 depthwise cross-correlation of v inside the stripe
+    (neighbours outside the stripe or the map count as zero) with weights ``stripe_lepe`` (first half of the
+    channels for the vertical stripes) and its bias; the projection. A stripe at the map's edge holds the map's
+    tokens only."""
+    b, n, c = x.shape
+    d, (h, w) = c // heads, grid
+    q, k, v = (t.reshape(b, h, w, c) for t in (x @ sd["qkv.weight"].T + sd["qkv.bias"]).split(c, dim=-1))
+    out = torch.zeros(b, h, w, c, dtype=x.dtype)
+    for i in range(h):
+        for j in range(w):
+            for hd in range(heads):
+                cols = slice(hd * d, (hd + 1) * d)
+                vertical = hd < heads // 2
+                rows_in = range(h) if vertical else range(i // stripe * stripe, min(i // stripe * stripe + stripe, h))
+                cols_in = range(j // stripe * stripe, min(j // stripe * stripe + stripe, w)) if vertical else range(w)
+                keys = [(a, e) for a in rows_in for e in cols_in]
+                logits = torch.stack([(q[:, i, j, cols] * k[:, a, e, cols]).sum(-1) / math.sqrt(d)
+                                      for a, e in keys], -1)
+                values = torch.stack([v[:, a, e, cols] for a, e in keys], 1)
+                out[:, i, j, cols] = torch.einsum("bk,bkd->bd", torch.softmax(logits, -1), values)
+                for di in (-1, 0, 1):
+                    for dj in (-1, 0, 1):
+                        a, e = i + di, j + dj
+                        if a in rows_in and e in cols_in:
+                            out[:, i, j, cols] += sd["stripe_lepe.weight"][cols, 0, di + 1, dj + 1] * v[:, a, e, cols]
+                out[:, i, j, cols] += sd["stripe_lepe.bias"][cols]
+    return out.reshape(b, n, c) @ sd["proj.weight"].T + sd["proj.bias"]
+
+
+@pytest.mark.parametrize("grid", [(14, 14), (9, 11)])
+def test_cswin_stripe_block_equals_the_authors_formula(grid):
+    """A stage-3 block (float64, random weights, stripes 7 wide, 4 heads: 2 vertical, 2 horizontal) against the
+    transcription of CSWin's attention: at 14 x 14 (224 px) as the authors compute it, at 9 x 11 with stripes
+    cut by the map's edge (padded keys take no weight, the LePE sees zeros beyond the map)."""
+    block = _cswin_model().stages[2].blocks[0]
+    sd = {k[len("mixer."):]: v for k, v in block.state_dict().items() if k.startswith("mixer.")}
+    x = torch.randn(2, grid[0] * grid[1], 16, dtype=torch.float64)
+    with torch.no_grad():
+        ours = block(x.reshape(2, *grid, 16)).reshape(2, -1, 16)
+        expected = _block(block, lambda t, raw: _authors_stripes(sd, t, 4, grid, 7), x)
+    torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_cswin_pretrained_true_downloads_the_published_url(tmp_path, monkeypatch):
+    """pretrained=True fetches InLine-CSwin-T's TsinghuaCloud link into timm's cache under a file name, loads the
+    EMA copy and runs no code from the pickle; the model runs at a size that is no multiple of the stripes."""
+    marker = tmp_path / "marker"
+    raw, ema = cswin_layout("inline_cswin_tiny", seed=1, depth=1), cswin_layout("inline_cswin_tiny", seed=2, depth=1)
+    path = tmp_path / "inline_cswin_t.pth"
+    save_authors(path, raw, state_dict_ema=ema, payload=Crafted(str(marker)))
+    asked = serve_downloads_from(monkeypatch, tmp_path, path)
+    model = timm.create_model("inline_cswin_tiny", depths=(1, 1, 1, 1), pretrained=True).eval()
+    assert asked == ["https://cloud.tsinghua.edu.cn/f/49fa2ecc543647c4b970/?dl=1"] and not marker.exists()
+    assert (tmp_path / "torch_home" / "hub" / "checkpoints" / "inline_cswin_tiny_in1k.pth").is_file()
+    torch.testing.assert_close(model.stem.proj.weight, ema["stage1_conv_embed.0.weight"], rtol=0, atol=0)
+    with torch.no_grad():
+        assert model(torch.randn(1, 3, 160, 288)).shape == (1, 1000)
+    cfg = model.pretrained_cfg
+    assert (cfg["crop_pct"], cfg["interpolation"]) == (0.875, "bicubic") and "83.2" in cfg["description"]

@@ -106,7 +106,12 @@ class MixerBlock(nn.Module):
         if hw is None:
             b, h, w, c = x.shape
             x = self.cpe1(x)
-            mixed = self.mixer(self.norm1(x).reshape(b, h * w, c), (h, w)).reshape(b, h, w, c)
+            if getattr(self.mixer, "reads_block_input", False):  # the mixer reads the input before the norm too
+                tokens = x.reshape(b, h * w, c)
+                mixed = self.mixer(self.norm1(tokens), (h, w), block_input=tokens)
+            else:
+                mixed = self.mixer(self.norm1(x).reshape(b, h * w, c), (h, w))
+            mixed = mixed.reshape(b, h, w, c)
             x = x + self.drop_path1(self.ls1(mixed))
             x = self.cpe2(x)
         else:

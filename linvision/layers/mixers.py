@@ -260,11 +260,12 @@ class AttentionMixer(TokenMixer):
         raise NotImplementedError
 
     def forward(self, x: Tensor, hw: Tuple[int, int], num_prefix_tokens: int = 0,
-                layout: Optional[TokenLayout] = None) -> Tensor:
+                layout: Optional[TokenLayout] = None, block_input: Optional[Tensor] = None) -> Tensor:
         """x: (B, N, C) tokens, ``num_prefix_tokens`` prefix tokens then the grid hw -> (B, N, C); or, with a
         ``layout`` (a class with ``takes_layout``), the prefix tokens then each sample's tokens where the layout
-        puts them (``hw`` ignored). Raises ValueError for prefix tokens or a layout the class does not take, or a
-        token count that does not fit."""
+        puts them (``hw`` ignored). ``block_input``: the block's input before its norm (a class with
+        ``reads_block_input``), handed to :meth:`attend` in place of x. Raises ValueError for prefix tokens or a
+        layout the class does not take, or a token count that does not fit."""
         p = check_prefix_tokens(self, num_prefix_tokens)
         check_layout(self, layout)
         b, n, c = x.shape
@@ -278,10 +279,11 @@ class AttentionMixer(TokenMixer):
             rope, extra = self.make_rope_at(layout.positions, p), {"layout": layout}
         q, k, v = self.project(x)
         q, k, v = (t.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        source = x if block_input is None else block_input
         if self.recompute_attend and torch.is_grad_enabled() and q.requires_grad and not is_tracing(n):
-            out = checkpoint(self.attend, q, k, v, (h, w), rope, x, use_reentrant=False, **extra)
+            out = checkpoint(self.attend, q, k, v, (h, w), rope, source, use_reentrant=False, **extra)
         else:
-            out = self.attend(q, k, v, (h, w), rope, x, **extra)
+            out = self.attend(q, k, v, (h, w), rope, source, **extra)
         out = out.transpose(1, 2).reshape(b, n, c)
         if self.lepe is not None:
             v_tokens = v[:, :, p:].transpose(1, 2).reshape(b, n - p, c)

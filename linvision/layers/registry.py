@@ -41,6 +41,9 @@ class TokenMixer(nn.Module):
       ``takes_layout = True`` also takes ``forward(x, hw, num_prefix_tokens=P, layout=L)``, a batch of images
       of different sizes (:class:`~linvision.layers.layout.TokenLayout`; ``hw`` is then ignored), and gives every
       image what it gives that image alone (the others refuse a layout through :func:`check_layout`).
+    - ``reads_block_input = True``: the mixer also takes ``forward(x, hw, block_input=X)``, X (B, N, C) the
+      block's input before its norm, which a block on a grid passes to it (InLine-CSwin predicts its local
+      kernels from the mean of that input); without it, the mixer reads x.
     - ``init_weights()``: its own start (a gate's biases, ...), which models re-apply after their generic
       initialisation (:func:`linvision.layers.init_model_weights`); by default the mixer's own
       ``reset_parameters()`` when its class defines one, else nothing.
@@ -59,6 +62,7 @@ class TokenMixer(nn.Module):
 
     takes_prefix_tokens = False
     takes_layout = False
+    reads_block_input = False
     recompute_attend = False
 
     def init_weights(self) -> None:

@@ -1,10 +1,10 @@
-"""InLine-DeiT, InLine-PVT and InLine-Swin: backbones with injective linear attention, loading the published
-ImageNet-1k weights.
+"""InLine-DeiT, InLine-PVT, InLine-Swin and InLine-CSwin: backbones with injective linear attention, loading the
+published ImageNet-1k weights.
 
 Han et al. 2024, "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024, arXiv:2412.06590;
 reference code github.com/LeapLabTHU/InLine (classification models ``inline_deit_tiny/small/base``,
-``inline_pvt_tiny/small/medium/large`` and ``InLineSwin`` with ``cfgs/inline_swin_{t,s,b}.yaml``), weights on
-TsinghuaCloud (links in its README). The repository carries no licence file: the weights are loaded from their
+``inline_pvt_tiny/small/medium/large``, ``InLineSwin`` with ``cfgs/inline_swin_{t,s,b}.yaml`` and
+``inline_cswin_tiny/small/base`` with ``cfgs/inline_cswin_{t,s,b}.yaml``), weights on TsinghuaCloud (links in its README). The repository carries no licence file: the weights are loaded from their
 published location, never redistributed.
 
 The network is DeiT's (:class:`~linvision.models.linvit.LinViT` with a class token, a learned absolute position
@@ -35,6 +35,14 @@ InLine-PVT is :class:`~linvision.models.pvthier.PvtHier` (PVT v1's layers) with 
 over the whole stage map (the authors' key map is not reduced, ``PVT_LA_SR_RATIOS`` 1111); their separate q and kv
 projections load as one ``qkv``. Heads of 32 channels: 2, 4, 10, 16 per stage. Evaluation as Swin's.
 
+InLine-CSwin is CSWin's layout (:mod:`linvision.models.cswinhier`) with the stages ``IISS``: ``"inline_cswin"``
+(registered here) in stages 1-2 over the whole stage map (the authors' split sizes 56 and 28 hold the whole
+maps of 224 px), CSWin's cross-shaped stripes (``"cswin_stripes"``, 7 wide) in stage 3 and softmax attention with
+LePE over the whole 7 x 7 map in stage 4. ``"inline_cswin"`` is ``"inline_deit"`` with a 3x3 LePE of v and its
+kernels predicted from the mean of the block's input before the norm (the block hands it on:
+``reads_block_input``). The published files keep an EMA copy beside the raw weights; the EMA copy is loaded, as
+timm loads a training checkpoint. Evaluation as Swin's.
+
 The ablation's ``"inline"`` mixer (:mod:`linvision.layers.variant_mixers`) has the same attention but another local
 residual (nine weights per token and head from a 3x3 depthwise convolution of the input) and no class token; it is
 kept as the form the results page measured.
@@ -56,11 +64,12 @@ from .linvit import LinViT
 from .linvit import checkpoint_filter_fn as linvit_filter
 from .published import (explain_failed_download, load_published, published_cfg, published_file_overlay,
                         unwrap_state_dict)
+from .cswinhier import create_cswin_like, cswin_checkpoint_filter
 from .pvthier import PvtHier, create_pvt_like, merge_q_kv, pvt_checkpoint_filter
 from .swinhier import SwinHier, create_swin_like, swin_checkpoint_filter
 
-__all__ = ["InLineDeiT", "InLineDeitAttention", "InLinePvt", "InLineSwin", "checkpoint_filter_fn", "pvt_filter_fn",
-           "swin_filter_fn"]
+__all__ = ["InLineDeiT", "InLineDeitAttention", "InLineCswinAttention", "InLinePvt", "InLineSwin", "InLineCswin",
+           "checkpoint_filter_fn", "pvt_filter_fn", "swin_filter_fn", "cswin_filter_fn"]
 
 WEIGHT_KEYS = ("model", "state_dict")  # the authors' main.py saves the weights under 'model' (no EMA copy)
 
@@ -104,6 +113,20 @@ class InLineDeitAttention(AttentionMixer):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, local=per-image 3x3"
+
+
+@register_mixer("inline_cswin")
+class InLineCswinAttention(InLineDeitAttention):
+    """InLine-CSwin's attention: ``"inline_deit"`` on the grid (no prefix tokens) with a 3x3 depthwise LePE of v
+    (``lepe``, on by default) added to the output, the local residual's kernels predicted from the mean of the
+    block's input before its norm (``block_input``, which a block hands to a mixer with ``reads_block_input``;
+    the mixer's input x when called alone)."""
+
+    takes_prefix_tokens = False
+    reads_block_input = True
+
+    def __init__(self, dim: int, num_heads: int, *, lepe: bool = True, **kwargs):
+        super().__init__(dim, num_heads, lepe=lepe, **kwargs)
 
 
 class InLineDeiT(LinViT):
@@ -303,3 +326,65 @@ def inline_pvt_medium(pretrained: bool = False, **kwargs) -> LinHier:
 @register_model
 def inline_pvt_large(pretrained: bool = False, **kwargs) -> LinHier:
     return _create_inline_pvt("inline_pvt_large", "large", pretrained, **kwargs)
+
+
+class InLineCswin(LinHier):
+    """CSWin's layout (:func:`~linvision.models.cswinhier.create_cswin_like`) with InLine's stages; loads the
+    authors' files (timm's ``custom_load``)."""
+
+    mixer_defaults: Dict[str, Any] = {}
+
+    def load_pretrained(self, path: str) -> None:
+        load_published(self, path, cswin_filter_fn)
+
+
+# InLine-CSwin's training (main_ema.py) saves the EMA copy under 'state_dict_ema' beside the raw weights: the EMA
+# copy first, as timm loads a training checkpoint.
+CSWIN_WEIGHT_KEYS = ("state_dict_ema", "model", "state_dict")
+
+
+def _cswin_mixer_tensors(prefix: str, tensors: Dict[str, Tensor], mixer: nn.Module) -> Dict[str, Tensor]:
+    return {k.replace(".attns.0.residual.", ".local."): v for k, v in tensors.items()}
+
+
+def cswin_filter_fn(checkpoint: Dict[str, Any], model: LinHier) -> Dict[str, Tensor]:
+    """The authors' InLine-CSwin checkpoint (the EMA copy under ``state_dict_ema`` when there is one, else
+    ``model``) in linvision's names (:func:`~linvision.models.cswinhier.cswin_checkpoint_filter`; the kernel
+    predictor ``attns.0.residual`` becomes the mixer's ``local``). A state dict in linvision's names passes
+    unchanged."""
+    return cswin_checkpoint_filter(checkpoint, model, CSWIN_WEIGHT_KEYS, _cswin_mixer_tensors)
+
+
+default_cfgs.update(generate_default_cfgs({
+    "inline_cswin_tiny.in1k": _hier_cfg("cswin", "tiny", "49fa2ecc543647c4b970", 83.2),
+    "inline_cswin_small.in1k": _hier_cfg("cswin", "small", "59f4e65f776f4052b93c", 83.8),
+    "inline_cswin_base.in1k": _hier_cfg("cswin", "base", "91e17121df284ae38521", 84.5),
+}))
+
+_CSWIN_MIXERS = dict(token_mixers="inline_cswin,inline_cswin,cswin_stripes,softmax", mixer_kwargs=dict(lepe=True))
+_CSWIN_SIZES: Dict[str, Dict[str, Any]] = {
+    "tiny": dict(depths=(2, 4, 18, 1), dims=(64, 128, 256, 512), num_heads=(2, 4, 8, 16)),
+    "small": dict(depths=(3, 6, 29, 2), dims=(64, 128, 256, 512), num_heads=(2, 4, 8, 16)),
+    "base": dict(depths=(3, 6, 29, 2), dims=(96, 192, 384, 768), num_heads=(4, 8, 16, 32)),
+}
+
+
+def _create_inline_cswin(variant: str, size: str, pretrained: bool, **kwargs) -> LinHier:
+    return create_cswin_like(InLineCswin, variant, pretrained, cswin_filter_fn, _CSWIN_SIZES[size],
+                             **merge_options(_CSWIN_MIXERS, **kwargs))
+
+
+# Published training used stochastic depth 0.2 / 0.4 / 0.5 (T / S / B); the models default to none.
+@register_model
+def inline_cswin_tiny(pretrained: bool = False, **kwargs) -> LinHier:
+    return _create_inline_cswin("inline_cswin_tiny", "tiny", pretrained, **kwargs)
+
+
+@register_model
+def inline_cswin_small(pretrained: bool = False, **kwargs) -> LinHier:
+    return _create_inline_cswin("inline_cswin_small", "small", pretrained, **kwargs)
+
+
+@register_model
+def inline_cswin_base(pretrained: bool = False, **kwargs) -> LinHier:
+    return _create_inline_cswin("inline_cswin_base", "base", pretrained, **kwargs)

@@ -23,7 +23,7 @@ FAMILY_NAMES = {
     "mlla": ["mlla_tiny", "mlla_small", "mlla_base"],
     "ravlt": ["ravlt_tiny", "ravlt_small", "ravlt_base", "ravlt_large"],
     "mavit": ["mavit_tiny", "mavit_small", "mavit_base", "mavit_large"],
-    "vig": ["vig_tiny", "vig_small", "vig_base"],
+    "vig": ["vig_tiny", "vig_small", "vig_base", "vig_h_tiny", "vig_h_small", "vig_h_base"],
     "inline": ["inline_deit_tiny", "inline_deit_small", "inline_deit_base", "inline_swin_tiny", "inline_swin_small",
                "inline_swin_base", "inline_pvt_tiny", "inline_pvt_small", "inline_pvt_medium", "inline_pvt_large",
                "inline_cswin_tiny", "inline_cswin_small", "inline_cswin_base"],
@@ -43,9 +43,9 @@ HIER_MIXERS = ("linhier_tiny_224", dict(SMALL_HIER, token_mixers="none,none,line
 
 
 def _isotropic(name):
-    """linvit and the published isotropic families (ViG; InLine-DeiT, a linvit with its own mixer): tokens out of
-    forward_features, blocks under ``blocks``."""
-    return name.startswith(("linvit", "vig", "inline_deit"))
+    """linvit and the published isotropic families (ViG, not ViG-H; InLine-DeiT, a linvit with its own mixer):
+    tokens out of forward_features, blocks under ``blocks``."""
+    return name.startswith(("linvit", "vig", "inline_deit")) and not name.startswith("vig_h")
 
 
 def _fixed_size(name, kwargs):
@@ -728,7 +728,8 @@ def test_rope_entry_points_rope_none():
 
 
 # Every family a mixer can be swapped into, tiny: one block per stage.
-_ONE_BLOCK = dict(depths=(1, 1, 1, 1), dims=(16, 32, 32, 32), num_heads=(2, 2, 2, 2))  # even: cswin_stripes splits its heads
+# even head counts: cswin_stripes splits its heads between its two directions
+_ONE_BLOCK = dict(depths=(1, 1, 1, 1), dims=(16, 32, 32, 32), num_heads=(2, 2, 2, 2))
 _INIT_FAMILIES = {
     "linhier": lambda mixer: timm.create_model("linhier_tiny_224", token_mixers=mixer, **_ONE_BLOCK),
     "linvit": lambda mixer: timm.create_model("linvit_tiny_patch16_224", token_mixer=mixer, img_size=32,

@@ -1,10 +1,11 @@
-"""The published ViG (hustvl/ViG, isotropic T/S/B): the authors' checkpoint layout loads with every tensor used, the
-sizes match their README, the mixer and the whole network equal a float64 transcription of the authors' evaluation
-formulas (direction-wise gated scans, the 2D gating locality injection, their stem and position-embedding
-resampling) at odd grids, and the hub file is read without running code from it.
+"""The published ViG (hustvl/ViG, isotropic T/S/B, and the hierarchical ViG-H T/S/B): the authors' checkpoint
+layouts load with every tensor used, the sizes match their README, the mixer and the whole networks equal a float64
+transcription of the authors' evaluation formulas (direction-wise gated scans, the 2D gating locality injection,
+their stems, ViG's position-embedding resampling, ViG-H's downsampling and gated MLP) at odd grids, and the hub
+files are read without running code from them.
 
-tests/data/published/vig_<size>.txt lists the tensor names, shapes and dtypes of the authors' checkpoints; the
-files built here from them hold random values."""
+tests/data/published/vig_<size>.txt and vig_h_<size>.txt list the tensor names, shapes and dtypes of the authors'
+checkpoints; the files built here from them hold random values."""
 import re
 
 import pytest
@@ -46,11 +47,12 @@ def _rms(x, weight, eps=1e-6):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def _authors_mixer(sd, p, x, hw, heads, local_act, out_act):
+def _authors_mixer(sd, p, x, hw, heads, local_act, out_act, halve_again=True):
     """ViG's GatedLinearAttention (``p``: its prefix in ``sd``) in evaluation on x (B, N, C): depthwise conv (SiLU
     for ViG-T), q, k, v and both directions' gates from it; each direction an inclusive recurrence over the
-    tokens with its own per-channel gates, token by token; the mean of the two halved again; per-head RMSNorm of
-    it and of the conv branch mixed by sigmoid(g_proj); SiLU (ViG-T); o_proj."""
+    tokens with its own per-channel gates, token by token; the mean of the two, halved again (ViG's evaluation;
+    not ViG-H's, ``halve_again=False``); per-head RMSNorm of it and of the conv branch mixed by sigmoid(g_proj);
+    SiLU (ViG-T); o_proj."""
     b, n, c = x.shape
     h, w = hw
     local = F.conv2d(x.transpose(1, 2).reshape(b, c, h, w), sd[p + "in_proj.0.weight"], padding=1, groups=c)
@@ -69,7 +71,8 @@ def _authors_mixer(sd, p, x, hw, heads, local_act, out_act):
         for i in order:
             state = state * gates[:, i].exp()[..., None] + k[:, i, :, :, None] * v[:, i, :, None, :]
             o[:, i] += torch.einsum("bhd,bhde->bhe", q[:, i], state)
-    o = o / 2 / 2  # the kernel's mean of the two directions, then the evaluation branch's own halving
+    o = o / 2  # the kernel's mean of the two directions
+    o = o / 2 if halve_again else o  # ViG's evaluation branch halves it again
     g = torch.sigmoid(local @ sd[p + "g_proj.weight"].T + sd[p + "g_proj.bias"]).reshape(b, n, heads, dv)
     o = _rms(o, sd[p + "g_norm.weight"]) * g + _rms(local.reshape(b, n, heads, dv), sd[p + "l_norm.weight"]) * (1 - g)
     o = o.reshape(b, n, c)
@@ -249,3 +252,134 @@ def test_vig_refuses_naflex_batches_in_one_line():
                  patch_valid=torch.ones(1, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="NaFlex"):
         model(batch)
+
+
+# ---- ViG-H: the authors' HierViG (configs/vig-h/vig-h-{t,s,b}.yaml) on LinHier ----
+
+H_README_PARAMS = {"vig_h_tiny": 29, "vig_h_small": 50, "vig_h_base": 89}  # M, the authors' README
+H_SIZES = [pytest.param(n, id=n, marks=[] if n == "vig_h_tiny" else [pytest.mark.slow]) for n in H_README_PARAMS]
+
+
+def h_layout(name, seed=0, depth=None):
+    """The authors' ViG-H tensors with random values (norm weights about 1); ``depth``: blocks kept per stage."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for key, shape, _ in published_tensors(name):
+        block = re.match(r"layers\.\d\.blocks\.(\d+)\.", key)
+        if depth is not None and block and int(block.group(1)) >= depth:
+            continue
+        value = torch.randn(shape, generator=g, dtype=torch.float64) * 0.2
+        norm = re.search(r"norm|patch_embed\.[27]\.weight|downsample\.3\.weight", key) and key.endswith("weight")
+        out[key] = (value + 1 if norm else value).float()
+    return out
+
+
+def _ln(t, sd, key):
+    return F.layer_norm(t, t.shape[-1:], sd[key + ".weight"], sd[key + ".bias"], eps=1e-5)
+
+
+def _authors_hier_network(sd, x, heads):
+    """HierViG's forward in evaluation (channels-first in their code, written here channels-last): the v2 stem
+    (3x3 / 2 conv, LayerNorm, GELU, 3x3 / 2 conv, LayerNorm); per stage pre-norm blocks (LayerNorm, the mixer
+    without ViG-T's activations and without the second halving, LayerNorm, gMlp: fc1 to twice the width,
+    SiLU(first half) * second half, fc2), then the v3 downsampling (3x3 / 2 conv, LayerNorm); the classifier's
+    LayerNorm, the mean, the head. LayerNorm eps 1e-5 everywhere."""
+    t = F.conv2d(x, sd["patch_embed.0.weight"], sd["patch_embed.0.bias"], stride=2, padding=1)
+    t = F.gelu(_ln(t.permute(0, 2, 3, 1), sd, "patch_embed.2")).permute(0, 3, 1, 2)
+    t = F.conv2d(t, sd["patch_embed.5.weight"], sd["patch_embed.5.bias"], stride=2, padding=1)
+    t = _ln(t.permute(0, 2, 3, 1), sd, "patch_embed.7")
+    for i, nh in enumerate(heads):
+        b, h, w, c = t.shape
+        tokens = t.reshape(b, h * w, c)
+        j = 0
+        while f"layers.{i}.blocks.{j}.norm.weight" in sd:
+            p = f"layers.{i}.blocks.{j}."
+            tokens = tokens + _authors_mixer(sd, p + "op.", _ln(tokens, sd, p + "norm"), (h, w), nh, False, False,
+                                             halve_again=False)
+            gate, val = (_ln(tokens, sd, p + "norm2") @ sd[p + "mlp.fc1.weight"].T).chunk(2, -1)
+            tokens = tokens + (F.silu(gate) * val) @ sd[p + "mlp.fc2.weight"].T
+            j += 1
+        t = tokens.reshape(b, h, w, c)
+        if f"layers.{i}.downsample.1.weight" in sd:
+            t = F.conv2d(t.permute(0, 3, 1, 2), sd[f"layers.{i}.downsample.1.weight"],
+                         sd[f"layers.{i}.downsample.1.bias"], stride=2, padding=1)
+            t = _ln(t.permute(0, 2, 3, 1), sd, f"layers.{i}.downsample.3")
+    return _ln(t, sd, "classifier.norm").mean((1, 2)) @ sd["classifier.head.weight"].T + sd["classifier.head.bias"]
+
+
+@pytest.mark.parametrize("size", [(64, 96), (72, 40)])
+def test_vig_h_network_equals_the_authors_formulas(size, tmp_path):
+    """ViG-H-T with one block per stage, loaded from a file in the authors' layout, gives the transcription's
+    logits in float64 at two non-square inputs (the second not a multiple of 32: grids 18 x 10 to 3 x 2)."""
+    state = {k: v.double() for k, v in h_layout("vig_h_tiny", depth=1).items()}
+    path = tmp_path / "vig_h_t.pth"
+    torch.save({"model": state}, path)
+    model = timm.create_model("vig_h_tiny", depths=(1, 1, 1, 1), pretrained=True,
+                              pretrained_cfg_overlay=dict(file=str(path))).double().eval()
+    x = torch.randn(2, 3, *size, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ours = model(x)
+    torch.testing.assert_close(ours, _authors_hier_network(state, x, (3, 6, 12, 24)), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", H_SIZES)
+def test_vig_h_layout_loads_every_tensor_and_matches_the_readme(name, tmp_path):
+    """Every tensor of the file lands in the model unchanged; the parameter count is the README's (within 1 M)."""
+    state = h_layout(name)
+    path = tmp_path / f"{name}.pth"
+    torch.save({"model": state}, path)
+    model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
+    torch.testing.assert_close(_sorted_values(model.state_dict().values()), _sorted_values(state.values()),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(model.stages[2].downsample.conv.weight, state["layers.1.downsample.1.weight"],
+                               rtol=0, atol=0)
+    torch.testing.assert_close(model.stages[1].blocks[1].mixer.norm_global.weight,
+                               state["layers.1.blocks.1.op.g_norm.weight"], rtol=0, atol=0)
+    assert abs(count_params(model) / 1e6 - H_README_PARAMS[name]) <= 1.0
+
+
+def test_vig_h_older_names_and_conv_shaped_projections_load(tmp_path):
+    """The names the authors' own loader renames (``ln_1``, ``self_attention``, a bare ``norm`` / ``head``) and
+    their channels-first projections stored as (out, in, 1, 1) load as the current layout does."""
+    state = h_layout("vig_h_tiny", depth=1)
+    old = {}
+    for key, value in state.items():
+        key = key.replace(".blocks.0.norm.", ".blocks.0.ln_1.").replace(".op.", ".self_attention.")
+        key = key.replace("classifier.", "")
+        if key.endswith(("qkv_proj.weight", "g_proj.weight", "mlp.fc1.weight")):
+            value = value[:, :, None, None]
+        old[key] = value
+    for file, content in (("new.pth", state), ("old.pth", old)):
+        torch.save({"model": content}, tmp_path / file)
+    new_model, old_model = (timm.create_model("vig_h_tiny", depths=(1, 1, 1, 1), pretrained=True,
+                                              pretrained_cfg_overlay=dict(file=str(tmp_path / f))).eval()
+                            for f in ("new.pth", "old.pth"))
+    for (name, a), (_, b) in zip(new_model.state_dict().items(), old_model.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_vig_h_pretrained_true_reads_the_hub_file(tmp_path, monkeypatch):
+    """pretrained=True takes ViG-H's file from the authors' hub repository (the transfer replaced by a local
+    file), runs no code from the pickle, and the model runs at a non-square size."""
+    import timm.models._hub as hub
+
+    marker = tmp_path / "marker"
+    state = h_layout("vig_h_tiny", depth=1)
+    path = tmp_path / "vig_h_t_82p8acc.pth"
+    torch.save({"model": state, "payload": Crafted(str(marker))}, path)
+    asked = []
+
+    def download(repo_id, filename, revision=None, cache_dir=None):
+        asked.append((repo_id, filename))
+        return str(path)
+
+    monkeypatch.setattr(hub, "hf_hub_download", download)
+    model = timm.create_model("vig_h_tiny", depths=(1, 1, 1, 1), pretrained=True).eval()
+    assert asked == [("hustvl/ViG", "vig_h_t_82p8acc.pth")] and not marker.exists()
+    with torch.no_grad():
+        assert model(torch.randn(1, 3, 160, 224)).shape == (1, 1000)
+    for name, file, top1 in (("vig_h_small", "vig_h_s_83p8acc.pth", "83.8"),
+                             ("vig_h_base", "vig_h_b_84p2acc.pth", "84.2")):
+        cfg = timm.models.get_pretrained_cfg(f"{name}.in1k")
+        assert cfg.hf_hub_filename == file and top1 in cfg.description
+        assert (cfg.crop_pct, cfg.interpolation, cfg.license) == (0.875, "bicubic", "mit")

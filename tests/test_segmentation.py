@@ -36,7 +36,7 @@ HIERARCHICAL = {"linhier_delta_femto_224": (48, 96, 192, 288), "mlla_tiny": (64,
                 "ravlt_tiny": (64, 128, 256, 512), "mavit_tiny": (64, 128, 256, 512),
                 "pola_swin_tiny": (96, 192, 384, 768), "inline_swin_tiny": (96, 192, 384, 768),
                 "inline_pvt_tiny": (64, 128, 320, 512), "pola_pvt_tiny": (64, 128, 320, 512),
-                "inline_cswin_tiny": (64, 128, 256, 512)}
+                "inline_cswin_tiny": (64, 128, 256, 512), "vig_h_tiny": (96, 192, 384, 768)}
 # smp builds each encoder's full-size model once more to read its strides (linhier does not build on the meta
 # device): 0.1-0.2 s for mlla_tiny, ravlt_tiny, mavit_tiny and pola_swin_tiny on idle cores, seconds on busy ones, so
 # each of them runs in one decoder unless --runslow (the encoder is the same in every decoder)

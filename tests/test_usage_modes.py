@@ -246,17 +246,18 @@ PUBLISHED_HIGH_RES = {  # reduced; the published layers and mixers as they are; 
     "pola_pvt_tiny": (_SWIN_SMALL, 4),  # PVT: position embeddings resampled to the odd grids
     "inline_pvt_tiny": (_SWIN_SMALL, 4),
     "inline_cswin_tiny": (_SWIN_SMALL, 4),  # CSWin: stripes cut by the odd maps' edges
+    "vig_h_tiny": (_SWIN_SMALL, 4),
 }
 
 
 @pytest.mark.parametrize("amp", list(AMP))
 @pytest.mark.parametrize("name", sorted(PUBLISHED_HIGH_RES))
 def test_published_models_at_100k_tokens_under_autocast(name, amp):
-    """ViG, InLine-DeiT, Pola-Swin, InLine-Swin, Pola-PVT, InLine-PVT and InLine-CSwin as a high-resolution user
-    fine-tunes them: batch 1 of an odd non-square image of 100,172 tokens at the first stage (5056 x 5072 px at
-    patch 16, 1264 x 1268 px at the hierarchical models' 4), a forward under inference_mode, then an fp16/bf16
-    autocast forward and backward: finite logits within the autocast tolerance of fp32 and a finite gradient for
-    every parameter."""
+    """ViG, ViG-H, InLine-DeiT, Pola-Swin, InLine-Swin, Pola-PVT, InLine-PVT and InLine-CSwin as a
+    high-resolution user fine-tunes them: batch 1 of an odd non-square image of 100,172 tokens at the first stage
+    (5056 x 5072 px at patch 16, 1264 x 1268 px at the hierarchical models' 4), a forward under inference_mode,
+    then an fp16/bf16 autocast forward and backward: finite logits within the autocast tolerance of fp32 and a
+    finite gradient for every parameter."""
     import timm
 
     torch.manual_seed(0)
@@ -276,8 +277,8 @@ def test_published_models_at_100k_tokens_under_autocast(name, amp):
         assert p.grad is not None and torch.isfinite(p.grad).all(), pname
 
 
-PUBLISHED_TINY = ["mlla_tiny", "ravlt_tiny", "mavit_tiny", "vig_tiny", "inline_deit_tiny", "inline_swin_tiny",
-                  "inline_pvt_tiny", "inline_cswin_tiny", "pola_swin_tiny", "pola_pvt_tiny"]
+PUBLISHED_TINY = ["mlla_tiny", "ravlt_tiny", "mavit_tiny", "vig_tiny", "vig_h_tiny", "inline_deit_tiny",
+                  "inline_swin_tiny", "inline_pvt_tiny", "inline_cswin_tiny", "pola_swin_tiny", "pola_pvt_tiny"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the published models at full size on CUDA)")

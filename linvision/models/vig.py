@@ -1,4 +1,5 @@
-"""ViG: isotropic backbones with bidirectional gated linear attention, loading the published ImageNet-1k weights.
+"""ViG and ViG-H: isotropic and hierarchical backbones with bidirectional gated linear attention, loading the
+published ImageNet-1k weights.
 
 Liao et al. 2024, "ViG: Linear-complexity Visual Sequence Learning with Gated Linear Attention", arXiv:2405.18425;
 reference code github.com/hustvl/ViG (MIT licence; classification model ``ViG`` with the configs
@@ -16,6 +17,13 @@ The network is :class:`~linvision.models.linvit.LinViT` without a class token, w
 - the ``"vig_gla"`` mixer (registered here, :class:`VigGatedAttention`).
 
 Evaluation as the authors': resize to 256/224 of the crop (bicubic), centre crop 224, ImageNet mean/std.
+
+ViG-H (the authors' ``HierViG`` with ``configs/vig-h/vig-h-{t,s,b}.yaml``; hub files
+``vig_h_{t,s,b}_{82p8,83p8,84p2}acc.pth``) is :class:`~linvision.models.linhier.LinHier` with its own layers:
+LinHier's stem (two 3x3 convs of stride 2 with LayerNorm and GELU between) and 3x3 stride-2 downsampling, with
+LayerNorm eps 1e-5; pre-norm blocks without CPE of ``"vig_gla"`` (without the SiLUs, output scale 1/2: the
+authors' hierarchical evaluation does not halve the kernel's direction mean again) and a SwiGLU MLP of
+2/3 x 4C rounded up to a multiple of 32 (:func:`gated_mlp`); a final LayerNorm, the mean and a linear head.
 """
 from __future__ import annotations
 
@@ -35,11 +43,13 @@ from linvision.layers.recurrent import BidirGatedAttention
 from linvision.layers.registry import check_layout, check_prefix_tokens
 from linvision.ops import check_grid, compute_dtype, gated_linear_attention, is_tracing
 
+from .linhier import LinHier
 from .linvit import LinViT
 from .published import (explain_failed_download, load_published, published_cfg, published_file_overlay,
                         unwrap_state_dict)
 
-__all__ = ["Vig", "VigGatedAttention", "VigStem", "swiglu_mlp", "checkpoint_filter_fn"]
+__all__ = ["Vig", "VigH", "VigGatedAttention", "VigStem", "swiglu_mlp", "gated_mlp", "checkpoint_filter_fn",
+           "hier_filter_fn"]
 
 HUB_ID = "hustvl/ViG"
 # The authors' training checkpoints keep the raw weights under "model" (and the EMA copy under "model_ema"); their
@@ -58,10 +68,10 @@ class VigGatedAttention(BidirGatedAttention):
     - q, k, v = W_qkv l (no bias; q scaled by Dk^-1/2);
     - per-channel forget gates, one set per direction: log gamma = logsigmoid(W_2 W_1 l + b) / 16 with a rank-16
       W_1 (``gate_rank``), its first Dk channels per head for the forward scan, the next for the backward one;
-    - o_i = (q_i S_i + q_i S'_i) / 4, S the forward scan S_i = diag(gamma_i) S_{i-1} + k_i^T v_i and S' the
+    - o_i = s (q_i S_i + q_i S'_i), S the forward scan S_i = diag(gamma_i) S_{i-1} + k_i^T v_i and S' the
       backward scan with the backward gates; both scans include token i (its own term counts twice), and the
-      output is unnormalised. The /4 is the authors' evaluation (a mean of the two directions, halved again),
-      which the RMSNorm after it sees only through its eps;
+      output is unnormalised. s = ``output_scale``: 1/4 in ViG's evaluation (a mean of the two directions,
+      halved again), 1/2 in ViG-H's (the mean), which the RMSNorm after it sees only through its eps;
     - out = W_o act(g * RMSNorm(o) + (1 - g) * RMSNorm(l)) per head, g = sigmoid(W_g l + b_g) (the locality
       injection; ``out_act``: SiLU on the mix, ViG-T).
 
@@ -80,7 +90,7 @@ class VigGatedAttention(BidirGatedAttention):
     def __init__(
         self, dim: int, num_heads: int, *, expand_k: float = 0.5, gate_rank: int = 16, local_act: bool = False,
         out_act: bool = False, forget_temperature: float = 16.0, norm_eps: float = 1e-6,
-        chunk_size: Optional[int] = None, proj_drop: float = 0.0, backend: str = "auto",
+        chunk_size: Optional[int] = None, proj_drop: float = 0.0, backend: str = "auto", output_scale: float = 0.25,
     ):
         super().__init__(dim, num_heads, forget_per_channel=True, forget_temperature=forget_temperature,
                          feature_map="identity", chunk_size=chunk_size, qkv_bias=False, proj_drop=proj_drop,
@@ -99,14 +109,15 @@ class VigGatedAttention(BidirGatedAttention):
         self.norm_local = RmsNorm(self.head_dim, eps=norm_eps)
         self.out_act = nn.SiLU() if out_act else nn.Identity()
         self.proj = nn.Linear(dim, dim, bias=False)
+        self.output_scale = output_scale
 
     def init_weights(self) -> None:
         """No start of its own: the model's generic initialisation (the forget gates' bias at 0, gamma about 0.96,
         as the authors start)."""
 
     def scan(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, lengths: Optional[Tensor] = None) -> Tensor:
-        """(q S + q S') / 4 for the forward and backward scans, each with its own gates from ``x`` (the local
-        branch); q, k (B, heads, N, Dk), v (B, heads, N, D)."""
+        """s (q S + q S') for the forward and backward scans (s: ``output_scale``), each with its own gates from
+        ``x`` (the local branch); q, k (B, heads, N, Dk), v (B, heads, N, D)."""
         b, n, _ = x.shape
         log_gates = F.logsigmoid(self.forget_gate(x).to(compute_dtype(x.dtype))) / self.forget_temperature
         forward, backward = (g.reshape(b, n, self.num_heads, -1).transpose(1, 2) for g in log_gates.chunk(2, -1))
@@ -115,7 +126,7 @@ class VigGatedAttention(BidirGatedAttention):
         q = q * self.key_head_dim ** -0.5
         out = run(q, k, v, forward)
         out_back = run(q.flip(2), k.flip(2), v.flip(2), backward.flip(2)).flip(2)
-        return (out + out_back) / 4
+        return (out + out_back) * self.output_scale
 
     def forward(self, x: Tensor, hw: Tuple[int, int], num_prefix_tokens: int = 0,
                 layout: Optional[TokenLayout] = None) -> Tensor:
@@ -138,7 +149,7 @@ class VigGatedAttention(BidirGatedAttention):
         return self.proj_drop(self.proj(self.out_act(out.reshape(b, n, c))))
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, num_heads={self.num_heads}, key_dim={self.key_dim}"
+        return f"dim={self.dim}, num_heads={self.num_heads}, key_dim={self.key_dim}, output_scale={self.output_scale}"
 
 
 class VigStem(nn.Module):
@@ -269,3 +280,105 @@ def vig_small(pretrained: bool = False, **kwargs) -> Vig:
 @register_model
 def vig_base(pretrained: bool = False, **kwargs) -> Vig:
     return _create_vig("vig_base", "base", pretrained, **kwargs)
+
+
+def gated_mlp(in_features: int, hidden_features: int, act_layer: Optional[type] = None, drop: float = 0.0
+              ) -> nn.Module:
+    """ViG-H's MLP: :func:`swiglu_mlp` (SiLU, whatever ``act_layer`` the block names) with 2/3 of
+    ``hidden_features`` rounded up to a multiple of 32 as the width of each half (the authors' ``gMlp``)."""
+    return swiglu_mlp(in_features, 32 * math.ceil(int(hidden_features * 2 / 3) / 32), drop=drop)
+
+
+class VigH(LinHier):
+    """:class:`~linvision.models.linhier.LinHier` with ViG-H's layers (the module docstring); loads the authors'
+    files (timm's ``custom_load``)."""
+
+    mixer_defaults: Dict[str, Any] = dict(output_scale=0.5)
+
+    def load_pretrained(self, path: str) -> None:
+        load_published(self, path, hier_filter_fn)
+
+
+_HIER_RENAMES = (  # the authors' HierViG names (and the older ones their loader renames) -> linvision's
+    (r"^patch_embed\.(0|proj)\.", "stem.conv1."), (r"^patch_embed\.(2|norm)\.", "stem.norm1."),
+    (r"^patch_embed\.5\.", "stem.conv2."), (r"^patch_embed\.7\.", "stem.norm2."),
+    (r"^layers\.(\d)\.downsample\.1\.", lambda m: f"stages.{int(m.group(1)) + 1}.downsample.conv."),
+    (r"^layers\.(\d)\.downsample\.3\.", lambda m: f"stages.{int(m.group(1)) + 1}.downsample.norm."),
+    (r"^layers\.(\d)\.blocks\.(\d+)\.(norm|ln_1)\.", r"stages.\1.blocks.\2.norm1."),
+    (r"^layers\.(\d)\.blocks\.", r"stages.\1.blocks."), (r"\.(op|self_attention)\.", ".op."),
+    (r"\.op\.in_proj\.0\.", ".mixer.local."), (r"\.op\.qkv_proj\.", ".mixer.qkv."),
+    (r"\.op\.gk_proj\.", ".mixer.forget_gate."), (r"\.op\.g_proj\.", ".mixer.mix_gate."),
+    (r"\.op\.g_norm\.", ".mixer.norm_global."), (r"\.op\.l_norm\.", ".mixer.norm_local."),
+    (r"\.op\.o_proj\.", ".mixer.proj."), (r"^(classifier\.)?norm\.", "final."),
+    (r"^(classifier\.)?head\.", "head.fc."),
+)
+
+
+def hier_filter_fn(checkpoint: Any, model: LinHier) -> Dict[str, Tensor]:
+    """The authors' ViG-H file (their ``HierViG`` names: ``patch_embed.{0,2,5,7}``, ``layers.i`` stages ending with
+    their downsampling, ``op`` for the mixer, ``classifier``; the older names their own loader renames too) or
+    linvision's own weights -> this model's names. Their channels-first 1x1 projections (``Linear2d``) may be
+    stored as (out, in, 1, 1): those become the linear layers' (out, in); no value changes. Names the model does
+    not have are kept, so that the strict load names them."""
+    import re
+
+    state = unwrap_state_dict(checkpoint, WEIGHT_KEYS)
+    if not any(k.startswith("layers.") for k in state):
+        return state
+    own = model.state_dict()
+    out = {}
+    for name, value in state.items():
+        for old, new in _HIER_RENAMES:
+            name = re.sub(old, new, name)
+        if name in own and own[name].dim() == 2 and value.dim() == 4 and value.shape[2:] == (1, 1):
+            value = value.flatten(1)
+        out[name] = value
+    return out
+
+
+def _hier_cfg(filename: str, top1: float) -> Dict[str, Any]:
+    return published_cfg(
+        top1, hf_hub_id=HUB_ID, hf_hub_filename=filename, custom_load="hf",
+        url=f"https://huggingface.co/{HUB_ID}/resolve/main/{filename}", first_conv="stem.conv1", license="mit",
+        paper_ids="arXiv:2405.18425",
+        paper_name="ViG: Linear-complexity Visual Sequence Learning with Gated Linear Attention",
+        origin_url="https://github.com/hustvl/ViG",
+    )
+
+
+default_cfgs.update(generate_default_cfgs({
+    "vig_h_tiny.in1k": _hier_cfg("vig_h_t_82p8acc.pth", 82.8),
+    "vig_h_small.in1k": _hier_cfg("vig_h_s_83p8acc.pth", 83.8),
+    "vig_h_base.in1k": _hier_cfg("vig_h_b_84p2acc.pth", 84.2),
+}))
+
+HIER_SIZES: Dict[str, Dict[str, Any]] = {
+    "tiny": dict(depths=(2, 2, 5, 2), dims=(96, 192, 384, 768), num_heads=(3, 6, 12, 24)),
+    "small": dict(depths=(2, 2, 17, 2), dims=(96, 192, 384, 768), num_heads=(3, 6, 12, 24)),
+    "base": dict(depths=(2, 2, 17, 2), dims=(128, 256, 512, 1024), num_heads=(4, 8, 16, 32)),
+}
+_HIER_LAYERS = dict(token_mixers="vig_gla", norm_layer=nn.LayerNorm, act_layer=nn.GELU, cpe=False,
+                    mlp_layer=gated_mlp, final_layer=nn.LayerNorm)
+
+
+def _create_vig_h(variant: str, size: str, pretrained: bool, **kwargs: Any) -> LinHier:
+    from .published import build_published
+
+    args = merge_options(_HIER_LAYERS, HIER_SIZES[size], **kwargs)
+    return build_published(VigH, variant, pretrained, hier_filter_fn, **args)
+
+
+# Published training used stochastic depth 0.2 / 0.3 / 0.6 (T / S / B); the models default to none.
+@register_model
+def vig_h_tiny(pretrained: bool = False, **kwargs) -> LinHier:
+    return _create_vig_h("vig_h_tiny", "tiny", pretrained, **kwargs)
+
+
+@register_model
+def vig_h_small(pretrained: bool = False, **kwargs) -> LinHier:
+    return _create_vig_h("vig_h_small", "small", pretrained, **kwargs)
+
+
+@register_model
+def vig_h_base(pretrained: bool = False, **kwargs) -> LinHier:
+    return _create_vig_h("vig_h_base", "base", pretrained, **kwargs)

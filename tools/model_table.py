@@ -27,16 +27,18 @@ DEFAULT_FILTER = ("inline*", "lin*", "mavit*", "mlla*", "pola*", "ravlt*", "vig*
 COMMAND = "linvision-model-table --json docs/models.json"
 # the first matching prefix names the family
 FAMILIES = (("linvit_", "linvit"), ("linhier_delta_", "linhier (delta rule)"), ("linhier_gcnn_", "linhier (Gated CNN)"),
-            ("linhier_", "linhier"), ("mavit_", "MAViT"), ("mlla_", "MLLA"), ("ravlt_", "RAVLT"), ("vig_", "ViG"),
-            ("inline_deit_", "InLine-DeiT"), ("inline_swin_", "InLine-Swin"), ("pola_swin_", "Pola-Swin"))
+            ("linhier_", "linhier"), ("mavit_", "MAViT"), ("mlla_", "MLLA"), ("ravlt_", "RAVLT"), ("vig_h_", "ViG-H"),
+            ("vig_", "ViG"), ("inline_deit_", "InLine-DeiT"), ("inline_swin_", "InLine-Swin"), ("inline_cswin_", "InLine-CSwin"),
+            ("inline_pvt_", "InLine-PVT"), ("pola_swin_", "Pola-Swin"), ("pola_pvt_", "Pola-PVT"))
 UNTRAINED_USE = {  # what each family without trained weights is for, in README's line about them
     "linhier (delta rule)": "the bidirectional delta rule in every stage",
     "linhier": "linear attention with 2D RoPE in every stage",
     "linhier (Gated CNN)": "MambaOut's Gated CNN, no token mixer: the baseline of ablations",
     "linvit": "isotropic ViTs; `.deit_fb_in1k` loads DeiT's softmax weights as the start of linearization",
 }
-FRONT_ORDER = ("MLLA", "RAVLT", "MAViT", "InLine-Swin", "Pola-Swin", "InLine-DeiT", "ViG", "linhier (delta rule)", "linhier",
-               "linhier (Gated CNN)", "linvit")  # trained first
+FRONT_ORDER = ("MLLA", "RAVLT", "MAViT", "InLine-Swin", "InLine-CSwin", "InLine-PVT", "Pola-Swin", "Pola-PVT",
+               "ViG-H", "InLine-DeiT", "ViG", "linhier (delta rule)", "linhier", "linhier (Gated CNN)",
+               "linvit")  # trained first
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,8 +4,9 @@ published ImageNet-1k weights.
 Han et al. 2024, "Bridging the Divide: Reconsidering Softmax and Linear Attention", NeurIPS 2024, arXiv:2412.06590;
 reference code github.com/LeapLabTHU/InLine (classification models ``inline_deit_tiny/small/base``,
 ``inline_pvt_tiny/small/medium/large``, ``InLineSwin`` with ``cfgs/inline_swin_{t,s,b}.yaml`` and
-``inline_cswin_tiny/small/base`` with ``cfgs/inline_cswin_{t,s,b}.yaml``), weights on TsinghuaCloud (links in its README). The repository carries no licence file: the weights are loaded from their
-published location, never redistributed.
+``inline_cswin_tiny/small/base`` with ``cfgs/inline_cswin_{t,s,b}.yaml``), weights on TsinghuaCloud (links in
+its README). The repository carries no licence file: the weights are loaded from their published location, never
+redistributed.
 
 The network is DeiT's (:class:`~linvision.models.linvit.LinViT` with a class token, a learned absolute position
 embedding with a row for the class token, pre-norm blocks, LayerNorm eps 1e-6, the class token pooled after the

@@ -170,3 +170,18 @@ def serve_downloads_from(monkeypatch, tmp_path, path):
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
     monkeypatch.setattr(hub, "download_url_to_file", fetch)
     return asked
+
+
+def serve_hub_downloads_from(monkeypatch, path):
+    """timm's Hugging Face hub download with only the transfer replaced: every file asked for is ``path``; returns
+    the list of (repo id, file name) asked for, filled as they are."""
+    import timm.models._hub as hub
+
+    asked = []
+
+    def download(repo_id, filename, revision=None, cache_dir=None):
+        asked.append((repo_id, filename))
+        return str(path)
+
+    monkeypatch.setattr(hub, "hf_hub_download", download)
+    return asked

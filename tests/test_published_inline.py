@@ -296,13 +296,16 @@ def test_swin_authors_layout_loads_every_parameter_and_matches_the_table(name, t
         assert [b.mixer.shift for b in model.stages[2].blocks[2:6]] == [False, True, False, True]
 
 
+@pytest.mark.parametrize("name, eps, ratio", [("inline_swin_tiny", 1e-5, 4), ("inline_pvt_tiny", 1e-6, 8)],
+                         ids=["swin", "pvt"])
 @pytest.mark.parametrize("grid", [(6, 6), (3, 5)])
-def test_swin_linear_block_equals_the_authors_formula(grid):
-    """An InLine-Swin stage-1 block (float64, random weights) against the authors' attention written out on a map
-    without a class token (the transcription above with no prefix token), LayerNorm eps 1e-5."""
+def test_hierarchical_linear_block_equals_the_authors_formula(name, eps, ratio, grid):
+    """An InLine-Swin / InLine-PVT stage-1 block (float64, random weights) against the authors' attention written
+    out on a map without a class token (the transcription above with no prefix token); LayerNorm eps 1e-5 and an
+    MLP 4 times as wide in Swin, 1e-6 and 8 times in PVT."""
     heads, c = 2, 16
-    model = timm.create_model("inline_swin_tiny", depths=(1, 1, 1, 1), dims=(c, 32, 32, 32),
-                              num_heads=(heads, 2, 2, 2)).double().eval()
+    model = timm.create_model(name, depths=(1, 1, 1, 1), dims=(c, 32, 32, 32), num_heads=(heads, 2, 2, 2)
+                              ).double().eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)
@@ -312,13 +315,14 @@ def test_swin_linear_block_equals_the_authors_formula(grid):
     x = torch.randn(2, grid[0] * grid[1], c, dtype=torch.float64)
 
     def norm(t, key):
-        return _layer_norm(t, sd[key + ".weight"], sd[key + ".bias"], eps=1e-5)
+        return _layer_norm(t, sd[key + ".weight"], sd[key + ".bias"], eps=eps)
 
     with torch.no_grad():
         ours = block(x.reshape(2, *grid, c)).reshape(2, -1, c)
         y = x + _authors_attention(mixer_sd, norm(x, "norm1"), heads, grid, prefix=0)
         hidden = _gelu(norm(y, "norm2") @ sd["mlp.fc1.weight"].T + sd["mlp.fc1.bias"])
         expected = y + hidden @ sd["mlp.fc2.weight"].T + sd["mlp.fc2.bias"]
+    assert sd["mlp.fc1.weight"].shape == (ratio * c, c)
     torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-10)
 
 
@@ -374,33 +378,6 @@ def test_pvt_authors_layout_loads_every_tensor_and_matches_the_table(name, tmp_p
     params, gflops = PVT_PUBLISHED[name]
     assert abs(count_params(model) / 1e6 - params) <= 1
     assert count_gflops(model, 224) == pytest.approx(gflops, rel=0.02)
-
-
-@pytest.mark.parametrize("grid", [(6, 6), (3, 5)])
-def test_pvt_block_equals_the_authors_formula(grid):
-    """An InLine-PVT stage-1 block (float64, random weights) against the authors' attention written out on a map
-    without a class token, LayerNorm eps 1e-6 and an MLP 8 times as wide."""
-    heads, c = 2, 16
-    model = timm.create_model("inline_pvt_tiny", depths=(1, 1, 1, 1), dims=(c, 32, 32, 32),
-                              num_heads=(heads, 2, 2, 2)).double().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-    block = model.stages[0].blocks[0]
-    sd = block.state_dict()
-    mixer_sd = {k[len("mixer."):]: v for k, v in sd.items() if k.startswith("mixer.")}
-    x = torch.randn(2, grid[0] * grid[1], c, dtype=torch.float64)
-
-    def norm(t, key):
-        return _layer_norm(t, sd[key + ".weight"], sd[key + ".bias"], eps=1e-6)
-
-    with torch.no_grad():
-        ours = block(x.reshape(2, *grid, c)).reshape(2, -1, c)
-        y = x + _authors_attention(mixer_sd, norm(x, "norm1"), heads, grid, prefix=0)
-        hidden = _gelu(norm(y, "norm2") @ sd["mlp.fc1.weight"].T + sd["mlp.fc1.bias"])
-        expected = y + hidden @ sd["mlp.fc2.weight"].T + sd["mlp.fc2.bias"]
-    assert sd["mlp.fc1.weight"].shape == (8 * c, c)
-    torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-10)
 
 
 def test_pvt_pretrained_true_downloads_the_published_url(tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import linvision  # noqa: F401  (registers the models)
 from linvision.benchmark.flops import count_params
 from linvision.models.vig import VigGatedAttention
-from support import Crafted, published_tensors
+from support import Crafted, published_tensors, serve_hub_downloads_from
 
 README_PARAMS = {"vig_tiny": 6, "vig_small": 23, "vig_base": 89}  # M, the authors' README
 SLOW = ("vig_small", "vig_base")  # seconds to tens of seconds each on two cores
@@ -222,19 +222,11 @@ def test_vig_file_at_another_size_and_another_models_file(tmp_path):
 def test_vig_pretrained_true_reads_the_hub_file_and_runs_no_code(tmp_path, monkeypatch):
     """pretrained=True takes ViG's file from the authors' Hugging Face hub repository (only the transfer is
     replaced by a local file here), reads the raw weights and runs no code from the pickle."""
-    import timm.models._hub as hub
-
     marker = tmp_path / "marker"
     state = authors_layout("vig_tiny", depth=1)
     path = tmp_path / "vig_t_77p2acc.pth"
     torch.save({"model": state, "payload": Crafted(str(marker))}, path)
-    asked = []
-
-    def download(repo_id, filename, revision=None, cache_dir=None):
-        asked.append((repo_id, filename))
-        return str(path)
-
-    monkeypatch.setattr(hub, "hf_hub_download", download)
+    asked = serve_hub_downloads_from(monkeypatch, path)
     model = timm.create_model("vig_tiny", depth=1, pretrained=True)
     assert asked == [("hustvl/ViG", "vig_t_77p2acc.pth")] and not marker.exists()
     torch.testing.assert_close(model.blocks[0].mixer.qkv.weight, state["blocks.0.attn.qkv_proj.weight"],
@@ -361,19 +353,11 @@ def test_vig_h_older_names_and_conv_shaped_projections_load(tmp_path):
 def test_vig_h_pretrained_true_reads_the_hub_file(tmp_path, monkeypatch):
     """pretrained=True takes ViG-H's file from the authors' hub repository (the transfer replaced by a local
     file), runs no code from the pickle, and the model runs at a non-square size."""
-    import timm.models._hub as hub
-
     marker = tmp_path / "marker"
     state = h_layout("vig_h_tiny", depth=1)
     path = tmp_path / "vig_h_t_82p8acc.pth"
     torch.save({"model": state, "payload": Crafted(str(marker))}, path)
-    asked = []
-
-    def download(repo_id, filename, revision=None, cache_dir=None):
-        asked.append((repo_id, filename))
-        return str(path)
-
-    monkeypatch.setattr(hub, "hf_hub_download", download)
+    asked = serve_hub_downloads_from(monkeypatch, path)
     model = timm.create_model("vig_h_tiny", depths=(1, 1, 1, 1), pretrained=True).eval()
     assert asked == [("hustvl/ViG", "vig_h_t_82p8acc.pth")] and not marker.exists()
     with torch.no_grad():

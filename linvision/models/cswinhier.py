@@ -25,7 +25,7 @@ from linvision.layers.mixers import AttentionMixer
 from linvision.ops import Rope
 
 from .linhier import Downsample, LinHier
-from .published import build_published, unwrap_state_dict
+from .published import build_published, map_mixer_groups, unwrap_state_dict
 
 __all__ = ["CswinStripeAttention", "CswinStem", "cswin_published_name", "cswin_checkpoint_filter",
            "create_cswin_like"]
@@ -148,19 +148,18 @@ def cswin_checkpoint_filter(checkpoint: Dict[str, Any], model: LinHier, weight_k
             mixers.setdefault(new.split(".attns.")[0], {})[new] = value
         else:
             out[new] = value
-    for prefix, tensors in mixers.items():
-        try:
-            mixer = model.get_submodule(prefix)
-        except AttributeError:  # a block this model lacks: left as it is, reported as unexpected
-            out.update(tensors)
-            continue
+
+    def branches(prefix: str, tensors: Dict[str, Tensor], mixer: nn.Module) -> Dict[str, Tensor]:
+        joined = {}
         if isinstance(mixer, CswinStripeAttention):
             for part in ("weight", "bias"):
                 pair = [tensors.pop(f"{prefix}.attns.{i}.get_v.{part}", None) for i in (0, 1)]
                 if all(t is not None for t in pair):
-                    out[f"{prefix}.stripe_lepe.{part}"] = torch.cat(pair)
+                    joined[f"{prefix}.stripe_lepe.{part}"] = torch.cat(pair)
         tensors = {k.replace(".attns.0.get_v.", ".lepe."): v for k, v in tensors.items()}
-        out.update(mixer_tensors(prefix, tensors, mixer))
+        return {**joined, **mixer_tensors(prefix, tensors, mixer)}
+
+    out.update(map_mixer_groups(mixers, model, branches))
     return out
 
 

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from linvision.safe_pickle import read_checkpoint
 
 __all__ = ["DEFAULT_WEIGHT_KEYS", "unwrap_state_dict", "load_published", "require_weights", "published_file_overlay",
-           "published_cfg", "WeightsDownloadError", "explain_failed_download", "build_published"]
+           "published_cfg", "WeightsDownloadError", "explain_failed_download", "build_published", "map_mixer_groups"]
 
 
 # Where a training checkpoint keeps its weights, most preferred first: timm's order (``timm.models.load_state_dict``
@@ -236,3 +236,21 @@ def build_published(model_cls: type, variant: str, pretrained: bool, filter_fn: 
     with explain_failed_download(variant, pretrained, kwargs, "docs/models/published.md"):
         return build_model_with_cfg(model_cls, variant, pretrained, pretrained_filter_fn=filter_fn,
                                     feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls="getter"), **kwargs)
+
+
+def map_mixer_groups(groups: Dict[str, Dict[str, Tensor]], model: nn.Module,
+                     mixer_tensors: Callable[[str, Dict[str, Tensor], nn.Module], Dict[str, Tensor]]
+                     ) -> Dict[str, Tensor]:
+    """A published checkpoint's tensors grouped by the mixer they belong to (``groups``: the mixer's name in
+    ``model`` -> its tensors, in linvision's names), each group through ``mixer_tensors(prefix, tensors, mixer)``
+    (a family's mapping of its own mixer's tensors). A group whose mixer the model lacks is kept as it is, so
+    that the strict load names it."""
+    out: Dict[str, Tensor] = {}
+    for prefix, tensors in groups.items():
+        try:
+            mixer = model.get_submodule(prefix)
+        except AttributeError:
+            out.update(tensors)
+            continue
+        out.update(mixer_tensors(prefix, tensors, mixer))
+    return out

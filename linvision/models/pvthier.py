@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from linvision.layers import merge_options
 
 from .linhier import LinHier
-from .published import build_published, unwrap_state_dict
+from .published import build_published, map_mixer_groups, unwrap_state_dict
 
 __all__ = ["PvtHier", "PvtPatchEmbed", "pvt_published_name", "pvt_checkpoint_filter", "merge_q_kv",
            "create_pvt_like"]
@@ -154,13 +154,7 @@ def pvt_checkpoint_filter(checkpoint: Dict[str, Any], model: LinHier, weight_key
                 value = resample_abs_pos_embed(value, list(embed.pos_grid), [side, side], num_prefix_tokens=0,
                                                interpolation="bilinear", antialias=False)
         out[new] = value
-    for prefix, tensors in mixers.items():
-        try:
-            mixer = model.get_submodule(prefix)
-        except AttributeError:  # a block this model lacks: left as it is, reported as unexpected
-            out.update(tensors)
-            continue
-        out.update(mixer_tensors(prefix, tensors, mixer))
+    out.update(map_mixer_groups(mixers, model, mixer_tensors))
     return out
 
 

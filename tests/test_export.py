@@ -9,7 +9,8 @@ import timm
 import torch
 
 import linvision
-from linvision.export.program import compare_with_eager, export_onnx, export_program, input_constraints, load_exported
+from linvision.export.program import (compare_with_eager, export_onnx, export_program, fixed_grid, input_constraints,
+                                      load_exported)
 from support import run_tool
 from test_models import ALL_NAMES, _reduced
 
@@ -32,10 +33,13 @@ def _model(name):
 
 
 def _sizes(model):
-    """The traced size and two others the model takes (only its own for a fixed-size model)."""
+    """The traced size and two others the model takes (only its own for a fixed-size model; only the traced one
+    for a model whose window attention fixes the graph's grid)."""
     stride, fixed = input_constraints(model)
     if fixed:
         return [fixed]
+    if fixed_grid(model):
+        return [(2 * stride, 3 * stride)]
     return [(2 * stride, 3 * stride), (3 * stride, 3 * stride), (5 * stride, 2 * stride)]
 
 
@@ -99,6 +103,18 @@ def test_torchscript_exclusions_hold(name):
         # whose conv stem scripts and so lets the mixer be reached first
         with pytest.raises((torch.jit.frontend.NotSupportedError, RuntimeError, OSError)):
             torch.jit.script(_model(name))
+
+
+def test_window_attention_models_export_at_one_size():
+    """Swin's shifted windows and CSWin's stripes follow the input size (window count, padding, shift), which a
+    torch.export graph cannot keep symbolic: those models export with a dynamic batch at the traced size, and the
+    graph computes eager's output there (at other sizes a program is exported per size)."""
+    from linvision.export.program import dynamic_shapes
+
+    for name in ("pola_swin_tiny", "inline_cswin_tiny"):
+        model = _model(name)
+        assert fixed_grid(model) and set(dynamic_shapes(model)[0]) == {0}
+    assert not fixed_grid(_model("inline_pvt_tiny")) and set(dynamic_shapes(_model("inline_pvt_tiny"))[0]) == {0, 2, 3}
 
 
 def test_export_tool_checks_its_file_and_answers_bad_input(tmp_path):

@@ -19,8 +19,8 @@ import torch
 
 from linvision.utils.cli import run_cli, tool_parser
 from linvision.utils.config import parse_kwargs
-from linvision.export.program import (FORMATS, compare_with_eager, export_onnx, export_program, input_constraints,
-                                     load_exported, save_program, time_runner)
+from linvision.export.program import (FORMATS, compare_with_eager, export_onnx, export_program, fixed_grid,
+                                     input_constraints, load_exported, save_program, time_runner)
 from linvision.utils.files import atomic_write_text
 
 
@@ -104,11 +104,15 @@ def main() -> int:
         if not fixed and not args.static:  # torch.export takes a side of one stride for a constant
             size = tuple(max(side, 2 * stride) for side in size)
     dynamic = not args.static
+    one_size = fixed or fixed_grid(model)
+    if fixed_grid(model) and args.check_sizes and any((s, s) != tuple(size) for s in args.check_sizes):
+        raise ValueError(f"check_sizes: {args.model or args.checkpoint} exports at one size, {size[0]}x{size[1]} "
+                         f"(its window attention fixes the grid of the graph; --img-size picks it)")
     if fmt == "onnx":
         export_onnx(model, size, args.output, dynamic=dynamic)
     else:
         save_program(export_program(model, size, dynamic=dynamic), args.output)
-    shape = ("static" if not dynamic else "dynamic batch" if fixed
+    shape = ("static" if not dynamic else "dynamic batch" if one_size
              else f"dynamic batch, height and width (multiples of {stride})")
     print(f"exported {args.model or args.checkpoint} ({fmt}, {shape}, example {size[0]}x{size[1]}) to {args.output}",
           flush=True)
@@ -116,7 +120,7 @@ def main() -> int:
     run = load_exported(args.output, fmt)
     if args.check_sizes is not None:
         sizes = [(s, s) for s in args.check_sizes]
-    elif not dynamic or fixed:
+    elif not dynamic or one_size:
         sizes = [size]
     else:
         sizes = [size, (size[0] + 3 * stride, size[1] + 3 * stride), (2 * size[0], size[1])]

@@ -20,8 +20,8 @@ from torch import Tensor, nn
 
 from linvision.utils.files import atomic_write
 
-__all__ = ["FORMATS", "input_constraints", "check_size", "dynamic_shapes", "export_program", "save_program",
-           "export_onnx", "load_exported", "compare_with_eager", "time_runner"]
+__all__ = ["FORMATS", "input_constraints", "check_size", "fixed_grid", "dynamic_shapes", "export_program",
+           "save_program", "export_onnx", "load_exported", "compare_with_eager", "time_runner"]
 
 FORMATS = ("onnx", "pt2")
 MAX_SIDE = 8192  # the largest height or width an exported graph accepts
@@ -51,16 +51,24 @@ def check_size(model: nn.Module, size: Tuple[int, int], what: str = "img_size") 
         raise ValueError(f"{what}: {size[0]}x{size[1]}; sides must be multiples of {stride} up to {MAX_SIDE}")
 
 
+def fixed_grid(model: nn.Module) -> bool:
+    """Whether an exported graph of ``model`` holds for its traced size only: a mixer with ``exports_fixed_grid``
+    (a window attention whose window count, padding and shift follow the input size, which torch.export cannot
+    keep symbolic: Swin's shifted windows, CSWin's stripes). Such a model exports with a dynamic batch."""
+    return any(getattr(m, "exports_fixed_grid", False) for m in model.modules())
+
+
 def dynamic_shapes(model: nn.Module, dynamic: bool = True):
     """``dynamic_shapes`` for ``torch.export`` / ``torch.onnx.export`` of a model taking one image batch: batch,
-    and height and width as multiples of the stride unless the model has a fixed size. None when not dynamic."""
+    and height and width as multiples of the stride unless the model has a fixed size or a fixed grid
+    (:func:`fixed_grid`). None when not dynamic."""
     if not dynamic:
         return None
     from torch.export import Dim
 
     stride, fixed = input_constraints(model)
     dims = {0: Dim("batch", min=1, max=MAX_BATCH)}
-    if fixed is None:
+    if fixed is None and not fixed_grid(model):
         dims[2] = stride * Dim("height", min=1, max=MAX_SIDE // stride)
         dims[3] = stride * Dim("width", min=1, max=MAX_SIDE // stride)
     return (dims,)

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from linvision.layers import merge_options, register_mixer
 from linvision.layers.mixers import AttentionMixer
-from linvision.ops import Rope
+from linvision.ops import Rope, is_tracing
 
 from .linhier import Downsample, LinHier
 from .published import build_published, map_mixer_groups, unwrap_state_dict
@@ -41,6 +41,7 @@ class CswinStripeAttention(AttentionMixer):
     prefix tokens (CSWin's whole-map last stage is ``"softmax"`` with ``lepe=True``)."""
 
     takes_prefix_tokens = False
+    exports_fixed_grid = True  # the stripe count and padding follow the size: exported at one size
 
     def __init__(self, dim: int, num_heads: int, *, stripe: int = 7, **kwargs):
         kwargs.pop("lepe", None)  # its LePE is the stripes' own
@@ -65,30 +66,34 @@ class CswinStripeAttention(AttentionMixer):
         pad_h, pad_w = (0, -w % s) if vertical else (-h % s, 0)
         hp, wp = h + pad_h, w + pad_w
 
+        count = wp // s if vertical else hp // s  # stripes per image
+
         def stripes(t: Tensor) -> Tensor:  # (B, h, N, D) -> (B * stripes, h, tokens of a stripe, D)
-            tb, th, _, td = t.shape
-            t = F.pad(t.reshape(tb, th, h, w, td), (0, 0, 0, pad_w, 0, pad_h))
+            th, td = t.shape[1], t.shape[3]
+            t = F.pad(t.reshape(b, th, h, w, td), (0, 0, 0, pad_w, 0, pad_h))
             if vertical:  # (B, h, H, W / s, s, D) -> (B, W / s, h, H, s, D)
-                t = t.reshape(tb, th, hp, wp // s, s, td).permute(0, 3, 1, 2, 4, 5)
+                t = t.reshape(b, th, hp, count, s, td).permute(0, 3, 1, 2, 4, 5)
             else:  # (B, h, H / s, s, W, D) -> (B, H / s, h, s, W, D)
-                t = t.reshape(tb, th, hp // s, s, wp, td).permute(0, 2, 1, 3, 4, 5)
-            return t.reshape(-1, th, t.shape[3] * t.shape[4], td)
+                t = t.reshape(b, th, count, s, wp, td).permute(0, 2, 1, 3, 4, 5)
+            return t.reshape(b * count, th, hp * wp // count, td)
 
         qs, ks, vs = stripes(q), stripes(k), stripes(v)
         mask = None
-        if pad_h or pad_w:  # padded keys take no weight: (B * stripes, 1, 1, tokens), the batch outermost
-            real = stripes(torch.ones(1, 1, n, 1, dtype=q.dtype, device=q.device)) > 0
-            mask = real[..., 0][:, :, None, :].repeat(b, 1, 1, 1)
+        # padded keys take no weight: (B * stripes, 1, 1, tokens); always built in a traced graph, which holds for
+        # every size (whether a size pads is not asked of a symbolic size)
+        if is_tracing(n) or pad_h or pad_w:
+            real = stripes(torch.ones(b, 1, n, 1, dtype=q.dtype, device=q.device)) > 0
+            mask = real[..., 0][:, :, None, :]
         out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
         sh, sw = (hp, s) if vertical else (s, wp)
-        grid = vs.transpose(2, 3).reshape(-1, nh * d, sh, sw)  # channel head * D + i, per stripe
+        grid = vs.transpose(2, 3).reshape(b * count, nh * d, sh, sw)  # channel head * D + i, per stripe
         lepe = F.conv2d(grid, weight, bias, padding=1, groups=nh * d)
-        out = out + lepe.reshape(-1, nh, d, sh * sw).transpose(2, 3)
+        out = out + lepe.reshape(b * count, nh, d, sh * sw).transpose(2, 3)
         # back to the map: (B * stripes, h, tokens, D) -> (B, h, N, D)
         if vertical:
-            out = out.reshape(b, wp // s, nh, hp, s, d).permute(0, 2, 3, 1, 4, 5).reshape(b, nh, hp, wp, d)
+            out = out.reshape(b, count, nh, hp, s, d).permute(0, 2, 3, 1, 4, 5).reshape(b, nh, hp, wp, d)
         else:
-            out = out.reshape(b, hp // s, nh, s, wp, d).permute(0, 2, 1, 3, 4, 5).reshape(b, nh, hp, wp, d)
+            out = out.reshape(b, count, nh, s, wp, d).permute(0, 2, 1, 3, 4, 5).reshape(b, nh, hp, wp, d)
         return out[:, :, :h, :w].reshape(b, nh, n, d)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:

@@ -47,6 +47,7 @@ class SwinWindowAttention(AttentionMixer):
     No RoPE, no prefix tokens."""
 
     takes_prefix_tokens = False
+    exports_fixed_grid = True  # the window count, padding and shift follow the size: exported at one size
 
     def __init__(self, dim: int, num_heads: int, *, window: int = 7, shift: bool = False, **kwargs):
         super().__init__(dim, num_heads, **kwargs)

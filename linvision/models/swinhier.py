@@ -100,8 +100,12 @@ class SwinWindowAttention(AttentionMixer):
         qw, valid, padded = window_partition(roll(q, -1), hw, self.window)
         kw, _, _ = window_partition(roll(k, -1), hw, self.window)
         vw, _, _ = window_partition(roll(v, -1), hw, self.window)
-        out = F.scaled_dot_product_attention(qw, kw, vw, attn_mask=self._bias(hw, shifts, q.device, q.dtype))
-        return roll(window_merge(out, hw, padded, self.window), 1)
+        windows, area = qw.shape[2], qw.shape[3]
+        # heads and windows on one axis: SDPA on 4D tensors (as ONNX's operator takes them), the bias per both
+        mask = self._bias(hw, shifts, q.device, q.dtype).reshape(1, nh * windows, area, area)
+        out = F.scaled_dot_product_attention(*(t.reshape(b, nh * windows, area, d) for t in (qw, kw, vw)),
+                                             attn_mask=mask)
+        return roll(window_merge(out.reshape(b, nh, windows, area, d), hw, padded, self.window), 1)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, window={self.window}, shift={self.shift}"

@@ -157,6 +157,11 @@ def _fla(x: Tensor, dtype: torch.dtype) -> Tensor:
     return x.view(b * h, n, 1, c)
 
 
+def _operand(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """x in the operand dtype, contiguous when converted (one copy; :func:`_fla` then copies nothing more)."""
+    return x.to(dtype=dtype, memory_format=torch.contiguous_format)
+
+
 def _gate(log_gate: Tensor) -> Tensor:
     """(B, H, N, G) fp32 log-gates -> (B * H, N, 1) for per-head gates, (B * H, N, 1, G) per key channel."""
     b, h, n, g = log_gate.shape
@@ -270,7 +275,7 @@ def gated_scan(
             s0 = torch.cat([s0, z0.unsqueeze(-1)], dim=-1)
         s0 = _pad_even(s0) * k_scale
     op_dtype = operand_dtype(dtype, phi_q.device)
-    out, s = _run(_gated_kernel(log_gate), q.to(op_dtype), k.to(op_dtype), vv.to(op_dtype), _gate(log_gate), s0,
+    out, s = _run(_gated_kernel(log_gate), *(_operand(t, op_dtype) for t in (q, k, vv)), _gate(log_gate), s0,
                   return_state)
     count = counts.mean(-1).float() if normalize else None
     o = _gated_output(out, dv, normalize, eps, count, q_scale * k_scale)
@@ -318,7 +323,7 @@ def delta_scan(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, *, dtype: 
     (B, H, N, Dv), beta (B, H, N) in fp32, s0 (B, H, D, Dv) or None. Returns (o fp32, final state or None)."""
     op_dtype = operand_dtype(dtype, phi_q.device)
     b, h, n = beta.shape
-    out, s = _run("delta_rule", phi_q.to(op_dtype), phi_k.to(op_dtype), v.to(op_dtype),
+    out, s = _run("delta_rule", _operand(phi_q, op_dtype), _operand(phi_k, op_dtype), _operand(v, op_dtype),
                   beta.contiguous().view(b * h, n, 1), s0, return_state)
     return out.float(), s
 
@@ -331,7 +336,7 @@ def bidirectional_delta(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, *
     discarded by the caller."""
     op_dtype = operand_dtype(dtype, phi_q.device)
     b, h, n = beta.shape
-    q, k, vv = (t.to(op_dtype) for t in (phi_q, phi_k, v))
+    q, k, vv = (_operand(t, op_dtype) for t in (phi_q, phi_k, v))
     beta_b = flip(beta.unsqueeze(-1)).squeeze(-1)
     # reversed order: token i's query reads the state after token i + 1
     out, _ = _run(

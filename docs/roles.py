@@ -17,7 +17,6 @@ from typing import Optional
 
 import griffe
 
-KERNELS = "linvision.kernels."
 ROLE = re.compile(r":(?:py:)?(func|class|meth|mod|attr|data|exc|obj):`([^`]+)`")
 
 
@@ -63,9 +62,6 @@ def resolve(obj: griffe.Object, name: str, role: str) -> Optional[str]:
                     path = f"{obj.path}.{name}"
     if path is None:
         return None
-    if path.startswith(KERNELS):
-        # kernels/ is installed as linvision.kernels and documented under its source name, kernels
-        return "kernels." + path[len(KERNELS):]
     found = _lookup(obj, path)
     if found is None:
         return None

@@ -77,7 +77,7 @@ def run_tool(tool, *args, check=True):
     sys.argv = [tool, *args]
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            runpy.run_path(os.path.join(ROOT, "tools", tool), run_name="__main__")
+            runpy.run_path(os.path.join(ROOT, "linvision", "tools", tool), run_name="__main__")
         code = 0
     except SystemExit as e:
         code = e.code or 0

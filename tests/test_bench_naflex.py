@@ -1,4 +1,4 @@
-"""linvision-bench-naflex (tools/bench_naflex.py): its mixed-aspect workload makes valid NaFlex batches within the
+"""linvision-bench-naflex (linvision/tools/bench_naflex.py): its mixed-aspect workload makes valid NaFlex batches within the
 budget, a tiny sweep writes the rows it should with finite figures, its guards (memory limit, slow factor) skip
 what they should, and bad input is one line with exit status 2."""
 import csv
@@ -12,7 +12,7 @@ from support import ROOT, run_subprocess
 
 from linvision.tools import bench_naflex as tool
 
-TOOL = os.path.join(ROOT, "tools", "bench_naflex.py")
+TOOL = os.path.join(ROOT, "linvision", "tools", "bench_naflex.py")
 TINY = ["--model-kwargs", "embed_dim=32", "depth=1", "num_heads=1"]
 SOFTMAX = tool.SOFTMAX_TINY
 

@@ -330,14 +330,14 @@ def test_optimizer_leaves_modulation_tables_and_vectors_undecayed():
 
 
 def test_tool_flags_are_the_recipe_fields():
-    """tools/train_diffusion.py builds its recipe flags from DiffusionTrainConfig: every field is a flag with
+    """linvision/tools/train_diffusion.py builds its recipe flags from DiffusionTrainConfig: every field is a flag with
     the field's default, and flags (and YAML keys) come back as the recipe."""
     import importlib.util
     from dataclasses import fields
 
     from support import ROOT
 
-    spec = importlib.util.spec_from_file_location("train_diffusion_tool", os.path.join(ROOT, "tools",
+    spec = importlib.util.spec_from_file_location("train_diffusion_tool", os.path.join(ROOT, "linvision", "tools",
                                                                                       "train_diffusion.py"))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)

@@ -26,7 +26,7 @@ def _flags(out, experiment, steps, *extra):
 def _torchrun(*flags, ranks=2):
     proc = run_subprocess(
         [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-         os.path.join(ROOT, "tools", "train_diffusion.py"), *flags],
+         os.path.join(ROOT, "linvision", "tools", "train_diffusion.py"), *flags],
         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -148,7 +148,7 @@ def test_fsdp_in_one_process_and_bad_settings(one_process, tmp_path):
     assert bad.returncode == 2 and "fsdp_param_dtype" in bad.stderr
     odd = run_subprocess(
         [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         os.path.join(ROOT, "tools", "train_diffusion.py"), *_flags(tmp_path, "odd", 1), "--batch-size", "7"],
+         os.path.join(ROOT, "linvision", "tools", "train_diffusion.py"), *_flags(tmp_path, "odd", 1), "--batch-size", "7"],
         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert odd.returncode != 0 and "do not split over 2 ranks" in odd.stderr
 
@@ -171,12 +171,12 @@ def test_activation_checkpointing_changes_no_gradient():
 
 
 def test_memory_benchmark_shows_fsdp_sharding_the_state(tmp_path):
-    """tools/bench_diffusion_parallel.py: on 2 ranks FSDP holds about half of DDP's weights, gradients and
+    """linvision/tools/bench_diffusion_parallel.py: on 2 ranks FSDP holds about half of DDP's weights, gradients and
     optimizer states per rank; the table and the JSON are written."""
     import json
 
     proc = run_subprocess(
-        [PY, os.path.join(ROOT, "tools", "bench_diffusion_parallel.py"), "--model", "digits", "--depth", "2",
+        [PY, os.path.join(ROOT, "linvision", "tools", "bench_diffusion_parallel.py"), "--model", "digits", "--depth", "2",
          "--latent", "8", "--batch", "2", "--steps", "2", "--ranks", "2", "--modes", "ddp", "fsdp",
          "--param-dtype", "fp32", "--out", str(tmp_path / "mem")],
         cwd=ROOT)

@@ -232,10 +232,10 @@ CHAINS: Dict[str, Chain] = {
         Step("linvision-validate --checkpoint output/native --naflex-loader --naflex-max-seq-len 64"),
     )),
     "naflex_photos": Chain(steps=(
-        Step("linvision-train -c configs/naflex_photos.yaml --naflex-loader --seed 0 --experiment naflex-s0",
+        Step("linvision-train -c linvision/configs/naflex_photos.yaml --naflex-loader --seed 0 --experiment naflex-s0",
              extra=(*EPOCH, "--output", "output"), why=ONE_EPOCH + "; the run folder in the chain's folder, not "
              "/tmp", check=_summary("naflex-s0")),
-        Step("linvision-train -c configs/naflex_photos.yaml --seed 0 --experiment square-s0",
+        Step("linvision-train -c linvision/configs/naflex_photos.yaml --seed 0 --experiment square-s0",
              extra=(*EPOCH, "--output", "output"), why=ONE_EPOCH + "; the run folder in the chain's folder, not "
              "/tmp", check=_summary("square-s0")),
         Step("linvision-validate --checkpoint /tmp/naflex_photos/naflex-s0/last --naflex-loader "
@@ -297,70 +297,70 @@ CHAINS: Dict[str, Chain] = {
              why="8 training and 4 validation mosaics of 128 px (not 1000 and 200 of 512 px); " + ONE_EPOCH),
     )),
     "linearization": Chain(steps=(
-        Step("linvision-train --config configs/linearize_digits_teacher.yaml", extra=EPOCH, why=ONE_EPOCH),
-        Step("linvision-linearize --config configs/linearize_digits.yaml", extra=("--steps", "5"),
+        Step("linvision-train --config linvision/configs/linearize_digits_teacher.yaml", extra=EPOCH, why=ONE_EPOCH),
+        Step("linvision-linearize --config linvision/configs/linearize_digits.yaml", extra=("--steps", "5"),
              why="5 of the 200 transfer steps show that stage 1 runs"),
-        Step("linvision-train --config configs/linearize_digits_student.yaml --initial-checkpoint "
+        Step("linvision-train --config linvision/configs/linearize_digits_student.yaml --initial-checkpoint "
              "output/linearized_digits.safetensors --experiment linearize_student", extra=EPOCH, why=ONE_EPOCH),
-        Step("linvision-train --config configs/linearize_digits_student.yaml --experiment linearize_scratch",
+        Step("linvision-train --config linvision/configs/linearize_digits_student.yaml --experiment linearize_scratch",
              extra=EPOCH, why=ONE_EPOCH),
         Step("linvision-validate --checkpoint output/linearize_student/last --dataset digits --img-size 32 48 64",
              check=_validated([32, 48, 64], count=360)),
     )),
     "diffusion_digits": Chain(steps=(
-        Step("python tools/train.py --config configs/digits_demo.yaml --model linvit_tiny_patch16_rope_224 "
+        Step("python linvision/tools/train.py --config linvision/configs/digits_demo.yaml --model linvit_tiny_patch16_rope_224 "
              "--model-kwargs patch_size=4 embed_dim=96 depth=4 num_heads=3 --epochs 30 --experiment "
              "digits_linvit_cls30", extra=EPOCH, why=ONE_EPOCH),
-        Step("python tools/train_diffusion.py --config configs/diffusion_digits.yaml", extra=("--steps", "20"),
+        Step("python linvision/tools/train_diffusion.py --config linvision/configs/diffusion_digits.yaml", extra=("--steps", "20"),
              why="20 of the 500 steps show that training runs"),
-        Step("python tools/sample_diffusion.py output/diffusion_digits --per-class 10 --steps 20 --cfg-scale 3"),
-        Step("python tools/eval_diffusion_samples.py output/diffusion_digits output/digits_linvit_cls30 "
+        Step("python linvision/tools/sample_diffusion.py output/diffusion_digits --per-class 10 --steps 20 --cfg-scale 3"),
+        Step("python linvision/tools/eval_diffusion_samples.py output/diffusion_digits output/digits_linvit_cls30 "
              "--per-class 50 --cfg-scale 3", extra=("--per-class", "5"), why="5 samples of each class, not 50"),
-        Step("python tools/train_diffusion.py --config configs/diffusion_digits.yaml --model-kwargs "
+        Step("python linvision/tools/train_diffusion.py --config linvision/configs/diffusion_digits.yaml --model-kwargs "
              "self_attn=bidir_delta --experiment diffusion_digits_bidir_delta", extra=("--steps", "20"),
              why="20 of the 500 steps show that training runs"),
-        Step("python tools/eval_diffusion_samples.py output/diffusion_digits_bidir_delta output/digits_linvit_cls30 "
+        Step("python linvision/tools/eval_diffusion_samples.py output/diffusion_digits_bidir_delta output/digits_linvit_cls30 "
              "--per-class 50 --cfg-scale 1 --steps 20", extra=("--per-class", "5"),
              why="5 samples of each class, not 50"),
     )),
     "ablate_digits": Chain(steps=(
-        Step("linvision-ablate --config configs/ablate_digits.yaml", extra=EPOCH, why=ONE_EPOCH),
+        Step("linvision-ablate --config linvision/configs/ablate_digits.yaml", extra=EPOCH, why=ONE_EPOCH),
     )),
     "ablate_recurrent": Chain(steps=(
-        Step("linvision-ablate --config configs/ablate_digits.yaml --mixers linear bidir_decay bidir_gated "
+        Step("linvision-ablate --config linvision/configs/ablate_digits.yaml --mixers linear bidir_decay bidir_gated "
              "bidir_delta --experiment ablate_recurrent", extra=EPOCH, why=ONE_EPOCH),
     )),
     "vit_twin_heads": Chain(steps=tuple(Step(c, extra=EPOCH, why=ONE_EPOCH) for c in (
-        "linvision-train -c configs/vit_twin_photos.yaml --model vit_tiny_patch16_224 --model-kwargs patch_size=8 "
+        "linvision-train -c linvision/configs/vit_twin_photos.yaml --model vit_tiny_patch16_224 --model-kwargs patch_size=8 "
         "img_size=64 --seed 0",
-        "linvision-train -c configs/vit_twin_photos.yaml $V class_token=False global_pool=avg fc_norm=False --seed 0",
-        "linvision-train -c configs/vit_twin_photos.yaml $V class_token=False global_pool=avg fc_norm=False --seed 0 "
+        "linvision-train -c linvision/configs/vit_twin_photos.yaml $V class_token=False global_pool=avg fc_norm=False --seed 0",
+        "linvision-train -c linvision/configs/vit_twin_photos.yaml $V class_token=False global_pool=avg fc_norm=False --seed 0 "
         "--mean 0.5 0.5 0.5 --std 0.5 0.5 0.5",
-        "linvision-train -c configs/vit_twin_photos.yaml $V class_token=False global_pool=avg fc_norm=True --seed 0",
-        "linvision-train -c configs/vit_twin_photos.yaml $V --seed 0",
+        "linvision-train -c linvision/configs/vit_twin_photos.yaml $V class_token=False global_pool=avg fc_norm=True --seed 0",
+        "linvision-train -c linvision/configs/vit_twin_photos.yaml $V --seed 0",
     ))),
     "vit_twin_mixers": Chain(steps=tuple(Step(c, extra=EPOCH, why=ONE_EPOCH) for c in (
-        "linvision-train -c configs/vit_twin_photos.yaml $R token_mixer=softmax --seed 0",
-        "linvision-train -c configs/vit_twin_photos.yaml $R token_mixer=linear_rope --seed 0",
-        "linvision-train -c configs/vit_twin_photos.yaml $R token_mixer=bidir_delta class_token=False "
+        "linvision-train -c linvision/configs/vit_twin_photos.yaml $R token_mixer=softmax --seed 0",
+        "linvision-train -c linvision/configs/vit_twin_photos.yaml $R token_mixer=linear_rope --seed 0",
+        "linvision-train -c linvision/configs/vit_twin_photos.yaml $R token_mixer=bidir_delta class_token=False "
         "global_pool=avg fc_norm=False --seed 0",
     ))),
     "rope_positions": Chain(steps=(
-        Step("linvision-train -c configs/vit_twin_photos.yaml $R token_mixer=softmax pos_embed=learn --seed 0 "
+        Step("linvision-train -c linvision/configs/vit_twin_photos.yaml $R token_mixer=softmax pos_embed=learn --seed 0 "
              "--experiment rope_abs", extra=EPOCH, why=ONE_EPOCH),
-        Step("linvision-train -c configs/vit_twin_photos.yaml $R token_mixer=softmax rope=mixed --seed 0 "
+        Step("linvision-train -c linvision/configs/vit_twin_photos.yaml $R token_mixer=softmax rope=mixed --seed 0 "
              "--experiment rope_mixed", extra=EPOCH, why=ONE_EPOCH),
         Step("linvision-validate --checkpoint output/rope_abs --img-size 64 96 128"),
-        Step('linvision-train -c configs/vit_twin_photos.yaml $R token_mixer=softmax "mixer_kwargs={rope_theta: 10000}" '
+        Step('linvision-train -c linvision/configs/vit_twin_photos.yaml $R token_mixer=softmax "mixer_kwargs={rope_theta: 10000}" '
              '--seed 0 --experiment rope_theta', extra=EPOCH, why=ONE_EPOCH),
-        Step('linvision-train -c configs/vit_twin_photos.yaml $R token_mixer=softmax "mixer_kwargs={rope_origin: centre}" '
+        Step('linvision-train -c linvision/configs/vit_twin_photos.yaml $R token_mixer=softmax "mixer_kwargs={rope_origin: centre}" '
              '--seed 0 --experiment rope_centre', extra=EPOCH, why=ONE_EPOCH),
-        Step('linvision-train -c configs/vit_twin_photos.yaml $R token_mixer=linear_rope '
+        Step('linvision-train -c linvision/configs/vit_twin_photos.yaml $R token_mixer=linear_rope '
              '"mixer_kwargs={rope_origin: centre}" --seed 0 --experiment rope_centre_linear', extra=EPOCH,
              why=ONE_EPOCH),
-        Step('linvision-train -c configs/vit_twin_photos.yaml $R token_mixer=softmax "mixer_kwargs={rope_fraction: 0.5}" '
+        Step('linvision-train -c linvision/configs/vit_twin_photos.yaml $R token_mixer=softmax "mixer_kwargs={rope_fraction: 0.5}" '
              '--seed 0 --experiment rope_half', extra=EPOCH, why=ONE_EPOCH),
-        Step("linvision-train -c configs/vit_twin_photos.yaml --model linvit_tiny_patch16_224 --model-kwargs "
+        Step("linvision-train -c linvision/configs/vit_twin_photos.yaml --model linvit_tiny_patch16_224 --model-kwargs "
              "patch_size=8 img_size=64 --seed 0 --experiment linear_abs", extra=EPOCH, why=ONE_EPOCH),
     )),
     "bench_core_op": Chain(steps=(
@@ -374,16 +374,16 @@ CHAINS: Dict[str, Chain] = {
              why="224 px of 224-1024 and one timed call"),
     )),
     "bench_twin": Chain(steps=(
-        Step("linvision-benchmark --config configs/benchmark_twin_cpu.yaml", extra=("--img-size", "224", "--iters",
+        Step("linvision-benchmark --config linvision/configs/benchmark_twin_cpu.yaml", extra=("--img-size", "224", "--iters",
                                                                                    "1"),
              why="224 px of 224-1024 and one timed call"),
     )),
     "bench_seg_twin": Chain(steps=(
-        Step("linvision-benchmark --config configs/benchmark_seg_twin_cpu.yaml",
+        Step("linvision-benchmark --config linvision/configs/benchmark_seg_twin_cpu.yaml",
              extra=("--img-size", "256", "--iters", "1"), why="256 px only and one timed call (18 min in full)"),
     )),
     "bench_resolutions": Chain(steps=(
-        Step("python tools/benchmark.py --models linvit_small_patch16_224 linvit_small_patch16_rope_224 "
+        Step("python linvision/tools/benchmark.py --models linvit_small_patch16_224 linvit_small_patch16_rope_224 "
              "vit_small_patch16_224 mambaout_femto --img-size 224 512 1024 --batch-size 1 --no-train --warmup 2 "
              "--iters 5 --threads 2", extra=("--img-size", "224", "--iters", "1"), why="224 px and one timed call"),
     )),
@@ -409,7 +409,7 @@ CHAINS: Dict[str, Chain] = {
              why="224 px, one timed call, on the CPU where a GPU is there too"),
     )),
     "bench_kernels": Chain(steps=(
-        Step("python tools/bench_kernels.py", extra=("--n", "1024"),
+        Step("python linvision/tools/bench_kernels.py", extra=("--n", "1024"),
              why="N = 1024 of 1024-16384: the interpreter takes over 15 minutes for all of them",
              check=_traffic_rows_of_the_manual),
     )),
@@ -426,19 +426,19 @@ CHAINS: Dict[str, Chain] = {
              extra=("--depth", "1", "--steps", "2"), why="one block and two steps a point (over 15 minutes with 4 "
                                                          "blocks on 2 cores)",
              check=_files("fsdp_memory.md", "fsdp_memory.json")),
-        Step("python tools/bench_diffusion_parallel.py --out fsdp_memory", extra=("--ranks", "1", "--depth", "1",
+        Step("python linvision/tools/bench_diffusion_parallel.py --out fsdp_memory", extra=("--ranks", "1", "--depth", "1",
                                                                                   "--steps", "2"),
              why="one rank (the two-rank points ran in the command before), one block and two steps a point"),
     )),
     "bench_diffusion_block": Chain(steps=(
-        Step("python tools/bench_diffusion_block.py --tokens 1024 4096 --repeats 10", extra=("--repeats", "1"),
+        Step("python linvision/tools/bench_diffusion_block.py --tokens 1024 4096 --repeats 10", extra=("--repeats", "1"),
              why="one timed forward at each point"),
     )),
 }
 
 NETWORK = "downloads published weights (timm's pretrained=True): no network in the tests"
 SKIPPED: Dict[str, str] = {
-    "make demo": "the same as `linvision-ablate --config configs/ablate_digits.yaml`, which runs (chain "
+    "make demo": "the same as `linvision-ablate --config linvision/configs/ablate_digits.yaml`, which runs (chain "
                  "ablate_digits)",
     "linvision-bench-naflex --budgets 256 1024 4096 16384 --modes infer train --batch 2 --batches 2 --iters 3 "
     "--warmup 1 --max-run-s 20 --threads 1 --device cpu --output docs/figures/naflex_throughput_memory.csv --plot "
@@ -477,28 +477,28 @@ SKIPPED: Dict[str, str] = {
         "needs a checkpoint written by timm's train.py (tests/test_engine.py resumes from one it writes)",
     "linvision-train-seg --resume output/seg_run": "seg_run stands for a run of one's own; resuming a segmenter "
                                                    "runs in chain segmentation",
-    "python tools/export.py --model MODEL --output MODEL.onnx --check-sizes 224 320 512 --bench-sizes 512 1024 "
+    "python linvision/tools/export.py --model MODEL --output MODEL.onnx --check-sizes 224 320 512 --bench-sizes 512 1024 "
     "--bench-iters 3 --threads 2 --bench-out MODEL.json": "a template: MODEL stands for each model of the table",
     "linvision-benchmark --config benchmark": "a GPU sweep (bf16, batch 8, up to 2048 px)",
     "linvision-gpu-report": "on a GPU the full report; without one it is the --dry-run, which runs "
                             "(chain gpu_report_dry_run)",
     'linvision-gpu-report --parts tests --tests-k "delta or gated" --tests-timeout 900':
         "runs part of this test suite under pytest, from within it",
-    "torchrun --nproc_per_node 4 tools/train_diffusion.py --config configs/diffusion_digits.yaml":
+    "torchrun --nproc_per_node 4 linvision/tools/train_diffusion.py --config linvision/configs/diffusion_digits.yaml":
         "four processes; the same config in one process runs (chain diffusion_digits)",
-    "torchrun --nproc_per_node 8 tools/train_diffusion.py --config configs/diffusion_sana_600m_finetune.yaml "
+    "torchrun --nproc_per_node 8 linvision/tools/train_diffusion.py --config linvision/configs/diffusion_sana_600m_finetune.yaml "
     "--parallel fsdp --grad-checkpointing": "8 GPUs and a local copy of Sana-600M's weights",
-    "torchrun --nproc_per_node 2 tools/train_diffusion.py --config configs/diffusion_sana_600m_finetune.yaml "
+    "torchrun --nproc_per_node 2 linvision/tools/train_diffusion.py --config linvision/configs/diffusion_sana_600m_finetune.yaml "
     "--parallel fsdp --resume": "GPUs and the run of the FSDP command before it (Sana-600M's weights)",
-    "python tools/bench_diffusion_block.py --vs-diffusers --model sana_600m_t2i --latent 32 32 --repeats 3 "
+    "python linvision/tools/bench_diffusion_block.py --vs-diffusers --model sana_600m_t2i --latent 32 32 --repeats 3 "
     "--threads 1": "two 600M-parameter transformers in float32 on the CPU: long, and more memory than the tests "
                    "may take",
-    "python tools/bench_diffusion_block.py --timeout 240": "every point up to 64k tokens of softmax attention on "
+    "python linvision/tools/bench_diffusion_block.py --timeout 240": "every point up to 64k tokens of softmax attention on "
                                                            "the CPU: hours",
-    "python tools/bench_diffusion_block.py --tokens 1024 4096 16384 --parts": "16k tokens of softmax attention, "
+    "python linvision/tools/bench_diffusion_block.py --tokens 1024 4096 16384 --parts": "16k tokens of softmax attention, "
                                                                                "part by part, on the CPU: long",
-    "python tools/check_kernels.py": "184 compilations of a few seconds each (the smaller --fla check runs)",
-    "python tools/check_kernels.py --candidates --d 128 --dtype bfloat16 --rope on": "every candidate "
+    "python linvision/tools/check_kernels.py": "184 compilations of a few seconds each (the smaller --fla check runs)",
+    "python linvision/tools/check_kernels.py --candidates --d 128 --dtype bfloat16 --rope on": "every candidate "
                                                                                      "configuration compiled: long",
     "linvision-check-kernels --fla --d 32 64 128 --dtype float16 bfloat16 --markdown": "over 15 CPU minutes (its "
                                                                                        "one-form line runs)",
@@ -509,10 +509,10 @@ SKIPPED: Dict[str, str] = {
     "linvision-train --config finetune_mlla_tiny --data-dir /data/pets --pretrained-path mlla_tiny_in1k.pth":
         "needs the authors' MLLA-T file, which is not distributed (tests/test_published.py trains from a file in "
         "its layout); the recipe itself runs in chain readme_finetune",
-    "linvision-ablate --config configs/ablate_seg_mosaics.yaml": "a full ablation: about 25 minutes on 2 cores",
-    "linvision-ablate --config configs/ablate_variants_photos.yaml": "a full ablation: about 34 minutes",
-    "linvision-ablate --config configs/ablate_variants_photos_vit.yaml": "a full ablation: about 23 minutes",
-    "linvision-ablate --config configs/ablate_variants_digits.yaml": "a full ablation: about 22 minutes",
+    "linvision-ablate --config linvision/configs/ablate_seg_mosaics.yaml": "a full ablation: about 25 minutes on 2 cores",
+    "linvision-ablate --config linvision/configs/ablate_variants_photos.yaml": "a full ablation: about 34 minutes",
+    "linvision-ablate --config linvision/configs/ablate_variants_photos_vit.yaml": "a full ablation: about 23 minutes",
+    "linvision-ablate --config linvision/configs/ablate_variants_digits.yaml": "a full ablation: about 22 minutes",
 }
 
 
@@ -535,9 +535,9 @@ def _words(doc: Documented, step: Step, names: Dict[str, str]) -> List[str]:
 
 def _argv(words: List[str]) -> List[str]:
     """The process to start: console scripts and torchrun from this environment (a console script that its install
-    predates: its module, as ``python -m``), python as this interpreter, tools/ files of this checkout."""
+    predates: its module, as ``python -m``), python as this interpreter, linvision/tools/ files of this checkout."""
     program, *args = words
-    args = [os.path.join(ROOT, a) if a.startswith("tools/") else a for a in args]
+    args = [os.path.join(ROOT, a) if a.startswith("linvision/tools/") else a for a in args]
     if program in ("python", "python3"):
         return [sys.executable, *args]
     if not os.path.isfile(os.path.join(BIN, program)) and program in _scripts():
@@ -638,7 +638,7 @@ def test_commands_are_read_as_a_reader_reads_them():
         "```",
         "```",
         "import torch",
-        "python tools/export.py --model m   # run from the checkout",
+        "python linvision/tools/export.py --model m   # run from the checkout",
         "```",
         "```python",
         "linvision-train --never-a-command",
@@ -647,7 +647,7 @@ def test_commands_are_read_as_a_reader_reads_them():
     found = commands_of("p.md", page)
     assert [(d.line, d.text) for d in found] == [
         (2, "linvision-train --config a --epochs 3"), (6, "linvision-train $V y=2"), (7, "git clone somewhere"),
-        (10, "linvision-train --img-size 100"), (16, "python tools/export.py --model m")]
+        (10, "linvision-train --img-size 100"), (16, "python linvision/tools/export.py --model m")]
     assert found[1].variables == (("V", "--model m --model-kwargs x=1"),)
     assert found[3].output == "error: img_size: cannot run at 100 px (a\nwrapped line)"
     step = Step("linvision-train $V y=2", subs={"m": "{folder}"}, extra=("--epochs", "1"), why="w")

@@ -368,7 +368,7 @@ def test_gflops_match_timm_published_vit_small():
 
 
 def test_ablate_digits_trains_with_more_than_one_token_in_the_last_stage():
-    """The resolution column of configs/ablate_digits.yaml is only meaningful when the training size leaves the
+    """The resolution column of linvision/configs/ablate_digits.yaml is only meaningful when the training size leaves the
     deepest stages a real grid: at 32 px the stride-32 model's last stage is one token (its conv taps off the
     centre never trained) and every mixer, plain convolutions included, fell to chance at 2x."""
     from linvision.utils.config import load_yaml

@@ -247,7 +247,7 @@ def _shell_commands(body, first):
     NAME=value) substituted."""
     import shlex
     scripts = _scripts()
-    by_file = {f"tools/{m.rsplit('.', 1)[1]}.py": m for m in scripts.values()}
+    by_file = {f"linvision/tools/{m.rsplit('.', 1)[1]}.py": m for m in scripts.values()}
     by_module = {m: m for m in scripts.values()}
     found, env = [], {}
     for start, line in joined_lines(body, first):

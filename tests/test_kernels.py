@@ -799,7 +799,7 @@ def test_offered_configurations_are_candidates():
 
 
 def test_compile_check_verdicts():
-    """The pass rule of tools/check_kernels.py: zero spills, shared memory within 227 KB, and a token loop whose
+    """The pass rule of linvision/tools/check_kernels.py: zero spills, shared memory within 227 KB, and a token loop whose
     16-bit loads are all asynchronous copies (kernels without a loop need none)."""
     from linvision.tools.check_kernels import CompileResult, _token_loads_pipelined
 
@@ -823,7 +823,7 @@ def test_compile_check_verdicts():
 
 # Compiles kernels for an sm_90 target with Triton's bundled ptxas (no GPU needed), in a process without
 # TRITON_INTERPRET: GPU-only constraints (dot shapes, types) are checked and the offered configurations of a
-# subset are held to the rule above. The full table: python tools/check_kernels.py (docs/kernels.md).
+# subset are held to the rule above. The full table: python linvision/tools/check_kernels.py (docs/kernels.md).
 @pytest.mark.slow
 @pytest.mark.parametrize("args", [
     ["--d", "64", "--dtype", "bfloat16", "--rope", "on"],

@@ -18,6 +18,7 @@ for _floor in FLOORS:
 MAY_IMPORT["diffusion"] = MAY_IMPORT["data"] | {"diffusion"}  # the shared utilities and data, never the trainer
 MAY_IMPORT["tools"] = _below | {"diffusion", "tools"}  # anything but the deprecated engine
 MAY_IMPORT["engine"] = _below | {"engine"}  # the deprecated names, answered from their new homes
+MAY_IMPORT["configs"] = {"configs"}  # the shipped YAML files: data, no imports
 
 
 def _imports(path):
@@ -32,15 +33,15 @@ def _imports(path):
 
 
 def test_imports_run_one_way_ops_to_kernels():
-    """kernels/ import nothing from linvision (the shared module is kernels/common.py, which imports neither
+    """kernels/ import nothing from linvision (the shared module is linvision/kernels/common.py, which imports neither
     Triton nor linvision); linvision/ops takes the shared checks and constants through ops/common.py, the one ops
-    module that imports kernels/common.py, imports the Triton kernels only inside the dispatchers, and nothing from
+    module that imports linvision/kernels/common.py, imports the Triton kernels only inside the dispatchers, and nothing from
     the layers or models."""
     root = Path(__file__).resolve().parents[1]
-    for path in sorted((root / "kernels").glob("*.py")):
+    for path in sorted((root / "linvision" / "kernels").glob("*.py")):
         for module, _ in _imports(path):
             assert not module.startswith("linvision"), f"{path.name} imports {module}"
-    assert {m for m, _ in _imports(root / "kernels" / "common.py")} <= {"__future__", "dataclasses", "typing", "torch"}
+    assert {m for m, _ in _imports(root / "linvision" / "kernels" / "common.py")} <= {"__future__", "dataclasses", "typing", "torch"}
     ops = root / "linvision" / "ops"
     paths = sorted(ops.rglob("*.py"))
     assert ops / "linear_attention" / "dispatch.py" in paths and ops / "recurrent" / "kernels.py" in paths
@@ -102,7 +103,7 @@ def test_the_former_engine_answers_with_the_new_homes_and_warns():
         assert (ROOT / Path(*new.split("."))).with_suffix(".py").is_file(), (name, new)
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         engine.nothing
-    for path in list((ROOT / "linvision").rglob("*.py")) + list((ROOT / "tools").glob("*.py")):
+    for path in (ROOT / "linvision").rglob("*.py"):
         if path.parent.name != "engine":
             used = [m for m, _ in _imports(path) if m.startswith("linvision.engine")]
             assert not used, f"{path.relative_to(ROOT)} imports {used}"
@@ -110,12 +111,11 @@ def test_the_former_engine_answers_with_the_new_homes_and_warns():
 
 def test_every_package_imports_downward_only():
     files = [p for p in (ROOT / "linvision").rglob("*.py") if p.parent != ROOT / "linvision"]
-    files += list((ROOT / "kernels").glob("*.py")) + list((ROOT / "tools").glob("*.py"))
     assert len(files) > 40
     checked = 0
     for path in files:
         rel = path.relative_to(ROOT).parts
-        own = rel[1] if rel[0] == "linvision" else rel[0]
+        own = rel[1]
         for module, _ in _imports(path):
             other = _package_of(module, path)
             if other is not None:
@@ -202,9 +202,8 @@ def test_contributing_page_names_every_module_where_it_lives():
     import re
 
     entries = _layout_entries()
-    folders = {"kernels": ROOT / "kernels"}
-    folders.update({f"linvision/{p.name}": p for p in (ROOT / "linvision").iterdir()
-                    if p.is_dir() and (p / "__init__.py").is_file()})
+    folders = {f"linvision/{p.name}": p for p in (ROOT / "linvision").iterdir()
+               if p.is_dir() and (p / "__init__.py").is_file()}
     for name, folder in folders.items():
         assert name in entries, f"docs/contributing.md has no entry for {name}/"
         named = set(re.findall(r"(\w+)\.py", entries[name]))

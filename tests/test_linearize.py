@@ -228,7 +228,7 @@ def test_attention_transfer_lowers_layer_errors_on_real_images():
 
 
 def test_linearize_tool_end_to_end(tmp_path):
-    """tools/train.py trains a small softmax ViT on digits; tools/linearize.py converts it and runs stage 1: the
+    """linvision/tools/train.py trains a small softmax ViT on digits; linvision/tools/linearize.py converts it and runs stage 1: the
     written weights load into the student, carry the teacher's qkv unchanged and a trained LePE."""
     from safetensors.torch import load_file
     from support import run_tool

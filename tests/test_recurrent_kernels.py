@@ -485,7 +485,7 @@ def test_longer_sequences_on_kernels(form, d):
 
 @pytest.mark.slow
 def test_fla_kernels_compile_for_hopper():
-    """tools/check_kernels.py --fla compiles every configuration of fla's kernels that the bidirectional delta rule
+    """linvision/tools/check_kernels.py --fla compiles every configuration of fla's kernels that the bidirectional delta rule
     runs (forward and backward, D 32, fp16) for sm_90 without a GPU, and reports each kernel: in a process without
     the interpreter, as a GPU would compile them."""
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}

@@ -391,7 +391,7 @@ def test_sigterm_to_the_process_group_with_workers_saves(data, tmp_path):
     """timeout, SLURM and shells signal the whole group: the loader workers must not die first."""
     args = tiny_train_flags(data, str(tmp_path), "--epochs", "200", "--experiment", "grp", "--log-interval", "1",
                             "-j", "2")
-    proc = spawn([PY, os.path.join(ROOT, "tools", "train.py"), *args], tmp_path, "grp", cwd=ROOT,
+    proc = spawn([PY, os.path.join(ROOT, "linvision", "tools", "train.py"), *args], tmp_path, "grp", cwd=ROOT,
                  start_new_session=True)
     _wait_for_steps(proc, tmp_path / "grp" / "metrics.jsonl", 2)
     os.killpg(proc.pid, signal.SIGTERM)
@@ -407,7 +407,7 @@ def test_sigterm_saves_the_diffusion_trainer(tmp_path):
     cfg = tmp_path / "d.yaml"
     cfg.write_text("steps: 100000\nbatch_size: 8\nlog_every: 1\nsave_every: 0\nthreads: 1\n"
                    "model_kwargs: {dim: 32, depth: 1, num_heads: 2, head_dim: 16}\n")
-    proc = spawn([PY, os.path.join(ROOT, "tools", "train_diffusion.py"), "--config", str(cfg), "--output",
+    proc = spawn([PY, os.path.join(ROOT, "linvision", "tools", "train_diffusion.py"), "--config", str(cfg), "--output",
                   str(tmp_path), "--experiment", "dit"], tmp_path, "dit-log", cwd=ROOT, start_new_session=True)
     wait_until(lambda: logs(tmp_path, "dit-log")[0].count("step ") >= 3, proc, what="3 steps")
     os.killpg(proc.pid, signal.SIGTERM)
@@ -432,7 +432,7 @@ def test_random_kills_lose_nothing(data, tmp_path, kills):
 
     def start(*args):
         name = f"start{next(starts)}"
-        proc = spawn([PY, os.path.join(ROOT, "tools", "train.py"), *args], tmp_path, name, cwd=ROOT)
+        proc = spawn([PY, os.path.join(ROOT, "linvision", "tools", "train.py"), *args], tmp_path, name, cwd=ROOT)
         proc.log_name = name
         return proc
 

@@ -102,7 +102,7 @@ def test_fine_tune_from_pretrained_path_with_new_head(trained, tmp_path):
 
 def test_sigterm_saves_a_checkpoint_that_resumes(data, tmp_path):
     args = tiny_train_flags(data, str(tmp_path), "--epochs", "200", "--experiment", "sig", "--log-interval", "1")
-    proc = spawn([PY, os.path.join(ROOT, "tools", "train.py"), *args], tmp_path, "sig-log", cwd=ROOT)
+    proc = spawn([PY, os.path.join(ROOT, "linvision", "tools", "train.py"), *args], tmp_path, "sig-log", cwd=ROOT)
     metrics = tmp_path / "sig" / "metrics.jsonl"
     wait_until(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, proc, what="2 metric records")
     proc.send_signal(signal.SIGTERM)
@@ -233,7 +233,7 @@ def test_torchrun_two_processes_match_one_process(tmp_path):
     run_tool("train.py", *tiny_train_flags(data, str(tmp_path), "--experiment", "one", *flags, "--batch-size", "8"))
     proc = run_subprocess(
         [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         os.path.join(ROOT, "tools", "train.py"),
+         os.path.join(ROOT, "linvision", "tools", "train.py"),
          *tiny_train_flags(data, str(tmp_path), "--experiment", "two", *flags, "--batch-size", "4")],
         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

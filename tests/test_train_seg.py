@@ -252,7 +252,7 @@ def test_two_processes_score_the_whole_validation_set(tmp_path):
     flags = seg_flags(tmp_path, "--epochs", "1", "--experiment", "ddp", "--dataset", "folder", "--data-dir", root,
                       "-b", "2")
     proc = run_subprocess([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           os.path.join(ROOT, "tools", "train_seg.py"), *flags],
+                           os.path.join(ROOT, "linvision", "tools", "train_seg.py"), *flags],
                           cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("best mIoU") == 1  # only rank 0 reports

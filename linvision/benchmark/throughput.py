@@ -1,4 +1,4 @@
-"""Throughput, latency, memory, parameters and FLOPs of models across resolutions (``tools/benchmark.py``).
+"""Throughput, latency, memory, parameters and FLOPs of models across resolutions (``linvision/tools/benchmark.py``).
 
 Each (model, resolution) point is measured on its own: a model is built for that size (``img_size`` is
 passed to models that take it, so a fixed-size ViT gets position embeddings for that grid), and an

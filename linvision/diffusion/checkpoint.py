@@ -156,7 +156,7 @@ def load_dit(path: str, ema: bool = True, device: str = "cpu") -> Tuple[LinDiT, 
     folder = resolve_checkpoint(path)
     meta = read_checkpoint_meta(folder)
     if meta["model"] != DIT_MODEL_NAME or "model_config" not in meta:
-        raise ValueError(f"checkpoint: {folder} holds a {meta['model']!r}, not a {DIT_MODEL_NAME} (tools/train.py "
+        raise ValueError(f"checkpoint: {folder} holds a {meta['model']!r}, not a {DIT_MODEL_NAME} (linvision/tools/train.py "
                          f"checkpoints load with linvision.load_model)")
     model = create_dit(meta["model_config"])
     if is_sharded_checkpoint(folder):

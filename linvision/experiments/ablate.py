@@ -1,4 +1,4 @@
-"""The MambaOut question for linear attention, behind ``tools/ablate.py``.
+"""The MambaOut question for linear attention, behind ``linvision/tools/ablate.py``.
 
 One macro-architecture (the hierarchical ``linhier`` family, or the isotropic ``linvit``, at a size given by
 ``model_kwargs``), one training recipe; only the token mixer changes (``mixers``: registry names, the same

@@ -15,7 +15,7 @@
    and RoPE parameters) or ``"mixer"`` (every mixer parameter, qkv and projection included).
    Each layer learns from the teacher's inputs, not from the student's own earlier layers, so the layers are
    independent problems (as in LoLCATs, Zhang et al. 2024, arXiv:2410.10254).
-3. Fine-tuning on the target dataset: ``tools/train.py --initial-checkpoint`` with the weights stage 1 wrote.
+3. Fine-tuning on the target dataset: ``linvision/tools/train.py --initial-checkpoint`` with the weights stage 1 wrote.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Accuracy of a trained checkpoint at one or several resolutions, behind ``tools/validate.py``.
+"""Accuracy of a trained checkpoint at one or several resolutions, behind ``linvision/tools/validate.py``.
 
 The same weights are evaluated at every resolution, with the transform the checkpoint's run validated with
 (images resized with its ``interpolation`` to ``size / crop_pct``, centre-cropped, normalised with its ``mean``

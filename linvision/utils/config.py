@@ -22,7 +22,7 @@ class ConfigError(ValueError):
 
 def packaged_config(name: str) -> Optional[str]:
     """The path of a config shipped with linvision (``linvision.configs``) named ``name`` or ``name.yaml``
-    (directories in ``name`` are ignored, so ``configs/digits_demo.yaml`` finds it too); None if none."""
+    (directories in ``name`` are ignored, so ``linvision/configs/digits_demo.yaml`` finds it too); None if none."""
     from importlib import resources
 
     base = os.path.basename(name)

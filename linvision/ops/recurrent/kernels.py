@@ -63,6 +63,7 @@ __all__ = [
     "pick_config",
     "pin_configs",
     "fla_autotuners",
+    "kernel_name",
 ]
 
 REQUIREMENT = "fla-core>=0.6,<0.7"
@@ -115,13 +116,20 @@ _PINNED_MODULES = ("fla.ops.delta_rule", "fla.ops.gla", "fla.ops.simple_gla", "f
 _PINNED: Set[int] = set()  # ids of the autotuners already pinned
 
 
-def pin_rule(major: Optional[int], head_dim: int) -> dict:
-    """The configuration the pinned kernels aim at on a GPU of compute capability ``major`` (None: unknown, e.g.
+# Kernels whose rule takes 8 warps: at 4 their pinned configuration spills registers when compiled for sm_90 (255
+# registers and 360-1028 bytes of spill stores per thread at D = 32-64), at 8 none. (fla offers only 2 warps on
+# Hopper for prepare_wy_repr_bwd_kernel, which Triton miscompiles with 4; that one spills at every configuration.)
+_EIGHT_WARPS = frozenset({"chunk_gla_bwd_kernel_dv", "chunk_gla_bwd_kernel_inter"})
+
+
+def pin_rule(major: Optional[int], head_dim: int, kernel: str = "") -> dict:
+    """The configuration the pinned ``kernel`` aims at on a GPU of compute capability ``major`` (None: unknown, e.g.
     the interpreter) for head size ``head_dim``: num_warps, num_stages and the cap of every block size."""
     block = 64
     while block > 16 and block > head_dim:
         block //= 2
-    return {"num_warps": 4, "num_stages": 3 if (major or 0) >= 9 else 2, "block": block}
+    return {"num_warps": 8 if kernel in _EIGHT_WARPS else 4, "num_stages": 3 if (major or 0) >= 9 else 2,
+            "block": block}
 
 
 def _distance(config, rule: dict) -> tuple:
@@ -137,11 +145,11 @@ def _distance(config, rule: dict) -> tuple:
             abs(config.num_stages - rule["num_stages"]))
 
 
-def pick_config(configs: list, named_args: dict, major: Optional[int]):
-    """The one configuration of ``configs`` that :func:`pin_rule` picks for a launch with ``named_args`` (its
-    head size from K, else D, else 64); ties go to the earliest, as fla lists them."""
+def pick_config(configs: list, named_args: dict, major: Optional[int], kernel: str = ""):
+    """The one configuration of ``configs`` that :func:`pin_rule` picks for a launch of ``kernel`` with
+    ``named_args`` (its head size from K, else D, else 64); ties go to the earliest, as fla lists them."""
     head = next((named_args[k] for k in ("K", "D") if isinstance(named_args.get(k), int)), 64)
-    rule = pin_rule(major, head)
+    rule = pin_rule(major, head, kernel)
     return min(configs, key=lambda c: _distance(c, rule))
 
 
@@ -151,12 +159,12 @@ def _capability_major() -> Optional[int]:
     return torch.cuda.get_device_capability()[0]
 
 
-def _pinning_prune(original: Optional[Callable]) -> Callable:
+def _pinning_prune(original: Optional[Callable], kernel: str) -> Callable:
     """An ``early_config_prune`` that runs fla's own (``original``), then keeps :func:`pick_config`'s choice."""
     def prune(configs, named_args, **kwargs):
         if original is not None:
             configs = original(configs, named_args, **kwargs)
-        return [pick_config(list(configs), {**named_args, **kwargs}, _capability_major())]
+        return [pick_config(list(configs), {**named_args, **kwargs}, _capability_major(), kernel)]
 
     prune.pinned = True
     return prune
@@ -182,6 +190,14 @@ def fla_autotuners() -> list:
     return found
 
 
+def kernel_name(tuner) -> str:
+    """The name of the Triton function an autotuner (or a wrapper of one) launches."""
+    fn = tuner
+    while hasattr(fn, "fn"):
+        fn = fn.fn
+    return getattr(fn, "__name__", "")
+
+
 def pin_configs() -> int:
     """Pin every autotuner of :func:`fla_autotuners` to one configuration per call (see the comment above); returns
     how many were pinned now. Does nothing when LINVISION_FLA_AUTOTUNE=1, nor when fla's own cache of tuned
@@ -192,7 +208,7 @@ def pin_configs() -> int:
     for tuner in fla_autotuners():
         if id(tuner) in _PINNED or getattr(tuner.early_config_prune, "pinned", False):
             continue
-        tuner.early_config_prune = _pinning_prune(tuner.early_config_prune)
+        tuner.early_config_prune = _pinning_prune(tuner.early_config_prune, kernel_name(tuner))
         _PINNED.add(id(tuner))
         pinned += 1
     return pinned

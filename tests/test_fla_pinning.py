@@ -107,7 +107,7 @@ SM90 = textwrap.dedent("""
 @pytest.mark.parametrize("d", [32, 64, 128])
 def test_pinned_configurations_compile_for_hopper(d):
     """The bidirectional delta rule and both gated forms, forward and backward, bf16, compiled for sm_90 without a
-    GPU (tools/check_kernels.py's pretend H100): one configuration per kernel and launch, each within a block's
+    GPU (linvision-check-kernels' pretend H100): one configuration per kernel and launch, each within a block's
     227 KB of shared memory; register spills only where fla's Hopper list leaves no choice
     (prepare_wy_repr_bwd_kernel, 2 warps) and, at D = 128, a few bytes in the delta rule's state backward."""
     import json

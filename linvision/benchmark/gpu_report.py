@@ -124,8 +124,8 @@ def _stop(proc: subprocess.Popen) -> None:
 def child_env(interpret: bool) -> Dict[str, str]:
     """The environment of a part's process: unbuffered output, and Triton's interpreter on (``interpret``) or off,
     whatever this process's own environment says."""
-    # PYTHONSAFEPATH: the working directory (a checkout, whose linvision/ lacks linvision.kernels and .tools) is not
-    # put first on the module path, so the installed linvision is the one imported (on a GPU machine: the wheels)
+    # PYTHONSAFEPATH: the working directory (a checkout's root) is not put first on the module path, so the installed
+    # linvision is the one imported (on a GPU machine: the carried wheels), not the checkout's source folder
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONSAFEPATH="1")
     if interpret:
         env["TRITON_INTERPRET"] = "1"

@@ -106,7 +106,8 @@ def _kernel(name: str) -> Callable:
 # from Hopper on (the async copies pipeline deeper there), each block size (BT, BK, BV, BC, BS, BD, ...) the
 # largest at most min(64, head size). Triton compiles a single configuration without timing anything, so the
 # first call costs one compilation per kernel. The configurations come from fla's own lists (each valid for its
-# kernel); tools/check_kernels.py --fla compiles the chosen ones for sm_90 (no spills, within the shared memory).
+# kernel); tests/test_fla_pinning.py compiles the chosen ones for sm_90 (within the shared memory; docs/kernels.md
+# lists the few that spill).
 # LINVISION_FLA_AUTOTUNE=1 in the environment (before the first kernel call) keeps fla's full autotuning instead,
 # and so does fla's own cache when a user turns it on (FLA_CACHE_MODE).
 

@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder of report.md, report.json and the parts' logs")
     p.add_argument("--dry-run", action="store_true",
                    help="every part at tiny sizes on the CPU (what runs without CUDA anyway)")
-    p.add_argument("--parts", nargs="+", choices=report.PARTS, default=list(report.PARTS),
-                   help="the parts to run, in this order")
+    p.add_argument("--parts", nargs="+", choices=report.PARTS, default=list(report.PARTS), metavar="PART",
+                   help=f"the parts to run, in this order: {', '.join(report.PARTS)}")
     p.add_argument("--budget", type=float, default=report.DEFAULT_BUDGET,
                    help="seconds for all parts together, shared out as each part starts")
     p.add_argument("--tests-k", default=None, metavar="EXPR",

@@ -5,6 +5,11 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List
 
+TITLES = {"kernels": "1. Kernels against SDPA", "models": "2. Models against timm's",
+          "recurrences": "3. Recurrences on fla-core's kernels", "tests": "4. CUDA tests"}
+DRY_NOTE = ("Dry run on the CPU: each figure is one call, the kernels in Triton's interpreter and the recurrences on "
+            "the PyTorch path, so the times and their ratios check that the part runs; they are not speed figures.")
+
 
 def _n(value: Any, fmt: str = ".3f") -> str:
     return f"{value:{fmt}}" if isinstance(value, (int, float)) and math.isfinite(value) else "-"
@@ -27,8 +32,6 @@ def summary(part: str, result: Dict[str, Any]) -> str:
 
 def render(report: Dict[str, Any]) -> str:
     """report.md from the report's dictionary."""
-    from .gpu_report import TITLES
-
     env, dry = report["environment"], report["environment"]["dry_run"]
     gpu = env["gpu"] or "none"
     device = f"CPU (dry run: every part at tiny sizes; GPU: {gpu})" if dry else f"{gpu} (CUDA {env['cuda']})"
@@ -47,8 +50,6 @@ def render(report: Dict[str, Any]) -> str:
                   + f" ({result['seconds']:.0f} s; output in `{result['log']}`)."]
         body = renderers[part](result)
         if dry and body and part != "tests":
-            from .gpu_report import DRY_NOTE
-
             body = ["", f"**{DRY_NOTE}**"] + body
         lines += body
         if result.get("log_tail"):

@@ -36,10 +36,11 @@ import xml.etree.ElementTree as ET
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .gpu_parts import plain, write_json
+from .gpu_render import DRY_NOTE, TITLES, render
+
+__all__ = ["PARTS", "TITLES", "SHARES", "DRY_NOTE", "MODELS", "run_report", "part_deadline", "check_options"]
 
 PARTS = ("kernels", "models", "recurrences", "tests")
-TITLES = {"kernels": "1. Kernels against SDPA", "models": "2. Models against timm's",
-          "recurrences": "3. Recurrences on fla-core's kernels", "tests": "4. CUDA tests"}
 SHARES = {"kernels": 2, "models": 4, "recurrences": 2, "tests": 2}
 DEFAULT_BUDGET = 540.0
 SOFTMAX_TWIN = "linvit_small_patch16_rope_224:token_mixer=softmax"
@@ -49,8 +50,6 @@ MODELS = ["linhier_tiny_224", "mlla_tiny", "vig_h_tiny", "linvit_small_patch16_r
           BIDIR_DELTA_VIT, "swin_tiny_patch4_window7_224", "convnext_tiny",
           "vit_small_patch16_224", SOFTMAX_TWIN]
 FIRST_MODELS = ["vig_tiny", "linhier_delta_tiny_224"]
-DRY_NOTE = ("Dry run on the CPU: each figure is one call, the kernels in Triton's interpreter and the recurrences on "
-            "the PyTorch path, so the times and their ratios check that the part runs; they are not speed figures.")
 # The dry run: every part at sizes a CPU runs in seconds.
 DRY = {"n": [256], "rec_n": [256], "heads": 1, "dim": 16, "dtype": "float32", "img_size": [32], "batches": [2],
        "warmup": 0, "iters": 1, "amp": "none", "model_img_size": 32, "tests_k": "autocast",
@@ -300,8 +299,6 @@ def environment(dry: bool) -> Dict[str, Any]:
 
 def write_report(report: Dict[str, Any], out_dir: str) -> None:
     """report.json and report.md in ``out_dir``, each written atomically."""
-    from .gpu_render import render
-
     write_json(os.path.join(out_dir, "report.json"), report)
     tmp = os.path.join(out_dir, f"report.md.{os.getpid()}.tmp")
     with open(tmp, "w") as f:

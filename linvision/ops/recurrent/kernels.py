@@ -171,21 +171,27 @@ def _pinning_prune(original: Optional[Callable], kernel: str) -> Callable:
     return prune
 
 
-def fla_autotuners() -> list:
-    """Every Triton autotuner of the fla modules the recurrences call (those imported so far)."""
-    import sys
+def _is_tuner(value) -> bool:
+    """A Triton autotuner, told by what it has (linvision.ops imports nothing of Triton)."""
+    return type(value).__module__.startswith(("triton.", "fla.")) and hasattr(value, "early_config_prune") and \
+        hasattr(value, "configs")
 
-    from triton.runtime.autotuner import Autotuner
-    from triton.runtime.jit import KernelInterface
+
+def fla_autotuners() -> list:
+    """Every Triton autotuner of the fla modules the recurrences call (those imported so far), Triton's and fla's
+    own (its cached autotuner subclasses Triton's), found through the wrappers (``.fn``) of the modules' kernels."""
+    import sys
 
     found, seen = [], set()
     for name, module in list(sys.modules.items()):
         if module is None or not name.startswith(_PINNED_MODULES):
             continue
         for value in list(vars(module).values()):
-            while isinstance(value, KernelInterface) and id(value) not in seen:
+            while _is_tuner(value) or type(value).__module__.startswith("triton.runtime"):
+                if id(value) in seen:
+                    break
                 seen.add(id(value))
-                if isinstance(value, Autotuner):
+                if _is_tuner(value):
                     found.append(value)
                 value = getattr(value, "fn", None)
     return found

@@ -103,7 +103,7 @@ def _kernel(name: str) -> Callable:
 # What. Every autotuner of the fla modules the recurrences call gets one more pruning step after fla's own: of the
 # configurations fla offers on this GPU, keep the one nearest to a rule written per architecture (compute
 # capability major) and head size (the kernel's K, else D): ``num_warps`` 4, ``num_stages`` 2 before Hopper and 3
-# from Hopper on (the async copies pipeline deeper there), each block size (BT, BK, BV, BC, BS, BD, ...) the
+# from Hopper on (its larger shared memory holds a third stage), each block size (BT, BK, BV, BC, BS, BD, ...) the
 # largest at most min(64, head size). Triton compiles a single configuration without timing anything, so the
 # first call costs one compilation per kernel. The configurations come from fla's own lists (each valid for its
 # kernel); tests/test_fla_pinning.py compiles the chosen ones for sm_90 (within the shared memory; docs/kernels.md
@@ -118,8 +118,9 @@ _PINNED: Set[int] = set()  # ids of the autotuners already pinned
 
 
 # Kernels whose rule takes 8 warps: at 4 their pinned configuration spills registers when compiled for sm_90 (255
-# registers and 360-1028 bytes of spill stores per thread at D = 32-64), at 8 none. (fla offers only 2 warps on
-# Hopper for prepare_wy_repr_bwd_kernel, which Triton miscompiles with 4; that one spills at every configuration.)
+# registers, 1028 and 360 bytes of spill stores per thread at D = 64), at 8 neither spills at D = 64 (the first
+# still spills 792 bytes at D = 32). fla offers only 2 warps on Hopper for prepare_wy_repr_bwd_kernel (Triton
+# miscompiles it with 4), which spills at D = 32-128 whatever is pinned.
 _EIGHT_WARPS = frozenset({"chunk_gla_bwd_kernel_dv", "chunk_gla_bwd_kernel_inter"})
 
 

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 BASE_STAMP := $(VENV)/.installed-base
 
-.PHONY: install demo test test-all test-latest docs gpu-report
+.PHONY: install demo test test-all test-latest docs gpu-report gpu-wheels
 
 # The tested versions: constraints.txt pins every package (pyproject.toml keeps the ranges users install into).
 # The library and its tools alone (torch, timm, triton, ...): what the demo needs.
@@ -36,11 +36,26 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q --runslow
 
-# On a CUDA machine, everything a GPU can tell in one run, each part with its own deadline: the CUDA tests, the
-# kernels against SDPA at 4k-131k tokens, the models at 512-2048 px; one report in output/gpu_report/ (report.md,
-# report.json). Without CUDA it is the dry run: every part at tiny sizes on the CPU, the same report.
-gpu-report: $(STAMP)
-	$(BIN)/linvision-gpu-report
+# The GPU report (docs/kernels.md, "The GPU report"): in --budget seconds (540 by default), by value, the kernels
+# against SDPA, the models against timm's, the recurrences, the CUDA tests (pytest -m cuda); report.md and
+# report.json in output/gpu_report/, rewritten as each part's rows come. GPU_REPORT_ARGS passes flags on.
+# On a bare GPU machine without network (python3 holding torch and triton), after `make gpu-wheels` here:
+# the wheels of .whl/ go into $(GPU_SITE) (about 5 s, no index, no dependencies resolved) and python3 runs the
+# report from there. Elsewhere it runs in .venv; without CUDA that is the dry run (tiny sizes on the CPU).
+GPU_SITE ?= /tmp/linvision-gpu-site
+gpu-report:
+	@if [ -d .whl ] && ! [ -x $(BIN)/python ]; then \
+		python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $(GPU_SITE) \
+			.whl/*.whl && PYTHONSAFEPATH=1 PYTHONPATH=$(GPU_SITE) python3 -m linvision.tools.gpu_report \
+			$(GPU_REPORT_ARGS); \
+	else $(MAKE) $(STAMP) && $(BIN)/linvision-gpu-report $(GPU_REPORT_ARGS); fi
+
+# The wheels a bare GPU machine lacks, into .whl/ (ignored by git; ~4.5 MB): linvision built from this checkout,
+# fla-core and timm at the tested versions (pure Python; torch and triton are the machine's own).
+gpu-wheels: $(BASE_STAMP)
+	rm -rf .whl && mkdir -p .whl
+	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w .whl .
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: -c constraints.txt -d .whl fla-core timm
 
 # The manual, with every warning an error, into site/ (open site/index.html); the test suite builds it the same way.
 docs: $(STAMP)

@@ -1,6 +1,7 @@
 # --- linvision.kernels: run the Triton kernels in the interpreter when there is no GPU. Must be set before
 # triton is imported; backend="auto" still selects the kernels for CUDA tensors only. ---
 import os
+import re
 
 import torch
 
@@ -51,3 +52,22 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_sep("=", f"slowest test files (of {total:.1f} s in tests)")
     for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:8]:
         terminalreporter.write_line(f"{seconds:8.1f} s  {100 * seconds / total:4.1f}%  {path}")
+
+
+# --- the cuda marker: every test skipped for lack of CUDA carries it (pytest -m cuda is the GPU report's subset) ---
+_NO_CUDA = re.compile(r"\b(GPU|CUDA)\b")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test skipped for lack of a GPU (its skip reason names a GPU or CUDA) without @pytest.mark.cuda fails,
+    saying so: the GPU report's `-m cuda` would miss it."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.skipped or torch.cuda.is_available() or item.get_closest_marker("cuda") is not None:
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if _NO_CUDA.search(reason):
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} is skipped for lack of CUDA ({reason}) but has no @pytest.mark.cuda: "
+                           "add the marker, so that `pytest -m cuda` (the GPU report) runs it")

@@ -418,7 +418,9 @@ CHAINS: Dict[str, Chain] = {
     )),
     "gpu_report_dry_run": Chain(setup=_report, steps=(
         Step("linvision-gpu-report --dry-run --output /tmp/report", subs={"/tmp/report": "{report}"},
-             why="the report goes into the chain's folder, not /tmp",
+             extra=("--models", "vit_small_patch16_224", "linvit_small_patch16_rope_224:token_mixer=softmax",
+                    "--first-models", "vig_tiny"),
+             why="the report goes into the chain's folder, not /tmp; two models of nine (each a minute on 2 cores)",
              check=_files("report/report.md", "report/report.json")),
     )),
     "bench_diffusion_parallel": Chain(steps=(
@@ -482,8 +484,10 @@ SKIPPED: Dict[str, str] = {
     "linvision-benchmark --config benchmark": "a GPU sweep (bf16, batch 8, up to 2048 px)",
     "linvision-gpu-report": "on a GPU the full report; without one it is the --dry-run, which runs "
                             "(chain gpu_report_dry_run)",
-    'linvision-gpu-report --parts tests --tests-k "delta or gated" --tests-timeout 900':
+    'linvision-gpu-report --parts tests --tests-k "delta or gated" --budget 900':
         "runs part of this test suite under pytest, from within it",
+    "linvision-gpu-report --parts kernels recurrences --budget 300 --rec-n 16384 65536":
+        "a GPU's sizes; without one the same parts run in the dry run (chain gpu_report_dry_run)",
     "torchrun --nproc_per_node 4 linvision/tools/train_diffusion.py --config linvision/configs/diffusion_digits.yaml":
         "four processes; the same config in one process runs (chain diffusion_digits)",
     "torchrun --nproc_per_node 8 linvision/tools/train_diffusion.py --config linvision/configs/diffusion_sana_600m_finetune.yaml "

@@ -185,6 +185,7 @@ class StatedResults:
         return len(self.checks)
 
 
+@pytest.mark.cuda  # the examples that use CUDA run on it
 @pytest.mark.parametrize("page, line, code", EXAMPLES, ids=[f"{page}:{line}" for page, line, _ in EXAMPLES])
 def test_example_runs(page, line, code, tmp_path, monkeypatch):
     """Each example runs, and the results its comments state (shapes, dtypes, printed values) are what it gives."""

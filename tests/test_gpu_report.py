@@ -1,128 +1,159 @@
-"""linvision-gpu-report: its dry run writes the whole report on a CPU (every part, each with figures), a part past
-its deadline is stopped and reported, and the CUDA test subset is found in the test files."""
-import datetime
+"""linvision-gpu-report: its dry run writes the whole report on a CPU (every part, each with figures, each said to
+be no speed figure), the budget is shared out as the parts start, a part's rows reach report.md while it runs, a
+part past its deadline is stopped and reported, and every test skipped for lack of CUDA carries the cuda marker
+(the report's test subset is ``pytest -m cuda``)."""
+import ast
 import json
 import math
 import os
+import re
+import shutil
+import subprocess
 import sys
 import time
 
 import pytest
 import torch
 
-from linvision.tools import gpu_report
+from linvision.benchmark import gpu_parts, gpu_report
+from linvision.tools import gpu_report as tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TWIN = "linvit_small_patch16_rope_224:token_mixer=softmax"
 
 
 def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_dry_run_writes_the_report_of_every_part(tmp_path, capsys):
-    """Without CUDA the plain command is the dry run (so it says); with CUDA --dry-run asks for it."""
+    """The four parts in the order of their value, each with figures; two models keep the CPU's part short."""
     cuda = torch.cuda.is_available()
     out = tmp_path / "report"
-    start = time.monotonic()
-    status = gpu_report.main((["--dry-run"] if cuda else []) + ["--output", str(out)])
-    seconds = time.monotonic() - start
+    status = tool.main((["--dry-run"] if cuda else []) + [
+        "--output", str(out), "--models", "vit_small_patch16_224", TWIN, "--first-models", "vig_tiny"])
     printed = capsys.readouterr().out
     assert status == 0, printed[-3000:]
-    if not cuda:
-        assert "no CUDA device: running the dry run" in printed
-    for line in ("[1/3] tests:", "[2/3] kernels:", "[3/3] models:", "3 of 3 parts ok"):
+    for line in ("[1/4] kernels:", "[2/4] models:", "[3/4] recurrences:", "[4/4] tests:", "4 of 4 parts ok"):
         assert line in printed
-
     report = json.loads((out / "report.json").read_text())
     markdown = (out / "report.md").read_text()
-    env = report["environment"]
-    assert report["dry_run"] is True and env["torch"] == torch.__version__
-    assert abs(datetime.datetime.fromisoformat(env["date"]).timestamp() - time.time()) < seconds + 60
-    assert list(report["parts"]) == ["tests", "kernels", "models"]
+    assert report["dry_run"] is True and report["budget_s"] == 540 and list(report["parts"]) == list(gpu_report.PARTS)
     for name, part in report["parts"].items():
         assert part["status"] == "ok", (name, part.get("error"), part.get("log_tail"))
-        assert _number(part["seconds"]) and 0 < part["seconds"] <= seconds and _number(part["deadline_s"])
+        assert _number(part["seconds"]) and 0 < part["seconds"] <= part["deadline_s"]
         assert (out / part["log"]).is_file()
-
-    tests = report["parts"]["tests"]
-    counts = tests["counts"]
-    assert all(isinstance(v, int) for v in counts.values())
-    # a case marked slow is skipped without --runslow; every other selected case runs and passes
-    assert counts["collected"] >= 250 and counts["run"] == counts["passed"] + counts["skipped"]
-    assert counts["passed"] >= 1
-    assert counts["failed"] == counts["error"] == 0 and counts["deselected"] == counts["collected"] - counts["run"]
-    assert "tests/test_kernels.py::test_autocast_runs_in_the_autocast_dtype" in tests["autocast"]["tests"]
-    assert tests["autocast"]["passed"] >= 1 and tests["failures"] == []
+    # the budget is shared as the parts start: the first part gets its share of all of it
+    assert report["parts"]["kernels"]["deadline_s"] == pytest.approx(540 * 2 / 10)
 
     kernels = report["parts"]["kernels"]
-    assert [(r["n"], r["pass"]) for r in kernels["rows"]] == [(512, "fwd"), (512, "bwd"), (512, "fwd+bwd")]
+    assert [(r["n"], r["pass"]) for r in kernels["rows"]] == [(256, "fwd"), (256, "bwd"), (256, "fwd+bwd")]
     for row in kernels["rows"]:
-        for key in ("triton_ms", "torch_ref_ms", "sdpa_ms", "sdpa_over_triton"):
-            assert _number(row[key]) and row[key] > 0, (key, row)
+        assert all(_number(row[k]) and row[k] > 0 for k in ("triton_ms", "torch_ref_ms", "sdpa_ms")), row
         assert math.isclose(row["sdpa_over_triton"], row["sdpa_ms"] / row["triton_ms"])
 
-    models = report["parts"]["models"]
-    points = models["points"]
-    assert [p["model"] for p in points] == gpu_report.MODELS and {p["img_size"] for p in points} == {64}
+    points = report["parts"]["models"]["points"]
+    assert [(p["batch_size"], p["model"], p["img_size"]) for p in points] == [
+        (2, "vit_small_patch16_224", 32), (2, TWIN, 32)]
     for p in points:
-        assert p["status"] == "ok", p["error"]
-        for key in ("infer_img_s", "infer_ms", "train_img_s", "train_ms", "params_m"):
-            assert _number(p[key]) and p[key] > 0, (key, p)
-        for key in ("infer_mem_mb", "train_mem_mb", "train_ms_vs_twin", "infer_ms_vs_twin"):
-            assert _number(p[key]), (key, p)
-        assert math.isclose(p["infer_img_s"] * p["infer_ms"], 1000.0, rel_tol=1e-6)
-    assert points[-1]["model"] == models["twin"] and points[-1]["train_ms_vs_twin"] == 1.0
-    assert (out / "models" / "results.json").is_file() and (out / "models" / "throughput_memory.png").is_file()
+        assert p["status"] == "ok" and all(_number(p[k]) and p[k] > 0 for k in ("infer_img_s", "train_img_s")), p
+    assert points[1]["train_ms_vs_twin"] == 1.0 and _number(points[0]["infer_ms_vs_twin"])
 
-    headings = ("# GPU report", "## 1. CUDA tests", "## 2. Kernels against SDPA", "## 3. Models at high resolution")
-    for heading in headings:
+    rec = report["parts"]["recurrences"]
+    assert [c["what"] for c in rec["first_calls"]] == [
+        "linear_rope at N=256", "bidir_delta at N=256", "bidir_gated at N=256", "vig_tiny at 32 px, batch 1"]
+    assert all(_number(c["seconds"]) and c["seconds"] > 0 for c in rec["first_calls"])
+    assert rec["backend"] == "torch" and [r["pass"] for r in rec["rows"]] == ["fwd", "bwd", "fwd+bwd"]
+    for row in rec["rows"]:
+        assert math.isclose(row["bidir_delta_over_linear_rope"], row["bidir_delta_ms"] / row["linear_rope_ms"])
+
+    tests = report["parts"]["tests"]
+    c = tests["counts"]
+    assert "-m cuda" in tests["command"] and "-k autocast" in tests["command"]
+    assert c["passed"] >= 1 and c["failed"] == c["error"] == 0 and c["run"] == c["passed"] + c["skipped"]
+    assert c["deselected"] == c["collected"] - c["run"]
+
+    for heading in ("# GPU report", "## 1. Kernels against SDPA", "## 2. Models against timm's",
+                    "## 3. Recurrences on fla-core's kernels", "## 4. CUDA tests"):
         assert f"\n{heading}\n" in f"\n{markdown}"
-    assert f"torch {torch.__version__}" in markdown and env["date"] in markdown
-    for part in ("tests", "kernels", "models"):
-        assert f"| {part} | ok |" in markdown
-    assert f"| {counts['collected']} | {counts['deselected']} | {counts['run']} | {counts['passed']} |" in markdown
+    # every section with figures says first, in bold, that the dry run's figures are not speed figures
+    assert markdown.count(f"**{gpu_report.DRY_NOTE}**") == 3 and "they are not speed figures" in gpu_report.DRY_NOTE
     row = kernels["rows"][0]
-    assert f"| 512 | fwd | {row['triton_ms']:.3f} | {row['torch_ref_ms']:.3f} | {row['sdpa_ms']:.3f} |" in markdown
-    assert f"| linhier_delta_tiny_224 | 64 | ok | {points[1]['infer_img_s']:.2f} |" in markdown
+    assert f"| 256 | fwd | {row['triton_ms']:.3f} | {row['torch_ref_ms']:.3f} | {row['sdpa_ms']:.3f} |" in markdown
+    assert f"| 2 | vit_small_patch16_224 | 32 | ok | {points[0]['infer_img_s']:.2f} |" in markdown
 
 
-def test_a_part_past_its_deadline_is_stopped_and_the_report_says_so(tmp_path, capsys):
-    log = tmp_path / "sleep.log"
+def test_the_budget_is_shared_out_as_the_parts_start():
+    assert sum(gpu_report.part_deadline(p, gpu_report.PARTS, 540) for p in gpu_report.PARTS) == pytest.approx(540)
+    assert gpu_report.part_deadline("kernels", gpu_report.PARTS, 540) == pytest.approx(108)
+    # what the kernels left (500 of 540 s) goes to the three parts after it, by their shares 4:2:2
+    assert gpu_report.part_deadline("models", ("models", "recurrences", "tests"), 500) == pytest.approx(250)
+    assert gpu_report.part_deadline("tests", ("tests",), 37) == pytest.approx(37)
+    assert gpu_report.part_deadline("tests", ("tests",), -3) == 0
+
+
+def test_the_comparison_is_measured_batch_by_batch_and_size_by_size():
+    order = gpu_parts.comparison_order(["a", "b"], [512, 1024], [8, 1])
+    assert order == [(8, 512, "a"), (8, 512, "b"), (8, 1024, "a"), (8, 1024, "b"),
+                     (1, 512, "a"), (1, 512, "b"), (1, 1024, "a"), (1, 1024, "b")]
+    points = [{"model": "a", "batch_size": 8, "img_size": 512, "status": "ok"},
+              {"model": "a", "batch_size": 8, "img_size": 1024, "status": "oom"},
+              {"model": "a", "batch_size": 8, "img_size": 2048, "status": "oom"},
+              {"model": "b", "batch_size": 1, "img_size": 2048, "status": "oom"}]
+    assert gpu_parts._oom_at(points) == {"a @ batch 8": 1024, "b @ batch 1": 2048}
+
+
+def test_a_running_part_writes_its_rows_into_the_report(tmp_path, monkeypatch):
+    """While a part runs, each change of its saved figures rewrites report.md and report.json (status
+    "running"), so a run cut there keeps them."""
+    seen = {}
+
+    def fake_child_part(part, settings, out_dir, deadline, dry, update):
+        update({"rows": [{"n": 4096, "pass": "fwd", "triton_ms": 0.25, "torch_ref_ms": 1.0, "sdpa_ms": 0.5,
+                          "sdpa_over_triton": 2.0}],
+                "device": "cuda", "batch": 1, "heads": 16, "dim": 64, "dtype": "bfloat16", "feature_map": "elu"})
+        seen["md"] = (tmp_path / "report.md").read_text()
+        seen["json"] = json.loads((tmp_path / "report.json").read_text())
+        return {"status": "ok", "error": "", "seconds": 1.0, "deadline_s": deadline, "log": "kernels.log",
+                "log_tail": []}
+
+    monkeypatch.setattr(gpu_report, "run_child_part", fake_child_part)
+    report = {"command": "linvision-gpu-report", "budget_s": 540, "environment": gpu_report.environment(False),
+              "parts": {}}
+    result = gpu_report._run_part("kernels", {"kernels": {}}, {}, str(tmp_path), 108.0, False, report)
+    assert result["status"] == "ok"
+    assert seen["json"]["parts"]["kernels"]["status"] == "running"
+    assert "| kernels | running |" in seen["md"] and "| 4096 | fwd | 0.250 | 1.000 | 0.500 | 2.00 |" in seen["md"]
+    assert gpu_report.DRY_NOTE not in seen["md"]
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]  # written through renamed temporaries
+
+
+def test_a_part_past_its_deadline_is_stopped_and_keeps_what_it_saved(tmp_path, capsys):
+    result = tmp_path / "part.json"
+    script = (f"import json, time; json.dump({{'rows': [1, 2]}}, open({str(result)!r}, 'w')); print('saved', "
+              "flush=True); time.sleep(60)")
+    ticks = []
     start = time.monotonic()
-    run = gpu_report.run_process([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"],
-                                 1.0, str(log))
-    assert run["timed_out"] and run["returncode"] != 0 and time.monotonic() - start < 30
-    assert run["tail"] == ["started"] and log.read_text() == "started\n" and "    started" in capsys.readouterr().out
-    run = gpu_report.run_process([sys.executable, "-c", "import sys; print('x'); sys.exit(3)"], 30, str(log))
+    run = gpu_report.run_process([sys.executable, "-c", script], 5.0, str(tmp_path / "part.log"),
+                                 tick=lambda: ticks.append(result.exists()))
+    assert run["timed_out"] and run["returncode"] != 0 and time.monotonic() - start < 60
+    assert run["tail"] == ["saved"] and "    saved" in capsys.readouterr().out and True in ticks
+    assert json.loads(result.read_text()) == {"rows": [1, 2]}
+    run = gpu_report.run_process([sys.executable, "-c", "import sys; print('x'); sys.exit(3)"], 30,
+                                 str(tmp_path / "x.log"))
     assert not run["timed_out"] and run["returncode"] == 3 and run["tail"] == ["x"]
 
-    # a real part stopped before it measured anything (importing torch alone takes longer), then the report
-    part = gpu_report._run_child_part("kernels", {"device": "cpu", "n": [512], "heads": 1, "dim": 16,
-                                                  "dtype": "float32", "hbm_tbps": None}, str(tmp_path), 0.2, True)
-    assert part["status"] == "timeout" and "deadline of 0.2 s" in part["error"] and part["seconds"] < 30
+    part = gpu_report.run_child_part("kernels", {"device": "cpu"}, str(tmp_path), 0.2, True)
+    assert part["status"] == "timeout" and "deadline of 0 s" in part["error"] and part["seconds"] < 30
     failed = {"status": "error", "error": "RuntimeError: boom", "seconds": 3.0, "deadline_s": 60, "log": "models.log",
               "log_tail": ["Traceback (most recent call last):", "RuntimeError: boom"]}
-    report = {"command": "linvision-gpu-report", "environment": gpu_report.environment(True),
+    report = {"command": "linvision-gpu-report", "budget_s": 60, "environment": gpu_report.environment(True),
               "parts": {"kernels": part, "models": failed}}
     gpu_report.write_report(report, str(tmp_path))
     markdown = (tmp_path / "report.md").read_text()
     assert "| kernels | timeout |" in markdown and "| models | error | 3 | 60 | RuntimeError: boom |" in markdown
-    assert "## 2. Kernels against SDPA" in markdown and "## 3. Models at high resolution" in markdown
     assert "Status: **error**: RuntimeError: boom" in markdown and "```\nTraceback" in markdown
-    assert json.loads((tmp_path / "report.json").read_text())["parts"]["kernels"]["status"] == "timeout"
-
-
-def test_the_cuda_test_subset_is_found_in_the_test_files():
-    subset = gpu_report.cuda_tests(ROOT)
-    selection = subset["selection"]
-    assert {"tests/test_kernels.py", "tests/test_recurrent_kernels.py",
-            "tests/test_variants.py::test_fused_kernel_route_matches_formula",
-            "tests/test_examples.py::test_example_runs"} <= set(selection)
-    assert not any(s.startswith(("tests/test_engine.py", "tests/test_help.py", "tests/test_gpu_report.py"))
-                   for s in selection)
-    assert {"tests/test_kernels.py::test_autocast_runs_in_the_autocast_dtype",
-            "tests/test_recurrent_kernels.py::test_fp32_inputs_run_with_fp16_operands"} <= set(subset["autocast"])
 
 
 def test_test_outcomes_are_read_from_junit_or_from_the_printed_lines(tmp_path):
@@ -131,24 +162,108 @@ def test_test_outcomes_are_read_from_junit_or_from_the_printed_lines(tmp_path):
                    '<testcase classname="tests.test_kernels" name="test_b"><failure message="assert 1 == 2">'
                    'tb</failure></testcase><testcase classname="tests.test_x" name="test_c"><skipped message="'
                    'needs a GPU"/></testcase></testsuite></testsuites>')
-    assert gpu_report._junit_results(str(xml)) == [
+    results = gpu_report.junit_results(str(xml))
+    assert results == [
         {"test": "tests/test_kernels.py::test_a[2]", "outcome": "passed", "message": ""},
         {"test": "tests/test_kernels.py::test_b", "outcome": "failed", "message": "assert 1 == 2"},
         {"test": "tests/test_x.py::test_c", "outcome": "skipped", "message": "needs a GPU"}]
-    assert gpu_report._junit_results(str(tmp_path / "missing.xml")) is None
-    lines = ["tests/test_kernels.py::test_a[2] PASSED   [ 50%]", "noise", "tests/test_kernels.py::test_b FAILED"]
-    assert [(r["test"], r["outcome"]) for r in gpu_report._line_results(lines)] == [
-        ("tests/test_kernels.py::test_a[2]", "passed"), ("tests/test_kernels.py::test_b", "failed")]
+    assert gpu_report.junit_results(str(tmp_path / "missing.xml")) is None
+    lines = ["collected 9 items / 6 deselected", "tests/test_kernels.py::test_a[2] PASSED   [ 50%]", "noise",
+             "tests/test_kernels.py::test_b FAILED"]
+    figures = gpu_report.tests_figures(lines, gpu_report.line_results(lines))
+    assert figures["counts"] == {"passed": 1, "failed": 1, "error": 0, "skipped": 0, "collected": 9,
+                                 "deselected": 6, "run": 2}
+    assert figures["failures"] == [{"test": "tests/test_kernels.py::test_b", "message": ""}]
 
 
 def test_bad_arguments_stop_before_anything_runs(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        gpu_report.main(["--parts", "nope"])
+        tool.main(["--parts", "nope"])
     assert e.value.code == 2 and "invalid choice: 'nope'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="twin: 'resnet18' is not one of --models"):
-        gpu_report.main(["--twin", "resnet18", "--output", str(tmp_path)])
-    with pytest.raises(ValueError, match="tests_timeout: seconds > 0"):
-        gpu_report.main(["--tests-timeout", "0", "--output", str(tmp_path)])
+        tool.main(["--twin", "resnet18", "--output", str(tmp_path)])
+    with pytest.raises(ValueError, match="budget: seconds > 0"):
+        tool.main(["--budget", "0", "--output", str(tmp_path)])
     with pytest.raises(ValueError, match="model: unknown 'linhier_nope'"):
-        gpu_report.main(["--models", "linhier_nope", "--twin", "none", "--output", str(tmp_path)])
+        tool.main(["--models", "linhier_nope", "--twin", "none", "--output", str(tmp_path)])
     assert list(tmp_path.iterdir()) == []
+
+
+# --- the cuda marker ---
+
+_GPU_WORDS = re.compile(r"\b(GPU|CUDA)\b|cuda\.is_available|\bDEVICE\b")
+
+
+def _marks_cuda(nodes) -> bool:
+    return any("mark.cuda" in ast.unparse(n) for n in nodes)
+
+
+def _needs_cuda(nodes) -> bool:
+    """A skipif/skip mark among ``nodes`` (decorators or pytestmark values) whose condition or reason is about CUDA."""
+    calls = [c for n in nodes for c in ast.walk(n) if isinstance(c, ast.Call)
+             and getattr(c.func, "attr", "") in ("skipif", "skip")]
+    return any(_GPU_WORDS.search(ast.unparse(c)) for c in calls)
+
+
+def unmarked_cuda_tests(path: str):
+    """The tests of a test file that skip for lack of CUDA (a skipif/skip mark of theirs or of the module naming
+    CUDA or a GPU, or a pytest.skip in their body with such a reason) and carry no cuda marker."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    module_marks = [n.value for n in tree.body if isinstance(n, ast.Assign)
+                    and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)]
+    helpers = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    missing = []
+    for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")):
+        if _marks_cuda(module_marks + fn.decorator_list):
+            continue
+        body_skips = [c for c in ast.walk(fn) if isinstance(c, ast.Call) and ast.unparse(c.func) == "pytest.skip"]
+        called = {c.func.id for c in ast.walk(fn) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+        texts = [ast.unparse(c) for c in body_skips] + [ast.unparse(helpers[c]) for c in called & set(helpers)
+                                                         if body_skips]
+        if _needs_cuda(module_marks + fn.decorator_list) or any(re.search(r"\b(GPU|CUDA)\b", t) for t in texts):
+            missing.append(fn.name)
+    return missing
+
+
+def test_every_test_skipped_without_cuda_carries_the_cuda_marker():
+    """Read from the test files: no test that skips for lack of CUDA (however its skip is written) lacks
+    @pytest.mark.cuda, so `pytest -m cuda` is the whole CUDA subset; the reading catches each way of skipping."""
+    files = sorted(f for f in os.listdir(os.path.join(ROOT, "tests")) if f.startswith("test_") and f.endswith(".py"))
+    missing = {f: m for f in files if (m := unmarked_cuda_tests(os.path.join(ROOT, "tests", f)))}
+    assert missing == {}
+
+
+def test_the_reading_finds_each_way_of_skipping_for_lack_of_cuda(tmp_path):
+    sample = tmp_path / "test_sample.py"
+    sample.write_text(
+        "import pytest, torch\n"
+        "@pytest.mark.skipif(not torch.cuda.is_available(), reason='x')\ndef test_a(): pass\n"
+        "@pytest.mark.cuda\n@pytest.mark.skipif(not torch.cuda.is_available(), reason='x')\ndef test_b(): pass\n"
+        "def why(): return 'need a GPU'\n"
+        "def test_c():\n    pytest.skip(why())\n"
+        "def test_d():\n    pytest.skip('no onnxruntime')\n"
+        "@pytest.mark.skipif(True, reason='the fused kernels need a GPU or TRITON_INTERPRET=1')\ndef test_e(): pass\n")
+    assert unmarked_cuda_tests(str(sample)) == ["test_a", "test_c", "test_e"]
+    assert "test_a_naflex_batch_on_the_fused_kernels" not in unmarked_cuda_tests(
+        os.path.join(ROOT, "tests", "test_variable_length.py"))
+
+
+def test_an_unmarked_test_skipped_for_lack_of_cuda_fails_the_run(tmp_path):
+    """tests/conftest.py turns a skip for lack of CUDA without the marker into a failure that says what to add
+    (on a machine without CUDA, where such a skip happens)."""
+    if torch.cuda.is_available():
+        pytest.skip("nothing is skipped for want of an accelerator on this machine")
+    shutil.copy(os.path.join(ROOT, "tests", "conftest.py"), tmp_path / "conftest.py")
+    (tmp_path / "test_skips.py").write_text(
+        "import pytest\n"
+        "def test_unmarked():\n    pytest.skip('needs a GPU')\n"
+        "@pytest.mark.cuda\ndef test_marked():\n    pytest.skip('needs a GPU')\n"
+        "def test_other():\n    pytest.skip('no onnxruntime')\n")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W",
+                             "ignore::pytest.PytestUnknownMarkWarning", str(tmp_path)], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stdout[-2000:]
+    assert "1 failed, 2 skipped" in result.stdout
+    assert "test_unmarked is skipped for lack of CUDA (Skipped: needs a GPU) but has no @pytest.mark.cuda" in \
+        result.stdout

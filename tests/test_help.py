@@ -65,10 +65,10 @@ DEFAULTS = {
     "linvision-bench-diffusion-block": [("--tokens", "1024 4096 16384 65536"), ("--attn", "linear softmax")],
     "linvision-bench-diffusion-parallel": [("--depth", "4"), ("--ranks", "1 2"), ("--modes", "ddp fsdp fsdp+ckpt")],
     "linvision-export": [("--tolerance", "0.0001"), ("--bench-iters", "3")],
-    "linvision-gpu-report": [("--output", "output/gpu_report"), ("--tests-timeout", "1800"),
-                             ("--n", "4096 8192 16384 32768 65536 131072"), ("--img-size", "512 1024 2048"),
-                             ("--models",
-                              "linhier_tiny_224 linhier_delta_tiny_224 linhier_tiny_224:token_mixers=softmax"),
+    "linvision-gpu-report": [("--output", "output/gpu_report"), ("--budget", "540.0"),
+                             ("--n", "4096 8192 16384 32768 65536 131072"), ("--rec-n", "4096 16384 65536 262144"),
+                             ("--img-size", "512 1024 2048"), ("--batch-sizes", "8 1"),
+                             ("--first-models", "vig_tiny linhier_delta_tiny_224"),
                              ("--amp", "bf16")],
 }
 

@@ -22,6 +22,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
     DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1", reason="needs a GPU or TRITON_INTERPRET=1"
 )
+pytestmark = [pytestmark, pytest.mark.cuda]
 
 pytest.importorskip("triton")
 import linvision.kernels as kernels  # noqa: E402

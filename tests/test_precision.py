@@ -94,6 +94,7 @@ def test_attention_variants_with_large_features(amp):
     check_against_float64(lambda q, k, v: magnitude_aware_linear_attention(q, k, v, "elu"), amp, q, k, v)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="needs a GPU or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("amp", list(AMP))

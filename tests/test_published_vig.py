@@ -246,7 +246,7 @@ def test_vig_refuses_naflex_batches_in_one_line():
         model(batch)
 
 
-# ---- ViG-H: the authors' HierViG (linvision/configs/vig-h/vig-h-{t,s,b}.yaml) on LinHier ----
+# ---- ViG-H: the authors' HierViG (configs/vig-h/vig-h-{t,s,b}.yaml) on LinHier ----
 
 H_README_PARAMS = {"vig_h_tiny": 29, "vig_h_small": 50, "vig_h_base": 89}  # M, the authors' README
 H_SIZES = [pytest.param(n, id=n, marks=[] if n == "vig_h_tiny" else [pytest.mark.slow]) for n in H_README_PARAMS]

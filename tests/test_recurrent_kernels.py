@@ -32,6 +32,7 @@ from test_recurrent import naive_delta, naive_gated, phi
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = [
+    pytest.mark.cuda,
     pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET, reason="needs a GPU or TRITON_INTERPRET=1"),
     pytest.mark.filterwarnings("ignore:Triton is not supported on current platform"),
 ]

@@ -281,6 +281,7 @@ PUBLISHED_TINY = ["mlla_tiny", "ravlt_tiny", "mavit_tiny", "vig_tiny", "vig_h_ti
                   "inline_swin_tiny", "inline_pvt_tiny", "inline_cswin_tiny", "pola_swin_tiny", "pola_pvt_tiny"]
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the published models at full size on CUDA)")
 @pytest.mark.parametrize("amp", list(AMP))
 @pytest.mark.parametrize("name", PUBLISHED_TINY)

@@ -241,6 +241,7 @@ def test_a_naflex_batch_gives_each_image_its_own_logits_and_intermediates(case):
     assert model.get_patch_size() == (16, 16)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="the fused kernels need a GPU or TRITON_INTERPRET=1")
 def test_a_naflex_batch_on_the_fused_kernels(monkeypatch):

@@ -152,6 +152,7 @@ def test_agent_against_formula():
         agent_attention(q, k, v, (8, 8), (0, 2))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="needs a GPU or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("variant", ["pola", "inline", "rala", "mala"])

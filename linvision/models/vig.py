@@ -3,7 +3,7 @@ published ImageNet-1k weights.
 
 Liao et al. 2024, "ViG: Linear-complexity Visual Sequence Learning with Gated Linear Attention", arXiv:2405.18425;
 reference code github.com/hustvl/ViG (MIT licence; classification model ``ViG`` with the configs
-``linvision/configs/vig/vig-{t,s,b}.yaml``), weights on the Hugging Face hub repository ``hustvl/ViG``
+``configs/vig/vig-{t,s,b}.yaml``), weights on the Hugging Face hub repository ``hustvl/ViG``
 (``vig_{t,s,b}_{77p2,81p7,82p6}acc.pth``; the hub repository states apache-2.0).
 
 The network is :class:`~linvision.models.linvit.LinViT` without a class token, with:
@@ -18,7 +18,7 @@ The network is :class:`~linvision.models.linvit.LinViT` without a class token, w
 
 Evaluation as the authors': resize to 256/224 of the crop (bicubic), centre crop 224, ImageNet mean/std.
 
-ViG-H (the authors' ``HierViG`` with ``linvision/configs/vig-h/vig-h-{t,s,b}.yaml``; hub files
+ViG-H (the authors' ``HierViG`` with ``configs/vig-h/vig-h-{t,s,b}.yaml``; hub files
 ``vig_h_{t,s,b}_{82p8,83p8,84p2}acc.pth``) is :class:`~linvision.models.linhier.LinHier` with its own layers:
 LinHier's stem (two 3x3 convs of stride 2 with LayerNorm and GELU between) and 3x3 stride-2 downsampling, with
 LayerNorm eps 1e-5; pre-norm blocks without CPE of ``"vig_gla"`` (without the SiLUs, output scale 1/2: the

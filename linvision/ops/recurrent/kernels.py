@@ -58,6 +58,12 @@ __all__ = [
     "bidirectional_gated",
     "delta_scan",
     "bidirectional_delta",
+    "AUTOTUNE_ENV",
+    "pin_rule",
+    "pick_config",
+    "pin_configs",
+    "fla_autotuners",
+    "kernel_name",
 ]
 
 REQUIREMENT = "fla-core>=0.6,<0.7"
@@ -70,7 +76,8 @@ _IMPORT_ERROR: list = []  # the reason fla-core could not be imported, once know
 
 
 def _kernel(name: str) -> Callable:
-    """fla's chunked kernel ``name`` ("delta_rule", "gla", "simple_gla"), imported on first use."""
+    """fla's chunked kernel ``name`` ("delta_rule", "gla", "simple_gla"), imported on first use; its autotuners are
+    then pinned (:func:`pin_configs`)."""
     if name not in _KERNELS:
         if name == "delta_rule":
             from fla.ops.delta_rule import chunk_delta_rule as fn
@@ -79,7 +86,140 @@ def _kernel(name: str) -> Callable:
         else:
             from fla.ops.simple_gla import chunk_simple_gla as fn
         _KERNELS[name] = fn
+        pin_configs()
     return _KERNELS[name]
+
+
+# --- pinned configurations of fla's autotuned kernels ---
+#
+# Why. fla-core's kernels are wrapped in Triton autotuners (up to 48 configurations each, a dozen kernels per
+# recurrence, forward and backward), and several key their choice on the batch and head counts too. On the first
+# call with a new key Triton compiles and times every configuration: on an H100 the first forward and backward of a
+# bidirectional delta-rule or gated layer did not end within 60 s, and a model's first call (ViG, linhier_delta)
+# waits as long again for every new batch size. fla's own cache of tuned configurations (FLA_CACHE_MODE, read once
+# when fla is imported) ships no files for these kernels, and Triton's disk cache of timings
+# (TRITON_CACHE_AUTOTUNING) only helps the second process, after the first has paid.
+#
+# What. Every autotuner of the fla modules the recurrences call gets one more pruning step after fla's own: of the
+# configurations fla offers on this GPU, keep the one nearest to a rule written per architecture (compute
+# capability major) and head size (the kernel's K, else D): ``num_warps`` 4, ``num_stages`` 2 before Hopper and 3
+# from Hopper on (its larger shared memory holds a third stage), each block size (BT, BK, BV, BC, BS, BD, ...) the
+# largest at most min(64, head size). Triton compiles a single configuration without timing anything, so the
+# first call costs one compilation per kernel. The configurations come from fla's own lists (each valid for its
+# kernel); tests/test_fla_pinning.py compiles the chosen ones for sm_90 (within the shared memory; docs/kernels.md
+# lists the few that spill).
+# LINVISION_FLA_AUTOTUNE=1 in the environment (before the first kernel call) keeps fla's full autotuning instead,
+# and so does fla's own cache when a user turns it on (FLA_CACHE_MODE).
+
+AUTOTUNE_ENV = "LINVISION_FLA_AUTOTUNE"
+_PINNED_MODULES = ("fla.ops.delta_rule", "fla.ops.gla", "fla.ops.simple_gla", "fla.ops.common", "fla.ops.utils",
+                   "fla.modules.norm.l2norm")
+_PINNED: Set[int] = set()  # ids of the autotuners already pinned
+
+
+# Kernels whose rule takes 8 warps: at 4 their pinned configuration spills registers when compiled for sm_90 (255
+# registers, 1028 and 360 bytes of spill stores per thread at D = 64), at 8 neither spills at D = 64 (the first
+# still spills 792 bytes at D = 32). fla offers only 2 warps on Hopper for prepare_wy_repr_bwd_kernel (Triton
+# miscompiles it with 4), which spills at D = 32-128 whatever is pinned.
+_EIGHT_WARPS = frozenset({"chunk_gla_bwd_kernel_dv", "chunk_gla_bwd_kernel_inter"})
+
+
+def pin_rule(major: Optional[int], head_dim: int, kernel: str = "") -> dict:
+    """The configuration the pinned ``kernel`` aims at on a GPU of compute capability ``major`` (None: unknown, e.g.
+    the interpreter) for head size ``head_dim``: num_warps, num_stages and the cap of every block size."""
+    block = 64
+    while block > 16 and block > head_dim:
+        block //= 2
+    return {"num_warps": 8 if kernel in _EIGHT_WARPS else 4, "num_stages": 3 if (major or 0) >= 9 else 2,
+            "block": block}
+
+
+def _distance(config, rule: dict) -> tuple:
+    """How far a triton.Config is from ``rule``: warps, stages, then each block size (over the cap costs more)."""
+    import math
+
+    blocks = 0.0
+    for key, value in config.kwargs.items():
+        if key.startswith("B") and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            step = math.log2(value) - math.log2(rule["block"])
+            blocks += 2 * step if step > 0 else -step
+    return (abs(math.log2(config.num_warps) - math.log2(rule["num_warps"])), blocks,
+            abs(config.num_stages - rule["num_stages"]))
+
+
+def pick_config(configs: list, named_args: dict, major: Optional[int], kernel: str = ""):
+    """The one configuration of ``configs`` that :func:`pin_rule` picks for a launch of ``kernel`` with
+    ``named_args`` (its head size from K, else D, else 64); ties go to the earliest, as fla lists them."""
+    head = next((named_args[k] for k in ("K", "D") if isinstance(named_args.get(k), int)), 64)
+    rule = pin_rule(major, head, kernel)
+    return min(configs, key=lambda c: _distance(c, rule))
+
+
+def _capability_major() -> Optional[int]:
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()[0]
+
+
+def _pinning_prune(original: Optional[Callable], kernel: str) -> Callable:
+    """An ``early_config_prune`` that runs fla's own (``original``), then keeps :func:`pick_config`'s choice."""
+    def prune(configs, named_args, **kwargs):
+        if original is not None:
+            configs = original(configs, named_args, **kwargs)
+        return [pick_config(list(configs), {**named_args, **kwargs}, _capability_major(), kernel)]
+
+    prune.pinned = True
+    return prune
+
+
+def _is_tuner(value) -> bool:
+    """A Triton autotuner, told by what it has (linvision.ops imports nothing of Triton)."""
+    return type(value).__module__.startswith(("triton.", "fla.")) and hasattr(value, "early_config_prune") and \
+        hasattr(value, "configs")
+
+
+def fla_autotuners() -> list:
+    """Every Triton autotuner of the fla modules the recurrences call (those imported so far), Triton's and fla's
+    own (its cached autotuner subclasses Triton's), found through the wrappers (``.fn``) of the modules' kernels."""
+    import sys
+
+    found, seen = [], set()
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(_PINNED_MODULES):
+            continue
+        for value in list(vars(module).values()):
+            while _is_tuner(value) or type(value).__module__.startswith("triton.runtime"):
+                if id(value) in seen:
+                    break
+                seen.add(id(value))
+                if _is_tuner(value):
+                    found.append(value)
+                value = getattr(value, "fn", None)
+    return found
+
+
+def kernel_name(tuner) -> str:
+    """The name of the Triton function an autotuner (or a wrapper of one) launches."""
+    fn = tuner
+    while hasattr(fn, "fn"):
+        fn = fn.fn
+    return getattr(fn, "__name__", "")
+
+
+def pin_configs() -> int:
+    """Pin every autotuner of :func:`fla_autotuners` to one configuration per call (see the comment above); returns
+    how many were pinned now. Does nothing when LINVISION_FLA_AUTOTUNE=1, nor when fla's own cache of tuned
+    configurations is on (FLA_CACHE_MODE other than "disabled"): its choices then stand."""
+    if os.environ.get(AUTOTUNE_ENV, "0") == "1" or os.environ.get("FLA_CACHE_MODE", "disabled") != "disabled":
+        return 0
+    pinned = 0
+    for tuner in fla_autotuners():
+        if id(tuner) in _PINNED or getattr(tuner.early_config_prune, "pinned", False):
+            continue
+        tuner.early_config_prune = _pinning_prune(tuner.early_config_prune, kernel_name(tuner))
+        _PINNED.add(id(tuner))
+        pinned += 1
+    return pinned
 
 
 def _import_reason() -> Optional[str]:

@@ -1,0 +1,127 @@
+"""report.md of the GPU report (:mod:`.gpu_report`) from its dictionary: a table of the parts, then each part's
+figures. In a dry run every section with figures says first that they are not speed figures."""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List
+
+TITLES = {"kernels": "1. Kernels against SDPA", "models": "2. Models against timm's",
+          "recurrences": "3. Recurrences on fla-core's kernels", "tests": "4. CUDA tests"}
+DRY_NOTE = ("Dry run on the CPU: each figure is one call, the kernels in Triton's interpreter and the recurrences on "
+            "the PyTorch path, so the times and their ratios check that the part runs; they are not speed figures.")
+
+
+def _n(value: Any, fmt: str = ".3f") -> str:
+    return f"{value:{fmt}}" if isinstance(value, (int, float)) and math.isfinite(value) else "-"
+
+
+def summary(part: str, result: Dict[str, Any]) -> str:
+    """One line of what a part found so far."""
+    if part == "tests" and "counts" in result:
+        c = result["counts"]
+        return (f"{c['passed']} passed, {c['failed']} failed, {c['error']} errors, {c['skipped']} skipped "
+                f"({c['run']} run of {c['collected']} collected)")
+    if part in ("kernels", "recurrences") and result.get("rows"):
+        ns = sorted({r["n"] for r in result["rows"]})
+        return f"{len(result['rows'])} rows, N = {ns[0]}-{ns[-1]}"
+    if part == "models" and "points" in result:
+        points = result["points"]
+        return f"{sum(p['status'] == 'ok' for p in points)} of {len(points)} points measured"
+    return result.get("error", "")
+
+
+def render(report: Dict[str, Any]) -> str:
+    """report.md from the report's dictionary."""
+    env, dry = report["environment"], report["environment"]["dry_run"]
+    gpu = env["gpu"] or "none"
+    device = f"CPU (dry run: every part at tiny sizes; GPU: {gpu})" if dry else f"{gpu} (CUDA {env['cuda']})"
+    lines = ["# GPU report", "", f"- date: {env['date']}", f"- device: {device}",
+             f"- torch {env['torch']}, triton {env['triton'] or 'not installed'}, fla-core "
+             f"{env['fla_core'] or 'not installed'}, Python {env['python']}",
+             f"- command: `{report['command']}` (budget {report.get('budget_s', 0):g} s)", "",
+             "| part | status | seconds | deadline (s) | summary |", "|---|---|---:|---:|---|"]
+    for part, result in report["parts"].items():
+        lines.append(f"| {part} | {result['status']} | {result['seconds']:.0f} | {result['deadline_s']:.0f} | "
+                     f"{summary(part, result).replace('|', '/')} |")
+    renderers = {"tests": _tests, "kernels": _kernels, "models": _models, "recurrences": _recurrences}
+    for part, result in report["parts"].items():
+        lines += ["", f"## {TITLES[part]}", "", f"Status: **{result['status']}**"
+                  + (f": {result['error']}" if result.get("error") else "")
+                  + f" ({result['seconds']:.0f} s; output in `{result['log']}`)."]
+        body = renderers[part](result)
+        if dry and body and part != "tests":
+            body = ["", f"**{DRY_NOTE}**"] + body
+        lines += body
+        if result.get("log_tail"):
+            lines += ["", "The end of its output:", "", "```", *result["log_tail"], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def _tests(result: Dict[str, Any]) -> List[str]:
+    if "counts" not in result:
+        return []
+    c = result["counts"]
+    lines = ["", f"`{result['command']}`", "", "| collected | deselected | run | passed | failed | errors | skipped |",
+             "|---:|---:|---:|---:|---:|---:|---:|",
+             f"| {c['collected']} | {c['deselected']} | {c['run']} | {c['passed']} | {c['failed']} | {c['error']} | "
+             f"{c['skipped']} |"]
+    if result["failures"]:
+        lines += ["", "Failures:", ""] + [f"- `{f['test']}`: {f['message']}" for f in result["failures"][:50]]
+        if len(result["failures"]) > 50:
+            lines.append(f"- ... and {len(result['failures']) - 50} more (tests.xml)")
+    return lines
+
+
+def _kernels(result: Dict[str, Any]) -> List[str]:
+    if not result.get("rows"):
+        return []
+    lines = ["", f"B={result['batch']} H={result['heads']} D=Dv={result['dim']} {result['dtype']}, "
+                 f"phi={result['feature_map']}, on {result['device']}; ms per call"
+                 + (f", % HBM of {result['hbm_tbps']} TB/s" if result.get("hbm_tbps") else "") + ".", "",
+             "| N | pass | triton (ms) | torch ref (ms) | SDPA (ms) | SDPA / triton | % HBM |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['n']} | {r['pass']} | {_n(r['triton_ms'])} | {_n(r['torch_ref_ms'])} | "
+                     f"{_n(r['sdpa_ms'])} | {_n(r.get('sdpa_over_triton'), '.2f')} | {_n(r.get('hbm_pct'), '.1f')} |")
+    return lines
+
+
+def _models(result: Dict[str, Any]) -> List[str]:
+    if not result.get("points"):
+        return []
+    lines = ["", f"Batches {result['batches']}, amp {result['amp']}, on {result['device']}, the median of "
+                 f"{result['iters']} timed runs after {result['warmup']}; time and memory over the twin "
+                 f"`{result['twin']}` at the same size and batch.", "",
+             "| batch | model | px | status | infer img/s | infer MiB | train img/s | train MiB | "
+             "infer time / twin | train time / twin |", "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for p in result["points"]:
+        status = p["status"] if p["status"] == "ok" else f"{p['status']}: {p['error'][:80]}"
+        cells = [_n(p["infer_img_s"], ".2f"), _n(p["infer_mem_mb"], ".0f"), _n(p["train_img_s"], ".2f"),
+                 _n(p["train_mem_mb"], ".0f"), _n(p.get("infer_ms_vs_twin"), ".2f"),
+                 _n(p.get("train_ms_vs_twin"), ".2f")]
+        lines.append(f"| {p['batch_size']} | {p['model']} | {p['img_size']} | {status} | " + " | ".join(cells) + " |")
+    if result.get("oom_at"):
+        lines += ["", "Out of memory from: " + "; ".join(f"{k} at {v} px" for k, v in result["oom_at"].items())
+                  + "."]
+    return lines
+
+
+def _recurrences(result: Dict[str, Any]) -> List[str]:
+    lines = []
+    if result.get("first_calls"):
+        lines += ["", f"First calls on {result['device']} (compilation included; fla's autotuners "
+                      f"{'pinned' if result.get('pinned') else 'autotuning'}):", "", "| first call | seconds |",
+                  "|---|---:|"]
+        lines += [f"| {c['what']} | {_n(c['seconds'], '.2f')} |" for c in result["first_calls"]]
+    if result.get("rows"):
+        lines += ["", f"B={result['batch']} H={result['heads']} D={result['dim']} {result['dtype']}, backend "
+                      f"{result['backend']}; ms per call.", "",
+                  "| N | pass | linear_rope (ms) | bidir_delta (ms) | bidir_gated (ms) | delta / linear_rope | "
+                  "gated / linear_rope |", "|---:|---|---:|---:|---:|---:|---:|"]
+        for r in result["rows"]:
+            cells = [_n(r.get(f"{k}_ms")) if not r.get(f"{k}_oom") else "oom"
+                     for k in ("linear_rope", "bidir_delta", "bidir_gated")]
+            lines.append(f"| {r['n']} | {r['pass']} | " + " | ".join(cells) + f" | "
+                         f"{_n(r.get('bidir_delta_over_linear_rope'), '.2f')} | "
+                         f"{_n(r.get('bidir_gated_over_linear_rope'), '.2f')} |")
+    return lines

@@ -517,6 +517,14 @@ SKIPPED: Dict[str, str] = {
     "linvision-ablate --config linvision/configs/ablate_variants_photos.yaml": "a full ablation: about 34 minutes",
     "linvision-ablate --config linvision/configs/ablate_variants_photos_vit.yaml": "a full ablation: about 23 minutes",
     "linvision-ablate --config linvision/configs/ablate_variants_digits.yaml": "a full ablation: about 22 minutes",
+    "linvision-ablate --config linvision/configs/ablate_vit_tiny_photos_fine.yaml": "ten ViT-Tiny trainings of 20 epochs: "
+                                                                          "hours",
+    "linvision-ablate --config linvision/configs/ablate_vit_tiny_photos_fine_avg.yaml": "ten ViT-Tiny trainings of 20 "
+                                                                              "epochs: hours",
+    "linvision-ablate --config linvision/configs/ablate_vit_tiny_photos_fine.yaml --mixers softmax linear --epochs 1 "
+    "--warmup-epochs 0 --seeds 0 --output /tmp/photos_run --experiment short_1epoch": "two ViT-Tiny trainings of "
+                                                                                      "one epoch: 40 minutes at "
+                                                                                      "nice 19 on a loaded CPU",
 }
 
 

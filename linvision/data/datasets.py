@@ -11,6 +11,8 @@ Four sources, chosen by ``dataset``:
 - ``"photos"``: 10 classes of crops of the photographs shipped with scikit-image and scikit-learn, training and
   validation crops from disjoint parts of each photograph (:mod:`linvision.data.texture`); offline.
   ``"photos_aspect"``: the same at aspect ratios from 1:3 to 3:1, each image at its own aspect (for NaFlex).
+- ``"photos_fine"``: 12 classes of look-alike nature photographs (crops of one photograph each, 96 px), from
+  Debian's plasma-workspace-wallpapers and lomiri-wallpapers-16.04 (:mod:`linvision.data.fine_photos`); offline.
 
 Unreadable images raise :class:`BadImageError` naming the file; 16-bit greyscale images are scaled to 8 bits
 (not clipped). Loader worker processes leave the run's process group, so a signal to the group is the
@@ -93,9 +95,13 @@ def create_dataset(dataset: str, data_dir: Optional[str], split: str, transform:
 
         cls = PhotoCropsDataset if dataset == "photos" else PhotoAspectCropsDataset
         return cls(split, size=digits_size, transform=transform)
+    if dataset == "photos_fine":  # crops of the nature photographs of two Debian wallpaper packages
+        from .fine_photos import FinePhotoCropsDataset
+
+        return FinePhotoCropsDataset(split, size=digits_size, transform=transform)
     if not data_dir:
-        raise ValueError(f"data_dir: required for dataset {dataset!r} (only 'digits', 'photos' and "
-                         f"'photos_aspect' need none)")
+        raise ValueError(f"data_dir: required for dataset {dataset!r} (only 'digits', 'photos', "
+                         f"'photos_aspect' and 'photos_fine' need none)")
     if not os.path.isdir(data_dir):
         raise FileNotFoundError(f"data_dir: folder not found: {data_dir}")
     if dataset == "folder":
@@ -124,7 +130,7 @@ def create_dataset(dataset: str, data_dir: Optional[str], split: str, transform:
         except RuntimeError as e:  # torchvision reports missing files this way
             raise FileNotFoundError(f"data_dir: {name} not found under {data_dir} ({e})") from None
     raise ValueError(f"dataset: unknown {dataset!r}; allowed: 'folder', 'digits', 'photos', 'photos_aspect', "
-                     f"'torch/<name>', 'torchvision/<Name>'")
+                     f"'photos_fine', 'torch/<name>', 'torchvision/<Name>'")
 
 
 # resize interpolations timm's transforms take by name, and its eval crop modes

@@ -82,21 +82,24 @@ class PhotoCropsDataset(InMemoryImages):
     """
 
     num_classes = len(CLASSES)
+    crop = CROP  # side of a square crop in source pixels
+    per_class = PER_CLASS  # crops per class of each split
 
     def __init__(self, split: str = "train", size: int = 64, transform: Optional[Callable] = None):
-        if split not in PER_CLASS:
+        if split not in self.per_class:
             raise ValueError(f"split: expected 'train' or 'val', got {split!r}")
         if size < 1:
             raise ValueError(f"size: must be >= 1, got {size}")
         self.images, self.targets, self.boxes = [], [], []
-        self.classes = list(CLASSES)
-        count = PER_CLASS[split]
-        for label, (name, (left, top, right, bottom)) in enumerate(photo_parts(split)):
+        parts = self._parts(split)
+        self.classes = [name for name, _ in parts]
+        count = self.per_class[split]
+        for label, (name, (left, top, right, bottom)) in enumerate(parts):
             rng = np.random.RandomState(1000 * label + (0 if split == "train" else 1))
             widths, heights = self._crop_shapes(rng, count)  # the square set's draw none: its crops stay put
             xs = rng.randint(left, right - widths + 1, size=count)
             ys = rng.randint(top, bottom - heights + 1, size=count)
-            photo = photograph(name)
+            photo = self._photograph(name)
             for x, y, w, h in zip(xs.tolist(), ys.tolist(), np.broadcast_to(widths, count).tolist(),
                                   np.broadcast_to(heights, count).tolist()):
                 box = (x, y, x + w, y + h)
@@ -105,10 +108,17 @@ class PhotoCropsDataset(InMemoryImages):
                 self.targets.append(label)
         self.transform = transform
 
-    @staticmethod
-    def _crop_shapes(rng: np.random.RandomState, count: int):
+    def _parts(self, split: str) -> List[Tuple[str, Tuple[int, int, int, int]]]:
+        """(class name, box) of every class's part of its photograph for ``split``, in label order."""
+        return photo_parts(split)
+
+    def _photograph(self, name: str) -> Image.Image:
+        """The RGB photograph that class ``name`` is cropped from (its boxes' coordinates)."""
+        return photograph(name)
+
+    def _crop_shapes(self, rng: np.random.RandomState, count: int):
         """(widths, heights) in source pixels of a class's ``count`` crops: ints, or arrays drawn from ``rng``."""
-        return CROP, CROP
+        return self.crop, self.crop
 
     @staticmethod
     def _rendered_size(width: int, height: int, size: int) -> Tuple[int, int]:

@@ -2,7 +2,8 @@
 
 One macro-architecture (the hierarchical ``linhier`` family, or the isotropic ``linvit``, at a size given by
 ``model_kwargs``), one training recipe; only the token mixer changes (``mixers``: registry names, the same
-mixer in every stage, or for linhier per-stage comma strings such as ``none,none,linear,softmax``). For each mixer and each seed in ``seeds``
+mixer in every stage, or for linhier per-stage comma strings such as ``none,none,linear,softmax``, for linvit
+per-block ones, labelled by runs: ``9xlinear+3xsoftmax``). For each mixer and each seed in ``seeds``
 (default: ``seed`` alone) the tool trains a classifier with :func:`linvision.training.train.train` and evaluates
 it at the training resolution and at other ones without fine-tuning; top-1 is reported as the mean over seeds
 with the sample standard deviation and the per-seed values. Throughput and memory are measured once per mixer
@@ -28,6 +29,7 @@ The table and json are rewritten after every mixer, so a run that is stopped kee
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -65,7 +67,8 @@ def add_ablate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             segment.add_argument(f"--{f.name.replace('_', '-')}", *f.metadata["aliases"], default=default,
                                  help=f.metadata["help"], **f.metadata["argparse"])
     g.add_argument("--mixers", nargs="+", default=["none", "linear", "linear_rope", "softmax", "causal", "hybrid"],
-                   help="token mixers to compare (registry names, or 4 comma-separated per-stage names)")
+                   help="token mixers to compare (registry names, or comma-separated names: 4 per-stage for linhier, "
+                        "one per block for linvit)")
     g.add_argument("--eval-sizes", type=int, nargs="+", default=None,
                    help="evaluation resolutions (default: 1x, 2x and 4x the training size)")
     g.add_argument("--bench-sizes", type=int, nargs="+", default=None,
@@ -88,7 +91,9 @@ def _mixer_key(model: str) -> str:
 
 
 def _mixer_label(mixer: str) -> str:
-    return mixer.replace(",", "+")
+    """The row's and run folder's name: per-stage or per-block names joined by "+", a run of one name as "9xlinear"."""
+    runs = [(name, len(list(group))) for name, group in itertools.groupby(n.strip() for n in mixer.split(","))]
+    return "+".join(name if count == 1 else f"{count}x{name}" for name, count in runs)
 
 
 # What marks a folder as holding an ablation (a re-run goes to <name>-1; --overwrite deletes these).

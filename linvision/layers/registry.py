@@ -185,10 +185,10 @@ def mixer_options(mixer: MixerSpec) -> List[str]:
 
 
 def parse_mixer_list(token_mixers: Union[MixerSpec, Sequence[MixerSpec]], num_stages: int,
-                     name: str = "token_mixers") -> Tuple[MixerSpec, ...]:
+                     name: str = "token_mixers", unit: str = "stages") -> Tuple[MixerSpec, ...]:
     """"linear,linear,none,softmax", one mixer (name or class) or a sequence of them -> a tuple of
-    ``num_stages`` mixers; one mixer is repeated for every stage. Raises ValueError (naming ``name``) for a
-    wrong count or an unknown mixer."""
+    ``num_stages`` mixers; one mixer is repeated for every stage. Raises ValueError (naming ``name``, and what
+    the mixers are for as ``unit``) for a wrong count or an unknown mixer."""
     if isinstance(token_mixers, str):
         names = [n.strip() for n in token_mixers.split(",")]
     elif isinstance(token_mixers, type):
@@ -198,7 +198,7 @@ def parse_mixer_list(token_mixers: Union[MixerSpec, Sequence[MixerSpec]], num_st
     if len(names) == 1:
         names = names * num_stages
     if len(names) != num_stages:
-        raise ValueError(f"{name}: {len(names)} names {names} for {num_stages} stages; give 1 or {num_stages}")
+        raise ValueError(f"{name}: {len(names)} names {names} for {num_stages} {unit}; give 1 or {num_stages}")
     unknown = [n for n in names if not (isinstance(n, type) and issubclass(n, nn.Module)) and n not in _MIXERS
                and n not in _ALIASES]
     if unknown:

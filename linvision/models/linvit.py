@@ -59,7 +59,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from timm.models._features import feature_take_indices
 
 from linvision.layers import (MixerBlock, TokenLayout, check_prefix_tokens, init_model_weights, merge_options, mixer_options,
-                              no_weight_decay_of, stage_mixer_options)
+                              no_weight_decay_of, parse_mixer_list, stage_mixer_options)
 from linvision.layers.mixers import ROPE_TYPES
 
 from .published import explain_failed_download, require_weights, unwrap_state_dict
@@ -92,7 +92,8 @@ class LinViT(nn.Module):
         fc_norm: the final norm after the pooling instead of before it; None (default, as timm's
             VisionTransformer): after the pooling for 'avg', 'max' and 'avgmax', before it for 'token' and ''.
         token_mixer: a registered mixer name ("linear", "linear_rope", "softmax", "causal", "hybrid", "gated_cnn", ...)
-            or a mixer class (built as ``cls(dim, num_heads, **mixer_kwargs)``).
+            or a mixer class (built as ``cls(dim, num_heads, **mixer_kwargs)``); or one per block, ``depth``
+            comma-separated names or a sequence (e.g. linear attention with softmax in the last quarter).
         mixer_kwargs: extra options for the mixer (e.g. feature_map="relu", lepe=True).
         rope: None or "none" (absolute position embedding), "axial" or "mixed" (2D RoPE in the mixer); the mixer
             must have a ``rope`` option for the last two.
@@ -140,6 +141,7 @@ class LinViT(nn.Module):
         mlp_layer: Type[nn.Module] = Mlp,
     ):
         super().__init__()
+        mixers = parse_mixer_list(token_mixer, depth, "token_mixer", "blocks")
         rope, learned = _position_options(rope, pos_embed, token_mixer)
         _check_pool(global_pool, class_token)
         if isinstance(reg_tokens, bool) or not isinstance(reg_tokens, int) or reg_tokens < 0:
@@ -151,7 +153,8 @@ class LinViT(nn.Module):
         self.num_reg_tokens = reg_tokens
         self.num_prefix_tokens = int(class_token) + reg_tokens
         self.no_embed_class = no_embed_class
-        check_prefix_tokens(token_mixer, self.num_prefix_tokens)
+        for mixer in dict.fromkeys(mixers):
+            check_prefix_tokens(mixer, self.num_prefix_tokens)
         self.dynamic_img_size = dynamic_img_size
         self.rope = rope
         self.token_mixer = token_mixer
@@ -165,10 +168,10 @@ class LinViT(nn.Module):
         embed_len = self.patch_embed.num_patches + (0 if no_embed_class else self.num_prefix_tokens)
         self.pos_embed = nn.Parameter(torch.zeros(1, embed_len, embed_dim)) if learned else None
         # the RoPE variant reaches the mixer (checked above to take it); the caller's options must all fit the mixer
-        options = stage_mixer_options([token_mixer], mixer_kwargs, dict(rope=rope) if rope is not None else None)[0]
+        options = stage_mixer_options(mixers, mixer_kwargs, dict(rope=rope) if rope is not None else None)
         rates = torch.linspace(0, drop_path_rate, depth).tolist()
         self.blocks = nn.Sequential(*[
-            MixerBlock(embed_dim, num_heads, token_mixer, options, mlp_ratio, rates[i], proj_drop_rate,
+            MixerBlock(embed_dim, num_heads, mixers[i], options[i], mlp_ratio, rates[i], proj_drop_rate,
                        norm_layer=norm_layer, act_layer=act_layer, mlp_layer=mlp_layer)
             for i in range(depth)
         ])
@@ -408,7 +411,10 @@ def _naflex_inputs(x, patch_coord: Optional[Tensor], patch_valid: Optional[Tenso
 
 
 def _has_rope(token_mixer: Union[str, Type[nn.Module]]) -> bool:
-    return "rope" in mixer_options(token_mixer)
+    """Whether the mixer, or every one of several comma-separated names, has a ``rope`` option."""
+    names = [n.strip() for n in token_mixer.split(",")] if isinstance(token_mixer, str) else (
+        [token_mixer] if isinstance(token_mixer, type) else list(token_mixer))
+    return all("rope" in mixer_options(n) for n in names)
 
 
 def _mixer_name(token_mixer: Union[str, Type[nn.Module]]) -> str:

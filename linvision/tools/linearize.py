@@ -34,11 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="linvit model name of the student")
     parser.add_argument("--model-kwargs", nargs="*", default=None, help="key=value options of the student")
     parser.add_argument("--dataset", default="digits",
-                        help="images of the transfer and the error report: 'digits', 'photos', 'folder' or a "
-                             "torchvision dataset, as in linvision-train")
+                        help="images of the transfer and the error report: 'digits', 'photos', 'photos_fine', "
+                             "'folder' or a torchvision dataset, as in linvision-train")
     parser.add_argument("--data-dir", default=None,
                         help="folder with train/ and val/ class sub-folders, or a torchvision dataset's root "
-                             "(digits and photos need none)")
+                             "(digits and the photo sets need none)")
     parser.add_argument("--img-size", type=int, default=None,
                         help="image side in pixels (default: the teacher's training size)")
     parser.add_argument("--batch-size", type=int, default=64, help="images per transfer step and per held-out batch")

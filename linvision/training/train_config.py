@@ -121,8 +121,9 @@ class TrainConfig(Recipe):
     """Everything a classification run is made of (see the flags of ``linvision-train --help``)."""
 
     # data
-    dataset: str = _opt("folder", "'folder', 'digits' or a torchvision dataset on disk: 'torch/<name>' (timm's "
-                                  "spelling, e.g. torch/cifar10) or 'torchvision/<Name>'", group="data")
+    dataset: str = _opt("folder", "'folder', 'digits', 'photos', 'photos_fine' or a torchvision dataset on disk: "
+                                  "'torch/<name>' (timm's spelling, e.g. torch/cifar10) or 'torchvision/<Name>'",
+                        group="data")
     data_dir: Optional[str] = _opt(None, "folder with train/ and val/ class sub-folders", group="data")
     img_size: int = _opt(224, "training and validation resolution", group="data", type=int)
     workers: int = _opt(0, "data-loading worker processes per rank", "-j", group="data", type=int)

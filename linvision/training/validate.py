@@ -48,7 +48,7 @@ def add_validate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--data-dir", default=None,
                         help="folder with the val/ class sub-folders (a segmenter's: val/images and val/masks), "
                              "or a torchvision dataset's root (default: the one the checkpoint's run recorded, for "
-                             "its dataset; digits, photos and mosaics need none)")
+                             "its dataset; digits, the photo sets and mosaics need none)")
     parser.add_argument("--img-size", type=int, nargs="+", default=None,
                         help="resolutions to evaluate (default: the training one)")
     parser.add_argument("--interpolation", default=None, choices=list(INTERPOLATIONS),

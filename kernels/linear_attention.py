@@ -52,7 +52,10 @@ formula registered), so ``torch.compile`` keeps it in one graph.
 """
 from __future__ import annotations
 
+import functools
 import os
+import weakref
+from collections import OrderedDict
 from typing import List, Optional, Tuple
 
 import torch
@@ -101,6 +104,8 @@ def _block_p(d: int) -> int:
 _TUNE_KEY = ["N_BUCKET", "D_HALF", "DV", "FEATURE", "HAS_ROPE", "MASK", "POSITIONS"]
 _JITTED = {}  # kernel name -> jitted function
 _TUNED = {}  # (kernel name, BLOCK_P) -> autotuned kernel
+_CHOSEN = {}  # (kernel name, head-dim bucket, N_BUCKET, constexprs) -> the configuration the autotuner chose
+_ACCUMULATED = ("DF",)  # buffers a kernel adds into (atomically), not overwrites
 
 
 def _kernel(fn):
@@ -120,7 +125,10 @@ def _tuned(name: str, d: int, dv: int):
         else:
             configs = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
                        for bn, w, s in offered_configs(name, d, dv)]
-        _TUNED[key] = triton.autotune(configs=configs, key=_TUNE_KEY)(_JITTED[name])
+        # the autotuner runs each configuration several times on the call's own buffers: a buffer a kernel adds
+        # into (the key kernel's RoPE-frequency sums) is zeroed before each of those runs and after them
+        reset = [arg for arg in _ACCUMULATED if arg in _JITTED[name].arg_names]
+        _TUNED[key] = triton.autotune(configs=configs, key=_TUNE_KEY, reset_to_zero=reset or None)(_JITTED[name])
     return _TUNED[key]
 
 
@@ -657,10 +665,16 @@ def kernel_constexprs(dtype: str, d: int, dv: int, feature: str, has_rope: bool,
 def _meta(q: Tensor, v: Tensor, feature_map: str, has_rope: bool, freq_grad: Optional[bool] = None,
           positions: bool = False) -> dict:
     """Constexprs of a launch; ``freq_grad`` None for the forward kernels (which have no FREQ_GRAD); DQ_GRAD
-    (True), MASK and COUNTED are left for the caller to set per kernel (see :class:`_Tokens`)."""
-    dtype = str(q.dtype).replace("torch.", "")
-    meta = kernel_constexprs(dtype, q.shape[-1], v.shape[-1], feature_map, has_rope, _INTERPRET, bool(freq_grad),
-                             positions=positions)
+    (True), MASK and COUNTED are left for the caller to set per kernel (see :class:`_Tokens`). Formed once per
+    combination (a dict the callers only read)."""
+    return _meta_of(q.dtype, q.shape[-1], v.shape[-1], feature_map, has_rope, freq_grad, positions)
+
+
+@functools.lru_cache(maxsize=256)
+def _meta_of(dtype: torch.dtype, d: int, dv: int, feature_map: str, has_rope: bool, freq_grad: Optional[bool],
+             positions: bool) -> dict:
+    meta = kernel_constexprs(str(dtype).replace("torch.", ""), d, dv, feature_map, has_rope, _INTERPRET,
+                             bool(freq_grad), positions=positions)
     for name in ("DQ_GRAD", "MASK", "COUNTED"):
         del meta[name]
     if freq_grad is None:
@@ -685,8 +699,10 @@ class _Tokens:
         if positions is None:
             self.pos, self.stride_pb = q, 0
         else:
-            off = torch.tensor(offsets, dtype=torch.float32, device=q.device)
-            self.pos = (positions.to(device=q.device, dtype=torch.float32) + off).contiguous()
+            pos = positions.to(device=q.device, dtype=torch.float32)
+            if any(offsets):  # added column by column: no host-to-device copy of the offsets
+                pos = torch.cat([pos[..., :1] + offsets[0], pos[..., 1:] + offsets[1]], dim=-1)
+            self.pos = pos.contiguous()
             self.stride_pb = 0 if self.pos.shape[0] == 1 else self.pos.stride(0)
         self.keys = dict(MASK=self.has_valid, COUNTED=self.has_valid)
         self.queries = dict(MASK=self.has_valid and q.shape[2] == valid.shape[1], COUNTED=self.has_valid)
@@ -697,16 +713,22 @@ class _Tokens:
         return x if self.has_valid else x * n
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device, asked once per device (not on every call)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _split_len(n: int, bh: int, device: torch.device, split_tokens: int) -> int:
     """Tokens per split of the reductions over N (at least 1). ``split_tokens`` > 0 forces it; 0 picks enough
-    splits to give about two programs per SM on a GPU (whole-N reductions off GPU), at least 1024 tokens per
-    split."""
+    splits to give about two programs per SM on a GPU (whole-N reductions off GPU), at least ``_SPLIT_ALIGN``
+    tokens per split: at B=1, H=16, N=4096 on 132 SMs 16 splits of 256 tokens (256 programs), where a floor of
+    1,024 tokens left 64 programs and 68 SMs idle."""
     if split_tokens > 0:
         return split_tokens
     if device.type != "cuda" or n == 0:
         return max(n, 1)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    splits = max(1, min(triton.cdiv(2 * sms, bh), triton.cdiv(n, 4 * _SPLIT_ALIGN)))
+    splits = max(1, min(triton.cdiv(2 * _sm_count(device), bh), triton.cdiv(n, _SPLIT_ALIGN)))
     return triton.cdiv(triton.cdiv(n, splits), _SPLIT_ALIGN) * _SPLIT_ALIGN
 
 
@@ -714,8 +736,9 @@ def _rope_table(q: Tensor, n: int, freqs_x: Optional[Tensor], freqs_y: Optional[
                 rope_offsets: List[float], positions: bool = False) -> Tuple[Tensor, int, int, int, int]:
     """(table, head stride, cos/sin stride, prefix, width). The table (heads or 1, 2, W + rows, P) holds cos and
     sin of fx * (col + offset) for each grid column, then of fy * (row + offset) for each grid row: O((W + rows) P)
-    values, combined in-kernel by angle addition. With per-sample ``positions`` it is the frequencies (heads or 1,
-    2, P) themselves. A dummy (never loaded) without RoPE."""
+    values, combined in-kernel by angle addition; built once per frequency tensors and grid (see
+    :func:`_cached_table`). With per-sample ``positions`` it is the frequencies (heads or 1, 2, P) themselves. A
+    dummy (never loaded) without RoPE."""
     if freqs_x is None or freqs_y is None:
         return q, 0, 0, 0, 1
     prefix, width = rope_ints
@@ -723,13 +746,54 @@ def _rope_table(q: Tensor, n: int, freqs_x: Optional[Tensor], freqs_y: Optional[
         tab = torch.stack([freqs_x, freqs_y], dim=1).float().contiguous()  # (heads or 1, 2, P)
         return tab, (0 if tab.shape[0] == 1 else tab.stride(0)), tab.stride(1), prefix, width
     rows = max(1, triton.cdiv(n - prefix, width))
-    cols = torch.arange(width, device=q.device, dtype=torch.float64) + rope_offsets[1]
-    rows_pos = torch.arange(rows, device=q.device, dtype=torch.float64) + rope_offsets[0]
-    ang = torch.cat([cols[:, None] * freqs_x.double()[:, None, :], rows_pos[:, None] * freqs_y.double()[:, None, :]],
-                    dim=1)  # (heads, W + rows, P)
-    tab = torch.stack([ang.cos(), ang.sin()], dim=1).float().contiguous()
+    tab = _cached_table(freqs_x, freqs_y, width, rows, rope_offsets)
     stride_th = 0 if tab.shape[0] == 1 else tab.stride(0)
     return tab, stride_th, tab.stride(1), prefix, width
+
+
+def _build_table(freqs_x: Tensor, freqs_y: Tensor, width: int, rows: int, offsets: List[float]) -> Tensor:
+    """cos and sin of the column and row angles (heads or 1, 2, W + rows, P), formed in float64, stored fp32."""
+    cols = torch.arange(width, device=freqs_x.device, dtype=torch.float64) + offsets[1]
+    rows_pos = torch.arange(rows, device=freqs_x.device, dtype=torch.float64) + offsets[0]
+    ang = torch.cat([cols[:, None] * freqs_x.double()[:, None, :], rows_pos[:, None] * freqs_y.double()[:, None, :]],
+                    dim=1)  # (heads, W + rows, P)
+    return torch.stack([ang.cos(), ang.sin()], dim=1).float().contiguous()
+
+
+_TABLE_CACHE_SIZE = 32  # a model at a few input sizes: one table per stage and size
+_TABLES: "OrderedDict[tuple, Tuple[weakref.ref, weakref.ref, Tensor]]" = OrderedDict()
+
+
+def _version_key(t: Tensor):
+    """(the tensor that owns t's memory, a key of t's values): the owner's identity and version counter (bumped by
+    every in-place write, an optimizer step included) and t's place in its memory. None where values cannot be
+    told apart so (inference tensors keep no version counter)."""
+    if t.is_inference():
+        return None
+    base = t if t._base is None else t._base
+    return base, (id(base), base._version, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+
+
+def _cached_table(freqs_x: Tensor, freqs_y: Tensor, width: int, rows: int, offsets: List[float]) -> Tensor:
+    """The RoPE table of :func:`_build_table`, kept per (frequency tensors and their versions, grid, offsets): a
+    model's forward and backward, and its later calls at the same size, build it once. Entries hold the frequency
+    tensors weakly (a freed tensor's entry is never matched) and the last ``_TABLE_CACHE_SIZE`` are kept. Built
+    without the cache during CUDA-graph capture (the building ops are then part of the graph, so a replay after an
+    update of the frequencies rotates by the new ones) and for inference tensors."""
+    kx, ky = _version_key(freqs_x), _version_key(freqs_y)
+    capturing = freqs_x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if kx is None or ky is None or capturing:
+        return _build_table(freqs_x, freqs_y, width, rows, offsets)
+    key = (kx[1], ky[1], width, rows, tuple(offsets))
+    hit = _TABLES.get(key)
+    if hit is not None and hit[0]() is kx[0] and hit[1]() is ky[0]:
+        _TABLES.move_to_end(key)
+        return hit[2]
+    tab = _build_table(freqs_x, freqs_y, width, rows, offsets)
+    _TABLES[key] = (weakref.ref(kx[0]), weakref.ref(ky[0]), tab)
+    while len(_TABLES) > _TABLE_CACHE_SIZE:
+        _TABLES.popitem(last=False)
+    return tab
 
 
 def _grid(blocks, bh: int):
@@ -741,13 +805,27 @@ def _grid(blocks, bh: int):
 
 
 def _run(name: str, d: int, dv: int, grid, *args, **meta) -> None:
-    """Launch kernel ``name``: autotuned, except during CUDA-graph capture, where benchmarking cannot run and the
-    first offered configuration is launched instead."""
+    """Launch kernel ``name``. During CUDA-graph capture, where benchmarking cannot run, the first offered
+    configuration; else the autotuner's choice: benchmarked on the first call of a (head-dim bucket, N bucket,
+    constexprs), then launched directly with the configuration it chose (no pass through the autotuner)."""
     if not _INTERPRET and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         bn, warps, stages = offered_configs(name, d, dv)[0]
         _JITTED[name][grid({"BLOCK_N": bn})](*args, **meta, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        return
+    key = (name, _dim_bucket(d, dv), args[_n_bucket_index(name)], *meta.items())
+    config = _CHOSEN.get(key)
+    if config is None:
+        tuned = _tuned(name, d, dv)
+        tuned[grid](*args, **meta)
+        _CHOSEN[key] = tuned.best_config
     else:
-        _tuned(name, d, dv)[grid](*args, **meta)
+        _JITTED[name][grid(config.kwargs)](*args, **meta, **config.all_kwargs())
+
+
+@functools.lru_cache(maxsize=None)
+def _n_bucket_index(name: str) -> int:
+    """Position of N_BUCKET (the autotuner's token-count key) among kernel ``name``'s arguments."""
+    return _JITTED[name].arg_names.index("N_BUCKET")
 
 
 def _reduce(part: Tensor) -> Tensor:

@@ -3,6 +3,7 @@
 Without a GPU the kernels run in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1 before
 triton is imported), so shapes stay small; the wider sweep is marked slow.
 """
+import collections
 import importlib
 import itertools
 import os
@@ -13,6 +14,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from linvision.ops import Rope, axial_rope, linear_attention, linear_attention_reference, mixed_rope_freqs, rope_1d
@@ -360,6 +362,84 @@ def test_split_partials_summed_once_and_no_division_launched():
         assert _rel_err(out, ref) < TOL[torch.float32]
         for name, g, r in zip("qkv", grads, ref_grads):
             assert _rel_err(g, r) < 4 * TOL[torch.float32], name
+
+
+class _AtenOps(TorchDispatchMode):
+    """Counts the aten ops called inside it (not the Triton kernels' own work)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+# What one call of the forward and of the backward implementation does on the host at B=1, H=16, N=4096, D=64 with
+# the GPU's 16 token splits: Triton launches and aten ops (allocations and views included), after a first call that
+# built the RoPE table. docs/kernels.md ("The host path") has the counts before the caches.
+HOST_OPS = {"forward": (["_state_fwd_kernel", "_output_fwd_kernel"], 8),
+            "backward": (["_query_bwd_kernel", "_key_bwd_kernel"], 11)}
+TABLE_OPS = {"arange", "cos", "sin", "cat", "stack"}
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_host_ops_of_one_call(monkeypatch, rope):
+    """The launches and aten ops of one forward and one backward call (launches recorded, not run): no more than
+    ``HOST_OPS``; the second call with RoPE builds no table; no device-properties query per call. Counts, not
+    times: deterministic on any machine."""
+    monkeypatch.setattr(kernel_module, "_sm_count", lambda device: 132)
+    assert kernel_module._split_len(4096, 16, torch.device("cuda"), 0) == 256  # 16 splits, 256 programs
+    launched = []
+    monkeypatch.setattr(kernel_module, "_run", lambda name, *args, **kwargs: launched.append(name))
+    q, k, v, do = (torch.randn(1, 16, 4096, 64).bfloat16() for _ in range(4))
+    r = axial_rope(64, (64, 64)) if rope else None
+    args = (r.freqs_x.reshape(-1, 32), r.freqs_y.reshape(-1, 32), [0, 64]) if rope else (None, None, [0, 1])
+    counts = []
+    for _ in range(2):
+        with _AtenOps() as fwd:
+            out, s, z = kernel_module._forward(q, k, v, "elu", *args, [0.0, 0.0], DEFAULT_EPS, 256)
+        with _AtenOps() as bwd:
+            kernel_module._backward(q, k, v, do, s, z, "elu", *args, [0.0, 0.0], DEFAULT_EPS, 256, False, True, True)
+        counts.append((fwd.names, bwd.names))
+    assert launched == 2 * (HOST_OPS["forward"][0] + HOST_OPS["backward"][0])
+    (fwd0, _), (fwd1, bwd1) = counts
+    assert (sum(fwd1.values()), sum(bwd1.values())) <= (HOST_OPS["forward"][1], HOST_OPS["backward"][1]), counts[1]
+    assert not TABLE_OPS & (set(fwd1) | set(bwd1)), counts[1]  # the table is built once, on the first call
+    assert bool(TABLE_OPS & set(fwd0)) == rope
+
+
+def test_rope_table_cached_per_frequencies_and_version(monkeypatch):
+    """The RoPE table is built once for a forward and backward and the calls after them; an in-place update of the
+    frequencies (an optimizer step) or other frequency tensors build a new one, and the outputs follow the new
+    frequencies (float64 reference)."""
+    built = []
+    real_build = kernel_module._build_table
+    monkeypatch.setattr(kernel_module, "_build_table", lambda *args: built.append(1) or real_build(*args))
+    q, k, v, do = _inputs(1, 2, 33, 33, 16, 8, torch.float32, "elu")
+    fx, fy = mixed_rope_freqs(16, 2, generator=torch.Generator().manual_seed(1))
+    fx, fy = fx.clone().requires_grad_(), fy.clone().requires_grad_()
+    rope = Rope(fx, fy, (4, 8), num_prefix_tokens=1)
+
+    def step():
+        qk = q.clone().requires_grad_()
+        out = linear_attention_triton(qk, k, v, "elu", rope=rope)
+        torch.autograd.grad(out, (qk, fx), do)
+        ref = linear_attention_reference(q.double(), k.double(), v.double(), "elu",
+                                         rope=Rope(fx.detach().double(), fy.detach().double(), (4, 8), 1))
+        assert _rel_err(out, ref) < TOL[torch.float32]
+
+    step()
+    step()
+    assert len(built) == 1
+    with torch.no_grad():
+        fx.mul_(1.5)  # a new version: the cached table is stale
+    step()
+    assert len(built) == 2
+    other = Rope(fx.detach().clone(), fy.detach().clone(), (4, 8), num_prefix_tokens=1)
+    linear_attention_triton(q, k, v, "elu", rope=other)
+    assert len(built) == 3
 
 
 def test_cross_attention_token_counts_differ():

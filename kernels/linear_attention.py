@@ -95,12 +95,22 @@ def offered_configs(kernel: str, d: int, dv: Optional[int] = None) -> Tuple[Tupl
     return _OFFERED[kernel][_dim_bucket(d, d if dv is None else dv)]
 
 
+def _cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of Python ints (triton.cdiv, a JIT-callable function, costs tens of microseconds per call)."""
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    """The smallest power of two >= n (0 for 0), as triton.next_power_of_2, in plain Python."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
 def _dim_bucket(d: int, dv: int) -> int:
-    return max(32, triton.next_power_of_2(max(d, dv)))
+    return max(32, _next_pow2(max(d, dv)))
 
 
 def _block_p(d: int) -> int:
-    return max(16, triton.next_power_of_2(d // 2))
+    return max(16, _next_pow2(d // 2))
 
 
 _TUNE_KEY = ["N_BUCKET", "D_HALF", "DV", "FEATURE", "HAS_ROPE", "MASK", "POSITIONS"]
@@ -715,7 +725,7 @@ def kernel_constexprs(dtype: str, d: int, dv: int, feature: str, has_rope: bool,
         ROUND_BF16=round_bf16,
         SPLIT=half,
         BLOCK_P=_block_p(d),
-        BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+        BLOCK_DV=max(16, _next_pow2(dv)),
         FREQ_GRAD=freq_grad,
         DQ_GRAD=dq_grad,
         MASK=mask,
@@ -791,8 +801,8 @@ def _split_len(n: int, bh: int, device: torch.device, split_tokens: int) -> int:
         return split_tokens
     if device.type != "cuda" or n == 0:
         return max(n, 1)
-    splits = max(1, min(triton.cdiv(2 * _sm_count(device), bh), triton.cdiv(n, _SPLIT_ALIGN)))
-    return triton.cdiv(triton.cdiv(n, splits), _SPLIT_ALIGN) * _SPLIT_ALIGN
+    splits = max(1, min(_cdiv(2 * _sm_count(device), bh), _cdiv(n, _SPLIT_ALIGN)))
+    return _cdiv(_cdiv(n, splits), _SPLIT_ALIGN) * _SPLIT_ALIGN
 
 
 def _rope_table(q: Tensor, n: int, freqs_x: Optional[Tensor], freqs_y: Optional[Tensor], rope_ints: List[int],
@@ -808,7 +818,7 @@ def _rope_table(q: Tensor, n: int, freqs_x: Optional[Tensor], freqs_y: Optional[
     if positions:
         tab = torch.stack([freqs_x, freqs_y], dim=1).float().contiguous()  # (heads or 1, 2, P)
         return tab, (0 if tab.shape[0] == 1 else tab.stride(0)), tab.stride(1), prefix, width
-    rows = max(1, triton.cdiv(n - prefix, width))
+    rows = max(1, _cdiv(n - prefix, width))
     tab = _cached_table(freqs_x, freqs_y, width, rows, rope_offsets)
     stride_th = 0 if tab.shape[0] == 1 else tab.stride(0)
     return tab, stride_th, tab.stride(1), prefix, width
@@ -863,7 +873,7 @@ def _grid(blocks, bh: int):
     """Launch grid: ``blocks`` (an int or a function of the configuration) on axis 0, batch x heads folded into
     axes 1 and 2 (each at most 65535)."""
     y = min(bh, _MAX_GRID_Y)
-    z = triton.cdiv(bh, y)
+    z = _cdiv(bh, y)
     return lambda cfg: (blocks(cfg) if callable(blocks) else blocks, y, z)
 
 
@@ -931,18 +941,18 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, feature_map: str, freqs_x: Optiona
     tab, stride_th, stride_ts, prefix, width = _rope_table(q, nk, freqs_x, freqs_y, rope_ints, rope_offsets, has_pos)
     tok = _Tokens(q, valid, positions if has_pos else None, rope_offsets)
     split = _split_len(nk, b * h, q.device, split_tokens)
-    n_splits = triton.cdiv(nk, split)
+    n_splits = _cdiv(nk, split)
     s_part, z_part, s, z, counters = _split_buffers(b * h, n_splits, d, dv, q.device, True)
     _run("_state_fwd_kernel", d, dv, _grid(n_splits, b * h), k, v, tab, tok.valid, tok.pos, s_part, z_part, s, z,
          counters, *k.stride(), *v.stride(), stride_th, stride_ts, tok.stride_pb, h, b * h, nk, d // 2, dv, split,
-         prefix, width, triton.next_power_of_2(nk), **meta, MASK=tok.has_valid, REDUCE=n_splits > 1)
+         prefix, width, _next_pow2(nk), **meta, MASK=tok.has_valid, REDUCE=n_splits > 1)
     s = s.view(b, h, d, dv)  # sums over the keys; the 1/Nk of the mean goes onto eps
     z = z.view(b, h, d)
     o = torch.empty(b, nq, h, dv, device=q.device, dtype=q.dtype).transpose(1, 2)  # token-major memory
     if nq > 0:
-        _run("_output_fwd_kernel", d, dv, _grid(lambda cfg: triton.cdiv(nq, cfg["BLOCK_N"]), b * h), q, s, z, tab,
+        _run("_output_fwd_kernel", d, dv, _grid(lambda cfg: _cdiv(nq, cfg["BLOCK_N"]), b * h), q, s, z, tab,
              tok.valid, tok.count, tok.pos, o, *q.stride(), *o.stride(), stride_th, stride_ts, tok.stride_pb,
-             tok.scale(eps, nk), h, b * h, nq, d // 2, dv, prefix, width, triton.next_power_of_2(nq), **meta,
+             tok.scale(eps, nk), h, b * h, nq, d // 2, dv, prefix, width, _next_pow2(nq), **meta,
              **tok.queries)
     return o, s, z
 
@@ -969,7 +979,7 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor,
         dk = torch.zeros(b, h, nk, d, device=q.device, dtype=k.dtype)
         return dq, dk, torch.zeros_like(v, memory_format=torch.contiguous_format), *_freq_grads(df, freqs_x, h)
     split = _split_len(nq, b * h, q.device, split_tokens)
-    n_splits = triton.cdiv(nq, split)
+    n_splits = _cdiv(nq, split)
     reduce = kv_grad or freq_grad  # the key kernel reads the sums
     ds_part, dz_part, ds, dz, counters = _split_buffers(b * h, n_splits, d, dv, q.device, reduce)
     # the frequency gradient: the query kernel stores its sum (reduced by its last split, or its one split's row),
@@ -984,15 +994,15 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor,
     _run("_query_bwd_kernel", d, dv, _grid(n_splits, b * h), q, do, s, z, tab, tok.valid, tok.count, tok.pos, dq,
          ds_part, dz_part, df_part, ds, dz, df, counters, *q.stride(), *do.stride(), stride_th, stride_ts,
          tok.stride_pb, eps, inv_n, h, b * h, nq, d // 2, dv, split, prefix, width, off_row, off_col,
-         triton.next_power_of_2(nq), **meta, **tok.queries, DQ_GRAD=q_grad, REDUCE=reduce and n_splits > 1)
+         _next_pow2(nq), **meta, **tok.queries, DQ_GRAD=q_grad, REDUCE=reduce and n_splits > 1)
     if not reduce:
         return dq, k.new_empty(0), v.new_empty(0), *_freq_grads(df, freqs_x, h)
     dk = torch.empty(b, h, nk, d, device=q.device, dtype=k.dtype)
     dv_out = torch.empty(b, h, nk, dv, device=q.device, dtype=v.dtype)
-    _run("_key_bwd_kernel", d, dv, _grid(lambda cfg: triton.cdiv(nk, cfg["BLOCK_N"]), b * h), k, v, ds, dz, tab,
+    _run("_key_bwd_kernel", d, dv, _grid(lambda cfg: _cdiv(nk, cfg["BLOCK_N"]), b * h), k, v, ds, dz, tab,
          tok.valid, tok.count, tok.pos, dk, dv_out, df, *k.stride(), *v.stride(), stride_th, stride_ts,
          tok.stride_pb, inv_n, h, b * h, nk, d // 2, dv, prefix, width, off_row, off_col,
-         triton.next_power_of_2(nk), **meta, **tok.keys)
+         _next_pow2(nk), **meta, **tok.keys)
     if not kv_grad:
         dk, dv_out = k.new_empty(0), v.new_empty(0)
     return dq, dk, dv_out, *_freq_grads(df, freqs_x, h)

@@ -69,7 +69,8 @@ from torch.utils.flop_counter import register_flop_formula
 from .common import (DEFAULT_EPS, FUSED_FEATURE_MAPS, KERNEL_NAMES, RopeSpec, check_eps, check_int, check_qkv,
                      check_rope, check_valid, feature_map_name)
 
-__all__ = ["linear_attention_triton", "unsupported_reason", "FUSED_FEATURE_MAPS", "MIN_HEAD_DIM", "MAX_HEAD_DIM"]
+__all__ = ["linear_attention_triton", "run_checked", "unsupported_reason", "FUSED_FEATURE_MAPS", "MIN_HEAD_DIM",
+           "MAX_HEAD_DIM"]
 
 MIN_HEAD_DIM = 16
 MAX_HEAD_DIM = 128
@@ -1176,7 +1177,6 @@ def linear_attention_triton(
     reason when the kernels cannot run the call.
     """
     check_qkv(q, k, v, same_tokens=rope is not None)
-    q, k, v, result_dtype = _autocast(q, k, v)
     if not isinstance(feature_map, str):
         raise TypeError(f"feature_map: expected the name of a fused map (str), got {type(feature_map).__name__}")
     if feature_map_name(feature_map) not in FUSED_FEATURE_MAPS:
@@ -1191,6 +1191,14 @@ def linear_attention_triton(
     reason = unsupported_reason(q, k, v, feature_map, rope=rope, causal=False)
     if reason is not None:
         raise ValueError(f"linear_attention_triton: cannot run this call: {reason}")
+    return run_checked(q, k, v, feature_map, rope, eps, split_tokens, valid)
+
+
+def run_checked(q: Tensor, k: Tensor, v: Tensor, feature_map: str, rope: Optional[RopeSpec], eps: float,
+                split_tokens: int = 0, valid: Optional[Tensor] = None) -> Tensor:
+    """:func:`linear_attention_triton` for a caller that has made its checks (inputs, RoPE, eps, token mask, and
+    :func:`unsupported_reason` None: ``linvision.ops.linear_attention`` does), so a call validates once."""
+    q, k, v, result_dtype = _autocast(q, k, v)
     freqs_x = freqs_y = None
     rope_ints: List[int] = [0, 1]
     rope_offsets: List[float] = [0.0, 0.0]

@@ -363,6 +363,23 @@ def test_split_partials_summed_in_the_kernels_and_no_division_launched():
         assert _rel_err(out, ref) < TOL[torch.float32]
         for name, g, r in zip("qkv", grads, ref_grads):
             assert _rel_err(g, r) < 4 * TOL[torch.float32], name
+    assert kernel_module._COUNTERS and not any(c.any() for c in kernel_module._COUNTERS.values())  # left at zero
+
+
+def test_later_calls_launch_the_chosen_configuration(monkeypatch):
+    """The autotuner runs on the first call of a (kernel, head-dim bucket, N bucket, constexprs); a later call of
+    the same bucket launches the configuration it chose without it, with the same output."""
+    monkeypatch.setattr(kernel_module, "_CHOSEN", {})  # as in a fresh process
+    q, k, v, _ = _inputs(1, 2, 40, 40, 16, 16, torch.float32, "relu", seed=5)
+    first = linear_attention_triton(q, k, v, "relu", split_tokens=16)
+
+    def no_tuning(*args):
+        raise AssertionError("autotuner used again")
+
+    monkeypatch.setattr(kernel_module, "_tuned", no_tuning)
+    torch.testing.assert_close(linear_attention_triton(q, k, v, "relu", split_tokens=16), first, rtol=0, atol=0)
+    with pytest.raises(AssertionError, match="autotuner used again"):  # a new N bucket tunes
+        linear_attention_triton(*(torch.cat([t, t], dim=2) for t in (q, k, v)), "relu", split_tokens=16)
 
 
 # What one call of the forward and of the backward implementation does on the host at B=1, H=16, N=4096, D=64 with

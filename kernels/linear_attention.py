@@ -825,8 +825,10 @@ def _rope_table(q: Tensor, n: int, freqs_x: Optional[Tensor], freqs_y: Optional[
     return tab, stride_th, tab.stride(1), prefix, width
 
 
+@torch.no_grad()
 def _build_table(freqs_x: Tensor, freqs_y: Tensor, width: int, rows: int, offsets: List[float]) -> Tensor:
-    """cos and sin of the column and row angles (heads or 1, 2, W + rows, P), formed in float64, stored fp32."""
+    """cos and sin of the column and row angles (heads or 1, 2, W + rows, P), formed in float64, stored fp32 (no
+    autograd history: a kept table holds no reference to the frequencies)."""
     cols = torch.arange(width, device=freqs_x.device, dtype=torch.float64) + offsets[1]
     rows_pos = torch.arange(rows, device=freqs_x.device, dtype=torch.float64) + offsets[0]
     ang = torch.cat([cols[:, None] * freqs_x.double()[:, None, :], rows_pos[:, None] * freqs_y.double()[:, None, :]],

@@ -3,6 +3,7 @@
 Without a GPU the kernels run in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1 before
 triton is imported), so shapes stay small; the wider sweep is marked slow.
 """
+import collections
 import importlib
 import itertools
 import os
@@ -13,6 +14,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from linvision.ops import Rope, axial_rope, linear_attention, linear_attention_reference, mixed_rope_freqs, rope_1d
@@ -328,39 +330,122 @@ def test_no_query_gradient_formed_for_frozen_queries(monkeypatch):
         assert _rel_err(g, r) < 4 * TOL[torch.float32], name
 
 
-def test_split_partials_summed_once_and_no_division_launched():
+class _AtenOps(TorchDispatchMode):
+    """Counts the aten ops called inside it (not the Triton kernels' own work)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_split_partials_summed_in_the_kernels_and_no_division_launched():
     """Around the kernel launches, the forward and backward implementations (what the custom ops run) do no torch
-    arithmetic but one sum per state tensor when there are several token splits (S, z forward; dS, dz backward),
-    none with one split: the 1/Nk of the means is applied inside the kernels. Values as the reference's."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):  # sees every aten op the implementations call (not the kernels' own work)
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
+    arithmetic, with several token splits or one: the last split program of each batch-head sums the partials
+    (S, z forward; dS, dz backward) and the 1/Nk of the means is applied inside the kernels. Values as the
+    reference's, on repeated calls (the kernels leave their split counters at zero)."""
     arithmetic = {"sum", "div", "mul", "add", "sub", "add_", "div_", "mul_", "mean", "reciprocal"}
     q, k, v, do = _inputs(1, 2, 100, 100, 16, 16, torch.float32, "elu")
     qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = linear_attention_reference(qr, kr, vr, "elu")
     ref_grads = torch.autograd.grad(ref, (qr, kr, vr), do.double())
     no_rope = (None, None, [0, 1], [0.0, 0.0])
-    for split_tokens, sums in ((32, 2), (0, 0)):  # 4 splits; one split
-        with Ops() as fwd:
+    for split_tokens in (32, 0, 32):  # 4 splits; one split; 4 again
+        with _AtenOps() as fwd:
             out, s, z = kernel_module._forward(q, k, v, "elu", *no_rope, DEFAULT_EPS, split_tokens)
-        with Ops() as bwd:
+        with _AtenOps() as bwd:
             grads = kernel_module._backward(q, k, v, do, s, z, "elu", *no_rope, DEFAULT_EPS, split_tokens, False,
                                             True, True)[:3]
         assert len(fwd.names) > 0 and len(bwd.names) > 0  # the mode sees the implementations' torch calls
-        assert [name for name in fwd.names if name in arithmetic] == ["sum"] * sums, split_tokens
-        assert [name for name in bwd.names if name in arithmetic] == ["sum"] * sums, split_tokens
+        assert not set(fwd.names) & arithmetic and not set(bwd.names) & arithmetic, split_tokens
         assert _rel_err(out, ref) < TOL[torch.float32]
         for name, g, r in zip("qkv", grads, ref_grads):
             assert _rel_err(g, r) < 4 * TOL[torch.float32], name
+    assert kernel_module._COUNTERS and not any(c.any() for c in kernel_module._COUNTERS.values())  # left at zero
+
+
+def test_later_calls_launch_the_chosen_configuration(monkeypatch):
+    """The autotuner runs on the first call of a (kernel, head-dim bucket, N bucket, constexprs); a later call of
+    the same bucket launches the configuration it chose without it, with the same output."""
+    monkeypatch.setattr(kernel_module, "_CHOSEN", {})  # as in a fresh process
+    q, k, v, _ = _inputs(1, 2, 40, 40, 16, 16, torch.float32, "relu", seed=5)
+    first = linear_attention_triton(q, k, v, "relu", split_tokens=16)
+
+    def no_tuning(*args):
+        raise AssertionError("autotuner used again")
+
+    monkeypatch.setattr(kernel_module, "_tuned", no_tuning)
+    torch.testing.assert_close(linear_attention_triton(q, k, v, "relu", split_tokens=16), first, rtol=0, atol=0)
+    with pytest.raises(AssertionError, match="autotuner used again"):  # a new N bucket tunes
+        linear_attention_triton(*(torch.cat([t, t], dim=2) for t in (q, k, v)), "relu", split_tokens=16)
+
+
+# What one call of the forward and of the backward implementation does on the host at B=1, H=16, N=4096, D=64 with
+# the GPU's 16 token splits: Triton launches and aten ops (allocations and views included), after a first call that
+# built the RoPE table. docs/kernels.md ("The host path") has the counts before the caches.
+HOST_OPS = {"forward": (["_state_fwd_kernel", "_output_fwd_kernel"], 8),
+            "backward": (["_query_bwd_kernel", "_key_bwd_kernel"], 11)}
+TABLE_OPS = {"arange", "cos", "sin", "cat", "stack"}
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_host_ops_of_one_call(monkeypatch, rope):
+    """The launches and aten ops of one forward and one backward call (launches recorded, not run): no more than
+    ``HOST_OPS``; the second call with RoPE builds no table. Counts, not times: deterministic on any machine."""
+    monkeypatch.setattr(kernel_module, "_sm_count", lambda device: 132)
+    assert kernel_module._split_len(4096, 16, torch.device("cuda"), 0) == 256  # 16 splits, 256 programs
+    launched = []
+    monkeypatch.setattr(kernel_module, "_run", lambda name, *args, **kwargs: launched.append(name))
+    q, k, v, do = (torch.randn(1, 16, 4096, 64).bfloat16() for _ in range(4))
+    r = axial_rope(64, (64, 64)) if rope else None
+    args = (r.freqs_x.reshape(-1, 32), r.freqs_y.reshape(-1, 32), [0, 64]) if rope else (None, None, [0, 1])
+    counts = []
+    for _ in range(2):
+        with _AtenOps() as fwd:
+            out, s, z = kernel_module._forward(q, k, v, "elu", *args, [0.0, 0.0], DEFAULT_EPS, 256)
+        with _AtenOps() as bwd:
+            kernel_module._backward(q, k, v, do, s, z, "elu", *args, [0.0, 0.0], DEFAULT_EPS, 256, False, True, True)
+        counts.append((fwd.names, bwd.names))
+    assert launched == 2 * (HOST_OPS["forward"][0] + HOST_OPS["backward"][0])
+    (fwd0, _), (fwd1, bwd1) = counts
+    assert (sum(fwd1.values()), sum(bwd1.values())) <= (HOST_OPS["forward"][1], HOST_OPS["backward"][1]), counts[1]
+    assert not TABLE_OPS & (set(fwd1) | set(bwd1)), counts[1]  # the table is built once, on the first call
+    assert bool(TABLE_OPS & set(fwd0)) == rope
+
+
+def test_rope_table_cached_per_frequencies_and_version(monkeypatch):
+    """The RoPE table is built once for a forward and backward and the calls after them; an in-place update of the
+    frequencies (an optimizer step) or other frequency tensors build a new one, and the outputs follow the new
+    frequencies (float64 reference)."""
+    built = []
+    real_build = kernel_module._build_table
+    monkeypatch.setattr(kernel_module, "_build_table", lambda *args: built.append(1) or real_build(*args))
+    q, k, v, do = _inputs(1, 2, 33, 33, 16, 8, torch.float32, "elu")
+    fx, fy = mixed_rope_freqs(16, 2, generator=torch.Generator().manual_seed(1))
+    fx, fy = fx.clone().requires_grad_(), fy.clone().requires_grad_()
+    rope = Rope(fx, fy, (4, 8), num_prefix_tokens=1)
+
+    def step():
+        qk = q.clone().requires_grad_()
+        out = linear_attention_triton(qk, k, v, "elu", rope=rope)
+        torch.autograd.grad(out, (qk, fx), do)
+        ref = linear_attention_reference(q.double(), k.double(), v.double(), "elu",
+                                         rope=Rope(fx.detach().double(), fy.detach().double(), (4, 8), 1))
+        assert _rel_err(out, ref) < TOL[torch.float32]
+
+    step()
+    step()
+    assert len(built) == 1
+    with torch.no_grad():
+        fx.mul_(1.5)  # a new version: the cached table is stale
+    step()
+    assert len(built) == 2
+    other = Rope(fx.detach().clone(), fy.detach().clone(), (4, 8), num_prefix_tokens=1)
+    linear_attention_triton(q, k, v, "elu", rope=other)
+    assert len(built) == 3
 
 
 def test_cross_attention_token_counts_differ():
@@ -597,16 +682,19 @@ def test_traffic_is_the_minimum():
     with count_traffic() as bwd:
         out.backward(do)
     state = b * h * (d * dv + d) * 4  # one fp32 (S, z) or (dS, dz)
+    # the splits' partials are stored, read back by each batch-head's last split program (from L2 on a GPU) and
+    # their sum stored once
+    partials = (splits * state, splits * state + state)
     expected = {
-        "_state_fwd_kernel": (b * h * n * (d + dv) * 2, splits * state),
+        "_state_fwd_kernel": (b * h * n * (d + dv) * 2 + partials[0], partials[1]),
         "_output_fwd_kernel": (b * h * n * d * 2 + state, b * h * n * dv * 2),
-        "_query_bwd_kernel": (b * h * n * (d + dv) * 2 + state, b * h * n * d * 2 + splits * state),
+        "_query_bwd_kernel": (b * h * n * (d + dv) * 2 + state + partials[0], b * h * n * d * 2 + partials[1]),
         "_key_bwd_kernel": (b * h * n * (d + dv) * 2 + state, b * h * n * (d + dv) * 2),
     }
     got = {t.kernel: (t.bytes_loaded, t.bytes_stored) for t in fwd + bwd}
     assert got == expected
     floor_fwd = minimal_bytes(b, h, n, n, d, dv, 2, backward=False)
-    assert sum(t.total for t in fwd) - (splits + 1) * state == floor_fwd
+    assert sum(t.total for t in fwd) - (2 * splits + 2) * state == floor_fwd
 
 
 def test_traffic_counter_refuses_an_interpreter_it_does_not_know(monkeypatch):
@@ -802,7 +890,7 @@ def test_offered_configurations_are_candidates():
 def test_compile_check_verdicts():
     """The pass rule of linvision/tools/check_kernels.py: zero spills, shared memory within 227 KB, and a token loop whose
     16-bit loads are all asynchronous copies (kernels without a loop need none)."""
-    from linvision.tools.check_kernels import CompileResult, _token_loads_pipelined
+    from linvision.kernels.compile_check import CompileResult, token_loads_pipelined as _token_loads_pipelined
 
     def result(**kw):
         base = dict(kernel="k", d=64, dtype="bfloat16", rope="on", block_n=64, num_warps=4, num_stages=2,
@@ -838,7 +926,7 @@ def test_kernels_compile_for_hopper(args):
     rows = [line for line in result.stdout.splitlines() if line.rstrip().endswith(" ok")]
     kernels = args[args.index("--kernel") + 1:] if "--kernel" in args else kernel_module.KERNEL_NAMES
     d = int(args[1])
-    from linvision.tools.check_kernels import _grad_variants
+    from linvision.kernels.compile_check import grad_variants as _grad_variants
 
     # the query backward also without dq (queries that need no gradient)
     assert len(rows) == sum(len(kernel_module.offered_configs(k, d)) * len(_grad_variants(k)) for k in kernels)

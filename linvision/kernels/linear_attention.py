@@ -13,18 +13,20 @@ Four kernels, each one pass over N-sized tensors, so HBM traffic is the minimum 
 - ``_state_fwd_kernel``   reads k, v; writes per-split partial sums of S and z (split-N when B*H is small).
 - ``_output_fwd_kernel``  reads q; writes o (from the reduced S and z).
 - ``_query_bwd_kernel``   reads q, dO; recomputes den from the saved z and g = dO S^T / den (the gradient of the
-  rotated features), takes dden = -(R phi(q) . g) / den without the numerator; writes dq and per-split
-  partials of dS = (1/Nk) sum_i (R_i phi(q_i) / den_i)^T dO_i and dz = (1/Nk) sum_i dden_i phi(q_i).
+  rotated features), takes dden = -(R phi(q) . g) / den without the numerator; writes dq and (summed over the
+  splits) dS = (1/Nk) sum_i (R_i phi(q_i) / den_i)^T dO_i and dz = (1/Nk) sum_i dden_i phi(q_i).
 - ``_key_bwd_kernel``     reads k, v; writes dk = phi'(k) (R^T (v dS^T) + dz) and dv = (R phi(k)) dS.
 
-Per-split partial sums are added by one torch sum each, or taken as they are (a view) when there is one split
-(always when B*H fills the GPU). Summing them inside the consumers instead would make every token-block program of
-the output and key kernels read all the partials: at B1 H16 N65536 D64 (17 splits on an H100) 4-18x the HBM bytes
-of its own tile (BLOCK_N 256 to 64) from L2, against one small launch. The 1/Nk of the means is applied by the
-kernels as they load S, z and dS, dz; no division is launched.
+Per-split partial sums are added by the last split program of each batch-head to finish (a counter per
+batch-head, taken after a barrier with a release-acquire atomic, reset by that program): in split order, from L2,
+with no launch of their own; with one split (always when B*H fills the GPU) a program stores its sums directly.
+Summing them inside the consumers instead would make every token-block program of the output and key kernels read
+all the partials: at B1 H16 N65536 D64 (17 splits on an H100) 4-18x the HBM bytes of its own tile (BLOCK_N 256 to
+64) from L2. The 1/Nk of the means is applied by the kernels as they load S, z and dS, dz; no division is launched.
 Fused: the feature map (identity, relu, elu+1) and its derivative, and RoPE (axial or mixed, shared
 or per head) from separable tables: cos and sin of fx * col per grid column and of fy * row per grid row, O((W + H)
-D) values built per call, combined per token by angle addition (no transcendental functions in the kernels). The
+D) values built once per frequency tensors (and their version) and grid, combined per token by angle addition (no
+transcendental functions in the kernels). The
 head dim is handled as two halves of P = D/2 channels because RoPE pairs channel t with channel t + P; S is kept as
 its two row halves.
 
@@ -52,7 +54,10 @@ formula registered), so ``torch.compile`` keeps it in one graph.
 """
 from __future__ import annotations
 
+import functools
 import os
+import weakref
+from collections import OrderedDict
 from typing import List, Optional, Tuple
 
 import torch
@@ -64,7 +69,8 @@ from torch.utils.flop_counter import register_flop_formula
 from .common import (DEFAULT_EPS, FUSED_FEATURE_MAPS, KERNEL_NAMES, RopeSpec, check_eps, check_int, check_qkv,
                      check_rope, check_valid, feature_map_name)
 
-__all__ = ["linear_attention_triton", "unsupported_reason", "FUSED_FEATURE_MAPS", "MIN_HEAD_DIM", "MAX_HEAD_DIM"]
+__all__ = ["linear_attention_triton", "run_checked", "unsupported_reason", "FUSED_FEATURE_MAPS", "MIN_HEAD_DIM",
+           "MAX_HEAD_DIM"]
 
 MIN_HEAD_DIM = 16
 MAX_HEAD_DIM = 128
@@ -90,17 +96,29 @@ def offered_configs(kernel: str, d: int, dv: Optional[int] = None) -> Tuple[Tupl
     return _OFFERED[kernel][_dim_bucket(d, d if dv is None else dv)]
 
 
+def _cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of Python ints (triton.cdiv, a JIT-callable function, costs tens of microseconds per call)."""
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    """The smallest power of two >= n (0 for 0), as triton.next_power_of_2, in plain Python."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
 def _dim_bucket(d: int, dv: int) -> int:
-    return max(32, triton.next_power_of_2(max(d, dv)))
+    return max(32, _next_pow2(max(d, dv)))
 
 
 def _block_p(d: int) -> int:
-    return max(16, triton.next_power_of_2(d // 2))
+    return max(16, _next_pow2(d // 2))
 
 
 _TUNE_KEY = ["N_BUCKET", "D_HALF", "DV", "FEATURE", "HAS_ROPE", "MASK", "POSITIONS"]
 _JITTED = {}  # kernel name -> jitted function
 _TUNED = {}  # (kernel name, BLOCK_P) -> autotuned kernel
+_CHOSEN = {}  # (kernel name, head-dim bucket, N_BUCKET, constexprs) -> the configuration the autotuner chose
+_ACCUMULATED = ("DF",)  # buffers the key kernel adds into (atomically), not overwrites
 
 
 def _kernel(fn):
@@ -120,7 +138,10 @@ def _tuned(name: str, d: int, dv: int):
         else:
             configs = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
                        for bn, w, s in offered_configs(name, d, dv)]
-        _TUNED[key] = triton.autotune(configs=configs, key=_TUNE_KEY)(_JITTED[name])
+        # the autotuner runs each configuration several times on the call's own buffers: a buffer a kernel adds
+        # into (the key kernel's RoPE-frequency sums) is restored before each of those runs and after them
+        restore = [arg for arg in _ACCUMULATED if arg in _JITTED[name].arg_names and name == "_key_bwd_kernel"]
+        _TUNED[key] = triton.autotune(configs=configs, key=_TUNE_KEY, restore_value=restore or None)(_JITTED[name])
     return _TUNED[key]
 
 
@@ -430,16 +451,63 @@ def _store_state(S, Z, idx, s1, s2, z1, z2, offs_p, offs_e, D_HALF, DV, valid):
     tl.store(z2_ptrs, z2, mask=mask_z & valid)
 
 
+@triton.jit
+def _last_split(LOCK, bh, n_splits, valid):
+    """Whether this program is the last of batch-head bh's ``n_splits`` split programs to finish: each takes a ticket
+    after storing its partials (a barrier, then a release-acquire atomic at GPU scope, so the others' partials are
+    visible to the last); the last one resets the counter for the next launch."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(LOCK + bh, 1, mask=valid, sem="acq_rel", scope="gpu")
+    last = valid & (ticket == n_splits - 1)
+    if last:
+        tl.atomic_xchg(LOCK + bh, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+@triton.jit
+def _sum_partials(PART, OUT, bh, n_splits, offs_p, offs_e, D_HALF, DV, VECTOR: tl.constexpr):
+    """Slot bh of OUT: the sum of the split partials bh * n_splits + i of PART, in split order (deterministic), read
+    past the SM's L1 (written by other programs). Slots are (2 * D_HALF, DV) states, or with VECTOR (2 * D_HALF,)
+    vectors (z, dz, and the frequency gradients' (2, P) rows)."""
+    if VECTOR:
+        offs = offs_p
+        mask = offs_p < D_HALF
+        size = 2 * D_HALF
+        half = D_HALF
+    else:
+        offs = offs_p[:, None] * DV + offs_e[None, :]
+        mask = (offs_p < D_HALF)[:, None] & (offs_e < DV)[None, :]
+        size = 2 * D_HALF * DV
+        half = D_HALF * DV
+    src = PART + (bh * n_splits).to(tl.int64) * size + offs
+    x1 = tl.load(src, mask=mask, other=0.0, cache_modifier=".cg")
+    x2 = tl.load(src + half, mask=mask, other=0.0, cache_modifier=".cg")
+    for i in range(1, n_splits):
+        x1 += tl.load(src + i * size, mask=mask, other=0.0, cache_modifier=".cg")
+        x2 += tl.load(src + i * size + half, mask=mask, other=0.0, cache_modifier=".cg")
+    dst = OUT + bh.to(tl.int64) * size + offs
+    tl.store(dst, x1, mask=mask)
+    tl.store(dst + half, x2, mask=mask)
+
+
+@triton.jit
+def _reduce_splits(S_PART, Z_PART, S, Z, bh, n_splits, offs_p, offs_e, D_HALF, DV):
+    """Slot bh of a state S and its vector Z from the splits' partials (see :func:`_sum_partials`)."""
+    _sum_partials(S_PART, S, bh, n_splits, offs_p, offs_e, D_HALF, DV, False)
+    _sum_partials(Z_PART, Z, bh, n_splits, offs_p, offs_e, D_HALF, DV, True)
+
+
 @_kernel
-def _state_fwd_kernel(K, V, TAB, VALID, POS, S_PART, Z_PART, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
-                      stride_vh, stride_vn, stride_vd, stride_th, stride_ts, stride_pb, H, BH, N, D_HALF, DV,
-                      split_len, prefix, width, N_BUCKET, FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr,
+def _state_fwd_kernel(K, V, TAB, VALID, POS, S_PART, Z_PART, S, Z, LOCK, stride_kb, stride_kh, stride_kn,
+                      stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_th, stride_ts, stride_pb, H, BH,
+                      N, D_HALF, DV, split_len, prefix, width, N_BUCKET, FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr,
                       MASK: tl.constexpr, POSITIONS: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
                       ROUND_BF16: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
+                      BLOCK_N: tl.constexpr, REDUCE: tl.constexpr):
     """Grid (splits, B*H): partial sums of S (rotated keys) and z over the tokens of one split (with MASK, its
     valid tokens). The rotated features enter the tensor cores rounded to the input dtype, v as loaded; fp32
-    accumulation."""
+    accumulation. With REDUCE (several splits) the last split program of a batch-head sums the partials into S, z
+    (no launch of its own); with one split S_PART and Z_PART are S and z."""
     pid_s, bh, b, h, valid, offs_p, offs_e = _program(H, BH, BLOCK_P, BLOCK_DV)
     k_base = _head(K, b, h, stride_kb, stride_kh)
     v_base = _head(V, b, h, stride_vb, stride_vh)
@@ -458,6 +526,9 @@ def _state_fwd_kernel(K, V, TAB, VALID, POS, S_PART, Z_PART, stride_kb, stride_k
         s2 = tl.dot(vt, _operand(r2, DOT, ROUND_BF16), s2, input_precision=PRECISION)
     _store_state(S_PART, Z_PART, bh * tl.num_programs(0) + pid_s, tl.trans(s1), tl.trans(s2), z1, z2, offs_p, offs_e,
                  D_HALF, DV, valid)
+    if REDUCE:
+        if _last_split(LOCK, bh, tl.num_programs(0), valid):
+            _reduce_splits(S_PART, Z_PART, S, Z, bh, tl.num_programs(0), offs_p, offs_e, D_HALF, DV)
 
 
 @_kernel
@@ -490,16 +561,19 @@ def _output_fwd_kernel(Q, S, Z, TAB, VALID, COUNT, POS, O, stride_qb, stride_qh,
 
 
 @_kernel
-def _query_bwd_kernel(Q, DO, S, Z, TAB, VALID, COUNT, POS, DQ, DS_PART, DZ_PART, DF_PART, stride_qb, stride_qh,
-                      stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od, stride_th, stride_ts,
-                      stride_pb, eps, inv_n, H, BH, N, D_HALF, DV, split_len, prefix, width, off_row, off_col,
-                      N_BUCKET, FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr, MASK: tl.constexpr,
+def _query_bwd_kernel(Q, DO, S, Z, TAB, VALID, COUNT, POS, DQ, DS_PART, DZ_PART, DF_PART, DS, DZ, DF, LOCK,
+                      stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od,
+                      stride_th, stride_ts, stride_pb, eps, inv_n, H, BH, N, D_HALF, DV, split_len, prefix, width,
+                      off_row, off_col, N_BUCKET, FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr, MASK: tl.constexpr,
                       COUNTED: tl.constexpr, POSITIONS: tl.constexpr, FREQ_GRAD: tl.constexpr,
                       PRECISION: tl.constexpr, DOT: tl.constexpr, ROUND_BF16: tl.constexpr, SPLIT: tl.constexpr,
-                      BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, DQ_GRAD: tl.constexpr):
+                      BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, DQ_GRAD: tl.constexpr,
+                      REDUCE: tl.constexpr):
     """Grid (splits, B*H): dq for the queries of one split (only with DQ_GRAD) and partial sums of dS, dz
     (without 1/Nk). S and z are the forward's sums over the keys, made means by ``inv_n`` = 1/Nk on loading (over
-    the sample's valid keys with COUNTED). With MASK invalid queries add nothing and get dq = 0.
+    the sample's valid keys with COUNTED). With MASK invalid queries add nothing and get dq = 0. With REDUCE
+    (several splits whose sums the key kernel needs) the last split program of a batch-head sums the partials into
+    dS, dz and the frequency gradient DF; with one split the partials are those (views).
 
     With g = dO S^T / den the gradient of the rotated features, dden = -(dO . num) / den^2 = -(R phi(q) . g) / den:
     the numerator is not recomputed. dO enters the tensor cores as loaded, S as its hi + lo split, R phi(q) / den
@@ -552,6 +626,11 @@ def _query_bwd_kernel(Q, DO, S, Z, TAB, VALID, COUNT, POS, DQ, DS_PART, DZ_PART,
         df_ptrs = DF_PART + slot.to(tl.int64) * 2 * D_HALF + offs_p
         tl.store(df_ptrs, dfx, mask=(offs_p < D_HALF) & valid)
         tl.store(df_ptrs + D_HALF, dfy, mask=(offs_p < D_HALF) & valid)
+    if REDUCE:
+        if _last_split(LOCK, bh, tl.num_programs(0), valid):
+            _reduce_splits(DS_PART, DZ_PART, DS, DZ, bh, tl.num_programs(0), offs_p, offs_e, D_HALF, DV)
+            if FREQ_GRAD:  # the splits' (2, P) rows of d loss / d fx, d fy
+                _sum_partials(DF_PART, DF, bh, tl.num_programs(0), offs_p, offs_e, D_HALF, DV, True)
 
 
 @_kernel
@@ -604,6 +683,7 @@ def _key_bwd_kernel(K, V, DS, DZ, TAB, VALID, COUNT, POS, DK, DV_OUT, DF, stride
 TOKEN_POINTERS = {"K", "V", "Q", "O", "DO", "DQ", "DK", "DV_OUT"}  # in the input dtype
 FP32_POINTERS = {"S", "Z", "DS", "DZ", "S_PART", "Z_PART", "DS_PART", "DZ_PART", "TAB", "DF_PART", "DF", "COUNT", "POS"}
 BYTE_POINTERS = {"VALID"}  # the token mask, one byte per token
+INT_POINTERS = {"LOCK"}  # int32 counters of the last-split reductions
 FLOAT_SCALARS = {"eps", "inv_n", "off_row", "off_col"}
 # Chosen from `python linvision/tools/check_kernels.py --candidates` (sm_90, bf16 with RoPE, the heaviest case) and checked for
 # fp16/bf16 with RoPE on and off by `python linvision/tools/check_kernels.py` (docs/kernels.md); keyed on the head-dim bucket.
@@ -629,9 +709,10 @@ _TL_DTYPES = {"float16": tl.float16, "bfloat16": tl.bfloat16, "float32": tl.floa
 
 def kernel_constexprs(dtype: str, d: int, dv: int, feature: str, has_rope: bool, interpret: bool = False,
                       freq_grad: bool = False, dq_grad: bool = True, mask: bool = False, counted: bool = False,
-                      positions: bool = False) -> dict:
+                      positions: bool = False, reduce: bool = True) -> dict:
     """The constexprs of a launch (all but BLOCK_N; FREQ_GRAD only for the backward kernels, DQ_GRAD only for the
-    query backward, COUNTED not for the state kernel, see :func:`kernel_function`); ``dtype`` by name
+    query backward, COUNTED not for the state kernel, REDUCE (``reduce``: the last split program sums the splits)
+    only for the state kernel and the query backward, see :func:`kernel_function`); ``dtype`` by name
     ("bfloat16", ...). 16-bit inputs: dot operands in that dtype (the fp32 state split hi + lo); fp32 inputs: exact
     fp32 products ("ieee"). ``mask``: the kernel's tokens are read through a token mask; ``counted``: means over
     each sample's valid keys; ``positions``: RoPE at per-sample positions."""
@@ -645,23 +726,30 @@ def kernel_constexprs(dtype: str, d: int, dv: int, feature: str, has_rope: bool,
         ROUND_BF16=round_bf16,
         SPLIT=half,
         BLOCK_P=_block_p(d),
-        BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+        BLOCK_DV=max(16, _next_pow2(dv)),
         FREQ_GRAD=freq_grad,
         DQ_GRAD=dq_grad,
         MASK=mask,
         COUNTED=counted,
         POSITIONS=positions,
+        REDUCE=reduce,
     )
 
 
 def _meta(q: Tensor, v: Tensor, feature_map: str, has_rope: bool, freq_grad: Optional[bool] = None,
           positions: bool = False) -> dict:
     """Constexprs of a launch; ``freq_grad`` None for the forward kernels (which have no FREQ_GRAD); DQ_GRAD
-    (True), MASK and COUNTED are left for the caller to set per kernel (see :class:`_Tokens`)."""
-    dtype = str(q.dtype).replace("torch.", "")
-    meta = kernel_constexprs(dtype, q.shape[-1], v.shape[-1], feature_map, has_rope, _INTERPRET, bool(freq_grad),
-                             positions=positions)
-    for name in ("DQ_GRAD", "MASK", "COUNTED"):
+    (True), MASK and COUNTED are left for the caller to set per kernel (see :class:`_Tokens`). Formed once per
+    combination (a dict the callers only read)."""
+    return _meta_of(q.dtype, q.shape[-1], v.shape[-1], feature_map, has_rope, freq_grad, positions)
+
+
+@functools.lru_cache(maxsize=256)
+def _meta_of(dtype: torch.dtype, d: int, dv: int, feature_map: str, has_rope: bool, freq_grad: Optional[bool],
+             positions: bool) -> dict:
+    meta = kernel_constexprs(str(dtype).replace("torch.", ""), d, dv, feature_map, has_rope, _INTERPRET,
+                             bool(freq_grad), positions=positions)
+    for name in ("DQ_GRAD", "MASK", "COUNTED", "REDUCE"):
         del meta[name]
     if freq_grad is None:
         del meta["FREQ_GRAD"]
@@ -685,8 +773,10 @@ class _Tokens:
         if positions is None:
             self.pos, self.stride_pb = q, 0
         else:
-            off = torch.tensor(offsets, dtype=torch.float32, device=q.device)
-            self.pos = (positions.to(device=q.device, dtype=torch.float32) + off).contiguous()
+            pos = positions.to(device=q.device, dtype=torch.float32)
+            if any(offsets):  # added column by column: no host-to-device copy of the offsets
+                pos = torch.cat([pos[..., :1] + offsets[0], pos[..., 1:] + offsets[1]], dim=-1)
+            self.pos = pos.contiguous()
             self.stride_pb = 0 if self.pos.shape[0] == 1 else self.pos.stride(0)
         self.keys = dict(MASK=self.has_valid, COUNTED=self.has_valid)
         self.queries = dict(MASK=self.has_valid and q.shape[2] == valid.shape[1], COUNTED=self.has_valid)
@@ -697,62 +787,150 @@ class _Tokens:
         return x if self.has_valid else x * n
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device, asked once per device (not on every call)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _split_len(n: int, bh: int, device: torch.device, split_tokens: int) -> int:
     """Tokens per split of the reductions over N (at least 1). ``split_tokens`` > 0 forces it; 0 picks enough
-    splits to give about two programs per SM on a GPU (whole-N reductions off GPU), at least 1024 tokens per
-    split."""
+    splits to give about two programs per SM on a GPU (whole-N reductions off GPU), at least ``_SPLIT_ALIGN``
+    tokens per split: at B=1, H=16, N=4096 on 132 SMs 16 splits of 256 tokens (256 programs), where a floor of
+    1,024 tokens left 64 programs and 68 SMs idle."""
     if split_tokens > 0:
         return split_tokens
     if device.type != "cuda" or n == 0:
         return max(n, 1)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    splits = max(1, min(triton.cdiv(2 * sms, bh), triton.cdiv(n, 4 * _SPLIT_ALIGN)))
-    return triton.cdiv(triton.cdiv(n, splits), _SPLIT_ALIGN) * _SPLIT_ALIGN
+    splits = max(1, min(_cdiv(2 * _sm_count(device), bh), _cdiv(n, _SPLIT_ALIGN)))
+    return _cdiv(_cdiv(n, splits), _SPLIT_ALIGN) * _SPLIT_ALIGN
 
 
 def _rope_table(q: Tensor, n: int, freqs_x: Optional[Tensor], freqs_y: Optional[Tensor], rope_ints: List[int],
                 rope_offsets: List[float], positions: bool = False) -> Tuple[Tensor, int, int, int, int]:
     """(table, head stride, cos/sin stride, prefix, width). The table (heads or 1, 2, W + rows, P) holds cos and
     sin of fx * (col + offset) for each grid column, then of fy * (row + offset) for each grid row: O((W + rows) P)
-    values, combined in-kernel by angle addition. With per-sample ``positions`` it is the frequencies (heads or 1,
-    2, P) themselves. A dummy (never loaded) without RoPE."""
+    values, combined in-kernel by angle addition; built once per frequency tensors and grid (see
+    :func:`_cached_table`). With per-sample ``positions`` it is the frequencies (heads or 1, 2, P) themselves. A
+    dummy (never loaded) without RoPE."""
     if freqs_x is None or freqs_y is None:
         return q, 0, 0, 0, 1
     prefix, width = rope_ints
     if positions:
         tab = torch.stack([freqs_x, freqs_y], dim=1).float().contiguous()  # (heads or 1, 2, P)
         return tab, (0 if tab.shape[0] == 1 else tab.stride(0)), tab.stride(1), prefix, width
-    rows = max(1, triton.cdiv(n - prefix, width))
-    cols = torch.arange(width, device=q.device, dtype=torch.float64) + rope_offsets[1]
-    rows_pos = torch.arange(rows, device=q.device, dtype=torch.float64) + rope_offsets[0]
-    ang = torch.cat([cols[:, None] * freqs_x.double()[:, None, :], rows_pos[:, None] * freqs_y.double()[:, None, :]],
-                    dim=1)  # (heads, W + rows, P)
-    tab = torch.stack([ang.cos(), ang.sin()], dim=1).float().contiguous()
+    rows = max(1, _cdiv(n - prefix, width))
+    tab = _cached_table(freqs_x, freqs_y, width, rows, rope_offsets)
     stride_th = 0 if tab.shape[0] == 1 else tab.stride(0)
     return tab, stride_th, tab.stride(1), prefix, width
+
+
+@torch.no_grad()
+def _build_table(freqs_x: Tensor, freqs_y: Tensor, width: int, rows: int, offsets: List[float]) -> Tensor:
+    """cos and sin of the column and row angles (heads or 1, 2, W + rows, P), formed in float64, stored fp32 (no
+    autograd history: a kept table holds no reference to the frequencies)."""
+    cols = torch.arange(width, device=freqs_x.device, dtype=torch.float64) + offsets[1]
+    rows_pos = torch.arange(rows, device=freqs_x.device, dtype=torch.float64) + offsets[0]
+    ang = torch.cat([cols[:, None] * freqs_x.double()[:, None, :], rows_pos[:, None] * freqs_y.double()[:, None, :]],
+                    dim=1)  # (heads, W + rows, P)
+    return torch.stack([ang.cos(), ang.sin()], dim=1).float().contiguous()
+
+
+_TABLE_CACHE_SIZE = 32  # a model at a few input sizes: one table per stage and size
+_TABLES: "OrderedDict[tuple, Tuple[weakref.ref, weakref.ref, Tensor]]" = OrderedDict()
+
+
+def _version_key(t: Tensor):
+    """(the tensor that owns t's memory, a key of t's values): the owner's identity and version counter (bumped by
+    every in-place write, an optimizer step included) and t's place in its memory. None where values cannot be
+    told apart so (inference tensors keep no version counter)."""
+    if t.is_inference():
+        return None
+    base = t if t._base is None else t._base
+    return base, (id(base), base._version, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+
+
+def _cached_table(freqs_x: Tensor, freqs_y: Tensor, width: int, rows: int, offsets: List[float]) -> Tensor:
+    """The RoPE table of :func:`_build_table`, kept per (frequency tensors and their versions, grid, offsets): a
+    model's forward and backward, and its later calls at the same size, build it once. Entries hold the frequency
+    tensors weakly (a freed tensor's entry is never matched) and the last ``_TABLE_CACHE_SIZE`` are kept. Built
+    without the cache during CUDA-graph capture (the building ops are then part of the graph, so a replay after an
+    update of the frequencies rotates by the new ones) and for inference tensors."""
+    kx, ky = _version_key(freqs_x), _version_key(freqs_y)
+    capturing = freqs_x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if kx is None or ky is None or capturing:
+        return _build_table(freqs_x, freqs_y, width, rows, offsets)
+    key = (kx[1], ky[1], width, rows, tuple(offsets))
+    hit = _TABLES.get(key)
+    if hit is not None and hit[0]() is kx[0] and hit[1]() is ky[0]:
+        _TABLES.move_to_end(key)
+        return hit[2]
+    tab = _build_table(freqs_x, freqs_y, width, rows, offsets)
+    _TABLES[key] = (weakref.ref(kx[0]), weakref.ref(ky[0]), tab)
+    while len(_TABLES) > _TABLE_CACHE_SIZE:
+        _TABLES.popitem(last=False)
+    return tab
 
 
 def _grid(blocks, bh: int):
     """Launch grid: ``blocks`` (an int or a function of the configuration) on axis 0, batch x heads folded into
     axes 1 and 2 (each at most 65535)."""
     y = min(bh, _MAX_GRID_Y)
-    z = triton.cdiv(bh, y)
+    z = _cdiv(bh, y)
     return lambda cfg: (blocks(cfg) if callable(blocks) else blocks, y, z)
 
 
 def _run(name: str, d: int, dv: int, grid, *args, **meta) -> None:
-    """Launch kernel ``name``: autotuned, except during CUDA-graph capture, where benchmarking cannot run and the
-    first offered configuration is launched instead."""
+    """Launch kernel ``name``. During CUDA-graph capture, where benchmarking cannot run, the first offered
+    configuration; else the autotuner's choice: benchmarked on the first call of a (head-dim bucket, N bucket,
+    constexprs), then launched directly with the configuration it chose (no pass through the autotuner)."""
     if not _INTERPRET and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         bn, warps, stages = offered_configs(name, d, dv)[0]
         _JITTED[name][grid({"BLOCK_N": bn})](*args, **meta, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        return
+    key = (name, _dim_bucket(d, dv), args[_n_bucket_index(name)], *meta.items())
+    config = _CHOSEN.get(key)
+    if config is None:
+        tuned = _tuned(name, d, dv)
+        tuned[grid](*args, **meta)
+        _CHOSEN[key] = tuned.best_config
     else:
-        _tuned(name, d, dv)[grid](*args, **meta)
+        _JITTED[name][grid(config.kwargs)](*args, **meta, **config.all_kwargs())
 
 
-def _reduce(part: Tensor) -> Tensor:
-    """The sum of per-split partials (slots, splits, ...) over the splits: a view, no launch, for one split."""
-    return part[:, 0] if part.shape[1] == 1 else part.sum(dim=1)
+@functools.lru_cache(maxsize=None)
+def _n_bucket_index(name: str) -> int:
+    """Position of N_BUCKET (the autotuner's token-count key) among kernel ``name``'s arguments."""
+    return _JITTED[name].arg_names.index("N_BUCKET")
+
+
+def _split_buffers(bh: int, n_splits: int, d: int, dv: int, device: torch.device, reduce: bool):
+    """(partials of a state (B*H, splits, D, Dv) and of its vector (B*H, splits, D), the state and the vector, the
+    counters of the kernel's last-split reduction): fp32; with one split the state and vector are views of the
+    partials (the kernel stores them directly), without ``reduce`` too (nothing reads the sum)."""
+    s_part = torch.empty(bh, n_splits, d, dv, device=device, dtype=torch.float32)
+    z_part = torch.empty(bh, n_splits, d, device=device, dtype=torch.float32)
+    if not (reduce and n_splits > 1):
+        return s_part, z_part, s_part[:, 0], z_part[:, 0], s_part
+    s = torch.empty(bh, d, dv, device=device, dtype=torch.float32)
+    return s_part, z_part, s, torch.empty(bh, d, device=device, dtype=torch.float32), _counters(device, bh)
+
+
+_COUNTERS = {}  # (device, stream) -> int32 zeros: the last-split counters, reset by the kernels themselves
+
+
+def _counters(device: torch.device, count: int) -> Tensor:
+    """At least ``count`` int32 counters at zero for the kernels' last-split reductions, one buffer per device and
+    stream kept between calls (each launch leaves them at zero again); a fresh one, not kept, during CUDA-graph
+    capture when none is large enough (memory of the graph's pool must not outlive it)."""
+    cuda = device.type == "cuda"
+    key = (device, torch.cuda.current_stream(device).stream_id if cuda else 0)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < count:
+        buf = torch.zeros(max(count, 256), device=device, dtype=torch.int32)
+        if not (cuda and torch.cuda.is_current_stream_capturing()):
+            _COUNTERS[key] = buf
+    return buf
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, feature_map: str, freqs_x: Optional[Tensor],
@@ -766,19 +944,18 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, feature_map: str, freqs_x: Optiona
     tab, stride_th, stride_ts, prefix, width = _rope_table(q, nk, freqs_x, freqs_y, rope_ints, rope_offsets, has_pos)
     tok = _Tokens(q, valid, positions if has_pos else None, rope_offsets)
     split = _split_len(nk, b * h, q.device, split_tokens)
-    n_splits = triton.cdiv(nk, split)
-    s_part = torch.empty(b * h, n_splits, d, dv, device=q.device, dtype=torch.float32)
-    z_part = torch.empty(b * h, n_splits, d, device=q.device, dtype=torch.float32)
-    _run("_state_fwd_kernel", d, dv, _grid(n_splits, b * h), k, v, tab, tok.valid, tok.pos, s_part, z_part,
-         *k.stride(), *v.stride(), stride_th, stride_ts, tok.stride_pb, h, b * h, nk, d // 2, dv, split, prefix,
-         width, triton.next_power_of_2(nk), **meta, MASK=tok.has_valid)
-    s = _reduce(s_part).view(b, h, d, dv)  # sums over the keys; the 1/Nk of the mean goes onto eps
-    z = _reduce(z_part).view(b, h, d)
+    n_splits = _cdiv(nk, split)
+    s_part, z_part, s, z, counters = _split_buffers(b * h, n_splits, d, dv, q.device, True)
+    _run("_state_fwd_kernel", d, dv, _grid(n_splits, b * h), k, v, tab, tok.valid, tok.pos, s_part, z_part, s, z,
+         counters, *k.stride(), *v.stride(), stride_th, stride_ts, tok.stride_pb, h, b * h, nk, d // 2, dv, split,
+         prefix, width, _next_pow2(nk), **meta, MASK=tok.has_valid, REDUCE=n_splits > 1)
+    s = s.view(b, h, d, dv)  # sums over the keys; the 1/Nk of the mean goes onto eps
+    z = z.view(b, h, d)
     o = torch.empty(b, nq, h, dv, device=q.device, dtype=q.dtype).transpose(1, 2)  # token-major memory
     if nq > 0:
-        _run("_output_fwd_kernel", d, dv, _grid(lambda cfg: triton.cdiv(nq, cfg["BLOCK_N"]), b * h), q, s, z, tab,
+        _run("_output_fwd_kernel", d, dv, _grid(lambda cfg: _cdiv(nq, cfg["BLOCK_N"]), b * h), q, s, z, tab,
              tok.valid, tok.count, tok.pos, o, *q.stride(), *o.stride(), stride_th, stride_ts, tok.stride_pb,
-             tok.scale(eps, nk), h, b * h, nq, d // 2, dv, prefix, width, triton.next_power_of_2(nq), **meta,
+             tok.scale(eps, nk), h, b * h, nq, d // 2, dv, prefix, width, _next_pow2(nq), **meta,
              **tok.queries)
     return o, s, z
 
@@ -800,35 +977,35 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor,
     tok = _Tokens(q, valid, positions if has_pos else None, rope_offsets)
     p = d // 2
     dq = torch.empty(b, h, nq, d, device=q.device, dtype=q.dtype) if q_grad else q.new_empty(0)
-    df = torch.zeros(b * h, 2, p if freq_grad else 0, device=q.device, dtype=torch.float32)
     if nq == 0:  # no queries: nothing flows back to the keys, values or frequencies
+        df = torch.zeros(b * h, 2, p if freq_grad else 0, device=q.device, dtype=torch.float32)
         dk = torch.zeros(b, h, nk, d, device=q.device, dtype=k.dtype)
         return dq, dk, torch.zeros_like(v, memory_format=torch.contiguous_format), *_freq_grads(df, freqs_x, h)
     split = _split_len(nq, b * h, q.device, split_tokens)
-    n_splits = triton.cdiv(nq, split)
-    ds_part = torch.empty(b * h, n_splits, d, dv, device=q.device, dtype=torch.float32)
-    dz_part = torch.empty(b * h, n_splits, d, device=q.device, dtype=torch.float32)
+    n_splits = _cdiv(nq, split)
+    reduce = kv_grad or freq_grad  # the key kernel reads the sums
+    ds_part, dz_part, ds, dz, counters = _split_buffers(b * h, n_splits, d, dv, q.device, reduce)
+    # the frequency gradient: the query kernel stores its sum (reduced by its last split, or its one split's row),
+    # the key kernel adds to it
     df_part = torch.empty(b * h, n_splits, 2, p if freq_grad else 0, device=q.device, dtype=torch.float32)
+    df = torch.empty_like(df_part[:, 0]) if freq_grad and n_splits > 1 else df_part[:, 0]
     off_row, off_col = (float(x) for x in rope_offsets)
     # the backward runs on the means (the kernels scale the sums by 1/Nk as they load them, no division is
     # launched): R phi(q) / den, rounded to 16 bits for the dS product, stays a normal fp16 number there (with
     # sums, den grows with Nk and the operand would sink into fp16's subnormals)
     inv_n = 1.0 if tok.has_valid else 1.0 / max(nk, 1)  # with a mask, each sample's own count (COUNTED)
     _run("_query_bwd_kernel", d, dv, _grid(n_splits, b * h), q, do, s, z, tab, tok.valid, tok.count, tok.pos, dq,
-         ds_part, dz_part, df_part, *q.stride(), *do.stride(), stride_th, stride_ts, tok.stride_pb, eps, inv_n, h,
-         b * h, nq, d // 2, dv, split, prefix, width, off_row, off_col, triton.next_power_of_2(nq), **meta,
-         **tok.queries, DQ_GRAD=q_grad)
-    if not (kv_grad or freq_grad):
+         ds_part, dz_part, df_part, ds, dz, df, counters, *q.stride(), *do.stride(), stride_th, stride_ts,
+         tok.stride_pb, eps, inv_n, h, b * h, nq, d // 2, dv, split, prefix, width, off_row, off_col,
+         _next_pow2(nq), **meta, **tok.queries, DQ_GRAD=q_grad, REDUCE=reduce and n_splits > 1)
+    if not reduce:
         return dq, k.new_empty(0), v.new_empty(0), *_freq_grads(df, freqs_x, h)
-    ds, dz = _reduce(ds_part), _reduce(dz_part)  # (B*H, D, Dv) sums; the key kernel applies the 1/Nk
     dk = torch.empty(b, h, nk, d, device=q.device, dtype=k.dtype)
     dv_out = torch.empty(b, h, nk, dv, device=q.device, dtype=v.dtype)
-    _run("_key_bwd_kernel", d, dv, _grid(lambda cfg: triton.cdiv(nk, cfg["BLOCK_N"]), b * h), k, v, ds, dz, tab,
+    _run("_key_bwd_kernel", d, dv, _grid(lambda cfg: _cdiv(nk, cfg["BLOCK_N"]), b * h), k, v, ds, dz, tab,
          tok.valid, tok.count, tok.pos, dk, dv_out, df, *k.stride(), *v.stride(), stride_th, stride_ts,
          tok.stride_pb, inv_n, h, b * h, nk, d // 2, dv, prefix, width, off_row, off_col,
-         triton.next_power_of_2(nk), **meta, **tok.keys)
-    if freq_grad:
-        df += df_part.sum(dim=1)
+         _next_pow2(nk), **meta, **tok.keys)
     if not kv_grad:
         dk, dv_out = k.new_empty(0), v.new_empty(0)
     return dq, dk, dv_out, *_freq_grads(df, freqs_x, h)
@@ -1002,7 +1179,6 @@ def linear_attention_triton(
     reason when the kernels cannot run the call.
     """
     check_qkv(q, k, v, same_tokens=rope is not None)
-    q, k, v, result_dtype = _autocast(q, k, v)
     if not isinstance(feature_map, str):
         raise TypeError(f"feature_map: expected the name of a fused map (str), got {type(feature_map).__name__}")
     if feature_map_name(feature_map) not in FUSED_FEATURE_MAPS:
@@ -1017,6 +1193,14 @@ def linear_attention_triton(
     reason = unsupported_reason(q, k, v, feature_map, rope=rope, causal=False)
     if reason is not None:
         raise ValueError(f"linear_attention_triton: cannot run this call: {reason}")
+    return run_checked(q, k, v, feature_map, rope, eps, split_tokens, valid)
+
+
+def run_checked(q: Tensor, k: Tensor, v: Tensor, feature_map: str, rope: Optional[RopeSpec], eps: float,
+                split_tokens: int = 0, valid: Optional[Tensor] = None) -> Tensor:
+    """:func:`linear_attention_triton` for a caller that has made its checks (inputs, RoPE, eps, token mask, and
+    :func:`unsupported_reason` None: ``linvision.ops.linear_attention`` does), so a call validates once."""
+    q, k, v, result_dtype = _autocast(q, k, v)
     freqs_x = freqs_y = None
     rope_ints: List[int] = [0, 1]
     rope_offsets: List[float] = [0.0, 0.0]

@@ -46,7 +46,7 @@ def _fused(
     else:
         reason = fused.unsupported_reason(q, k, v, phi.name, rope=rope, causal=causal)
     if reason is None:
-        return fused.linear_attention_triton(q, k, v, phi.name, rope=rope, eps=eps, valid=valid)
+        return fused.run_checked(q, k, v, phi.name, rope, eps, valid=valid)  # checked above: validated once
     if backend == "triton":
         raise ValueError(f"backend: 'triton' cannot run this call: {reason}")
     _warn_once(reason)

@@ -1,14 +1,17 @@
-"""What several test files share: tiny data on disk, the tools run in-process, and reading a run's metrics."""
+"""What several test files share: tiny data on disk, the tools run in-process, reading a run's metrics, and the
+authors' checkpoint layouts of the published models with the comparisons made on them."""
 import contextlib
 import io
 import json
 import os
+import re
 import runpy
 import subprocess
 import sys
 import time
 
 import numpy as np
+import torch
 from PIL import Image
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -185,3 +188,71 @@ def serve_hub_downloads_from(monkeypatch, path):
 
     monkeypatch.setattr(hub, "hf_hub_download", download)
     return asked
+
+
+# ---- the authors' checkpoint layouts (tests/data/published/*.txt) with random values, and comparing them ----
+
+# (stage, block) of an authors' block tensor, in the four namings: layers.S.blocks.B (Swin, MLLA, RAVLT, ViG-H),
+# blocks.B (isotropic), blockS.B (PVT, S from 1), stageS.B (CSWin, S from 1)
+_BLOCK_KEY = re.compile(r"^(?:layers\.(\d+)\.blocks|blocks|block(\d+)|stage(\d+))\.(\d+)\.")
+
+
+def _block_of(key):
+    match = _BLOCK_KEY.match(key)
+    if match is None:
+        return None
+    layer, pvt, cswin, block = match.groups()
+    if layer is not None:
+        return int(layer), int(block)
+    return (int(pvt or cswin) - 1 if pvt or cswin else 0), int(block)
+
+
+def authors_layout(name, seed=0, blocks=None, ones=None):
+    """A state dict with the names, shapes and dtypes of the authors' checkpoint of ``name``, random values: floats
+    N(0, 0.2^2) drawn in float64, BN running variances in [0.5, 1.5), integer buffers 100 (a count) or in
+    [0, 169) (an index); ``ones``: a regular expression of the keys that get 1 added (norm weights about 1).
+    ``blocks``: keep only the first blocks of each stage, that many (an int) or per stage (a tuple): a reduced
+    model's file."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for key, shape, dtype in published_tensors(name):
+        where = _block_of(key)
+        if blocks is not None and where is not None:
+            if where[1] >= (blocks if isinstance(blocks, int) else blocks[where[0]]):
+                continue
+        if dtype == "int64":
+            out[key] = torch.tensor(100) if shape == () else torch.randint(0, 169, shape, generator=g)
+        elif key.endswith("running_var"):
+            out[key] = torch.rand(shape, generator=g, dtype=torch.float64).float() + 0.5
+        else:
+            value = torch.randn(shape, generator=g, dtype=torch.float64) * 0.2
+            out[key] = (value + 1 if ones is not None and re.search(ones, key) else value).float()
+    return out
+
+
+def save_training_file(path, state, **extra):
+    """A file laid out as the authors' training scripts save it: the weights under 'model', optimizer and scheduler
+    state, the epoch, the pickled config and arguments, plus ``extra`` entries (an EMA copy, a crafted payload)."""
+    import argparse
+
+    torch.save({"model": state, "optimizer": {"state": {}, "param_groups": [{"lr": 0.1}]}, "lr_scheduler": {},
+                "epoch": 299, "config": TrainingConfig(lr=1e-3), "args": argparse.Namespace(epochs=300),
+                **extra}, path)
+
+
+def sorted_values(tensors):
+    """The values of all ``tensors``, sorted, in float64: two state dicts with equal sorted values hold the same
+    numbers (nothing missing, duplicated or changed), whatever their names and shapes."""
+    return torch.sort(torch.cat([t.double().flatten() for t in tensors])).values
+
+
+def assert_same_values(model_state, file_state):
+    """Every value of ``file_state`` is in ``model_state`` and nothing else (a bijection of the values)."""
+    torch.testing.assert_close(sorted_values(model_state.values()), sorted_values(file_state.values()), rtol=0, atol=0)
+
+
+def layer_norm(x, weight, bias, eps):
+    """LayerNorm over the last axis, written out (biased variance)."""
+    mean = x.mean(-1, keepdim=True)
+    var = ((x - mean) ** 2).mean(-1, keepdim=True)
+    return (x - mean) / torch.sqrt(var + eps) * weight + bias

@@ -10,11 +10,12 @@ import pytest
 import torch
 from support import ROOT, run_subprocess
 
+from linvision.benchmark import naflex as bench
 from linvision.tools import bench_naflex as tool
 
 TOOL = os.path.join(ROOT, "linvision", "tools", "bench_naflex.py")
 TINY = ["--model-kwargs", "embed_dim=32", "depth=1", "num_heads=1"]
-SOFTMAX = tool.SOFTMAX_TINY
+SOFTMAX = bench.SOFTMAX_TINY
 
 
 def _grid(batch, i):
@@ -24,8 +25,8 @@ def _grid(batch, i):
 
 
 def test_image_sizes_keep_the_aspect_and_side_ranges():
-    sizes = tool.image_sizes(400, seed=3)
-    assert sizes == tool.image_sizes(400, seed=3) and sizes != tool.image_sizes(400, seed=4)
+    sizes = bench.image_sizes(400, seed=3)
+    assert sizes == bench.image_sizes(400, seed=3) and sizes != bench.image_sizes(400, seed=4)
     ratios = [w / h for h, w in sizes]
     assert all(1 / 3 <= r <= 3 for r in ratios)
     assert all(128 <= min(h, w) and max(h, w) <= 1536 for h, w in sizes)
@@ -41,10 +42,10 @@ def test_workload_batches_are_naflex_batches_within_the_budget(budget):
     the padding after them is zero, and the patches are the resized image's own."""
     from timm.data.naflex_transforms import ResizeToSequence
 
-    images = tool.workload(batch=3, batches=2, seed=0)
+    images = bench.workload(batch=3, batches=2, seed=0)
     assert [len(b) for b in images] == [3, 3]
     for sources in images:
-        batch = tool.naflex_batch(sources, (16, 16), budget)
+        batch = bench.naflex_batch(sources, (16, 16), budget)
         assert batch["patches"].shape == (3, budget, 16 * 16 * 3)
         assert batch["patch_coord"].shape == (3, budget, 2) and batch["patch_coord"].dtype == torch.int64
         assert batch["patch_valid"].shape == (3, budget) and batch["patch_valid"].dtype == torch.bool
@@ -68,31 +69,31 @@ def test_workload_batches_are_naflex_batches_within_the_budget(budget):
 
 
 def test_square_baseline_has_the_budget_s_token_count():
-    assert [tool.square_side(b) for b in (16, 64, 256, 1024, 4096, 16384, 100, 1000)] == [4, 8, 16, 32, 64, 128,
+    assert [bench.square_side(b) for b in (16, 64, 256, 1024, 4096, 16384, 100, 1000)] == [4, 8, 16, 32, 64, 128,
                                                                                           10, 31]
 
 
 def test_budget_list_parsing():
-    assert tool.parse_budgets(["1024", "256,16384", "4096", "256"]) == [256, 1024, 4096, 16384]
+    assert bench.parse_budgets(["1024", "256,16384", "4096", "256"]) == [256, 1024, 4096, 16384]
     for bad in (["0"], ["12x"], ["-4"], ["256,"], ["1.5"]):
         with pytest.raises(ValueError, match="budgets: .* is not a positive whole number"):
-            tool.parse_budgets(bad)
+            bench.parse_budgets(bad)
 
 
 def test_softmax_heads_and_the_projected_attention_matrix():
     import timm
 
-    name, kwargs = tool.resolve_spec(SOFTMAX)
+    name, kwargs = bench.resolve_spec(SOFTMAX)
     assert name == "naflexvit_base_patch16_gap" and (kwargs["embed_dim"], kwargs["depth"], kwargs["num_heads"]) == (
         192, 12, 3)
-    name, kwargs = tool.resolve_spec(f"{SOFTMAX}:depth=2", {"embed_dim": 32, "num_heads": 2, "depth": 1})
+    name, kwargs = bench.resolve_spec(f"{SOFTMAX}:depth=2", {"embed_dim": 32, "num_heads": 2, "depth": 1})
     softmax = timm.create_model(name, **kwargs)
-    assert (softmax.embed_dim, len(softmax.blocks), tool.softmax_heads(softmax)) == (32, 2, 2)
-    assert tool.patch_size_of(softmax) == (16, 16)
-    assert tool.softmax_heads(timm.create_model("linvit_tiny_patch16_224", depth=1)) is None
-    assert tool.softmax_heads(timm.create_model("linvit_tiny_patch16_224", depth=1, token_mixer="softmax")) == 3
+    assert (softmax.embed_dim, len(softmax.blocks), bench.softmax_heads(softmax)) == (32, 2, 2)
+    assert bench.patch_size_of(softmax) == (16, 16)
+    assert bench.softmax_heads(timm.create_model("linvit_tiny_patch16_224", depth=1)) is None
+    assert bench.softmax_heads(timm.create_model("linvit_tiny_patch16_224", depth=1, token_mixer="softmax")) == 3
     # ViT-Ti at 16384 patches, 4 images, fp32: 4 x 3 x 16385^2 x 4 bytes
-    assert tool.attention_matrix_bytes(4, 3, 16385, 4) / 2**30 == pytest.approx(12.0, rel=1e-3)
+    assert bench.attention_matrix_bytes(4, 3, 16385, 4) / 2**30 == pytest.approx(12.0, rel=1e-3)
 
 
 def _rows(path):
@@ -115,7 +116,7 @@ def test_a_tiny_sweep_writes_every_row_with_figures(tmp_path, capsys):
               ("linvit_tiny_patch16_224", "square")]
     assert [(r["mode"], int(r["budget"]), r["model"], r["input"]) for r in rows] == [
         (mode, budget, model, kind) for mode in ("infer", "train") for budget in (16, 64) for model, kind in series]
-    batches = [tool.naflex_batch(b, (16, 16), 64) for b in tool.workload(2, 2, seed=0)]
+    batches = [bench.naflex_batch(b, (16, 16), 64) for b in bench.workload(2, 2, seed=0)]
     tokens64 = torch.stack([b["patch_valid"] for b in batches]).sum(-1).float().mean().item()
     for r in rows:
         assert r["status"] == "ok" and r["reason"] == "", r

@@ -4,7 +4,6 @@ conventions included) at any grid, and checkpoint pickles run no code.
 
 tests/data/published/<model>.txt lists the tensor names, shapes and dtypes of each authors' checkpoint; the files
 built here from them hold random values."""
-import argparse
 import json
 import math
 import os
@@ -19,7 +18,7 @@ import linvision
 from linvision.utils.checkpoint import load_pretrained
 from linvision.benchmark.flops import count_gflops, count_params
 from linvision.safe_pickle import NotLoaded, read_checkpoint
-from support import (Crafted, TrainingConfig, published_tensors, run_tool, serve_downloads_from,
+from support import (Crafted, authors_layout, run_tool, save_training_file, serve_downloads_from, sorted_values,
                      write_image_folder)
 
 # Published params (M), GFLOPs at 224 and whether the published count includes the attention products (MLLA's
@@ -36,47 +35,24 @@ LAYOUTS = NAMES + [pytest.param(n, id=n, marks=[pytest.mark.slow] if n in SLOW e
 RESOLUTION_BUFFERS = (".attn.rope.rotations", ".RoPE.angle")  # rebuilt per input, never loaded
 
 
-def published_layout(name, seed=0, one_block=False):
-    """A state dict with the authors' names and shapes for ``name`` (random values; BN variances positive). With
-    ``one_block`` only the first block of every stage (the layout of ``depths=(1, 1, 1, 1)``)."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for key, shape, dtype in published_tensors(name):
-        if one_block and any(int(i) > 0 for i in __import__("re").findall(r"\.blocks\.(\d+)\.", key)):
-            continue
-        if dtype == "int64":
-            out[key] = torch.tensor(100)
-        elif key.endswith("running_var"):
-            out[key] = torch.rand(shape, generator=g, dtype=torch.float64).float() + 0.5
-        else:
-            out[key] = (torch.randn(shape, generator=g, dtype=torch.float64) * 0.2).float()
-    return out
-
-
 def save_published(path, state, **extra):
     """A file laid out as the authors' training script writes it (weights under 'model', an EMA copy beside them,
     a pickled config, optimizer state), plus ``extra`` entries."""
     ema = {k: v + 1 if v.is_floating_point() else v for k, v in state.items()}
-    torch.save({"model": state, "state_dict_ema": ema, "model_ema": ema, "config": TrainingConfig(lr=1e-3),
-                "args": argparse.Namespace(epochs=300), "optimizer": {"state": {}, "param_groups": [{"lr": 0.1}]},
-                "epoch": 299, **extra}, path)
-
-
-def _sorted_values(tensors):
-    return torch.sort(torch.cat([t.double().flatten() for t in tensors])).values
+    save_training_file(path, state, state_dict_ema=ema, model_ema=ema, **extra)
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_published_layout_loads_every_tensor(name, tmp_path):
     """Every tensor of the file lands in the model (a bijection: the sorted values are equal, so nothing is missing,
     duplicated or changed), from the raw weights, not the EMA copy; the q/k rows follow the pairs of RoPE."""
-    state = published_layout(name)
+    state = authors_layout(name)
     path = tmp_path / f"{name}.pth"
     save_published(path, state)
     model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
     own = {k: v for k, v in model.state_dict().items() if v.is_floating_point()}
     used = [v for k, v in state.items() if v.is_floating_point() and not k.endswith(RESOLUTION_BUFFERS)]
-    torch.testing.assert_close(_sorted_values(own.values()), _sorted_values(used), rtol=0, atol=0)
+    torch.testing.assert_close(sorted_values(own.values()), sorted_values(used), rtol=0, atol=0)
     # interleaved pairs (2t, 2t+1) of each head become (t, t + D/2): q row t of head 0 is the file's row 2t
     attn = model.stages[0].blocks[0].mixer
     attn = attn.attn if hasattr(attn, "attn") else attn
@@ -99,11 +75,11 @@ def test_sizes_match_the_published_tables(name):
 
 def test_files_of_another_model_and_bad_files_fail_in_one_line(tmp_path):
     tiny = tmp_path / "mlla_tiny.pth"
-    save_published(tiny, published_layout("mlla_tiny"))
+    save_published(tiny, authors_layout("mlla_tiny"))
     with pytest.raises(ValueError, match=r"mlla_tiny\.pth: has no tensor 'stages\.0\.blocks\.2\.cpe1\.proj\.weight'"):
         timm.create_model("mlla_small", pretrained=True, pretrained_cfg_overlay=dict(file=str(tiny)))
     ravlt = tmp_path / "ravlt_tiny.pth"
-    save_published(ravlt, published_layout("ravlt_tiny"))
+    save_published(ravlt, authors_layout("ravlt_tiny"))
     with pytest.raises(ValueError, match=r"ravlt_tiny\.pth: has no tensor 'stem\.conv1\.conv\.weight'"):
         timm.create_model("mlla_tiny", pretrained=True, pretrained_cfg_overlay=dict(file=str(ravlt)))
     truncated = tmp_path / "truncated.pth"
@@ -115,7 +91,7 @@ def test_files_of_another_model_and_bad_files_fail_in_one_line(tmp_path):
 def test_a_crafted_pickle_runs_no_code(tmp_path):
     marker = tmp_path / "marker"
     path = tmp_path / "crafted.pth"
-    save_published(path, published_layout("ravlt_tiny", one_block=True), payload=Crafted(str(marker)))
+    save_published(path, authors_layout("ravlt_tiny", blocks=1), payload=Crafted(str(marker)))
     checkpoint = read_checkpoint(str(path))
     assert not marker.exists()
     assert isinstance(checkpoint["payload"], NotLoaded) and checkpoint["payload"].global_name == "io.open"
@@ -146,7 +122,7 @@ def test_other_layouts_fail_in_one_line_and_safetensors_load(tmp_path):
     """A file with more blocks than the model names the first extra tensor (no error from inside the mapping); the
     model's own safetensors loads through the same overlay."""
     full = tmp_path / "RAVLT_T.pth"
-    save_published(full, published_layout("ravlt_tiny"))
+    save_published(full, authors_layout("ravlt_tiny"))
     with pytest.raises(ValueError, match=r"has a tensor the model lacks 'stages\.0\.blocks\.1\."):
         timm.create_model("ravlt_tiny", depths=(1, 1, 1, 1), pretrained=True, pretrained_cfg_overlay=dict(file=str(full)))
     from safetensors.torch import save_file
@@ -200,7 +176,7 @@ def _merge(t):  # (B, heads, N, D) -> (B, N, C)
 
 
 def _published_model(name, tmp_path, **kwargs):
-    state = {k: v.double() if v.is_floating_point() else v for k, v in published_layout(name, one_block=True).items()}
+    state = {k: v.double() if v.is_floating_point() else v for k, v in authors_layout(name, blocks=1).items()}
     path = tmp_path / f"{name}.pth"
     torch.save({"model": state}, path)
     model = timm.create_model(name, depths=(1, 1, 1, 1), pretrained=True, pretrained_cfg_overlay=dict(file=str(path)),
@@ -373,7 +349,7 @@ def test_engine_and_train_fine_tune_from_a_published_file(tmp_path):
     """linvision-train --pretrained-path with a published-layout file: the backbone starts from the file's raw
     weights (a learning rate of 1e-12 keeps them), the head is new (4 classes)."""
     kwargs = {"depths": [1, 1, 1, 1]}
-    state = published_layout("ravlt_tiny", one_block=True)
+    state = authors_layout("ravlt_tiny", blocks=1)
     path = tmp_path / "RAVLT_T.pth"
     save_published(path, state)
     model = timm.create_model("ravlt_tiny", num_classes=4, **kwargs)
@@ -444,7 +420,7 @@ def test_pretrained_true_downloads_the_published_url_and_adapts_head_and_channel
     """pretrained=True fetches the cfg's url into timm's cache under a file name (only the network transfer is
     replaced by a copy of a local file here); a new class count keeps the model's head, no classifier drops it,
     one input channel gets the RGB kernel summed (timm's adapt_input_conv)."""
-    state = published_layout("mlla_tiny", one_block=True)
+    state = authors_layout("mlla_tiny", blocks=1)
     path = tmp_path / "mlla_t.pth"
     save_published(path, state)
     asked = serve_downloads_from(monkeypatch, tmp_path, path)
@@ -468,7 +444,7 @@ def test_mavit_pretrained_true_reads_the_hub_file_and_runs_no_code(tmp_path, mon
     import timm.models._hub as hub
 
     marker = tmp_path / "marker"
-    state = published_layout("mavit_tiny", one_block=True)
+    state = authors_layout("mavit_tiny", blocks=1)
     path = tmp_path / "MAViT_T.pth"
     save_published(path, state, payload=Crafted(str(marker)))
     asked = []
@@ -493,7 +469,7 @@ def test_train_pretrained_fine_tunes_from_the_downloaded_weights_and_resumes(tmp
     steps start from exactly its weights (a learning rate of 1e-12 keeps them; every tensor but the new head
     and BatchNorm's running statistics compared), the head is new (4 classes), and the run resumes from its own
     checkpoint without downloading again."""
-    state = published_layout("mlla_tiny", one_block=True)
+    state = authors_layout("mlla_tiny", blocks=1)
     path = tmp_path / "mlla_t.pth"
     save_published(path, state)
     asked = serve_downloads_from(monkeypatch, tmp_path, path)
@@ -551,7 +527,7 @@ def test_validate_pretrained_evaluates_the_downloaded_weights(tmp_path, monkeypa
     its pretrained cfg says (bicubic, crop 0.875, ImageNet mean and std)."""
     from linvision.data.datasets import build_transform, create_dataset
 
-    state = published_layout("mlla_tiny")
+    state = authors_layout("mlla_tiny")
     path = tmp_path / "mlla_t.pth"
     save_published(path, state)
     asked = serve_downloads_from(monkeypatch, tmp_path, path)

@@ -5,9 +5,7 @@ pretrained=True fetches the published file without running code from it.
 
 tests/data/published/inline_{deit,pvt,swin}_<size>.txt list the tensor names, shapes and dtypes of the authors'
 checkpoints; the files built here from them hold random values."""
-import argparse
 import math
-import re
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,8 @@ import torch.nn.functional as F
 import linvision  # noqa: F401  (registers the models)
 from linvision.benchmark.flops import count_gflops, count_params
 from linvision.layers import create_mixer
-from support import Crafted, TrainingConfig, published_tensors, serve_downloads_from
+from support import (Crafted, assert_same_values, authors_layout, layer_norm, save_training_file,
+                     serve_downloads_from)
 
 # The authors' README: params (M), GFLOPs at the training size, the training size.
 PUBLISHED = {"inline_deit_tiny": (6.5, 1.1, 224), "inline_deit_small": (16.7, 5.0, 288),
@@ -26,25 +25,10 @@ PUBLISHED = {"inline_deit_tiny": (6.5, 1.1, 224), "inline_deit_small": (16.7, 5.
 NAMES = [pytest.param(n, id=n, marks=[pytest.mark.slow] if n == "inline_deit_base" else []) for n in PUBLISHED]
 
 
-def authors_layout(name, seed=0):
-    """A state dict with the authors' names and shapes for ``name`` (random values)."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for key, shape, _ in published_tensors(name):
-        out[key] = (torch.randn(shape, generator=g, dtype=torch.float64) * 0.2).float()
-    return out
-
-
 def save_authors(path, state, **extra):
-    """A file laid out as the authors' main.py saves it: the weights under 'model', optimizer and scheduler state,
-    the best accuracy, the epoch and the pickled config."""
-    torch.save({"model": state, "optimizer": {"state": {}, "param_groups": [{"lr": 0.1}]}, "lr_scheduler": {},
-                "max_accuracy": 74.5, "epoch": 299, "config": TrainingConfig(lr=1e-3),
-                "args": argparse.Namespace(epochs=300), **extra}, path)
-
-
-def _sorted_values(tensors):
-    return torch.sort(torch.cat([t.double().flatten() for t in tensors])).values
+    """A file laid out as the authors' main.py saves it (the weights under 'model', optimizer and scheduler state,
+    the best accuracy, the epoch and the pickled config)."""
+    save_training_file(path, state, max_accuracy=74.5, **extra)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -58,7 +42,7 @@ def test_authors_layout_loads_every_tensor(name, tmp_path):
     model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
     own = model.state_dict()
     assert len(own) == len(state)
-    torch.testing.assert_close(_sorted_values(own.values()), _sorted_values(state.values()), rtol=0, atol=0)
+    assert_same_values(own, state)
     for key in ("attn.residual.0.weight", "attn.residual.2.bias", "attn.qkv.weight", "attn.proj.bias"):
         ours = "blocks.5." + key.replace("attn.residual.", "mixer.local.").replace("attn.", "mixer.")
         torch.testing.assert_close(own[ours], state["blocks.5." + key], rtol=0, atol=0)
@@ -124,12 +108,6 @@ def _authors_attention(sd, x, heads, grid, prefix=1, mean_of=None, lepe=False):
     return out @ sd["proj.weight"].T + sd["proj.bias"]
 
 
-def _layer_norm(x, weight, bias, eps=1e-6):
-    mean = x.mean(-1, keepdim=True)
-    var = ((x - mean) ** 2).mean(-1, keepdim=True)
-    return (x - mean) / torch.sqrt(var + eps) * weight + bias
-
-
 @pytest.mark.parametrize("grid", [(3, 5), (5, 3), (1, 1)])
 def test_block_equals_the_authors_formula_at_odd_grids(grid):
     """One InLine-DeiT block (class token + H x W patch tokens, random weights, float64) against the transcription:
@@ -147,8 +125,9 @@ def test_block_equals_the_authors_formula_at_odd_grids(grid):
     with torch.no_grad():
         ours = block(x, grid, num_prefix_tokens=1)
     mixer_sd = {k[len("mixer."):]: v for k, v in sd.items() if k.startswith("mixer.")}
-    y = x + _authors_attention(mixer_sd, _layer_norm(x, sd["norm1.weight"], sd["norm1.bias"]), heads, grid)
-    hidden = _gelu(_layer_norm(y, sd["norm2.weight"], sd["norm2.bias"]) @ sd["mlp.fc1.weight"].T + sd["mlp.fc1.bias"])
+    y = x + _authors_attention(mixer_sd, layer_norm(x, sd["norm1.weight"], sd["norm1.bias"], 1e-6), heads, grid)
+    hidden = _gelu(layer_norm(y, sd["norm2.weight"], sd["norm2.bias"], 1e-6) @ sd["mlp.fc1.weight"].T
+                   + sd["mlp.fc1.bias"])
     expected = y + hidden @ sd["mlp.fc2.weight"].T + sd["mlp.fc2.bias"]
     torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-10)
 
@@ -173,8 +152,7 @@ def test_local_residual_differs_from_the_ablation_inline_mixer():
 def test_any_grid_with_dynamic_img_size_and_features(tmp_path):
     """Non-square inputs with the embedding resampled per call, from the file's own grid (small: 18 x 18, not
     resampled to 224 px first); forward_intermediates give the patch grid."""
-    state = {k: v for k, v in authors_layout("inline_deit_small").items()
-             if not k.startswith("blocks.") or k.startswith("blocks.0.")}
+    state = authors_layout("inline_deit_small", blocks=1)
     path = tmp_path / "inline_deit_s.pth"
     save_authors(path, state)
     model = timm.create_model("inline_deit_small", depth=1, dynamic_img_size=True, pretrained=True,
@@ -192,8 +170,7 @@ def test_pretrained_true_downloads_the_published_url_and_runs_no_code(tmp_path, 
     replaced by a copy of a local file) and reads the raw weights under 'model' without running code from the
     pickle; a new class count keeps the model's head."""
     marker = tmp_path / "marker"
-    state = {k: v for k, v in authors_layout("inline_deit_tiny").items()
-             if not k.startswith("blocks.") or k.startswith("blocks.0.")}
+    state = authors_layout("inline_deit_tiny", blocks=1)
     path = tmp_path / "inline_deit_t.pth"
     save_authors(path, state, payload=Crafted(str(marker)))
     asked = serve_downloads_from(monkeypatch, tmp_path, path)
@@ -259,32 +236,19 @@ SWIN_NAMES = [pytest.param(n, id=n, marks=[] if n == "inline_swin_tiny" else [py
 SWIN_BUFFERS = (".relative_position_index", ".attn_mask")
 
 
-def swin_layout(name, stages=None):
-    """The authors' InLine-Swin tensors with random values (integers for the index buffers); ``stages``: keep only
-    that many blocks per stage (a reduced model's file)."""
-    g = torch.Generator().manual_seed(0)
-    out = {}
-    for key, shape, dtype in published_tensors(name):
-        if stages is not None and ".blocks." in key and int(key.split(".")[3]) >= stages[int(key.split(".")[1])]:
-            continue
-        out[key] = (torch.randint(0, 169, shape, generator=g) if dtype == "int64"
-                    else (torch.randn(shape, generator=g, dtype=torch.float64) * 0.2).float())
-    return out
-
-
 @pytest.mark.parametrize("name", SWIN_NAMES)
 def test_swin_authors_layout_loads_every_parameter_and_matches_the_table(name, tmp_path):
     """Every tensor of the file but the recomputed buffers lands in the model unchanged; the kernel predictor
     becomes the mixer's ``local``; params and GFLOPs are the README's (within 1 M and 2%); B's third stage starts
     with two InLine blocks, then shifts every second window block."""
-    state = swin_layout(name)
+    state = authors_layout(name)
     path = tmp_path / f"{name}.pth"
     save_authors(path, state)
     model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
     weights = {k: v for k, v in state.items() if not k.endswith(SWIN_BUFFERS)}
     own = model.state_dict()
     assert len(own) == len(weights)
-    torch.testing.assert_close(_sorted_values(own.values()), _sorted_values(weights.values()), rtol=0, atol=0)
+    assert_same_values(own, weights)
     torch.testing.assert_close(own["stages.1.blocks.1.mixer.local.2.weight"],
                                state["layers.1.blocks.1.attn.residual.2.weight"], rtol=0, atol=0)
     params, gflops = SWIN_PUBLISHED[name]
@@ -315,7 +279,7 @@ def test_hierarchical_linear_block_equals_the_authors_formula(name, eps, ratio, 
     x = torch.randn(2, grid[0] * grid[1], c, dtype=torch.float64)
 
     def norm(t, key):
-        return _layer_norm(t, sd[key + ".weight"], sd[key + ".bias"], eps=eps)
+        return layer_norm(t, sd[key + ".weight"], sd[key + ".bias"], eps)
 
     with torch.no_grad():
         ours = block(x.reshape(2, *grid, c)).reshape(2, -1, c)
@@ -326,25 +290,6 @@ def test_hierarchical_linear_block_equals_the_authors_formula(name, eps, ratio, 
     torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-10)
 
 
-def test_swin_pretrained_true_downloads_the_published_url(tmp_path, monkeypatch):
-    """pretrained=True fetches InLine-Swin-T's TsinghuaCloud link into timm's cache under a file name and runs no
-    code from the pickle; the model runs at a non-square size."""
-    marker = tmp_path / "marker"
-    state = swin_layout("inline_swin_tiny", stages=(1, 1, 1, 1))
-    path = tmp_path / "inline_swin_t.pth"
-    save_authors(path, state, payload=Crafted(str(marker)))
-    asked = serve_downloads_from(monkeypatch, tmp_path, path)
-    model = timm.create_model("inline_swin_tiny", depths=(1, 1, 1, 1), pretrained=True).eval()
-    assert asked == ["https://cloud.tsinghua.edu.cn/f/32810869fcc34410966b/?dl=1"] and not marker.exists()
-    assert (tmp_path / "torch_home" / "hub" / "checkpoints" / "inline_swin_tiny_in1k.pth").is_file()
-    torch.testing.assert_close(model.stages[3].blocks[0].mixer.relative_position_bias_table,
-                               state["layers.3.blocks.0.attn.relative_position_bias_table"], rtol=0, atol=0)
-    with torch.no_grad():
-        assert model(torch.randn(1, 3, 160, 224)).shape == (1, 1000)
-    cfg = model.pretrained_cfg
-    assert (cfg["crop_pct"], cfg["interpolation"]) == (0.875, "bicubic") and "82.4" in cfg["description"]
-
-
 # InLine-PVT: the authors' PVT models (inline_pvt_tiny/small/medium/large) on linvision's PVT layout; the README's
 # params (M) and GFLOPs at 224 px (L: their model has 51.2 M parameters, the README says 50.2).
 PVT_PUBLISHED = {"inline_pvt_tiny": (12.0, 2.0), "inline_pvt_small": (21.6, 3.9), "inline_pvt_medium": (37.6, 6.9),
@@ -352,24 +297,16 @@ PVT_PUBLISHED = {"inline_pvt_tiny": (12.0, 2.0), "inline_pvt_small": (21.6, 3.9)
 PVT_NAMES = [pytest.param(n, id=n, marks=[] if n == "inline_pvt_tiny" else [pytest.mark.slow]) for n in PVT_PUBLISHED]
 
 
-def pvt_layout(name, depth=None):
-    """The authors' InLine-PVT tensors with random values; ``depth``: keep that many blocks per stage."""
-    g = torch.Generator().manual_seed(0)
-    return {key: (torch.randn(shape, generator=g, dtype=torch.float64) * 0.2).float()
-            for key, shape, _ in published_tensors(name)
-            if depth is None or not key.startswith("block") or int(key.split(".")[1]) < depth}
-
-
 @pytest.mark.parametrize("name", PVT_NAMES)
 def test_pvt_authors_layout_loads_every_tensor_and_matches_the_table(name, tmp_path):
     """Every tensor of the file lands in the model unchanged (q and kv joined as ``qkv``, the kernel predictor as
     ``local``); params and GFLOPs are the README's (within 1 M and 2%)."""
-    state = pvt_layout(name)
+    state = authors_layout(name)
     path = tmp_path / f"{name}.pth"
     save_authors(path, state)
     model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
     own = model.state_dict()
-    torch.testing.assert_close(_sorted_values(own.values()), _sorted_values(state.values()), rtol=0, atol=0)
+    assert_same_values(own, state)
     assert count_params(model) == sum(v.numel() for v in state.values())
     joined = torch.cat([state["block2.1.attn.q.bias"], state["block2.1.attn.kv.bias"]])
     torch.testing.assert_close(own["stages.1.blocks.1.mixer.qkv.bias"], joined, rtol=0, atol=0)
@@ -380,24 +317,6 @@ def test_pvt_authors_layout_loads_every_tensor_and_matches_the_table(name, tmp_p
     assert count_gflops(model, 224) == pytest.approx(gflops, rel=0.02)
 
 
-def test_pvt_pretrained_true_downloads_the_published_url(tmp_path, monkeypatch):
-    """pretrained=True fetches InLine-PVT-T's TsinghuaCloud link into timm's cache under a file name and runs no
-    code from the pickle; the model runs at a non-square size."""
-    marker = tmp_path / "marker"
-    state = pvt_layout("inline_pvt_tiny", depth=1)
-    path = tmp_path / "inline_pvt_t.pth"
-    save_authors(path, state, payload=Crafted(str(marker)))
-    asked = serve_downloads_from(monkeypatch, tmp_path, path)
-    model = timm.create_model("inline_pvt_tiny", depths=(1, 1, 1, 1), pretrained=True).eval()
-    assert asked == ["https://cloud.tsinghua.edu.cn/f/90ac52b1555b401eb5e6/?dl=1"] and not marker.exists()
-    assert (tmp_path / "torch_home" / "hub" / "checkpoints" / "inline_pvt_tiny_in1k.pth").is_file()
-    torch.testing.assert_close(model.stem.pos_embed, state["pos_embed1"], rtol=0, atol=0)
-    with torch.no_grad():
-        assert model(torch.randn(1, 3, 160, 224)).shape == (1, 1000)
-    cfg = model.pretrained_cfg
-    assert (cfg["crop_pct"], cfg["interpolation"]) == (0.875, "bicubic") and "78.2" in cfg["description"]
-
-
 # InLine-CSwin: the authors' CSWin models (inline_cswin_tiny/small/base, attn_type IISS) on linvision's CSWin
 # layout; the README's GFLOPs at 224 px (its params, 25 / 43 / 96 M, are not those of the authors' own models of
 # these configs: 20.6 / 33.0 / 73.4 M, as here).
@@ -406,26 +325,18 @@ CSWIN_NAMES = [pytest.param(n, id=n, marks=[] if n == "inline_cswin_tiny" else [
                for n in CSWIN_GFLOPS]
 
 
-def cswin_layout(name, seed=0, depth=None):
-    """The authors' InLine-CSwin tensors with random values; ``depth``: keep that many blocks per stage."""
-    g = torch.Generator().manual_seed(seed)
-    return {key: (torch.randn(shape, generator=g, dtype=torch.float64) * 0.2).float()
-            for key, shape, _ in published_tensors(name)
-            if depth is None or not re.match(r"stage\d\.", key) or int(key.split(".")[1]) < depth}
-
-
 @pytest.mark.parametrize("name", CSWIN_NAMES)
 def test_cswin_authors_layout_loads_the_ema_copy_and_matches_the_table(name, tmp_path):
     """The file holds the raw weights under 'model' and the EMA copy under 'state_dict_ema': every tensor of the
     EMA copy lands in the model unchanged; the stripes' two LePE convs (half the channels each) join as one, a
     single branch's becomes ``lepe``, the kernel predictor ``local``; the GFLOPs are the README's (within 2%)."""
-    raw, ema = cswin_layout(name, seed=1), cswin_layout(name, seed=2)
+    raw, ema = authors_layout(name, seed=1), authors_layout(name, seed=2)
     path = tmp_path / f"{name}.pth"
     save_authors(path, raw, state_dict_ema=ema, max_accuracy_e=83.2)
     model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
     own = model.state_dict()
     assert count_params(model) == sum(v.numel() for v in ema.values())
-    torch.testing.assert_close(_sorted_values(own.values()), _sorted_values(ema.values()), rtol=0, atol=0)
+    assert_same_values(own, ema)
     joined = torch.cat([ema["stage3.0.attns.0.get_v.weight"], ema["stage3.0.attns.1.get_v.weight"]])
     torch.testing.assert_close(own["stages.2.blocks.0.mixer.stripe_lepe.weight"], joined, rtol=0, atol=0)
     torch.testing.assert_close(own["stages.3.blocks.0.mixer.lepe.bias"], ema["stage4.0.attns.0.get_v.bias"],
@@ -452,7 +363,7 @@ def _block(block, attention, x):
     sd = block.state_dict()
 
     def norm(t, key):
-        return _layer_norm(t, sd[key + ".weight"], sd[key + ".bias"], eps=1e-5)
+        return layer_norm(t, sd[key + ".weight"], sd[key + ".bias"], 1e-5)
 
     y = x + attention(norm(x, "norm1"), x)
     hidden = _gelu(norm(y, "norm2") @ sd["mlp.fc1.weight"].T + sd["mlp.fc1.bias"])
@@ -522,19 +433,37 @@ def test_cswin_stripe_block_equals_the_authors_formula(grid):
     torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-10)
 
 
-def test_cswin_pretrained_true_downloads_the_published_url(tmp_path, monkeypatch):
-    """pretrained=True fetches InLine-CSwin-T's TsinghuaCloud link into timm's cache under a file name, loads the
-    EMA copy and runs no code from the pickle; the model runs at a size that is no multiple of the stripes."""
+# The hierarchical models' published files (the tiny ones): the link, the README's top-1, a non-square size the
+# model runs at (CSWin's no multiple of its stripes), a tensor of the model and the file's tensor it holds, and
+# whether the file's EMA copy (beside the raw weights) is what loads.
+DOWNLOADS = {
+    "inline_swin_tiny": ("https://cloud.tsinghua.edu.cn/f/32810869fcc34410966b/?dl=1", "82.4", (160, 224),
+                         "stages.3.blocks.0.mixer.relative_position_bias_table",
+                         "layers.3.blocks.0.attn.relative_position_bias_table", False),
+    "inline_pvt_tiny": ("https://cloud.tsinghua.edu.cn/f/90ac52b1555b401eb5e6/?dl=1", "78.2", (160, 224),
+                        "stem.pos_embed", "pos_embed1", False),
+    "inline_cswin_tiny": ("https://cloud.tsinghua.edu.cn/f/49fa2ecc543647c4b970/?dl=1", "83.2", (160, 288),
+                          "stem.proj.weight", "stage1_conv_embed.0.weight", True),
+}
+
+
+@pytest.mark.parametrize("name", list(DOWNLOADS))
+def test_hierarchical_pretrained_true_downloads_the_published_url(name, tmp_path, monkeypatch):
+    """pretrained=True fetches InLine-Swin-T's, -PVT-T's and -CSwin-T's TsinghuaCloud link into timm's cache under
+    a file name and runs no code from the pickle (CSWin's file holds an EMA copy, which loads); the model runs at a
+    non-square size."""
+    url, top1, size, ours, theirs, ema = DOWNLOADS[name]
     marker = tmp_path / "marker"
-    raw, ema = cswin_layout("inline_cswin_tiny", seed=1, depth=1), cswin_layout("inline_cswin_tiny", seed=2, depth=1)
-    path = tmp_path / "inline_cswin_t.pth"
-    save_authors(path, raw, state_dict_ema=ema, payload=Crafted(str(marker)))
+    raw = authors_layout(name, seed=1, blocks=1)
+    state = authors_layout(name, seed=2, blocks=1) if ema else raw
+    path = tmp_path / f"{name}.pth"
+    save_authors(path, raw, payload=Crafted(str(marker)), **(dict(state_dict_ema=state) if ema else {}))
     asked = serve_downloads_from(monkeypatch, tmp_path, path)
-    model = timm.create_model("inline_cswin_tiny", depths=(1, 1, 1, 1), pretrained=True).eval()
-    assert asked == ["https://cloud.tsinghua.edu.cn/f/49fa2ecc543647c4b970/?dl=1"] and not marker.exists()
-    assert (tmp_path / "torch_home" / "hub" / "checkpoints" / "inline_cswin_tiny_in1k.pth").is_file()
-    torch.testing.assert_close(model.stem.proj.weight, ema["stage1_conv_embed.0.weight"], rtol=0, atol=0)
+    model = timm.create_model(name, depths=(1, 1, 1, 1), pretrained=True).eval()
+    assert asked == [url] and not marker.exists()
+    assert (tmp_path / "torch_home" / "hub" / "checkpoints" / f"{name}_in1k.pth").is_file()
+    torch.testing.assert_close(model.state_dict()[ours], state[theirs], rtol=0, atol=0)
     with torch.no_grad():
-        assert model(torch.randn(1, 3, 160, 288)).shape == (1, 1000)
+        assert model(torch.randn(1, 3, *size)).shape == (1, 1000)
     cfg = model.pretrained_cfg
-    assert (cfg["crop_pct"], cfg["interpolation"]) == (0.875, "bicubic") and "83.2" in cfg["description"]
+    assert (cfg["crop_pct"], cfg["interpolation"]) == (0.875, "bicubic") and top1 in cfg["description"]

@@ -15,39 +15,17 @@ import torch.nn.functional as F
 import linvision  # noqa: F401  (registers the models)
 from linvision.benchmark.flops import count_params
 from linvision.layers import create_mixer
-from support import Crafted, TrainingConfig, published_tensors
+from support import Crafted, assert_same_values, authors_layout, layer_norm, save_training_file
 
 NAMES = [pytest.param(n, id=n, marks=[pytest.mark.slow] if n != "pola_swin_tiny" else [])
          for n in ("pola_swin_tiny", "pola_swin_small", "pola_swin_base")]
 BUFFERS = (".relative_position_index", ".attn_mask")  # the authors' buffers, recomputed here
 
 
-def authors_layout(name, seed=0, stages=None):
-    """A state dict with the authors' names and shapes for ``name`` (random values; buffers as integers / masks);
-    ``stages``: keep only these stages' blocks (a reduced model's file)."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for key, shape, dtype in published_tensors(name):
-        if stages is not None and key.startswith("layers.") and ".blocks." in key:
-            stage, block = int(key.split(".")[1]), int(key.split(".")[3])
-            if block >= stages[stage]:
-                continue
-        if dtype == "int64":
-            out[key] = torch.randint(0, 169, shape, generator=g)
-        else:
-            out[key] = (torch.randn(shape, generator=g, dtype=torch.float64) * 0.2).float()
-    return out
-
-
 def save_authors(path, state, **extra):
-    """A file laid out as the authors' main.py saves it: the weights under 'model', optimizer and scheduler state,
-    the best accuracy, the epoch and the pickled config."""
-    torch.save({"model": state, "optimizer": {"state": {}, "param_groups": [{"lr": 0.1}]}, "lr_scheduler": {},
-                "max_accuracy": 82.6, "epoch": 300, "config": TrainingConfig(lr=1e-3), **extra}, path)
-
-
-def _sorted_values(tensors):
-    return torch.sort(torch.cat([t.double().flatten() for t in tensors])).values
+    """A file laid out as the authors' main.py saves it (the weights under 'model', optimizer and scheduler state,
+    the best accuracy, the epoch and the pickled config)."""
+    save_training_file(path, state, max_accuracy=82.6, **extra)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -62,7 +40,7 @@ def test_authors_layout_loads_every_parameter(name, tmp_path):
     own = model.state_dict()
     weights = {k: v for k, v in state.items() if not k.endswith(BUFFERS)}
     assert count_params(model) == sum(v.numel() for v in weights.values())
-    torch.testing.assert_close(_sorted_values(own.values()), _sorted_values(weights.values()), rtol=0, atol=0)
+    assert_same_values(own, weights)
     mixer = model.stages[1].blocks[1].mixer
     c, heads = mixer.dim, mixer.num_heads
     qkvg = state["layers.1.blocks.1.attn.qkvg.weight"]
@@ -75,12 +53,6 @@ def test_authors_layout_loads_every_parameter(name, tmp_path):
     torch.testing.assert_close(model.stages[1].downsample.reduction.weight,
                                state["layers.0.downsample.reduction.weight"], rtol=0, atol=0)
     assert model.stages[2].blocks[1].mixer.shift and not model.stages[2].blocks[0].mixer.shift
-
-
-def _layer_norm(x, weight, bias, eps=1e-5):
-    mean = x.mean(-1, keepdim=True)
-    var = ((x - mean) ** 2).mean(-1, keepdim=True)
-    return (x - mean) / torch.sqrt(var + eps) * weight + bias
 
 
 def _authors_pola(sd, x, heads, grid, alpha=4.0):
@@ -118,15 +90,25 @@ def _authors_pola(sd, x, heads, grid, alpha=4.0):
 
 
 def _authors_swin(sd, x, heads, grid, window, shifts):
-    """Swin's (shifted) window attention written out, as the authors' block computes it on a map of whole windows:
-    the map rolled by -shift, split into windows, softmax(q.k / sqrt(D) + table[offset] + mask) v per window and
-    head, where the mask is -100 between tokens of different regions (Swin's slices (0, -w), (-w, -s), (-s, None)
-    of each shifted axis), rolled back; the projection. ``shifts``: (rows, columns). On a map that is not whole
-    windows, the windows at the bottom and right hold fewer tokens (the keys there are the map's own only)."""
+    """Swin's (shifted) window attention written out, in the order of the authors' block on a map that is not whole
+    windows (their detection backbone's, as timm's): the map padded at the bottom and right to whole windows, then
+    rolled by -shift, split into windows, softmax(q.k / sqrt(D) + table[offset] + mask) v per window and head,
+    where the mask is -100 between tokens of different regions (Swin's slices (0, -w), (-w, -s), (-s, None) of each
+    shifted axis of the padded map), rolled back and cropped; the projection. ``shifts``: (rows, columns). The
+    padded positions are no keys (linvision's rule; the authors' zeros would take weight)."""
     b, n, c = x.shape
     d, (h, w), (sh, sw) = c // heads, grid, shifts
-    q, k, v = (x @ sd["qkv.weight"].T + sd["qkv.bias"]).split(c, dim=-1)
-    rolled = [t.reshape(b, h, w, c).roll((-sh, -sw), (1, 2)) for t in (q, k, v)]
+    hp, wp = math.ceil(h / window) * window, math.ceil(w / window) * window
+    real = torch.zeros(hp, wp, dtype=torch.bool)
+    real[:h, :w] = True
+    real = real.roll((-sh, -sw), (0, 1))
+
+    def padded_rolled(t):
+        out = torch.zeros(b, hp, wp, c, dtype=x.dtype)
+        out[:, :h, :w] = t.reshape(b, h, w, c)
+        return out.roll((-sh, -sw), (1, 2))
+
+    rolled = [padded_rolled(t) for t in (x @ sd["qkv.weight"].T + sd["qkv.bias"]).split(c, dim=-1)]
 
     def regions(size, shift):
         label = torch.zeros(size)
@@ -134,33 +116,32 @@ def _authors_swin(sd, x, heads, grid, window, shifts):
             label[-window:-shift], label[-shift:] = 1, 2
         return label
 
-    rows, cols = regions(h, sh), regions(w, sw)
-    out = torch.zeros(b, h, w, c, dtype=x.dtype)
+    rows, cols = regions(hp, sh), regions(wp, sw)
+    out = torch.zeros(b, hp, wp, c, dtype=x.dtype)
     table = sd["relative_position_bias_table"]
-    for i in range(h):
-        for j in range(w):
-            wi, wj = i // window * window, j // window * window
-            keys = [(a, e) for a in range(wi, min(wi + window, h)) for e in range(wj, min(wj + window, w))]
-            for hd in range(heads):
-                cols_h = slice(hd * d, (hd + 1) * d)
-                logits = []
-                for a, e in keys:
-                    offset = (i - a + window - 1) * (2 * window - 1) + (j - e + window - 1)
-                    same = rows[i] == rows[a] and cols[j] == cols[e]
-                    logits.append((rolled[0][:, i, j, cols_h] * rolled[1][:, a, e, cols_h]).sum(-1) / math.sqrt(d)
-                                  + table[offset, hd] + (0.0 if same else -100.0))
-                weights = torch.softmax(torch.stack(logits, -1), -1)  # (B, window^2)
-                values = torch.stack([rolled[2][:, a, e, cols_h] for a, e in keys], 1)  # (B, window^2, d)
-                out[:, i, j, cols_h] = torch.einsum("bk,bkd->bd", weights, values)
-    out = out.roll((sh, sw), (1, 2)).reshape(b, n, c)
+    for i, j in real.nonzero().tolist():
+        wi, wj = i // window * window, j // window * window
+        keys = [(a, e) for a in range(wi, wi + window) for e in range(wj, wj + window) if real[a, e]]
+        for hd in range(heads):
+            cols_h = slice(hd * d, (hd + 1) * d)
+            logits = []
+            for a, e in keys:
+                offset = (i - a + window - 1) * (2 * window - 1) + (j - e + window - 1)
+                same = rows[i] == rows[a] and cols[j] == cols[e]
+                logits.append((rolled[0][:, i, j, cols_h] * rolled[1][:, a, e, cols_h]).sum(-1) / math.sqrt(d)
+                              + table[offset, hd] + (0.0 if same else -100.0))
+            weights = torch.softmax(torch.stack(logits, -1), -1)  # (B, keys)
+            values = torch.stack([rolled[2][:, a, e, cols_h] for a, e in keys], 1)  # (B, keys, d)
+            out[:, i, j, cols_h] = torch.einsum("bk,bkd->bd", weights, values)
+    out = out.roll((sh, sw), (1, 2))[:, :h, :w].reshape(b, n, c)
     return out @ sd["proj.weight"].T + sd["proj.bias"]
 
 
 def _authors_block(model_block, attention, x, eps=1e-5):
     """x + attention(LN(x)), then + fc2(GELU(fc1(LN(x)))) (LayerNorm eps 1e-5 in Swin, 1e-6 in PVT)."""
     sd = model_block.state_dict()
-    y = x + attention(_layer_norm(x, sd["norm1.weight"], sd["norm1.bias"], eps))
-    hidden = F.gelu(_layer_norm(y, sd["norm2.weight"], sd["norm2.bias"], eps) @ sd["mlp.fc1.weight"].T
+    y = x + attention(layer_norm(x, sd["norm1.weight"], sd["norm1.bias"], eps))
+    hidden = F.gelu(layer_norm(y, sd["norm2.weight"], sd["norm2.bias"], eps) @ sd["mlp.fc1.weight"].T
                     + sd["mlp.fc1.bias"])
     return y + hidden @ sd["mlp.fc2.weight"].T + sd["mlp.fc2.bias"]
 
@@ -202,11 +183,21 @@ def test_linear_block_equals_the_authors_formula(grid):
     torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("grid, shift", [((14, 14), True), ((14, 14), False), ((7, 7), True), ((7, 14), True)])
+# the mixer rolls the map before padding it: on a shifted map that is not whole windows the first rows (columns)
+# of the shifted windows are cut apart (at 9 rows, window 7, shift 3: rows {0} and {1, 2}, where Swin's pad-then-roll
+# keeps {0, 1, 2} together)
+ROLLS_BEFORE_PADDING = pytest.mark.xfail(strict=True, reason="swin_window rolls the map before padding it")
+
+
+@pytest.mark.parametrize("grid, shift", [((14, 14), True), ((14, 14), False), ((7, 7), True), ((7, 14), True),
+                                         ((9, 11), False),
+                                         pytest.param((9, 11), True, marks=ROLLS_BEFORE_PADDING),
+                                         pytest.param((10, 8), True, marks=ROLLS_BEFORE_PADDING)])
 def test_window_block_equals_the_authors_formula(grid, shift):
     """A stage-3 block (float64, random weights, window 7) against the transcription of Swin's shifted-window
     attention. Along an axis no longer than the window nothing shifts (the authors' rule for a map no larger than
-    the window): (7, 7) is not shifted at all, (7, 14) along its columns only."""
+    the window): (7, 7) is not shifted at all, (7, 14) along its columns only. (9, 11) and (10, 8) are padded to
+    14 x 14, shifted along both axes with ``shift``."""
     heads, c = 2, 16
     model = timm.create_model("pola_swin_tiny", depths=(1, 1, 2, 1), dims=(16, 16, c, 32), num_heads=(1, 1, heads, 2))
     block = _random_double(model.stages[2].blocks[1 if shift else 0])
@@ -263,7 +254,7 @@ def test_pola_swin_and_the_ablation_pola_mixer_differ_by_their_extras():
 def test_other_sizes_and_a_file_for_224_in_a_model_for_384(tmp_path):
     """The 224 px file in a model built for 384 px: the key encodings resampled to 96 x 96 and 48 x 48 (as the
     model itself resamples them at run time, so its logits at 384 equal the 224 model's); non-square inputs run."""
-    state = authors_layout("pola_swin_tiny", stages=(1, 1, 2, 1))
+    state = authors_layout("pola_swin_tiny", blocks=(1, 1, 2, 1))
     path = tmp_path / "pola_swin_t.pth"
     save_authors(path, state)
     args = dict(depths=(1, 1, 2, 1), pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
@@ -287,7 +278,7 @@ def test_pretrained_true_without_a_file_names_the_hub_folder(tmp_path):
             timm.create_model(name, pretrained=True)
         assert "\n" not in str(info.value) and name in str(info.value)
     marker = tmp_path / "marker"
-    state = authors_layout("pola_swin_tiny", stages=(1, 1, 1, 1))
+    state = authors_layout("pola_swin_tiny", blocks=1)
     path = tmp_path / "pola_swin_t.pth"
     save_authors(path, state, payload=Crafted(str(marker)))
     model = timm.create_model("pola_swin_tiny", depths=(1, 1, 1, 1), pretrained=True, num_classes=5,
@@ -328,8 +319,7 @@ def test_pvt_authors_layout_loads_every_parameter(name, tmp_path):
     weights = {k: v for k, v in state.items() if not k.startswith("norm.")}
     assert len(weights) == len(state) - 2
     assert count_params(model) == sum(v.numel() for v in weights.values())
-    torch.testing.assert_close(_sorted_values(model.state_dict().values()), _sorted_values(weights.values()),
-                               rtol=0, atol=0)
+    assert_same_values(model.state_dict(), weights)
     mixer = model.stages[2].blocks[1].mixer
     c = mixer.dim
     qg, kv = state["block3.1.attn.qg.weight"], state["block3.1.attn.kv.weight"]

@@ -16,29 +16,15 @@ import torch.nn.functional as F
 import linvision  # noqa: F401  (registers the models)
 from linvision.benchmark.flops import count_params
 from linvision.models.vig import VigGatedAttention
-from support import Crafted, published_tensors, serve_hub_downloads_from
+from support import Crafted, assert_same_values, authors_layout, serve_hub_downloads_from
 
 README_PARAMS = {"vig_tiny": 6, "vig_small": 23, "vig_base": 89}  # M, the authors' README
 SLOW = ("vig_small", "vig_base")  # seconds to tens of seconds each on two cores
 SIZES = [pytest.param(n, id=n, marks=[pytest.mark.slow] if n in SLOW else []) for n in README_PARAMS]
 
 
-def authors_layout(name, seed=0, depth=None):
-    """A state dict with the authors' names and shapes for ``name`` (random values, norm weights about 1); with
-    ``depth`` only the first ``depth`` blocks."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for key, shape, _ in published_tensors(name):
-        block = re.match(r"blocks\.(\d+)\.", key)
-        if depth is not None and block and int(block.group(1)) >= depth:
-            continue
-        value = torch.randn(shape, generator=g, dtype=torch.float64) * 0.2
-        out[key] = (value + 1 if "norm" in key or re.search(r"proj\.[14]\.weight", key) else value).float()
-    return out
-
-
-def _sorted_values(tensors):
-    return torch.sort(torch.cat([t.double().flatten() for t in tensors])).values
+VIG_ONES = r"norm|proj\.[14]\.weight"  # the norms' weights and biases, the projections' norm weights: about 1
+H_ONES = r"norm.*weight$|patch_embed\.[27]\.weight$|downsample\.3\.weight$"  # ViG-H's norm weights
 
 
 # ---- the authors' evaluation formulas, transcribed in float64 (their names, their order of operations) ----
@@ -167,7 +153,7 @@ def test_vig_network_equals_the_authors_formulas(size, act, tmp_path):
     for key, shape in shapes.items():
         scale = 0.3 if len(shape) == 1 else (shape[1] * (shape[2] * shape[3] if len(shape) == 4 else 1)) ** -0.5
         value = torch.randn(shape, generator=g, dtype=torch.float64) * scale
-        value = value + 1 if "norm" in key or re.search(r"proj\.[14]\.weight", key) else value
+        value = value + 1 if re.search(VIG_ONES, key) else value
         sd[key] = value.float().double()  # values the float32 model holds exactly
     path = tmp_path / "vig_small_layout.pth"
     torch.save({"model": sd}, path)
@@ -185,12 +171,11 @@ def test_vig_network_equals_the_authors_formulas(size, act, tmp_path):
 def test_vig_layout_loads_every_tensor(name, tmp_path):
     """Every tensor of the file lands in the model (a bijection: the sorted values are equal, so nothing is missing,
     duplicated or changed), from the raw weights under 'model'."""
-    state = authors_layout(name)
+    state = authors_layout(name, ones=VIG_ONES)
     path = tmp_path / f"{name}.pth"
     torch.save({"model": state}, path)
     model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
-    torch.testing.assert_close(_sorted_values(model.state_dict().values()), _sorted_values(state.values()),
-                               rtol=0, atol=0)
+    assert_same_values(model.state_dict(), state)
     torch.testing.assert_close(model.blocks[3].mixer.forget_gate[1].bias, state["blocks.3.attn.gk_proj.1.bias"],
                                rtol=0, atol=0)
     torch.testing.assert_close(model.blocks[3].mlp.fc1.weight, state["blocks.3.mlp.gate_proj.weight"], rtol=0, atol=0)
@@ -205,7 +190,7 @@ def test_vig_file_at_another_size_and_another_models_file(tmp_path):
     """A model built for 288 px takes the 224 px file with the position embedding resampled as the authors resample
     it at run time (so the logits at 288 are those of the 224 model run at 288); the state dict alone (as the hub
     files may hold it) loads too; a file of another size fails in one line naming the file."""
-    state = authors_layout("vig_tiny", depth=1)
+    state = authors_layout("vig_tiny", blocks=1, ones=VIG_ONES)
     path = tmp_path / "vig_t.pth"
     torch.save(state, path)
     args = dict(depth=1, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
@@ -223,7 +208,7 @@ def test_vig_pretrained_true_reads_the_hub_file_and_runs_no_code(tmp_path, monke
     """pretrained=True takes ViG's file from the authors' Hugging Face hub repository (only the transfer is
     replaced by a local file here), reads the raw weights and runs no code from the pickle."""
     marker = tmp_path / "marker"
-    state = authors_layout("vig_tiny", depth=1)
+    state = authors_layout("vig_tiny", blocks=1, ones=VIG_ONES)
     path = tmp_path / "vig_t_77p2acc.pth"
     torch.save({"model": state, "payload": Crafted(str(marker))}, path)
     asked = serve_hub_downloads_from(monkeypatch, path)
@@ -250,20 +235,6 @@ def test_vig_refuses_naflex_batches_in_one_line():
 
 H_README_PARAMS = {"vig_h_tiny": 29, "vig_h_small": 50, "vig_h_base": 89}  # M, the authors' README
 H_SIZES = [pytest.param(n, id=n, marks=[] if n == "vig_h_tiny" else [pytest.mark.slow]) for n in H_README_PARAMS]
-
-
-def h_layout(name, seed=0, depth=None):
-    """The authors' ViG-H tensors with random values (norm weights about 1); ``depth``: blocks kept per stage."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for key, shape, _ in published_tensors(name):
-        block = re.match(r"layers\.\d\.blocks\.(\d+)\.", key)
-        if depth is not None and block and int(block.group(1)) >= depth:
-            continue
-        value = torch.randn(shape, generator=g, dtype=torch.float64) * 0.2
-        norm = re.search(r"norm|patch_embed\.[27]\.weight|downsample\.3\.weight", key) and key.endswith("weight")
-        out[key] = (value + 1 if norm else value).float()
-    return out
 
 
 def _ln(t, sd, key):
@@ -303,7 +274,7 @@ def _authors_hier_network(sd, x, heads):
 def test_vig_h_network_equals_the_authors_formulas(size, tmp_path):
     """ViG-H-T with one block per stage, loaded from a file in the authors' layout, gives the transcription's
     logits in float64 at two non-square inputs (the second not a multiple of 32: grids 18 x 10 to 3 x 2)."""
-    state = {k: v.double() for k, v in h_layout("vig_h_tiny", depth=1).items()}
+    state = {k: v.double() for k, v in authors_layout("vig_h_tiny", blocks=1, ones=H_ONES).items()}
     path = tmp_path / "vig_h_t.pth"
     torch.save({"model": state}, path)
     model = timm.create_model("vig_h_tiny", depths=(1, 1, 1, 1), pretrained=True,
@@ -317,12 +288,11 @@ def test_vig_h_network_equals_the_authors_formulas(size, tmp_path):
 @pytest.mark.parametrize("name", H_SIZES)
 def test_vig_h_layout_loads_every_tensor_and_matches_the_readme(name, tmp_path):
     """Every tensor of the file lands in the model unchanged; the parameter count is the README's (within 1 M)."""
-    state = h_layout(name)
+    state = authors_layout(name, ones=H_ONES)
     path = tmp_path / f"{name}.pth"
     torch.save({"model": state}, path)
     model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
-    torch.testing.assert_close(_sorted_values(model.state_dict().values()), _sorted_values(state.values()),
-                               rtol=0, atol=0)
+    assert_same_values(model.state_dict(), state)
     torch.testing.assert_close(model.stages[2].downsample.conv.weight, state["layers.1.downsample.1.weight"],
                                rtol=0, atol=0)
     torch.testing.assert_close(model.stages[1].blocks[1].mixer.norm_global.weight,
@@ -333,7 +303,7 @@ def test_vig_h_layout_loads_every_tensor_and_matches_the_readme(name, tmp_path):
 def test_vig_h_older_names_and_conv_shaped_projections_load(tmp_path):
     """The names the authors' own loader renames (``ln_1``, ``self_attention``, a bare ``norm`` / ``head``) and
     their channels-first projections stored as (out, in, 1, 1) load as the current layout does."""
-    state = h_layout("vig_h_tiny", depth=1)
+    state = authors_layout("vig_h_tiny", blocks=1, ones=H_ONES)
     old = {}
     for key, value in state.items():
         key = key.replace(".blocks.0.norm.", ".blocks.0.ln_1.").replace(".op.", ".self_attention.")
@@ -354,7 +324,7 @@ def test_vig_h_pretrained_true_reads_the_hub_file(tmp_path, monkeypatch):
     """pretrained=True takes ViG-H's file from the authors' hub repository (the transfer replaced by a local
     file), runs no code from the pickle, and the model runs at a non-square size."""
     marker = tmp_path / "marker"
-    state = h_layout("vig_h_tiny", depth=1)
+    state = authors_layout("vig_h_tiny", blocks=1, ones=H_ONES)
     path = tmp_path / "vig_h_t_82p8acc.pth"
     torch.save({"model": state, "payload": Crafted(str(marker))}, path)
     asked = serve_hub_downloads_from(monkeypatch, path)

@@ -10,15 +10,9 @@ import torch.nn.functional as F
 
 import linvision  # noqa: F401  (registers the models)
 from linvision.models.pvthier import pvt_published_name, stage_grids
-from support import published_tensors
+from support import authors_layout, layer_norm, published_tensors
 
 REDUCED = dict(depths=(1, 1, 1, 1), dims=(16, 24, 32, 40), num_heads=(2, 2, 4, 4))
-
-
-def _layer_norm(x, weight, bias, eps=1e-5):
-    mean = x.mean(-1, keepdim=True)
-    var = ((x - mean) ** 2).mean(-1, keepdim=True)
-    return (x - mean) / torch.sqrt(var + eps) * weight + bias
 
 
 def _authors_entry(embed, x, trained_grid):
@@ -26,7 +20,7 @@ def _authors_entry(embed, x, trained_grid):
     position embedding; on another grid the embedding is resized by F.interpolate(mode="bilinear"), as the
     authors' ``_get_pos_embed`` does. x: NCHW; returns (B, H, W, C)."""
     y = F.conv2d(x, embed.proj.weight, embed.proj.bias, stride=embed.proj.stride).permute(0, 2, 3, 1)
-    y = _layer_norm(y, embed.norm.weight, embed.norm.bias)
+    y = layer_norm(y, embed.norm.weight, embed.norm.bias, 1e-5)
     b, h, w, c = y.shape
     pos = embed.pos_embed.reshape(1, *trained_grid, c).permute(0, 3, 1, 2)
     if (h, w) != trained_grid:
@@ -74,9 +68,7 @@ def test_a_file_for_224_in_a_model_for_another_size(tmp_path):
     """An authors' 224 px file (Pola-PVT-T's layout, one block per stage) in a model built for 320 x 256: the
     position embeddings and the key encodings take the new grids at load, and the logits there equal the 224
     model's, which resamples at run time; the head takes the mean of the last map, with no final norm."""
-    g = torch.Generator().manual_seed(0)
-    state = {k: torch.randn(shape, generator=g) * 0.2 for k, shape, _ in published_tensors("pola_pvt_tiny")
-             if not (k.startswith("block") and int(k.split(".")[1]) > 0)}
+    state = authors_layout("pola_pvt_tiny", blocks=1)
     path = tmp_path / "pola_pvt_t.pth"
     torch.save({"model": state, "epoch": 300}, path)
     args = dict(depths=(1, 1, 1, 1), pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
@@ -84,7 +76,7 @@ def test_a_file_for_224_in_a_model_for_another_size(tmp_path):
     other = timm.create_model("pola_pvt_tiny", img_size=(320, 256), **args).eval()
     assert other.stem.pos_embed.shape == (1, 80 * 64, 64) and other.stem.pos_grid == (80, 64)
     assert other.stages[1].blocks[0].mixer.key_pos.shape == (1, 40 * 32, 128)
-    x = torch.randn(1, 3, 320, 256, generator=g)
+    x = torch.randn(1, 3, 320, 256, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(other(x), at_224(x), rtol=1e-5, atol=1e-5)
         feats = at_224.forward_intermediates(x, intermediates_only=True)

@@ -623,12 +623,11 @@ def test_entry_point_defaults_give_way_and_options_never_vanish():
     default = timm.create_model("ravlt_tiny", depths=(1, 1, 1, 1)).stages[0].blocks[0].mixer
     assert default.feature_map != "relu" and default.rope_type == "axial"
     # the blocks' options are named arguments like any other (RAVLT's CPE before the mixer only, its MLP with a
-    # depthwise conv), overridable the same way; the family's mixer defaults are its class's, not an argument
+    # depthwise conv), overridable the same way; the family's mixer defaults are its layout's, written in the spec
     from linvision.layers import DwConvMlp
-    from linvision.models.ravlt import Ravlt
 
     block = ravlt.stages[0].blocks[0]
-    assert block.cpe == "first" and isinstance(block.mlp, DwConvMlp) and Ravlt.mixer_defaults["lepe"] is True
+    assert block.cpe == "first" and isinstance(block.mlp, DwConvMlp) and ravlt.spec[0].blocks[0].options["lepe"] is True
     assert timm.create_model("ravlt_tiny", depths=(1, 1, 1, 1), cpe=False).stages[0].blocks[0].cpe is False
     for old in ("block_kwargs", "mixer_defaults"):
         with pytest.raises(TypeError, match=old):

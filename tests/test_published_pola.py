@@ -231,9 +231,7 @@ def test_pola_swin_and_the_ablation_pola_mixer_differ_by_their_extras():
     torch.manual_seed(0)
     x = torch.randn(2, 15, 16, dtype=torch.float64)
     ablation = create_mixer("pola", 16, 2, lepe=False).double()
-    published = create_mixer("pola_swin", 16, 2).double()
-    published.set_key_position((3, 5))
-    published.double()
+    published = create_mixer("pola_swin", 16, 2, grid=(3, 5)).double()
     with torch.no_grad():
         for name in ("qkv", "proj"):
             getattr(published, name).load_state_dict(getattr(ablation, name).state_dict())

@@ -35,17 +35,19 @@ __all__ = ["CswinStripeAttention", "CswinStem", "cswin_published_name", "cswin_c
 class CswinStripeAttention(AttentionMixer):
     """CSWin's cross-shaped window attention: softmax attention (scale D^-1/2), the first half of the heads inside
     vertical stripes ``stripe`` tokens wide and the whole map high, the second half inside horizontal stripes
-    ``stripe`` tokens high and the whole map wide; to each stripe's output a 3x3 depthwise convolution of its v
-    (zero padding at the stripe's edges: LePE, ``stripe_lepe``, one kernel per channel) is added. A map that is
+    ``stripe`` tokens high and the whole map wide; to each stripe's output a ``lepe_kernel`` x ``lepe_kernel``
+    (3) depthwise convolution of its v (zero padding at the stripe's edges: LePE, ``stripe_lepe``, one kernel
+    per channel; none with ``lepe=False``) is added. A map that is
     not a whole number of stripes is padded at the right / bottom, padded keys taking no weight. No RoPE, no
     prefix tokens (CSWin's whole-map last stage is ``"softmax"`` with ``lepe=True``)."""
 
     takes_prefix_tokens = False
     exports_fixed_grid = True  # the stripe count and padding follow the size: exported at one size
 
-    def __init__(self, dim: int, num_heads: int, *, stripe: int = 7, **kwargs):
-        kwargs.pop("lepe", None)  # its LePE is the stripes' own
-        super().__init__(dim, num_heads, lepe=False, **kwargs)
+    def __init__(self, dim: int, num_heads: int, *, stripe: int = 7, lepe: bool = True, lepe_kernel: int = 3,
+                 **kwargs):
+        # its LePE is the stripes' own (stripe_lepe), not the mixer's of the whole map (lepe=False)
+        super().__init__(dim, num_heads, lepe_kernel=lepe_kernel, **kwargs)
         if self.rope_type is not None:
             raise ValueError(f"rope: cswin_stripes places tokens by its LePE, not RoPE; got {self.rope_type!r}")
         if stripe < 1:
@@ -54,12 +56,12 @@ class CswinStripeAttention(AttentionMixer):
             raise ValueError(f"num_heads: cswin_stripes splits the heads between vertical and horizontal stripes, "
                              f"so needs an even count, got {num_heads}")
         self.stripe = stripe
-        self.stripe_lepe = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
+        self.stripe_lepe = nn.Conv2d(dim, dim, lepe_kernel, padding=lepe_kernel // 2, groups=dim) if lepe else None
 
-    def _branch(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], vertical: bool, weight: Tensor,
-                bias: Tensor) -> Tensor:
+    def _branch(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], vertical: bool,
+                weight: Optional[Tensor], bias: Optional[Tensor]) -> Tensor:
         """Attention inside the stripes of one direction for q, k, v (B, h, N, D); the LePE with ``weight``
-        (h * D, 1, 3, 3) and ``bias`` inside each stripe."""
+        (h * D, 1, k, k) and ``bias`` inside each stripe (none when ``weight`` is None)."""
         b, nh, n, d = q.shape
         h, w = hw
         s = self.stripe
@@ -85,10 +87,11 @@ class CswinStripeAttention(AttentionMixer):
             real = stripes(torch.ones(b, 1, n, 1, dtype=q.dtype, device=q.device)) > 0
             mask = real[..., 0][:, :, None, :]
         out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
-        sh, sw = (hp, s) if vertical else (s, wp)
-        grid = vs.transpose(2, 3).reshape(b * count, nh * d, sh, sw)  # channel head * D + i, per stripe
-        lepe = F.conv2d(grid, weight, bias, padding=1, groups=nh * d)
-        out = out + lepe.reshape(b * count, nh, d, sh * sw).transpose(2, 3)
+        if weight is not None:
+            sh, sw = (hp, s) if vertical else (s, wp)
+            grid = vs.transpose(2, 3).reshape(b * count, nh * d, sh, sw)  # channel head * D + i, per stripe
+            lepe = F.conv2d(grid, weight, bias, padding=weight.shape[-1] // 2, groups=nh * d)
+            out = out + lepe.reshape(b * count, nh, d, sh * sw).transpose(2, 3)
         # back to the map: (B * stripes, h, tokens, D) -> (B, h, N, D)
         if vertical:
             out = out.reshape(b, count, nh, hp, s, d).permute(0, 2, 3, 1, 4, 5).reshape(b, nh, hp, wp, d)
@@ -98,9 +101,12 @@ class CswinStripeAttention(AttentionMixer):
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
         half, c = self.num_heads // 2, self.dim // 2
-        weight, bias = self.stripe_lepe.weight.to(v.dtype), self.stripe_lepe.bias.to(v.dtype)
-        vertical = self._branch(q[:, :half], k[:, :half], v[:, :half], hw, True, weight[:c], bias[:c])
-        horizontal = self._branch(q[:, half:], k[:, half:], v[:, half:], hw, False, weight[c:], bias[c:])
+        weight = bias = (None, None)
+        if self.stripe_lepe is not None:
+            w, b = self.stripe_lepe.weight.to(v.dtype), self.stripe_lepe.bias.to(v.dtype)
+            weight, bias = (w[:c], w[c:]), (b[:c], b[c:])
+        vertical = self._branch(q[:, :half], k[:, :half], v[:, :half], hw, True, weight[0], bias[0])
+        horizontal = self._branch(q[:, half:], k[:, half:], v[:, half:], hw, False, weight[1], bias[1])
         return torch.cat([vertical, horizontal], dim=1)
 
     def extra_repr(self) -> str:

@@ -50,6 +50,7 @@ kept as the form the results page measured.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Dict, Optional, Tuple
 
 import torch.nn.functional as F
@@ -60,7 +61,7 @@ from linvision.layers import AttentionMixer, merge_options, register_mixer
 from linvision.ops import Rope
 from linvision.ops.attention_variants import injective_linear_attention
 
-from .linhier import LinHier
+from .linhier import LinHier, linhier_layout
 from .linvit import LinViT
 from .linvit import checkpoint_filter_fn as linvit_filter
 from .published import (explain_failed_download, load_published, published_cfg, published_file_overlay,
@@ -164,10 +165,32 @@ def _cfg(url: str, filename: str, size: int, top1: float) -> Dict[str, Any]:
 
 
 _CLOUD = "https://cloud.tsinghua.edu.cn/f/{}/?dl=1"
+
+
+def _hier_cfg(layout: str, size: str, key: str, top1: float) -> Dict[str, Any]:
+    return published_cfg(
+        top1, url=(_CLOUD.format(key), f"inline_{layout}_{size}_in1k.pth"), first_conv="stem.proj",
+        license="unknown (no licence file: load, do not redistribute)", paper_ids="arXiv:2412.06590",
+        paper_name="Bridging the Divide: Reconsidering Softmax and Linear Attention",
+        origin_url="https://github.com/LeapLabTHU/InLine",
+    )
+
+
+# Every family's cfgs, complete before any entry point registers (timm reads them at registration).
 default_cfgs = generate_default_cfgs({
     "inline_deit_tiny.in1k": _cfg(_CLOUD.format("1d6b8191ad6d4114b291"), "inline_deit_tiny_in1k.pth", 224, 74.5),
     "inline_deit_small.in1k": _cfg(_CLOUD.format("2f3898b07e9247f3beb3"), "inline_deit_small_in1k.pth", 288, 80.2),
     "inline_deit_base.in1k": _cfg(_CLOUD.format("10bdd726d4b0435eb34e"), "inline_deit_base_in1k.pth", 448, 82.3),
+    "inline_swin_tiny.in1k": _hier_cfg("swin", "tiny", "32810869fcc34410966b", 82.4),
+    "inline_swin_small.in1k": _hier_cfg("swin", "small", "e9657fd247c04c7cb1a1", 83.6),
+    "inline_swin_base.in1k": _hier_cfg("swin", "base", "bf23564bb64c420aafe1", 84.1),
+    "inline_pvt_tiny.in1k": _hier_cfg("pvt", "tiny", "90ac52b1555b401eb5e6", 78.2),
+    "inline_pvt_small.in1k": _hier_cfg("pvt", "small", "1ab953b2479d433080a3", 82.0),
+    "inline_pvt_medium.in1k": _hier_cfg("pvt", "medium", "a72aec31e6084bc0a280", 83.2),
+    "inline_pvt_large.in1k": _hier_cfg("pvt", "large", "efd91318ba964f01b288", 83.6),
+    "inline_cswin_tiny.in1k": _hier_cfg("cswin", "tiny", "49fa2ecc543647c4b970", 83.2),
+    "inline_cswin_small.in1k": _hier_cfg("cswin", "small", "59f4e65f776f4052b93c", 83.8),
+    "inline_cswin_base.in1k": _hier_cfg("cswin", "base", "91e17121df284ae38521", 84.5),
 })
 
 SIZES: Dict[str, Dict[str, Any]] = {
@@ -227,24 +250,6 @@ def swin_filter_fn(checkpoint: Dict[str, Any], model: LinHier) -> Dict[str, Tens
     return swin_checkpoint_filter(checkpoint, model, WEIGHT_KEYS, _swin_mixer_tensor)
 
 
-def _hier_cfg(layout: str, size: str, key: str, top1: float) -> Dict[str, Any]:
-    return published_cfg(
-        top1, url=(_CLOUD.format(key), f"inline_{layout}_{size}_in1k.pth"), first_conv="stem.proj",
-        license="unknown (no licence file: load, do not redistribute)", paper_ids="arXiv:2412.06590",
-        paper_name="Bridging the Divide: Reconsidering Softmax and Linear Attention",
-        origin_url="https://github.com/LeapLabTHU/InLine",
-    )
-
-
-default_cfgs.update(generate_default_cfgs({
-    "inline_swin_tiny.in1k": _hier_cfg("swin", "tiny", "32810869fcc34410966b", 82.4),
-    "inline_swin_small.in1k": _hier_cfg("swin", "small", "e9657fd247c04c7cb1a1", 83.6),
-    "inline_swin_base.in1k": _hier_cfg("swin", "base", "bf23564bb64c420aafe1", 84.1),
-    "inline_pvt_tiny.in1k": _hier_cfg("pvt", "tiny", "90ac52b1555b401eb5e6", 78.2),
-    "inline_pvt_small.in1k": _hier_cfg("pvt", "small", "1ab953b2479d433080a3", 82.0),
-    "inline_pvt_medium.in1k": _hier_cfg("pvt", "medium", "a72aec31e6084bc0a280", 83.2),
-    "inline_pvt_large.in1k": _hier_cfg("pvt", "large", "efd91318ba964f01b288", 83.6),
-}))
 
 _SWIN_SIZES: Dict[str, Dict[str, Any]] = {
     "tiny": dict(depths=(2, 2, 6, 2), dims=(96, 192, 384, 768), num_heads=(3, 6, 12, 24),
@@ -252,13 +257,15 @@ _SWIN_SIZES: Dict[str, Dict[str, Any]] = {
     "small": dict(depths=(2, 2, 18, 2), dims=(96, 192, 384, 768), num_heads=(3, 6, 12, 24),
                   token_mixers="inline_deit,inline_deit,swin_window,swin_window"),
     "base": dict(depths=(2, 2, 18, 2), dims=(128, 256, 512, 1024), num_heads=(4, 8, 16, 32),
-                 token_mixers="inline_deit,inline_deit,swin_window,swin_window",
-                 lead_mixers=(None, None, (2, "inline_deit"), None)),
+                 token_mixers="inline_deit,inline_deit,swin_window,swin_window"),
 }
+# Swin-B's stage 3 is mixed: two InLine blocks, then window attention.
+_SWIN_LEAD = {"base": (None, None, (2, "inline_deit"), None)}
 
 
 def _create_inline_swin(variant: str, size: str, pretrained: bool, **kwargs) -> LinHier:
-    return create_swin_like(InLineSwin, variant, pretrained, swin_filter_fn, _SWIN_SIZES[size], **kwargs)
+    return create_swin_like(InLineSwin, variant, pretrained, swin_filter_fn, _SWIN_SIZES[size],
+                            lead=_SWIN_LEAD.get(size), **kwargs)
 
 
 # Published training used stochastic depth 0.2 / 0.3 / 0.5 (T / S / B); the models default to none, as timm's do.
@@ -333,8 +340,6 @@ class InLineCswin(LinHier):
     """CSWin's layout (:func:`~linvision.models.cswinhier.create_cswin_like`) with InLine's stages; loads the
     authors' files (timm's ``custom_load``)."""
 
-    mixer_defaults: Dict[str, Any] = {}
-
     def load_pretrained(self, path: str) -> None:
         load_published(self, path, cswin_filter_fn)
 
@@ -356,13 +361,10 @@ def cswin_filter_fn(checkpoint: Dict[str, Any], model: LinHier) -> Dict[str, Ten
     return cswin_checkpoint_filter(checkpoint, model, CSWIN_WEIGHT_KEYS, _cswin_mixer_tensors)
 
 
-default_cfgs.update(generate_default_cfgs({
-    "inline_cswin_tiny.in1k": _hier_cfg("cswin", "tiny", "49fa2ecc543647c4b970", 83.2),
-    "inline_cswin_small.in1k": _hier_cfg("cswin", "small", "59f4e65f776f4052b93c", 83.8),
-    "inline_cswin_base.in1k": _hier_cfg("cswin", "base", "91e17121df284ae38521", 84.5),
-}))
 
-_CSWIN_MIXERS = dict(token_mixers="inline_cswin,inline_cswin,cswin_stripes,softmax", mixer_kwargs=dict(lepe=True))
+# LePE in every block: the stripes' own, the InLine and whole-map softmax blocks' over their map
+_CSWIN_MIXERS = dict(token_mixers="inline_cswin,inline_cswin,cswin_stripes,softmax",
+                     layout=partial(linhier_layout, defaults=dict(lepe=True)))
 _CSWIN_SIZES: Dict[str, Dict[str, Any]] = {
     "tiny": dict(depths=(2, 4, 18, 1), dims=(64, 128, 256, 512), num_heads=(2, 4, 8, 16)),
     "small": dict(depths=(3, 6, 29, 2), dims=(64, 128, 256, 512), num_heads=(2, 4, 8, 16)),

@@ -19,8 +19,9 @@ No parameter depends on the input resolution: the models run at any size that is
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 import torch
 from torch import Tensor, nn
@@ -32,11 +33,11 @@ from timm.models._features import feature_take_indices
 
 from linvision.layers import (MixerBlock, init_model_weights, merge_options, no_weight_decay_of, parse_mixer_list,
                               stage_mixer_options)
-from linvision.layers.registry import MixerSpec
+from linvision.layers.registry import MixerSpec, mixer_options
 
 from .published import require_weights, unwrap_state_dict
 
-__all__ = ["LinHier"]
+__all__ = ["LinHier", "StageSpec", "BlockSpec", "linhier_layout", "with_mixer_options", "stage_grids"]
 
 def _to_nchw(x: Tensor) -> Tensor:
     return x.permute(0, 3, 1, 2)
@@ -75,22 +76,149 @@ class Downsample(nn.Module):
         return self.norm(_to_nhwc(self.conv(_to_nchw(x))))
 
 
+@dataclass(frozen=True)
+class BlockSpec:
+    """One block of a stage: its token mixer (a registered name or a mixer class) and that mixer's options."""
+
+    mixer: MixerSpec
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage: its width, heads, blocks, the blocks' MLP ratio and layer scale (None: none), its grid (H, W)
+    at the model's ``img_size`` (what a position table of the stage is drawn for), and ``entry``: the layer that
+    starts it, built as ``entry(in_dim, dim)`` (None: the model's stem for the first stage, its downsampling
+    layer for the others)."""
+
+    dim: int
+    num_heads: int
+    blocks: Tuple[BlockSpec, ...]
+    grid: Tuple[int, int]
+    mlp_ratio: float = 4.0
+    layer_scale_init: Optional[float] = None
+    entry: Optional[Callable[[int, int], nn.Module]] = None
+
+
+def stage_grids(img_size: Any, stages: int) -> Tuple[Tuple[int, int], ...]:
+    """The grid of every stage at ``img_size`` (an int or (H, W)): a quarter of the image, then halved by each
+    downsampling, rounding down as the convolutions do."""
+    h, w = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
+    grids = [(h // 4, w // 4)]
+    for _ in range(stages - 1):
+        grids.append((grids[-1][0] // 2, grids[-1][1] // 2))
+    return tuple(grids)
+
+
+def _per_stage(value: Any, count: int, name: str) -> Tuple[Any, ...]:
+    """One value for every stage, or a sequence of ``count``; ValueError naming ``name`` otherwise."""
+    values = (value,) * count if value is None or isinstance(value, (int, float)) else tuple(value)
+    if len(values) != count:
+        raise ValueError(f"{name}: {len(values)} values for {count} stages")
+    return values
+
+
+def block_spec(mixer: MixerSpec, defaults: Optional[Mapping[str, Any]], grid: Tuple[int, int]) -> BlockSpec:
+    """A block of ``mixer`` with the family's ``defaults`` that the mixer takes (the others go unused), and its
+    stage's ``grid`` when the mixer takes a ``grid`` option (a learned position table of the stage's map)."""
+    takes = mixer_options(mixer)
+    options = {k: v for k, v in (defaults or {}).items() if k in takes}
+    if "grid" in takes:
+        options["grid"] = grid
+    return BlockSpec(mixer, options)
+
+
+def linhier_layout(
+    depths: Sequence[int] = (3, 5, 9, 4), dims: Sequence[int] = (64, 128, 256, 512),
+    num_heads: Sequence[int] = (2, 4, 8, 16), token_mixers: Union[MixerSpec, Sequence[MixerSpec]] = "linear_rope",
+    mlp_ratio: Union[float, Sequence[float]] = 4.0, layer_scale_init: Union[None, float, Sequence] = None,
+    img_size: Any = 224, *, defaults: Optional[Mapping[str, Any]] = None,
+    lead: Optional[Sequence[Optional[Tuple[int, MixerSpec]]]] = None,
+) -> Tuple[StageSpec, ...]:
+    """The stages of a hierarchical model: stage i has ``depths[i]`` blocks of ``token_mixers[i]`` (one name, 4
+    comma-separated names or a sequence) with the family's mixer options ``defaults`` (:func:`block_spec`).
+    ``lead``: per stage None or (n, mixer): the first n blocks of that stage take ``mixer`` instead (a mixed
+    stage). ``mlp_ratio`` and ``layer_scale_init``: one value or one per stage. Raises ValueError for lists of
+    other lengths or unknown mixers."""
+    depths, dims, num_heads = tuple(depths), tuple(dims), tuple(num_heads)
+    if not len(depths) == len(dims) == len(num_heads):
+        raise ValueError(f"depths, dims, num_heads: lengths differ ({len(depths)}, {len(dims)}, {len(num_heads)})")
+    n = len(depths)
+    mixers = parse_mixer_list(token_mixers, n)
+    ratios, scales = _per_stage(mlp_ratio, n, "mlp_ratio"), _per_stage(layer_scale_init, n, "layer_scale_init")
+    leads = tuple(lead) if lead is not None else (None,) * n
+    if len(leads) != n:
+        raise ValueError(f"lead: {len(leads)} values for {n} stages")
+    grids = stage_grids(img_size, n)
+    stages = []
+    for i in range(n):
+        count, first = leads[i] or (0, None)
+        blocks = tuple(block_spec(first if j < count else mixers[i], defaults, grids[i]) for j in range(depths[i]))
+        stages.append(StageSpec(dims[i], num_heads[i], blocks, grids[i], ratios[i], scales[i]))
+    return tuple(stages)
+
+
+def with_mixer_options(stages: Sequence[StageSpec], mixer_kwargs: Optional[Mapping[str, Any]] = None,
+                       stage_mixer_kwargs: Optional[Mapping[Any, Mapping[str, Any]]] = None) -> Tuple[StageSpec, ...]:
+    """``stages`` with the caller's mixer options over the layout's: ``mixer_kwargs`` reach every block whose
+    mixer takes them, then ``stage_mixer_kwargs`` ({stage index: options} or {(stage, block): options}) those
+    of one stage or one block (a block's over its stage's). Every option must be taken by a block it is given
+    to: ValueError in one line naming it and the mixers otherwise, as for a key naming no stage or block."""
+    stages = list(stages)
+    specific = sorted((stage_mixer_kwargs or {}).items(), key=lambda t: isinstance(t[0], (tuple, list)))
+    targets = [(None, mixer_kwargs)] + specific
+    for where, options in targets:
+        places = [(i, j) for i, s in enumerate(stages) for j in range(len(s.blocks)) if _names(where, i, j)]
+        if not places:
+            raise ValueError(f"stage_mixer_kwargs: {where!r} names no stage or (stage, block) of this model "
+                             f"(blocks per stage: {[len(s.blocks) for s in stages]})")
+        name = "mixer_kwargs" if where is None else f"stage_mixer_kwargs[{where!r}]"
+        mixers = [stages[i].blocks[j].mixer for i, j in places]
+        chosen = stage_mixer_options(mixers, options, name=name)
+        for (i, j), own in zip(places, chosen):
+            blocks = list(stages[i].blocks)
+            blocks[j] = replace(blocks[j], options={**blocks[j].options, **own})
+            stages[i] = replace(stages[i], blocks=tuple(blocks))
+    return tuple(stages)
+
+
+def _names(where: Any, stage: int, block: int) -> bool:
+    """Whether ``where`` (None: every block; an int: a stage; (stage, block)) names block ``block`` of
+    ``stage``."""
+    if isinstance(where, (tuple, list)):
+        return tuple(where) == (stage, block)
+    return where is None or where == stage
+
+
+def stage_mixer_text(stage: StageSpec) -> str:
+    """What a stage holds, by its blocks' mixers: ``"swin_window"``, or runs ``"inline_deit x2+swin_window"``
+    (each run but the last with its count)."""
+    runs: List[List[Any]] = []
+    for block in stage.blocks:
+        name = block.mixer if isinstance(block.mixer, str) else block.mixer.__name__
+        if runs and runs[-1][0] == name:
+            runs[-1][1] += 1
+        else:
+            runs.append([name, 1])
+    return "+".join(f"{n} x{c}" if k < len(runs) - 1 else n for k, (n, c) in enumerate(runs))
+
+
 class HierStage(nn.Module):
-    """Optional downsample (``downsample``: a module or None), then ``depth`` :class:`MixerBlock` s with one token
-    mixer (``cpe``, ``layer_scale_init`` and ``mlp_layer``: the blocks' options of those names)."""
+    """Optional downsample (``downsample``: a module or None), then the :class:`MixerBlock` s ``spec`` describes
+    (``cpe`` and ``mlp_layer``: the blocks' options of those names)."""
 
     def __init__(
-        self, dim: int, depth: int, num_heads: int, token_mixer: MixerSpec, mixer_kwargs: Optional[Dict],
-        downsample: Optional[nn.Module], mlp_ratio: float, drop_path: Sequence[float], norm_layer: Type[nn.Module],
-        act_layer: Type[nn.Module], cpe: Union[bool, str] = True, layer_scale_init: Optional[float] = None,
+        self, spec: StageSpec, downsample: Optional[nn.Module], drop_path: Sequence[float],
+        norm_layer: Type[nn.Module], act_layer: Type[nn.Module], cpe: Union[bool, str] = True,
         mlp_layer: Type[nn.Module] = Mlp,
     ):
         super().__init__()
         self.downsample = downsample if downsample is not None else nn.Identity()
         self.blocks = nn.Sequential(*[
-            MixerBlock(dim, num_heads, token_mixer, mixer_kwargs, mlp_ratio, drop_path[i], norm_layer=norm_layer,
-                       act_layer=act_layer, cpe=cpe, layer_scale_init=layer_scale_init, mlp_layer=mlp_layer)
-            for i in range(depth)
+            MixerBlock(spec.dim, spec.num_heads, block.mixer, dict(block.options), spec.mlp_ratio, drop_path[i],
+                       norm_layer=norm_layer, act_layer=act_layer, cpe=cpe, layer_scale_init=spec.layer_scale_init,
+                       mlp_layer=mlp_layer)
+            for i, block in enumerate(spec.blocks)
         ])
         self.grad_checkpointing = False
 
@@ -102,7 +230,9 @@ class HierStage(nn.Module):
 
 
 class LinHier(nn.Module):
-    """Four-stage backbone with a token mixer per stage.
+    """Four-stage backbone, built from a description of its stages and blocks (:class:`StageSpec`,
+    :class:`BlockSpec`) that ``layout`` returns for the sizes and mixers given; nothing is changed after the
+    modules are built. The description is kept as :attr:`spec`.
 
     Args:
         in_chans: input channels.
@@ -114,15 +244,21 @@ class LinHier(nn.Module):
         dims: channels per stage (4 values).
         num_heads: heads per stage (4 values).
         token_mixers: one mixer (a registered name or a mixer class), 4 comma-separated names, or a sequence of 4.
-        mixer_kwargs: the caller's options for the mixers, over the family's :attr:`mixer_defaults`; each stage's
-            mixer receives those it has, and each must be an option of at least one stage's mixer (ValueError
-            naming it otherwise).
+        mixer_kwargs: the caller's options for the mixers, over the layout's: every block whose mixer takes one
+            receives it, and each must be an option of at least one block's mixer (ValueError naming it otherwise).
+        stage_mixer_kwargs: options for one stage ({stage index: options}) or one block ({(stage, block):
+            options}), over ``mixer_kwargs``; refused in the same way.
+        layout: returns the stages (a tuple of :class:`StageSpec`), called with ``depths``, ``dims``,
+            ``num_heads``, ``token_mixers``, ``mlp_ratio``, ``layer_scale_init`` and ``img_size`` as keywords; a
+            family binds its own mixer defaults and block pattern (default: :func:`linhier_layout` with the
+            output gate, ``gate=True``, for the mixers that take one: the MLLA block).
         mlp_ratio: MLP hidden size / dim, one value or one per stage.
-        img_size: nominal input size (recorded; nothing depends on it).
+        img_size: nominal input size: the grid of a stage's position tables, where a layout has some (no
+            parameter of the default layout depends on it).
         stem_layer: built as ``stem_layer(in_chans, dims[0])`` (default: :class:`Stem` with ``norm_layer`` and
-            ``act_layer``); maps an NCHW image to channels-last features.
+            ``act_layer``) unless the first stage names its ``entry``; maps an NCHW image to channels-last features.
         downsample_layer: built as ``downsample_layer(in_dim, dim)`` between stages (default: :class:`Downsample`
-            with ``norm_layer``); maps channels-last to channels-last features.
+            with ``norm_layer``) unless the stage names its ``entry``; maps channels-last to channels-last features.
         cpe: the blocks' 3x3 depthwise-conv position encoding: before the mixer and the MLP (True), before the
             mixer only ("first"), or none (False).
         mlp_layer: the blocks' MLP class (timm's ``Mlp``; RAVLT: :class:`~linvision.layers.DwConvMlp`).
@@ -130,12 +266,8 @@ class LinHier(nn.Module):
         final_layer: built as ``final_layer(dims[-1])`` after the last stage, on channels-last features (a norm
             before pooling, or a conv head whose ``out_chs`` becomes ``num_features``); the head is then pooling and
             a linear classifier. None (default): the head normalises after pooling.
-    Raises ValueError for inconsistent stage lists or unknown mixers.
+    Raises ValueError for inconsistent stage lists, unknown mixers or options no block takes.
     """
-
-    # The family's mixer options: every stage whose mixer takes one receives it (the gate of the MLLA block; the
-    # Gated CNN takes none); the caller's ``mixer_kwargs`` override them. A family on LinHier sets its own.
-    mixer_defaults: Dict[str, Any] = dict(gate=True)
 
     def __init__(
         self,
@@ -147,6 +279,8 @@ class LinHier(nn.Module):
         num_heads: Sequence[int] = (2, 4, 8, 16),
         token_mixers: Union[MixerSpec, Sequence[MixerSpec]] = "linear_rope",
         mixer_kwargs: Optional[Dict[str, Any]] = None,
+        stage_mixer_kwargs: Optional[Dict[Any, Dict[str, Any]]] = None,
+        layout: Optional[Callable[..., Sequence[StageSpec]]] = None,
         mlp_ratio: Union[float, Sequence[float]] = 4.0,
         drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
@@ -161,53 +295,53 @@ class LinHier(nn.Module):
         final_layer: Optional[Callable[[int], nn.Module]] = None,
     ):
         super().__init__()
-        depths, dims, num_heads = tuple(depths), tuple(dims), tuple(num_heads)
-        if not len(depths) == len(dims) == len(num_heads):
-            raise ValueError(f"depths, dims, num_heads: lengths differ ({len(depths)}, {len(dims)}, {len(num_heads)})")
-        if layer_scale_init is None or isinstance(layer_scale_init, (int, float)):
-            layer_scale_init = (layer_scale_init,) * len(depths)
-        if len(layer_scale_init) != len(depths):
-            raise ValueError(f"layer_scale_init: {len(layer_scale_init)} values for {len(depths)} stages")
-        mlp_ratios = (mlp_ratio,) * len(depths) if isinstance(mlp_ratio, (int, float)) else tuple(mlp_ratio)
-        if len(mlp_ratios) != len(depths):
-            raise ValueError(f"mlp_ratio: {len(mlp_ratios)} values for {len(depths)} stages")
-        stem_layer = stem_layer or partial(Stem, norm_layer=norm_layer, act_layer=act_layer)
-        downsample_layer = downsample_layer or partial(Downsample, norm_layer=norm_layer)
-        self.token_mixers = parse_mixer_list(token_mixers, len(depths))
+        layout = layout or partial(linhier_layout, defaults=dict(gate=True))
+        spec = layout(depths=depths, dims=dims, num_heads=num_heads, token_mixers=token_mixers, mlp_ratio=mlp_ratio,
+                      layer_scale_init=layer_scale_init, img_size=img_size)
+        self.spec = with_mixer_options(spec, mixer_kwargs, stage_mixer_kwargs)
+        self.token_mixers = tuple(stage_mixer_text(stage) for stage in self.spec)
         self.num_classes = num_classes
         self.in_chans = in_chans
         self.img_size = img_size
         self.drop_rate = drop_rate
         self.output_fmt = "NHWC"
-        stage_options = stage_mixer_options(self.token_mixers, mixer_kwargs, self.mixer_defaults)
-
-        self.stem = stem_layer(in_chans, dims[0])
-        rates = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
-        self.stages = nn.Sequential()
-        self.feature_info = []
-        in_dim, stride, start = dims[0], 4, 0
-        for i, (depth, dim, heads, mixer) in enumerate(zip(depths, dims, num_heads, self.token_mixers)):
-            stride *= 2 if i > 0 else 1
-            self.stages.append(HierStage(
-                dim, depth, heads, mixer, stage_options[i], downsample_layer(in_dim, dim) if i > 0 else None,
-                mlp_ratios[i], rates[start:start + depth], norm_layer, act_layer, cpe, layer_scale_init[i], mlp_layer,
-            ))
-            self.feature_info.append(dict(num_chs=dim, reduction=stride, module=f"stages.{i}"))
-            in_dim, start = dim, start + depth
+        self._build_stages(stem_layer or partial(Stem, norm_layer=norm_layer, act_layer=act_layer),
+                           downsample_layer or partial(Downsample, norm_layer=norm_layer), drop_path_rate,
+                           norm_layer, act_layer, cpe, mlp_layer)
+        last = self.spec[-1].dim
         if final_layer is None:
             self.final = nn.Identity()
-            self.num_features = dims[-1]
+            self.num_features = last
             self.head = ClNormMlpClassifierHead(
                 self.num_features, num_classes, pool_type=global_pool, drop_rate=drop_rate, norm_layer=norm_layer,
                 input_fmt="NHWC",
             )
         else:
-            self.final = final_layer(dims[-1])
-            self.num_features = getattr(self.final, "out_chs", dims[-1])
+            self.final = final_layer(last)
+            self.num_features = getattr(self.final, "out_chs", last)
             self.head = ClassifierHead(self.num_features, num_classes, pool_type=global_pool, drop_rate=drop_rate,
                                        input_fmt="NHWC")
         self.head_hidden_size = self.head.num_features
         init_model_weights(self)
+
+    def _build_stages(self, stem_layer: Callable, downsample_layer: Callable, drop_path_rate: float,
+                      norm_layer: Type[nn.Module], act_layer: Type[nn.Module], cpe: Union[bool, str],
+                      mlp_layer: Type[nn.Module]) -> None:
+        """The stem and the stages of :attr:`spec`, each stage started by its ``entry`` or the model's layer."""
+        first = self.spec[0]
+        self.stem = (first.entry or stem_layer)(self.in_chans, first.dim)
+        rates = torch.linspace(0, drop_path_rate, sum(len(s.blocks) for s in self.spec)).tolist()
+        self.stages = nn.Sequential()
+        self.feature_info = []
+        in_dim, stride, start = first.dim, 4, 0
+        for i, stage in enumerate(self.spec):
+            stride *= 2 if i > 0 else 1
+            depth = len(stage.blocks)
+            downsample = (stage.entry or downsample_layer)(in_dim, stage.dim) if i > 0 else None
+            self.stages.append(HierStage(stage, downsample, rates[start:start + depth], norm_layer, act_layer, cpe,
+                                         mlp_layer))
+            self.feature_info.append(dict(num_chs=stage.dim, reduction=stride, module=f"stages.{i}"))
+            in_dim, start = stage.dim, start + depth
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:

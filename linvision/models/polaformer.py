@@ -73,8 +73,9 @@ class PolaSwinAttention(OutputModulation, PolaAttention):
     1 + alpha sigmoid(w) per head and channel, keys and queries divided by softplus(s) per channel, eps 1e-6), with
 
     - q, k, v and the modulation W_g x from one input (``qkv`` and ``gate``, the authors' ``qkvg`` split);
-    - a learned position encoding added to the keys before the division (:meth:`set_key_position`; none until a
-      model sets its grid), resampled to the input's grid when that differs;
+    - a learned position encoding of the map ``grid`` (H, W) added to the keys before the division (zeros, as
+      the authors start it; none when ``grid`` is None), resampled to the input's grid when that differs (a
+      model gives every block its stage's grid);
     - a ``lepe_kernel`` x ``lepe_kernel`` (default 5) depthwise convolution of v whose weights every head shares
       (:class:`HeadSharedConv`), added to the attention output;
     - the output modulation (attention + conv) * (W_g x), no activation, then the projection.
@@ -86,16 +87,14 @@ class PolaSwinAttention(OutputModulation, PolaAttention):
     takes_prefix_tokens = False
 
     def __init__(self, dim: int, num_heads: int, *, lepe: bool = True, lepe_kernel: int = 5, gate: bool = True,
-                 **kwargs):
+                 grid: Optional[Tuple[int, int]] = None, **kwargs):
         super().__init__(dim, num_heads, lepe=False, lepe_kernel=lepe_kernel, gate=gate, **kwargs)
         self.lepe = HeadSharedConv(self.head_dim, num_heads, lepe_kernel) if lepe else None
         self.key_pos: Optional[nn.Parameter] = None
         self.key_pos_grid: Optional[Tuple[int, int]] = None
-
-    def set_key_position(self, grid: Tuple[int, int]) -> None:
-        """Give the keys a learned position encoding of ``grid`` (H, W) (zeros, as the authors start it)."""
-        self.key_pos_grid = (int(grid[0]), int(grid[1]))
-        self.key_pos = nn.Parameter(torch.zeros(1, grid[0] * grid[1], self.dim))
+        if grid is not None:
+            self.key_pos_grid = (int(grid[0]), int(grid[1]))
+            self.key_pos = nn.Parameter(torch.zeros(1, grid[0] * grid[1], dim))
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set:

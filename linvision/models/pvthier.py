@@ -13,6 +13,7 @@ keys); PVT's own softmax stages with a spatially reduced key map are not built h
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from functools import partial
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
@@ -22,32 +23,30 @@ from torch import Tensor, nn
 
 from linvision.layers import merge_options
 
-from .linhier import LinHier
+from .linhier import LinHier, StageSpec, linhier_layout, stage_grids
 from .published import build_published, map_mixer_groups, unwrap_state_dict
 
-__all__ = ["PvtHier", "PvtPatchEmbed", "pvt_published_name", "pvt_checkpoint_filter", "merge_q_kv",
-           "create_pvt_like"]
+__all__ = ["PvtHier", "PvtPatchEmbed", "pvt_layout", "stage_grids", "pvt_published_name", "pvt_checkpoint_filter",
+           "merge_q_kv", "create_pvt_like"]
 
 
 @register_notrace_module  # resamples its embedding by the input's grid: one leaf of timm's FX tracing
 class PvtPatchEmbed(PatchEmbed):
     """PVT's stage entry: timm's ``PatchEmbed`` (a ``patch`` x ``patch`` conv of stride ``patch``, LayerNorm),
-    channels-last out, then a learned absolute position embedding of the stage's grid
-    (:meth:`set_position`; none until a model sets its grid), resampled bilinearly (PVT's rule) to an input
-    whose grid differs. ``channels_last``: the input is (B, H, W, C), as between stages; else an image (B, C, H,
-    W)."""
+    channels-last out, then a learned absolute position embedding of the stage's ``grid`` (H, W) (none when
+    None), drawn as PVT draws it and resampled bilinearly (PVT's rule) to an input whose grid differs.
+    ``channels_last``: the input is (B, H, W, C), as between stages; else an image (B, C, H, W)."""
 
-    def __init__(self, in_chans: int, dim: int, patch: int, channels_last: bool = False):
+    def __init__(self, in_chans: int, dim: int, patch: int, channels_last: bool = False,
+                 grid: Optional[Tuple[int, int]] = None):
         super().__init__(None, patch, in_chans, dim, norm_layer=nn.LayerNorm, output_fmt="NHWC")
         self.channels_last = channels_last
         self.pos_embed: Optional[nn.Parameter] = None
         self.pos_grid: Optional[Tuple[int, int]] = None
-
-    def set_position(self, grid: Tuple[int, int]) -> None:
-        """Give the stage a learned position embedding of ``grid`` (H, W), drawn as PVT draws it."""
-        self.pos_grid = (int(grid[0]), int(grid[1]))
-        self.pos_embed = nn.Parameter(torch.zeros(1, grid[0] * grid[1], self.proj.out_channels))
-        trunc_normal_(self.pos_embed, std=0.02)
+        if grid is not None:
+            self.pos_grid = (int(grid[0]), int(grid[1]))
+            self.pos_embed = nn.Parameter(torch.zeros(1, grid[0] * grid[1], dim))
+            trunc_normal_(self.pos_embed, std=0.02)
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set:
@@ -71,33 +70,20 @@ class PvtPatchEmbed(PatchEmbed):
         return f"pos_grid={self.pos_grid}"
 
 
-def stage_grids(img_size: Any, stages: int) -> Tuple[Tuple[int, int], ...]:
-    """The grid of every stage at ``img_size`` (an int or (H, W)): a quarter of the image, then halved by each
-    patch embedding, rounding down as the convolutions do."""
-    h, w = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
-    grids = [(h // 4, w // 4)]
-    for _ in range(stages - 1):
-        grids.append((grids[-1][0] // 2, grids[-1][1] // 2))
-    return tuple(grids)
+def pvt_layout(**sizes: Any) -> Tuple[StageSpec, ...]:
+    """PVT's stages (:func:`~linvision.models.linhier.linhier_layout` of ``sizes``), each started by its patch
+    embedding (:class:`PvtPatchEmbed`: 4 x 4 on the image, 2 x 2 between stages) with the position embedding of
+    its grid."""
+    return tuple(replace(stage, entry=partial(PvtPatchEmbed, patch=2 if i else 4, channels_last=i > 0,
+                                              grid=stage.grid))
+                 for i, stage in enumerate(linhier_layout(**sizes)))
 
 
 class PvtHier(LinHier):
-    """:class:`LinHier` with PVT's layers (the module docstring). After the stages are built, every patch
-    embedding gets the position embedding of its stage's grid at ``img_size``, and mixers with a learned position
-    encoding of a grid (``set_key_position``) get the grid of their stage."""
+    """:class:`LinHier` with PVT's stages (:func:`pvt_layout`; the layers: :func:`create_pvt_like`)."""
 
-    mixer_defaults: Dict[str, Any] = {}
-
-    def __init__(self, *, img_size: Any = 224, **kwargs):
-        super().__init__(img_size=img_size, **kwargs)
-        grids = stage_grids(img_size, len(self.stages))
-        self.stem.set_position(grids[0])
-        for i, stage in enumerate(self.stages):
-            if i > 0:
-                stage.downsample.set_position(grids[i])
-            for block in stage.blocks:
-                if callable(getattr(block.mixer, "set_key_position", None)):
-                    block.mixer.set_key_position(grids[i])
+    def __init__(self, *, layout: Optional[Callable[..., Sequence[StageSpec]]] = None, **kwargs):
+        super().__init__(layout=layout or pvt_layout, **kwargs)
 
 
 def pvt_published_name(name: str) -> Optional[str]:
@@ -166,8 +152,6 @@ def create_pvt_like(model_cls: type, variant: str, pretrained: bool, filter_fn: 
                     **kwargs) -> LinHier:
     """A model of PVT's layout as ``model_cls`` (a :class:`PvtHier`), built through :func:`build_published`;
     ``sizes`` (depths, dims, heads) and ``kwargs`` (``token_mixers``, options) over the layers."""
-    args = dict(stem_layer=partial(PvtPatchEmbed, patch=4),
-                downsample_layer=partial(PvtPatchEmbed, patch=2, channels_last=True),
-                norm_layer=partial(nn.LayerNorm, eps=1e-6), cpe=False, mlp_layer=Mlp, mlp_ratio=(8, 8, 4, 4),
+    args = dict(layout=pvt_layout, norm_layer=partial(nn.LayerNorm, eps=1e-6), cpe=False, mlp_layer=Mlp, mlp_ratio=(8, 8, 4, 4),
                 final_layer=_no_final_norm)
     return build_published(model_cls, variant, pretrained, filter_fn, **merge_options(sizes, args, **kwargs))

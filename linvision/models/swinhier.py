@@ -13,6 +13,7 @@ The published linear-attention Swins use a window of 56 in their linear stages, 
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
@@ -22,16 +23,16 @@ from timm.layers import Mlp, PatchEmbed, trunc_normal_
 from timm.models.swin_transformer import PatchMerging, get_relative_position_index
 from torch import Tensor, nn
 
-from linvision.layers import create_mixer, init_model_weights, merge_options, register_mixer
+from linvision.layers import merge_options, register_mixer
 from linvision.layers.mixers import AttentionMixer, window_merge, window_partition
 from linvision.layers.registry import MixerSpec, mixer_options
 from linvision.ops import Rope
 
-from .linhier import LinHier
+from .linhier import LinHier, StageSpec, linhier_layout
 from .published import build_published, unwrap_state_dict
 
-__all__ = ["SwinHier", "SwinWindowAttention", "swin_stem", "swin_published_name", "swin_checkpoint_filter",
-           "create_swin_like"]
+__all__ = ["SwinHier", "SwinWindowAttention", "swin_layout", "swin_stem", "swin_published_name",
+           "swin_checkpoint_filter", "create_swin_like"]
 
 # Buffers of the authors' Swin code that the model recomputes.
 RECOMPUTED = (".relative_position_index", ".attn_mask")
@@ -116,44 +117,24 @@ def swin_stem(in_chans: int, dim: int) -> nn.Module:
     return PatchEmbed(None, 4, in_chans, dim, norm_layer=nn.LayerNorm, output_fmt="NHWC")
 
 
+def swin_layout(*, lead: Optional[Sequence[Optional[Tuple[int, MixerSpec]]]] = None, **sizes: Any
+                ) -> Tuple[StageSpec, ...]:
+    """Swin's stages (:func:`~linvision.models.linhier.linhier_layout` of ``sizes``): windows of 7 for the mixers
+    that take a window, the ``"swin_window"`` blocks at odd places in their stage shifted (Swin's alternation),
+    and ``lead``: per stage None or (n, mixer), the first n blocks of that stage taking ``mixer`` (the
+    published "mixed" stages: a few linear-attention blocks, then window attention)."""
+    stages = linhier_layout(defaults=dict(window=7), lead=lead, **sizes)
+    return tuple(replace(stage, blocks=tuple(
+        replace(block, options={**block.options, "shift": j % 2 == 1}) if "shift" in mixer_options(block.mixer)
+        else block for j, block in enumerate(stage.blocks))) for stage in stages)
+
+
 class SwinHier(LinHier):
-    """:class:`LinHier` with Swin's layers (the module docstring). After the stages are built, the
-    ``"swin_window"`` mixers of every second block of a stage shift their windows, and mixers with a learned
-    position encoding of a grid (``set_key_position``) get the grid of their stage at ``img_size``.
+    """:class:`LinHier` with Swin's stages (:func:`swin_layout`; the layers: :func:`create_swin_like`). The
+    window side of the softmax stages: ``mixer_kwargs=dict(window=...)`` (7)."""
 
-    lead_mixers: per stage None or (n, mixer): the first n blocks of that stage take ``mixer`` instead of the
-        stage's (the published "mixed" stages: a few linear-attention blocks, then window attention); each gets
-        the options of ``mixer_kwargs`` it takes. The window side of the softmax stages: ``mixer_kwargs=dict(
-        window=...)`` (7).
-    """
-
-    mixer_defaults: Dict[str, Any] = dict(window=7)
-
-    def __init__(self, *, img_size: Any = 224, lead_mixers: Optional[Sequence[Optional[Tuple[int, MixerSpec]]]] = None,
-                 **kwargs):
-        super().__init__(img_size=img_size, **kwargs)
-        size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
-        options = {**self.mixer_defaults, **(kwargs.get("mixer_kwargs") or {})}
-        for i, lead in enumerate(lead_mixers or ()):
-            if lead is None:
-                continue
-            count, mixer = lead
-            own = {k: v for k, v in options.items() if k in mixer_options(mixer)}
-            for block in self.stages[i].blocks[:count]:
-                old = block.mixer
-                block.mixer = create_mixer(mixer, old.dim, old.num_heads, **own)
-                init_model_weights(block.mixer)
-            name = mixer if isinstance(mixer, str) else mixer.__name__
-            shown = list(self.token_mixers)
-            shown[i] = f"{name} x{count}+{shown[i]}"  # what the stage holds, for display
-            self.token_mixers = tuple(shown)
-        for i, stage in enumerate(self.stages):
-            grid = (size[0] // (4 << i), size[1] // (4 << i))
-            for j, block in enumerate(stage.blocks):
-                if callable(getattr(block.mixer, "set_key_position", None)):
-                    block.mixer.set_key_position(grid)
-                if isinstance(block.mixer, SwinWindowAttention):
-                    block.mixer.shift = j % 2 == 1
+    def __init__(self, *, layout: Optional[Callable[..., Sequence[StageSpec]]] = None, **kwargs):
+        super().__init__(layout=layout or swin_layout, **kwargs)
 
 
 def swin_published_name(name: str) -> str:
@@ -198,9 +179,10 @@ def swin_checkpoint_filter(checkpoint: Dict[str, Any], model: LinHier, weight_ke
 
 
 def create_swin_like(model_cls: type, variant: str, pretrained: bool, filter_fn: Callable, sizes: Dict[str, Any],
-                     **kwargs) -> LinHier:
+                     lead: Optional[Sequence[Optional[Tuple[int, MixerSpec]]]] = None, **kwargs) -> LinHier:
     """A model of Swin's layout as ``model_cls`` (a :class:`SwinHier`), built through :func:`build_published`;
-    ``sizes`` (depths, dims, heads) and ``kwargs`` (``token_mixers``, ``lead_mixers``, options) over the layers."""
-    args = dict(stem_layer=swin_stem, downsample_layer=partial(PatchMerging, norm_layer=nn.LayerNorm),
+    ``sizes`` (depths, dims, heads) and ``kwargs`` (``token_mixers``, options) over the layers; ``lead``: the
+    mixed stages' leading blocks (:func:`swin_layout`)."""
+    args = dict(layout=partial(swin_layout, lead=lead), stem_layer=swin_stem, downsample_layer=partial(PatchMerging, norm_layer=nn.LayerNorm),
                 norm_layer=nn.LayerNorm, cpe=False, mlp_layer=Mlp, final_layer=nn.LayerNorm)
     return build_published(model_cls, variant, pretrained, filter_fn, **merge_options(sizes, args, **kwargs))

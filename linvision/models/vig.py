@@ -43,7 +43,7 @@ from linvision.layers.recurrent import BidirGatedAttention
 from linvision.layers.registry import check_layout, check_prefix_tokens
 from linvision.ops import check_grid, compute_dtype, gated_linear_attention, is_tracing
 
-from .linhier import LinHier
+from .linhier import LinHier, linhier_layout
 from .linvit import LinViT
 from .published import (explain_failed_download, load_published, published_cfg, published_file_overlay,
                         unwrap_state_dict)
@@ -237,11 +237,25 @@ def _cfg(filename: str, top1: float) -> Dict[str, Any]:
     )
 
 
+def _hier_cfg(filename: str, top1: float) -> Dict[str, Any]:
+    return published_cfg(
+        top1, hf_hub_id=HUB_ID, hf_hub_filename=filename, custom_load="hf",
+        url=f"https://huggingface.co/{HUB_ID}/resolve/main/{filename}", first_conv="stem.conv1", license="mit",
+        paper_ids="arXiv:2405.18425",
+        paper_name="ViG: Linear-complexity Visual Sequence Learning with Gated Linear Attention",
+        origin_url="https://github.com/hustvl/ViG",
+    )
+
+
 # Top-1: the authors' README (ImageNet-1k, 224 px); the file names are those of the hub repository's listing.
+# Both families' cfgs, complete before any entry point registers (timm reads them at registration).
 default_cfgs = generate_default_cfgs({
     "vig_tiny.in1k": _cfg("vig_t_77p2acc.pth", 77.2),
     "vig_small.in1k": _cfg("vig_s_81p7acc.pth", 81.7),
     "vig_base.in1k": _cfg("vig_b_82p6acc.pth", 82.6),
+    "vig_h_tiny.in1k": _hier_cfg("vig_h_t_82p8acc.pth", 82.8),
+    "vig_h_small.in1k": _hier_cfg("vig_h_s_83p8acc.pth", 83.8),
+    "vig_h_base.in1k": _hier_cfg("vig_h_b_84p2acc.pth", 84.2),
 })
 
 # vig-{t,s,b}.yaml: ViG-T has SiLU after the depthwise conv and on the mixed output, S and B neither.
@@ -293,8 +307,6 @@ class VigH(LinHier):
     """:class:`~linvision.models.linhier.LinHier` with ViG-H's layers (the module docstring); loads the authors'
     files (timm's ``custom_load``)."""
 
-    mixer_defaults: Dict[str, Any] = dict(output_scale=0.5)
-
     def load_pretrained(self, path: str) -> None:
         load_published(self, path, hier_filter_fn)
 
@@ -336,29 +348,16 @@ def hier_filter_fn(checkpoint: Any, model: LinHier) -> Dict[str, Tensor]:
     return out
 
 
-def _hier_cfg(filename: str, top1: float) -> Dict[str, Any]:
-    return published_cfg(
-        top1, hf_hub_id=HUB_ID, hf_hub_filename=filename, custom_load="hf",
-        url=f"https://huggingface.co/{HUB_ID}/resolve/main/{filename}", first_conv="stem.conv1", license="mit",
-        paper_ids="arXiv:2405.18425",
-        paper_name="ViG: Linear-complexity Visual Sequence Learning with Gated Linear Attention",
-        origin_url="https://github.com/hustvl/ViG",
-    )
-
-
-default_cfgs.update(generate_default_cfgs({
-    "vig_h_tiny.in1k": _hier_cfg("vig_h_t_82p8acc.pth", 82.8),
-    "vig_h_small.in1k": _hier_cfg("vig_h_s_83p8acc.pth", 83.8),
-    "vig_h_base.in1k": _hier_cfg("vig_h_b_84p2acc.pth", 84.2),
-}))
 
 HIER_SIZES: Dict[str, Dict[str, Any]] = {
     "tiny": dict(depths=(2, 2, 5, 2), dims=(96, 192, 384, 768), num_heads=(3, 6, 12, 24)),
     "small": dict(depths=(2, 2, 17, 2), dims=(96, 192, 384, 768), num_heads=(3, 6, 12, 24)),
     "base": dict(depths=(2, 2, 17, 2), dims=(128, 256, 512, 1024), num_heads=(4, 8, 16, 32)),
 }
-_HIER_LAYERS = dict(token_mixers="vig_gla", norm_layer=nn.LayerNorm, act_layer=nn.GELU, cpe=False,
-                    mlp_layer=gated_mlp, final_layer=nn.LayerNorm)
+# The authors' hierarchical evaluation halves the scans' sum once (output scale 1/2; ViG's halves it twice).
+_HIER_LAYERS = dict(token_mixers="vig_gla", layout=partial(linhier_layout, defaults=dict(output_scale=0.5)),
+                    norm_layer=nn.LayerNorm, act_layer=nn.GELU, cpe=False, mlp_layer=gated_mlp,
+                    final_layer=nn.LayerNorm)
 
 
 def _create_vig_h(variant: str, size: str, pretrained: bool, **kwargs: Any) -> LinHier:

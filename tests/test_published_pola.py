@@ -183,16 +183,8 @@ def test_linear_block_equals_the_authors_formula(grid):
     torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-10)
 
 
-# the mixer rolls the map before padding it: on a shifted map that is not whole windows the first rows (columns)
-# of the shifted windows are cut apart (at 9 rows, window 7, shift 3: rows {0} and {1, 2}, where Swin's pad-then-roll
-# keeps {0, 1, 2} together)
-ROLLS_BEFORE_PADDING = pytest.mark.xfail(strict=True, reason="swin_window rolls the map before padding it")
-
-
 @pytest.mark.parametrize("grid, shift", [((14, 14), True), ((14, 14), False), ((7, 7), True), ((7, 14), True),
-                                         ((9, 11), False),
-                                         pytest.param((9, 11), True, marks=ROLLS_BEFORE_PADDING),
-                                         pytest.param((10, 8), True, marks=ROLLS_BEFORE_PADDING)])
+                                         ((9, 11), False), ((9, 11), True), ((10, 8), True)])
 def test_window_block_equals_the_authors_formula(grid, shift):
     """A stage-3 block (float64, random weights, window 7) against the transcription of Swin's shifted-window
     attention. Along an axis no longer than the window nothing shifts (the authors' rule for a map no larger than

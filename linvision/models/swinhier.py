@@ -13,6 +13,7 @@ The published linear-attention Swins use a window of 56 in their linear stages, 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from functools import partial
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
@@ -71,42 +72,47 @@ class SwinWindowAttention(AttentionMixer):
         s = self.window // 2 if self.shift else 0
         return tuple(s if n > self.window else 0 for n in hw)
 
-    def _bias(self, hw: Tuple[int, int], shifts: Tuple[int, int], device: torch.device, dtype: torch.dtype) -> Tensor:
+    def _bias(self, padded: Tuple[int, int], shifts: Tuple[int, int], valid: Tensor, dtype: torch.dtype) -> Tensor:
         """(heads, windows, w*w, w*w): the relative position bias, -100 between tokens of different regions of
-        the shifted map, -inf for padded keys."""
+        the padded, shifted map (Swin's regions: the last ``shift`` rows and columns are those the roll brought
+        round), -inf for padded keys; ``valid``: (windows, w*w), the real tokens."""
         area = self.window * self.window
         table = self.relative_position_bias_table.to(dtype)
         bias = table[self.relative_position_index].reshape(area, area, -1).permute(2, 0, 1)[:, None]
-        (h, w), (sh, sw) = hw, shifts
-        rows = torch.arange(h, device=device) >= h - sh  # the rows the shift brought in (none for sh = 0)
-        cols = torch.arange(w, device=device) >= w - sw
-        region = (rows[:, None] * 2 + cols[None, :]).to(dtype).reshape(1, 1, h * w, 1)
-        windows, valid, _ = window_partition(region, hw, self.window)  # padded positions hold 0 and are invalid
-        windows = windows[0, 0, :, :, 0]  # (nW, w*w)
+        (hp, wp), (sh, sw) = padded, shifts
+        rows = torch.arange(hp, device=valid.device) >= hp - sh  # the rows the shift brought in (none for sh = 0)
+        cols = torch.arange(wp, device=valid.device) >= wp - sw
+        region = (rows[:, None] * 2 + cols[None, :]).to(dtype).reshape(1, 1, hp * wp, 1)
+        windows = window_partition(region, padded, self.window)[0][0, 0, :, :, 0]  # (nW, w*w)
         other = (windows[:, :, None] != windows[:, None, :]).to(dtype) * -100.0
         other = other.masked_fill(~valid[:, None, :], float("-inf"))
         return bias + other[None]
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
+        """Swin's order: the map padded at the bottom and right to whole windows, then rolled by the shift, then
+        split into windows; after attention rolled back and cropped."""
         b, nh, n, d = q.shape
-        h, w = hw
+        (h, w), win = hw, self.window
+        padded = (math.ceil(h / win) * win, math.ceil(w / win) * win)
         shifts = self._shifts(hw)
 
-        def roll(t: Tensor, sign: int) -> Tensor:
-            if not any(shifts):
-                return t
-            grid = t.reshape(b, nh, h, w, d).roll((sign * shifts[0], sign * shifts[1]), dims=(2, 3))
-            return grid.reshape(b, nh, n, d)
+        def shifted(t: Tensor, sign: int = -1) -> Tensor:  # (..., Hp, Wp, D) rolled by sign * shifts
+            return t.roll((sign * shifts[0], sign * shifts[1]), dims=(-3, -2)) if any(shifts) else t
 
-        qw, valid, padded = window_partition(roll(q, -1), hw, self.window)
-        kw, _, _ = window_partition(roll(k, -1), hw, self.window)
-        vw, _, _ = window_partition(roll(v, -1), hw, self.window)
-        windows, area = qw.shape[2], qw.shape[3]
+        def windows(t: Tensor) -> Tensor:
+            grid = F.pad(t.reshape(b, nh, h, w, d), (0, 0, 0, padded[1] - w, 0, padded[0] - h))
+            return window_partition(shifted(grid).reshape(b, nh, -1, d), padded, win)[0]
+
+        real = shifted(F.pad(torch.ones(h, w, 1, device=q.device), (0, 0, 0, padded[1] - w, 0, padded[0] - h)))
+        valid = window_partition(real.reshape(1, 1, -1, 1), padded, win)[0][0, 0, :, :, 0] > 0
+        qw, kw, vw = windows(q), windows(k), windows(v)
+        count, area = qw.shape[2], qw.shape[3]
         # heads and windows on one axis: SDPA on 4D tensors (as ONNX's operator takes them), the bias per both
-        mask = self._bias(hw, shifts, q.device, q.dtype).reshape(1, nh * windows, area, area)
-        out = F.scaled_dot_product_attention(*(t.reshape(b, nh * windows, area, d) for t in (qw, kw, vw)),
+        mask = self._bias(padded, shifts, valid, q.dtype).reshape(1, nh * count, area, area)
+        out = F.scaled_dot_product_attention(*(t.reshape(b, nh * count, area, d) for t in (qw, kw, vw)),
                                              attn_mask=mask)
-        return roll(window_merge(out.reshape(b, nh, windows, area, d), hw, padded, self.window), 1)
+        grid = window_merge(out.reshape(b, nh, count, area, d), padded, padded, win).reshape(b, nh, *padded, d)
+        return shifted(grid, 1)[:, :, :h, :w].reshape(b, nh, n, d)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, window={self.window}, shift={self.shift}"

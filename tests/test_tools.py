@@ -120,6 +120,45 @@ def test_sigterm_saves_a_checkpoint_that_resumes(data, tmp_path):
     assert steps == list(range(1, 3 * (state["epoch"] + 1) + 1))  # no step lost or repeated
 
 
+def test_ctrl_c_under_a_pipe_whose_reader_is_gone_saves_and_says_so(data, tmp_path):
+    """``linvision-train ... | tee`` stopped by Ctrl-C: tee dies with it, so the run's standard output has no
+    reader any more (here from the start: every epoch line finds the pipe broken). The run goes on to its next
+    step, saves, prints the message on stderr (a pipe, read after the exit: it was flushed) and exits 130."""
+    import subprocess
+
+    args = tiny_train_flags(data, str(tmp_path), "--epochs", "200", "--experiment", "int", "--log-interval", "1")
+    read, write = os.pipe()
+    os.close(read)  # the reader of its standard output is gone
+    proc = subprocess.Popen([PY, os.path.join(ROOT, "tools", "train.py"), *args], stdout=write,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    os.close(write)
+    metrics = tmp_path / "int" / "metrics.jsonl"
+    wait_until(lambda: metrics.exists() and metrics.read_text().count('"epoch"') >= 2, proc,
+               what="2 epochs, each ending with a line to the broken pipe")
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, err
+    assert f"interrupted by SIGINT; checkpoint saved in {tmp_path / 'int'}; continue with:" in err
+    assert "Traceback" not in err and "BrokenPipe" not in err
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--epoch", "3"], "error: unrecognized arguments: --epoch 3 (did you mean --epochs?)"),
+    (["--amp", "bf61"], "error: argument --amp: invalid choice: 'bf61' (choose from 'none', 'bf16', 'fp16') "
+                        "(did you mean bf16?)"),
+])
+def test_unknown_flags_and_values_name_the_nearest_in_two_lines(flags, expected):
+    proc = run_tool("train.py", *flags, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [f"linvision-train: {expected}", "linvision-train --help lists every flag"]
+
+
+def test_an_unknown_dataset_names_the_nearest(data, tmp_path):
+    proc = run_tool("train.py", *tiny_train_flags(data, str(tmp_path), "--dataset", "photos_aspekt"), check=False)
+    assert proc.returncode == 2
+    assert "error: dataset: unknown 'photos_aspekt' (did you mean 'photos_aspect'?); allowed:" in proc.stderr
+
+
 @pytest.mark.parametrize("case", ["missing_data", "unknown_model", "unknown_key", "corrupt_image",
                                   "corrupt_image_unchecked"])
 def test_bad_input_gives_a_clear_error(case, data, tmp_path):

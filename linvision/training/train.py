@@ -514,7 +514,8 @@ def _restore(run: _Run, state: Optional[Dict[str, Any]], external: Optional[Dict
         else:  # a new length: the schedule is rebuilt for it and continues from the current update
             run.scheduler.step_update(num_updates=state["global_step"])
             if info.is_main:
-                print(f"resume: schedule extended from {saved_epochs} to {cfg.epochs} epochs", flush=True)
+                change = "extended" if cfg.epochs > saved_epochs else "shortened"
+                print(f"resume: schedule {change} from {saved_epochs} to {cfg.epochs} epochs", flush=True)
         if run.scaler is not None and state.get("scaler"):
             run.scaler.load_state_dict(state["scaler"])
         if run.ema is not None and state.get("ema"):

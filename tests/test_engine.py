@@ -178,14 +178,16 @@ def test_unknown_model_name():
 
 # --- training
 
-def test_resume_equals_uninterrupted_training(tmp_path):
-    """2 epochs of 3 steps; the interrupted run stops mid-epoch 1 (step 4) and is resumed."""
+def test_resume_equals_uninterrupted_training(tmp_path, capsys):
+    """2 epochs of 3 steps; the interrupted run stops mid-epoch 1 (step 4), says so, and is resumed."""
     data = write_image_folder(tmp_path / "data")
     common = ["--epochs", "2", "--model-ema", "--model-ema-decay", "0.9", "--warmup-epochs", "1",
               "--drop-path", "0.1"]
     ref = train(train_args(data, str(tmp_path / "out"), "--experiment", "ref", *common))
     part = train(train_args(data, str(tmp_path / "out"), "--experiment", "cut", "--stop-after-steps", "4", *common))
     assert part["stopped_at_step"] == 4
+    assert (f"stopped after step 4 (--stop-after-steps 4); checkpoint saved in {part['run_dir']}/last; continue "
+            f"with: linvision-train --resume {part['run_dir']}") in capsys.readouterr().out
     resumed = train(train_args(data, str(tmp_path / "out"), "--resume", part["run_dir"], *common))
 
     ref_losses, cut_losses = step_losses(ref["run_dir"]), step_losses(resumed["run_dir"])

@@ -680,6 +680,10 @@ def _train_epoch(run: _Run, epoch: int, stop: StopFlag) -> Optional[Dict[str, An
                 _save_last(run, epoch + 1 if done else epoch, 0 if done else step)
                 if signum:
                     raise TrainInterrupted(signum, run.run_dir, resume_command(run))
+                if info.is_main:
+                    print(f"stopped after step {run.global_step} (--stop-after-steps {cfg.stop_after_steps}); "
+                          f"checkpoint saved in {run.run_dir}/last; continue with: {resume_command(run)}",
+                          flush=True)
                 return {"stopped_at_step": run.global_step, "run_dir": run.run_dir}
     except TrainInterrupted:
         raise

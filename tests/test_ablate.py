@@ -182,7 +182,9 @@ def test_train_on_photos_aspect_with_the_naflex_loader(tmp_path):
     assert np.isfinite(record["train_loss"]) and 0 <= record["val_top1"] <= 100
     proc = run_tool("validate.py", "--checkpoint", str(tmp_path / "r" / "last"), "--naflex-loader",
                     "--naflex-max-seq-len", "16", "--device", "cpu")
-    result = json.loads(proc.stdout)["results"][0]
+    out = json.loads(proc.stdout)
+    assert out["train_naflex_seq_lens"] == [8, 16] and "train_img_size" not in out  # not the unused --img-size
+    result = out["results"][0]
     assert result["count"] == 360 and result["naflex_max_seq_len"] == 16
     assert result["loss"] == pytest.approx(record["val_loss"], rel=1e-5)
 

@@ -288,6 +288,8 @@ class ClassificationTask(Task):
         # linvision-validate --checkpoint evaluates with
         meta = {"model": cfg.model, "num_classes": num_classes, "in_chans": cfg.in_chans,
                 "model_kwargs": model_kwargs, **data_config, "classes": classes, "dataset": cfg.dataset}
+        if cfg.naflex_loader:  # trained at each image's own aspect: the sequence lengths, not img_size, say how
+            meta["naflex_train_seq_lens"] = list(cfg.naflex_train_seq_lens)
         return TaskParts(train_set, val_set, model, meta, num_classes)
 
     def optimizer_options(self, cfg: TrainConfig) -> Dict[str, Any]:

@@ -442,3 +442,19 @@ def test_distilling_a_teacher_into_its_own_copy_starts_at_zero_loss(trained, dat
     proc = run_tool("train.py", *tiny_train_flags(four, str(tmp_path), "--epochs", "1", "--distill-teacher", run_dir),
                     check=False)
     assert proc.returncode == 2 and "predicts 3 classes, the model being trained 4" in proc.stderr
+
+
+def test_the_no_weights_error_lists_every_family_with_weights():
+    """timm.create_model(<a model without weights>, pretrained=True) names the families with trained weights as
+    the registry has them: those of the model table's rows with weights (docs/models.json, README's table)."""
+    import timm
+
+    import linvision  # noqa: F401
+    from tools.model_table import _has_weights, read_rows
+
+    rows = read_rows(os.path.join(ROOT, "docs", "models.json"))
+    expected = sorted({r["model"].rsplit("_", 1)[0] + "_*" for r in rows if _has_weights(r["model"])})
+    assert len(expected) >= 10 and "pola_swin_*" in expected  # loaded from a local copy: weights all the same
+    with pytest.raises(ValueError) as error:
+        timm.create_model("linhier_tiny_224", pretrained=True)
+    assert f"the families with trained weights: {', '.join(expected)} (or" in str(error.value)

@@ -458,3 +458,28 @@ def test_the_no_weights_error_lists_every_family_with_weights():
     with pytest.raises(ValueError) as error:
         timm.create_model("linhier_tiny_224", pretrained=True)
     assert f"the families with trained weights: {', '.join(expected)} (or" in str(error.value)
+
+
+def test_amp_on_vig_says_nothing_about_dtypes():
+    """--amp on ViG (RMS norms with fp32 weights on bf16 activations): no torch dtype warning to break into the
+    progress bar (torch warns once per process: each case in a process of its own), and the forward and backward
+    still run; plain torch.autocast does warn."""
+    import subprocess
+    import sys
+
+    code = ("import timm, torch, linvision\n"
+            "from linvision.utils.amp import autocast\n"
+            "model = timm.create_model('vig_tiny', depth=1, num_classes=3)\n"
+            "with {context}:\n"
+            "    out = model(torch.randn(2, 3, 32, 32))\n"
+            "out.float().mean().backward()\n"
+            "print(out.dtype, model.head.weight.grad is not None)\n")
+    ours = subprocess.run([sys.executable, "-W", "always", "-c",
+                           code.format(context="autocast(torch.device('cpu'), 'bf16')")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert ours.returncode == 0 and ours.stdout.split() == ["torch.bfloat16", "True"], ours.stderr
+    assert "dtype" not in ours.stderr, ours.stderr
+    plain = subprocess.run([sys.executable, "-W", "always", "-c",
+                            code.format(context="torch.autocast('cpu', dtype=torch.bfloat16)")],
+                           capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert "Mismatch dtype between input and weight" in plain.stderr  # what the context keeps out

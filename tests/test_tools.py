@@ -253,7 +253,8 @@ def test_ablate_cli_tables_each_mixer(data, tmp_path):
     table = (tmp_path / "ab" / "ablation.md").read_text()
     assert sum(line.startswith("| ") for line in table.splitlines()) == 3  # header and 2 rows
     assert "| linear_rope | " in table
-    assert "Throughput: 1 timed run of batch 2 after one warm-up run, on cpu. Memory" in table  # what a figure is
+    assert ("Throughput: 1 timed run of batch 2 after one warm-up run, the mixers of each size timed interleaved, "
+            "on cpu. Memory") in table  # what a figure is
     assert "±" not in table and "+-" not in proc.stdout  # one seed: no spread printed
     assert "   top-1 32 px " in proc.stdout
     assert "== token mixer none (1 of 2" in proc.stdout and "== token mixer linear_rope (2 of 2" in proc.stdout

@@ -25,7 +25,7 @@ install: $(STAMP)
 # The main job: the token-mixer ablation on the offline digits data. The first run installs the library into
 # .venv first (torch with its CUDA libraries is most of it: minutes, mostly download).
 demo: $(BASE_STAMP)
-	@echo "linvision-ablate: 6 token mixers, each trained 6 epochs, evaluated at 3 sizes and timed at 4; results in output/ablate_digits/"
+	@echo "linvision-ablate: 4 token mixers, each trained 6 epochs, evaluated at 3 sizes, then timed together at 3; results in output/ablate_digits/"
 	$(BIN)/linvision-ablate --config linvision/configs/ablate_digits.yaml
 
 # The test suite (the default, lean run; CI runs this).

@@ -59,12 +59,36 @@ def test_table_of_a_single_seed_has_no_spread():
     assert "| linear | 1.000 | 0.5000 | 90.00 | 10.0 | 5.0 | 1.0 | 2.0 |" in table
     assert "±" not in table
     # one timed run: no spread of the runs either
-    assert "Throughput: 1 timed run of batch 1 after one warm-up run, on cpu. Memory" in table
+    assert ("Throughput: 1 timed run of batch 1 after one warm-up run, the mixers of each size timed interleaved, "
+            "on cpu. Memory") in table
     assert "spread" not in table
     five = {**result["rows"][0]["bench"]["32"], "iters": 5, "infer_spread_pct": 12.0, "train_spread_pct": 30.0}
     table = markdown_table({**result, "rows": [{**result["rows"][0], "bench": {"32": five}}]})
-    assert ("Throughput: median of 5 timed runs of batch 1 after one warm-up run, on cpu; spread of the runs "
-            "((slowest - fastest) / median) median 30%, largest 30%.") in table
+    assert ("Throughput: median of 5 timed runs of batch 1 after one warm-up run, the mixers of each size timed "
+            "interleaved, on cpu; spread of the runs ((slowest - fastest) / median) median 30%, largest 30%.") in table
+    assert "Cost at" not in table and "†" not in table  # no softmax row to compare with; every timing stands
+
+
+def test_table_states_the_cost_of_softmax_and_marks_timings_of_a_busy_machine():
+    """With a softmax row the table says what it costs against the linear mixers at the largest size; figures
+    timed on a busy machine carry a dagger and the note why, the memory (not a timing) none."""
+    def row(mixer, infer, train, unreliable=""):
+        bench = {"status": "ok", "error": "", "iters": 3, "infer_img_s": infer, "infer_spread_pct": 10.0,
+                 "infer_mem_mb": 1.0, "train_img_s": train, "train_spread_pct": 10.0, "train_mem_mb": 2.0,
+                 "load": 4.5, "cores": 2, "unreliable": unreliable}
+        return {"mixer": mixer, "params_m": 1.0, "gflops": 0.5, "accuracy": {"32": 90.0}, "bench": {"32": bench}}
+
+    result = {"eval_sizes": [32], "bench_sizes": [32], "img_size": 32, "seeds": [0], "bench_batch_size": 1,
+              "device": "cpu", "rows": [row("linear_rope", 40.0, 12.0), row("softmax", 10.0, 3.0)]}
+    table = markdown_table(result)
+    assert ("Cost at 32 px: softmax attention takes 4.0x the inference time of `linear_rope` and 4.0x its "
+            "training step.") in table
+    busy = "machine busy: load average 4.5 on 2 cores"
+    result["rows"] = [row("linear_rope", 40.0, 12.0, busy), row("softmax", 10.0, 3.0, busy)]
+    table = markdown_table(result)
+    assert "| linear_rope | 1.000 | 0.5000 | 90.00 | 40.0† | 12.0† | 1.0 | 2.0 |" in table
+    assert "training step† (UNRELIABLE" in table
+    assert "† UNRELIABLE timings at 2 of 2 points (machine busy at 2: load average 4.5 on 2 cores)" in table
 
 
 def test_one_seed_prints_no_spread(data, tmp_path):
@@ -158,7 +182,9 @@ def test_train_on_photos_aspect_with_the_naflex_loader(tmp_path):
     assert np.isfinite(record["train_loss"]) and 0 <= record["val_top1"] <= 100
     proc = run_tool("validate.py", "--checkpoint", str(tmp_path / "r" / "last"), "--naflex-loader",
                     "--naflex-max-seq-len", "16", "--device", "cpu")
-    result = json.loads(proc.stdout)["results"][0]
+    out = json.loads(proc.stdout)
+    assert out["train_naflex_seq_lens"] == [8, 16] and "train_img_size" not in out  # not the unused --img-size
+    result = out["results"][0]
     assert result["count"] == 360 and result["naflex_max_seq_len"] == 16
     assert result["loss"] == pytest.approx(record["val_loss"], rel=1e-5)
 

@@ -81,7 +81,7 @@ def test_twin_sweep_with_sizes_as_measured(tmp_path):
         assert math.isnan(p["train_ms_vs_twin"])  # no training step measured
     assert f"| {LINEAR} | 64x96 |" in comparison_table(points)
     with open(tmp_path / "results.jsonl") as f:
-        assert [json.loads(line)["pixels"] for line in f] == [4096, 6144] * 2
+        assert [json.loads(line)["pixels"] for line in f] == [4096, 4096, 6144, 6144]  # as each size finishes
     assert plot_results(points, str(tmp_path / "plot.png"))
 
 

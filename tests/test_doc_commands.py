@@ -325,6 +325,8 @@ CHAINS: Dict[str, Chain] = {
     )),
     "ablate_digits": Chain(steps=(
         Step("linvision-ablate --config linvision/configs/ablate_digits.yaml", extra=EPOCH, why=ONE_EPOCH),
+        Step("linvision-ablate --config linvision/configs/ablate_digits.yaml --mixers none linear linear_rope softmax causal "
+             "hybrid", extra=EPOCH, why=ONE_EPOCH),
     )),
     "ablate_recurrent": Chain(steps=(
         Step("linvision-ablate --config linvision/configs/ablate_digits.yaml --mixers linear bidir_decay bidir_gated "

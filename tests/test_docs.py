@@ -111,6 +111,42 @@ def test_stored_model_table_matches_a_fresh_count_for_every_model():
     _check_fresh(timm.list_models(list(_model_table().DEFAULT_FILTER)))
 
 
+def _smallest_of_each_family():
+    mt = _model_table()
+    smallest = {}
+    for r in mt.read_rows(MODELS_JSON):
+        label = mt.family(r["model"])
+        if label not in smallest or r["params_m"] < smallest[label]["params_m"]:
+            smallest[label] = r
+    return sorted(smallest.values(), key=lambda r: r["model"])
+
+
+@pytest.mark.parametrize("row", _smallest_of_each_family(), ids=lambda r: r["model"])
+def test_the_input_each_family_claims_holds_by_default(row):
+    """The input column of README's table and the manual's (``input_multiple`` of docs/models.json) holds for
+    ``timm.create_model(name)`` with no other argument, at sizes other than those the table was made with: a model
+    claimed to take any multiple of m runs at 4m x 3m and 5m x 2m with logits of its classes; one claimed to take
+    its own size only refuses another (the claim then names ``dynamic_img_size=True``, which lifts it)."""
+    import timm
+    import torch
+
+    torch.manual_seed(0)
+    name = row["model"]
+    model = timm.create_model(name).eval()
+    m = row["input_multiple"]
+    with torch.no_grad():
+        if m:
+            for h, w in ((4 * m, 3 * m), (5 * m, 2 * m)):
+                assert model(torch.randn(1, 3, h, w)).shape == (1, model.num_classes), (name, h, w)
+            assert f"any multiple of {m}" in _model_table().input_text(row)
+        else:
+            with pytest.raises(AssertionError, match="doesn't match model"):
+                model(torch.randn(1, 3, 64, 96))
+            assert "`dynamic_img_size=True`: any multiple of 16" in _model_table().input_text(row)
+            dynamic = timm.create_model(name, dynamic_img_size=True).eval()
+            assert dynamic(torch.randn(1, 3, 64, 96)).shape == (1, dynamic.num_classes)
+
+
 def test_model_table_refuses_a_damaged_file(tmp_path):
     bad = tmp_path / "models.json"
     bad.write_text('{"models": [{"model": "x"}]')

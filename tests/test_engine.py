@@ -178,14 +178,16 @@ def test_unknown_model_name():
 
 # --- training
 
-def test_resume_equals_uninterrupted_training(tmp_path):
-    """2 epochs of 3 steps; the interrupted run stops mid-epoch 1 (step 4) and is resumed."""
+def test_resume_equals_uninterrupted_training(tmp_path, capsys):
+    """2 epochs of 3 steps; the interrupted run stops mid-epoch 1 (step 4), says so, and is resumed."""
     data = write_image_folder(tmp_path / "data")
     common = ["--epochs", "2", "--model-ema", "--model-ema-decay", "0.9", "--warmup-epochs", "1",
               "--drop-path", "0.1"]
     ref = train(train_args(data, str(tmp_path / "out"), "--experiment", "ref", *common))
     part = train(train_args(data, str(tmp_path / "out"), "--experiment", "cut", "--stop-after-steps", "4", *common))
     assert part["stopped_at_step"] == 4
+    assert (f"stopped after step 4 (--stop-after-steps 4); checkpoint saved in {part['run_dir']}/last; continue "
+            f"with: linvision-train --resume {part['run_dir']}") in capsys.readouterr().out
     resumed = train(train_args(data, str(tmp_path / "out"), "--resume", part["run_dir"], *common))
 
     ref_losses, cut_losses = step_losses(ref["run_dir"]), step_losses(resumed["run_dir"])
@@ -282,7 +284,7 @@ def test_model_specs_twin_ratios_and_gemm_fraction(tmp_path):
     points = run_sweep(specs, [16, 32], None, log=lambda s: None, batch_size=2, iters=1, warmup=0, build_fn=build,
                        model_kwargs=common)
     assert [p["model"] for p in points] == [specs[0]] * 2 + [specs[1]] * 2
-    assert seen[0] == common and seen[2] == {**common, "depth": 2}
+    assert seen[0] == common and seen[1] == {**common, "depth": 2}  # the models of one size are built together
     add_comparisons(points, twin=specs[0], gemm=100.0)
     for p in points:
         t = next(q for q in points if q["model"] == specs[0] and q["img_size"] == p["img_size"])
@@ -293,6 +295,50 @@ def test_model_specs_twin_ratios_and_gemm_fraction(tmp_path):
     assert "| test_vit:depth=2 | 32 |" in comparison_table(points)
     with pytest.raises(ValueError, match="twin"):
         add_comparisons(points, twin="other")
+
+
+def test_models_of_one_size_are_timed_interleaved_and_marked_on_a_busy_machine(monkeypatch):
+    """The timed runs go round the models (A, B, B, A, ...) after each model's untimed first pass; a point timed on
+    a machine whose load average is above its cores, or with runs spread above the limit, is marked unreliable:
+    the table daggers its times and says why below, the training columns are left out when none was measured."""
+    from linvision.benchmark import throughput
+    from linvision.benchmark.throughput import benchmark_interleaved, comparison_table
+
+    calls = []
+
+    class Tagged(nn.Module):
+        def __init__(self, tag):
+            super().__init__()
+            self.tag, self.fc = tag, nn.Linear(3 * 8 * 8, 2)
+
+        def forward(self, x):
+            calls.append(self.tag)
+            return self.fc(x.flatten(1))
+
+    monkeypatch.setattr(throughput, "machine_load", lambda: {"load": 4.5, "cores": 2, "threads": 2})
+    points = benchmark_interleaved([("a", {}), ("b", {})], 8, batch_size=2, warmup=1, iters=3, train=False,
+                                   flops=False, build_fn=lambda name, size, kw: Tagged(name))
+    assert calls == ["a", "b"] + ["a", "b", "b", "a", "a", "b"]  # first passes, then three rounds
+    assert [p["model"] for p in points] == ["a", "b"] and all(p["status"] == "ok" for p in points)
+    assert points[0]["unreliable"].startswith("machine busy: load average 4.5 on 2 cores")
+    table = comparison_table(points)
+    assert "train ms" not in table and "nan" not in table
+    assert f"| a | 8 | {points[0]['infer_ms']:.0f}† |" in table
+    assert "† UNRELIABLE timings at 2 of 2 points (machine busy at 2: load average 4.5 on 2 cores" in table
+    throughput.mark_reliability(points, {"load": 1.0, "cores": 2, "threads": 2}, spread_limit=1e9)
+    assert points[0]["unreliable"] == "" and "†" not in comparison_table(points)
+    points[1]["infer_spread_pct"] = 80.0
+    throughput.mark_reliability(points, {"load": 1.0, "cores": 2, "threads": 2})
+    assert points[1]["unreliable"] == "infer spread 80% above 50%"
+
+
+def test_threads_fit_the_cores_left_free():
+    from linvision.benchmark.throughput import threads_for_load
+
+    assert threads_for_load({"load": 0.3, "cores": 2, "threads": 2}) == 2
+    assert threads_for_load({"load": 1.2, "cores": 2, "threads": 2}) == 1
+    assert threads_for_load({"load": 6.0, "cores": 2, "threads": 2}) == 1
+    assert threads_for_load({"load": 1.0, "cores": 8, "threads": 4}) == 4
 
 
 def test_benchmark_point_gflops_of_a_linear_model():

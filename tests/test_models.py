@@ -49,9 +49,12 @@ def _isotropic(name):
 
 
 def _fixed_size(name, kwargs):
-    """The models whose patch embedding checks the size: an absolute position embedding (linvit's plain variants,
-    InLine-DeiT) without dynamic_img_size; ViG resamples its embedding to every input."""
-    return name.startswith(("linvit", "inline_deit")) and "rope" not in name and not kwargs.get("dynamic_img_size", False)
+    """The models whose patch embedding checks the size: an absolute position embedding (linvit's plain variants;
+    InLine-DeiT built with dynamic_img_size=False, its default being True) without dynamic_img_size; ViG
+    resamples its embedding to every input."""
+    if name.startswith("inline_deit"):
+        return kwargs.get("dynamic_img_size", True) is False
+    return name.startswith("linvit") and "rope" not in name and not kwargs.get("dynamic_img_size", False)
 
 
 def _reduced(name):

@@ -1,6 +1,7 @@
 """Nothing lost, nothing run from a file: run folders, checkpoints, signals, and inputs checked where they enter."""
 import json
 import os
+import re
 import signal
 import time
 
@@ -320,6 +321,20 @@ def test_weight_loads_are_reported_and_incompatible_ones_refused(data, tmp_path)
                                                   str(tmp_path / "other.safetensors")), check=False)
     assert proc.returncode == 2 and "fits 0 of the model's" in proc.stderr
     from safetensors.torch import load_file
+
+    # weights of a wider model: the error names the tensors of another shape with both shapes
+    src = load_file(str(tmp_path / "src" / "best" / "model.safetensors"))
+    wide = {k: torch.zeros(2 * v.shape[0], *v.shape[1:]) if v.ndim else v for k, v in src.items()}
+    save_file(wide, str(tmp_path / "wide.safetensors"))
+    proc = run_tool("train.py", *tiny_train_flags(data, str(tmp_path), "--epochs", "1", "--initial-checkpoint",
+                                                  str(tmp_path / "wide.safetensors")), check=False)
+    found = re.search(r"(\d+) of another shape, e.g. ([\w.]+): ([\dx]+) in the file, ([\dx]+) in the model",
+                      proc.stderr)
+    assert proc.returncode == 2 and found, proc.stderr
+    shape = tuple(src[found.group(2)].shape)
+    assert found.group(3) == "x".join(map(str, (2 * shape[0], *shape[1:])))
+    assert found.group(4) == "x".join(map(str, shape))
+    assert int(found.group(1)) == sum(v.ndim > 0 for v in src.values()) and "missing" not in proc.stderr
 
     ints = {k: v.to(torch.int32) for k, v in load_file(str(tmp_path / "src" / "best" / "model.safetensors")).items()}
     save_file(ints, str(tmp_path / "ints.safetensors"))

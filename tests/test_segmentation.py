@@ -127,7 +127,7 @@ def test_other_smp_heads_build_on_a_linvision_encoder_and_dilated_ones_say_why_n
 @pytest.mark.parametrize("name", ["linvit_tiny_patch16_rope_224", "linvit_tiny_patch16_224", "inline_deit_tiny"])
 def test_linvit_in_dpt_at_another_size(name):
     """DPT on linvit and on InLine-DeiT, a linvit with its own mixer (dynamic_img_size=True; the absolute-embedding
-    models need it, the RoPE one runs at any size without it): the encoder's four maps are the outputs of blocks 2,
+    models need it, InLine-DeiT has it by default, the RoPE one runs at any size without it): the encoder's four maps are the outputs of blocks 2,
     5, 8 and 11 (patch tokens on the 6 x 10 grid) and its prefix tokens the class token after those blocks."""
     torch.manual_seed(0)
     seg = smp.DPT(f"tu-{name}", encoder_weights=None, classes=4, dynamic_img_size=True,
@@ -146,9 +146,10 @@ def test_linvit_in_dpt_at_another_size(name):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
         torch.testing.assert_close(tokens, out[:, :1], rtol=0, atol=0)
     _check_segmenter(seg, x, 4)
-    if "rope" not in name:  # without dynamic_img_size the absolute embedding fixes the size
+    if "rope" not in name:  # without dynamic_img_size the absolute embedding fixes the size (InLine-DeiT's is on
+        # by default)
         with pytest.raises(AssertionError, match="doesn't match model"):
-            timm.create_model(name, depth=1)(x)
+            timm.create_model(name, depth=1, dynamic_img_size=False)(x)
 
 
 def test_vig_in_dpt_at_another_size():

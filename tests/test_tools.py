@@ -120,6 +120,45 @@ def test_sigterm_saves_a_checkpoint_that_resumes(data, tmp_path):
     assert steps == list(range(1, 3 * (state["epoch"] + 1) + 1))  # no step lost or repeated
 
 
+def test_ctrl_c_under_a_pipe_whose_reader_is_gone_saves_and_says_so(data, tmp_path):
+    """``linvision-train ... | tee`` stopped by Ctrl-C: tee dies with it, so the run's standard output has no
+    reader any more (here from the start: every epoch line finds the pipe broken). The run goes on to its next
+    step, saves, prints the message on stderr (a pipe, read after the exit: it was flushed) and exits 130."""
+    import subprocess
+
+    args = tiny_train_flags(data, str(tmp_path), "--epochs", "200", "--experiment", "int", "--log-interval", "1")
+    read, write = os.pipe()
+    os.close(read)  # the reader of its standard output is gone
+    proc = subprocess.Popen([PY, os.path.join(ROOT, "tools", "train.py"), *args], stdout=write,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    os.close(write)
+    metrics = tmp_path / "int" / "metrics.jsonl"
+    wait_until(lambda: metrics.exists() and metrics.read_text().count('"epoch"') >= 2, proc,
+               what="2 epochs, each ending with a line to the broken pipe")
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, err
+    assert f"interrupted by SIGINT; checkpoint saved in {tmp_path / 'int'}; continue with:" in err
+    assert "Traceback" not in err and "BrokenPipe" not in err
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--epoch", "3"], "error: unrecognized arguments: --epoch 3 (did you mean --epochs?)"),
+    (["--amp", "bf61"], "error: argument --amp: invalid choice: 'bf61' (choose from 'none', 'bf16', 'fp16') "
+                        "(did you mean bf16?)"),
+])
+def test_unknown_flags_and_values_name_the_nearest_in_two_lines(flags, expected):
+    proc = run_tool("train.py", *flags, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [f"linvision-train: {expected}", "linvision-train --help lists every flag"]
+
+
+def test_an_unknown_dataset_names_the_nearest(data, tmp_path):
+    proc = run_tool("train.py", *tiny_train_flags(data, str(tmp_path), "--dataset", "photos_aspekt"), check=False)
+    assert proc.returncode == 2
+    assert "error: dataset: unknown 'photos_aspekt' (did you mean 'photos_aspect'?); allowed:" in proc.stderr
+
+
 @pytest.mark.parametrize("case", ["missing_data", "unknown_model", "unknown_key", "corrupt_image",
                                   "corrupt_image_unchecked"])
 def test_bad_input_gives_a_clear_error(case, data, tmp_path):
@@ -214,7 +253,8 @@ def test_ablate_cli_tables_each_mixer(data, tmp_path):
     table = (tmp_path / "ab" / "ablation.md").read_text()
     assert sum(line.startswith("| ") for line in table.splitlines()) == 3  # header and 2 rows
     assert "| linear_rope | " in table
-    assert "Throughput: 1 timed run of batch 2 after one warm-up run, on cpu. Memory" in table  # what a figure is
+    assert ("Throughput: 1 timed run of batch 2 after one warm-up run, the mixers of each size timed interleaved, "
+            "on cpu. Memory") in table  # what a figure is
     assert "±" not in table and "+-" not in proc.stdout  # one seed: no spread printed
     assert "   top-1 32 px " in proc.stdout
     assert "== token mixer none (1 of 2" in proc.stdout and "== token mixer linear_rope (2 of 2" in proc.stdout
@@ -403,3 +443,44 @@ def test_distilling_a_teacher_into_its_own_copy_starts_at_zero_loss(trained, dat
     proc = run_tool("train.py", *tiny_train_flags(four, str(tmp_path), "--epochs", "1", "--distill-teacher", run_dir),
                     check=False)
     assert proc.returncode == 2 and "predicts 3 classes, the model being trained 4" in proc.stderr
+
+
+def test_the_no_weights_error_lists_every_family_with_weights():
+    """timm.create_model(<a model without weights>, pretrained=True) names the families with trained weights as
+    the registry has them: those of the model table's rows with weights (docs/models.json, README's table)."""
+    import timm
+
+    import linvision  # noqa: F401
+    from tools.model_table import _has_weights, read_rows
+
+    rows = read_rows(os.path.join(ROOT, "docs", "models.json"))
+    expected = sorted({r["model"].rsplit("_", 1)[0] + "_*" for r in rows if _has_weights(r["model"])})
+    assert len(expected) >= 10 and "pola_swin_*" in expected  # loaded from a local copy: weights all the same
+    with pytest.raises(ValueError) as error:
+        timm.create_model("linhier_tiny_224", pretrained=True)
+    assert f"the families with trained weights: {', '.join(expected)} (or" in str(error.value)
+
+
+def test_amp_on_vig_says_nothing_about_dtypes():
+    """--amp on ViG (RMS norms with fp32 weights on bf16 activations): no torch dtype warning to break into the
+    progress bar (torch warns once per process: each case in a process of its own), and the forward and backward
+    still run; plain torch.autocast does warn."""
+    import subprocess
+    import sys
+
+    code = ("import timm, torch, linvision\n"
+            "from linvision.utils.amp import autocast\n"
+            "model = timm.create_model('vig_tiny', depth=1, num_classes=3)\n"
+            "with {context}:\n"
+            "    out = model(torch.randn(2, 3, 32, 32))\n"
+            "out.float().mean().backward()\n"
+            "print(out.dtype, model.head.weight.grad is not None)\n")
+    ours = subprocess.run([sys.executable, "-W", "always", "-c",
+                           code.format(context="autocast(torch.device('cpu'), 'bf16')")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert ours.returncode == 0 and ours.stdout.split() == ["torch.bfloat16", "True"], ours.stderr
+    assert "dtype" not in ours.stderr, ours.stderr
+    plain = subprocess.run([sys.executable, "-W", "always", "-c",
+                            code.format(context="torch.autocast('cpu', dtype=torch.bfloat16)")],
+                           capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert "Mismatch dtype between input and weight" in plain.stderr  # what the context keeps out

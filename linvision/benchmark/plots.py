@@ -9,10 +9,11 @@ its axes, then the tick labels thinned where they would overlap.
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from .throughput import BenchmarkPoint, _figure, _hw, runs_phrase
+from .throughput import BenchmarkPoint, _figure, _hw, runs_phrase, unreliable_heading, unreliable_note
 
 __all__ = ["COLOURS", "MARKERS", "LINESTYLES", "series_styles", "dodge", "results_figure", "plot_results"]
 
@@ -88,6 +89,7 @@ class _Plan:
     ticks: Dict[int, str]  # x of each size -> its label
     width: float  # the octaves the series of one size are spread over
     not_measured: List[str]  # the statuses of points missing from a panel
+    unreliable: str  # unreliable_note of the points: '' when every timing stands
 
     @property
     def sizes(self) -> List[int]:
@@ -134,7 +136,8 @@ def _plan(points: List[BenchmarkPoint], label_key: str) -> Optional[_Plan]:
                            if not _measured(p, key) and p["status"] != "ok"})
     return _Plan(points, label_key, panels, names, styles=dict(zip(names, series_styles(len(names)))),
                  square=square, runs=runs, bars=any(_has_spread(p, key) for p in points for key, _ in panels),
-                 ticks=ticks, width=min([0.12] + [0.25 * g for g in gaps]), not_measured=not_measured)
+                 ticks=ticks, width=min([0.12] + [0.25 * g for g in gaps]), not_measured=not_measured,
+                 unreliable=unreliable_note(points))
 
 
 def _legend_handles(plan: _Plan) -> list:
@@ -148,6 +151,9 @@ def _legend_handles(plan: _Plan) -> list:
     if plan.not_measured:
         handles.append(Line2D([], [], marker="x", color="0.35", linestyle="none", ms=7,
                               label=f"not measured ({', '.join(plan.not_measured)}), in the series' colour"))
+    if plan.unreliable:
+        handles.append(Line2D([], [], marker="o", ms=11, markerfacecolor="none", markeredgecolor="red",
+                              linestyle="none", label="ringed: timing unreliable (machine busy or wide spread)"))
     return handles
 
 
@@ -177,6 +183,9 @@ def _draw_panel(ax, plan: _Plan, key: str) -> None:
                         **plan.styles[name])
         else:
             ax.plot(xs, ys, ms=4, label=name, **plan.styles[name])
+        ringed = [(x, y) for x, y, p in zip(xs, ys, rows) if p.get("unreliable") and key.endswith("_img_s")]
+        if ringed:
+            ax.plot(*zip(*ringed), "o", ms=11, markerfacecolor="none", markeredgecolor="red", linestyle="none")
     ax.autoscale_view()
     bottom, top = ax.get_ylim()
     for name in plan.names:
@@ -237,6 +246,8 @@ def results_figure(points: List[BenchmarkPoint], title: str = "", label_key: str
     legend_cols, legend_h = _legend_shape(handles, fig_w)
     heading = [title] if title else []
     heading.append(f"images/s: {runs_phrase(plan.runs or [1])} per point; memory: peak added by a pass")
+    if plan.unreliable:
+        heading += textwrap.wrap(unreliable_heading(plan.points), int(11 * fig_w))
     title_h = 0.25 + 0.2 * len(heading)
     height = 3.2 * nrows + legend_h + title_h
     fig, axes = plt.subplots(nrows, ncols, figsize=(fig_w, height), squeeze=False)

@@ -28,9 +28,17 @@ the slowest run, ``infer_img_s_max`` from the fastest; the same for ``train_``),
 fastest) / median in percent; :func:`~.plots.plot_results` draws the median with a bar from the slowest to the
 fastest run.
 
+Models compared at one size are timed interleaved (:func:`benchmark_interleaved`, what :func:`run_sweep` does
+without ``point_timeout``): all of them are built, then each timed run goes to each model in turn (A, B, C, C, B,
+A, ...), so that a load that comes and goes on the machine falls on all of them alike, not on whichever model was
+timed while it lasted. Each point records the 1-minute load average, the cores and the torch threads at the end of
+its timing (``load``, ``cores``, ``threads``), and ``unreliable``, the reason its times do not stand (empty when
+they do): a load average above the cores (:func:`busy_reason`), or a spread above :data:`SPREAD_LIMIT_PCT`. The
+tables, logs and plots mark such figures rather than print them as results.
+
 With ``point_timeout`` (seconds) each point runs in a process of its own and is stopped when it runs past the
 budget; it is then recorded with status ``"timeout"`` and keeps the figures it finished (the inference figures
-when only the training step ran over).
+when only the training step ran over). Such points are timed one model after another, not interleaved.
 """
 from __future__ import annotations
 
@@ -55,7 +63,8 @@ from .flops import count_gflops, count_params
 
 __all__ = ["BenchmarkPoint", "benchmark_point", "run_sweep", "write_results", "DEFAULT_MODELS", "MemoryMeter",
            "parse_model_spec", "gemm_gflop_s", "add_comparisons", "comparison_table", "parse_img_size", "size_label",
-           "DECODERS", "check_decoder", "runs_phrase", "free_memory", "timed", "timing"]
+           "DECODERS", "check_decoder", "runs_phrase", "free_memory", "timed", "timing", "benchmark_interleaved",
+           "machine_load", "busy_reason", "threads_for_load", "mark_reliability", "SPREAD_LIMIT_PCT", "unreliable_note"]
 
 # a linvision model against timm's softmax ViT and timm's MambaOut of about the same size (22-27M parameters)
 DEFAULT_MODELS = ["linhier_tiny_224", "vit_small_patch16_224", "mambaout_tiny"]
@@ -203,7 +212,7 @@ def _empty_point(name: str, img_size: Any, batch_size: int, device: str, amp: st
                   "params_m": nan, "gflops": nan, "iters": iters})
     for prefix in ("infer", "train"):
         point.update({f"{prefix}_{key}": nan for key in TIMING_KEYS}, **{f"{prefix}_mem_mb": nan})
-    point["backends"] = ""
+    point.update(backends="", load=nan, cores=0, threads=0, unreliable="")
     return point
 
 
@@ -212,6 +221,21 @@ def backends_label(used, before: str = "") -> str:
     ``before``), sorted; empty when no op dispatched (e.g. softmax attention only)."""
     pairs = {tuple(item.split(": ", 1)) for item in before.split("; ") if item} | set(used)
     return "; ".join(f"{op}: {path}" for op, path in sorted(pairs))
+
+
+def _default_build(decoder: Optional[str], classes: int) -> Callable[[str, Size, Dict[str, Any]], nn.Module]:
+    """timm's model for a size, or with a decoder linvision-train-seg's segmenter (it takes any size: none is
+    passed)."""
+    return _build if decoder is None else lambda n, _size, kw: build_segmenter(decoder, n, classes, kw)
+
+
+def _record_failure(point: BenchmarkPoint, e: BaseException) -> None:
+    """A point's status and error after ``e``: "oom" for an out-of-memory error, else "error"."""
+    if isinstance(e, torch.OutOfMemoryError):
+        point.update(status="oom", error=str(e).strip().splitlines()[0][:300])
+    else:
+        point.update(status="error", error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+                     if str(e).strip() else type(e).__name__)
 
 
 def benchmark_point(name: str, img_size: Size, batch_size: int = 8, device: str = "cpu", amp: str = "none",
@@ -230,9 +254,9 @@ def benchmark_point(name: str, img_size: Size, batch_size: int = 8, device: str 
     batch), infer_ms_min and infer_ms_max (fastest and slowest run), infer_spread_pct ((slowest - fastest) /
     median, in percent), infer_mem_mb, the same seven train_ figures (forward, backward and SGD step per
     batch), train_mem_mb, backends (which path each dispatching op took, e.g.
-    "bidirectional_delta_rule_attention: fla"). Figures
-    not reached before a failure are NaN. ``build_fn(name, size, kwargs)`` gets the side of a square or (H, W);
-    by default timm's model, or with ``decoder`` (one of :data:`DECODERS`) the segmenter of
+    "bidirectional_delta_rule_attention: fla"), load, cores, threads and unreliable (:func:`mark_reliability`).
+    Figures not reached before a failure are NaN. ``build_fn(name, size, kwargs)`` gets the side of a square or
+    (H, W); by default timm's model, or with ``decoder`` (one of :data:`DECODERS`) the segmenter of
     :func:`~linvision.training.segmenter.build_segmenter` (whatever the size: its heads take any), whose
     training loss is per-pixel cross-entropy against random labels in [0, classes). ``report`` is called with
     the point once its inference figures are in.
@@ -242,8 +266,7 @@ def benchmark_point(name: str, img_size: Size, batch_size: int = 8, device: str 
     dev = torch.device(device)
     size = parse_img_size(img_size)
     point = _empty_point(name, size, batch_size, str(dev), amp, iters, decoder, classes)
-    if build_fn is None:  # with a decoder, linvision-train-seg's segmenter (it takes any size: none is passed)
-        build_fn = _build if decoder is None else lambda n, _size, kw: build_segmenter(decoder, n, classes, kw)
+    build_fn = build_fn or _default_build(decoder, classes)
     model = x = None
     try:
         model = build_fn(name, size, dict(model_kwargs or {})).to(dev)
@@ -254,14 +277,12 @@ def benchmark_point(name: str, img_size: Size, batch_size: int = 8, device: str 
             report(point)
         if train:
             _measure_training(point, model, x, dev, amp, warmup, iters, decoder)
-    except torch.OutOfMemoryError as e:
-        point.update(status="oom", error=str(e).strip().splitlines()[0][:300])
     except Exception as e:  # the sweep records any failure of one point and goes on
-        point.update(status="error", error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
-                     if str(e).strip() else type(e).__name__)
+        _record_failure(point, e)
     finally:
         del model, x
         free_memory(dev)
+    mark_reliability([point], machine_load())
     return point
 
 
@@ -273,26 +294,22 @@ def _count(point: BenchmarkPoint, model: nn.Module, flops: bool) -> None:
         point["gflops"] = count_gflops(model, (point["height"], point["width"]))
 
 
-def _measure_inference(point: BenchmarkPoint, model: nn.Module, x: torch.Tensor, dev: torch.device, amp: str,
-                       warmup: int, iters: int) -> None:
-    """The inference figures of ``point``: ``model(x)`` in eval mode without gradients, timed, with the peak
-    memory it adds and the path each dispatching op took."""
+def _infer_step(model: nn.Module, x: torch.Tensor, dev: torch.device, amp: str) -> Callable[[], None]:
+    """One inference pass of ``model`` (put in eval mode) on ``x``, without gradients."""
     model.eval()
-    with torch.no_grad():
-        def infer():
-            with autocast(dev, amp):
-                model(x)
 
-        with MemoryMeter(dev) as mem, record_backends() as used:
-            times = timed(infer, dev, warmup, iters)
-    point.update(timing("infer", times, len(x)), infer_mem_mb=mem.peak_mb, backends=backends_label(used))
+    def infer():
+        with torch.no_grad(), autocast(dev, amp):
+            model(x)
+
+    return infer
 
 
-def _measure_training(point: BenchmarkPoint, model: nn.Module, x: torch.Tensor, dev: torch.device, amp: str,
-                      warmup: int, iters: int, decoder: Optional[str]) -> None:
-    """The training figures of ``point``: forward, backward and an SGD step on ``x``, timed, with the peak
-    memory they add; the loss is the output's mean, or with a ``decoder`` the per-pixel cross-entropy against
-    random labels of the output's size (drawn once)."""
+def _train_step(model: nn.Module, x: torch.Tensor, dev: torch.device, amp: str,
+                decoder: Optional[str]) -> Callable[[], None]:
+    """One training step of ``model`` (put in train mode) on ``x``: forward, backward and an SGD step; the loss is
+    the output's mean, or with a ``decoder`` the per-pixel cross-entropy against random labels of the output's
+    size (drawn once)."""
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
     labels = {}
@@ -311,10 +328,181 @@ def _measure_training(point: BenchmarkPoint, model: nn.Module, x: torch.Tensor, 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    return step
+
+
+def _measure_inference(point: BenchmarkPoint, model: nn.Module, x: torch.Tensor, dev: torch.device, amp: str,
+                       warmup: int, iters: int) -> None:
+    """The inference figures of ``point``: ``model(x)`` in eval mode without gradients, timed, with the peak
+    memory it adds and the path each dispatching op took."""
+    infer = _infer_step(model, x, dev, amp)
+    with MemoryMeter(dev) as mem, record_backends() as used:
+        times = timed(infer, dev, warmup, iters)
+    point.update(timing("infer", times, len(x)), infer_mem_mb=mem.peak_mb, backends=backends_label(used))
+
+
+def _measure_training(point: BenchmarkPoint, model: nn.Module, x: torch.Tensor, dev: torch.device, amp: str,
+                      warmup: int, iters: int, decoder: Optional[str]) -> None:
+    """The training figures of ``point``: :func:`_train_step` on ``x``, timed, with the peak memory it adds."""
+    step = _train_step(model, x, dev, amp, decoder)
     with MemoryMeter(dev) as mem, record_backends() as used:
         times = timed(step, dev, warmup, iters)
     point["backends"] = backends_label(used, point["backends"])
     point.update(timing("train", times, len(x)), train_mem_mb=mem.peak_mb)
+
+
+# a timed figure whose runs spread more than this ((slowest - fastest) / median, in percent) is marked unreliable
+SPREAD_LIMIT_PCT = 50.0
+
+
+def machine_load() -> Dict[str, Any]:
+    """``load`` (the 1-minute load average; NaN where the system keeps none), ``cores`` (those this process may run
+    on) and ``threads`` (torch's CPU threads)."""
+    try:
+        load = os.getloadavg()[0]
+    except (OSError, AttributeError):
+        load = float("nan")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return {"load": load, "cores": cores, "threads": torch.get_num_threads()}
+
+
+def busy_reason(load: Dict[str, Any]) -> str:
+    """Why a machine with :func:`machine_load`'s figures ``load`` is too busy for CPU timings to stand, or ''
+    when it is not: a load average above its cores (with half a core of slack), i.e. more threads waiting to run
+    than cores to run them, the timed process's own included."""
+    if _figure(load.get("load")) and load["load"] > load["cores"] + 0.5:
+        return f"machine busy: load average {load['load']:.1f} on {load['cores']} cores"
+    return ""
+
+
+def threads_for_load(load: Optional[Dict[str, Any]] = None) -> int:
+    """torch CPU threads for the cores that other work leaves free, by :func:`machine_load` taken before this
+    process's own work starts: the cores less the load average (rounded), at least 1 and at most torch's count.
+    On a busy machine each parallel region of torch waits for its slowest thread, which the scheduler holds
+    back: on 2 cores at load 6, a training step of the digits demo's model took 5-15 s on 2 threads and 0.35 s
+    on 1."""
+    load = load or machine_load()
+    free = load["cores"] - math.floor(load["load"] + 0.5) if _figure(load["load"]) else load["cores"]
+    return max(1, min(load["threads"], free))
+
+
+def mark_reliability(points: List[BenchmarkPoint], load: Dict[str, Any],
+                     spread_limit: float = SPREAD_LIMIT_PCT) -> None:
+    """Record ``load`` (:func:`machine_load`) in each point, and in ``unreliable`` why its times do not stand (''
+    when they do): on a CPU the machine busy (:func:`busy_reason`), on any device a spread of the timed runs above
+    ``spread_limit`` percent."""
+    busy = busy_reason(load)
+    for p in points:
+        p.update(load=load["load"], cores=load["cores"], threads=load["threads"], unreliable="")
+        if not _figure(p.get("infer_ms")):
+            continue
+        reasons = [busy] if busy and str(p["device"]).startswith("cpu") else []
+        wide = [f"{prefix} spread {p[f'{prefix}_spread_pct']:.0f}%" for prefix in ("infer", "train")
+                if _figure(p.get(f"{prefix}_spread_pct")) and p[f"{prefix}_spread_pct"] > spread_limit]
+        if wide:
+            reasons.append(f"{', '.join(wide)} above {spread_limit:g}%")
+        p["unreliable"] = "; ".join(reasons)
+
+
+class _Ticker:
+    """Progress of a long measurement: ``log``'s line at most every ``every`` seconds."""
+
+    def __init__(self, log: Optional[Callable[[str], None]], every: float = 15.0):
+        self.log, self.every = log, every
+        self.start = self.last = time.monotonic()
+
+    def tick(self, what: Callable[[], str]) -> None:
+        now = time.monotonic()
+        if self.log is not None and now - self.last >= self.every:
+            self.log(f"   ... {what()}, {now - self.start:.0f} s so far")
+            self.last = now
+
+
+class _Entry:
+    """One model of :func:`benchmark_interleaved`: its point, model, input and current step."""
+
+    def __init__(self, point: BenchmarkPoint):
+        self.point, self.model, self.x, self.step, self.times = point, None, None, None, []
+
+    def fail(self, e: BaseException) -> None:
+        _record_failure(self.point, e)
+        self.model = self.x = self.step = None
+
+
+def benchmark_interleaved(models: Sequence[Tuple[str, Dict[str, Any]]], img_size: Size, batch_size: int = 8,
+                          device: str = "cpu", amp: str = "none", warmup: int = 1, iters: int = 3,
+                          train: bool = True, flops: bool = True,
+                          build_fn: Optional[Callable[[str, Size, Dict[str, Any]], nn.Module]] = None,
+                          decoder: Optional[str] = None, classes: int = 19,
+                          log: Optional[Callable[[str], None]] = None) -> List[BenchmarkPoint]:
+    """:func:`benchmark_point` of each (name, model_kwargs) of ``models`` at one size, the models timed
+    interleaved: all are built, then for inference and then for the training step each model makes its first
+    pass (untimed: its peak memory, and the first of ``warmup`` runs; so at least one), the other warm-up runs,
+    and then the ``iters`` timed runs go round the models, in turn and in reverse on every other round (A, B, B,
+    A, ...), so that any load on the machine falls on all of them alike. Returns the points in the order of
+    ``models``, with the fields of :func:`benchmark_point`; a model that fails is recorded and leaves the
+    rotation. ``log`` gets a progress line at most every 15 s."""
+    if iters < 1:
+        raise ValueError(f"iters: at least 1 timed iteration, got {iters}")
+    dev, size = torch.device(device), parse_img_size(img_size)
+    build_fn = build_fn or _default_build(decoder, classes)
+    entries = [_Entry(_empty_point(name, size, batch_size, str(dev), amp, iters, decoder, classes))
+               for name, _ in models]
+    ticker = _Ticker(log)
+    try:
+        for entry, (name, kwargs) in zip(entries, models):
+            try:
+                entry.model = build_fn(name, size, dict(kwargs or {})).to(dev)
+                _count(entry.point, entry.model, flops)
+                entry.x = torch.randn(batch_size, 3, entry.point["height"], entry.point["width"], device=dev)
+            except Exception as e:
+                entry.fail(e)
+            free_memory(dev)
+            ticker.tick(lambda: f"{size_label(size)} px: {name} built")
+        for phase in ("infer", "train") if train else ("infer",):
+            _interleaved_phase(entries, phase, dev, amp, decoder, warmup, iters, ticker)
+    finally:
+        for entry in entries:
+            entry.model = entry.x = entry.step = None
+        free_memory(dev)
+    points = [entry.point for entry in entries]
+    mark_reliability(points, machine_load())
+    return points
+
+
+def _interleaved_phase(entries: List[_Entry], phase: str, dev: torch.device, amp: str, decoder: Optional[str],
+                       warmup: int, iters: int, ticker: _Ticker) -> None:
+    """The ``phase`` ("infer" or "train") figures of every live entry: first pass (memory, backends), warm-up,
+    then the timed runs interleaved."""
+    label = "inference" if phase == "infer" else "training step"
+    for entry in [e for e in entries if e.model is not None]:
+        try:
+            entry.step = (_infer_step(entry.model, entry.x, dev, amp) if phase == "infer"
+                          else _train_step(entry.model, entry.x, dev, amp, decoder))
+            with MemoryMeter(dev) as mem, record_backends() as used:
+                entry.step()
+            entry.point[f"{phase}_mem_mb"] = mem.peak_mb
+            entry.point["backends"] = backends_label(used, entry.point["backends"])
+            timed(entry.step, dev, max(warmup - 1, 0), 0)
+            entry.times = []
+        except Exception as e:
+            entry.fail(e)
+            free_memory(dev)
+        ticker.tick(lambda: f"{entry.point['img_size']} px: {label} of {entry.point['model']} warmed up")
+    for r in range(iters):
+        live = [e for e in entries if e.step is not None]
+        for entry in live if r % 2 == 0 else live[::-1]:
+            try:
+                entry.times += timed(entry.step, dev, 0, 1)
+            except Exception as e:
+                entry.fail(e)
+                free_memory(dev)
+            ticker.tick(lambda: f"{entry.point['img_size']} px: {label} run {r + 1} of {iters} "
+                                f"of {len(live)} models")
+    for entry in entries:
+        if entry.step is not None:
+            entry.point.update(timing(phase, entry.times, len(entry.x)))
+        entry.step = None
 
 
 def free_memory(dev: torch.device) -> None:
@@ -447,11 +635,15 @@ def add_comparisons(points: List[BenchmarkPoint], twin: Optional[str] = None,
 
 def comparison_table(points: List[BenchmarkPoint]) -> str:
     """A markdown table of the points with :func:`add_comparisons`' columns (where present); a figure not
-    measured shows the point's status (e.g. ``timeout``)."""
+    measured shows the point's status (e.g. ``timeout``), and a column that no point measured (the training
+    step's without training) is left out. The times of a point marked unreliable (:func:`mark_reliability`)
+    carry a dagger, explained below the table."""
     twin = any("twin" in p for p in points)
     gemm = any("gemm_fraction" in p for p in points)
-    head = ["model", "px", "train ms", "train MiB"]
-    head += ["train time / twin", "train memory / twin"] if twin else []
+    trained = any(_figure(p.get("train_ms")) for p in points)
+    head = ["model", "px"]
+    head += (["train ms", "train MiB"] + (["train time / twin", "train memory / twin"] if twin else [])
+             if trained else [])
     head += ["infer ms", "infer MiB"] + (["infer time / twin", "infer memory / twin"] if twin else [])
     head += ["forward GFLOP/s", "of GEMM rate"] if gemm else []
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" + "---:|" * (len(head) - 1)]
@@ -459,53 +651,109 @@ def comparison_table(points: List[BenchmarkPoint]) -> str:
         if p["status"] != "ok" and not _figure(p["infer_ms"]):
             rows.append(f"| {p['model']} | {p['img_size']} | {p['status']}: {p['error'][:80]} |")
             continue
-
-        def cell(key: str, fmt: str = ".0f", scale: float = 1.0) -> str:
-            value = p.get(key, float("nan"))
-            if _figure(value):
-                return f"{scale * value:{fmt}}"
-            return p["status"] if p["status"] != "ok" else "nan"
-
-        cells = [p["model"], str(p["img_size"]), cell("train_ms"), cell("train_mem_mb")]
-        if twin:
-            cells += [cell("train_ms_vs_twin", ".2f"), cell("train_mem_mb_vs_twin", ".2f")]
-        cells += [cell("infer_ms"), cell("infer_mem_mb")]
-        if twin:
-            cells += [cell("infer_ms_vs_twin", ".2f"), cell("infer_mem_mb_vs_twin", ".2f")]
-        if gemm:
-            cells += [cell("infer_gflop_s"), cell("gemm_fraction", ".0f", 100.0) + "%"]
-        rows.append("| " + " | ".join(cells) + " |")
+        rows.append("| " + " | ".join(_comparison_cells(p, twin, gemm, trained)) + " |")
+    note = unreliable_note(points)
+    if note:
+        rows += ["", f"† {note}"]
     return "\n".join(rows)
+
+
+def _comparison_cells(p: BenchmarkPoint, twin: bool, gemm: bool, trained: bool) -> List[str]:
+    """One row of :func:`comparison_table`."""
+    mark = "†" if p.get("unreliable") else ""
+
+    def cell(key: str, fmt: str = ".0f", scale: float = 1.0, timing: bool = False) -> str:
+        value = p.get(key, float("nan"))
+        if _figure(value):
+            return f"{scale * value:{fmt}}" + (mark if timing else "")
+        return p["status"] if p["status"] != "ok" else "-"
+
+    cells = [p["model"], str(p["img_size"])]
+    if trained:
+        cells += [cell("train_ms", timing=True), cell("train_mem_mb")]
+        if twin:
+            cells += [cell("train_ms_vs_twin", ".2f", timing=True), cell("train_mem_mb_vs_twin", ".2f")]
+    cells += [cell("infer_ms", timing=True), cell("infer_mem_mb")]
+    if twin:
+        cells += [cell("infer_ms_vs_twin", ".2f", timing=True), cell("infer_mem_mb_vs_twin", ".2f")]
+    if gemm:
+        cells += [cell("infer_gflop_s", timing=True), cell("gemm_fraction", ".0f", 100.0, timing=True) + "%"]
+    return cells
 
 
 def run_sweep(models: Sequence[str], img_sizes: Sequence[Any], out_dir: Optional[str] = None,
               log: Callable[[str], None] = _print, point_timeout: Optional[float] = None,
-              **point_kwargs) -> List[BenchmarkPoint]:
+              interleave: bool = True, **point_kwargs) -> List[BenchmarkPoint]:
     """Every model at every size (a side, ``"HxW"`` or (H, W)); points go to ``out_dir/results.jsonl`` as they
     finish (if out_dir). A model is a spec of :func:`parse_model_spec`: its own options go over
-    ``model_kwargs``, and the points keep the spec as their ``model``. ``point_timeout`` (seconds): each point
-    in a process of its own, stopped at that budget (:func:`benchmark_point_with_timeout`)."""
-    points = []
+    ``model_kwargs``, and the points keep the spec as their ``model``. The models of one size are timed
+    interleaved (:func:`benchmark_interleaved`) unless ``interleave`` is False or with ``point_timeout``
+    (seconds: each point in a process of its own, stopped at that budget,
+    :func:`benchmark_point_with_timeout`). Returns the points model by model, each model's sizes in order; ends
+    with a line naming the points whose times do not stand (:func:`mark_reliability`)."""
     sizes = [parse_img_size(s) for s in img_sizes]
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         open(os.path.join(out_dir, "results.jsonl"), "w").close()
     common = dict(point_kwargs.pop("model_kwargs", None) or {})
-    for spec in models:
-        name, own = parse_model_spec(spec)
+    specs = [(spec, *parse_model_spec(spec)) for spec in models]
+    done: Dict[Tuple[str, Any], BenchmarkPoint] = {}
+
+    def finished(spec: str, size: Size, point: BenchmarkPoint) -> None:
+        point["model"] = spec
+        done[(spec, size)] = point
+        if out_dir:
+            with open(os.path.join(out_dir, "results.jsonl"), "a") as f:
+                f.write(json.dumps(point) + "\n")
+        log(_format(point))
+
+    if interleave and point_timeout is None:
         for size in sizes:
-            if point_timeout is None:
-                point = benchmark_point(name, size, model_kwargs={**common, **own}, **point_kwargs)
-            else:
-                point = benchmark_point_with_timeout(name, size, point_timeout, model_kwargs={**common, **own},
-                                                     **point_kwargs)
-            point["model"] = spec
-            points.append(point)
-            if out_dir:
-                with open(os.path.join(out_dir, "results.jsonl"), "a") as f:
-                    f.write(json.dumps(point) + "\n")
-            log(_format(point))
+            points = benchmark_interleaved([(name, {**common, **own}) for _, name, own in specs], size, log=log,
+                                           **point_kwargs)
+            for (spec, _, _), point in zip(specs, points):
+                finished(spec, size, point)
+    else:
+        for spec, name, own in specs:
+            for size in sizes:
+                if point_timeout is None:
+                    point = benchmark_point(name, size, model_kwargs={**common, **own}, **point_kwargs)
+                else:
+                    point = benchmark_point_with_timeout(name, size, point_timeout,
+                                                         model_kwargs={**common, **own}, **point_kwargs)
+                    mark_reliability([point], machine_load())
+                finished(spec, size, point)
+    points = [done[(spec, size)] for spec, _, _ in specs for size in sizes]
+    note = unreliable_note(points)
+    if note:
+        log(note)
     return points
+
+
+def unreliable_note(points: List[BenchmarkPoint]) -> str:
+    """One line for the points whose times do not stand (:func:`mark_reliability`): how many, the load they saw
+    and the largest spread; '' when every measured point's times stand."""
+    bad = [p for p in points if p.get("unreliable")]
+    if not bad:
+        return ""
+    busy = [p for p in bad if "machine busy" in p["unreliable"]]
+    wide = [max(p.get(f"{k}_spread_pct", 0.0) for k in ("infer", "train") if _figure(p.get(f"{k}_spread_pct")))
+            for p in bad if "spread" in p["unreliable"]]
+    why = []
+    if busy:
+        loads = sorted(p["load"] for p in busy)
+        span = f"{loads[0]:.1f}" if loads[0] == loads[-1] else f"{loads[0]:.1f}-{loads[-1]:.1f}"
+        why.append(f"machine busy at {len(busy)}: load average {span} on {busy[0]['cores']} cores")
+    if wide:
+        why.append(f"spread of the timed runs above {SPREAD_LIMIT_PCT:g}% at {len(wide)} (largest {max(wide):.0f}%)")
+    return (f"UNRELIABLE timings at {len(bad)} of {len(points)} points ({'; '.join(why)}): not a result; "
+            f"compare them only after a re-run on an idle machine")
+
+
+def unreliable_heading(points: List[BenchmarkPoint]) -> str:
+    """The short form of :func:`unreliable_note` for a figure's title ('' when every timing stands)."""
+    note = unreliable_note(points)
+    return note.split(": not a result")[0].replace("UNRELIABLE timings at", "ringed: UNRELIABLE timings at")
 
 
 def _format(p: BenchmarkPoint) -> str:
@@ -514,11 +762,18 @@ def _format(p: BenchmarkPoint) -> str:
         return f"{head}  {p['status']}: {p['error']}"
     line = (f"{head}  infer {p['infer_img_s']:9.2f} img/s {p['infer_ms']:9.1f} ms "
             f"(spread {p['infer_spread_pct']:4.0f}%) {p['infer_mem_mb']:8.1f} MiB")
+    flag = f" | UNRELIABLE: {p['unreliable']}" if p.get("unreliable") else ""
     if p["status"] != "ok":
-        return f"{line} | {p['status']}: {p['error']}"
+        return f"{line} | {p['status']}: {p['error']}{flag}"
+    if not _figure(p["train_ms"]):  # training not measured (--no-train): no columns for it
+        return f"{line} | {p['params_m']:6.2f} M params{_gflops(p)} | {runs_phrase(p['iters'])}{flag}"
     return (f"{line} | train {p['train_img_s']:8.2f} img/s (spread {p['train_spread_pct']:4.0f}%) "
-            f"{p['train_mem_mb']:8.1f} MiB | {p['params_m']:6.2f} M params {p['gflops']:8.2f} GFLOPs"
-            f" | {runs_phrase(p['iters'])}" + (f" | {p['backends']}" if p.get("backends") else ""))
+            f"{p['train_mem_mb']:8.1f} MiB | {p['params_m']:6.2f} M params{_gflops(p)}"
+            f" | {runs_phrase(p['iters'])}" + (f" | {p['backends']}" if p.get("backends") else "") + flag)
+
+
+def _gflops(p: BenchmarkPoint) -> str:
+    return f" {p['gflops']:8.2f} GFLOPs" if _figure(p["gflops"]) else ""
 
 
 def write_results(points: List[BenchmarkPoint], out_dir: str) -> None:

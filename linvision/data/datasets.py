@@ -88,6 +88,7 @@ def create_dataset(dataset: str, data_dir: Optional[str], split: str, transform:
     Raises FileNotFoundError when ``data_dir`` or the split folder is missing, ValueError for an unknown
     ``dataset``.
     """
+    _check_name(dataset)
     if dataset == "digits":
         return DigitsDataset(split, size=digits_size, transform=transform)
     if dataset in ("photos", "photos_aspect"):  # crops of photographs shipped with scikit-image, scikit-learn
@@ -129,8 +130,22 @@ def create_dataset(dataset: str, data_dir: Optional[str], split: str, transform:
             return cls(data_dir, split=split, transform=transform, download=False)
         except RuntimeError as e:  # torchvision reports missing files this way
             raise FileNotFoundError(f"data_dir: {name} not found under {data_dir} ({e})") from None
-    raise ValueError(f"dataset: unknown {dataset!r}; allowed: 'folder', 'digits', 'photos', 'photos_aspect', "
-                     f"'photos_fine', 'torch/<name>', 'torchvision/<Name>'")
+    raise AssertionError(dataset)  # _check_name let through a name that no branch reads
+
+
+# the datasets by name (besides torchvision's, 'torch/<name>' and 'torchvision/<Name>')
+DATASET_NAMES = ("folder", "digits", "photos", "photos_aspect", "photos_fine")
+
+
+def _check_name(dataset: str) -> None:
+    """ValueError in one line for a dataset name :func:`create_dataset` does not know, with the nearest one."""
+    if dataset in DATASET_NAMES or dataset.startswith(("torchvision/", "torch/")):
+        return
+    import difflib
+
+    near = difflib.get_close_matches(dataset, DATASET_NAMES, n=1)
+    raise ValueError(f"dataset: unknown {dataset!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
+                     + f"; allowed: {', '.join(map(repr, DATASET_NAMES))}, 'torch/<name>', 'torchvision/<Name>'")
 
 
 # resize interpolations timm's transforms take by name, and its eval crop modes

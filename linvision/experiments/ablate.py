@@ -7,8 +7,12 @@ per-block ones, labelled by runs: ``9xlinear+3xsoftmax``). For each mixer and ea
 (default: ``seed`` alone) the tool trains a classifier with :func:`linvision.training.train.train` and evaluates
 it at the training resolution and at other ones without fine-tuning; top-1 is reported as the mean over seeds
 with the sample standard deviation and the per-seed values. Throughput and memory are measured once per mixer
-at several resolutions, plus parameters and FLOPs. A mixer that cannot run at a size gets that failure in the
-table, not a crash.
+at several resolutions after every mixer has trained, the mixers of one size timed interleaved
+(:func:`~linvision.benchmark.throughput.benchmark_interleaved`: A, B, C, C, B, A, ...) so that a load on the
+machine falls on all of them alike; figures taken on a busy machine or with a wide spread are marked unreliable
+in the table and the plot. Parameters and FLOPs are counted per mixer. A mixer that cannot run at a size gets
+that failure in the table, not a crash. On a machine already busy when it starts, the ablation runs torch on the
+cores left free (:func:`~linvision.benchmark.throughput.threads_for_load`; ``--threads`` chooses).
 
 ``task: segment`` asks the same of semantic segmentation: the encoder ``model`` (with each mixer) in the smp
 head ``decoder`` is trained on the offline texture mosaics (``dataset: mosaic``) by
@@ -39,7 +43,14 @@ from typing import Any, Callable, Dict, List, Tuple
 
 from linvision.benchmark.flops import count_gflops, count_params
 from linvision.benchmark.plots import dodge, plot_results, series_styles
-from linvision.benchmark.throughput import _empty_point, benchmark_point, runs_phrase
+from linvision.benchmark.throughput import (
+    _empty_point,
+    benchmark_interleaved,
+    machine_load,
+    runs_phrase,
+    threads_for_load,
+    unreliable_note,
+)
 from linvision.training.seg_config import SegTrainConfig
 from linvision.training.train import TrainConfig, add_train_args, train
 from linvision.training.validate import validate_checkpoint
@@ -79,8 +90,10 @@ def add_ablate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--bench-iters", type=int, default=5,
                    help="timed runs per throughput figure, which is their median (after one warm-up run)")
     g.add_argument("--bench-time-limit", type=float, default=None,
-                   help="seconds: a benchmark size is skipped (recorded as such) when the previous size's point, "
+                   help="seconds: a benchmark size is skipped (recorded as such) when the previous size's points, "
                         "scaled by the ratio of pixels, would take longer (default: no limit)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: the cores the machine's load average leaves free, at least 1)")
     return parser
 
 
@@ -123,6 +136,7 @@ def run_ablation(args: argparse.Namespace, log=_log) -> Dict[str, Any]:
     if args.bench_iters < 1 or args.bench_batch_size < 1:
         raise ValueError(f"bench_iters/bench_batch_size: must be >= 1, got {args.bench_iters} and "
                          f"{args.bench_batch_size}")
+    _set_threads(getattr(args, "threads", None), log)
     name = args.experiment or f"ablate-{time.strftime('%Y%m%d-%H%M%S')}"
     folder = claim_run_folder(os.path.join(args.output, name), overwrite=args.overwrite, run_files=ABLATION_FILES)
     try:
@@ -131,6 +145,23 @@ def run_ablation(args: argparse.Namespace, log=_log) -> Dict[str, Any]:
         return _run_ablation(args, folder.path, log)
     finally:
         folder.release()
+
+
+def _set_threads(threads, log) -> None:
+    """torch's CPU threads: ``threads``, or those that the machine's load leaves free (said when fewer)."""
+    import torch
+
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"threads: at least 1, got {threads}")
+        torch.set_num_threads(threads)
+        return
+    load = machine_load()
+    fit = threads_for_load(load)
+    if fit < load["threads"]:
+        log(f"load average {load['load']:.1f} on {load['cores']} cores: torch on {fit} thread"
+            f"{'s' if fit > 1 else ''} instead of {load['threads']} (--threads to choose)")
+        torch.set_num_threads(fit)
 
 
 def _seed_stats(values) -> Dict[str, Any]:
@@ -235,13 +266,20 @@ def _run_ablation(args: argparse.Namespace, run_dir: str, log) -> Dict[str, Any]
                                           overwrite=False)
             runs.append(_train_and_score(task, run_cfg, seed, metrics, eval_sizes, log))
         row = _mixer_row(args, task, label, mixer_kwargs, runs, metrics, eval_sizes)
-        points = _benchmark(args, task, label, mixer_kwargs, runs[0]["num_classes"], bench_sizes, log)
-        bench_points += points
-        row["bench"] = {str(size): {k: point[k] for k in BENCH_KEYS} for size, point in zip(bench_sizes, points)}
+        row["num_classes"] = runs[0]["num_classes"]
         rows.append(row)
         log(_score_line(row, metrics[0], spread=len(seeds) > 1))  # one seed has no spread to print
-        table = _write_results(result, run_dir)  # after every mixer: a stopped run keeps what it finished
+        _write_results(result, run_dir)  # after every mixer: a stopped run keeps what it finished
     _plot_accuracy(result, os.path.join(run_dir, "accuracy.png"))
+    bench_points = _benchmark(args, task, rows, [{**base_kwargs, _mixer_key(args.model): m} for m in args.mixers],
+                              bench_sizes, log)
+    for row, points in zip(rows, bench_points):
+        row["bench"] = {str(size): {k: point[k] for k in BENCH_KEYS} for size, point in zip(bench_sizes, points)}
+    table = _write_results(result, run_dir)
+    bench_points = [p for points in bench_points for p in points]
+    note = unreliable_note(bench_points)
+    if note:
+        log(note)
     plot_results(bench_points, os.path.join(run_dir, "throughput_memory.png"), label_key="mixer",
                  title=f"{task.head} {base_kwargs}, batch {args.bench_batch_size}")
     result["run_dir"] = run_dir
@@ -284,30 +322,38 @@ def _mixer_row(args: argparse.Namespace, task: _Task, label: str, mixer_kwargs: 
     return row
 
 
-def _benchmark(args: argparse.Namespace, task: _Task, label: str, mixer_kwargs: Dict[str, Any], num_classes: int,
-               sizes: List[int], log) -> List[Dict[str, Any]]:
-    """One mixer's benchmark points at ``sizes``, each labelled with the mixer; a size is skipped (recorded as such)
-    when the previous point, scaled by the ratio of pixels, would take longer than ``--bench-time-limit``."""
-    log(f"   benchmarking at {', '.join(map(str, sizes))} px ({runs_phrase(args.bench_iters)} "
-        f"of batch {args.bench_batch_size} per figure)")
+def _benchmark(args: argparse.Namespace, task: _Task, rows: List[Dict[str, Any]],
+               mixer_kwargs: List[Dict[str, Any]], sizes: List[int], log) -> List[List[Dict[str, Any]]]:
+    """Every mixer's benchmark points at ``sizes`` (a list per row, each point labelled with its mixer), the mixers
+    of one size timed interleaved; a size is skipped (recorded as such) when the previous size's points, scaled by
+    the ratio of pixels, would take longer than ``--bench-time-limit``."""
+    log(f"== benchmarking {len(rows)} mixers interleaved at {', '.join(map(str, sizes))} px "
+        f"({runs_phrase(args.bench_iters)} of batch {args.bench_batch_size} per figure)")
     limit = getattr(args, "bench_time_limit", None)
-    points, previous = [], None  # previous: (size, seconds) of the last point measured
+    device = str(_device(args))
+    per_row: List[List[Dict[str, Any]]] = [[] for _ in rows]
+    previous = None  # (size, seconds) of the last size measured
     for size in sizes:
         predicted = previous[1] * (size / previous[0]) ** 2 if previous else 0.0
         if limit is not None and predicted > limit:
-            point = _skipped_point(args.model, size, args.bench_batch_size, str(_device(args)), args.amp,
-                                   f"the {previous[0]} px point took {previous[1]:.0f} s; {size} px would take "
-                                   f"at least {predicted:.0f} s, over --bench-time-limit {limit:g} s")
+            why = (f"the {previous[0]} px points took {previous[1]:.0f} s; {size} px would take at least "
+                   f"{predicted:.0f} s, over --bench-time-limit {limit:g} s")
+            points = [_skipped_point(args.model, size, args.bench_batch_size, device, args.amp, why) for _ in rows]
         else:
             t0 = time.time()
-            point = benchmark_point(
-                args.model, size, batch_size=args.bench_batch_size, device=str(_device(args)), amp=args.amp,
-                warmup=1, iters=args.bench_iters, model_kwargs=mixer_kwargs, flops=False,
-                build_fn=lambda name, size, kw: task.build(kw, num_classes, size))
+            points = benchmark_interleaved(
+                [(args.model, kw) for kw in mixer_kwargs], size, batch_size=args.bench_batch_size, device=device,
+                amp=args.amp, warmup=1, iters=args.bench_iters, flops=False, log=log,
+                build_fn=lambda name, size, kw: task.build(kw, rows[0]["num_classes"], size))
             previous = (size, time.time() - t0)
-        point["mixer"] = label
-        points.append(point)
-    return points
+            busy = next((p["unreliable"] for p in points if p["unreliable"]), "")
+            log(f"   {size} px: " + ", ".join(f"{row['mixer']} {_cell(p['infer_img_s'], '.1f')}"
+                                              for row, p in zip(rows, points))
+                + " inference img/s" + (f" (UNRELIABLE: {busy})" if busy else ""))
+        for row, point, own in zip(rows, points, per_row):
+            point["mixer"] = row["mixer"]
+            own.append(point)
+    return per_row
 
 
 def _score_line(row: Dict[str, Any], metric: str, spread: bool) -> str:
@@ -329,7 +375,7 @@ _RESULT_KEYS = {"accuracy": "top1", "miou": "miou", "pixel_acc": "pixel_acc"}
 # what ablation.json keeps of each benchmark point: enough to draw throughput_memory.png again
 BENCH_KEYS = ("status", "error", "iters", "infer_img_s", "infer_img_s_min", "infer_img_s_max", "infer_spread_pct",
               "infer_mem_mb", "train_img_s", "train_img_s_min", "train_img_s_max", "train_spread_pct",
-              "train_mem_mb", "backends")
+              "train_mem_mb", "backends", "load", "cores", "threads", "unreliable")
 
 
 def _skipped_point(model: str, size: int, batch_size: int, device: str, amp: str, why: str) -> Dict[str, Any]:
@@ -389,16 +435,18 @@ def markdown_table(result: Dict[str, Any]) -> str:
                 cells.append(_cell(acc, ".2f") + spread)
                 if isinstance(acc, str) and metric == metrics[0]:
                     notes.append(f"{row['mixer']} @{s}: {acc}")
+        bench = row.get("bench") or {}  # none yet while the mixers train
         for s in benches:
-            b = row["bench"][str(s)]
-            cells.append(_cell(b["infer_img_s"], ".1f"))
-            if b["status"] != "ok":
+            b = bench.get(str(s), {})
+            cells.append(_timing_cell(b, "infer_img_s"))
+            if b and b["status"] != "ok":
                 notes.append(f"{row['mixer']} benchmark @{s}: {b['status']}: {b['error']}")
-        last = row["bench"][str(benches[-1])]
-        cells += [_cell(last["train_img_s"], ".1f"), _cell(last["infer_mem_mb"], ".1f"),
-                  _cell(last["train_mem_mb"], ".1f")]
+        last = bench.get(str(benches[-1]), {})
+        cells += [_timing_cell(last, "train_img_s"), _cell(last.get("infer_mem_mb"), ".1f"),
+                  _cell(last.get("train_mem_mb"), ".1f")]
         lines.append("| " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
+    text += _cost_note(result)
     names = " and ".join({"accuracy": "Top-1", "miou": "mIoU", "pixel_acc": "pixel accuracy"}[m] for m in metrics)
     if len(seeds) > 1:
         text += (f"\n{names}: mean ± sample standard deviation over seeds {', '.join(map(str, seeds))} (one training "
@@ -407,18 +455,51 @@ def markdown_table(result: Dict[str, Any]) -> str:
         text += (f"\n{result['decoder']} head; mIoU and pixel accuracy (%) of each run's best/ on "
                  f"{result['mosaic_val']} validation mosaics rendered at each size (trained on {result['img_size']} "
                  f"px crops of {result['mosaic_size']} px mosaics).\n")
-    spreads = sorted(b[key] for row in result["rows"] for b in row["bench"].values()
-                     for key in ("infer_spread_pct", "train_spread_pct")
+    benched = [b for row in result["rows"] for b in (row.get("bench") or {}).values()]
+    spreads = sorted(b[key] for b in benched for key in ("infer_spread_pct", "train_spread_pct")
                      if isinstance(b.get(key), (int, float)) and math.isfinite(b[key]))
     if spreads:
-        iters = max(b.get("iters", 0) for row in result["rows"] for b in row["bench"].values())
+        iters = max(b.get("iters", 0) for b in benched)
         spread = (f"; spread of the runs ((slowest - fastest) / median) median {spreads[len(spreads) // 2]:.0f}%, "
                   f"largest {spreads[-1]:.0f}%" if iters > 1 else "")
         text += (f"\nThroughput: {runs_phrase(iters)} of batch {result['bench_batch_size']} after one warm-up run, "
-                 f"on {result['device']}{spread}. Memory: peak added by one pass.\n")
+                 f"the mixers of each size timed interleaved, on {result['device']}{spread}. Memory: peak added by "
+                 f"one pass.\n")
+        note = unreliable_note(benched)
+        if note:
+            text += f"\n† {note}.\n"
     if notes:
         text += "\nFailures:\n" + "".join(f"- {n}\n" for n in notes)
     return text
+
+
+def _timing_cell(bench: Dict[str, Any], key: str) -> str:
+    """A throughput figure of the table, daggered when its point's times do not stand."""
+    return _cell(bench.get(key), ".1f") + ("†" if bench.get("unreliable") and _cell(bench.get(key), ".1f") != "-"
+                                           else "")
+
+
+def _cost_note(result: Dict[str, Any]) -> str:
+    """What softmax attention costs against each linear mixer at the largest benchmark size (times, the inverse
+    of the throughput ratio), the figures daggered and called unreliable when their points were; '' without a
+    softmax row or with nothing measured."""
+    size = str(result["bench_sizes"][-1])
+    bench = {row["mixer"]: (row.get("bench") or {}).get(size) for row in result["rows"]}
+    soft = bench.get("softmax")
+    parts, unreliable = [], bool(soft and soft.get("unreliable"))
+    for mixer in ("linear", "linear_rope"):
+        other = bench.get(mixer)
+        if not (soft and other):
+            continue
+        ratios = [other[k] / soft[k] for k in ("infer_img_s", "train_img_s")
+                  if _cell(other.get(k), "g") != "-" and _cell(soft.get(k), "g") != "-" and soft[k] > 0]
+        if len(ratios) == 2:
+            parts.append(f"{ratios[0]:.1f}x the inference time of `{mixer}` and {ratios[1]:.1f}x its training step")
+            unreliable |= bool(other.get("unreliable"))
+    if not parts:
+        return ""
+    mark = "† (UNRELIABLE: timed on a busy machine or with a wide spread, see below)" if unreliable else ""
+    return f"\nCost at {size} px: softmax attention takes {'; '.join(parts)}{mark}.\n"
 
 
 def _accuracy_figure(result: Dict[str, Any]):

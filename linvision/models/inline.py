@@ -20,8 +20,9 @@ final norm, a linear head) with the ``"inline_deit"`` mixer (registered here) in
   1x1 projections (one group per head) with a GELU between them; the class token gets none.
 
 The sizes are the authors': tiny 192 wide with 6 heads, small 320 / 10, base 384 / 12, all 12 blocks deep, trained
-at 224, 288 and 448 px. The absolute position embedding is resampled (bicubic) when the model is built for
-another size, or at every call with ``dynamic_img_size=True``; the mixer itself takes any grid.
+at 224, 288 and 448 px. The absolute position embedding is resampled (bicubic) to each input's grid
+(``dynamic_img_size=True``, the default: any multiple of 16), or once when the model is built for another size
+with ``dynamic_img_size=False``; the mixer itself takes any grid.
 Evaluation as the authors': a square resize to 256/224 of the crop (bicubic, the aspect ratio not kept: timm's
 ``crop_mode="squash"``), centre crop, ImageNet mean/std.
 
@@ -204,6 +205,7 @@ _ARCH = dict(patch_size=16, depth=12, mlp_ratio=4.0, token_mixer="inline_deit", 
 
 def _create_inline_deit(variant: str, size: str, pretrained: bool, **kwargs) -> LinViT:
     out_indices = kwargs.pop("out_indices", 3)
+    kwargs.setdefault("dynamic_img_size", True)  # any multiple of 16 by default, as its mixer takes any grid
     if kwargs.get("dynamic_img_size"):  # the embedding is resampled per call: the cfg must not fix the size,
         # and the embedding keeps its training grid (resampled once per input, not twice)
         kwargs["pretrained_cfg_overlay"] = dict(kwargs.get("pretrained_cfg_overlay") or {}, fixed_input_size=False)

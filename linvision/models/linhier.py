@@ -485,8 +485,7 @@ default_cfgs = generate_default_cfgs({
 
 
 def _create_linhier(variant: str, pretrained: bool = False, **kwargs) -> LinHier:
-    require_weights(variant, pretrained, kwargs,
-                    hint="the mlla_*, ravlt_* and mavit_* models have published ImageNet weights")
+    require_weights(variant, pretrained, kwargs)
     return build_model_with_cfg(
         LinHier, variant, pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from timm.models import adapt_input_conv, clean_state_dict, resolve_pretrained_cfg
 from torch import Tensor, nn
@@ -105,8 +105,25 @@ def require_weights(variant: str, pretrained: bool, kwargs: Dict[str, Any], hint
     cfg = resolve_pretrained_cfg(variant, kwargs.get("pretrained_cfg"), kwargs.get("pretrained_cfg_overlay"))
     if not cfg.has_weights:
         tag = f"{variant}.{cfg.tag}" if cfg.tag else variant
-        raise ValueError(f"pretrained: {tag} has no trained weights{'; ' + hint if hint else ''} "
-                         f"(or pretrained_cfg_overlay=dict(file=...) for a local checkpoint)")
+        raise ValueError(f"pretrained: {tag} has no trained weights{'; ' + hint if hint else ''}; the families with "
+                         f"trained weights: {', '.join(families_with_weights())} (or "
+                         f"pretrained_cfg_overlay=dict(file=...) for a local checkpoint)")
+
+
+def families_with_weights() -> List[str]:
+    """``["inline_cswin_*", "mlla_*", ...]``: the name prefixes (all but the size) of linvision's models whose
+    default weights are trained classifiers (downloaded by timm, or published and loaded from a local copy),
+    read from timm's registry."""
+    import timm
+
+    names = set()
+    for arch in timm.list_models():
+        if not timm.models.model_entrypoint(arch).__module__.startswith("linvision."):
+            continue
+        cfg = timm.models.get_pretrained_cfg(arch)  # the default tag's: linvit's DeiT conversion is not one
+        if cfg is not None and (cfg.has_weights or any(n.startswith("published") for n in cfg.notes or ())):
+            names.add(arch.rsplit("_", 1)[0] + "_*")
+    return sorted(names)
 
 
 def published_cfg(top1: Optional[float], **kwargs) -> Dict[str, Any]:

@@ -7,7 +7,10 @@ r"""Params / GFLOPs of every registered linvision model, and what pretrained=Tru
 
 GFLOPs are multiply-accumulates of one forward pass of one image (see linvision.benchmark.flops); the column without
 attention leaves out the products of two activations (batched matmuls, SDPA), as papers that count convolutions
-and projections only do. Measuring builds every model (a minute or two on a CPU); --from-json renders stored rows.
+and projections only do. The input column is what timm.create_model(name) takes with no other argument: any
+multiple of the model's stride (each row's input_multiple, found by running the model at two small non-square
+sizes of it), or only the size it was built for (input_multiple null). Measuring builds every model (a minute
+or two on a CPU); --from-json renders stored rows. The front style (README's) is one row per family.
 """
 import argparse
 import json
@@ -57,8 +60,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def claim_sizes(multiple: int) -> List[tuple]:
+    """The (height, width) at which :func:`input_multiple` tries a model of stride ``multiple``: two small
+    non-square multiples of it."""
+    return [(2 * multiple, 3 * multiple), (3 * multiple, 2 * multiple)]
+
+
+def input_multiple(name: str) -> Optional[int]:
+    """The stride (the last feature map's reduction) when ``timm.create_model(name)``, with no other argument,
+    runs at the sizes of :func:`claim_sizes` (any multiple of it, as the docs claim); None when it takes only the
+    size it was built for."""
+    torch.manual_seed(0)
+    model = timm.create_model(name).eval()
+    stride = model.feature_info[-1]["reduction"]
+    try:
+        with torch.no_grad():
+            for h, w in claim_sizes(stride):
+                model(torch.randn(1, 3, h, w))
+    except (AssertionError, RuntimeError, ValueError):  # timm's patch embedding asserts its size
+        return None
+    return stride
+
+
 def measure(names: Sequence[str], size: int = 224) -> List[Dict]:
-    """One row per model: its token mixers, params (M) and GFLOPs at ``size``, with and without attention."""
+    """One row per model: its token mixers, params (M) and GFLOPs at ``size``, with and without attention, and
+    :func:`input_multiple`."""
     rows = []
     for name in names:
         torch.manual_seed(0)
@@ -69,7 +95,8 @@ def measure(names: Sequence[str], size: int = 224) -> List[Dict]:
         model = timm.create_model(name, **kwargs)
         rows.append(dict(model=name, mixers=_mixers(model), size=size, params_m=round(count_params(model) / 1e6, 1),
                          gflops=round(count_gflops(model, size), 2),
-                         gflops_no_attention=round(count_gflops(model, size, attention=False), 2)))
+                         gflops_no_attention=round(count_gflops(model, size, attention=False), 2),
+                         input_multiple=input_multiple(name)))
     return rows
 
 
@@ -79,7 +106,7 @@ def read_rows(path: str) -> List[Dict]:
         with open(path) as f:
             rows = json.load(f)["models"]
         for r in rows:
-            missing = {"model", "mixers", "size", "params_m", "gflops", "gflops_no_attention"} - set(r)
+            missing = {"model", "mixers", "size", "params_m", "gflops", "gflops_no_attention", "input_multiple"} - set(r)
             if missing:
                 raise KeyError(", ".join(sorted(missing)))
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -89,33 +116,57 @@ def read_rows(path: str) -> List[Dict]:
 
 def full_table(rows: List[Dict]) -> str:
     size = rows[0]["size"] if rows else 224
-    lines = [f"| model | token mixers | params (M) | GFLOPs @ {size} | without attention | pretrained=True loads |",
-             "|---|---|---:|---:|---:|---|"]
+    lines = [f"| model | token mixers | params (M) | GFLOPs @ {size} | without attention | input | "
+             f"pretrained=True loads |", "|---|---|---:|---:|---:|---|---|"]
     lines += [f"| {r['model']} | {r['mixers']} | {r['params_m']:.1f} | {r['gflops']:.2f} | "
-              f"{r['gflops_no_attention']:.2f} | {weights_text(r['model'])} |" for r in rows]
+              f"{r['gflops_no_attention']:.2f} | {input_text(r)} | {weights_text(r['model'])} |" for r in rows]
     return "\n".join(lines)
+
+
+def input_text(row: Dict) -> str:
+    """What ``timm.create_model(row's model)`` takes with no other argument."""
+    if row["input_multiple"]:
+        return f"any multiple of {row['input_multiple']}"
+    side = timm.models.get_pretrained_cfg(row["model"]).input_size[-1]
+    return f"{side} px (`dynamic_img_size=True`: any multiple of 16)"
 
 
 def front_table(rows: List[Dict]) -> str:
-    """README's table: the models with trained weights, then one paragraph naming the others by family."""
-    size = rows[0]["size"] if rows else 224
-    lines = [f"| model | params (M) | GFLOPs @ {size} | `pretrained=True` loads | published top-1 |",
-             "|---|---:|---:|---|---:|"]
-    trained = [r for r in rows if _has_weights(r["model"])]
-    for r in sorted(trained, key=lambda r: (_family_order(r["model"]), r["params_m"])):
-        cfg = timm.models.get_pretrained_cfg(r["model"])
-        top1 = published_top1(r["model"])
-        lines.append(f"| `{r['model']}.{cfg.tag}` | {r['params_m']:.1f} | {r['gflops']:.2f} | "
-                     f"{cfg.description.split(' (')[0]} | {'—' if top1 is None else f'{top1:.1f}'} |")
-    rest: Dict[str, List[str]] = {}
+    """README's table: one row per family, trained ones first: its models (the family's name prefix and each
+    model's rest), params, the input ``timm.create_model(name)`` takes, what ``pretrained=True`` loads and the
+    published top-1 (their ranges over the family)."""
+    lines = ["| family | models | params (M) | input | `pretrained=True` loads | published top-1 |",
+             "|---|---|---:|---|---|---:|"]
+    by_family: Dict[str, List[Dict]] = {}
     for r in sorted(rows, key=lambda r: (_family_order(r["model"]), r["params_m"])):
-        if not _has_weights(r["model"]):
-            rest.setdefault(family(r["model"]), []).append(f"`{r['model']}`")
-    if rest:
-        parts = [f"{label}: {', '.join(names)} ({UNTRAINED_USE[label]})" for label, names in rest.items()]
-        lines += ["", "Without trained weights, to train from scratch (`pretrained=True` is an error naming the "
-                      "models above): " + "; ".join(parts) + "."]
+        by_family.setdefault(family(r["model"]), []).append(r)
+    for label, members in by_family.items():
+        prefix = next(p for p, name in FAMILIES if name == label)
+        names = f"`{prefix}` " + ", ".join(r["model"][len(prefix):] for r in members)
+        params = _span([r["params_m"] for r in members], ".1f")
+        top1 = [t for t in (published_top1(r["model"]) for r in members) if t is not None]
+        weighted = [r for r in members if _has_weights(r["model"])]
+        cfg = timm.models.get_pretrained_cfg(weighted[0]["model"]) if weighted else None
+        loads = f"{cfg.description.split(' (')[0]} (`.{cfg.tag}`)" if cfg else f"none: {UNTRAINED_USE[label]}"
+        lines.append(f"| {label} | {names} | {params} | {_family_input(members)} | {loads} | "
+                     f"{_span(top1, '.1f') if top1 else '—'} |")
     return "\n".join(lines)
+
+
+def _span(values: List[float], fmt: str) -> str:
+    low, high = min(values), max(values)
+    return f"{low:{fmt}}" if f"{low:{fmt}}" == f"{high:{fmt}}" else f"{low:{fmt}}-{high:{fmt}}"
+
+
+def _family_input(members: List[Dict]) -> str:
+    """The input of a family's models: the multiple they share, and those that take only their own size."""
+    multiples = sorted({r["input_multiple"] for r in members if r["input_multiple"]})
+    fixed = [r for r in members if not r["input_multiple"]]
+    text = " or ".join(f"any multiple of {m}" for m in multiples)
+    if fixed:
+        text += (f"; {', '.join(r['model'] for r in fixed)}: {input_text(fixed[0])}" if text
+                 else input_text(fixed[0]))
+    return text
 
 
 def _has_weights(name: str) -> bool:

@@ -288,6 +288,8 @@ class ClassificationTask(Task):
         # linvision-validate --checkpoint evaluates with
         meta = {"model": cfg.model, "num_classes": num_classes, "in_chans": cfg.in_chans,
                 "model_kwargs": model_kwargs, **data_config, "classes": classes, "dataset": cfg.dataset}
+        if cfg.naflex_loader:  # trained at each image's own aspect: the sequence lengths, not img_size, say how
+            meta["naflex_train_seq_lens"] = list(cfg.naflex_train_seq_lens)
         return TaskParts(train_set, val_set, model, meta, num_classes)
 
     def optimizer_options(self, cfg: TrainConfig) -> Dict[str, Any]:
@@ -514,7 +516,8 @@ def _restore(run: _Run, state: Optional[Dict[str, Any]], external: Optional[Dict
         else:  # a new length: the schedule is rebuilt for it and continues from the current update
             run.scheduler.step_update(num_updates=state["global_step"])
             if info.is_main:
-                print(f"resume: schedule extended from {saved_epochs} to {cfg.epochs} epochs", flush=True)
+                change = "extended" if cfg.epochs > saved_epochs else "shortened"
+                print(f"resume: schedule {change} from {saved_epochs} to {cfg.epochs} epochs", flush=True)
         if run.scaler is not None and state.get("scaler"):
             run.scaler.load_state_dict(state["scaler"])
         if run.ema is not None and state.get("ema"):
@@ -679,6 +682,10 @@ def _train_epoch(run: _Run, epoch: int, stop: StopFlag) -> Optional[Dict[str, An
                 _save_last(run, epoch + 1 if done else epoch, 0 if done else step)
                 if signum:
                     raise TrainInterrupted(signum, run.run_dir, resume_command(run))
+                if info.is_main:
+                    print(f"stopped after step {run.global_step} (--stop-after-steps {cfg.stop_after_steps}); "
+                          f"checkpoint saved in {run.run_dir}/last; continue with: {resume_command(run)}",
+                          flush=True)
                 return {"stopped_at_step": run.global_step, "run_dir": run.run_dir}
     except TrainInterrupted:
         raise

@@ -121,9 +121,11 @@ class TrainConfig(Recipe):
     """Everything a classification run is made of (see the flags of ``linvision-train --help``)."""
 
     # data
-    dataset: str = _opt("folder", "'folder', 'digits', 'photos', 'photos_fine' or a torchvision dataset on disk: "
-                                  "'torch/<name>' (timm's spelling, e.g. torch/cifar10) or 'torchvision/<Name>'",
-                        group="data")
+    dataset: str = _opt("folder", "'folder' (--data-dir with train/ and val/), the offline sets 'digits', 'photos', "
+                                  "'photos_aspect' (photo crops at aspect ratios 1:3 to 3:1, for NaFlex) and "
+                                  "'photos_fine' (look-alike nature photographs, 96 px), or a "
+                                  "torchvision dataset on disk: 'torch/<name>' (timm's spelling, e.g. torch/cifar10) "
+                                  "or 'torchvision/<Name>'", group="data")
     data_dir: Optional[str] = _opt(None, "folder with train/ and val/ class sub-folders", group="data")
     img_size: int = _opt(224, "training and validation resolution", group="data", type=int)
     workers: int = _opt(0, "data-loading worker processes per rank", "-j", group="data", type=int)

@@ -200,7 +200,8 @@ def validate_checkpoint(checkpoint: Optional[str], dataset: Optional[str] = None
     transform: resized to at most that many patches, patchified, batched by timm's NaFlex collator; the model must
     take NaFlex batches), one result {"naflex_max_seq_len", ...} in place of the sizes.
 
-    Returns {"checkpoint", "model", "results": [{"img_size", "top1", "top5", "loss", "count"} or
+    Returns {"checkpoint", "model", "train_img_size" (or for a run trained on NaFlex batches
+    "train_naflex_seq_lens"), "results": [{"img_size", "top1", "top5", "loss", "count"} or
     {"img_size", "error"}, each with the "interpolation" and "crop_pct" it ran with]}; a segmenter's checkpoint
     (``linvision-train-seg``) is scored by :func:`~linvision.training.seg_validate.validate_segmenter` instead
     (mIoU and pixel accuracy). Raises FileNotFoundError for a missing checkpoint or data folder, ValueError for a
@@ -236,7 +237,9 @@ def validate_checkpoint(checkpoint: Optional[str], dataset: Optional[str] = None
             results = _validate_sizes(checkpoint, pretrained, meta, source, dataset, data_dir, sizes, batch_size,
                                       workers, amp, progress, info, interpolation, crop_pct, note)
         barrier(info)
-        return {"checkpoint": checkpoint or "pretrained", "model": meta["model"], "train_img_size": meta["img_size"],
-                "results": results}
+        # how it was trained: at its img_size, or on NaFlex batches (each image at its own aspect)
+        trained = ({"train_naflex_seq_lens": meta["naflex_train_seq_lens"]} if meta.get("naflex_train_seq_lens")
+                   else {"train_img_size": meta["img_size"]})
+        return {"checkpoint": checkpoint or "pretrained", "model": meta["model"], **trained, "results": results}
     finally:
         cleanup(info)

@@ -2,10 +2,16 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
+from typing import Iterator
 
 import torch
 
 __all__ = ["autocast"]
+
+# torch's rms_norm given a bf16/fp16 input and an fp32 weight (ViG's norms under autocast) takes its unfused path,
+# with the same result, and warns once per process: a line that lands in the middle of a progress bar
+_QUIET = "Mismatch dtype between input and weight"
 
 
 def autocast(device: torch.device, amp: str):
@@ -14,4 +20,12 @@ def autocast(device: torch.device, amp: str):
         raise ValueError(f"amp: expected 'none', 'bf16' or 'fp16', got {amp!r}")
     if amp == "none":
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
+    return _autocast(device.type, torch.bfloat16 if amp == "bf16" else torch.float16)
+
+
+@contextlib.contextmanager
+def _autocast(device_type: str, dtype: torch.dtype) -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_QUIET, category=UserWarning)
+        with torch.autocast(device_type=device_type, dtype=dtype):
+            yield

@@ -114,6 +114,7 @@ def load_pretrained(model: nn.Module, path: str) -> Dict[str, list]:
             raise ValueError(f"pretrained_path: tensor {k!r} in {path} is {v.dtype}, the model's is "
                              f"{own[k].dtype}: not weights of this model")
     skipped = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
+    shapes = {k: (tuple(state[k].shape), tuple(own[k].shape)) for k in skipped}
     for k in skipped:
         del state[k]
     result = model.load_state_dict(state, strict=False)
@@ -122,10 +123,28 @@ def load_pretrained(model: nn.Module, path: str) -> Dict[str, list]:
     unexpected = list(result.unexpected_keys)
     loaded = len(own) - len(missing) - len(skipped)
     if loaded < len(own) / 2:
-        raise ValueError(f"pretrained_path: {path} fits {loaded} of the model's {len(own)} tensors ({len(missing)} "
-                         f"missing, e.g. {missing[:3]}; {len(unexpected)} unexpected, e.g. {unexpected[:3]}); "
-                         f"is it a checkpoint of this model?")
+        raise ValueError(f"pretrained_path: {path} fits {loaded} of the model's {len(own)} tensors "
+                         f"({_misfits(shapes, missing, unexpected)}); is it a checkpoint of this model (and its "
+                         f"options)?")
     return {"skipped": skipped, "missing": missing, "unexpected": unexpected}
+
+
+def _misfits(shapes: Dict[str, tuple], missing: list, unexpected: list) -> str:
+    """What kept a checkpoint's tensors out: those of another shape (file's against the model's), those the file
+    lacks and those the model lacks, each with a few names; the kinds with none left out."""
+    def dims(shape: tuple) -> str:
+        return "x".join(map(str, shape)) or "scalar"
+
+    parts = []
+    if shapes:
+        shown = "; ".join(f"{k}: {dims(a)} in the file, {dims(b)} in the model"
+                          for k, (a, b) in list(shapes.items())[:3])
+        parts.append(f"{len(shapes)} of another shape, e.g. {shown}")
+    if missing:
+        parts.append(f"{len(missing)} missing from the file, e.g. {', '.join(missing[:3])}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} not in the model, e.g. {', '.join(unexpected[:3])}")
+    return "; ".join(parts)
 
 
 def _tensors(module: nn.Module) -> Dict[str, torch.Tensor]:

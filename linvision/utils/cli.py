@@ -44,11 +44,47 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: {value.replace('%', '%%')})".lstrip()
 
 
+class ToolParser(argparse.ArgumentParser):
+    """argparse's parser whose error for bad input is two lines, not the usage: the message with the nearest
+    flag or value (``unrecognized arguments: --epoch (did you mean --epochs?)``), then where the flags are
+    listed; exit status 2 as argparse's."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}{_suggestion(self, message)}\n"
+                     f"{self.prog} --help lists every flag\n")
+
+
+def _nearest(word: str, candidates) -> Optional[str]:
+    import difflib
+
+    found = difflib.get_close_matches(word, [str(c) for c in candidates], n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
+    """`` (did you mean X?)`` for an unknown flag or a value outside a flag's choices in argparse's ``message``,
+    or '' when nothing is near."""
+    flags = [s for action in parser._actions for s in action.option_strings]
+    unknown = re.match(r"unrecognized arguments: (.*)", message)
+    if unknown:
+        near = [(w, _nearest(w.split("=")[0], flags)) for w in unknown.group(1).split() if w.startswith("-")]
+        near = [f"{n} for {w}" if len(near) > 1 else n for w, n in near if n]
+        return f" (did you mean {', '.join(near)}?)" if near else ""
+    choice = re.match(r"argument ([^:]+): invalid choice: '?([^' ]+)'?", message)
+    if choice:
+        action = next((a for a in parser._actions if "/".join(a.option_strings) == choice.group(1)
+                       or a.dest == choice.group(1)), None)
+        near = _nearest(choice.group(2), action.choices) if action is not None and action.choices else None
+        return f" (did you mean {near}?)" if near else ""
+    return ""
+
+
 def tool_parser(prog: str, doc: Optional[str]) -> argparse.ArgumentParser:
     """The argument parser of the command ``prog``, described by ``doc`` (the tool's module docstring): the help
-    of :class:`HelpFormatter`, and no abbreviated flags (``--pretrained`` is not taken for ``--pretrained-path``;
-    an unknown flag is an error)."""
-    return argparse.ArgumentParser(prog=prog, description=doc, formatter_class=HelpFormatter, allow_abbrev=False)
+    of :class:`HelpFormatter`, no abbreviated flags (``--pretrained`` is not taken for ``--pretrained-path``;
+    an unknown flag is an error), and :class:`ToolParser`'s two-line errors that name the nearest flag or
+    value."""
+    return ToolParser(prog=prog, description=doc, formatter_class=HelpFormatter, allow_abbrev=False)
 
 
 AMP_CHOICES = ("none", "bf16", "fp16")
@@ -78,17 +114,90 @@ def add_amp_arg(parser) -> None:
 
 def run_cli(main: Callable[[], int]) -> None:
     """Run ``main`` and exit with its status; bad input (ValueError, TypeError, FileNotFoundError) prints
-    ``error: <message>`` on stderr and exits with status 2 instead of a traceback."""
+    ``error: <message>`` on stderr and exits with status 2 instead of a traceback. A run stopped by a signal
+    (after saving, :class:`~linvision.utils.interrupt.TrainInterrupted`) or by Ctrl-C anywhere else (building,
+    evaluating, timing) says so on stderr, flushed, and exits with 128 + the signal (130 for Ctrl-C), as a shell
+    expects of a program a signal ended; a standard output whose reader is gone (``| tee`` or ``| head`` ended
+    by the same Ctrl-C) neither hides that line nor changes the status."""
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _ReaderSafe(sys.stdout), _ReaderSafe(sys.stderr)
+    try:
+        status = _run(main)
+    finally:
+        sys.stdout, sys.stderr = streams
+    sys.exit(status or 0)
+
+
+def _run(main: Callable[[], int]) -> int:
+    """``main``'s status, or the status of what stopped it (see :func:`run_cli`), said on stderr."""
+    import signal
+
     from .interrupt import TrainInterrupted
 
     try:
         status = main()
     except TrainInterrupted as e:
-        print(str(e), file=sys.stderr, flush=True)
-        status = 128 + e.signum
+        status = _say(str(e), 128 + e.signum)
+    except KeyboardInterrupt:
+        status = _say("interrupted by SIGINT (Ctrl-C)", 128 + signal.SIGINT)
+    except BrokenPipeError:  # whoever read the output has stopped reading: nothing left to tell them
+        status = _say("", 128 + signal.SIGPIPE)
     except (ValueError, TypeError, FileNotFoundError) as e:
         # errors re-raised from DataLoader workers carry the worker's traceback; its last line is the message
         message = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        print(f"error: {message}", file=sys.stderr, flush=True)
-        status = 2
-    sys.exit(status or 0)
+        status = _say(f"error: {message}", 2)
+    return status
+
+
+class _ReaderSafe:
+    """A text stream whose reader may be gone (``| tee`` or ``| head`` ended by Ctrl-C): a write or flush that
+    finds the pipe broken sends the stream to /dev/null from then on instead of raising, so that a run stopped
+    by Ctrl-C goes on to its next step, saves and says so on the other stream."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _drop(self) -> None:
+        import os
+
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+        except (OSError, ValueError):
+            pass
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._drop()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._drop()
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def _say(message: str, status: int) -> int:
+    """``message`` on stderr, flushed, and standard output made safe to flush at exit (pointed at /dev/null when
+    its reader is gone, so that Python's last flush does not turn the exit status into 120); returns
+    ``status``."""
+    import os
+
+    try:
+        sys.stdout.flush()
+    except (BrokenPipeError, OSError, ValueError):
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+    if message:
+        try:
+            print(message, file=sys.stderr, flush=True)
+        except (BrokenPipeError, OSError, ValueError):
+            pass
+    return status

@@ -1,0 +1,119 @@
+"""Bad input at the boundaries: the right answer (checked against float64 formulas) or one line naming the
+argument, the value and what is allowed."""
+import re
+
+import pytest
+import torch
+
+import linvision.ops as O
+from linvision.ops.feature_maps import PerformerFeatureMap
+
+
+def _rand(*shape, shift=0.0, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64) * scale + shift
+
+
+def _stabilised_map(name):
+    if name == "exp":
+        return "exp"
+    return PerformerFeatureMap(16, generator=torch.Generator().manual_seed(0)).to("cpu")
+
+
+def _exp_formula(q, k, v, eps=1e-4):
+    """Non-causal linear attention with the exp map, as written in the manual: phi(q) per-token stabilised, phi(k)
+    stabilised by one max over all of the sample's keys (which cancels except against eps)."""
+    fq = torch.exp(q - q.amax(-1, keepdim=True))
+    fk = torch.exp(k - k.amax(dim=(-2, -1), keepdim=True))
+    s, z = torch.einsum("bhnd,bhne->bhde", fk, v) / k.shape[2], fk.mean(2)
+    return torch.einsum("bhnd,bhde->bhne", fq, s) / (torch.einsum("bhnd,bhd->bhn", fq, z) + eps)[..., None]
+
+
+@pytest.mark.parametrize("name", ["exp", "performer"])
+def test_a_padded_sample_gets_what_it_gets_alone_with_a_stabilised_map(name):
+    """Keys far below zero (exp) or spread wide (performer): a padded key must not enter the keys' max."""
+    d = 4 if name == "exp" else 16
+    q, k, v = _rand(2, 2, 10, d, seed=1), _rand(2, 2, 10, d, shift=-10 if name == "exp" else -3, seed=2), \
+        _rand(2, 2, 10, 3, seed=3)
+    k[1, :, 6:] = float("nan")  # the padding may hold anything
+    valid = torch.ones(2, 10, dtype=torch.bool)
+    valid[1, 6:] = False
+    phi = _stabilised_map(name)
+    k.requires_grad_(True)
+    out = O.linear_attention(q, k, v, phi, valid=valid)
+    alone_k = k[1:, :, :6].detach().clone().requires_grad_(True)
+    alone = O.linear_attention(q[1:, :, :6], alone_k, v[1:, :, :6], phi)
+    torch.testing.assert_close(out[1:, :, :6], alone, rtol=1e-12, atol=1e-12)
+    assert torch.equal(out[1, :, 6:], torch.zeros_like(out[1, :, 6:]))
+    if name == "exp":
+        torch.testing.assert_close(alone, _exp_formula(q[1:, :, :6], alone_k.detach(), v[1:, :, :6]))
+    out[1:, :, :6].sum().backward()
+    alone.sum().backward()
+    torch.testing.assert_close(k.grad[1:, :, :6], alone_k.grad, rtol=1e-10, atol=1e-12)
+    assert torch.equal(k.grad[1, :, 6:], torch.zeros_like(k.grad[1, :, 6:]))
+
+
+def _later_nonfinite_ops():
+    g = -torch.rand(1, 2, 16, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    gd = -torch.rand(1, 2, 16, 4, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    beta = torch.rand(1, 2, 16, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    return {
+        "causal": lambda q, k, v: O.linear_attention(q, k, v, causal=True, chunk_size=8),
+        "gated": lambda q, k, v: O.gated_linear_attention(q, k, v, g, chunk_size=8, backend="torch"),
+        "gated_per_channel": lambda q, k, v: O.gated_linear_attention(q, k, v, gd, chunk_size=8, backend="torch"),
+        "unnormalised": lambda q, k, v: O.decay_linear_attention(q, k, v, 0.9, normalize=False, chunk_size=8),
+        "delta": lambda q, k, v: O.delta_rule_attention(q, k, v, beta, chunk_size=8, backend="torch"),
+    }
+
+
+@pytest.mark.parametrize("op", sorted(_later_nonfinite_ops()))
+@pytest.mark.parametrize("where,value", [("v", float("nan")), ("v", float("inf")), ("k", float("inf")),
+                                         ("k", float("nan"))])
+def test_a_non_finite_later_token_never_reaches_an_earlier_output(op, where, value):
+    """Token 13 (inside the second chunk of 8) holds a NaN or inf: outputs before it are those of the clean input."""
+    fn = _later_nonfinite_ops()[op]
+    q, k, v = _rand(1, 2, 16, 4, seed=7), _rand(1, 2, 16, 4, seed=8), _rand(1, 2, 16, 4, seed=9)
+    clean = fn(q, k, v)
+    bad = {"k": k.clone(), "v": v.clone()}
+    bad[where][0, 0, 13, 1] = value
+    out = fn(q, bad["k"], bad["v"])
+    torch.testing.assert_close(out[:, :, :13], clean[:, :, :13], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out[:, 1], clean[:, 1], rtol=1e-12, atol=1e-12)  # the other head
+    assert not torch.isfinite(out[0, 0, 13:]).all()
+
+
+def _empty(*tail):
+    return torch.randn(0, 2, 5, *tail)
+
+
+@pytest.mark.parametrize("op", ["causal", "gated", "decay", "delta", "bidirectional_gated", "bidirectional_delta",
+                                "noncausal"])
+def test_an_empty_batch_gives_an_empty_batch(op):
+    q, k, v, gate = _empty(4), _empty(4), _empty(3), torch.zeros(0, 2, 5)
+    run = {
+        "causal": lambda: O.linear_attention(q, k, v, causal=True),
+        "noncausal": lambda: O.linear_attention(q, k, v),
+        "gated": lambda: O.gated_linear_attention(q, k, v, gate),
+        "decay": lambda: O.decay_linear_attention(q, k, v, 0.9),
+        "delta": lambda: O.delta_rule_attention(q, k, v, gate),
+        "bidirectional_gated": lambda: O.bidirectional_gated_linear_attention(q, k, v, gate),
+        "bidirectional_delta": lambda: O.bidirectional_delta_rule_attention(q, k, v, gate),
+    }[op]
+    assert run().shape == (0, 2, 5, 3)
+
+
+@pytest.mark.parametrize("lengths,bad", [([13, 20], 20), ([13, -2], -2), ([0, 13], 0)])
+@pytest.mark.parametrize("op", ["gated", "delta"])
+def test_lengths_out_of_range_are_refused_in_one_line(op, lengths, bad):
+    q, k, v = _rand(2, 2, 13, 4), _rand(2, 2, 13, 4), _rand(2, 2, 13, 4)
+    fn = O.bidirectional_gated_linear_attention if op == "gated" else O.bidirectional_delta_rule_attention
+    gate = torch.zeros(2, 2, 13, dtype=torch.float64) if op == "gated" else torch.ones(2, 2, 13, dtype=torch.float64)
+    with pytest.raises(ValueError, match=re.escape(f"lengths: every value must lie in 1..N = 1..13, got {bad}")):
+        fn(q, k, v, gate, lengths=torch.tensor(lengths))
+
+
+def test_a_decay_of_the_wrong_type_is_refused_in_one_line():
+    q = _rand(1, 2, 5, 4)
+    with pytest.raises(TypeError, match=re.escape("decay: expected a float in (0, 1] or a tensor with one per "
+                                                  "head, got '0.9'")):
+        O.decay_linear_attention(q, q, q, "0.9")

@@ -117,3 +117,48 @@ def test_a_decay_of_the_wrong_type_is_refused_in_one_line():
     with pytest.raises(TypeError, match=re.escape("decay: expected a float in (0, 1] or a tensor with one per "
                                                   "head, got '0.9'")):
         O.decay_linear_attention(q, q, q, "0.9")
+
+
+# --- mixers: options checked at construction, tokens checked before any work
+
+@pytest.mark.parametrize("mixer,options,error,line", [
+    ("gated_cnn", {"kernel_size": 2}, ValueError, "kernel_size: must be an odd int >= 1, got 2"),
+    ("gated_cnn", {"kernel_size": 0}, ValueError, "kernel_size: must be an odd int >= 1, got 0"),
+    ("gated_cnn", {"expansion_ratio": 0}, ValueError, "expansion_ratio: must lie in (0.0, inf), got 0"),
+    ("gated_cnn", {"expansion_ratio": "2"}, TypeError, "expansion_ratio: expected a number, got '2'"),
+    ("gated_cnn", {"expansion_ratio": 0.01}, ValueError,
+     "expansion_ratio: 0.01 gives 0 hidden channels at dim=32; need at least 1"),
+    ("swin_window", {"window": 2.5}, ValueError, "window: must be an int >= 1, got 2.5"),
+    ("hybrid", {"window": 0}, ValueError, "window: must be an int >= 1, got 0"),
+    ("cswin_stripes", {"stripe": True}, ValueError, "stripe: must be an int >= 1, got True"),
+    ("agent", {"agent_grid": (7, 0)}, ValueError,
+     "agent_grid: expected a positive int or (rows, cols) of positive ints, got (7, 0)"),
+    ("linear", {"lepe": True, "lepe_kernel": 4}, ValueError, "lepe_kernel: must be an odd int >= 1, got 4"),
+    ("linear", {"proj_drop": 1.5}, ValueError, "proj_drop: must lie in [0.0, 1.0], got 1.5"),
+])
+def test_a_bad_mixer_option_is_refused_at_construction_in_one_line(mixer, options, error, line):
+    from linvision.layers import create_mixer
+    with pytest.raises(error, match="^" + re.escape(line) + "$"):
+        create_mixer(mixer, 32, 2, **options)
+
+
+def test_an_agent_grid_of_one_int_is_a_square_grid():
+    from linvision.layers import create_mixer
+    torch.manual_seed(0)
+    one, pair = create_mixer("agent", 32, 2, agent_grid=3), create_mixer("agent", 32, 2, agent_grid=(3, 3))
+    pair.load_state_dict(one.state_dict())
+    x = torch.randn(2, 36, 32)
+    assert one.agent_grid == (3, 3)
+    torch.testing.assert_close(one(x, (6, 6)), pair(x, (6, 6)))
+
+
+@pytest.mark.parametrize("mixer", ["linear", "gated_cnn", "mlla", "vig_gla", "swin_window"])
+@pytest.mark.parametrize("shape", [(64, 32), (1, 64, 16), (1, 1, 64, 32)])
+def test_tokens_of_the_wrong_rank_or_width_are_refused_by_every_mixer_in_one_line(mixer, shape):
+    from linvision.layers import create_mixer
+    m = create_mixer(mixer, 32, 2)
+    line = f"x: the {mixer!r} mixer takes tokens (B, N, C) with C = 32, got shape {shape}"
+    with pytest.raises(ValueError, match="^" + re.escape(line) + "$"):
+        m(torch.randn(*shape), (8, 8))
+    with pytest.raises(TypeError, match="^x: expected a torch.Tensor of tokens"):
+        m([[0.0] * 32], (8, 8))

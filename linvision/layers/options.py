@@ -1,12 +1,49 @@
 """How a model's options reach its parts: one merge of entry-point defaults with the caller's keywords, and the
-options of each stage's token mixer, where the family's defaults may go unused but the caller's never vanish."""
+options of each stage's token mixer, where the family's defaults may go unused but the caller's never vanish; and
+the checks of options at construction (sizes, ratios, grids), each refusal one line naming the option, the value
+and what is allowed."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+import numbers
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from linvision.ops.common import check_grid, check_int
 
 from .registry import MixerSpec, _mixer_name, mixer_options
 
-__all__ = ["merge_options", "stage_mixer_options"]
+__all__ = ["merge_options", "stage_mixer_options", "check_size", "check_number", "check_square_grid"]
+
+
+def check_size(name: str, value: Any, minimum: int = 1, odd: bool = False) -> int:
+    """``value`` if it is an int (not a bool) >= ``minimum`` (and odd with ``odd``: a kernel that keeps the grid's
+    size); ValueError naming ``name``, the value and what is allowed otherwise."""
+    if odd and not (isinstance(value, int) and not isinstance(value, bool) and value >= minimum and value % 2):
+        raise ValueError(f"{name}: must be an odd int >= {minimum}, got {value!r}")
+    return check_int(name, value, minimum)
+
+
+def check_number(name: str, value: Any, low: float = 0.0, high: Optional[float] = None,
+                 closed_low: bool = False) -> float:
+    """``value`` as a float if it is a real number (not a bool) in (low, high] ([low, high] with ``closed_low``;
+    no upper bound without ``high``); TypeError for anything but a number, ValueError out of range, naming
+    ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a number, got {value!r}")
+    above = value >= low if closed_low else value > low
+    if not (above and (high is None or value <= high)):
+        interval = f"{'[' if closed_low else '('}{low}, {'inf)' if high is None else f'{high}]'}"
+        raise ValueError(f"{name}: must lie in {interval}, got {value!r}")
+    return float(value)
+
+
+def check_square_grid(name: str, value: Any) -> Tuple[int, int]:
+    """(rows, cols) from one positive int (a square grid) or a pair of them; ValueError naming ``name``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = (value, value)
+    try:
+        return check_grid(value, name=name)
+    except ValueError:
+        raise ValueError(f"{name}: expected a positive int or (rows, cols) of positive ints, got {value!r}") from None
 
 
 def merge_options(*defaults: Optional[Mapping[str, Any]], **kwargs: Any) -> Dict[str, Any]:

@@ -22,7 +22,7 @@ from timm.layers import Mlp, PatchEmbed, trunc_normal_
 from timm.models.swin_transformer import PatchMerging, get_relative_position_index
 from torch import Tensor, nn
 
-from linvision.layers import create_mixer, init_model_weights, merge_options, register_mixer
+from linvision.layers import check_size, create_mixer, init_model_weights, merge_options, register_mixer
 from linvision.layers.mixers import AttentionMixer, window_merge, window_partition
 from linvision.layers.registry import MixerSpec, mixer_options
 from linvision.ops import Rope
@@ -51,8 +51,7 @@ class SwinWindowAttention(AttentionMixer):
 
     def __init__(self, dim: int, num_heads: int, *, window: int = 7, shift: bool = False, **kwargs):
         super().__init__(dim, num_heads, **kwargs)
-        if window < 1:
-            raise ValueError(f"window: must be >= 1, got {window}")
+        check_size("window", window)
         if self.rope_type is not None:
             raise ValueError(f"rope: swin_window places tokens by its relative position bias, not RoPE; got "
                              f"{self.rope_type!r}")

@@ -162,3 +162,74 @@ def test_tokens_of_the_wrong_rank_or_width_are_refused_by_every_mixer_in_one_lin
         m(torch.randn(*shape), (8, 8))
     with pytest.raises(TypeError, match="^x: expected a torch.Tensor of tokens"):
         m([[0.0] * 32], (8, 8))
+
+
+# --- models: images checked at the entry, empty batches, the sizes the manual promises
+
+SMALL_VIT = dict(embed_dim=32, depth=1, num_heads=2)
+SMALL_HIER = dict(depths=(1, 1, 1, 1), dims=(16, 32, 32, 48), num_heads=(1, 2, 2, 3))
+# the smallest model of every family, reduced to CPU size
+FAMILIES = ["linvit_tiny_patch16_rope_224", "linhier_tiny_224", "linhier_delta_femto_224", "linhier_gcnn_femto_224",
+            "mlla_tiny", "ravlt_tiny", "mavit_tiny", "pola_swin_tiny", "inline_swin_tiny", "pola_pvt_tiny",
+            "inline_pvt_tiny", "inline_cswin_tiny", "vig_tiny", "vig_h_tiny", "inline_deit_tiny"]
+
+
+def small_model(name, **kwargs):
+    import timm
+
+    import linvision  # noqa: F401  (registers the models)
+    isotropic = name.startswith(("linvit", "vig", "inline_deit")) and not name.startswith("vig_h")
+    size = dict(SMALL_VIT, img_size=64) if name.startswith("inline_deit") else SMALL_VIT if isotropic else SMALL_HIER
+    torch.manual_seed(0)
+    return timm.create_model(name, num_classes=5, **size, **kwargs).eval()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_family_checks_its_images_in_one_line_and_takes_an_empty_batch(name):
+    model = small_model(name)
+    for shape in [(3, 64, 64), (1, 4, 64, 64)]:
+        line = f"x: expected images (B, 3, H, W) with H, W >= 1 (in_chans=3), got shape {shape}"
+        with pytest.raises(ValueError, match="^" + re.escape(line) + "$"):
+            model(torch.randn(*shape))
+    with pytest.raises(TypeError, match=re.escape("x: expected floating-point images, got dtype torch.uint8")):
+        model(torch.zeros(1, 3, 64, 64, dtype=torch.uint8))
+    with torch.no_grad():
+        assert model(torch.randn(0, 3, 64, 64)).shape == (0, 5)
+
+
+def test_a_fixed_size_or_patch_grid_is_said_in_one_line():
+    fixed = small_model("linvit_tiny_patch16_224", img_size=64)
+    with pytest.raises(ValueError, match=re.escape("x: this model takes 64x64 images (a fixed position embedding; "
+                                                   "dynamic_img_size=True resamples it), got 32x64")):
+        fixed(torch.randn(1, 3, 32, 64))
+    with pytest.raises(ValueError, match=re.escape("x: height and width must be multiples of the patch size 16x16, "
+                                                   "got 31x17")):
+        small_model("linvit_tiny_patch16_rope_224")(torch.randn(1, 3, 31, 17))
+
+
+@pytest.mark.parametrize("name", ["pola_swin_tiny", "inline_pvt_tiny", "pola_pvt_tiny", "inline_cswin_tiny",
+                                  "vig_tiny"])
+def test_the_layouts_run_at_the_sizes_their_page_promises(name):
+    """An image smaller than a stem's or stage entry's kernel is padded to it with zeros at the bottom and right:
+    the logits are those of the image placed by hand on a zero canvas of the kernel's size (float64)."""
+    model = small_model(name).double()
+    conv = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d))  # the stem's first conv
+    least = [k - 2 * p for k, p in zip(conv.kernel_size, conv.padding)]
+    for size in [(1, 1), (2, 3), (15, 15), (31, 17)]:
+        x = _rand(1, 3, *size, seed=10)
+        canvas = torch.zeros(1, 3, max(size[0], least[0]), max(size[1], least[1]), dtype=torch.float64)
+        canvas[:, :, :size[0], :size[1]] = x
+        with torch.no_grad():
+            out = model(x)
+            assert out.shape == (1, 5) and torch.isfinite(out).all()
+            torch.testing.assert_close(model(canvas), out, rtol=1e-12, atol=1e-12)
+
+
+def test_pad_to_kernel_pads_only_what_is_smaller_than_the_kernel():
+    from linvision.layers.options import pad_to_kernel
+    conv = torch.nn.Conv2d(1, 1, 9, stride=8, padding=1)
+    x = torch.randn(1, 1, 3, 8)
+    padded = pad_to_kernel(x, conv)
+    assert padded.shape == (1, 1, 7, 8) and torch.equal(padded[:, :, :3], x) and not padded[:, :, 3:].any()
+    big = torch.randn(1, 1, 7, 7)
+    assert pad_to_kernel(big, conv) is big

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from timm.layers import Mlp
 from torch import Tensor, nn
 
-from linvision.layers import check_size, merge_options, register_mixer
+from linvision.layers import check_size, merge_options, pad_to_kernel, register_mixer
 from linvision.layers.mixers import AttentionMixer
 from linvision.ops import Rope, is_tracing
 
@@ -115,7 +115,7 @@ class CswinStem(nn.Module):
         self.norm = nn.LayerNorm(dim)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.norm(self.proj(x).permute(0, 2, 3, 1))
+        return self.norm(self.proj(pad_to_kernel(x, self.proj)).permute(0, 2, 3, 1))
 
 
 def cswin_published_name(name: str) -> Optional[str]:

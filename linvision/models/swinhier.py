@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
-from timm.layers import Mlp, PatchEmbed, trunc_normal_
+from timm.layers import Mlp, trunc_normal_
 from timm.models.swin_transformer import PatchMerging, get_relative_position_index
 from torch import Tensor, nn
 
@@ -28,6 +28,7 @@ from linvision.layers.registry import MixerSpec, mixer_options
 from linvision.ops import Rope
 
 from .linhier import LinHier
+from .pvthier import PvtPatchEmbed
 from .published import build_published, unwrap_state_dict
 
 __all__ = ["SwinHier", "SwinWindowAttention", "swin_stem", "swin_published_name", "swin_checkpoint_filter",
@@ -111,8 +112,9 @@ class SwinWindowAttention(AttentionMixer):
 
 
 def swin_stem(in_chans: int, dim: int) -> nn.Module:
-    """Swin's patch embedding: a 4x4 conv of stride 4 and LayerNorm, channels-last out."""
-    return PatchEmbed(None, 4, in_chans, dim, norm_layer=nn.LayerNorm, output_fmt="NHWC")
+    """Swin's patch embedding: a 4x4 conv of stride 4 and LayerNorm, channels-last out (timm's ``PatchEmbed``, as
+    PVT's stage entry without a position embedding: an image smaller than 4x4 is padded to one patch)."""
+    return PvtPatchEmbed(in_chans, dim, 4)
 
 
 class SwinHier(LinHier):

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from linvision.layers import TokenLayout, merge_options, register_mixer
+from linvision.layers.options import pad_to_kernel
 from linvision.layers.recurrent import BidirGatedAttention
 from linvision.layers.registry import check_layout, check_prefix_tokens
 from linvision.ops import check_grid, compute_dtype, gated_linear_attention, is_tracing
@@ -175,7 +176,7 @@ class VigStem(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.proj(x).permute(0, 2, 3, 1)
+        return self.proj(pad_to_kernel(x, self.proj[0])).permute(0, 2, 3, 1)
 
 
 def swiglu_mlp(in_features: int, hidden_features: int, act_layer: type = nn.SiLU, drop: float = 0.0) -> nn.Module:

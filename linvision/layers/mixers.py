@@ -49,6 +49,7 @@ from linvision.ops.common import FEATURE_MAPS, feature_map_name, feature_maps_wh
 from linvision.ops.feature_maps import orthogonal_random_projection
 
 from .layout import TokenLayout
+from .options import check_number, check_size
 from .registry import TokenMixer, check_layout, check_prefix_tokens, register_mixer
 
 __all__ = [
@@ -134,8 +135,10 @@ class AttentionMixer(TokenMixer):
         lepe_kernel: int = 3, gate: bool = False, qkv_bias: bool = True, proj_drop: float = 0.0,
     ):
         super().__init__()
-        if num_heads < 1 or dim % num_heads != 0:
+        check_size("dim", dim)
+        if check_size("num_heads", num_heads) and dim % num_heads != 0:
             raise ValueError(f"num_heads: {num_heads} must be >= 1 and divide dim={dim}")
+        check_number("proj_drop", proj_drop, 0.0, 1.0, closed_low=True)
         if rope not in ROPE_TYPES:
             raise ValueError(f"rope: unknown {rope!r}; allowed: {ROPE_TYPES}")
         if not 0.0 < rope_fraction <= 1.0:
@@ -145,8 +148,7 @@ class AttentionMixer(TokenMixer):
             raise ValueError(f"rope_fraction: only axial RoPE turns a fraction of its channels; rope is {rope!r}")
         if rope_origin not in ROPE_ORIGINS:
             raise ValueError(f"rope_origin: unknown {rope_origin!r}; allowed: {', '.join(ROPE_ORIGINS)}")
-        if lepe_kernel < 1 or lepe_kernel % 2 == 0:
-            raise ValueError(f"lepe_kernel: must be an odd size >= 1, got {lepe_kernel}")
+        check_size("lepe_kernel", lepe_kernel, odd=True)
         self.dim = dim
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
@@ -404,7 +406,7 @@ def window_partition(x: Tensor, hw: Tuple[int, int], window: int) -> Tuple[Tenso
     valid = torch.zeros(hp, wp, dtype=torch.bool, device=x.device)
     valid[:h, :w] = True
     valid = valid.reshape(hp // window, window, wp // window, window).transpose(1, 2).reshape(-1, window * window)
-    return grid.reshape(b, nh, -1, window * window, d), valid, (hp, wp)
+    return grid.reshape(b, nh, valid.shape[0], window * window, d), valid, (hp, wp)
 
 
 def window_merge(x: Tensor, hw: Tuple[int, int], padded: Tuple[int, int], window: int) -> Tensor:
@@ -434,9 +436,7 @@ class HybridAttention(LinearAttention):
 
     def __init__(self, dim: int, num_heads: int, *, window: int = 7, **kwargs):
         super().__init__(dim, num_heads, **kwargs)
-        if window < 1:
-            raise ValueError(f"window: must be >= 1, got {window}")
-        self.window = window
+        self.window = check_size("window", window)
         self.mix_logit = nn.Parameter(torch.zeros(num_heads))  # sigmoid(0) = 0.5: equal start
 
     @torch.jit.ignore
@@ -479,10 +479,16 @@ class GatedConvMixer(TokenMixer):
         conv_ratio: float = 1.0, act_layer: Type[nn.Module] = nn.GELU, proj_drop: float = 0.0,
     ):
         super().__init__()
-        hidden = int(expansion_ratio * dim)
-        conv_channels = int(conv_ratio * dim)
+        self.dim = check_size("dim", dim)
+        hidden = int(check_number("expansion_ratio", expansion_ratio) * dim)
+        if hidden < 1:
+            raise ValueError(f"expansion_ratio: {expansion_ratio} gives {hidden} hidden channels at dim={dim}; "
+                             "need at least 1")
+        conv_channels = int(check_number("conv_ratio", conv_ratio) * dim)
         if not 0 < conv_channels <= hidden:
             raise ValueError(f"conv_ratio: {conv_ratio} gives {conv_channels} conv channels; need 1..{hidden}")
+        check_size("kernel_size", kernel_size, odd=True)
+        check_number("proj_drop", proj_drop, 0.0, 1.0, closed_low=True)
         self.split = (hidden, hidden - conv_channels, conv_channels)
         self.fc1 = nn.Linear(dim, 2 * hidden)
         self.act = act_layer()
@@ -495,5 +501,5 @@ class GatedConvMixer(TokenMixer):
         h, w = check_grid(hw, x.shape[1], name="hw")
         g, i, c = torch.split(self.fc1(x), self.split, dim=-1)
         b = x.shape[0]
-        c = self.conv(c.transpose(1, 2).reshape(b, -1, h, w)).flatten(2).transpose(1, 2)  # (B, N, conv)
+        c = self.conv(c.transpose(1, 2).reshape(b, c.shape[-1], h, w)).flatten(2).transpose(1, 2)  # (B, N, conv)
         return self.proj_drop(self.fc2(self.act(g) * torch.cat((i, c), dim=-1)))

@@ -193,7 +193,7 @@ class BidirGatedAttention(BidirectionalRecurrentMixer):
         b, n, _ = x.shape
         # (B, N, heads * G) log-gates in fp32 whatever the autocast dtype (float64 for float64): they are summed
         log_gate = F.logsigmoid(self.forget_gate(x).to(compute_dtype(x.dtype))) / self.forget_temperature
-        log_gate = log_gate.reshape(b, n, self.num_heads, -1).transpose(1, 2)  # (B, heads, N, G)
+        log_gate = log_gate.unflatten(-1, (self.num_heads, log_gate.shape[-1] // self.num_heads)).transpose(1, 2)  # (B, heads, N, G)
         return bidirectional_gated_linear_attention(
             q, k, v, log_gate, self.phi(), eps=self.eps, chunk_size=self.chunk_size, backend=self.backend,
             lengths=lengths,

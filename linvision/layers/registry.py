@@ -65,6 +65,11 @@ class TokenMixer(nn.Module):
     reads_block_input = False
     recompute_attend = False
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # the tokens' rank and channels, checked before any work (forward's own checks see the grid)
+        self.register_forward_pre_hook(_check_mixer_input, with_kwargs=True)
+
     def init_weights(self) -> None:
         """Re-apply the mixer's own initialisation: here its own ``reset_parameters()``, when its class defines
         one, else nothing."""
@@ -80,6 +85,18 @@ class TokenMixer(nn.Module):
     def options(cls) -> List[str]:
         """The keyword options this mixer takes besides dim and num_heads."""
         return mixer_options(cls)
+
+
+def _check_mixer_input(mixer: nn.Module, args: tuple, kwargs: dict) -> None:
+    """The pre-hook of every :class:`TokenMixer`: x a (B, N, C) tensor with C the mixer's ``dim`` (where it has
+    one); TypeError / ValueError in one line naming x, its shape and what the mixer takes."""
+    x = args[0] if args else kwargs.get("x")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor of tokens (B, N, C), got {type(x).__name__}")
+    dim = getattr(mixer, "dim", None)
+    if x.dim() != 3 or (isinstance(dim, int) and x.shape[-1] != dim):
+        raise ValueError(f"x: the {_mixer_name(mixer)!r} mixer takes tokens (B, N, C) with C = "
+                         f"{dim if isinstance(dim, int) else 'its dim'}, got shape {tuple(x.shape)}")
 
 
 def register_mixer(name: str, *aliases: str) -> Callable[[Type[nn.Module]], Type[nn.Module]]:

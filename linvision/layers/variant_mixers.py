@@ -40,6 +40,7 @@ from linvision.ops.attention_variants import (
 )
 
 from .mixers import AttentionMixer
+from .options import check_square_grid
 from .registry import register_mixer
 
 __all__ = ["PolaAttention", "InLineAttention", "OutputModulation", "RALAttention", "RALAPremodAttention",
@@ -110,7 +111,7 @@ class InLineAttention(AttentionMixer):
             return out
         b, nh, n, d = v.shape
         h, w = hw
-        weights = self.local(x.transpose(1, 2).reshape(b, -1, h, w)).reshape(b, nh, 9, n)
+        weights = self.local(x.transpose(1, 2).reshape(b, x.shape[-1], h, w)).reshape(b, nh, 9, n)
         patches = F.unfold(v.transpose(2, 3).reshape(b * nh, d, h, w), 3, padding=1).reshape(b, nh, d, 9, n)
         return out + torch.einsum("bhdtn,bhtn->bhnd", patches, weights)
 
@@ -200,9 +201,7 @@ class AgentAttention(AttentionMixer):
         if rope is not None:
             raise ValueError("rope: agent attention takes no RoPE (an agent averages many positions and has no "
                              "single rotation); use LePE/CPE for positions")
-        agent_grid = tuple(agent_grid)
-        if len(agent_grid) != 2 or not all(isinstance(a, int) and a > 0 for a in agent_grid):
-            raise ValueError(f"agent_grid: expected (rows, cols) of positive ints, got {agent_grid!r}")
+        agent_grid = check_square_grid("agent_grid", agent_grid)
         super().__init__(dim, num_heads, lepe=lepe, **kwargs)
         self.agent_grid = agent_grid
 

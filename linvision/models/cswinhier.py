@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from timm.layers import Mlp
 from torch import Tensor, nn
 
-from linvision.layers import merge_options, register_mixer
+from linvision.layers import check_size, merge_options, pad_to_kernel, register_mixer
 from linvision.layers.mixers import AttentionMixer
 from linvision.ops import Rope, is_tracing
 
@@ -50,8 +50,7 @@ class CswinStripeAttention(AttentionMixer):
         super().__init__(dim, num_heads, lepe_kernel=lepe_kernel, **kwargs)
         if self.rope_type is not None:
             raise ValueError(f"rope: cswin_stripes places tokens by its LePE, not RoPE; got {self.rope_type!r}")
-        if stripe < 1:
-            raise ValueError(f"stripe: must be >= 1, got {stripe}")
+        check_size("stripe", stripe)
         if num_heads % 2:
             raise ValueError(f"num_heads: cswin_stripes splits the heads between vertical and horizontal stripes, "
                              f"so needs an even count, got {num_heads}")
@@ -122,7 +121,7 @@ class CswinStem(nn.Module):
         self.norm = nn.LayerNorm(dim)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.norm(self.proj(x).permute(0, 2, 3, 1))
+        return self.norm(self.proj(pad_to_kernel(x, self.proj)).permute(0, 2, 3, 1))
 
 
 def cswin_published_name(name: str) -> Optional[str]:

@@ -33,6 +33,7 @@ from timm.models._features import feature_take_indices
 
 from linvision.layers import (MixerBlock, init_model_weights, merge_options, no_weight_decay_of, parse_mixer_list,
                               stage_mixer_options)
+from linvision.layers.options import check_images
 from linvision.layers.registry import MixerSpec, mixer_options
 
 from .published import require_weights, unwrap_state_dict
@@ -396,6 +397,7 @@ class LinHier(nn.Module):
         stages = self.stages[: max_index + 1] if stop_early else self.stages
         last = len(self.stages) - 1
         intermediates = []
+        check_images(x, self.in_chans)
         x = self.stem(x)
         for i, stage in enumerate(stages):
             x = stage(x)
@@ -438,6 +440,7 @@ class LinHier(nn.Module):
 
     def forward_features(self, x: Tensor) -> Tensor:
         """(B, in_chans, H, W) -> (B, H/32, W/32, num_features) channels-last."""
+        check_images(x, self.in_chans)
         return self.final(self.stages(self.stem(x)))
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:

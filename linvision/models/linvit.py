@@ -61,6 +61,7 @@ from timm.models._features import feature_take_indices
 from linvision.layers import (MixerBlock, TokenLayout, check_prefix_tokens, init_model_weights, merge_options, mixer_options,
                               no_weight_decay_of, parse_mixer_list, stage_mixer_options)
 from linvision.layers.mixers import ROPE_TYPES
+from linvision.layers.options import check_images
 
 from .published import explain_failed_download, require_weights, unwrap_state_dict
 
@@ -220,6 +221,10 @@ class LinViT(nn.Module):
     def _embed(self, x: Tensor) -> Tuple[Tensor, Tuple[int, int]]:
         """(B, C_in, H, W) -> (tokens (B, prefix + H/p * W/p, C) with the absolute position embedding added, the
         patch grid (H/p, W/p)); timm's ViT order: class token, register tokens, patch tokens in raster order."""
+        embed = self.patch_embed  # the sizes timm's PatchEmbed asserts, checked in one line (ViG's stem takes any)
+        strict, padded = getattr(embed, "strict_img_size", False), getattr(embed, "dynamic_img_pad", True)
+        check_images(x, self.in_chans, size=embed.img_size if strict else None,
+                     multiple=None if strict or padded else embed.patch_size)
         x = self.patch_embed(x)
         b, h, w, c = x.shape
         x = x.reshape(b, h * w, c)

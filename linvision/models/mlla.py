@@ -92,6 +92,7 @@ class MllaMixer(TokenMixer):
     def __init__(self, dim: int, num_heads: int, *, feature_map: str = "elu", eps: float = 1e-6,
                  rope: Optional[str] = "axial", qkv_bias: bool = True, proj_drop: float = 0.0):
         super().__init__()
+        self.dim = dim
         self.in_proj = nn.Linear(dim, dim)
         self.act_proj = nn.Linear(dim, dim)
         self.dwc = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)

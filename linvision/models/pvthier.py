@@ -22,6 +22,7 @@ from timm.layers import Mlp, PatchEmbed, register_notrace_module, resample_abs_p
 from torch import Tensor, nn
 
 from linvision.layers import merge_options
+from linvision.layers.options import pad_to_kernel
 
 from .linhier import LinHier, StageSpec, linhier_layout, stage_grids
 from .published import build_published, map_mixer_groups, unwrap_state_dict
@@ -60,7 +61,7 @@ class PvtPatchEmbed(PatchEmbed):
                                       interpolation="bilinear", antialias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        x = super().forward(x.permute(0, 3, 1, 2) if self.channels_last else x)
+        x = super().forward(pad_to_kernel(x.permute(0, 3, 1, 2) if self.channels_last else x, self.proj))
         if self.pos_embed is None:
             return x
         b, h, w, c = x.shape

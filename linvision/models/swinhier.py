@@ -20,16 +20,17 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
-from timm.layers import Mlp, PatchEmbed, trunc_normal_
+from timm.layers import Mlp, trunc_normal_
 from timm.models.swin_transformer import PatchMerging, get_relative_position_index
 from torch import Tensor, nn
 
-from linvision.layers import merge_options, register_mixer
+from linvision.layers import check_size, merge_options, register_mixer
 from linvision.layers.mixers import AttentionMixer, window_merge, window_partition
 from linvision.layers.registry import MixerSpec, mixer_options
 from linvision.ops import Rope
 
 from .linhier import LinHier, StageSpec, linhier_layout
+from .pvthier import PvtPatchEmbed
 from .published import build_published, unwrap_state_dict
 
 __all__ = ["SwinHier", "SwinWindowAttention", "swin_layout", "swin_stem", "swin_published_name",
@@ -53,8 +54,7 @@ class SwinWindowAttention(AttentionMixer):
 
     def __init__(self, dim: int, num_heads: int, *, window: int = 7, shift: bool = False, **kwargs):
         super().__init__(dim, num_heads, **kwargs)
-        if window < 1:
-            raise ValueError(f"window: must be >= 1, got {window}")
+        check_size("window", window)
         if self.rope_type is not None:
             raise ValueError(f"rope: swin_window places tokens by its relative position bias, not RoPE; got "
                              f"{self.rope_type!r}")
@@ -119,8 +119,9 @@ class SwinWindowAttention(AttentionMixer):
 
 
 def swin_stem(in_chans: int, dim: int) -> nn.Module:
-    """Swin's patch embedding: a 4x4 conv of stride 4 and LayerNorm, channels-last out."""
-    return PatchEmbed(None, 4, in_chans, dim, norm_layer=nn.LayerNorm, output_fmt="NHWC")
+    """Swin's patch embedding: a 4x4 conv of stride 4 and LayerNorm, channels-last out (timm's ``PatchEmbed``, as
+    PVT's stage entry without a position embedding: an image smaller than 4x4 is padded to one patch)."""
+    return PvtPatchEmbed(in_chans, dim, 4)
 
 
 def swin_layout(*, lead: Optional[Sequence[Optional[Tuple[int, MixerSpec]]]] = None, **sizes: Any

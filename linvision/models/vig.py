@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from linvision.layers import TokenLayout, merge_options, register_mixer
+from linvision.layers.options import pad_to_kernel
 from linvision.layers.recurrent import BidirGatedAttention
 from linvision.layers.registry import check_layout, check_prefix_tokens
 from linvision.ops import check_grid, compute_dtype, gated_linear_attention, is_tracing
@@ -120,7 +121,7 @@ class VigGatedAttention(BidirGatedAttention):
         ``x`` (the local branch); q, k (B, heads, N, Dk), v (B, heads, N, D)."""
         b, n, _ = x.shape
         log_gates = F.logsigmoid(self.forget_gate(x).to(compute_dtype(x.dtype))) / self.forget_temperature
-        forward, backward = (g.reshape(b, n, self.num_heads, -1).transpose(1, 2) for g in log_gates.chunk(2, -1))
+        forward, backward = (g.unflatten(-1, (self.num_heads, g.shape[-1] // self.num_heads)).transpose(1, 2) for g in log_gates.chunk(2, -1))
         run = partial(gated_linear_attention, feature_map="identity", normalize=False, chunk_size=self.chunk_size,
                       backend=self.backend)
         q = q * self.key_head_dim ** -0.5
@@ -138,14 +139,14 @@ class VigGatedAttention(BidirGatedAttention):
         h, w = check_grid(hw, n, name="hw")
         local = self.local_act(self.local(x.transpose(1, 2).reshape(b, c, h, w))).flatten(2).transpose(1, 2)
         q, k, v = self.qkv(local).split([self.key_dim, self.key_dim, c], dim=-1)
-        q, k, v = (t.reshape(b, n, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.unflatten(-1, (self.num_heads, t.shape[-1] // self.num_heads)).transpose(1, 2) for t in (q, k, v))
         if self.recompute_attend and torch.is_grad_enabled() and q.requires_grad and not is_tracing(n):
             out = checkpoint(self.attend, q, k, v, (h, w), None, local, use_reentrant=False)
         else:
             out = self.attend(q, k, v, (h, w), None, local)
         out = self.norm_global(out.transpose(1, 2))  # (B, N, heads, D)
-        gate = torch.sigmoid(self.mix_gate(local)).reshape(b, n, self.num_heads, -1)
-        out = out * gate + self.norm_local(local.reshape(b, n, self.num_heads, -1)) * (1 - gate)
+        gate = torch.sigmoid(self.mix_gate(local)).unflatten(-1, (self.num_heads, -1))
+        out = out * gate + self.norm_local(local.unflatten(-1, (self.num_heads, -1))) * (1 - gate)
         return self.proj_drop(self.proj(self.out_act(out.reshape(b, n, c))))
 
     def extra_repr(self) -> str:
@@ -175,7 +176,7 @@ class VigStem(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.proj(x).permute(0, 2, 3, 1)
+        return self.proj(pad_to_kernel(x, self.proj[0])).permute(0, 2, 3, 1)
 
 
 def swiglu_mlp(in_features: int, hidden_features: int, act_layer: type = nn.SiLU, drop: float = 0.0) -> nn.Module:

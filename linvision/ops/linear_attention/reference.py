@@ -136,12 +136,21 @@ def _recomputing(q: Tensor, k: Tensor, v: Tensor, phi: FeatureMap, rope: Optiona
     return wanted and phi.name in _RECOMPUTABLE_MAPS and not is_tracing(*q.shape)
 
 
+def _fill_padded_keys(k: Tensor, valid: Tensor) -> Tensor:
+    """k with each sample's padded keys replaced by a copy of its first valid key. A map's key stabiliser (the max
+    of ``exp`` and ``performer``, taken over all keys) then sees the values of the valid keys alone, as it does for
+    the sample alone; the padded keys' features are dropped after the map."""
+    first = valid.to(torch.uint8).argmax(dim=1)  # the first True of each row (0 for a row without one)
+    src = k.gather(2, first[:, None, None, None].expand(-1, k.shape[1], 1, k.shape[3]))  # (B, H, 1, D)
+    return torch.where(valid[:, None, :, None], k, src)
+
+
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, phi: FeatureMap, rope: Optional[Rope], eps: float,
                         valid: Optional[Tensor] = None) -> Tensor:
     """:func:`linear_attention_reference` on inputs already checked, with the feature map resolved."""
-    if valid is not None:  # padding may hold anything: zeros before any feature, so its gradients are zeros
+    if valid is not None:  # padding may hold anything: replaced before any feature, so its gradients are zeros
         keep = valid[:, None, :, None]
-        k, v = k.masked_fill(~keep, 0), v.masked_fill(~keep, 0)
+        k, v = _fill_padded_keys(k, valid), v.masked_fill(~keep, 0)
         q = q.masked_fill(~keep, 0) if q.shape[2] == k.shape[2] else q
     if _recomputing(q, k, v, phi, rope):
         return _LinearAttentionFunction.apply(q, k, v, phi, rope, eps, valid, *_leaves(phi, rope))

@@ -10,7 +10,8 @@ from torch import Tensor
 from ..common import check_int, check_qkv, compute_dtype, full_precision, is_exporting
 from ..feature_maps import FeatureMapArg, causal_features
 from . import kernels as fla_kernels
-from .scan import Reversal, Scan, chain, check_lengths, chunk_length, read_mask, to_chunks, unit_lower_solve
+from .scan import (Reversal, Scan, chain, check_lengths, chunk_length, read_mask, read_product, to_chunks,
+                   unit_lower_solve)
 from .state import RecurrentState, check_state
 
 __all__ = ["check_beta", "delta_features", "delta_chunk_scan", "delta_rule_attention",
@@ -73,12 +74,12 @@ def delta_chunk_scan(
     del kb, gram, rhs, v, beta  # (the names only: without autograd this frees them before the next products)
     attn = (q @ k.transpose(-1, -2)).masked_fill(~read_mask(c, strict, q.device), 0)
     # products sharing an operand are formed as one: A [U~ W] and K^T [U~ W]
-    read = attn @ u_w  # [A U~, A W]
+    read = read_product(attn, u_w, strict)  # [A U~, A W]
     del attn
     kt_uw = k.transpose(-1, -2) @ u_w  # (B, H, nc, D, Dv + D): [K^T U~, K^T W]
     del u_w
     if s0 is None and q.shape[2] == 1:  # one chunk, nothing entering it
-        return Scan(read[..., :e].reshape(b, h, -1, e)[:, :, :n], kt_uw[:, :, 0, :, :e])
+        return Scan(read[..., :e].flatten(2, 3)[:, :, :n], kt_uw[:, :, 0, :, :e])
     # the chain over chunks: (nc, B*H, D, Dv+D) contiguous, so each step is one batched multiply-add
     nc = q.shape[2]
     maps = torch.cat([kt_uw[..., :e], torch.eye(d, dtype=q.dtype, device=q.device) - kt_uw[..., e:]], dim=-1)
@@ -88,7 +89,7 @@ def delta_chunk_scan(
     entering, s = chain(lambda s, m: torch.baddbmm(m[..., :e], m[..., e:], s), s, maps, stack_dim=1)
     entering = entering.reshape(b, h, nc, d, e)
     out = read[..., :e] + (q - read[..., e:]) @ entering
-    return Scan(out.reshape(b, h, -1, e)[:, :, :n], s.reshape(b, h, d, e))
+    return Scan(out.flatten(2, 3)[:, :, :n], s.reshape(b, h, d, e))
 
 
 @full_precision

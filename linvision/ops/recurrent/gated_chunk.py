@@ -10,7 +10,7 @@ from torch import Tensor
 from ..common import DEFAULT_EPS, check_eps, check_int, check_qkv, compute_dtype, full_precision
 from ..feature_maps import FeatureMapArg, causal_features
 from . import kernels as fla_kernels
-from .scan import Reversal, check_lengths, chunk_length, chunk_states, read_mask, to_chunks
+from .scan import Reversal, check_lengths, chunk_length, chunk_states, read_mask, read_product, to_chunks
 from .state import RecurrentState, check_state
 
 __all__ = [
@@ -55,6 +55,8 @@ def check_log_gate(log_gate: Tensor, q: Tensor) -> Tensor:
 def decay_log_gate(decay: DecayArg, q: Tensor) -> Tensor:
     """log(gamma) of a fixed decay (a float or one per head, in (0, 1]) as a (1, H, 1) log-gate."""
     h = q.shape[1]
+    if isinstance(decay, bool) or not isinstance(decay, (int, float, Tensor)):
+        raise TypeError(f"decay: expected a float in (0, 1] or a tensor with one per head, got {decay!r}")
     gamma = torch.as_tensor(decay, dtype=compute_dtype(q.dtype), device=q.device)
     if gamma.dim() > 1 or (gamma.dim() == 1 and gamma.numel() != h):
         raise ValueError(f"decay: expected a float or one value per head ({h}), got shape {tuple(gamma.shape)}")
@@ -116,11 +118,11 @@ def gated_chunk_scan(
         # Decay from token j to token i (j <= i) inside a chunk; masked before exp so no positive exponent is formed.
         if g == 1:
             weight = (cum - cum.transpose(-1, -2)).masked_fill(~mask, float("-inf")).exp()  # (B, H, nc, c, c)
-            attn = (q @ k.transpose(-1, -2)) * weight
+            attn = ((q @ k.transpose(-1, -2)) * weight).masked_fill(~mask, 0)  # a later inf key: not 0 * inf
         else:
             diff = (cum.unsqueeze(-2) - cum.unsqueeze(-3)).masked_fill(~mask.unsqueeze(-1), float("-inf"))
             weight = diff.exp()  # (B, H, nc, c, c, G)
-            attn = torch.einsum("bhnid,bhnjd,bhnijd->bhnij", q, k, weight)  # (B, H, nc, c, c)
+            attn = torch.einsum("bhnid,bhnjd,bhnijd->bhnij", q, k, weight).masked_fill(~mask, 0)  # (B, H, nc, c, c)
         q_in = q * cum.exp()  # reads the state entering the chunk, decayed up to token i
         to_end = (total - cum).exp()  # (B, H, nc, c, G): decay from token j to the chunk's end
         kv = (k * to_end).transpose(-1, -2) @ v  # (B, H, nc, D, E): chunk's keys decayed to its end
@@ -136,16 +138,16 @@ def gated_chunk_scan(
                 c0 = q.new_zeros(b, h, g) if count0 is None else count0
                 s0 = torch.cat([s0, c0.unsqueeze(-1).expand(b, h, d, 1)], dim=-1)
     if s0 is None and kv.shape[2] == 1:  # one chunk, nothing entering it
-        out, s = attn @ v, kv[:, :, 0]
+        out, s = read_product(attn, v, strict), kv[:, :, 0]
     else:
         entering, s = chunk_states(kv, chunk_decay, s0)
-        out = attn @ v + q_in @ entering[..., :e]
+        out = read_product(attn, v, strict) + q_in @ entering[..., :e]
         if count is not None:
             count = count + (cum.exp() * entering[..., :g, e].unsqueeze(3)).mean(-1)
-    out = out.reshape(b, h, -1, e)[:, :, :n]
+    out = out.flatten(2, 3)[:, :, :n]
     if count is None:
         return GatedScan(out, s)
-    return GatedScan(out, s[..., :e], count.reshape(b, h, -1)[:, :, :n], s[..., :g, e])
+    return GatedScan(out, s[..., :e], count.flatten(2, 3)[:, :, :n], s[..., :g, e])
 
 
 def normalized_gated_chunk_scan(

@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["Scan", "to_chunks", "chunk_length", "unit_lower_solve", "read_mask", "chunk_states", "chain",
+from ..common import is_tracing
+
+__all__ = ["Scan", "to_chunks", "chunk_length", "unit_lower_solve", "read_mask", "read_product", "chunk_states", "chain",
            "check_lengths", "Reversal"]
 
 
@@ -26,7 +28,8 @@ def to_chunks(x: Tensor, c: int) -> Tensor:
     # With a symbolic n (torch.export with dynamic sizes) one more chunk of padding: a padding that is never empty
     # keeps the graph from assuming that every size is, like the traced one, a multiple of c.
     extra = c if isinstance(n, torch.SymInt) else 0
-    return F.pad(x, (0, 0, 0, (-n) % c + extra)).reshape(b, h, -1, c, x.shape[-1])
+    x = F.pad(x, (0, 0, 0, (-n) % c + extra))
+    return x.reshape(b, h, x.shape[2] // c, c, x.shape[-1])  # no -1: an empty batch has a chunk count too
 
 
 def chunk_length(chunk_size: int, n) -> int:
@@ -49,6 +52,21 @@ def unit_lower_solve(strict_lower: Tensor, rhs: Tensor) -> Tensor:
 def read_mask(c: int, strict: bool, device: torch.device) -> Tensor:
     """(c, c): which tokens j of its chunk token i reads: j <= i, or j < i with ``strict``."""
     return torch.ones(c, c, dtype=torch.bool, device=device).tril(-1 if strict else 0)
+
+
+def read_product(attn: Tensor, x: Tensor, strict: bool) -> Tensor:
+    """attn @ x for a chunk's read weights ``attn`` (..., c, c), zero where :func:`read_mask` is False, and x
+    (..., c, E), such that row i depends on rows j <= i of x alone (j < i with ``strict``), non-finite ones too.
+
+    A plain product multiplies a later token's inf or NaN by the zero weight (0 * inf = NaN) and hands it to every
+    earlier row of the chunk; here the product runs on x with its non-finite entries zeroed, and each output entry
+    that a non-finite entry of x does reach (the same column, an earlier or equal row) is NaN."""
+    bad = ~torch.isfinite(x)
+    out = attn @ x.masked_fill(bad, 0)
+    reached = bad.cumsum(dim=-2, dtype=torch.int32) > 0  # any non-finite entry at or before row i
+    if strict:  # row i reads rows before it only
+        reached = F.pad(reached, (0, 0, 1, 0))[..., :-1, :]
+    return out.masked_fill(reached, float("nan"))
 
 
 def chunk_states(kv: Tensor, decay: Optional[Tensor], s0: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
@@ -97,6 +115,11 @@ def check_lengths(lengths: Optional[Tensor], q: Tensor) -> Optional[Tensor]:
         raise ValueError(f"lengths: expected shape (B,) = ({q.shape[0]},), got {tuple(lengths.shape)}")
     if lengths.device != q.device:
         raise ValueError(f"lengths: on {lengths.device}, the inputs on {q.device}")
+    if lengths.numel() and not is_tracing(*q.shape):  # (read on the host: one synchronisation on a GPU)
+        low, high = int(lengths.min()), int(lengths.max())
+        if low < 1 or high > q.shape[2]:
+            raise ValueError(f"lengths: every value must lie in 1..N = 1..{q.shape[2]}, got "
+                             f"{low if low < 1 else high}")
     return lengths
 
 

@@ -101,7 +101,7 @@ class SwinWindowAttention(AttentionMixer):
 
         def windows(t: Tensor) -> Tensor:
             grid = F.pad(t.reshape(b, nh, h, w, d), (0, 0, 0, padded[1] - w, 0, padded[0] - h))
-            return window_partition(shifted(grid).reshape(b, nh, -1, d), padded, win)[0]
+            return window_partition(shifted(grid).reshape(b, nh, padded[0] * padded[1], d), padded, win)[0]
 
         real = shifted(F.pad(torch.ones(h, w, 1, device=q.device), (0, 0, 0, padded[1] - w, 0, padded[0] - h)))
         valid = window_partition(real.reshape(1, 1, -1, 1), padded, win)[0][0, 0, :, :, 0] > 0

@@ -46,6 +46,7 @@ def _run_form(form: str, d: int, dtype: str, tokens: int) -> None:
     import torch
 
     from linvision.ops.recurrent import kernels as rk
+    from linvision.ops.recurrent.scan import Reversal
 
     b, h, n = 1, 2, tokens
     dt = getattr(torch, dtype)
@@ -54,13 +55,14 @@ def _run_form(form: str, d: int, dtype: str, tokens: int) -> None:
     head = torch.full((b, h, n, 1), -0.01, requires_grad=True)
     channel = torch.full((b, h, n, d), -0.01, requires_grad=True)
     state = dict(s0=torch.rand(b, h, d, d), z0=torch.rand(b, h, d), return_state=True)
+    flip = Reversal(None, n)  # the backward scan's order without lengths
     if form == "bidir_delta":
-        outs = [rk.bidirectional_delta(q, k, v, beta, dtype=dt)]
+        outs = [rk.bidirectional_delta(q, k, v, beta, dtype=dt, flip=flip)]
     elif form == "delta_state":
         outs = list(rk.delta_scan(q, k, v, beta, dtype=dt, s0=state["s0"], return_state=True))
     elif form in ("bidir_gated_head", "bidir_gated_channel"):
         gate = head if form.endswith("head") else channel
-        outs = [rk.bidirectional_gated(q, k, v, gate, dtype=dt, normalize=True, eps=1e-4)]
+        outs = [rk.bidirectional_gated(q, k, v, gate, dtype=dt, normalize=True, eps=1e-4, flip=flip)]
     else:
         outs = []
         for gate in (head, channel):

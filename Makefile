@@ -26,7 +26,7 @@ install: $(STAMP)
 # .venv first (torch with its CUDA libraries is most of it: minutes, mostly download).
 demo: $(BASE_STAMP)
 	@echo "linvision-ablate: 4 token mixers, each trained 6 epochs, evaluated at 3 sizes, then timed together at 3; results in output/ablate_digits/"
-	$(BIN)/linvision-ablate --config linvision/configs/ablate_digits.yaml
+	$(BIN)/linvision-ablate --config ablate_digits
 
 # The test suite (the default, lean run; CI runs this).
 test: $(STAMP)

@@ -232,10 +232,10 @@ CHAINS: Dict[str, Chain] = {
         Step("linvision-validate --checkpoint output/native --naflex-loader --naflex-max-seq-len 64"),
     )),
     "naflex_photos": Chain(steps=(
-        Step("linvision-train -c linvision/configs/naflex_photos.yaml --naflex-loader --seed 0 --experiment naflex-s0",
+        Step("linvision-train -c naflex_photos --naflex-loader --seed 0 --experiment naflex-s0",
              extra=(*EPOCH, "--output", "output"), why=ONE_EPOCH + "; the run folder in the chain's folder, not "
              "/tmp", check=_summary("naflex-s0")),
-        Step("linvision-train -c linvision/configs/naflex_photos.yaml --seed 0 --experiment square-s0",
+        Step("linvision-train -c naflex_photos --seed 0 --experiment square-s0",
              extra=(*EPOCH, "--output", "output"), why=ONE_EPOCH + "; the run folder in the chain's folder, not "
              "/tmp", check=_summary("square-s0")),
         Step("linvision-validate --checkpoint /tmp/naflex_photos/naflex-s0/last --naflex-loader "
@@ -297,26 +297,26 @@ CHAINS: Dict[str, Chain] = {
              why="8 training and 4 validation mosaics of 128 px (not 1000 and 200 of 512 px); " + ONE_EPOCH),
     )),
     "linearization": Chain(steps=(
-        Step("linvision-train --config linvision/configs/linearize_digits_teacher.yaml", extra=EPOCH, why=ONE_EPOCH),
-        Step("linvision-linearize --config linvision/configs/linearize_digits.yaml", extra=("--steps", "5"),
+        Step("linvision-train --config linearize_digits_teacher", extra=EPOCH, why=ONE_EPOCH),
+        Step("linvision-linearize --config linearize_digits", extra=("--steps", "5"),
              why="5 of the 200 transfer steps show that stage 1 runs"),
-        Step("linvision-train --config linvision/configs/linearize_digits_student.yaml --initial-checkpoint "
+        Step("linvision-train --config linearize_digits_student --initial-checkpoint "
              "output/linearized_digits.safetensors --experiment linearize_student", extra=EPOCH, why=ONE_EPOCH),
-        Step("linvision-train --config linvision/configs/linearize_digits_student.yaml --experiment linearize_scratch",
+        Step("linvision-train --config linearize_digits_student --experiment linearize_scratch",
              extra=EPOCH, why=ONE_EPOCH),
         Step("linvision-validate --checkpoint output/linearize_student/last --dataset digits --img-size 32 48 64",
              check=_validated([32, 48, 64], count=360)),
     )),
     "diffusion_digits": Chain(steps=(
-        Step("python linvision/tools/train.py --config linvision/configs/digits_demo.yaml --model linvit_tiny_patch16_rope_224 "
+        Step("python linvision/tools/train.py --config digits_demo --model linvit_tiny_patch16_rope_224 "
              "--model-kwargs patch_size=4 embed_dim=96 depth=4 num_heads=3 --epochs 30 --experiment "
              "digits_linvit_cls30", extra=EPOCH, why=ONE_EPOCH),
-        Step("python linvision/tools/train_diffusion.py --config linvision/configs/diffusion_digits.yaml", extra=("--steps", "20"),
+        Step("python linvision/tools/train_diffusion.py --config diffusion_digits", extra=("--steps", "20"),
              why="20 of the 500 steps show that training runs"),
         Step("python linvision/tools/sample_diffusion.py output/diffusion_digits --per-class 10 --steps 20 --cfg-scale 3"),
         Step("python linvision/tools/eval_diffusion_samples.py output/diffusion_digits output/digits_linvit_cls30 "
              "--per-class 50 --cfg-scale 3", extra=("--per-class", "5"), why="5 samples of each class, not 50"),
-        Step("python linvision/tools/train_diffusion.py --config linvision/configs/diffusion_digits.yaml --model-kwargs "
+        Step("python linvision/tools/train_diffusion.py --config diffusion_digits --model-kwargs "
              "self_attn=bidir_delta --experiment diffusion_digits_bidir_delta", extra=("--steps", "20"),
              why="20 of the 500 steps show that training runs"),
         Step("python linvision/tools/eval_diffusion_samples.py output/diffusion_digits_bidir_delta output/digits_linvit_cls30 "
@@ -324,45 +324,45 @@ CHAINS: Dict[str, Chain] = {
              why="5 samples of each class, not 50"),
     )),
     "ablate_digits": Chain(steps=(
-        Step("linvision-ablate --config linvision/configs/ablate_digits.yaml", extra=EPOCH, why=ONE_EPOCH),
-        Step("linvision-ablate --config linvision/configs/ablate_digits.yaml --mixers none linear linear_rope softmax causal "
+        Step("linvision-ablate --config ablate_digits", extra=EPOCH, why=ONE_EPOCH),
+        Step("linvision-ablate --config ablate_digits --mixers none linear linear_rope softmax causal "
              "hybrid", extra=EPOCH, why=ONE_EPOCH),
     )),
     "ablate_recurrent": Chain(steps=(
-        Step("linvision-ablate --config linvision/configs/ablate_digits.yaml --mixers linear bidir_decay bidir_gated "
+        Step("linvision-ablate --config ablate_digits --mixers linear bidir_decay bidir_gated "
              "bidir_delta --experiment ablate_recurrent", extra=EPOCH, why=ONE_EPOCH),
     )),
     "vit_twin_heads": Chain(steps=tuple(Step(c, extra=EPOCH, why=ONE_EPOCH) for c in (
-        "linvision-train -c linvision/configs/vit_twin_photos.yaml --model vit_tiny_patch16_224 --model-kwargs patch_size=8 "
+        "linvision-train -c vit_twin_photos --model vit_tiny_patch16_224 --model-kwargs patch_size=8 "
         "img_size=64 --seed 0",
-        "linvision-train -c linvision/configs/vit_twin_photos.yaml $V class_token=False global_pool=avg fc_norm=False --seed 0",
-        "linvision-train -c linvision/configs/vit_twin_photos.yaml $V class_token=False global_pool=avg fc_norm=False --seed 0 "
+        "linvision-train -c vit_twin_photos $V class_token=False global_pool=avg fc_norm=False --seed 0",
+        "linvision-train -c vit_twin_photos $V class_token=False global_pool=avg fc_norm=False --seed 0 "
         "--mean 0.5 0.5 0.5 --std 0.5 0.5 0.5",
-        "linvision-train -c linvision/configs/vit_twin_photos.yaml $V class_token=False global_pool=avg fc_norm=True --seed 0",
-        "linvision-train -c linvision/configs/vit_twin_photos.yaml $V --seed 0",
+        "linvision-train -c vit_twin_photos $V class_token=False global_pool=avg fc_norm=True --seed 0",
+        "linvision-train -c vit_twin_photos $V --seed 0",
     ))),
     "vit_twin_mixers": Chain(steps=tuple(Step(c, extra=EPOCH, why=ONE_EPOCH) for c in (
-        "linvision-train -c linvision/configs/vit_twin_photos.yaml $R token_mixer=softmax --seed 0",
-        "linvision-train -c linvision/configs/vit_twin_photos.yaml $R token_mixer=linear_rope --seed 0",
-        "linvision-train -c linvision/configs/vit_twin_photos.yaml $R token_mixer=bidir_delta class_token=False "
+        "linvision-train -c vit_twin_photos $R token_mixer=softmax --seed 0",
+        "linvision-train -c vit_twin_photos $R token_mixer=linear_rope --seed 0",
+        "linvision-train -c vit_twin_photos $R token_mixer=bidir_delta class_token=False "
         "global_pool=avg fc_norm=False --seed 0",
     ))),
     "rope_positions": Chain(steps=(
-        Step("linvision-train -c linvision/configs/vit_twin_photos.yaml $R token_mixer=softmax pos_embed=learn --seed 0 "
+        Step("linvision-train -c vit_twin_photos $R token_mixer=softmax pos_embed=learn --seed 0 "
              "--experiment rope_abs", extra=EPOCH, why=ONE_EPOCH),
-        Step("linvision-train -c linvision/configs/vit_twin_photos.yaml $R token_mixer=softmax rope=mixed --seed 0 "
+        Step("linvision-train -c vit_twin_photos $R token_mixer=softmax rope=mixed --seed 0 "
              "--experiment rope_mixed", extra=EPOCH, why=ONE_EPOCH),
         Step("linvision-validate --checkpoint output/rope_abs --img-size 64 96 128"),
-        Step('linvision-train -c linvision/configs/vit_twin_photos.yaml $R token_mixer=softmax "mixer_kwargs={rope_theta: 10000}" '
+        Step('linvision-train -c vit_twin_photos $R token_mixer=softmax "mixer_kwargs={rope_theta: 10000}" '
              '--seed 0 --experiment rope_theta', extra=EPOCH, why=ONE_EPOCH),
-        Step('linvision-train -c linvision/configs/vit_twin_photos.yaml $R token_mixer=softmax "mixer_kwargs={rope_origin: centre}" '
+        Step('linvision-train -c vit_twin_photos $R token_mixer=softmax "mixer_kwargs={rope_origin: centre}" '
              '--seed 0 --experiment rope_centre', extra=EPOCH, why=ONE_EPOCH),
-        Step('linvision-train -c linvision/configs/vit_twin_photos.yaml $R token_mixer=linear_rope '
+        Step('linvision-train -c vit_twin_photos $R token_mixer=linear_rope '
              '"mixer_kwargs={rope_origin: centre}" --seed 0 --experiment rope_centre_linear', extra=EPOCH,
              why=ONE_EPOCH),
-        Step('linvision-train -c linvision/configs/vit_twin_photos.yaml $R token_mixer=softmax "mixer_kwargs={rope_fraction: 0.5}" '
+        Step('linvision-train -c vit_twin_photos $R token_mixer=softmax "mixer_kwargs={rope_fraction: 0.5}" '
              '--seed 0 --experiment rope_half', extra=EPOCH, why=ONE_EPOCH),
-        Step("linvision-train -c linvision/configs/vit_twin_photos.yaml --model linvit_tiny_patch16_224 --model-kwargs "
+        Step("linvision-train -c vit_twin_photos --model linvit_tiny_patch16_224 --model-kwargs "
              "patch_size=8 img_size=64 --seed 0 --experiment linear_abs", extra=EPOCH, why=ONE_EPOCH),
     )),
     "bench_core_op": Chain(steps=(
@@ -375,13 +375,8 @@ CHAINS: Dict[str, Chain] = {
         Step("linvision-benchmark --config benchmark_twin_cpu", extra=("--img-size", "224", "--iters", "1"),
              why="224 px of 224-1024 and one timed call"),
     )),
-    "bench_twin": Chain(steps=(
-        Step("linvision-benchmark --config linvision/configs/benchmark_twin_cpu.yaml", extra=("--img-size", "224", "--iters",
-                                                                                   "1"),
-             why="224 px of 224-1024 and one timed call"),
-    )),
     "bench_seg_twin": Chain(steps=(
-        Step("linvision-benchmark --config linvision/configs/benchmark_seg_twin_cpu.yaml",
+        Step("linvision-benchmark --config benchmark_seg_twin_cpu",
              extra=("--img-size", "256", "--iters", "1"), why="256 px only and one timed call (18 min in full)"),
     )),
     "bench_resolutions": Chain(steps=(
@@ -442,7 +437,7 @@ CHAINS: Dict[str, Chain] = {
 
 NETWORK = "downloads published weights (timm's pretrained=True): no network in the tests"
 SKIPPED: Dict[str, str] = {
-    "make demo": "the same as `linvision-ablate --config linvision/configs/ablate_digits.yaml`, which runs (chain "
+    "make demo": "the same as `linvision-ablate --config ablate_digits`, which runs (chain "
                  "ablate_digits)",
     "linvision-bench-naflex --budgets 256 1024 4096 16384 --modes infer train --batch 2 --batches 2 --iters 3 "
     "--warmup 1 --max-run-s 20 --threads 1 --device cpu --output docs/figures/naflex_throughput_memory.csv --plot "
@@ -490,11 +485,11 @@ SKIPPED: Dict[str, str] = {
         "runs part of this test suite under pytest, from within it",
     "linvision-gpu-report --parts kernels recurrences --budget 300 --rec-n 16384 65536":
         "a GPU's sizes; without one the same parts run in the dry run (chain gpu_report_dry_run)",
-    "torchrun --nproc_per_node 4 linvision/tools/train_diffusion.py --config linvision/configs/diffusion_digits.yaml":
+    "torchrun --nproc_per_node 4 linvision/tools/train_diffusion.py --config diffusion_digits":
         "four processes; the same config in one process runs (chain diffusion_digits)",
-    "torchrun --nproc_per_node 8 linvision/tools/train_diffusion.py --config linvision/configs/diffusion_sana_600m_finetune.yaml "
+    "torchrun --nproc_per_node 8 linvision/tools/train_diffusion.py --config diffusion_sana_600m_finetune "
     "--parallel fsdp --grad-checkpointing": "8 GPUs and a local copy of Sana-600M's weights",
-    "torchrun --nproc_per_node 2 linvision/tools/train_diffusion.py --config linvision/configs/diffusion_sana_600m_finetune.yaml "
+    "torchrun --nproc_per_node 2 linvision/tools/train_diffusion.py --config diffusion_sana_600m_finetune "
     "--parallel fsdp --resume": "GPUs and the run of the FSDP command before it (Sana-600M's weights)",
     "python linvision/tools/bench_diffusion_block.py --vs-diffusers --model sana_600m_t2i --latent 32 32 --repeats 3 "
     "--threads 1": "two 600M-parameter transformers in float32 on the CPU: long, and more memory than the tests "
@@ -515,15 +510,15 @@ SKIPPED: Dict[str, str] = {
     "linvision-train --config finetune_mlla_tiny --data-dir /data/pets --pretrained-path mlla_tiny_in1k.pth":
         "needs the authors' MLLA-T file, which is not distributed (tests/test_published.py trains from a file in "
         "its layout); the recipe itself runs in chain readme_finetune",
-    "linvision-ablate --config linvision/configs/ablate_seg_mosaics.yaml": "a full ablation: about 25 minutes on 2 cores",
-    "linvision-ablate --config linvision/configs/ablate_variants_photos.yaml": "a full ablation: about 34 minutes",
-    "linvision-ablate --config linvision/configs/ablate_variants_photos_vit.yaml": "a full ablation: about 23 minutes",
-    "linvision-ablate --config linvision/configs/ablate_variants_digits.yaml": "a full ablation: about 22 minutes",
-    "linvision-ablate --config linvision/configs/ablate_vit_tiny_photos_fine.yaml": "ten ViT-Tiny trainings of 20 epochs: "
+    "linvision-ablate --config ablate_seg_mosaics": "a full ablation: about 25 minutes on 2 cores",
+    "linvision-ablate --config ablate_variants_photos": "a full ablation: about 34 minutes",
+    "linvision-ablate --config ablate_variants_photos_vit": "a full ablation: about 23 minutes",
+    "linvision-ablate --config ablate_variants_digits": "a full ablation: about 22 minutes",
+    "linvision-ablate --config ablate_vit_tiny_photos_fine": "ten ViT-Tiny trainings of 20 epochs: "
                                                                           "hours",
-    "linvision-ablate --config linvision/configs/ablate_vit_tiny_photos_fine_avg.yaml": "ten ViT-Tiny trainings of 20 "
+    "linvision-ablate --config ablate_vit_tiny_photos_fine_avg": "ten ViT-Tiny trainings of 20 "
                                                                               "epochs: hours",
-    "linvision-ablate --config linvision/configs/ablate_vit_tiny_photos_fine.yaml --mixers softmax linear --epochs 1 "
+    "linvision-ablate --config ablate_vit_tiny_photos_fine --mixers softmax linear --epochs 1 "
     "--warmup-epochs 0 --seeds 0 --output /tmp/photos_run --experiment short_1epoch": "two ViT-Tiny trainings of "
                                                                                       "one epoch: 40 minutes at "
                                                                                       "nice 19 on a loaded CPU",

@@ -255,7 +255,7 @@ def test_no_raw_rest_role_in_the_site(site):
     assert ("#linvision.ops.rope.Rope", "Rope") in links
     assert len(links) >= 25
     # the kernels' module is documented under its source name: a role naming linvision.kernels links there
-    assert 'href="kernels.html#kernels.common.RopeSpec"><code>RopeSpec</code></a>' in ops
+    assert 'href="kernels.html#linvision.kernels.common.RopeSpec"><code>RopeSpec</code></a>' in ops
 
 
 def test_ops_reference_opens_with_linear_attention(site):

@@ -493,7 +493,7 @@ def test_abs_pos_model_dynamic_img_size():
     with torch.no_grad():
         torch.testing.assert_close(dynamic(x), fixed(x), rtol=0, atol=0)
         assert dynamic(torch.randn(1, 3, 96, 128)).shape == (1, 1000)
-        with pytest.raises(AssertionError):
+        with pytest.raises(ValueError, match=r"^x: this model takes 64x64 images"):
             fixed(torch.randn(1, 3, 96, 128))
 
 

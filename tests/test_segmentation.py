@@ -148,7 +148,7 @@ def test_linvit_in_dpt_at_another_size(name):
     _check_segmenter(seg, x, 4)
     if "rope" not in name:  # without dynamic_img_size the absolute embedding fixes the size (InLine-DeiT's is on
         # by default)
-        with pytest.raises(AssertionError, match="doesn't match model"):
+        with pytest.raises(ValueError, match=r"^x: this model takes 224x224 images"):
             timm.create_model(name, depth=1, dynamic_img_size=False)(x)
 
 
@@ -179,9 +179,10 @@ def test_published_mlla_weights_reach_the_encoder_through_timms_cache(tmp_path, 
     encoder holds the file's raw weights (not its EMA copy): named
     tensors compared with the file, the q/k rows in linvision's order, every tensor equal to timm's classifier
     built from the same file."""
-    from test_published import published_layout, save_published
+    from support import authors_layout
+    from test_published import save_published
 
-    state = published_layout("mlla_tiny", one_block=True)
+    state = authors_layout("mlla_tiny", blocks=1)
     path = tmp_path / "mlla_t.pth"
     save_published(path, state)
     asked = serve_downloads_from(monkeypatch, tmp_path, path)

@@ -129,7 +129,7 @@ def test_ctrl_c_under_a_pipe_whose_reader_is_gone_saves_and_says_so(data, tmp_pa
     args = tiny_train_flags(data, str(tmp_path), "--epochs", "200", "--experiment", "int", "--log-interval", "1")
     read, write = os.pipe()
     os.close(read)  # the reader of its standard output is gone
-    proc = subprocess.Popen([PY, os.path.join(ROOT, "tools", "train.py"), *args], stdout=write,
+    proc = subprocess.Popen([PY, os.path.join(ROOT, "linvision", "tools", "train.py"), *args], stdout=write,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT)
     os.close(write)
     metrics = tmp_path / "int" / "metrics.jsonl"
@@ -318,8 +318,8 @@ def test_img_size_a_model_cannot_run_at_is_one_line(data, tmp_path):
                                                     "--epochs", "1"), check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: img_size: linvit_tiny_patch16_rope_224 cannot run at 40 px (Input height (40) should be "
-        "divisible by patch size (16).); use a multiple of 16"]
+        "error: img_size: linvit_tiny_patch16_rope_224 cannot run at 40 px (x: height and width must be multiples of "
+        "the patch size 16x16, got 40x40); use a multiple of 16"]
 
 
 def test_timm_spellings_of_the_training_flags(tmp_path):
@@ -451,7 +451,7 @@ def test_the_no_weights_error_lists_every_family_with_weights():
     import timm
 
     import linvision  # noqa: F401
-    from tools.model_table import _has_weights, read_rows
+    from linvision.tools.model_table import _has_weights, read_rows
 
     rows = read_rows(os.path.join(ROOT, "docs", "models.json"))
     expected = sorted({r["model"].rsplit("_", 1)[0] + "_*" for r in rows if _has_weights(r["model"])})

@@ -293,10 +293,10 @@ def test_pretrained_encoder_starts_from_the_published_file(tmp_path, monkeypatch
     --pretrained-path with the same file gives the same encoder."""
     import timm
 
-    from support import serve_downloads_from
-    from test_published import RESOLUTION_BUFFERS, published_layout, save_published
+    from support import authors_layout, serve_downloads_from
+    from test_published import RESOLUTION_BUFFERS, save_published
 
-    state = published_layout("mlla_tiny", one_block=True)
+    state = authors_layout("mlla_tiny", blocks=1)
     path = tmp_path / "mlla_t.pth"
     save_published(path, state)
     asked = serve_downloads_from(monkeypatch, tmp_path, path)

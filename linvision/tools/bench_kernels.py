@@ -17,6 +17,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from linvision.benchmark import gpu_parts
+from linvision.benchmark.gpu_parts import hbm_tbps
 from linvision.utils.cli import tool_parser
 
 
@@ -45,14 +47,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The flags of ``argv`` (default: the command line), as given (main fills in the defaults that depend on
     the device)."""
     return build_parser().parse_args(argv)
-
-
-_HBM_TBPS = {"H200": 4.8, "H100": 3.35, "A100": 2.0, "L40S": 0.864, "4090": 1.008}
-
-
-def hbm_tbps(gpu_name: str) -> Optional[float]:
-    """The HBM bandwidth in TB/s of a GPU by its name (torch.cuda.get_device_name()), None for one not known."""
-    return next((bw for key, bw in _HBM_TBPS.items() if key in gpu_name), None)
 
 
 def make_inputs(args, n, device, dtype):
@@ -112,25 +106,8 @@ def time_paths(args, n, device, dtype, bench):
     }
     if n <= args.sdpa_max_n:
         paths["sdpa"] = lambda q, k, v: softmax_attention(q, k, v, rope=rope)
-    times = {}
-    for label, fn in paths.items():
-        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-        out = None
-        try:
-            out = fn(qg, kg, vg)
-            times[(label, "fwd")] = bench(lambda: fn(q, k, v))
-            times[(label, "bwd")] = bench(
-                lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)
-            )
-            times[(label, "fwd+bwd")] = bench(
-                lambda: torch.autograd.grad(fn(qg, kg, vg), (qg, kg, vg), do)
-            )
-        except torch.OutOfMemoryError:
-            pass
-        del out
-        if torch.device(device).type == "cuda":
-            torch.cuda.empty_cache()
-    return times
+    timed = gpu_parts.time_paths(paths, (q, k, v), do, device, bench)
+    return {(label, step): ms for label, passes in timed.items() if "oom" not in passes for step, ms in passes.items()}
 
 
 def pass_rows(args, n, times, itemsize, tbps):

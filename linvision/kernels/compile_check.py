@@ -4,8 +4,8 @@ shared memory (the compiled kernel's metadata; an H100 block may use 227 KB) and
 (asynchronous copies or TMA in the TTGIR).
 
 - :func:`check` / :func:`compile_kernel`: linvision's kernels per head dim, dtype, RoPE form and configuration,
-  each a :class:`CompileResult`; a configuration passes with zero spills, shared memory within 227 KB and, for
-  kernels with a token loop, a pipelined loop (:attr:`CompileResult.ok`).
+  each a :class:`CompileResult`; a configuration passes with zero spills, shared memory within 227 KB and
+  a pipelined token loop (:attr:`CompileResult.ok`; every kernel loops over its tokens).
 - :func:`check_fla`: fla-core's kernels as a caller's forms run them, in a process set up by
   :func:`pretend_hopper` (Triton and fla-core then take it for one with an H100; launches only compile), each
   kernel summarised as a :class:`FlaKernel`.
@@ -43,7 +43,6 @@ class CompileResult:
     registers: int
     spill_bytes: int  # spill stores + spill loads per thread, as ptxas reports them
     shared_bytes: int
-    has_loop: bool
     pipelined: bool
     dq_grad: bool = True  # False: the query backward without dq
 
@@ -54,7 +53,7 @@ class CompileResult:
 
     @property
     def ok(self) -> bool:
-        return self.spill_bytes == 0 and self.shared_bytes <= H100_SMEM_BYTES and (self.pipelined or not self.has_loop)
+        return self.spill_bytes == 0 and self.shared_bytes <= H100_SMEM_BYTES and self.pipelined
 
 
 def _is_channel_stride(name: str) -> bool:
@@ -135,7 +134,7 @@ def compile_kernel(kernel: str, d: int, dtype: str, rope: str, config: Sequence[
     regs, spills = ptxas_usage(compiled.asm["ptx"])
     ttgir = compiled.asm["ttgir"]
     return CompileResult(kernel, d, dtype, rope, block_n, warps, stages, regs, spills, compiled.metadata.shared,
-                         has_loop="split_len" in fn.arg_names, pipelined=token_loads_pipelined(ttgir, dtype),
+                         pipelined=token_loads_pipelined(ttgir, dtype),
                          dq_grad=dq_grad or "DQ_GRAD" not in fn.arg_names)
 
 

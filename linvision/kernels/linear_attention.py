@@ -79,6 +79,10 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _INTERPRET_BLOCK_N = 64
 _SPLIT_ALIGN = 256  # split lengths are multiples of every autotuned BLOCK_N
+# The backward's products with the state (S, dS) take its hi part only: 2^-9 (bf16) / 2^-11 (fp16) relative,
+# within the gradients' tolerances (4x the output's), as flash attention's backward rounds P and dS to 16 bits;
+# it halves those products and the registers that hold the state. The forward keeps hi + lo.
+BACKWARD_LO = tl.constexpr(False)
 _MAX_GRID_Y = 65535  # batch x heads runs on grid axes 1 and 2, each at most this long
 
 
@@ -195,10 +199,11 @@ def _native(x, ROUND_BF16: tl.constexpr):
 
 
 @triton.jit
-def _split_state(s1, s2, DOT: tl.constexpr, ROUND_BF16: tl.constexpr, SPLIT: tl.constexpr):
+def _split_state(s1, s2, DOT: tl.constexpr, ROUND_BF16: tl.constexpr, SPLIT: tl.constexpr, LO: tl.constexpr):
     """The fp32 state halves as tensor-core operands: with SPLIT (16-bit inputs), scaled by a power of two c to
-    max |S| <= 1 and split into hi + lo 16-bit parts (S c = hi + lo up to 2^-17 relative in bf16, 2^-22 of max |S|
-    in fp16); returns (hi1, lo1, hi2, lo2, 1 / c). Without SPLIT (fp32): (s1, s1, s2, s2, 1) and lo unused."""
+    max |S| <= 1 and rounded to 16 bits (hi), with LO also its remainder (lo: S c = hi + lo up to 2^-17 relative in
+    bf16, 2^-22 of max |S| in fp16; hi alone carries 2^-9 / 2^-11 relative); returns (hi1, lo1, hi2, lo2, 1 / c),
+    lo = hi (unused) without LO. Without SPLIT (fp32): (s1, s1, s2, s2, 1) and lo unused."""
     if SPLIT:
         m = tl.maximum(tl.max(tl.max(tl.abs(s1), axis=1), axis=0), tl.max(tl.max(tl.abs(s2), axis=1), axis=0))
         e = tl.where(m > 0, tl.ceil(tl.log2(tl.maximum(m, 1e-30))), 0.0)
@@ -207,8 +212,12 @@ def _split_state(s1, s2, DOT: tl.constexpr, ROUND_BF16: tl.constexpr, SPLIT: tl.
         a2 = s2 * c
         hi1 = _operand(a1, DOT, ROUND_BF16)
         hi2 = _operand(a2, DOT, ROUND_BF16)
-        lo1 = _operand(a1 - hi1.to(tl.float32), DOT, ROUND_BF16)
-        lo2 = _operand(a2 - hi2.to(tl.float32), DOT, ROUND_BF16)
+        if LO:
+            lo1 = _operand(a1 - hi1.to(tl.float32), DOT, ROUND_BF16)
+            lo2 = _operand(a2 - hi2.to(tl.float32), DOT, ROUND_BF16)
+        else:
+            lo1 = hi1
+            lo2 = hi2
         inv = tl.exp2(e)
     else:
         hi1 = s1
@@ -220,10 +229,10 @@ def _split_state(s1, s2, DOT: tl.constexpr, ROUND_BF16: tl.constexpr, SPLIT: tl.
 
 
 @triton.jit
-def _state_dot(a, hi, lo, acc, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
-    """acc + a @ (hi + lo): a product with the split state (one dot without SPLIT)."""
+def _state_dot(a, hi, lo, acc, SPLIT: tl.constexpr, PRECISION: tl.constexpr, LO: tl.constexpr):
+    """acc + a @ (hi + lo): a product with the split state (one dot without SPLIT or LO)."""
     acc = tl.dot(a, hi, acc, input_precision=PRECISION)
-    if SPLIT:
+    if SPLIT and LO:
         acc = tl.dot(a, lo, acc, input_precision=PRECISION)
     return acc
 
@@ -407,6 +416,15 @@ def _input_grad(g1, g2, a1, a2, f1, f2, FEATURE: tl.constexpr, cos, sin, HAS_ROP
 
 
 @triton.jit
+def _span(pid_s, N, BLOCK_N: tl.constexpr):
+    """(lo, hi): the tokens of program ``pid_s`` of the output and key kernels, N split evenly over the grid's
+    axis 0 in whole blocks (the last programs may get none)."""
+    span = tl.cdiv(tl.cdiv(N, tl.num_programs(0)), BLOCK_N) * BLOCK_N
+    lo = pid_s * span
+    return lo, tl.minimum(lo + span, N)
+
+
+@triton.jit
 def _split_start(pid_s, split_len, N, BLOCK_DV: tl.constexpr, BLOCK_P: tl.constexpr):
     """Start of a reduction over one split of the tokens: its range [lo, hi) and fp32 zeros for the column halves
     (BLOCK_DV, BLOCK_P) of a transposed (Dv, D) state and the halves of its (D,) vector."""
@@ -534,30 +552,35 @@ def _state_fwd_kernel(K, V, TAB, VALID, POS, S_PART, Z_PART, S, Z, LOCK, stride_
 @_kernel
 def _output_fwd_kernel(Q, S, Z, TAB, VALID, COUNT, POS, O, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob,
                        stride_oh, stride_on, stride_od, stride_th, stride_ts, stride_pb, eps, H, BH, N, D_HALF, DV,
-                       prefix, width, N_BUCKET, FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr, MASK: tl.constexpr,
-                       COUNTED: tl.constexpr, POSITIONS: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
-                       ROUND_BF16: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
-    """Grid (token blocks, B*H): o = (R phi(q)) S / (phi(q) . z + eps) for one block of queries (``eps`` times the
-    sample's valid keys with COUNTED; invalid queries with MASK get 0); the rotated features enter the tensor cores
-    in the input dtype, S as its hi + lo split."""
-    pid_n, bh, b, h, valid, offs_p, offs_e = _program(H, BH, BLOCK_P, BLOCK_DV)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                       prefix, width, N_BUCKET, FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr,
+                       MASK: tl.constexpr, COUNTED: tl.constexpr, POSITIONS: tl.constexpr, PRECISION: tl.constexpr,
+                       DOT: tl.constexpr, ROUND_BF16: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr,
+                       BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid (spans, B*H): o = (R phi(q)) S / (phi(q) . z + eps) for the queries of one span (:func:`_span`), a
+    loop over its token blocks (``eps`` times the sample's valid keys with COUNTED; invalid queries with MASK get
+    0); the state is loaded and split once per program. The rotated features enter the tensor cores in the input
+    dtype, S as its hi + lo split."""
+    pid_s, bh, b, h, valid, offs_p, offs_e = _program(H, BH, BLOCK_P, BLOCK_DV)
     valid_row, pos_row = _sample_rows(VALID, POS, b, N, stride_pb)
-    mask_q, _ = _tile_masks(_token_mask(valid_row, offs_n, N, MASK), offs_p, offs_e, D_HALF, DV)
-    _, mask_o = _tile_masks(offs_n < N, offs_p, offs_e, D_HALF, DV)  # invalid queries are stored: as zeros
     eps = _per_sample(eps, COUNT, b, COUNTED, False)
     s1, s2, z1, z2 = _load_state(S, Z, bh, offs_p, offs_e, D_HALF, DV, 1.0)
-    hi1, lo1, hi2, lo2, inv = _split_state(s1, s2, DOT, ROUND_BF16, SPLIT)
-    _, _, _, _, f1, f2, r1, r2 = _features(_head(Q, b, h, stride_qb, stride_qh), offs_n, N, offs_p, stride_qn,
-                                           stride_qd, D_HALF, mask_q, TAB, h, stride_th, stride_ts, prefix, width,
-                                           pos_row, FEATURE, HAS_ROPE, POSITIONS)
-    num = _state_dot(_operand(r1, DOT, ROUND_BF16), hi1, lo1, tl.zeros((BLOCK_N, BLOCK_DV), tl.float32), SPLIT,
-                     PRECISION)
-    num = _state_dot(_operand(r2, DOT, ROUND_BF16), hi2, lo2, num, SPLIT, PRECISION)
-    den = tl.sum(f1 * z1[None, :], axis=1) + tl.sum(f2 * z2[None, :], axis=1) + eps
-    o_ptrs = _head(O, b, h, stride_ob, stride_oh) + offs_n.to(tl.int64)[:, None] * stride_on + offs_e[None, :] * stride_od
-    tl.store(o_ptrs, (num * (inv / den)[:, None]).to(O.dtype.element_ty), mask=mask_o & valid)
+    hi1, lo1, hi2, lo2, inv = _split_state(s1, s2, DOT, ROUND_BF16, SPLIT, True)
+    q_base = _head(Q, b, h, stride_qb, stride_qh)
+    o_base = _head(O, b, h, stride_ob, stride_oh)
+    lo, hi = _span(pid_s, N, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_q, _ = _tile_masks(_token_mask(valid_row, offs_n, hi, MASK), offs_p, offs_e, D_HALF, DV)
+        _, mask_o = _tile_masks(offs_n < hi, offs_p, offs_e, D_HALF, DV)  # invalid queries are stored: as zeros
+        _, _, _, _, f1, f2, r1, r2 = _features(q_base, offs_n, hi, offs_p, stride_qn, stride_qd, D_HALF, mask_q, TAB,
+                                               h, stride_th, stride_ts, prefix, width, pos_row, FEATURE, HAS_ROPE,
+                                               POSITIONS)
+        num = _state_dot(_operand(r1, DOT, ROUND_BF16), hi1, lo1, tl.zeros((BLOCK_N, BLOCK_DV), tl.float32), SPLIT,
+                         PRECISION, True)
+        num = _state_dot(_operand(r2, DOT, ROUND_BF16), hi2, lo2, num, SPLIT, PRECISION, True)
+        den = tl.sum(f1 * z1[None, :], axis=1) + tl.sum(f2 * z2[None, :], axis=1) + eps
+        o_ptrs = o_base + offs_n.to(tl.int64)[:, None] * stride_on + offs_e[None, :] * stride_od
+        tl.store(o_ptrs, (num * (inv / den)[:, None]).to(O.dtype.element_ty), mask=mask_o & valid)
 
 
 @_kernel
@@ -582,7 +605,7 @@ def _query_bwd_kernel(Q, DO, S, Z, TAB, VALID, COUNT, POS, DQ, DS_PART, DZ_PART,
     valid_row, pos_row = _sample_rows(VALID, POS, b, N, stride_pb)
     inv_n = _per_sample(inv_n, COUNT, b, COUNTED, True)
     s1, s2, z1, z2 = _load_state(S, Z, bh, offs_p, offs_e, D_HALF, DV, inv_n)  # the means
-    hi1, lo1, hi2, lo2, inv = _split_state(tl.trans(s1), tl.trans(s2), DOT, ROUND_BF16, SPLIT)
+    hi1, lo1, hi2, lo2, inv = _split_state(tl.trans(s1), tl.trans(s2), DOT, ROUND_BF16, SPLIT, BACKWARD_LO)
     q_base = _head(Q, b, h, stride_qb, stride_qh)
     do_base = _head(DO, b, h, stride_ob, stride_oh)
     dq_base = DQ + bh.to(tl.int64) * N * 2 * D_HALF  # dq is allocated contiguous (B, H, N, D)
@@ -599,8 +622,9 @@ def _query_bwd_kernel(Q, DO, S, Z, TAB, VALID, COUNT, POS, DQ, DS_PART, DZ_PART,
         den = tl.sum(f1 * z1[None, :], axis=1) + tl.sum(f2 * z2[None, :], axis=1) + eps
         scale = inv / den
         zero = tl.zeros((BLOCK_N, BLOCK_P), tl.float32)
-        g1 = _state_dot(do, hi1, lo1, zero, SPLIT, PRECISION) * scale[:, None]  # grad of the rotated features
-        g2 = _state_dot(do, hi2, lo2, zero, SPLIT, PRECISION) * scale[:, None]
+        # the gradient of the rotated features
+        g1 = _state_dot(do, hi1, lo1, zero, SPLIT, PRECISION, BACKWARD_LO) * scale[:, None]
+        g2 = _state_dot(do, hi2, lo2, zero, SPLIT, PRECISION, BACKWARD_LO) * scale[:, None]
         dden = -(tl.sum(r1 * g1, axis=1) + tl.sum(r2 * g2, axis=1)) / den
         if DQ_GRAD:
             dq1, dq2 = _input_grad(g1, g2, dden[:, None] * z1[None, :], dden[:, None] * z2[None, :], f1, f2,
@@ -640,41 +664,48 @@ def _key_bwd_kernel(K, V, DS, DZ, TAB, VALID, COUNT, POS, DK, DV_OUT, DF, stride
                     HAS_ROPE: tl.constexpr, MASK: tl.constexpr, COUNTED: tl.constexpr, POSITIONS: tl.constexpr,
                     FREQ_GRAD: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr, ROUND_BF16: tl.constexpr,
                     SPLIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid (token blocks, B*H): dk = phi'(k) (R^T (v dS^T) + dz), dv = (R phi(k)) dS; dS, dz are the sums over the
-    query splits, times ``inv_n`` = 1/Nk on loading (the gradient of the mean S carries its 1/Nk; over the
-    sample's valid keys with COUNTED). With MASK invalid keys get dk = dv = 0.
+    """Grid (spans, B*H): dk = phi'(k) (R^T (v dS^T) + dz), dv = (R phi(k)) dS for the keys of one span
+    (:func:`_span`), a loop over its token blocks; dS, dz are the sums over the query splits, times ``inv_n`` =
+    1/Nk on loading (the gradient of the mean S carries its 1/Nk; over the sample's valid keys with COUNTED), loaded
+    and split once per program. With MASK invalid keys get dk = dv = 0.
     v enters the tensor cores as loaded, R phi(k) rounded to the input dtype, dS as its hi + lo split."""
-    pid_n, bh, b, h, valid, offs_p, offs_e = _program(H, BH, BLOCK_P, BLOCK_DV)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_s, bh, b, h, valid, offs_p, offs_e = _program(H, BH, BLOCK_P, BLOCK_DV)
     valid_row, pos_row = _sample_rows(VALID, POS, b, N, stride_pb)
-    keep = _token_mask(valid_row, offs_n, N, MASK)
-    mask_k, mask_v = _tile_masks(keep, offs_p, offs_e, D_HALF, DV)
-    mask_dk, mask_dv = _tile_masks(offs_n < N, offs_p, offs_e, D_HALF, DV)  # invalid keys: zeros stored
     inv_n = _per_sample(inv_n, COUNT, b, COUNTED, True)
     ds1, ds2, dz1, dz2 = _load_state(DS, DZ, bh, offs_p, offs_e, D_HALF, DV, inv_n)
-    hi1, lo1, hi2, lo2, inv = _split_state(ds1, ds2, DOT, ROUND_BF16, SPLIT)
-    v = _native(_load_tile(_head(V, b, h, stride_vb, stride_vh), offs_n, offs_e, stride_vn, stride_vd, mask_v),
-                ROUND_BF16)
-    _, _, cos, sin, f1, f2, r1, r2 = _features(_head(K, b, h, stride_kb, stride_kh), offs_n, N, offs_p, stride_kn,
-                                                 stride_kd, D_HALF, mask_k, TAB, h, stride_th, stride_ts, prefix,
-                                                 width, pos_row, FEATURE, HAS_ROPE, POSITIONS)
-    dv = _state_dot(_operand(r1, DOT, ROUND_BF16), hi1, lo1, tl.zeros((BLOCK_N, BLOCK_DV), tl.float32), SPLIT,
-                    PRECISION)
-    dv = _state_dot(_operand(r2, DOT, ROUND_BF16), hi2, lo2, dv, SPLIT, PRECISION) * inv
-    zero = tl.zeros((BLOCK_N, BLOCK_P), tl.float32)
-    g1 = _state_dot(v, tl.trans(hi1), tl.trans(lo1), zero, SPLIT, PRECISION) * inv
-    g2 = _state_dot(v, tl.trans(hi2), tl.trans(lo2), zero, SPLIT, PRECISION) * inv
-    dk1, dk2 = _input_grad(g1, g2, dz1[None, :], dz2[None, :], f1, f2, FEATURE, cos, sin, HAS_ROPE)
-    if MASK:  # dz reaches every key (phi' of the identity map is 1 at a zeroed key)
-        dk1 = tl.where(mask_k, dk1, 0.0)
-        dk2 = tl.where(mask_k, dk2, 0.0)
+    hi1, lo1, hi2, lo2, inv = _split_state(ds1, ds2, DOT, ROUND_BF16, SPLIT, BACKWARD_LO)
+    k_base = _head(K, b, h, stride_kb, stride_kh)
+    v_base = _head(V, b, h, stride_vb, stride_vh)
     dk_base = DK + bh.to(tl.int64) * N * 2 * D_HALF  # dk and dv are allocated contiguous
-    _store_rows(dk_base, offs_n, offs_p, 2 * D_HALF, dk1, mask_dk & valid)
-    _store_rows(dk_base, offs_n, offs_p + D_HALF, 2 * D_HALF, dk2, mask_dk & valid)
-    _store_rows(DV_OUT + bh.to(tl.int64) * N * DV, offs_n, offs_e, DV, dv, mask_dv & valid)
-    if FREQ_GRAD:  # (B*H, 2, P), summed over the token blocks
-        dfx, dfy = _freq_grad(tl.zeros_like(dz1), tl.zeros_like(dz1), g1, g2, r1, r2, offs_n, N, prefix, width,
-                              off_row, off_col, pos_row, POSITIONS)
+    dv_base = DV_OUT + bh.to(tl.int64) * N * DV
+    dfx = tl.zeros_like(dz1)
+    dfy = tl.zeros_like(dz1)
+    lo, hi = _span(pid_s, N, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_k, mask_v = _tile_masks(_token_mask(valid_row, offs_n, hi, MASK), offs_p, offs_e, D_HALF, DV)
+        mask_dk, mask_dv = _tile_masks(offs_n < hi, offs_p, offs_e, D_HALF, DV)  # invalid keys: zeros stored
+        v = _native(_load_tile(v_base, offs_n, offs_e, stride_vn, stride_vd, mask_v), ROUND_BF16)
+        _, _, cos, sin, f1, f2, r1, r2 = _features(k_base, offs_n, hi, offs_p, stride_kn, stride_kd, D_HALF, mask_k,
+                                                     TAB, h, stride_th, stride_ts, prefix, width, pos_row, FEATURE,
+                                                     HAS_ROPE, POSITIONS)
+        dv = _state_dot(_operand(r1, DOT, ROUND_BF16), hi1, lo1, tl.zeros((BLOCK_N, BLOCK_DV), tl.float32), SPLIT,
+                        PRECISION, BACKWARD_LO)
+        dv = _state_dot(_operand(r2, DOT, ROUND_BF16), hi2, lo2, dv, SPLIT, PRECISION, BACKWARD_LO) * inv
+        zero = tl.zeros((BLOCK_N, BLOCK_P), tl.float32)
+        g1 = _state_dot(v, tl.trans(hi1), tl.trans(lo1), zero, SPLIT, PRECISION, BACKWARD_LO) * inv
+        g2 = _state_dot(v, tl.trans(hi2), tl.trans(lo2), zero, SPLIT, PRECISION, BACKWARD_LO) * inv
+        dk1, dk2 = _input_grad(g1, g2, dz1[None, :], dz2[None, :], f1, f2, FEATURE, cos, sin, HAS_ROPE)
+        if MASK:  # dz reaches every key (phi' of the identity map is 1 at a zeroed key)
+            dk1 = tl.where(mask_k, dk1, 0.0)
+            dk2 = tl.where(mask_k, dk2, 0.0)
+        _store_rows(dk_base, offs_n, offs_p, 2 * D_HALF, dk1, mask_dk & valid)
+        _store_rows(dk_base, offs_n, offs_p + D_HALF, 2 * D_HALF, dk2, mask_dk & valid)
+        _store_rows(dv_base, offs_n, offs_e, DV, dv, mask_dv & valid)
+        if FREQ_GRAD:
+            dfx, dfy = _freq_grad(dfx, dfy, g1, g2, r1, r2, offs_n, hi, prefix, width, off_row, off_col, pos_row,
+                                  POSITIONS)
+    if FREQ_GRAD:  # (B*H, 2, P), summed over the spans
         df_ptrs = DF + bh.to(tl.int64) * 2 * D_HALF + offs_p
         tl.atomic_add(df_ptrs, dfx, mask=(offs_p < D_HALF) & valid)
         tl.atomic_add(df_ptrs + D_HALF, dfy, mask=(offs_p < D_HALF) & valid)
@@ -690,12 +721,12 @@ FLOAT_SCALARS = {"eps", "inv_n", "off_row", "off_col"}
 _OFFERED.update({
     "_state_fwd_kernel": {32: ((64, 8, 3), (128, 8, 2)), 64: ((64, 8, 2), (64, 8, 3), (128, 8, 2)),
                           128: ((32, 8, 2), (64, 8, 2), (64, 8, 3))},
-    "_output_fwd_kernel": {32: ((64, 4, 2), (128, 8, 2), (256, 8, 2)), 64: ((64, 8, 2), (128, 8, 2), (256, 8, 2)),
-                           128: ((64, 8, 2), (128, 8, 2))},
+    "_output_fwd_kernel": {32: ((64, 4, 2), (128, 8, 2), (128, 8, 3), (256, 8, 2)),
+                           64: ((64, 8, 2), (64, 8, 3), (128, 8, 2), (256, 8, 2)), 128: ((32, 8, 2), (64, 8, 2))},
     "_query_bwd_kernel": {32: ((64, 4, 2), (64, 8, 2), (128, 8, 2)), 64: ((16, 8, 2), (64, 8, 2), (64, 8, 3)),
                           128: ((16, 8, 2),)},
-    "_key_bwd_kernel": {32: ((64, 8, 2), (128, 8, 2), (256, 8, 2)), 64: ((64, 8, 2), (128, 8, 2)),
-                        128: ((32, 8, 2),)},
+    "_key_bwd_kernel": {32: ((64, 8, 2), (64, 8, 3), (128, 8, 2)), 64: ((64, 8, 2), (64, 8, 3)),
+                        128: ((16, 8, 2), (32, 8, 2))},
 })
 
 
@@ -804,6 +835,22 @@ def _split_len(n: int, bh: int, device: torch.device, split_tokens: int) -> int:
         return max(n, 1)
     splits = max(1, min(_cdiv(2 * _sm_count(device), bh), _cdiv(n, _SPLIT_ALIGN)))
     return _cdiv(_cdiv(n, splits), _SPLIT_ALIGN) * _SPLIT_ALIGN
+
+
+_SPANS_PER_SM = 4  # programs of the output and key kernels per SM
+_INTERPRET_SPAN = 2 * _INTERPRET_BLOCK_N  # off GPU: two token blocks per program
+
+
+def _spans(n: int, bh: int, device: torch.device):
+    """Launch grid of the output and key kernels, which loop over a span of token blocks each with the state loaded
+    and split once per program: about ``_SPANS_PER_SM`` programs per SM on a GPU, at most one per token block (at
+    B=1, H=16 on 132 SMs and BLOCK_N=64: 64 tokens each up to N=2,112, 128 at 4,096, 8,000 at 262,144); off GPU
+    (the interpreter) spans of two blocks."""
+    if device.type != "cuda":
+        spans = _cdiv(n, _INTERPRET_SPAN)
+    else:
+        spans = _cdiv(_SPANS_PER_SM * _sm_count(device), bh)
+    return _grid(lambda cfg: max(1, min(spans, _cdiv(n, cfg["BLOCK_N"]))), bh)
 
 
 def _rope_table(q: Tensor, n: int, freqs_x: Optional[Tensor], freqs_y: Optional[Tensor], rope_ints: List[int],
@@ -953,9 +1000,9 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, feature_map: str, freqs_x: Optiona
     z = z.view(b, h, d)
     o = torch.empty(b, nq, h, dv, device=q.device, dtype=q.dtype).transpose(1, 2)  # token-major memory
     if nq > 0:
-        _run("_output_fwd_kernel", d, dv, _grid(lambda cfg: _cdiv(nq, cfg["BLOCK_N"]), b * h), q, s, z, tab,
-             tok.valid, tok.count, tok.pos, o, *q.stride(), *o.stride(), stride_th, stride_ts, tok.stride_pb,
-             tok.scale(eps, nk), h, b * h, nq, d // 2, dv, prefix, width, _next_pow2(nq), **meta,
+        _run("_output_fwd_kernel", d, dv, _spans(nq, b * h, q.device), q, s, z, tab, tok.valid, tok.count,
+             tok.pos, o, *q.stride(), *o.stride(), stride_th, stride_ts, tok.stride_pb, tok.scale(eps, nk), h, b * h,
+             nq, d // 2, dv, prefix, width, _next_pow2(nq), **meta,
              **tok.queries)
     return o, s, z
 
@@ -1002,9 +1049,9 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor,
         return dq, k.new_empty(0), v.new_empty(0), *_freq_grads(df, freqs_x, h)
     dk = torch.empty(b, h, nk, d, device=q.device, dtype=k.dtype)
     dv_out = torch.empty(b, h, nk, dv, device=q.device, dtype=v.dtype)
-    _run("_key_bwd_kernel", d, dv, _grid(lambda cfg: _cdiv(nk, cfg["BLOCK_N"]), b * h), k, v, ds, dz, tab,
-         tok.valid, tok.count, tok.pos, dk, dv_out, df, *k.stride(), *v.stride(), stride_th, stride_ts,
-         tok.stride_pb, inv_n, h, b * h, nk, d // 2, dv, prefix, width, off_row, off_col,
+    _run("_key_bwd_kernel", d, dv, _spans(nk, b * h, q.device), k, v, ds, dz, tab, tok.valid, tok.count, tok.pos,
+         dk, dv_out, df, *k.stride(), *v.stride(), stride_th, stride_ts, tok.stride_pb, inv_n, h, b * h, nk, d // 2,
+         dv, prefix, width, off_row, off_col,
          _next_pow2(nk), **meta, **tok.keys)
     if not kv_grad:
         dk, dv_out = k.new_empty(0), v.new_empty(0)

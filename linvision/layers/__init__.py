@@ -27,5 +27,8 @@ from .mixers import (
     SoftmaxAttention,
 )
 from . import recurrent  # registers the bidirectional recurrent mixers
-from . import variant_mixers  # registers pola, inline, rala, mala, agent
+from . import variant_mixers  # registers inline, agent
+from . import mala  # registers mala, mavit_mala
+from . import rala  # registers rala, rala_premod, ravlt_rala
+from . import pola  # registers pola, pola_swin
 from .block import ConvPosEnc, DwConvMlp, MixerBlock

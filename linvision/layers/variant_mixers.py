@@ -34,9 +34,6 @@ from linvision.ops import Rope
 from linvision.ops.attention_variants import (
     agent_attention,
     injective_linear_attention,
-    magnitude_aware_linear_attention,
-    polarity_linear_attention,
-    rank_augmented_linear_attention,
 )
 
 from .mixers import AttentionMixer
@@ -45,47 +42,6 @@ from .registry import register_mixer
 
 __all__ = ["PolaAttention", "InLineAttention", "OutputModulation", "RALAttention", "RALAPremodAttention",
            "MALAttention", "AgentAttention"]
-
-
-@register_mixer("pola")
-class PolaAttention(AttentionMixer):
-    """PolaFormer's polarity-aware linear attention (see the module docstring).
-
-    alpha: the power ranges over 1..1 + alpha (default 4). eps: the denominators' eps (default 1e-6).
-    RoPE rotates the 2D-channel polarity features (``rope_dim`` = 2 * head dim). Other options:
-    :class:`AttentionMixer`. Needs an even head dim (the value channels are split in two).
-    """
-
-    def __init__(self, dim: int, num_heads: int, *, alpha: float = 4.0, eps: float = 1e-6, lepe: bool = True,
-                 **kwargs):
-        if not alpha > 0:
-            raise ValueError(f"alpha: must be > 0, got {alpha!r}")
-        super().__init__(dim, num_heads, lepe=lepe, **kwargs)
-        if self.head_dim % 2:
-            raise ValueError(f"num_heads: PolaFormer needs an even head dim, got {self.head_dim}")
-        self.alpha, self.eps = float(alpha), eps
-        self.power_logit = nn.Parameter(torch.zeros(num_heads, 1, self.head_dim))  # p = 1 + alpha/2 at start
-        self.qk_scale = nn.Parameter(torch.zeros(num_heads, 1, self.head_dim))  # divisor softplus(s)
-
-    @property
-    def rope_dim(self) -> int:
-        return 2 * self.head_dim
-
-    @torch.jit.ignore
-    def no_weight_decay(self) -> set:
-        return super().no_weight_decay() | {"power_logit", "qk_scale"}
-
-    def power(self) -> Tensor:
-        return 1 + self.alpha * torch.sigmoid(self.power_logit)
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
-        cdt = torch.float64 if q.dtype == torch.float64 else torch.float32  # features and division in fp32
-        div = F.softplus(self.qk_scale).to(cdt)
-        return polarity_linear_attention(q.to(cdt) / div, k.to(cdt) / div, v.to(cdt), self.power(), rope=rope,
-                                         eps=self.eps).to(v.dtype)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, alpha={self.alpha}"
 
 
 @register_mixer("inline")
@@ -117,77 +73,6 @@ class InLineAttention(AttentionMixer):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, local={self.local is not None}"
-
-
-class OutputModulation:
-    """RALA's element-wise output modulation, mixed into an :class:`~linvision.layers.mixers.AttentionMixer`: its
-    output gate with no activation, so the output is proj((attention + LePE) * (W_o x)); ``gate`` (the W_o
-    projection) is on by default in the mixers that take this. Used by ``"rala"`` and by RAVLT's softmax stages."""
-
-    def gate_activation(self, g: Tensor) -> Tensor:
-        return g
-
-
-@register_mixer("rala")
-class RALAttention(OutputModulation, AttentionMixer):
-    """RALA as RAVLT publishes it: rank-augmented linear attention, LePE, then the element-wise output modulation
-    (attention + LePE) * (W_o x) (``gate``, no activation; ``gate=False`` drops it), then the projection.
-    feature_map: the map of q and k (default "elu"); eps: the denominator's eps."""
-
-    def __init__(self, dim: int, num_heads: int, *, feature_map: str = "elu", eps: float = 1e-6,
-                 rope: Optional[str] = "axial", lepe: bool = True, gate: bool = True, **kwargs):
-        super().__init__(dim, num_heads, rope=rope, lepe=lepe, gate=gate, **kwargs)
-        self.use_feature_map(feature_map, nonnegative=True)
-        self.eps = eps
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
-        return rank_augmented_linear_attention(q, k, v, self.phi(), rope=rope, eps=self.eps)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, feature_map={self.feature_map}, modulation={self.gate is not None}"
-
-
-@register_mixer("rala_premod")
-class RALAPremodAttention(AttentionMixer):
-    """RALA's keys with the output modulation on the attention term alone, before LePE is added:
-    proj(act(W_g x) * (attention * (W_o x) + LePE)) with the optional SiLU ``gate`` of AttentionMixer. The form
-    the comparisons of the results page measured (under the name "rala" then); RAVLT's own form is ``"rala"``.
-    ``modulation=False`` drops W_o. feature_map: the map of q and k (default "elu"); eps: the denominator's eps."""
-
-    def __init__(self, dim: int, num_heads: int, *, feature_map: str = "elu", eps: float = 1e-6,
-                 modulation: bool = True, rope: Optional[str] = "axial", lepe: bool = True, **kwargs):
-        super().__init__(dim, num_heads, rope=rope, lepe=lepe, **kwargs)
-        self.use_feature_map(feature_map, nonnegative=True)
-        self.eps = eps
-        self.modulation = nn.Linear(dim, dim) if modulation else None
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
-        out = rank_augmented_linear_attention(q, k, v, self.phi(), rope=rope, eps=self.eps)
-        if self.modulation is None:
-            return out
-        b, nh, n, d = v.shape
-        return out * self.modulation(x).reshape(b, n, nh, d).transpose(1, 2)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, feature_map={self.feature_map}, modulation={self.modulation is not None}"
-
-
-@register_mixer("mala")
-class MALAttention(AttentionMixer):
-    """MALA: magnitude-aware linear attention. feature_map (default "elu"), scale (default head_dim^-1/2), eps."""
-
-    def __init__(self, dim: int, num_heads: int, *, feature_map: str = "elu", scale: Optional[float] = None,
-                 eps: float = 1e-6, rope: Optional[str] = "axial", lepe: bool = True, **kwargs):
-        super().__init__(dim, num_heads, rope=rope, lepe=lepe, **kwargs)
-        self.use_feature_map(feature_map, nonnegative=True)
-        self.scale, self.eps = scale, eps
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
-        return magnitude_aware_linear_attention(q, k, v, self.phi(), scale=self.scale, rope=rope,
-                                                eps=self.eps)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, feature_map={self.feature_map}"
 
 
 @register_mixer("agent")

@@ -82,6 +82,30 @@ class InLineDeiT(LinViT):
         load_published(self, path, checkpoint_filter_fn)
 
 
+class InLineSwin(SwinHier):
+    """:class:`~linvision.models.swinhier.SwinHier` with InLine's stages; loads the authors' files (timm's
+    ``custom_load``)."""
+
+    def load_pretrained(self, path: str) -> None:
+        load_published(self, path, swin_filter_fn)
+
+
+class InLinePvt(PvtHier):
+    """:class:`~linvision.models.pvthier.PvtHier` with ``"inline_deit"`` in every block; loads the authors' files
+    (timm's ``custom_load``)."""
+
+    def load_pretrained(self, path: str) -> None:
+        load_published(self, path, pvt_filter_fn)
+
+
+class InLineCswin(LinHier):
+    """CSWin's layout (:func:`~linvision.models.cswinhier.create_cswin_like`) with InLine's stages; loads the
+    authors' files (timm's ``custom_load``)."""
+
+    def load_pretrained(self, path: str) -> None:
+        load_published(self, path, cswin_filter_fn)
+
+
 def checkpoint_filter_fn(checkpoint: Dict[str, Any], model: LinViT) -> Dict[str, Tensor]:
     """The authors' checkpoint (weights under ``model``) in linvision's names: ``blocks.i.attn.*`` becomes
     ``blocks.i.mixer.*`` and the kernel predictor ``attn.residual`` the mixer's ``local``; then linvit's filter
@@ -93,6 +117,46 @@ def checkpoint_filter_fn(checkpoint: Dict[str, Any], model: LinViT) -> Dict[str,
             name = name.replace(".attn.residual.", ".mixer.local.").replace(".attn.", ".mixer.")
         out[name] = value
     return linvit_filter(out, model)
+
+
+def _swin_mixer_tensor(name: str, value: Tensor, mixer: nn.Module) -> Dict[str, Tensor]:
+    return {name.replace(".mixer.residual.", ".mixer.local."): value}
+
+
+def swin_filter_fn(checkpoint: Dict[str, Any], model: LinHier) -> Dict[str, Tensor]:
+    """The authors' InLine-Swin checkpoint (weights under ``model``) in linvision's names
+    (:func:`~linvision.models.swinhier.swin_checkpoint_filter`; the kernel predictor ``attn.residual`` becomes the
+    mixer's ``local``, no tensor changed). A state dict in linvision's own names passes unchanged."""
+    return swin_checkpoint_filter(checkpoint, model, WEIGHT_KEYS, _swin_mixer_tensor)
+
+
+def _pvt_mixer_tensors(prefix: str, tensors: Dict[str, Tensor], mixer: nn.Module) -> Dict[str, Tensor]:
+    tensors = {k.replace(".mixer.residual.", ".mixer.local."): v for k, v in tensors.items()}
+    return merge_q_kv(tensors, prefix)
+
+
+def pvt_filter_fn(checkpoint: Dict[str, Any], model: LinHier) -> Dict[str, Tensor]:
+    """The authors' InLine-PVT checkpoint (weights under ``model``) in linvision's names
+    (:func:`~linvision.models.pvthier.pvt_checkpoint_filter`; q and kv joined as ``qkv``, the kernel predictor
+    ``attn.residual`` the mixer's ``local``). A state dict in linvision's own names passes unchanged."""
+    return pvt_checkpoint_filter(checkpoint, model, WEIGHT_KEYS, _pvt_mixer_tensors)
+
+
+# InLine-CSwin's training (main_ema.py) saves the EMA copy under 'state_dict_ema' beside the raw weights: the EMA
+# copy first, as timm loads a training checkpoint.
+CSWIN_WEIGHT_KEYS = ("state_dict_ema", "model", "state_dict")
+
+
+def _cswin_mixer_tensors(prefix: str, tensors: Dict[str, Tensor], mixer: nn.Module) -> Dict[str, Tensor]:
+    return {k.replace(".attns.0.residual.", ".local."): v for k, v in tensors.items()}
+
+
+def cswin_filter_fn(checkpoint: Dict[str, Any], model: LinHier) -> Dict[str, Tensor]:
+    """The authors' InLine-CSwin checkpoint (the EMA copy under ``state_dict_ema`` when there is one, else
+    ``model``) in linvision's names (:func:`~linvision.models.cswinhier.cswin_checkpoint_filter`; the kernel
+    predictor ``attns.0.residual`` becomes the mixer's ``local``). A state dict in linvision's names passes
+    unchanged."""
+    return cswin_checkpoint_filter(checkpoint, model, CSWIN_WEIGHT_KEYS, _cswin_mixer_tensors)
 
 
 def _cfg(url: str, filename: str, size: int, top1: float) -> Dict[str, Any]:
@@ -176,25 +240,6 @@ def inline_deit_base(pretrained: bool = False, **kwargs) -> LinViT:
     return _create_inline_deit("inline_deit_base", "base", pretrained, **kwargs)
 
 
-class InLineSwin(SwinHier):
-    """:class:`~linvision.models.swinhier.SwinHier` with InLine's stages; loads the authors' files (timm's
-    ``custom_load``)."""
-
-    def load_pretrained(self, path: str) -> None:
-        load_published(self, path, swin_filter_fn)
-
-
-def _swin_mixer_tensor(name: str, value: Tensor, mixer: nn.Module) -> Dict[str, Tensor]:
-    return {name.replace(".mixer.residual.", ".mixer.local."): value}
-
-
-def swin_filter_fn(checkpoint: Dict[str, Any], model: LinHier) -> Dict[str, Tensor]:
-    """The authors' InLine-Swin checkpoint (weights under ``model``) in linvision's names
-    (:func:`~linvision.models.swinhier.swin_checkpoint_filter`; the kernel predictor ``attn.residual`` becomes the
-    mixer's ``local``, no tensor changed). A state dict in linvision's own names passes unchanged."""
-    return swin_checkpoint_filter(checkpoint, model, WEIGHT_KEYS, _swin_mixer_tensor)
-
-
 _SWIN_SIZES: Dict[str, Dict[str, Any]] = {
     "tiny": dict(depths=(2, 2, 6, 2), dims=(96, 192, 384, 768), num_heads=(3, 6, 12, 24),
                  token_mixers="inline_deit,inline_deit,inline_deit,swin_window"),
@@ -228,26 +273,6 @@ def inline_swin_base(pretrained: bool = False, **kwargs) -> LinHier:
     return _create_inline_swin("inline_swin_base", "base", pretrained, **kwargs)
 
 
-class InLinePvt(PvtHier):
-    """:class:`~linvision.models.pvthier.PvtHier` with ``"inline_deit"`` in every block; loads the authors' files
-    (timm's ``custom_load``)."""
-
-    def load_pretrained(self, path: str) -> None:
-        load_published(self, path, pvt_filter_fn)
-
-
-def _pvt_mixer_tensors(prefix: str, tensors: Dict[str, Tensor], mixer: nn.Module) -> Dict[str, Tensor]:
-    tensors = {k.replace(".mixer.residual.", ".mixer.local."): v for k, v in tensors.items()}
-    return merge_q_kv(tensors, prefix)
-
-
-def pvt_filter_fn(checkpoint: Dict[str, Any], model: LinHier) -> Dict[str, Tensor]:
-    """The authors' InLine-PVT checkpoint (weights under ``model``) in linvision's names
-    (:func:`~linvision.models.pvthier.pvt_checkpoint_filter`; q and kv joined as ``qkv``, the kernel predictor
-    ``attn.residual`` the mixer's ``local``). A state dict in linvision's own names passes unchanged."""
-    return pvt_checkpoint_filter(checkpoint, model, WEIGHT_KEYS, _pvt_mixer_tensors)
-
-
 _PVT_SIZES: Dict[str, Dict[str, Any]] = {
     size: dict(depths=depths, dims=(64, 128, 320, 512), num_heads=(2, 4, 10, 16), token_mixers="inline_deit")
     for size, depths in (("tiny", (2, 2, 2, 2)), ("small", (3, 4, 6, 3)), ("medium", (3, 4, 18, 3)),
@@ -278,31 +303,6 @@ def inline_pvt_medium(pretrained: bool = False, **kwargs) -> LinHier:
 @register_model
 def inline_pvt_large(pretrained: bool = False, **kwargs) -> LinHier:
     return _create_inline_pvt("inline_pvt_large", "large", pretrained, **kwargs)
-
-
-class InLineCswin(LinHier):
-    """CSWin's layout (:func:`~linvision.models.cswinhier.create_cswin_like`) with InLine's stages; loads the
-    authors' files (timm's ``custom_load``)."""
-
-    def load_pretrained(self, path: str) -> None:
-        load_published(self, path, cswin_filter_fn)
-
-
-# InLine-CSwin's training (main_ema.py) saves the EMA copy under 'state_dict_ema' beside the raw weights: the EMA
-# copy first, as timm loads a training checkpoint.
-CSWIN_WEIGHT_KEYS = ("state_dict_ema", "model", "state_dict")
-
-
-def _cswin_mixer_tensors(prefix: str, tensors: Dict[str, Tensor], mixer: nn.Module) -> Dict[str, Tensor]:
-    return {k.replace(".attns.0.residual.", ".local."): v for k, v in tensors.items()}
-
-
-def cswin_filter_fn(checkpoint: Dict[str, Any], model: LinHier) -> Dict[str, Tensor]:
-    """The authors' InLine-CSwin checkpoint (the EMA copy under ``state_dict_ema`` when there is one, else
-    ``model``) in linvision's names (:func:`~linvision.models.cswinhier.cswin_checkpoint_filter`; the kernel
-    predictor ``attns.0.residual`` becomes the mixer's ``local``). A state dict in linvision's names passes
-    unchanged."""
-    return cswin_checkpoint_filter(checkpoint, model, CSWIN_WEIGHT_KEYS, _cswin_mixer_tensors)
 
 
 # LePE in every block: the stripes' own, the InLine and whole-map softmax blocks' over their map

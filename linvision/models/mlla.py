@@ -81,6 +81,13 @@ class MllaDownsample(nn.Module):
         return self.project(self.act(self.dwconv(x))).permute(0, 2, 3, 1)
 
 
+class Mlla(LinHier):
+    """:class:`LinHier` with MLLA's layers; loads the authors' files (timm's ``custom_load``)."""
+
+    def load_pretrained(self, path: str) -> None:
+        load_published(self, path, checkpoint_filter_fn)
+
+
 def _published_names(name: str) -> str:
     """linvision's name of a tensor of the authors' layout (``layers.i`` stages ending with their downsample)."""
     import re
@@ -144,13 +151,6 @@ default_cfgs = generate_default_cfgs({
     "mlla_base.in1k": _published(
         "https://cloud.tsinghua.edu.cn/f/91c85c5a1061496d8796/?dl=1", "mlla_base_in1k.pth", 85.3),
 })
-
-
-class Mlla(LinHier):
-    """:class:`LinHier` with MLLA's layers; loads the authors' files (timm's ``custom_load``)."""
-
-    def load_pretrained(self, path: str) -> None:
-        load_published(self, path, checkpoint_filter_fn)
 
 
 def _create_mlla(variant: str, pretrained: bool = False, **kwargs) -> LinHier:

@@ -60,6 +60,14 @@ class PolaSwin(SwinHier):
         load_published(self, path, checkpoint_filter_fn)
 
 
+class PolaPvt(PvtHier):
+    """:class:`~linvision.models.pvthier.PvtHier` with ``"pola_swin"`` in every block; loads the authors' files
+    (timm's ``custom_load``). ``img_size``: the size whose stage grids the position embeddings have."""
+
+    def load_pretrained(self, path: str) -> None:
+        load_published(self, path, pvt_filter_fn)
+
+
 def _mixer_tensor(name: str, value: Tensor, mixer: nn.Module) -> Dict[str, Tensor]:
     """PolaFormer's mixer tensors: ``qkvg`` splits into the q/k/v projection and the modulation ``gate``; the
     per-channel scale and the power take the heads' shape; ``dwc`` is the head-shared conv; the key position
@@ -88,14 +96,6 @@ def checkpoint_filter_fn(checkpoint: Dict[str, Any], model: LinHier) -> Dict[str
     (:func:`~linvision.models.swinhier.swin_checkpoint_filter`; the mixer tensors as :func:`_mixer_tensor` says).
     A state dict in linvision's own names passes unchanged."""
     return swin_checkpoint_filter(checkpoint, model, WEIGHT_KEYS, _mixer_tensor)
-
-
-class PolaPvt(PvtHier):
-    """:class:`~linvision.models.pvthier.PvtHier` with ``"pola_swin"`` in every block; loads the authors' files
-    (timm's ``custom_load``). ``img_size``: the size whose stage grids the position embeddings have."""
-
-    def load_pretrained(self, path: str) -> None:
-        load_published(self, path, pvt_filter_fn)
 
 
 def _pvt_mixer_tensors(prefix: str, tensors: Dict[str, Tensor], mixer: nn.Module) -> Dict[str, Tensor]:

@@ -76,6 +76,13 @@ class RavltStem(nn.Module):
         return self.convs(x).permute(0, 2, 3, 1)
 
 
+class Ravlt(LinHier):
+    """:class:`LinHier` with RAVLT's layers; loads the authors' files (timm's ``custom_load``)."""
+
+    def load_pretrained(self, path: str) -> None:
+        load_published(self, path, checkpoint_filter_fn)
+
+
 def _published_name(name: str) -> str:
     """linvision's name of a tensor of the authors' layout (``layers.i`` stages ending with their downsample)."""
     import re
@@ -146,13 +153,6 @@ default_cfgs = generate_default_cfgs({
     "ravlt_base.in1k": _cfg("RAVLT_B.pth", 85.5),
     "ravlt_large.in1k": _cfg("RAVLT_L.pth", 85.8),
 })
-
-
-class Ravlt(LinHier):
-    """:class:`LinHier` with RAVLT's layers; loads the authors' files (timm's ``custom_load``)."""
-
-    def load_pretrained(self, path: str) -> None:
-        load_published(self, path, checkpoint_filter_fn)
 
 
 # Sizes shared with MAViT (the same stages; MAViT's conv head is wider).

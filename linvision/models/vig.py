@@ -85,6 +85,13 @@ def swiglu_mlp(in_features: int, hidden_features: int, act_layer: type = nn.SiLU
     return GluMlp(in_features, 2 * hidden_features, act_layer=act_layer, bias=False, drop=drop, gate_last=False)
 
 
+def gated_mlp(in_features: int, hidden_features: int, act_layer: Optional[type] = None, drop: float = 0.0
+              ) -> nn.Module:
+    """ViG-H's MLP: :func:`swiglu_mlp` (SiLU, whatever ``act_layer`` the block names) with 2/3 of
+    ``hidden_features`` rounded up to a multiple of 32 as the width of each half (the authors' ``gMlp``)."""
+    return swiglu_mlp(in_features, 32 * math.ceil(int(hidden_features * 2 / 3) / 32), drop=drop)
+
+
 class Vig(LinViT):
     """:class:`LinViT` with ViG's layers; loads the authors' files (timm's ``custom_load``). Images only: the
     conv stem does not embed NaFlex patches."""
@@ -96,6 +103,14 @@ class Vig(LinViT):
 
     def load_pretrained(self, path: str) -> None:
         load_published(self, path, checkpoint_filter_fn)
+
+
+class VigH(LinHier):
+    """:class:`~linvision.models.linhier.LinHier` with ViG-H's layers (the module docstring); loads the authors'
+    files (timm's ``custom_load``)."""
+
+    def load_pretrained(self, path: str) -> None:
+        load_published(self, path, hier_filter_fn)
 
 
 _RENAMES = (  # the authors' names -> linvision's, inside blocks.<i>.
@@ -122,6 +137,43 @@ def checkpoint_filter_fn(checkpoint: Any, model: Vig) -> Dict[str, Tensor]:
             side = math.isqrt(value.shape[1])
             value = resample_abs_pos_embed(value, new_size=model.patch_embed.grid_size, old_size=(side, side),
                                            num_prefix_tokens=0, antialias=False)
+        out[name] = value
+    return out
+
+
+_HIER_RENAMES = (  # the authors' HierViG names (and the older ones their loader renames) -> linvision's
+    (r"^patch_embed\.(0|proj)\.", "stem.conv1."), (r"^patch_embed\.(2|norm)\.", "stem.norm1."),
+    (r"^patch_embed\.5\.", "stem.conv2."), (r"^patch_embed\.7\.", "stem.norm2."),
+    (r"^layers\.(\d)\.downsample\.1\.", lambda m: f"stages.{int(m.group(1)) + 1}.downsample.conv."),
+    (r"^layers\.(\d)\.downsample\.3\.", lambda m: f"stages.{int(m.group(1)) + 1}.downsample.norm."),
+    (r"^layers\.(\d)\.blocks\.(\d+)\.(norm|ln_1)\.", r"stages.\1.blocks.\2.norm1."),
+    (r"^layers\.(\d)\.blocks\.", r"stages.\1.blocks."), (r"\.(op|self_attention)\.", ".op."),
+    (r"\.op\.in_proj\.0\.", ".mixer.local."), (r"\.op\.qkv_proj\.", ".mixer.qkv."),
+    (r"\.op\.gk_proj\.", ".mixer.forget_gate."), (r"\.op\.g_proj\.", ".mixer.mix_gate."),
+    (r"\.op\.g_norm\.", ".mixer.norm_global."), (r"\.op\.l_norm\.", ".mixer.norm_local."),
+    (r"\.op\.o_proj\.", ".mixer.proj."), (r"^(classifier\.)?norm\.", "final."),
+    (r"^(classifier\.)?head\.", "head.fc."),
+)
+
+
+def hier_filter_fn(checkpoint: Any, model: LinHier) -> Dict[str, Tensor]:
+    """The authors' ViG-H file (their ``HierViG`` names: ``patch_embed.{0,2,5,7}``, ``layers.i`` stages ending with
+    their downsampling, ``op`` for the mixer, ``classifier``; the older names their own loader renames too) or
+    linvision's own weights -> this model's names. Their channels-first 1x1 projections (``Linear2d``) may be
+    stored as (out, in, 1, 1): those become the linear layers' (out, in); no value changes. Names the model does
+    not have are kept, so that the strict load names them."""
+    import re
+
+    state = unwrap_state_dict(checkpoint, WEIGHT_KEYS)
+    if not any(k.startswith("layers.") for k in state):
+        return state
+    own = model.state_dict()
+    out = {}
+    for name, value in state.items():
+        for old, new in _HIER_RENAMES:
+            name = re.sub(old, new, name)
+        if name in own and own[name].dim() == 2 and value.dim() == 4 and value.shape[2:] == (1, 1):
+            value = value.flatten(1)
         out[name] = value
     return out
 
@@ -195,58 +247,6 @@ def vig_small(pretrained: bool = False, **kwargs) -> Vig:
 @register_model
 def vig_base(pretrained: bool = False, **kwargs) -> Vig:
     return _create_vig("vig_base", "base", pretrained, **kwargs)
-
-
-def gated_mlp(in_features: int, hidden_features: int, act_layer: Optional[type] = None, drop: float = 0.0
-              ) -> nn.Module:
-    """ViG-H's MLP: :func:`swiglu_mlp` (SiLU, whatever ``act_layer`` the block names) with 2/3 of
-    ``hidden_features`` rounded up to a multiple of 32 as the width of each half (the authors' ``gMlp``)."""
-    return swiglu_mlp(in_features, 32 * math.ceil(int(hidden_features * 2 / 3) / 32), drop=drop)
-
-
-class VigH(LinHier):
-    """:class:`~linvision.models.linhier.LinHier` with ViG-H's layers (the module docstring); loads the authors'
-    files (timm's ``custom_load``)."""
-
-    def load_pretrained(self, path: str) -> None:
-        load_published(self, path, hier_filter_fn)
-
-
-_HIER_RENAMES = (  # the authors' HierViG names (and the older ones their loader renames) -> linvision's
-    (r"^patch_embed\.(0|proj)\.", "stem.conv1."), (r"^patch_embed\.(2|norm)\.", "stem.norm1."),
-    (r"^patch_embed\.5\.", "stem.conv2."), (r"^patch_embed\.7\.", "stem.norm2."),
-    (r"^layers\.(\d)\.downsample\.1\.", lambda m: f"stages.{int(m.group(1)) + 1}.downsample.conv."),
-    (r"^layers\.(\d)\.downsample\.3\.", lambda m: f"stages.{int(m.group(1)) + 1}.downsample.norm."),
-    (r"^layers\.(\d)\.blocks\.(\d+)\.(norm|ln_1)\.", r"stages.\1.blocks.\2.norm1."),
-    (r"^layers\.(\d)\.blocks\.", r"stages.\1.blocks."), (r"\.(op|self_attention)\.", ".op."),
-    (r"\.op\.in_proj\.0\.", ".mixer.local."), (r"\.op\.qkv_proj\.", ".mixer.qkv."),
-    (r"\.op\.gk_proj\.", ".mixer.forget_gate."), (r"\.op\.g_proj\.", ".mixer.mix_gate."),
-    (r"\.op\.g_norm\.", ".mixer.norm_global."), (r"\.op\.l_norm\.", ".mixer.norm_local."),
-    (r"\.op\.o_proj\.", ".mixer.proj."), (r"^(classifier\.)?norm\.", "final."),
-    (r"^(classifier\.)?head\.", "head.fc."),
-)
-
-
-def hier_filter_fn(checkpoint: Any, model: LinHier) -> Dict[str, Tensor]:
-    """The authors' ViG-H file (their ``HierViG`` names: ``patch_embed.{0,2,5,7}``, ``layers.i`` stages ending with
-    their downsampling, ``op`` for the mixer, ``classifier``; the older names their own loader renames too) or
-    linvision's own weights -> this model's names. Their channels-first 1x1 projections (``Linear2d``) may be
-    stored as (out, in, 1, 1): those become the linear layers' (out, in); no value changes. Names the model does
-    not have are kept, so that the strict load names them."""
-    import re
-
-    state = unwrap_state_dict(checkpoint, WEIGHT_KEYS)
-    if not any(k.startswith("layers.") for k in state):
-        return state
-    own = model.state_dict()
-    out = {}
-    for name, value in state.items():
-        for old, new in _HIER_RENAMES:
-            name = re.sub(old, new, name)
-        if name in own and own[name].dim() == 2 and value.dim() == 4 and value.shape[2:] == (1, 1):
-            value = value.flatten(1)
-        out[name] = value
-    return out
 
 
 HIER_SIZES: Dict[str, Dict[str, Any]] = {

@@ -223,3 +223,16 @@ def test_no_function_of_linvision_is_longer_than_80_lines():
                 if lines > 80:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, long
+
+
+def test_token_mixers_are_registered_in_layers_only():
+    """One home per mechanism: every registered token mixer is defined in a module of linvision/layers (its ablation
+    and published forms together); the model files import their mixers and register none."""
+    import linvision  # noqa: F401  (registers everything)
+    from linvision.layers import get_mixer_class, list_mixers
+
+    homes = {get_mixer_class(name).__module__ for name in list_mixers()}
+    assert homes and all(m.startswith("linvision.layers.") for m in homes), sorted(homes)
+    for path in (ROOT / "linvision").rglob("*.py"):
+        if path.parent != ROOT / "linvision" / "layers":
+            assert "register_mixer" not in path.read_text(), f"{path.relative_to(ROOT)} registers a mixer"

@@ -189,6 +189,35 @@ def test_every_entry_point_has_its_pretrained_cfg():
         assert any(k.split(".")[0] == name for k in module.default_cfgs), name
 
 
+def test_each_model_file_writes_its_cfgs_once_before_its_entry_points():
+    """Registration that no reordering can break: a model file with entry points builds ``default_cfgs`` in one
+    statement (``generate_default_cfgs``) above all of them and never adds to it later; a file without entry points
+    has none. Checked on the source, so a file that would lose a cfg after a move fails here, not at a download."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(linvision.__file__).parent / "models"
+    checked = 0
+    for path in sorted(folder.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        entries = [n.lineno for n in tree.body if isinstance(n, ast.FunctionDef)
+                   and any(getattr(d, "id", None) == "register_model" for d in n.decorator_list)]
+        writes = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == "default_cfgs"
+                  and isinstance(n.ctx, ast.Store)]
+        uses = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and getattr(n.value, "id", None)
+                == "default_cfgs"] + [n for n in ast.walk(tree) if isinstance(n, ast.Subscript)
+                                       and getattr(n.value, "id", None) == "default_cfgs"]
+        assert not uses, f"{path.name}:{uses[0].lineno} changes default_cfgs after building it"
+        if not entries:
+            assert not writes, f"{path.name} has cfgs and no entry point"
+            continue
+        assert len(writes) == 1, f"{path.name} assigns default_cfgs {len(writes)} times"
+        built = next(n for n in tree.body if isinstance(n, ast.Assign) and n.targets[0] is writes[0])
+        assert getattr(built.value.func, "id", None) == "generate_default_cfgs", path.name
+        assert built.lineno < min(entries), f"{path.name}: an entry point above its cfgs (line {min(entries)})"
+        checked += 1
+    assert checked >= 8
+
 def test_sana_mixers_take_the_layout_their_flag_claims():
     """A Sana self-attention whose class says it takes a batch of images of different sizes takes one."""
     from linvision.diffusion.block import self_attention

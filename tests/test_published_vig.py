@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import linvision  # noqa: F401  (registers the models)
 from linvision.benchmark.flops import count_params
-from linvision.models.vig import VigGatedAttention
+from linvision.layers.recurrent import VigGatedAttention
 from support import Crafted, assert_same_values, authors_layout, serve_hub_downloads_from
 
 README_PARAMS = {"vig_tiny": 6, "vig_small": 23, "vig_base": 89}  # M, the authors' README

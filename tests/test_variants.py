@@ -280,8 +280,8 @@ def test_rala_modulates_after_lepe_and_rala_premod_before():
     """"rala" (RAVLT's RALA): proj((attention + LePE) * W_o x); "rala_premod" (the form the results page measured):
     proj(attention * W_o x + LePE); the same weights, W_o being rala's gate and rala_premod's modulation. RAVLT's
     RALA stages are "rala" with RAVLT's RoPE; its softmax stages share the one output modulation."""
-    from linvision.layers.variant_mixers import OutputModulation, RALAttention
-    from linvision.models.ravlt import RavltRala, RavltSoftmax
+    from linvision.layers.mixers import OutputModulation, RavltSoftmax
+    from linvision.layers.rala import RALAttention, RavltRala
 
     torch.manual_seed(0)
     m = create_mixer("rala", 16, 2, rope=None).double()

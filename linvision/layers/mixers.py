@@ -1,5 +1,7 @@
 """Token mixers: linear attention (with optional 2D RoPE, LePE and output gate), softmax attention, causal
-linear attention, local-window softmax + global linear attention, and the Gated CNN of MambaOut.
+linear attention, local-window softmax + global linear attention, and the Gated CNN of MambaOut; RAVLT's
+softmax stages (``"ravlt_softmax"``) and the two mixins several mechanisms share (:class:`OutputModulation`,
+:class:`RavltRope`).
 
 Every mixer is built as ``cls(dim, num_heads, **options)`` and maps tokens x (B, N, C) on a grid hw = (H, W),
 N = H * W in raster order, to (B, N, C). The grid is given at call time, so a mixer runs at any resolution
@@ -62,6 +64,9 @@ __all__ = [
     "LinearAttention",
     "LinearRopeAttention",
     "SoftmaxAttention",
+    "OutputModulation",
+    "RavltRope",
+    "RavltSoftmax",
     "CausalLinearAttention",
     "HybridAttention",
     "GatedConvMixer",
@@ -115,7 +120,9 @@ class AttentionMixer(TokenMixer):
 
     What a subclass may change besides :meth:`attend`: :meth:`build_qkv` / :meth:`project` (how q, k, v come
     from x), :meth:`build_proj` (the output projection), :meth:`make_rope` (the rotation of a grid) and
-    :meth:`gate_activation`. The published models' variants (MLLA's, RAVLT's, Sana's) live beside their models.
+    :meth:`gate_activation`. Each mechanism's module of :mod:`linvision.layers` holds its ablation form and its
+    published form together (pola, inline, rala, mala, agent, mlla, window, cswin; Sana's beside its block in
+    :mod:`linvision.diffusion.block`).
 
     Training memory: the :class:`~linvision.layers.TokenMixer` contract's ``recompute_attend``, True here (the
     attention mixers' default): a subclass whose ``attend`` builds per-token tensors beyond q, k, v (features,
@@ -302,6 +309,26 @@ class AttentionMixer(TokenMixer):
         return f"dim={self.dim}, num_heads={self.num_heads}, rope={self.rope_type}"
 
 
+class OutputModulation:
+    """RALA's element-wise output modulation, mixed into an :class:`AttentionMixer`: its output gate with no
+    activation, so the output is proj((attention + LePE) * (W_o x)); ``gate`` (the W_o projection) is on by default
+    in the mixers that take this. Used by ``"rala"``, ``"pola_swin"``, ``"mavit_mala"`` and RAVLT's softmax stages
+    (``"ravlt_softmax"``)."""
+
+    def gate_activation(self, g: Tensor) -> Tensor:
+        return g
+
+
+class RavltRope:
+    """RAVLT's RoPE frequencies, mixed into an :class:`AttentionMixer`: axial frequencies theta^-linspace(0, 1, D/4)
+    (the last one theta^-1) instead of theta^(-i / (D/4)). Used by RAVLT's and MAViT's mixers (``"ravlt_rala"``,
+    ``"ravlt_softmax"``, ``"mavit_mala"``)."""
+
+    def __init__(self, dim: int, num_heads: int, **kwargs):
+        super().__init__(dim, num_heads, **kwargs)
+        self.rope_axial["endpoint"] = True
+
+
 def _token_mask(layout: Optional[TokenLayout], q: Tensor) -> Optional[Tensor]:
     """The (B, N) mask of q's tokens (the prefix tokens, then the layout's), or None without a layout."""
     return None if layout is None else layout.token_mask(q.shape[2] - layout.valid.shape[1])
@@ -393,6 +420,13 @@ class SoftmaxAttention(AttentionMixer):
     def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor,
                layout: Optional[TokenLayout] = None) -> Tensor:
         return softmax_attention(q, k, v, rope=rope, valid=_token_mask(layout, q))
+
+
+@register_mixer("ravlt_softmax")
+class RavltSoftmax(RavltRope, OutputModulation, SoftmaxAttention):
+    """RAVLT's softmax stages (Fan et al. 2025, arXiv:2411.07635; :mod:`linvision.models.ravlt`): softmax attention
+    with RAVLT's RoPE frequencies and RALA's output modulation (:class:`OutputModulation`, the same as
+    ``"rala"``'s)."""
 
 
 def window_partition(x: Tensor, hw: Tuple[int, int], window: int) -> Tuple[Tensor, Tensor, Tuple[int, int]]:

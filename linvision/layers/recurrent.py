@@ -5,31 +5,40 @@ strictly anti-causal, so a token's own term counts once) and, with ``column_majo
 order, averaging the two orders. The recurrences and their chunked forms are in :mod:`linvision.ops.recurrent`.
 
 Registered as "bidir_decay", "bidir_gated" and "bidir_delta"; built as ``cls(dim, num_heads, **options)`` and
-called as ``forward(x (B, N, C), hw)`` with N = H * W tokens in raster order, like the other mixers.
+called as ``forward(x (B, N, C), hw)`` with N = H * W tokens in raster order, like the other mixers. Beside
+"bidir_gated", its published form: ViG's "vig_gla" (:class:`VigGatedAttention`; Liao et al. 2024,
+arXiv:2405.18425, the models in :mod:`linvision.models.vig`).
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from timm.layers import RmsNorm
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from linvision.ops import (
     BACKENDS,
     DEFAULT_EPS,
+    check_grid,
     check_int,
     bidirectional_delta_rule_attention,
     bidirectional_gated_linear_attention,
     compute_dtype,
+    gated_linear_attention,
+    is_tracing,
 )
 from linvision.ops.rope import Rope
 
 from .layout import TokenLayout
 from .mixers import AttentionMixer
-from .registry import register_mixer
+from .registry import check_layout, check_prefix_tokens, register_mixer
 
-__all__ = ["BidirectionalRecurrentMixer", "BidirDecayAttention", "BidirGatedAttention", "BidirDeltaAttention"]
+__all__ = ["BidirectionalRecurrentMixer", "BidirDecayAttention", "BidirGatedAttention", "VigGatedAttention",
+           "BidirDeltaAttention"]
 
 
 def retnet_log_decays(num_heads: int, decay_range: Tuple[float, float]) -> Tensor:
@@ -201,6 +210,101 @@ class BidirGatedAttention(BidirectionalRecurrentMixer):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, forget_per_channel={self.forget_per_channel}"
+
+
+@register_mixer("vig_gla")
+class VigGatedAttention(BidirGatedAttention):
+    """ViG's token mixer: bidirectional gated linear attention with direction-wise gates and the 2D gating
+    locality injection. On tokens x (B, N, C) of the grid (H, W), with heads of Dk = expand_k C / heads key
+    channels and D = C / heads value channels:
+
+    - l = act(dwconv3x3(x)) (``local_act``: SiLU, ViG-T; none for S and B): the local branch, from which every
+      projection below is taken;
+    - q, k, v = W_qkv l (no bias; q scaled by Dk^-1/2);
+    - per-channel forget gates, one set per direction: log gamma = logsigmoid(W_2 W_1 l + b) / 16 with a rank-16
+      W_1 (``gate_rank``), its first Dk channels per head for the forward scan, the next for the backward one;
+    - o_i = s (q_i S_i + q_i S'_i), S the forward scan S_i = diag(gamma_i) S_{i-1} + k_i^T v_i and S' the
+      backward scan with the backward gates; both scans include token i (its own term counts twice), and the
+      output is unnormalised. s = ``output_scale``: 1/4 in ViG's evaluation (a mean of the two directions,
+      halved again), 1/2 in ViG-H's (the mean), which the RMSNorm after it sees only through its eps;
+    - out = W_o act(g * RMSNorm(o) + (1 - g) * RMSNorm(l)) per head, g = sigmoid(W_g l + b_g) (the locality
+      injection; ``out_act``: SiLU on the mix, ViG-T).
+
+    The scans are :func:`linvision.ops.gated_linear_attention` (identity features, ``normalize=False``), the
+    backward one on the reversed sequence: fla-core's ``chunk_gla`` kernel for CUDA tensors, the PyTorch chunked
+    scan otherwise (``backend``, ``chunk_size``, as :class:`BidirGatedAttention`). It differs from the
+    ``"bidir_gated"`` mixer it derives from in everything but the per-channel gate's logsigmoid / 16 (see
+    docs/models/published.md): there, one gate serves both directions, features are elu+1, the output is
+    normalised and the backward scan leaves token i out.
+    Raises ValueError for a width that the heads or expand_k do not divide.
+    """
+
+    takes_layout = False  # each image's scan runs over its own grid; no NaFlex batches
+    feature_map_needs = dict(causal=True)  # unnormalised: the identity map (signed q, k)
+
+    def __init__(
+        self, dim: int, num_heads: int, *, expand_k: float = 0.5, gate_rank: int = 16, local_act: bool = False,
+        out_act: bool = False, forget_temperature: float = 16.0, norm_eps: float = 1e-6,
+        chunk_size: Optional[int] = None, proj_drop: float = 0.0, backend: str = "auto", output_scale: float = 0.25,
+    ):
+        super().__init__(dim, num_heads, forget_per_channel=True, forget_temperature=forget_temperature,
+                         feature_map="identity", chunk_size=chunk_size, qkv_bias=False, proj_drop=proj_drop,
+                         backend=backend)
+        key_dim = int(dim * expand_k)
+        if key_dim < num_heads or key_dim % num_heads:
+            raise ValueError(f"expand_k: {expand_k} x dim={dim} = {key_dim} key channels, not a multiple of "
+                             f"num_heads={num_heads}")
+        self.key_dim, self.key_head_dim = key_dim, key_dim // num_heads
+        self.local = nn.Conv2d(dim, dim, 3, padding=1, groups=dim, bias=False)
+        self.local_act = nn.SiLU() if local_act else nn.Identity()
+        self.qkv = nn.Linear(dim, 2 * key_dim + dim, bias=False)
+        self.forget_gate = nn.Sequential(nn.Linear(dim, gate_rank, bias=False), nn.Linear(gate_rank, 2 * key_dim))
+        self.mix_gate = nn.Linear(dim, dim)
+        self.norm_global = RmsNorm(self.head_dim, eps=norm_eps)
+        self.norm_local = RmsNorm(self.head_dim, eps=norm_eps)
+        self.out_act = nn.SiLU() if out_act else nn.Identity()
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.output_scale = output_scale
+
+    def init_weights(self) -> None:
+        """No start of its own: the model's generic initialisation (the forget gates' bias at 0, gamma about 0.96,
+        as the authors start)."""
+
+    def scan(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, lengths: Optional[Tensor] = None) -> Tensor:
+        """s (q S + q S') for the forward and backward scans (s: ``output_scale``), each with its own gates from
+        ``x`` (the local branch); q, k (B, heads, N, Dk), v (B, heads, N, D)."""
+        b, n, _ = x.shape
+        log_gates = F.logsigmoid(self.forget_gate(x).to(compute_dtype(x.dtype))) / self.forget_temperature
+        forward, backward = (g.unflatten(-1, (self.num_heads, g.shape[-1] // self.num_heads)).transpose(1, 2) for g in log_gates.chunk(2, -1))
+        run = partial(gated_linear_attention, feature_map="identity", normalize=False, chunk_size=self.chunk_size,
+                      backend=self.backend)
+        q = q * self.key_head_dim ** -0.5
+        out = run(q, k, v, forward)
+        out_back = run(q.flip(2), k.flip(2), v.flip(2), backward.flip(2)).flip(2)
+        return (out + out_back) * self.output_scale
+
+    def forward(self, x: Tensor, hw: Tuple[int, int], num_prefix_tokens: int = 0,
+                layout: Optional[TokenLayout] = None) -> Tensor:
+        """x: (B, N, C) tokens of the grid hw in raster order -> (B, N, C). ValueError for prefix tokens, a layout
+        or a grid that does not hold N tokens."""
+        check_prefix_tokens(self, num_prefix_tokens)
+        check_layout(self, layout)
+        b, n, c = x.shape
+        h, w = check_grid(hw, n, name="hw")
+        local = self.local_act(self.local(x.transpose(1, 2).reshape(b, c, h, w))).flatten(2).transpose(1, 2)
+        q, k, v = self.qkv(local).split([self.key_dim, self.key_dim, c], dim=-1)
+        q, k, v = (t.unflatten(-1, (self.num_heads, t.shape[-1] // self.num_heads)).transpose(1, 2) for t in (q, k, v))
+        if self.recompute_attend and torch.is_grad_enabled() and q.requires_grad and not is_tracing(n):
+            out = checkpoint(self.attend, q, k, v, (h, w), None, local, use_reentrant=False)
+        else:
+            out = self.attend(q, k, v, (h, w), None, local)
+        out = self.norm_global(out.transpose(1, 2))  # (B, N, heads, D)
+        gate = torch.sigmoid(self.mix_gate(local)).unflatten(-1, (self.num_heads, -1))
+        out = out * gate + self.norm_local(local.unflatten(-1, (self.num_heads, -1))) * (1 - gate)
+        return self.proj_drop(self.proj(self.out_act(out.reshape(b, n, c))))
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, num_heads={self.num_heads}, key_dim={self.key_dim}, output_scale={self.output_scale}"
 
 
 @register_mixer("bidir_delta")

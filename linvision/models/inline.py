@@ -10,7 +10,8 @@ redistributed.
 
 The network is DeiT's (:class:`~linvision.models.linvit.LinViT` with a class token, a learned absolute position
 embedding with a row for the class token, pre-norm blocks, LayerNorm eps 1e-6, the class token pooled after the
-final norm, a linear head) with the ``"inline_deit"`` mixer (registered here) in every block:
+final norm, a linear head) with the ``"inline_deit"`` mixer
+(:class:`~linvision.layers.inline.InLineDeitAttention`) in every block:
 
 - injective linear attention over all tokens, the class token included (N = 1 + H * W):
   o_i = sum_j (s q_i.k_j - s q_i.kbar + 1) / N v_j with the identity map and s = D^-1/2
@@ -38,29 +39,26 @@ over the whole stage map (the authors' key map is not reduced, ``PVT_LA_SR_RATIO
 projections load as one ``qkv``. Heads of 32 channels: 2, 4, 10, 16 per stage. Evaluation as Swin's.
 
 InLine-CSwin is CSWin's layout (:mod:`linvision.models.cswinhier`) with the stages ``IISS``: ``"inline_cswin"``
-(registered here) in stages 1-2 over the whole stage map (the authors' split sizes 56 and 28 hold the whole
-maps of 224 px), CSWin's cross-shaped stripes (``"cswin_stripes"``, 7 wide) in stage 3 and softmax attention with
-LePE over the whole 7 x 7 map in stage 4. ``"inline_cswin"`` is ``"inline_deit"`` with a 3x3 LePE of v and its
-kernels predicted from the mean of the block's input before the norm (the block hands it on:
-``reads_block_input``). The published files keep an EMA copy beside the raw weights; the EMA copy is loaded, as
-timm loads a training checkpoint. Evaluation as Swin's.
+(:class:`~linvision.layers.inline.InLineCswinAttention`) in stages 1-2 over the whole stage map (the authors'
+split sizes 56 and 28 hold the whole maps of 224 px), CSWin's cross-shaped stripes (``"cswin_stripes"``, 7 wide)
+in stage 3 and softmax attention with LePE over the whole 7 x 7 map in stage 4. ``"inline_cswin"`` is
+``"inline_deit"`` with a 3x3 LePE of v and its kernels predicted from the mean of the block's input before the norm
+(the block hands it on: ``reads_block_input``). The published files keep an EMA copy beside the raw weights; the
+EMA copy is loaded, as timm loads a training checkpoint. Evaluation as Swin's.
 
-The ablation's ``"inline"`` mixer (:mod:`linvision.layers.variant_mixers`) has the same attention but another local
-residual (nine weights per token and head from a 3x3 depthwise convolution of the input) and no class token; it is
-kept as the form the results page measured.
+The ablation's ``"inline"`` mixer (beside the published ones in :mod:`linvision.layers.inline`) has the same
+attention but another local residual (nine weights per token and head from a 3x3 depthwise convolution of the
+input) and no class token; it is kept as the form the results page measured.
 """
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict
 
-import torch.nn.functional as F
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from torch import Tensor, nn
 
-from linvision.layers import AttentionMixer, merge_options, register_mixer
-from linvision.ops import Rope
-from linvision.ops.attention_variants import injective_linear_attention
+from linvision.layers import merge_options
 
 from .linhier import LinHier, linhier_layout
 from .linvit import LinViT
@@ -71,65 +69,10 @@ from .cswinhier import create_cswin_like, cswin_checkpoint_filter
 from .pvthier import PvtHier, create_pvt_like, merge_q_kv, pvt_checkpoint_filter
 from .swinhier import SwinHier, create_swin_like, swin_checkpoint_filter
 
-__all__ = ["InLineDeiT", "InLineDeitAttention", "InLineCswinAttention", "InLinePvt", "InLineSwin", "InLineCswin",
-           "checkpoint_filter_fn", "pvt_filter_fn", "swin_filter_fn", "cswin_filter_fn"]
+__all__ = ["InLineDeiT", "InLinePvt", "InLineSwin", "InLineCswin", "checkpoint_filter_fn", "pvt_filter_fn",
+           "swin_filter_fn", "cswin_filter_fn"]
 
 WEIGHT_KEYS = ("model", "state_dict")  # the authors' main.py saves the weights under 'model' (no EMA copy)
-
-
-@register_mixer("inline_deit")
-class InLineDeitAttention(AttentionMixer):
-    """InLine-DeiT's attention (see the module docstring): injective linear attention over every token and the
-    local residual of v on the grid, with kernels predicted per image and channel from the mean input token.
-
-    scale: score scale (default head_dim^-1/2). RoPE (if set) rotates q and k before the scores. Prefix tokens take
-    part in the attention and in the mean that predicts the kernels; the residual adds nothing to them.
-    """
-
-    def __init__(self, dim: int, num_heads: int, *, scale: Optional[float] = None, **kwargs):
-        super().__init__(dim, num_heads, **kwargs)
-        self.scale = scale
-        self.local = nn.Sequential(nn.Conv1d(dim, dim, 1, groups=num_heads), nn.GELU(),
-                                   nn.Conv1d(dim, 9 * dim, 1, groups=num_heads))
-
-    def local_kernels(self, x: Tensor) -> Tensor:
-        """x (B, N, C) -> the 3x3 kernels (B, C, 9) of the local residual, row-major over the window; channel c's
-        nine weights are outputs 9c..9c+8 of the second projection."""
-        b, _, c = x.shape
-        return self.local(x.mean(dim=1).unsqueeze(-1)).reshape(b, c, 9)
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
-        out = injective_linear_attention(q, k, v, scale=self.scale, rope=rope)
-        b, nh, n, d = v.shape
-        h, w = hw
-        p = n - h * w  # prefix tokens
-        grid = v[:, :, p:].transpose(2, 3).reshape(b, nh * d, h, w)  # channel head * D + i, as x's
-        kernels = self.local_kernels(x).to(grid.dtype)[..., None, None]
-        # the per-image depthwise 3x3 cross-correlation as nine shifted products (no convolution with one group
-        # per image and channel, whose group count depends on the batch: ONNX cannot export that)
-        padded = F.pad(grid, (1, 1, 1, 1))
-        local = kernels[:, :, 0] * padded[:, :, :h, :w]
-        for t in range(1, 9):
-            local = local + kernels[:, :, t] * padded[:, :, t // 3:t // 3 + h, t % 3:t % 3 + w]
-        local = local.reshape(b, nh, d, h * w).transpose(2, 3)
-        return out + (F.pad(local, (0, 0, p, 0)) if p else local).to(out.dtype)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, local=per-image 3x3"
-
-
-@register_mixer("inline_cswin")
-class InLineCswinAttention(InLineDeitAttention):
-    """InLine-CSwin's attention: ``"inline_deit"`` on the grid (no prefix tokens) with a 3x3 depthwise LePE of v
-    (``lepe``, on by default) added to the output, the local residual's kernels predicted from the mean of the
-    block's input before its norm (``block_input``, which a block hands to a mixer with ``reads_block_input``;
-    the mixer's input x when called alone)."""
-
-    takes_prefix_tokens = False
-    reads_block_input = True
-
-    def __init__(self, dim: int, num_heads: int, *, lepe: bool = True, **kwargs):
-        super().__init__(dim, num_heads, lepe=lepe, **kwargs)
 
 
 class InLineDeiT(LinViT):
@@ -137,6 +80,30 @@ class InLineDeiT(LinViT):
 
     def load_pretrained(self, path: str) -> None:
         load_published(self, path, checkpoint_filter_fn)
+
+
+class InLineSwin(SwinHier):
+    """:class:`~linvision.models.swinhier.SwinHier` with InLine's stages; loads the authors' files (timm's
+    ``custom_load``)."""
+
+    def load_pretrained(self, path: str) -> None:
+        load_published(self, path, swin_filter_fn)
+
+
+class InLinePvt(PvtHier):
+    """:class:`~linvision.models.pvthier.PvtHier` with ``"inline_deit"`` in every block; loads the authors' files
+    (timm's ``custom_load``)."""
+
+    def load_pretrained(self, path: str) -> None:
+        load_published(self, path, pvt_filter_fn)
+
+
+class InLineCswin(LinHier):
+    """CSWin's layout (:func:`~linvision.models.cswinhier.create_cswin_like`) with InLine's stages; loads the
+    authors' files (timm's ``custom_load``)."""
+
+    def load_pretrained(self, path: str) -> None:
+        load_published(self, path, cswin_filter_fn)
 
 
 def checkpoint_filter_fn(checkpoint: Dict[str, Any], model: LinViT) -> Dict[str, Tensor]:
@@ -150,6 +117,46 @@ def checkpoint_filter_fn(checkpoint: Dict[str, Any], model: LinViT) -> Dict[str,
             name = name.replace(".attn.residual.", ".mixer.local.").replace(".attn.", ".mixer.")
         out[name] = value
     return linvit_filter(out, model)
+
+
+def _swin_mixer_tensor(name: str, value: Tensor, mixer: nn.Module) -> Dict[str, Tensor]:
+    return {name.replace(".mixer.residual.", ".mixer.local."): value}
+
+
+def swin_filter_fn(checkpoint: Dict[str, Any], model: LinHier) -> Dict[str, Tensor]:
+    """The authors' InLine-Swin checkpoint (weights under ``model``) in linvision's names
+    (:func:`~linvision.models.swinhier.swin_checkpoint_filter`; the kernel predictor ``attn.residual`` becomes the
+    mixer's ``local``, no tensor changed). A state dict in linvision's own names passes unchanged."""
+    return swin_checkpoint_filter(checkpoint, model, WEIGHT_KEYS, _swin_mixer_tensor)
+
+
+def _pvt_mixer_tensors(prefix: str, tensors: Dict[str, Tensor], mixer: nn.Module) -> Dict[str, Tensor]:
+    tensors = {k.replace(".mixer.residual.", ".mixer.local."): v for k, v in tensors.items()}
+    return merge_q_kv(tensors, prefix)
+
+
+def pvt_filter_fn(checkpoint: Dict[str, Any], model: LinHier) -> Dict[str, Tensor]:
+    """The authors' InLine-PVT checkpoint (weights under ``model``) in linvision's names
+    (:func:`~linvision.models.pvthier.pvt_checkpoint_filter`; q and kv joined as ``qkv``, the kernel predictor
+    ``attn.residual`` the mixer's ``local``). A state dict in linvision's own names passes unchanged."""
+    return pvt_checkpoint_filter(checkpoint, model, WEIGHT_KEYS, _pvt_mixer_tensors)
+
+
+# InLine-CSwin's training (main_ema.py) saves the EMA copy under 'state_dict_ema' beside the raw weights: the EMA
+# copy first, as timm loads a training checkpoint.
+CSWIN_WEIGHT_KEYS = ("state_dict_ema", "model", "state_dict")
+
+
+def _cswin_mixer_tensors(prefix: str, tensors: Dict[str, Tensor], mixer: nn.Module) -> Dict[str, Tensor]:
+    return {k.replace(".attns.0.residual.", ".local."): v for k, v in tensors.items()}
+
+
+def cswin_filter_fn(checkpoint: Dict[str, Any], model: LinHier) -> Dict[str, Tensor]:
+    """The authors' InLine-CSwin checkpoint (the EMA copy under ``state_dict_ema`` when there is one, else
+    ``model``) in linvision's names (:func:`~linvision.models.cswinhier.cswin_checkpoint_filter`; the kernel
+    predictor ``attns.0.residual`` becomes the mixer's ``local``). A state dict in linvision's names passes
+    unchanged."""
+    return cswin_checkpoint_filter(checkpoint, model, CSWIN_WEIGHT_KEYS, _cswin_mixer_tensors)
 
 
 def _cfg(url: str, filename: str, size: int, top1: float) -> Dict[str, Any]:
@@ -233,26 +240,6 @@ def inline_deit_base(pretrained: bool = False, **kwargs) -> LinViT:
     return _create_inline_deit("inline_deit_base", "base", pretrained, **kwargs)
 
 
-class InLineSwin(SwinHier):
-    """:class:`~linvision.models.swinhier.SwinHier` with InLine's stages; loads the authors' files (timm's
-    ``custom_load``)."""
-
-    def load_pretrained(self, path: str) -> None:
-        load_published(self, path, swin_filter_fn)
-
-
-def _swin_mixer_tensor(name: str, value: Tensor, mixer: nn.Module) -> Dict[str, Tensor]:
-    return {name.replace(".mixer.residual.", ".mixer.local."): value}
-
-
-def swin_filter_fn(checkpoint: Dict[str, Any], model: LinHier) -> Dict[str, Tensor]:
-    """The authors' InLine-Swin checkpoint (weights under ``model``) in linvision's names
-    (:func:`~linvision.models.swinhier.swin_checkpoint_filter`; the kernel predictor ``attn.residual`` becomes the
-    mixer's ``local``, no tensor changed). A state dict in linvision's own names passes unchanged."""
-    return swin_checkpoint_filter(checkpoint, model, WEIGHT_KEYS, _swin_mixer_tensor)
-
-
-
 _SWIN_SIZES: Dict[str, Dict[str, Any]] = {
     "tiny": dict(depths=(2, 2, 6, 2), dims=(96, 192, 384, 768), num_heads=(3, 6, 12, 24),
                  token_mixers="inline_deit,inline_deit,inline_deit,swin_window"),
@@ -286,26 +273,6 @@ def inline_swin_base(pretrained: bool = False, **kwargs) -> LinHier:
     return _create_inline_swin("inline_swin_base", "base", pretrained, **kwargs)
 
 
-class InLinePvt(PvtHier):
-    """:class:`~linvision.models.pvthier.PvtHier` with ``"inline_deit"`` in every block; loads the authors' files
-    (timm's ``custom_load``)."""
-
-    def load_pretrained(self, path: str) -> None:
-        load_published(self, path, pvt_filter_fn)
-
-
-def _pvt_mixer_tensors(prefix: str, tensors: Dict[str, Tensor], mixer: nn.Module) -> Dict[str, Tensor]:
-    tensors = {k.replace(".mixer.residual.", ".mixer.local."): v for k, v in tensors.items()}
-    return merge_q_kv(tensors, prefix)
-
-
-def pvt_filter_fn(checkpoint: Dict[str, Any], model: LinHier) -> Dict[str, Tensor]:
-    """The authors' InLine-PVT checkpoint (weights under ``model``) in linvision's names
-    (:func:`~linvision.models.pvthier.pvt_checkpoint_filter`; q and kv joined as ``qkv``, the kernel predictor
-    ``attn.residual`` the mixer's ``local``). A state dict in linvision's own names passes unchanged."""
-    return pvt_checkpoint_filter(checkpoint, model, WEIGHT_KEYS, _pvt_mixer_tensors)
-
-
 _PVT_SIZES: Dict[str, Dict[str, Any]] = {
     size: dict(depths=depths, dims=(64, 128, 320, 512), num_heads=(2, 4, 10, 16), token_mixers="inline_deit")
     for size, depths in (("tiny", (2, 2, 2, 2)), ("small", (3, 4, 6, 3)), ("medium", (3, 4, 18, 3)),
@@ -336,32 +303,6 @@ def inline_pvt_medium(pretrained: bool = False, **kwargs) -> LinHier:
 @register_model
 def inline_pvt_large(pretrained: bool = False, **kwargs) -> LinHier:
     return _create_inline_pvt("inline_pvt_large", "large", pretrained, **kwargs)
-
-
-class InLineCswin(LinHier):
-    """CSWin's layout (:func:`~linvision.models.cswinhier.create_cswin_like`) with InLine's stages; loads the
-    authors' files (timm's ``custom_load``)."""
-
-    def load_pretrained(self, path: str) -> None:
-        load_published(self, path, cswin_filter_fn)
-
-
-# InLine-CSwin's training (main_ema.py) saves the EMA copy under 'state_dict_ema' beside the raw weights: the EMA
-# copy first, as timm loads a training checkpoint.
-CSWIN_WEIGHT_KEYS = ("state_dict_ema", "model", "state_dict")
-
-
-def _cswin_mixer_tensors(prefix: str, tensors: Dict[str, Tensor], mixer: nn.Module) -> Dict[str, Tensor]:
-    return {k.replace(".attns.0.residual.", ".local."): v for k, v in tensors.items()}
-
-
-def cswin_filter_fn(checkpoint: Dict[str, Any], model: LinHier) -> Dict[str, Tensor]:
-    """The authors' InLine-CSwin checkpoint (the EMA copy under ``state_dict_ema`` when there is one, else
-    ``model``) in linvision's names (:func:`~linvision.models.cswinhier.cswin_checkpoint_filter`; the kernel
-    predictor ``attns.0.residual`` becomes the mixer's ``local``). A state dict in linvision's names passes
-    unchanged."""
-    return cswin_checkpoint_filter(checkpoint, model, CSWIN_WEIGHT_KEYS, _cswin_mixer_tensors)
-
 
 
 # LePE in every block: the stripes' own, the InLine and whole-map softmax blocks' over their map

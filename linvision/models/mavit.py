@@ -10,9 +10,10 @@ place of RALA in the first two stages and a wider conv head (2048 channels; 2560
 :class:`~linvision.models.linhier.LinHier` with RAVLT's layers (stem, 3x3/2 conv-BN downsampling, blocks with a CPE
 before the mixer, layer scale and :class:`~linvision.layers.DwConvMlp`, the conv head with BN and SiLU) and:
 
-- stages 1-2: the ``"mavit_mala"`` mixer (registered here): :class:`~linvision.layers.variant_mixers.MALAttention`
-  (elu+1 map, score scale D^-1/2, eps 1e-6) with RAVLT's RoPE on the first term, LePE (5x5 depthwise on v) and the
-  element-wise output modulation (attention + LePE) * (W_o x) before the projection;
+- stages 1-2: the ``"mavit_mala"`` mixer (:class:`~linvision.layers.mala.MavitMala`):
+  :class:`~linvision.layers.mala.MALAttention` (elu+1 map, score scale D^-1/2, eps 1e-6) with RAVLT's RoPE on the
+  first term, LePE (5x5 depthwise on v) and the element-wise output modulation (attention + LePE) * (W_o x) before
+  the projection;
 - stages 3-4: RAVLT's softmax mixer (``"ravlt_softmax"``), which is MAViT's too.
 
 The sizes are RAVLT's (``linvision.models.ravlt.SIZES``); the authors' checkpoints share RAVLT's layout, so
@@ -26,23 +27,16 @@ from typing import Any, Dict, Optional
 
 from timm.models import generate_default_cfgs, register_model
 
-from linvision.layers import merge_options, register_mixer
-from linvision.layers.variant_mixers import MALAttention, OutputModulation
+from linvision.layers import merge_options
 
 from .linhier import LinHier
 from .published import published_cfg
-from .ravlt import SIZES, Ravlt, RavltRope, create_ravlt_like
+from .ravlt import SIZES, Ravlt, create_ravlt_like
 from .ravlt import checkpoint_filter_fn  # noqa: F401  (MAViT's files have RAVLT's layout)
 
-__all__ = ["Mavit", "MavitMala"]
+__all__ = ["Mavit"]
 
 HUB_ID = "aldjalkdf/MAViT"
-
-
-@register_mixer("mavit_mala")
-class MavitMala(RavltRope, OutputModulation, MALAttention):
-    """MAViT's linear-attention stages: ``"mala"`` (magnitude-aware linear attention, LePE) with RAVLT's RoPE
-    frequencies and the output modulation (x (W_o x), no activation: the mixer's ``gate``)."""
 
 
 class Mavit(Ravlt):

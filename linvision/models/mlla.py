@@ -7,7 +7,7 @@ The network is :class:`~linvision.models.linhier.LinHier` with MLLA's layers:
 - stem (stride 4): 3x3/2 conv-BN-ReLU to C/2; a residual pair of 3x3 conv-BN(-ReLU); 3x3/2 conv-BN-ReLU to 4C;
   1x1 conv-BN to C (no conv biases);
 - downsampling between stages: 1x1 conv-ReLU to 8C, 3x3/2 depthwise conv-ReLU, 1x1 conv-BN to 2C;
-- blocks: CPE, LayerNorm, the ``"mlla"`` mixer (:class:`MllaMixer`, registered here: linear attention with
+- blocks: CPE, LayerNorm, the ``"mlla"`` mixer (:class:`~linvision.layers.mlla.MllaMixer`: linear attention with
   RoPE on the numerator and LePE, inside a Mamba-like gated branch), CPE, LayerNorm, MLP (ratio 4);
 - LayerNorm (eps 1e-5 everywhere, as published), average pooling and a linear classifier.
 
@@ -25,92 +25,27 @@ copy. Either is read with no code run from the file (:mod:`linvision.models.publ
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from timm.layers import ConvNormAct, LayerNorm
 from timm.models import generate_default_cfgs, register_model
 
-from linvision.layers import LinearAttention, TokenMixer, merge_options, register_mixer
-from linvision.ops import Rope, axial_rope, check_grid, halves_from_interleaved
+from linvision.layers import merge_options
+from linvision.ops import halves_from_interleaved
 
 from .linhier import LinHier
 from .published import build_published, load_published, published_cfg, unwrap_state_dict
 
-__all__ = ["Mlla", "MllaAttention", "MllaMixer", "MllaStem", "MllaDownsample", "checkpoint_filter_fn"]
+__all__ = ["Mlla", "MllaStem", "MllaDownsample", "checkpoint_filter_fn"]
 
 # The weights taken from a training checkpoint: the raw weights under "model". The authors' evaluation prints the
 # accuracy of both the raw and the EMA copy and neither their README nor their paper says which one is published;
 # their own detection and segmentation code start from "model", so that is what a fine-tuning user gets here.
 WEIGHT_KEYS = ("model", "state_dict")
 HEAD_DIM = 32  # every published size
-
-
-class MllaAttention(LinearAttention):
-    """MLLA's linear attention: :class:`~linvision.layers.LinearAttention` whose ``qkv`` projects q and k only
-    (v is the input itself), with no output projection of its own (``proj`` is an Identity: the gated branch
-    around it projects), and MLLA's RoPE: one axial table over all C channels, split into per-head tables,
-    instead of one table of the head dim shared by every head. Options: those of LinearAttention."""
-
-    def build_qkv(self, dim: int, bias: bool) -> nn.Module:
-        return nn.Linear(dim, 2 * dim, bias=bias)
-
-    def build_proj(self, dim: int) -> nn.Module:
-        return nn.Identity()
-
-    def project(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-        q, k = self.qkv(x).chunk(2, dim=-1)
-        return q, k, x
-
-    def make_rope(self, hw: Tuple[int, int], device: torch.device, num_prefix_tokens: int = 0) -> Optional[Rope]:
-        if self.rope_type != "axial":
-            return super().make_rope(hw, device, num_prefix_tokens)
-        return axial_rope(self.rope_dim * self.num_heads, hw, num_prefix_tokens=num_prefix_tokens, device=device,
-                          num_heads=self.num_heads, **self.rope_axial)
-
-
-@register_mixer("mlla")
-class MllaMixer(TokenMixer):
-    """MLLA's Mamba-like token mixer (Han et al. 2024, arXiv:2405.16605): linear attention on a convolved input,
-    gated by the input, as Mamba gates its scan:
-
-        u = SiLU(dwconv3x3(in_proj(x)));  out = out_proj(attn(u) * SiLU(act_proj(x)))
-
-    attn: :class:`MllaAttention` (q, k from one projection of u and v = u, no output projection of its own),
-    elu+1 map, mean-form eps 1e-6, LePE 3x3 on v, RoPE with theta 10000 and the rows in the first half of the
-    pairs. MLLA pairs channels (2t, 2t+1); the pairs here are (t, t + D/2), so its checkpoints are loaded with
-    the rows of the q and k projection reordered (:func:`linvision.ops.halves_from_interleaved`), which computes
-    the same outputs.
-
-    Options: feature_map, eps, rope (None drops RoPE), qkv_bias, proj_drop. The grid is given at call time, so
-    the RoPE tables follow any input size (the published model fixed them to the 224 px grid).
-    """
-
-    def __init__(self, dim: int, num_heads: int, *, feature_map: str = "elu", eps: float = 1e-6,
-                 rope: Optional[str] = "axial", qkv_bias: bool = True, proj_drop: float = 0.0):
-        super().__init__()
-        self.dim = dim
-        self.in_proj = nn.Linear(dim, dim)
-        self.act_proj = nn.Linear(dim, dim)
-        self.dwc = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
-        self.attn = MllaAttention(
-            dim, num_heads, feature_map=feature_map, eps=eps, rope=rope, rope_theta=10000.0, rope_row_first=True,
-            lepe=True, qkv_bias=qkv_bias,
-        )
-        self.out_proj = nn.Linear(dim, dim)
-        self.proj_drop = nn.Dropout(proj_drop)
-
-    def forward(self, x: Tensor, hw: Tuple[int, int]) -> Tensor:
-        """x: (B, N, C) tokens on grid hw -> (B, N, C)."""
-        h, w = check_grid(hw, x.shape[1], name="hw")
-        b, n, c = x.shape
-        gate = F.silu(self.act_proj(x))
-        u = self.in_proj(x).transpose(1, 2).reshape(b, c, h, w)
-        u = F.silu(self.dwc(u)).flatten(2).transpose(1, 2)  # (B, N, C)
-        return self.proj_drop(self.out_proj(self.attn(u, (h, w)) * gate))
 
 
 class MllaStem(nn.Module):
@@ -144,6 +79,13 @@ class MllaDownsample(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x = self.act(self.expand(x.permute(0, 3, 1, 2)))
         return self.project(self.act(self.dwconv(x))).permute(0, 2, 3, 1)
+
+
+class Mlla(LinHier):
+    """:class:`LinHier` with MLLA's layers; loads the authors' files (timm's ``custom_load``)."""
+
+    def load_pretrained(self, path: str) -> None:
+        load_published(self, path, checkpoint_filter_fn)
 
 
 def _published_names(name: str) -> str:
@@ -209,13 +151,6 @@ default_cfgs = generate_default_cfgs({
     "mlla_base.in1k": _published(
         "https://cloud.tsinghua.edu.cn/f/91c85c5a1061496d8796/?dl=1", "mlla_base_in1k.pth", 85.3),
 })
-
-
-class Mlla(LinHier):
-    """:class:`LinHier` with MLLA's layers; loads the authors' files (timm's ``custom_load``)."""
-
-    def load_pretrained(self, path: str) -> None:
-        load_published(self, path, checkpoint_filter_fn)
 
 
 def _create_mlla(variant: str, pretrained: bool = False, **kwargs) -> LinHier:

@@ -8,11 +8,11 @@ arXiv:2501.15061; reference code github.com/ZacharyMeng/PolaFormer (MIT licence;
 
 The network is :class:`~linvision.models.swinhier.SwinHier` (Swin's layers on LinHier) with the stages ``LLSS``:
 
-- stages 1-2: ``"pola_swin"`` (registered here, :class:`PolaSwinAttention`): polarity-aware linear attention over
-  the whole stage (at 224 px the authors' window of 56 holds the whole 56 x 56 and 28 x 28 maps), with a learned
-  position encoding added to the keys, a 5x5 depthwise convolution of v shared by the heads, and the output
-  modulation (attention + conv) * (W_g x) before the projection;
-- stages 3-4: ``"swin_window"`` (:class:`~linvision.models.swinhier.SwinWindowAttention`): Swin's softmax
+- stages 1-2: ``"pola_swin"`` (:class:`~linvision.layers.pola.PolaSwinAttention`): polarity-aware linear
+  attention over the whole stage (at 224 px the authors' window of 56 holds the whole 56 x 56 and 28 x 28 maps),
+  with a learned position encoding added to the keys, a 5x5 depthwise convolution of v shared by the heads, and the
+  output modulation (attention + conv) * (W_g x) before the projection;
+- stages 3-4: ``"swin_window"`` (:class:`~linvision.layers.window.SwinWindowAttention`): Swin's softmax
   attention in 7 x 7 windows with a learned relative position bias, the windows of every second block shifted by
   half a window.
 
@@ -30,90 +30,25 @@ authors' code are not registered.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict
 
 import torch
 from timm.layers import resample_abs_pos_embed
 from timm.models import generate_default_cfgs, register_model, resolve_pretrained_cfg
 from torch import Tensor, nn
 
-from linvision.layers import merge_options, register_mixer
-from linvision.layers.variant_mixers import OutputModulation, PolaAttention
-from linvision.ops import Rope
+from linvision.layers import merge_options
 
 from .linhier import LinHier
 from .published import load_published, published_cfg
 from .pvthier import PvtHier, create_pvt_like, pvt_checkpoint_filter
 from .swinhier import SwinHier, create_swin_like, swin_checkpoint_filter
 
-__all__ = ["PolaSwin", "PolaPvt", "PolaSwinAttention", "HeadSharedConv", "checkpoint_filter_fn", "pvt_filter_fn"]
+__all__ = ["PolaSwin", "PolaPvt", "checkpoint_filter_fn", "pvt_filter_fn"]
 
 HUB_ID = "ZachMeng/PolaFormer"
 # The authors' main.py saves the weights under "model" (no EMA copy).
 WEIGHT_KEYS = ("model", "state_dict")
-
-
-class HeadSharedConv(nn.Module):
-    """One depthwise k x k convolution of a head's D channels, applied to every head: (B, heads * D, H, W) ->
-    the same shape (PolaFormer's ``dwc``; an ordinary per-channel LePE has heads times its weights)."""
-
-    def __init__(self, head_dim: int, num_heads: int, kernel_size: int = 5):
-        super().__init__()
-        self.num_heads = num_heads
-        self.conv = nn.Conv2d(head_dim, head_dim, kernel_size, padding=kernel_size // 2, groups=head_dim)
-
-    def forward(self, x: Tensor) -> Tensor:
-        b, c, h, w = x.shape
-        return self.conv(x.reshape(b * self.num_heads, c // self.num_heads, h, w)).reshape(b, c, h, w)
-
-
-@register_mixer("pola_swin")
-class PolaSwinAttention(OutputModulation, PolaAttention):
-    """PolaFormer's block attention as Pola-Swin publishes it: ``"pola"`` (polarity-aware linear attention, power
-    1 + alpha sigmoid(w) per head and channel, keys and queries divided by softplus(s) per channel, eps 1e-6), with
-
-    - q, k, v and the modulation W_g x from one input (``qkv`` and ``gate``, the authors' ``qkvg`` split);
-    - a learned position encoding of the map ``grid`` (H, W) added to the keys before the division (zeros, as
-      the authors start it; none when ``grid`` is None), resampled to the input's grid when that differs (a
-      model gives every block its stage's grid);
-    - a ``lepe_kernel`` x ``lepe_kernel`` (default 5) depthwise convolution of v whose weights every head shares
-      (:class:`HeadSharedConv`), added to the attention output;
-    - the output modulation (attention + conv) * (W_g x), no activation, then the projection.
-
-    The ablation's ``"pola"`` has a per-channel 3x3 LePE, no modulation and no key position encoding. No prefix
-    tokens (the key encoding is a grid's).
-    """
-
-    takes_prefix_tokens = False
-
-    def __init__(self, dim: int, num_heads: int, *, lepe: bool = True, lepe_kernel: int = 5, gate: bool = True,
-                 grid: Optional[Tuple[int, int]] = None, **kwargs):
-        super().__init__(dim, num_heads, lepe=False, lepe_kernel=lepe_kernel, gate=gate, **kwargs)
-        self.lepe = HeadSharedConv(self.head_dim, num_heads, lepe_kernel) if lepe else None
-        self.key_pos: Optional[nn.Parameter] = None
-        self.key_pos_grid: Optional[Tuple[int, int]] = None
-        if grid is not None:
-            self.key_pos_grid = (int(grid[0]), int(grid[1]))
-            self.key_pos = nn.Parameter(torch.zeros(1, grid[0] * grid[1], dim))
-
-    @torch.jit.ignore
-    def no_weight_decay(self) -> set:
-        return super().no_weight_decay() | ({"key_pos"} if self.key_pos is not None else set())
-
-    def key_position(self, hw: Tuple[int, int]) -> Tensor:
-        """The key position encoding on grid ``hw``: (1, H * W, C), resampled when ``hw`` is not its own grid."""
-        if tuple(hw) == self.key_pos_grid:
-            return self.key_pos
-        return resample_abs_pos_embed(self.key_pos, list(hw), list(self.key_pos_grid), num_prefix_tokens=0)
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
-        if self.key_pos is not None:
-            b, nh, n, d = k.shape
-            k = k + self.key_position(hw).to(k.dtype).reshape(1, n, nh, d).transpose(1, 2)
-        return super().attend(q, k, v, hw, rope, x)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, key_pos_grid={self.key_pos_grid}"
 
 
 class PolaSwin(SwinHier):
@@ -123,6 +58,14 @@ class PolaSwin(SwinHier):
 
     def load_pretrained(self, path: str) -> None:
         load_published(self, path, checkpoint_filter_fn)
+
+
+class PolaPvt(PvtHier):
+    """:class:`~linvision.models.pvthier.PvtHier` with ``"pola_swin"`` in every block; loads the authors' files
+    (timm's ``custom_load``). ``img_size``: the size whose stage grids the position embeddings have."""
+
+    def load_pretrained(self, path: str) -> None:
+        load_published(self, path, pvt_filter_fn)
 
 
 def _mixer_tensor(name: str, value: Tensor, mixer: nn.Module) -> Dict[str, Tensor]:
@@ -153,14 +96,6 @@ def checkpoint_filter_fn(checkpoint: Dict[str, Any], model: LinHier) -> Dict[str
     (:func:`~linvision.models.swinhier.swin_checkpoint_filter`; the mixer tensors as :func:`_mixer_tensor` says).
     A state dict in linvision's own names passes unchanged."""
     return swin_checkpoint_filter(checkpoint, model, WEIGHT_KEYS, _mixer_tensor)
-
-
-class PolaPvt(PvtHier):
-    """:class:`~linvision.models.pvthier.PvtHier` with ``"pola_swin"`` in every block; loads the authors' files
-    (timm's ``custom_load``). ``img_size``: the size whose stage grids the position embeddings have."""
-
-    def load_pretrained(self, path: str) -> None:
-        load_published(self, path, pvt_filter_fn)
 
 
 def _pvt_mixer_tensors(prefix: str, tensors: Dict[str, Tensor], mixer: nn.Module) -> Dict[str, Tensor]:

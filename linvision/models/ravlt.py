@@ -10,9 +10,10 @@ attention. The network is :class:`~linvision.models.linhier.LinHier` with RAVLT'
 - downsampling between stages: 3x3/2 conv with bias, BN;
 - blocks: CPE (3x3 depthwise) before the mixer only, LayerNorm (eps 1e-6), the mixer, layer scale, LayerNorm,
   :class:`~linvision.layers.DwConvMlp` (ratio 3.5, a residual 3x3 depthwise conv on the hidden units), layer
-  scale. Both mixers (``"ravlt_rala"`` and ``"ravlt_softmax"``, registered here) have RAVLT's LePE (5x5
-  depthwise on v, added to the attention output), its element-wise output modulation (x (W_o x), no activation,
-  after LePE: the mixer's ``gate``) and an output projection;
+  scale. Both mixers (``"ravlt_rala"``, :class:`~linvision.layers.rala.RavltRala`, and ``"ravlt_softmax"``,
+  :class:`~linvision.layers.mixers.RavltSoftmax`) have RAVLT's LePE (5x5 depthwise on v, added to the attention
+  output), its element-wise output modulation (x (W_o x), no activation, after LePE: the mixer's ``gate``) and an
+  output projection;
 - a 1x1 conv head to 1024 channels with BN and SiLU, average pooling and a linear classifier.
 
 RoPE (RALA's numerator and both sides of softmax attention): per head (64 channels, 96 in the first two stages
@@ -31,15 +32,13 @@ from torch import Tensor, nn
 from timm.layers import ConvNormAct
 from timm.models import generate_default_cfgs, register_model
 
-from linvision.layers import DwConvMlp, SoftmaxAttention, merge_options, register_mixer
-from linvision.layers.variant_mixers import OutputModulation, RALAttention
+from linvision.layers import DwConvMlp, merge_options
 from linvision.ops import halves_from_interleaved
 
 from .linhier import LinHier, linhier_layout
 from .published import build_published, load_published, published_cfg, unwrap_state_dict
 
-__all__ = ["Ravlt", "RavltRope", "RavltRala", "RavltSoftmax", "ChannelsLastConv", "RavltStem",
-           "checkpoint_filter_fn", "SIZES", "create_ravlt_like"]
+__all__ = ["Ravlt", "ChannelsLastConv", "RavltStem", "checkpoint_filter_fn", "SIZES", "create_ravlt_like"]
 
 # The weights taken from a training checkpoint: the raw weights under "model". The authors' evaluation prints the
 # accuracy of both the raw and the EMA copy and neither their README nor their paper says which one is published;
@@ -47,27 +46,6 @@ __all__ = ["Ravlt", "RavltRope", "RavltRala", "RavltSoftmax", "ChannelsLastConv"
 WEIGHT_KEYS = ("model", "state_dict")
 # The options of RAVLT's mixers (both stages' RoPE, LePE and output modulation): its layout's defaults.
 MIXER_DEFAULTS = dict(rope="axial", rope_theta=10000.0, rope_row_first=True, lepe=True, lepe_kernel=5, gate=True)
-
-
-class RavltRope:
-    """RAVLT's RoPE frequencies, mixed into an attention mixer (:class:`~linvision.layers.AttentionMixer`): axial
-    frequencies theta^-linspace(0, 1, D/4) (the last one theta^-1) instead of theta^(-i / (D/4))."""
-
-    def __init__(self, dim: int, num_heads: int, **kwargs):
-        super().__init__(dim, num_heads, **kwargs)
-        self.rope_axial["endpoint"] = True
-
-
-@register_mixer("ravlt_rala")
-class RavltRala(RavltRope, RALAttention):
-    """RAVLT's RALA stages: ``"rala"`` (rank-augmented linear attention, LePE, the output modulation) with RAVLT's
-    RoPE frequencies."""
-
-
-@register_mixer("ravlt_softmax")
-class RavltSoftmax(RavltRope, OutputModulation, SoftmaxAttention):
-    """RAVLT's softmax stages: softmax attention with RAVLT's RoPE frequencies and RALA's output modulation
-    (:class:`~linvision.layers.variant_mixers.OutputModulation`, the same as ``"rala"``'s)."""
 
 
 class ChannelsLastConv(ConvNormAct):
@@ -96,6 +74,13 @@ class RavltStem(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.convs(x).permute(0, 2, 3, 1)
+
+
+class Ravlt(LinHier):
+    """:class:`LinHier` with RAVLT's layers; loads the authors' files (timm's ``custom_load``)."""
+
+    def load_pretrained(self, path: str) -> None:
+        load_published(self, path, checkpoint_filter_fn)
 
 
 def _published_name(name: str) -> str:
@@ -168,13 +153,6 @@ default_cfgs = generate_default_cfgs({
     "ravlt_base.in1k": _cfg("RAVLT_B.pth", 85.5),
     "ravlt_large.in1k": _cfg("RAVLT_L.pth", 85.8),
 })
-
-
-class Ravlt(LinHier):
-    """:class:`LinHier` with RAVLT's layers; loads the authors' files (timm's ``custom_load``)."""
-
-    def load_pretrained(self, path: str) -> None:
-        load_published(self, path, checkpoint_filter_fn)
 
 
 # Sizes shared with MAViT (the same stages; MAViT's conv head is wider).

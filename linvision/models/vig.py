@@ -14,7 +14,8 @@ The network is :class:`~linvision.models.linvit.LinViT` without a class token, w
   every input's grid, so the model takes any input size;
 - RMSNorm (eps 1e-6) before the mixer, before the MLP and before the mean pooling; a SwiGLU MLP of hidden size
   8/3 C without biases (:func:`swiglu_mlp`); a linear head on the mean of the normalised tokens;
-- the ``"vig_gla"`` mixer (registered here, :class:`VigGatedAttention`).
+- the ``"vig_gla"`` mixer (:class:`~linvision.layers.recurrent.VigGatedAttention`, beside the ``"bidir_gated"``
+  mixer it derives from).
 
 Evaluation as the authors': resize to 256/224 of the crop (bicubic), centre crop 224, ImageNet mean/std.
 
@@ -29,128 +30,27 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional
 
-import torch
-import torch.nn.functional as F
 from timm.layers import GluMlp, LayerNorm2d, RmsNorm, resample_abs_pos_embed, to_2tuple
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
-from linvision.layers import TokenLayout, merge_options, register_mixer
+from linvision.layers import merge_options
 from linvision.layers.options import pad_to_kernel
-from linvision.layers.recurrent import BidirGatedAttention
-from linvision.layers.registry import check_layout, check_prefix_tokens
-from linvision.ops import check_grid, compute_dtype, gated_linear_attention, is_tracing
 
 from .linhier import LinHier, linhier_layout
 from .linvit import LinViT
 from .published import (explain_failed_download, load_published, published_cfg, published_file_overlay,
                         unwrap_state_dict)
 
-__all__ = ["Vig", "VigH", "VigGatedAttention", "VigStem", "swiglu_mlp", "gated_mlp", "checkpoint_filter_fn",
+__all__ = ["Vig", "VigH", "VigStem", "swiglu_mlp", "gated_mlp", "checkpoint_filter_fn",
            "hier_filter_fn"]
 
 HUB_ID = "hustvl/ViG"
 # The authors' training checkpoints keep the raw weights under "model" (and the EMA copy under "model_ema"); their
 # evaluation of a published file loads "model" (the hub files hold one copy of the weights).
 WEIGHT_KEYS = ("model", "state_dict")
-
-
-@register_mixer("vig_gla")
-class VigGatedAttention(BidirGatedAttention):
-    """ViG's token mixer: bidirectional gated linear attention with direction-wise gates and the 2D gating
-    locality injection. On tokens x (B, N, C) of the grid (H, W), with heads of Dk = expand_k C / heads key
-    channels and D = C / heads value channels:
-
-    - l = act(dwconv3x3(x)) (``local_act``: SiLU, ViG-T; none for S and B): the local branch, from which every
-      projection below is taken;
-    - q, k, v = W_qkv l (no bias; q scaled by Dk^-1/2);
-    - per-channel forget gates, one set per direction: log gamma = logsigmoid(W_2 W_1 l + b) / 16 with a rank-16
-      W_1 (``gate_rank``), its first Dk channels per head for the forward scan, the next for the backward one;
-    - o_i = s (q_i S_i + q_i S'_i), S the forward scan S_i = diag(gamma_i) S_{i-1} + k_i^T v_i and S' the
-      backward scan with the backward gates; both scans include token i (its own term counts twice), and the
-      output is unnormalised. s = ``output_scale``: 1/4 in ViG's evaluation (a mean of the two directions,
-      halved again), 1/2 in ViG-H's (the mean), which the RMSNorm after it sees only through its eps;
-    - out = W_o act(g * RMSNorm(o) + (1 - g) * RMSNorm(l)) per head, g = sigmoid(W_g l + b_g) (the locality
-      injection; ``out_act``: SiLU on the mix, ViG-T).
-
-    The scans are :func:`linvision.ops.gated_linear_attention` (identity features, ``normalize=False``), the
-    backward one on the reversed sequence: fla-core's ``chunk_gla`` kernel for CUDA tensors, the PyTorch chunked
-    scan otherwise (``backend``, ``chunk_size``, as :class:`BidirGatedAttention`). It differs from the
-    ``"bidir_gated"`` mixer it derives from in everything but the per-channel gate's logsigmoid / 16 (see
-    docs/models/published.md): there, one gate serves both directions, features are elu+1, the output is
-    normalised and the backward scan leaves token i out.
-    Raises ValueError for a width that the heads or expand_k do not divide.
-    """
-
-    takes_layout = False  # each image's scan runs over its own grid; no NaFlex batches
-    feature_map_needs = dict(causal=True)  # unnormalised: the identity map (signed q, k)
-
-    def __init__(
-        self, dim: int, num_heads: int, *, expand_k: float = 0.5, gate_rank: int = 16, local_act: bool = False,
-        out_act: bool = False, forget_temperature: float = 16.0, norm_eps: float = 1e-6,
-        chunk_size: Optional[int] = None, proj_drop: float = 0.0, backend: str = "auto", output_scale: float = 0.25,
-    ):
-        super().__init__(dim, num_heads, forget_per_channel=True, forget_temperature=forget_temperature,
-                         feature_map="identity", chunk_size=chunk_size, qkv_bias=False, proj_drop=proj_drop,
-                         backend=backend)
-        key_dim = int(dim * expand_k)
-        if key_dim < num_heads or key_dim % num_heads:
-            raise ValueError(f"expand_k: {expand_k} x dim={dim} = {key_dim} key channels, not a multiple of "
-                             f"num_heads={num_heads}")
-        self.key_dim, self.key_head_dim = key_dim, key_dim // num_heads
-        self.local = nn.Conv2d(dim, dim, 3, padding=1, groups=dim, bias=False)
-        self.local_act = nn.SiLU() if local_act else nn.Identity()
-        self.qkv = nn.Linear(dim, 2 * key_dim + dim, bias=False)
-        self.forget_gate = nn.Sequential(nn.Linear(dim, gate_rank, bias=False), nn.Linear(gate_rank, 2 * key_dim))
-        self.mix_gate = nn.Linear(dim, dim)
-        self.norm_global = RmsNorm(self.head_dim, eps=norm_eps)
-        self.norm_local = RmsNorm(self.head_dim, eps=norm_eps)
-        self.out_act = nn.SiLU() if out_act else nn.Identity()
-        self.proj = nn.Linear(dim, dim, bias=False)
-        self.output_scale = output_scale
-
-    def init_weights(self) -> None:
-        """No start of its own: the model's generic initialisation (the forget gates' bias at 0, gamma about 0.96,
-        as the authors start)."""
-
-    def scan(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, lengths: Optional[Tensor] = None) -> Tensor:
-        """s (q S + q S') for the forward and backward scans (s: ``output_scale``), each with its own gates from
-        ``x`` (the local branch); q, k (B, heads, N, Dk), v (B, heads, N, D)."""
-        b, n, _ = x.shape
-        log_gates = F.logsigmoid(self.forget_gate(x).to(compute_dtype(x.dtype))) / self.forget_temperature
-        forward, backward = (g.unflatten(-1, (self.num_heads, g.shape[-1] // self.num_heads)).transpose(1, 2) for g in log_gates.chunk(2, -1))
-        run = partial(gated_linear_attention, feature_map="identity", normalize=False, chunk_size=self.chunk_size,
-                      backend=self.backend)
-        q = q * self.key_head_dim ** -0.5
-        out = run(q, k, v, forward)
-        out_back = run(q.flip(2), k.flip(2), v.flip(2), backward.flip(2)).flip(2)
-        return (out + out_back) * self.output_scale
-
-    def forward(self, x: Tensor, hw: Tuple[int, int], num_prefix_tokens: int = 0,
-                layout: Optional[TokenLayout] = None) -> Tensor:
-        """x: (B, N, C) tokens of the grid hw in raster order -> (B, N, C). ValueError for prefix tokens, a layout
-        or a grid that does not hold N tokens."""
-        check_prefix_tokens(self, num_prefix_tokens)
-        check_layout(self, layout)
-        b, n, c = x.shape
-        h, w = check_grid(hw, n, name="hw")
-        local = self.local_act(self.local(x.transpose(1, 2).reshape(b, c, h, w))).flatten(2).transpose(1, 2)
-        q, k, v = self.qkv(local).split([self.key_dim, self.key_dim, c], dim=-1)
-        q, k, v = (t.unflatten(-1, (self.num_heads, t.shape[-1] // self.num_heads)).transpose(1, 2) for t in (q, k, v))
-        if self.recompute_attend and torch.is_grad_enabled() and q.requires_grad and not is_tracing(n):
-            out = checkpoint(self.attend, q, k, v, (h, w), None, local, use_reentrant=False)
-        else:
-            out = self.attend(q, k, v, (h, w), None, local)
-        out = self.norm_global(out.transpose(1, 2))  # (B, N, heads, D)
-        gate = torch.sigmoid(self.mix_gate(local)).unflatten(-1, (self.num_heads, -1))
-        out = out * gate + self.norm_local(local.unflatten(-1, (self.num_heads, -1))) * (1 - gate)
-        return self.proj_drop(self.proj(self.out_act(out.reshape(b, n, c))))
-
-    def extra_repr(self) -> str:
-        return f"dim={self.dim}, num_heads={self.num_heads}, key_dim={self.key_dim}, output_scale={self.output_scale}"
 
 
 class VigStem(nn.Module):
@@ -185,6 +85,13 @@ def swiglu_mlp(in_features: int, hidden_features: int, act_layer: type = nn.SiLU
     return GluMlp(in_features, 2 * hidden_features, act_layer=act_layer, bias=False, drop=drop, gate_last=False)
 
 
+def gated_mlp(in_features: int, hidden_features: int, act_layer: Optional[type] = None, drop: float = 0.0
+              ) -> nn.Module:
+    """ViG-H's MLP: :func:`swiglu_mlp` (SiLU, whatever ``act_layer`` the block names) with 2/3 of
+    ``hidden_features`` rounded up to a multiple of 32 as the width of each half (the authors' ``gMlp``)."""
+    return swiglu_mlp(in_features, 32 * math.ceil(int(hidden_features * 2 / 3) / 32), drop=drop)
+
+
 class Vig(LinViT):
     """:class:`LinViT` with ViG's layers; loads the authors' files (timm's ``custom_load``). Images only: the
     conv stem does not embed NaFlex patches."""
@@ -196,6 +103,14 @@ class Vig(LinViT):
 
     def load_pretrained(self, path: str) -> None:
         load_published(self, path, checkpoint_filter_fn)
+
+
+class VigH(LinHier):
+    """:class:`~linvision.models.linhier.LinHier` with ViG-H's layers (the module docstring); loads the authors'
+    files (timm's ``custom_load``)."""
+
+    def load_pretrained(self, path: str) -> None:
+        load_published(self, path, hier_filter_fn)
 
 
 _RENAMES = (  # the authors' names -> linvision's, inside blocks.<i>.
@@ -222,6 +137,43 @@ def checkpoint_filter_fn(checkpoint: Any, model: Vig) -> Dict[str, Tensor]:
             side = math.isqrt(value.shape[1])
             value = resample_abs_pos_embed(value, new_size=model.patch_embed.grid_size, old_size=(side, side),
                                            num_prefix_tokens=0, antialias=False)
+        out[name] = value
+    return out
+
+
+_HIER_RENAMES = (  # the authors' HierViG names (and the older ones their loader renames) -> linvision's
+    (r"^patch_embed\.(0|proj)\.", "stem.conv1."), (r"^patch_embed\.(2|norm)\.", "stem.norm1."),
+    (r"^patch_embed\.5\.", "stem.conv2."), (r"^patch_embed\.7\.", "stem.norm2."),
+    (r"^layers\.(\d)\.downsample\.1\.", lambda m: f"stages.{int(m.group(1)) + 1}.downsample.conv."),
+    (r"^layers\.(\d)\.downsample\.3\.", lambda m: f"stages.{int(m.group(1)) + 1}.downsample.norm."),
+    (r"^layers\.(\d)\.blocks\.(\d+)\.(norm|ln_1)\.", r"stages.\1.blocks.\2.norm1."),
+    (r"^layers\.(\d)\.blocks\.", r"stages.\1.blocks."), (r"\.(op|self_attention)\.", ".op."),
+    (r"\.op\.in_proj\.0\.", ".mixer.local."), (r"\.op\.qkv_proj\.", ".mixer.qkv."),
+    (r"\.op\.gk_proj\.", ".mixer.forget_gate."), (r"\.op\.g_proj\.", ".mixer.mix_gate."),
+    (r"\.op\.g_norm\.", ".mixer.norm_global."), (r"\.op\.l_norm\.", ".mixer.norm_local."),
+    (r"\.op\.o_proj\.", ".mixer.proj."), (r"^(classifier\.)?norm\.", "final."),
+    (r"^(classifier\.)?head\.", "head.fc."),
+)
+
+
+def hier_filter_fn(checkpoint: Any, model: LinHier) -> Dict[str, Tensor]:
+    """The authors' ViG-H file (their ``HierViG`` names: ``patch_embed.{0,2,5,7}``, ``layers.i`` stages ending with
+    their downsampling, ``op`` for the mixer, ``classifier``; the older names their own loader renames too) or
+    linvision's own weights -> this model's names. Their channels-first 1x1 projections (``Linear2d``) may be
+    stored as (out, in, 1, 1): those become the linear layers' (out, in); no value changes. Names the model does
+    not have are kept, so that the strict load names them."""
+    import re
+
+    state = unwrap_state_dict(checkpoint, WEIGHT_KEYS)
+    if not any(k.startswith("layers.") for k in state):
+        return state
+    own = model.state_dict()
+    out = {}
+    for name, value in state.items():
+        for old, new in _HIER_RENAMES:
+            name = re.sub(old, new, name)
+        if name in own and own[name].dim() == 2 and value.dim() == 4 and value.shape[2:] == (1, 1):
+            value = value.flatten(1)
         out[name] = value
     return out
 
@@ -295,59 +247,6 @@ def vig_small(pretrained: bool = False, **kwargs) -> Vig:
 @register_model
 def vig_base(pretrained: bool = False, **kwargs) -> Vig:
     return _create_vig("vig_base", "base", pretrained, **kwargs)
-
-
-def gated_mlp(in_features: int, hidden_features: int, act_layer: Optional[type] = None, drop: float = 0.0
-              ) -> nn.Module:
-    """ViG-H's MLP: :func:`swiglu_mlp` (SiLU, whatever ``act_layer`` the block names) with 2/3 of
-    ``hidden_features`` rounded up to a multiple of 32 as the width of each half (the authors' ``gMlp``)."""
-    return swiglu_mlp(in_features, 32 * math.ceil(int(hidden_features * 2 / 3) / 32), drop=drop)
-
-
-class VigH(LinHier):
-    """:class:`~linvision.models.linhier.LinHier` with ViG-H's layers (the module docstring); loads the authors'
-    files (timm's ``custom_load``)."""
-
-    def load_pretrained(self, path: str) -> None:
-        load_published(self, path, hier_filter_fn)
-
-
-_HIER_RENAMES = (  # the authors' HierViG names (and the older ones their loader renames) -> linvision's
-    (r"^patch_embed\.(0|proj)\.", "stem.conv1."), (r"^patch_embed\.(2|norm)\.", "stem.norm1."),
-    (r"^patch_embed\.5\.", "stem.conv2."), (r"^patch_embed\.7\.", "stem.norm2."),
-    (r"^layers\.(\d)\.downsample\.1\.", lambda m: f"stages.{int(m.group(1)) + 1}.downsample.conv."),
-    (r"^layers\.(\d)\.downsample\.3\.", lambda m: f"stages.{int(m.group(1)) + 1}.downsample.norm."),
-    (r"^layers\.(\d)\.blocks\.(\d+)\.(norm|ln_1)\.", r"stages.\1.blocks.\2.norm1."),
-    (r"^layers\.(\d)\.blocks\.", r"stages.\1.blocks."), (r"\.(op|self_attention)\.", ".op."),
-    (r"\.op\.in_proj\.0\.", ".mixer.local."), (r"\.op\.qkv_proj\.", ".mixer.qkv."),
-    (r"\.op\.gk_proj\.", ".mixer.forget_gate."), (r"\.op\.g_proj\.", ".mixer.mix_gate."),
-    (r"\.op\.g_norm\.", ".mixer.norm_global."), (r"\.op\.l_norm\.", ".mixer.norm_local."),
-    (r"\.op\.o_proj\.", ".mixer.proj."), (r"^(classifier\.)?norm\.", "final."),
-    (r"^(classifier\.)?head\.", "head.fc."),
-)
-
-
-def hier_filter_fn(checkpoint: Any, model: LinHier) -> Dict[str, Tensor]:
-    """The authors' ViG-H file (their ``HierViG`` names: ``patch_embed.{0,2,5,7}``, ``layers.i`` stages ending with
-    their downsampling, ``op`` for the mixer, ``classifier``; the older names their own loader renames too) or
-    linvision's own weights -> this model's names. Their channels-first 1x1 projections (``Linear2d``) may be
-    stored as (out, in, 1, 1): those become the linear layers' (out, in); no value changes. Names the model does
-    not have are kept, so that the strict load names them."""
-    import re
-
-    state = unwrap_state_dict(checkpoint, WEIGHT_KEYS)
-    if not any(k.startswith("layers.") for k in state):
-        return state
-    own = model.state_dict()
-    out = {}
-    for name, value in state.items():
-        for old, new in _HIER_RENAMES:
-            name = re.sub(old, new, name)
-        if name in own and own[name].dim() == 2 and value.dim() == 4 and value.shape[2:] == (1, 1):
-            value = value.flatten(1)
-        out[name] = value
-    return out
-
 
 
 HIER_SIZES: Dict[str, Dict[str, Any]] = {

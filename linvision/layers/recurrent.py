@@ -202,7 +202,8 @@ class BidirGatedAttention(BidirectionalRecurrentMixer):
         b, n, _ = x.shape
         # (B, N, heads * G) log-gates in fp32 whatever the autocast dtype (float64 for float64): they are summed
         log_gate = F.logsigmoid(self.forget_gate(x).to(compute_dtype(x.dtype))) / self.forget_temperature
-        log_gate = log_gate.unflatten(-1, (self.num_heads, log_gate.shape[-1] // self.num_heads)).transpose(1, 2)  # (B, heads, N, G)
+        heads = (self.num_heads, log_gate.shape[-1] // self.num_heads)
+        log_gate = log_gate.unflatten(-1, heads).transpose(1, 2)  # (B, heads, N, G)
         return bidirectional_gated_linear_attention(
             q, k, v, log_gate, self.phi(), eps=self.eps, chunk_size=self.chunk_size, backend=self.backend,
             lengths=lengths,
@@ -275,7 +276,8 @@ class VigGatedAttention(BidirGatedAttention):
         ``x`` (the local branch); q, k (B, heads, N, Dk), v (B, heads, N, D)."""
         b, n, _ = x.shape
         log_gates = F.logsigmoid(self.forget_gate(x).to(compute_dtype(x.dtype))) / self.forget_temperature
-        forward, backward = (g.unflatten(-1, (self.num_heads, g.shape[-1] // self.num_heads)).transpose(1, 2) for g in log_gates.chunk(2, -1))
+        forward, backward = (g.unflatten(-1, (self.num_heads, g.shape[-1] // self.num_heads)).transpose(1, 2)
+                             for g in log_gates.chunk(2, -1))
         run = partial(gated_linear_attention, feature_map="identity", normalize=False, chunk_size=self.chunk_size,
                       backend=self.backend)
         q = q * self.key_head_dim ** -0.5

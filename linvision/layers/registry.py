@@ -8,8 +8,8 @@ mixer builds its RoPE tables and checks the token count against the grid with Py
 tracing cannot see.
 
 A mixer class that sets ``takes_prefix_tokens = True`` also takes ``forward(x, hw, num_prefix_tokens=P)``: x then
-holds P prefix tokens (class / register tokens) before the H * W grid tokens, N = P + H * W. A traced model calls the mixer as one module (its parameters stay in the graph module), and
-those checks still run on every call.
+holds P prefix tokens (class / register tokens) before the H * W grid tokens, N = P + H * W. A traced model
+calls the mixer as one module (its parameters stay in the graph module), and those checks still run on every call.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from torch import nn
 
 from .weight_init import own_reset_parameters
 
-__all__ = ["TokenMixer", "register_mixer", "create_mixer", "get_mixer_class", "list_mixers", "mixer_options", "parse_mixer_list",
-           "no_weight_decay_of", "takes_prefix_tokens", "check_prefix_tokens", "takes_layout", "check_layout"]
+__all__ = ["TokenMixer", "register_mixer", "create_mixer", "get_mixer_class", "list_mixers", "mixer_options",
+           "parse_mixer_list", "no_weight_decay_of", "takes_prefix_tokens", "check_prefix_tokens", "takes_layout", "check_layout"]
 
 _MIXERS: Dict[str, Type[nn.Module]] = {}
 _ALIASES: Dict[str, str] = {}  # alias -> registered name

@@ -94,7 +94,7 @@ def flags_table(command: str) -> str:
 
 
 def _models() -> list:
-    from linvision.tools.model_table import read_rows
+    from linvision.benchmark.model_table import read_rows
     return read_rows(os.path.join(ROOT, "docs", "models.json"))
 
 
@@ -104,7 +104,7 @@ TAG_LOADS = re.compile(r"; `\.([\w-]+)` loads (.+?) \|$")
 def model_table() -> str:
     """The table of every model. A tag's description that repeats down the last column (the same weights for
     every model of a family) is printed once under the table, and the cells name the tag."""
-    from linvision.tools.model_table import COMMAND, full_table
+    from linvision.benchmark.model_table import COMMAND, full_table
     lines, notes = [], {}
     for line in full_table(_models()).splitlines():
         m = TAG_LOADS.search(line)
@@ -119,7 +119,7 @@ def model_table() -> str:
 
 def model_cards(pattern: str) -> str:
     import timm
-    from linvision.tools.model_table import COMMAND, published_top1, weights_text
+    from linvision.benchmark.model_table import COMMAND, published_top1, weights_text
     rows = [r for r in _models() if fnmatch.fnmatch(r["model"], pattern)]
     if not rows:
         raise ValueError(f"docs: model-cards marker {pattern!r} matches no model in docs/models.json")

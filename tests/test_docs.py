@@ -82,7 +82,7 @@ MODELS_JSON = os.path.join(ROOT, "docs", "models.json")
 
 
 def _model_table():
-    from linvision.tools import model_table
+    from linvision.benchmark import model_table
     return model_table
 
 

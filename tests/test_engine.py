@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from linvision.benchmark.plots import plot_results
-from linvision.benchmark.throughput import MemoryMeter, benchmark_point, run_sweep
+from linvision.benchmark.throughput import benchmark_point, run_sweep
+from linvision.utils.measure import MemoryMeter
 from linvision.utils.checkpoint import load_model, load_pretrained, save_checkpoint
 from linvision.utils.factory import create_model
 from linvision.utils.files import atomic_write

@@ -451,7 +451,7 @@ def test_the_no_weights_error_lists_every_family_with_weights():
     import timm
 
     import linvision  # noqa: F401
-    from linvision.tools.model_table import _has_weights, read_rows
+    from linvision.benchmark.model_table import _has_weights, read_rows
 
     rows = read_rows(os.path.join(ROOT, "docs", "models.json"))
     expected = sorted({r["model"].rsplit("_", 1)[0] + "_*" for r in rows if _has_weights(r["model"])})

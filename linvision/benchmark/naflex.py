@@ -20,7 +20,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from linvision.benchmark.plots import series_styles
-from linvision.benchmark.throughput import MemoryMeter, free_memory, parse_model_spec, runs_phrase, timed, timing
+from linvision.benchmark.throughput import free_memory, parse_model_spec, runs_phrase, timing
+from linvision.utils.measure import MemoryMeter, timed
 from linvision.utils.amp import autocast
 from linvision.utils.factory import check_model_name, create_model
 

@@ -5,12 +5,9 @@ passed to models that take it, so a fixed-size ViT gets position embeddings for 
 out-of-memory or any other error is recorded in the point's ``status``/``error`` and the sweep goes on.
 Results are appended to ``results.jsonl`` as each point finishes, so a crash loses only the current point.
 
-Memory is what a pass adds above the model and its input:
-- CUDA: ``torch.cuda.max_memory_allocated`` during the pass minus the memory allocated before it;
-- CPU: the process's peak resident set size (VmHWM, reset through /proc/self/clear_refs before the pass)
-  minus its resident size before the pass, after glibc's ``malloc_trim`` has handed freed memory back to the
-  system (otherwise buffers kept from an earlier point would hide this one's). It is coarser than the CUDA
-  figure (it sees pages, not tensors) and depends on the allocator; it is NaN off Linux.
+Memory is what a pass adds above the model and its input, as :class:`linvision.utils.measure.MemoryMeter` measures
+it: on CUDA the memory allocated at the peak of the pass, on CPU the peak resident set size (reset before the
+pass, after freed memory is handed back to the system); the CPU figure is coarser and NaN off Linux.
 
 A size is a side in pixels (a square image) or (height, width); a point's ``img_size`` is the side for a square
 and the label ``"HxW"`` otherwise, and ``height``, ``width`` and ``pixels`` hold the size as measured.
@@ -43,7 +40,6 @@ when only the training step ran over). Such points are timed one model after ano
 from __future__ import annotations
 
 import csv
-import ctypes
 import gc
 import json
 import math
@@ -58,12 +54,13 @@ from linvision.ops import record_backends
 from linvision.training.segmenter import DECODERS, build_segmenter, check_decoder
 from linvision.utils.amp import autocast
 from linvision.utils.factory import create_model
+from linvision.utils.measure import MemoryMeter, run_in_process, timed
 
 from .flops import count_gflops, count_params
 
-__all__ = ["BenchmarkPoint", "benchmark_point", "run_sweep", "write_results", "DEFAULT_MODELS", "MemoryMeter",
+__all__ = ["BenchmarkPoint", "benchmark_point", "run_sweep", "write_results", "DEFAULT_MODELS",
            "parse_model_spec", "gemm_gflop_s", "add_comparisons", "comparison_table", "parse_img_size", "size_label",
-           "DECODERS", "check_decoder", "runs_phrase", "free_memory", "timed", "timing", "benchmark_interleaved",
+           "DECODERS", "check_decoder", "runs_phrase", "free_memory", "timing", "benchmark_interleaved",
            "machine_load", "busy_reason", "threads_for_load", "mark_reliability", "SPREAD_LIMIT_PCT", "unreliable_note"]
 
 # a linvision model against timm's softmax ViT and timm's MambaOut of about the same size (22-27M parameters)
@@ -101,70 +98,8 @@ def _hw(size: Any) -> Tuple[int, int]:
     return (size, size) if isinstance(size, int) else size
 
 
-def _rss_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _malloc_trim() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: the measure is then an underestimate
-        pass
-
-
-class MemoryMeter:
-    """Peak memory a block of work adds, in MiB (see the module docstring for the definition per device)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.peak_mb = float("nan")
-
-    def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._base = torch.cuda.memory_allocated(self.device)
-        elif os.path.exists("/proc/self/clear_refs"):
-            gc.collect()
-            _malloc_trim()
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # resets the peak RSS (VmHWM) to the current RSS
-            self._base = _rss_kb("VmRSS")
-        else:
-            self._base = None
-        return self
-
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak_mb = (torch.cuda.max_memory_allocated(self.device) - self._base) / 2**20
-        elif self._base is not None:
-            self.peak_mb = (_rss_kb("VmHWM") - self._base) / 1024
-
-
 def _build(name: str, img_size: Size, model_kwargs: Dict[str, Any]) -> nn.Module:
     return create_model(name, model_kwargs=model_kwargs, img_size=img_size)
-
-
-def timed(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> List[float]:
-    """Seconds of each of ``iters`` calls of ``fn`` after ``warmup`` untimed calls (on CUDA the device is
-    synchronised before and after each timed call): the runs that :func:`timing` sums up."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def _median(values: Sequence[float]) -> float:
@@ -523,52 +458,25 @@ def _point_child(conn, threads: int, name: str, size: Size, kwargs: Dict[str, An
 
 def benchmark_point_with_timeout(name: str, img_size: Size, timeout: float, **kwargs) -> BenchmarkPoint:
     """:func:`benchmark_point` in a spawned process (the same torch threads), stopped after ``timeout``
-    seconds (model building and the FLOP count included). A point stopped is recorded with status "timeout"
-    and keeps what it finished; a process that dies without a word (the kernel's out-of-memory killer) is
-    recorded as "oom" when killed by SIGKILL, else "error". ``build_fn`` must be picklable."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    receive, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_point_child, args=(send, torch.get_num_threads(), name, img_size, kwargs),
-                       daemon=True)
-    start = time.monotonic()
-    proc.start()
-    send.close()
-    last, done, stopped = None, False, False
-    try:
-        while not done:
-            left = timeout - (time.monotonic() - start)
-            if left <= 0:
-                break
-            if receive.poll(min(left, 1.0)):
-                try:
-                    message = receive.recv()
-                except EOFError:  # the process died
-                    break
-                done = message is None
-                last = message if message is not None else last
-            elif not proc.is_alive() and not receive.poll():
-                break
-    finally:  # also on Ctrl-C: the point's process never outlives the sweep
-        if not done and proc.is_alive():
-            proc.kill()
-            stopped = True
-        proc.join()
-        receive.close()
-    if done:
+    seconds (model building and the FLOP count included; :func:`linvision.utils.measure.run_in_process`). A point
+    stopped is recorded with status "timeout" and keeps what it finished; a process that dies without a word (the
+    kernel's out-of-memory killer) is recorded as "oom" when killed by SIGKILL, else "error". ``build_fn`` must
+    be picklable."""
+    ended = run_in_process(_point_child, (torch.get_num_threads(), name, img_size, kwargs), timeout)
+    last = ended.last
+    if ended.done:
         return last
     point = last or _empty_point(name, img_size, kwargs.get("batch_size", 8), kwargs.get("device", "cpu"),
                                  kwargs.get("amp", "none"), kwargs.get("iters", 3), kwargs.get("decoder"),
                                  kwargs.get("classes", 19))
     reached = "inference measured, not the training step" if last else "inference not finished"
-    if stopped:
+    if ended.timed_out:
         point.update(status="timeout", error=f"stopped at the {timeout:g} s budget: {reached}")
-    elif proc.exitcode == -9:
+    elif ended.exitcode == -9:
         point.update(status="oom", error=f"the process was killed (SIGKILL, the kernel's out-of-memory killer); "
                                          f"{reached}")
     else:
-        point.update(status="error", error=f"the process ended with exit code {proc.exitcode}; {reached}")
+        point.update(status="error", error=f"the process ended with exit code {ended.exitcode}; {reached}")
     return point
 
 

@@ -1,0 +1,195 @@
+"""Params / GFLOPs of every registered linvision model and what ``pretrained=True`` loads, as Markdown tables
+(``linvision-model-table``; the manual's model table and README's, docs/models.json).
+
+:func:`measure` builds each model and counts its parameters and its GFLOPs at a size
+(:mod:`linvision.benchmark.flops`: multiply-accumulates of one forward pass of one image; the count without
+attention leaves out the products of two activations), its token mixers, and the input
+``timm.create_model(name)`` takes with no other argument (:func:`input_multiple`: any multiple of the model's
+stride, found by running it at two small non-square sizes, or only the size it was built for).
+:func:`write_rows` stores the rows, :func:`read_rows` reads them back; :func:`full_table` renders a row per
+model, :func:`front_table` README's row per family (:data:`FAMILIES`), trained families first.
+"""
+import json
+import os
+import re
+from typing import Dict, List, Optional, Sequence
+
+import timm
+import torch
+
+import linvision  # noqa: F401  (registers the models)
+from linvision.utils.files import atomic_write_text
+
+from .flops import count_gflops, count_params
+
+DEFAULT_FILTER = ("inline*", "lin*", "mavit*", "mlla*", "pola*", "ravlt*", "vig*")
+COMMAND = "linvision-model-table --json docs/models.json"
+# the first matching prefix names the family
+FAMILIES = (("linvit_", "linvit"), ("linhier_delta_", "linhier (delta rule)"), ("linhier_gcnn_", "linhier (Gated CNN)"),
+            ("linhier_", "linhier"), ("mavit_", "MAViT"), ("mlla_", "MLLA"), ("ravlt_", "RAVLT"), ("vig_h_", "ViG-H"),
+            ("vig_", "ViG"), ("inline_deit_", "InLine-DeiT"), ("inline_swin_", "InLine-Swin"), ("inline_cswin_", "InLine-CSwin"),
+            ("inline_pvt_", "InLine-PVT"), ("pola_swin_", "Pola-Swin"), ("pola_pvt_", "Pola-PVT"))
+UNTRAINED_USE = {  # what each family without trained weights is for, in README's line about them
+    "linhier (delta rule)": "the bidirectional delta rule in every stage",
+    "linhier": "linear attention with 2D RoPE in every stage",
+    "linhier (Gated CNN)": "MambaOut's Gated CNN, no token mixer: the baseline of ablations",
+    "linvit": "isotropic ViTs; `.deit_fb_in1k` loads DeiT's softmax weights as the start of linearization",
+}
+FRONT_ORDER = ("MLLA", "RAVLT", "MAViT", "InLine-Swin", "InLine-CSwin", "InLine-PVT", "Pola-Swin", "Pola-PVT",
+               "ViG-H", "InLine-DeiT", "ViG", "linhier (delta rule)", "linhier", "linhier (Gated CNN)",
+               "linvit")  # trained first
+
+
+def claim_sizes(multiple: int) -> List[tuple]:
+    """The (height, width) at which :func:`input_multiple` tries a model of stride ``multiple``: two small
+    non-square multiples of it."""
+    return [(2 * multiple, 3 * multiple), (3 * multiple, 2 * multiple)]
+
+
+def input_multiple(name: str) -> Optional[int]:
+    """The stride (the last feature map's reduction) when ``timm.create_model(name)``, with no other argument,
+    runs at the sizes of :func:`claim_sizes` (any multiple of it, as the docs claim); None when it takes only the
+    size it was built for."""
+    torch.manual_seed(0)
+    model = timm.create_model(name).eval()
+    stride = model.feature_info[-1]["reduction"]
+    try:
+        with torch.no_grad():
+            for h, w in claim_sizes(stride):
+                model(torch.randn(1, 3, h, w))
+    except (AssertionError, RuntimeError, ValueError):  # timm's patch embedding asserts its size
+        return None
+    return stride
+
+
+def measure(names: Sequence[str], size: int = 224) -> List[Dict]:
+    """One row per model: its token mixers, params (M) and GFLOPs at ``size``, with and without attention, and
+    :func:`input_multiple`."""
+    rows = []
+    for name in names:
+        torch.manual_seed(0)
+        kwargs = {}
+        if name.startswith(("linvit", "inline_deit")):  # the isotropic models: their own embedding (InLine-DeiT's at
+            # 288 and 448 px counted as loaded), resampled to ``size``
+            kwargs = dict(dynamic_img_size=True, img_size=timm.models.get_pretrained_cfg(name).input_size[-1])
+        model = timm.create_model(name, **kwargs)
+        rows.append(dict(model=name, mixers=_mixers(model), size=size, params_m=round(count_params(model) / 1e6, 1),
+                         gflops=round(count_gflops(model, size), 2),
+                         gflops_no_attention=round(count_gflops(model, size, attention=False), 2),
+                         input_multiple=input_multiple(name)))
+    return rows
+
+
+def read_rows(path: str) -> List[Dict]:
+    """The rows a ``--json`` run stored; a missing or malformed file is a ValueError naming it."""
+    try:
+        with open(path) as f:
+            rows = json.load(f)["models"]
+        for r in rows:
+            missing = {"model", "mixers", "size", "params_m", "gflops", "gflops_no_attention", "input_multiple"} - set(r)
+            if missing:
+                raise KeyError(", ".join(sorted(missing)))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a model table written by `{COMMAND}` ({type(e).__name__}: {e})") from None
+    return rows
+
+
+def write_rows(path: str, rows: List[Dict]) -> None:
+    """Store ``rows`` in ``path`` (JSON, with the command that writes docs/models.json), as :func:`read_rows`
+    reads them."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    atomic_write_text(path, json.dumps(dict(command=COMMAND, models=rows), indent=1) + "\n")
+
+
+def full_table(rows: List[Dict]) -> str:
+    size = rows[0]["size"] if rows else 224
+    lines = [f"| model | token mixers | params (M) | GFLOPs @ {size} | without attention | input | "
+             f"pretrained=True loads |", "|---|---|---:|---:|---:|---|---|"]
+    lines += [f"| {r['model']} | {r['mixers']} | {r['params_m']:.1f} | {r['gflops']:.2f} | "
+              f"{r['gflops_no_attention']:.2f} | {input_text(r)} | {weights_text(r['model'])} |" for r in rows]
+    return "\n".join(lines)
+
+
+def input_text(row: Dict) -> str:
+    """What ``timm.create_model(row's model)`` takes with no other argument."""
+    if row["input_multiple"]:
+        return f"any multiple of {row['input_multiple']}"
+    side = timm.models.get_pretrained_cfg(row["model"]).input_size[-1]
+    return f"{side} px (`dynamic_img_size=True`: any multiple of 16)"
+
+
+def front_table(rows: List[Dict]) -> str:
+    """README's table: one row per family, trained ones first: its models (the family's name prefix and each
+    model's rest), params, the input ``timm.create_model(name)`` takes, what ``pretrained=True`` loads and the
+    published top-1 (their ranges over the family)."""
+    lines = ["| family | models | params (M) | input | `pretrained=True` loads | published top-1 |",
+             "|---|---|---:|---|---|---:|"]
+    by_family: Dict[str, List[Dict]] = {}
+    for r in sorted(rows, key=lambda r: (_family_order(r["model"]), r["params_m"])):
+        by_family.setdefault(family(r["model"]), []).append(r)
+    for label, members in by_family.items():
+        prefix = next(p for p, name in FAMILIES if name == label)
+        names = f"`{prefix}` " + ", ".join(r["model"][len(prefix):] for r in members)
+        params = _span([r["params_m"] for r in members], ".1f")
+        top1 = [t for t in (published_top1(r["model"]) for r in members) if t is not None]
+        weighted = [r for r in members if _has_weights(r["model"])]
+        cfg = timm.models.get_pretrained_cfg(weighted[0]["model"]) if weighted else None
+        loads = f"{cfg.description.split(' (')[0]} (`.{cfg.tag}`)" if cfg else f"none: {UNTRAINED_USE[label]}"
+        lines.append(f"| {label} | {names} | {params} | {_family_input(members)} | {loads} | "
+                     f"{_span(top1, '.1f') if top1 else '—'} |")
+    return "\n".join(lines)
+
+
+def _span(values: List[float], fmt: str) -> str:
+    low, high = min(values), max(values)
+    return f"{low:{fmt}}" if f"{low:{fmt}}" == f"{high:{fmt}}" else f"{low:{fmt}}-{high:{fmt}}"
+
+
+def _family_input(members: List[Dict]) -> str:
+    """The input of a family's models: the multiple they share, and those that take only their own size."""
+    multiples = sorted({r["input_multiple"] for r in members if r["input_multiple"]})
+    fixed = [r for r in members if not r["input_multiple"]]
+    text = " or ".join(f"any multiple of {m}" for m in multiples)
+    if fixed:
+        text += (f"; {', '.join(r['model'] for r in fixed)}: {input_text(fixed[0])}" if text
+                 else input_text(fixed[0]))
+    return text
+
+
+def _has_weights(name: str) -> bool:
+    """Trained weights: a source timm downloads, or published ones loaded from a local copy (a published top-1
+    recorded, no address: Pola-Swin)."""
+    cfg = timm.models.get_pretrained_cfg(name)
+    return bool(cfg is not None and (cfg.has_weights or published_top1(name) is not None))
+
+
+def family(name: str) -> str:
+    return next(label for prefix, label in FAMILIES if name.startswith(prefix))
+
+
+def _family_order(name: str) -> int:
+    return FRONT_ORDER.index(family(name))
+
+
+def published_top1(name: str) -> Optional[float]:
+    """The published ImageNet-1k top-1 the model's pretrained config records in its notes, or None."""
+    cfg = timm.models.get_pretrained_cfg(name)
+    for note in (cfg.notes or ()) if cfg is not None else ():
+        m = re.match(r"published ImageNet-1k top-1 ([\d.]+)", note)
+        if m:
+            return float(m.group(1))
+    return None
+
+
+def weights_text(name: str) -> str:
+    cfg = timm.models.get_pretrained_cfg(name)
+    if _has_weights(name):
+        return f"`.{cfg.tag}`: {cfg.description}"
+    tagged = [timm.models.get_pretrained_cfg(t) for t in timm.list_pretrained(f"{name}.*")]
+    return "an error (no trained weights)" + "".join(f"; `.{c.tag}` loads {c.description}" for c in tagged)
+
+
+def _mixers(model) -> str:
+    mixers = list(getattr(model, "token_mixers", None) or [model.token_mixer])
+    text = f"{mixers[0]} x{len(mixers)}" if len(mixers) > 1 and len(set(mixers)) == 1 else ",".join(mixers)
+    return text + (f" ({model.rope} RoPE)" if getattr(model, "rope", None) else "")

@@ -9,8 +9,9 @@ GFLOPs are multiply-accumulates of one forward pass of one image (see linvision.
 attention leaves out the products of two activations (batched matmuls, SDPA), as papers that count convolutions
 and projections only do. The input column is what timm.create_model(name) takes with no other argument: any
 multiple of the model's stride (each row's input_multiple, found by running the model at two small non-square
-sizes of it), or only the size it was built for (input_multiple null). Measuring builds every model (a minute
-or two on a CPU); --from-json renders stored rows. The front style (README's) is one row per family.
+sizes of it), or only the size it was built for (input_multiple null). Measuring builds every model on the meta
+device (shapes without weights or arithmetic: the counts and the refusals are those of a CPU run, in a second or
+so a model); --from-json renders stored rows. The front style (README's) is one row per family.
 """
 import argparse
 import json
@@ -24,7 +25,7 @@ import torch
 import linvision
 from linvision.utils.cli import tool_parser
 from linvision.utils.files import atomic_write_text
-from linvision.benchmark.flops import count_gflops, count_params
+from linvision.benchmark.flops import count_gflops_split, count_params
 
 DEFAULT_FILTER = ("inline*", "lin*", "mavit*", "mlla*", "pola*", "ravlt*", "vig*")
 COMMAND = "linvision-model-table --json docs/models.json"
@@ -66,25 +67,29 @@ def claim_sizes(multiple: int) -> List[tuple]:
     return [(2 * multiple, 3 * multiple), (3 * multiple, 2 * multiple)]
 
 
-def input_multiple(name: str) -> Optional[int]:
+def input_multiple(name: str, device: str = "meta") -> Optional[int]:
     """The stride (the last feature map's reduction) when ``timm.create_model(name)``, with no other argument,
     runs at the sizes of :func:`claim_sizes` (any multiple of it, as the docs claim); None when it takes only the
-    size it was built for."""
+    size it was built for. On the meta device (the default) the shapes alone are computed, which is where a size
+    is refused; a forward that needs values there raises instead of answering."""
     torch.manual_seed(0)
-    model = timm.create_model(name).eval()
+    with torch.device(device):
+        model = timm.create_model(name).eval()
     stride = model.feature_info[-1]["reduction"]
     try:
         with torch.no_grad():
             for h, w in claim_sizes(stride):
-                model(torch.randn(1, 3, h, w))
-    except (AssertionError, RuntimeError, ValueError):  # timm's patch embedding asserts its size
+                model(torch.randn(1, 3, h, w, device=device))
+    except (AssertionError, RuntimeError, ValueError) as e:  # timm's patch embedding asserts its size
+        if "meta tensor" in str(e):  # the meta device has no values to give (Tensor.item()): not a size refusal
+            raise
         return None
     return stride
 
 
 def measure(names: Sequence[str], size: int = 224) -> List[Dict]:
     """One row per model: its token mixers, params (M) and GFLOPs at ``size``, with and without attention, and
-    :func:`input_multiple`."""
+    :func:`input_multiple`; each model is built on the meta device (the counts need shapes only)."""
     rows = []
     for name in names:
         torch.manual_seed(0)
@@ -92,10 +97,11 @@ def measure(names: Sequence[str], size: int = 224) -> List[Dict]:
         if name.startswith(("linvit", "inline_deit")):  # the isotropic models: their own embedding (InLine-DeiT's at
             # 288 and 448 px counted as loaded), resampled to ``size``
             kwargs = dict(dynamic_img_size=True, img_size=timm.models.get_pretrained_cfg(name).input_size[-1])
-        model = timm.create_model(name, **kwargs)
+        with torch.device("meta"):
+            model = timm.create_model(name, **kwargs)
+        gflops, no_attention = count_gflops_split(model, size)
         rows.append(dict(model=name, mixers=_mixers(model), size=size, params_m=round(count_params(model) / 1e6, 1),
-                         gflops=round(count_gflops(model, size), 2),
-                         gflops_no_attention=round(count_gflops(model, size, attention=False), 2),
+                         gflops=round(gflops, 2), gflops_no_attention=round(no_attention, 2),
                          input_multiple=input_multiple(name)))
     return rows
 

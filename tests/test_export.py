@@ -2,8 +2,6 @@
 other sizes than the traced one; TorchScript exclusions stay true; the export tool checks its file in one line."""
 import fnmatch
 import json
-import os
-import re
 import warnings
 
 import pytest
@@ -96,25 +94,7 @@ def test_exported_graph_holds_no_fused_kernel():
         torch.export.export(Attend(), (torch.randn(1, 2, 8, 16),))
 
 
-def _first_of_each_kind():
-    """The first registered model of each family and token-mixer composition (the model table's family and mixers
-    columns, depths left out): one of each set of classes and mixers."""
-    from linvision.tools.model_table import family, read_rows
-
-    rows = read_rows(os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "models.json"))
-    mixers = {r["model"]: re.sub(r" x\d+", "", r["mixers"]) for r in rows}
-    first = {}
-    for name in ALL_NAMES:
-        first.setdefault((family(name), mixers[name]), name)
-    return set(first.values())
-
-
-# one model of each kind by default, every one with --runslow
-JIT = [pytest.param(n, id=n, marks=[] if n in _first_of_each_kind() else [pytest.mark.slow])
-       for n in ALL_NAMES if any(fnmatch.fnmatch(n, f) for f in EXCLUDE_JIT_FILTERS)]
-
-
-@pytest.mark.parametrize("name", JIT)
+@pytest.mark.parametrize("name", [n for n in ALL_NAMES if any(fnmatch.fnmatch(n, f) for f in EXCLUDE_JIT_FILTERS)])
 def test_torchscript_exclusions_hold(name):
     pytest.importorskip("torch.jit")
     with warnings.catch_warnings():

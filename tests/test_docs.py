@@ -106,9 +106,30 @@ def _check_fresh(names):
 
 
 def test_stored_model_table_matches_a_fresh_count_for_every_model():
-    """Every model is built and counted again (about 25 s on 2 cores): a change to a model shows here."""
+    """Every model is built and counted again, on the meta device as the tool counts (about 50 s on 2 busy
+    cores): a change to a model shows here."""
     import timm
     _check_fresh(timm.list_models(list(_model_table().DEFAULT_FILTER)))
+
+
+def test_meta_counts_are_a_cpu_run_s():
+    """The table counts on the meta device (shapes, no weights): its params, GFLOPs and input claims are those of
+    the same models built and run on the CPU (softmax SDPA and RALA with RoPE; the delta rule's chunked scans; a
+    fixed-size ViT's refusal)."""
+    import timm
+    import torch
+    from linvision.benchmark.flops import count_gflops_split, count_params
+
+    for name in ("ravlt_tiny", "linhier_delta_femto_224"):
+        torch.manual_seed(0)
+        cpu = timm.create_model(name)
+        with torch.device("meta"):
+            meta = timm.create_model(name)
+        assert next(meta.parameters()).is_meta and not next(cpu.parameters()).is_meta
+        assert count_params(meta) == count_params(cpu)
+        assert count_gflops_split(meta, 96) == count_gflops_split(cpu, 96), name
+    for name, multiple in (("ravlt_tiny", 32), ("linvit_tiny_patch16_224", None)):
+        assert _model_table().input_multiple(name) == _model_table().input_multiple(name, device="cpu") == multiple
 
 
 def _smallest_of_each_family():

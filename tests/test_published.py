@@ -68,7 +68,8 @@ def test_published_layout_loads_every_tensor(name, tmp_path):
 @pytest.mark.parametrize("name", NAMES)
 def test_sizes_match_the_published_tables(name):
     params, gflops, with_attention = PUBLISHED[name]
-    model = timm.create_model(name)
+    with torch.device("meta"):  # shapes only: a CPU build's counts (tests/test_docs.py), without weights
+        model = timm.create_model(name)
     assert abs(count_params(model) / 1e6 - params) <= 1.0
     assert count_gflops(model, 224, attention=with_attention) == pytest.approx(gflops, rel=0.03)
 

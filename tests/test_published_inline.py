@@ -55,7 +55,8 @@ def test_authors_layout_loads_every_tensor(name, tmp_path):
 @pytest.mark.parametrize("name", NAMES)
 def test_sizes_and_cfg_match_the_published_table(name):
     params, gflops, size = PUBLISHED[name]
-    model = timm.create_model(name)
+    with torch.device("meta"):  # shapes only: a CPU build's counts (tests/test_docs.py), without weights
+        model = timm.create_model(name)
     assert model.patch_embed.img_size == (size, size)
     assert round(count_params(model) / 1e6, 1) == params
     assert count_gflops(model, size) == pytest.approx(gflops, rel=0.03)
@@ -253,7 +254,7 @@ def test_swin_authors_layout_loads_every_parameter_and_matches_the_table(name, t
                                state["layers.1.blocks.1.attn.residual.2.weight"], rtol=0, atol=0)
     params, gflops = SWIN_PUBLISHED[name]
     assert abs(count_params(model) / 1e6 - params) <= 1
-    assert count_gflops(model, 224) == pytest.approx(gflops, rel=0.02)
+    assert count_gflops(model.to("meta"), 224) == pytest.approx(gflops, rel=0.02)  # shapes only: the same count
     kinds = [type(b.mixer).__name__ for b in model.stages[2].blocks]
     if name == "inline_swin_base":
         assert kinds[:3] == ["InLineDeitAttention", "InLineDeitAttention", "SwinWindowAttention"]
@@ -314,7 +315,7 @@ def test_pvt_authors_layout_loads_every_tensor_and_matches_the_table(name, tmp_p
                                state["block2.1.attn.residual.0.weight"], rtol=0, atol=0)
     params, gflops = PVT_PUBLISHED[name]
     assert abs(count_params(model) / 1e6 - params) <= 1
-    assert count_gflops(model, 224) == pytest.approx(gflops, rel=0.02)
+    assert count_gflops(model.to("meta"), 224) == pytest.approx(gflops, rel=0.02)  # shapes only: the same count
 
 
 # InLine-CSwin: the authors' CSWin models (inline_cswin_tiny/small/base, attn_type IISS) on linvision's CSWin
@@ -344,7 +345,7 @@ def test_cswin_authors_layout_loads_the_ema_copy_and_matches_the_table(name, tmp
     torch.testing.assert_close(own["stages.0.blocks.1.mixer.local.2.weight"],
                                ema["stage1.1.attns.0.residual.2.weight"], rtol=0, atol=0)
     torch.testing.assert_close(own["stages.1.downsample.conv.weight"], ema["merge1.conv.weight"], rtol=0, atol=0)
-    assert count_gflops(model, 224) == pytest.approx(CSWIN_GFLOPS[name], rel=0.02)
+    assert count_gflops(model.to("meta"), 224) == pytest.approx(CSWIN_GFLOPS[name], rel=0.02)  # the same count
     assert [type(s.blocks[0].mixer).__name__ for s in model.stages] == [
         "InLineCswinAttention", "InLineCswinAttention", "CswinStripeAttention", "SoftmaxAttention"]
 

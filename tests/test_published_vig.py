@@ -183,7 +183,9 @@ def test_vig_layout_loads_every_tensor(name, tmp_path):
 
 @pytest.mark.parametrize("name", SIZES)
 def test_vig_sizes_match_the_readme(name):
-    assert abs(count_params(timm.create_model(name)) / 1e6 - README_PARAMS[name]) <= 1.0
+    with torch.device("meta"):  # shapes only: a CPU build's count (tests/test_docs.py), without weights
+        model = timm.create_model(name)
+    assert abs(count_params(model) / 1e6 - README_PARAMS[name]) <= 1.0
 
 
 def test_vig_file_at_another_size_and_another_models_file(tmp_path):

@@ -12,13 +12,13 @@ for every SDPA kernel the counter lacks; linvision's fused kernels register thei
 """
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Sequence, Tuple, Union
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["count_params", "count_gflops", "register_attention_flops", "SDPA_OPS"]
+__all__ = ["count_params", "count_gflops", "count_gflops_split", "register_attention_flops", "SDPA_OPS"]
 
 # Every aten SDPA kernel (forward, backward) that a release may dispatch to; the ones a release lacks are skipped.
 SDPA_OPS = (
@@ -72,12 +72,19 @@ def count_gflops(model: nn.Module, input_size: Union[int, Sequence[int]] = 224, 
     """GFLOPs (10^9 multiply-accumulates) of one forward pass per image.
 
     input_size: an int (square RGB image), (H, W) for RGB, or (C, H, W). The model runs in eval mode on its
-    own device and dtype, under ``torch.no_grad``; its training flag is restored afterwards.
+    own device and dtype, under ``torch.no_grad``; its training flag is restored afterwards. On the meta device
+    the count is the same, without arithmetic.
     attention: False leaves out the products of two activations, batched matmuls and SDPA, which is how attention
     multiplies tokens with tokens; projections and convolutions remain (the convention of papers whose tables
     count only convolutions and linear layers, e.g. RAVLT's).
     Raises ValueError for another input_size shape.
     """
+    return count_gflops_split(model, input_size, batch_size)[0 if attention else 1]
+
+
+def count_gflops_split(model: nn.Module, input_size: Union[int, Sequence[int]] = 224,
+                       batch_size: int = 1) -> Tuple[float, float]:
+    """:func:`count_gflops` with and without attention, from one forward pass."""
     if isinstance(input_size, int):
         size = (3, input_size, input_size)
     elif len(input_size) == 2:
@@ -97,9 +104,8 @@ def count_gflops(model: nn.Module, input_size: Union[int, Sequence[int]] = 224, 
     finally:
         model.train(was_training)
     total = counter.get_total_flops()
-    if not attention:
-        total -= sum(n for op, n in counter.get_flop_counts()["Global"].items() if _is_attention_product(op))
-    return total / 2 / 1e9 / batch_size
+    products = sum(n for op, n in counter.get_flop_counts()["Global"].items() if _is_attention_product(op))
+    return total / 2 / 1e9 / batch_size, (total - products) / 2 / 1e9 / batch_size
 
 
 def _is_attention_product(op) -> bool:

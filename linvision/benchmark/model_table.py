@@ -5,7 +5,9 @@
 (:mod:`linvision.benchmark.flops`: multiply-accumulates of one forward pass of one image; the count without
 attention leaves out the products of two activations), its token mixers, and the input
 ``timm.create_model(name)`` takes with no other argument (:func:`input_multiple`: any multiple of the model's
-stride, found by running it at two small non-square sizes, or only the size it was built for).
+stride, found by running it at two small non-square sizes, or only the size it was built for). Every model is
+built on the meta device (shapes without weights or arithmetic: a CPU run's counts and refusals, in a second or
+so a model).
 :func:`write_rows` stores the rows, :func:`read_rows` reads them back; :func:`full_table` renders a row per
 model, :func:`front_table` README's row per family (:data:`FAMILIES`), trained families first.
 """
@@ -20,7 +22,7 @@ import torch
 import linvision  # noqa: F401  (registers the models)
 from linvision.utils.files import atomic_write_text
 
-from .flops import count_gflops, count_params
+from .flops import count_gflops_split, count_params
 
 DEFAULT_FILTER = ("inline*", "lin*", "mavit*", "mlla*", "pola*", "ravlt*", "vig*")
 COMMAND = "linvision-model-table --json docs/models.json"
@@ -46,25 +48,29 @@ def claim_sizes(multiple: int) -> List[tuple]:
     return [(2 * multiple, 3 * multiple), (3 * multiple, 2 * multiple)]
 
 
-def input_multiple(name: str) -> Optional[int]:
+def input_multiple(name: str, device: str = "meta") -> Optional[int]:
     """The stride (the last feature map's reduction) when ``timm.create_model(name)``, with no other argument,
     runs at the sizes of :func:`claim_sizes` (any multiple of it, as the docs claim); None when it takes only the
-    size it was built for."""
+    size it was built for. On the meta device (the default) the shapes alone are computed, which is where a size
+    is refused; a forward that needs values there raises instead of answering."""
     torch.manual_seed(0)
-    model = timm.create_model(name).eval()
+    with torch.device(device):
+        model = timm.create_model(name).eval()
     stride = model.feature_info[-1]["reduction"]
     try:
         with torch.no_grad():
             for h, w in claim_sizes(stride):
-                model(torch.randn(1, 3, h, w))
-    except (AssertionError, RuntimeError, ValueError):  # timm's patch embedding asserts its size
+                model(torch.randn(1, 3, h, w, device=device))
+    except (AssertionError, RuntimeError, ValueError) as e:  # timm's patch embedding asserts its size
+        if "meta tensor" in str(e):  # the meta device has no values to give (Tensor.item()): not a size refusal
+            raise
         return None
     return stride
 
 
 def measure(names: Sequence[str], size: int = 224) -> List[Dict]:
     """One row per model: its token mixers, params (M) and GFLOPs at ``size``, with and without attention, and
-    :func:`input_multiple`."""
+    :func:`input_multiple`; each model is built on the meta device (the counts need shapes only)."""
     rows = []
     for name in names:
         torch.manual_seed(0)
@@ -72,10 +78,11 @@ def measure(names: Sequence[str], size: int = 224) -> List[Dict]:
         if name.startswith(("linvit", "inline_deit")):  # the isotropic models: their own embedding (InLine-DeiT's at
             # 288 and 448 px counted as loaded), resampled to ``size``
             kwargs = dict(dynamic_img_size=True, img_size=timm.models.get_pretrained_cfg(name).input_size[-1])
-        model = timm.create_model(name, **kwargs)
+        with torch.device("meta"):
+            model = timm.create_model(name, **kwargs)
+        gflops, no_attention = count_gflops_split(model, size)
         rows.append(dict(model=name, mixers=_mixers(model), size=size, params_m=round(count_params(model) / 1e6, 1),
-                         gflops=round(count_gflops(model, size), 2),
-                         gflops_no_attention=round(count_gflops(model, size, attention=False), 2),
+                         gflops=round(gflops, 2), gflops_no_attention=round(no_attention, 2),
                          input_multiple=input_multiple(name)))
     return rows
 

@@ -331,7 +331,7 @@ class LinHier(nn.Module):
         """The stem and the stages of :attr:`spec`, each stage started by its ``entry`` or the model's layer."""
         first = self.spec[0]
         self.stem = (first.entry or stem_layer)(self.in_chans, first.dim)
-        rates = torch.linspace(0, drop_path_rate, sum(len(s.blocks) for s in self.spec)).tolist()
+        rates = torch.linspace(0, drop_path_rate, sum(len(s.blocks) for s in self.spec), device="cpu").tolist()
         self.stages = nn.Sequential()
         self.feature_info = []
         in_dim, stride, start = first.dim, 4, 0

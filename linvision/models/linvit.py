@@ -170,7 +170,7 @@ class LinViT(nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(1, embed_len, embed_dim)) if learned else None
         # the RoPE variant reaches the mixer (checked above to take it); the caller's options must all fit the mixer
         options = stage_mixer_options(mixers, mixer_kwargs, dict(rope=rope) if rope is not None else None)
-        rates = torch.linspace(0, drop_path_rate, depth).tolist()
+        rates = torch.linspace(0, drop_path_rate, depth, device="cpu").tolist()
         self.blocks = nn.Sequential(*[
             MixerBlock(embed_dim, num_heads, mixers[i], options[i], mlp_ratio, rates[i], proj_drop_rate,
                        norm_layer=norm_layer, act_layer=act_layer, mlp_layer=mlp_layer)

@@ -9,8 +9,9 @@ GFLOPs are multiply-accumulates of one forward pass of one image (see linvision.
 attention leaves out the products of two activations (batched matmuls, SDPA), as papers that count convolutions
 and projections only do. The input column is what timm.create_model(name) takes with no other argument: any
 multiple of the model's stride (each row's input_multiple, found by running the model at two small non-square
-sizes of it), or only the size it was built for (input_multiple null). Measuring builds every model (a minute
-or two on a CPU); --from-json renders stored rows. The front style (README's) is one row per family.
+sizes of it), or only the size it was built for (input_multiple null). Measuring builds every model on the meta
+device (shapes without weights or arithmetic: the counts and the refusals are those of a CPU run, in a second or
+so a model); --from-json renders stored rows. The front style (README's) is one row per family.
 """
 import argparse
 from typing import Optional, Sequence

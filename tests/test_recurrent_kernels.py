@@ -499,6 +499,24 @@ def test_gated_backward_refusal_spares_inference(monkeypatch):
     assert all(t.grad is not None for t in leaves)
 
 
+def test_gated_backward_refusal_spares_vig(monkeypatch):
+    """ViG's vig_gla mixers scan with per-channel gates (fla's chunk_gla): a training step of vig_tiny (one block,
+    48 wide, 64 px) keeps the kernels where per-head gates would not, without a warning."""
+    import timm
+
+    import linvision  # noqa: F401
+
+    calls = _affected(monkeypatch)
+    model = timm.create_model("vig_tiny", depth=1, embed_dim=48, num_heads=2, num_classes=10).to(DEVICE)
+    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with record_backends() as used:
+            model(x).square().mean().backward()
+    assert used == {("gated_linear_attention", "fla")} and set(calls) == {"gla"}
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_fla_refuses_only_the_per_head_gated_backward(monkeypatch):
     """fla's own refusal, made to fire here by setting the flags it reads (Hopper, Triton 3.4 to 3.7.0) with its
     tilelang backend available and switched on: per-head gates raise fla's RuntimeError in the backward, after the

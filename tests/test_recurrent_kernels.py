@@ -393,10 +393,12 @@ def test_refuses_gated_backward(version, name, capability, refused):
 
 
 def test_refuses_gated_backward_agrees_with_fla():
-    """For the installed Triton on a Hopper GPU, the condition is fla's own (its flags in fla.utils)."""
+    """For the installed Triton on a Hopper GPU, the condition is fla's own (its flags in fla.utils), and the version
+    read from the package metadata is the module's."""
     import triton
     from fla import utils as fla_utils
 
+    assert recurrent_kernels._triton_version() == triton.__version__
     want = fla_utils.TRITON_ABOVE_3_4_0 and not fla_utils.TRITON_ABOVE_3_7_1
     assert recurrent_kernels.refuses_gated_backward(triton.__version__, "NVIDIA H100 80GB HBM3", (9, 0)) is want
 
@@ -405,14 +407,14 @@ def test_refuses_gated_backward_agrees_with_fla():
 def test_gated_backward_refused_reads_triton_and_the_gpu(monkeypatch, version, want):
     """On a CUDA device the check reads Triton's version and the device's name and capability (faked here), and
     says which; off CUDA it is None without asking."""
-    import triton
-
-    monkeypatch.setattr(triton, "__version__", version)
+    monkeypatch.setattr(recurrent_kernels, "_triton_version", lambda: version)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: {1: "NVIDIA H200"}[index])
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: {1: (9, 0)}[index])
     check = recurrent_kernels.gated_backward_refused.__wrapped__  # past the cache
     assert check(torch.device("cuda", 1)) == want
     assert check(torch.device("cpu")) is None
+    monkeypatch.setattr(recurrent_kernels, "_triton_version", lambda: None)  # no Triton: fla's import says so
+    assert check(torch.device("cuda", 1)) is None
 
 
 def _affected(monkeypatch, where=AFFECTED):

@@ -34,7 +34,7 @@ call fits them, else PyTorch with a ``RuntimeWarning`` once per reason (CPU tens
 ``"triton"`` forces them (ImportError without fla-core, ValueError for a call they cannot run, each in one line);
 ``"torch"`` is the PyTorch path. fla-core is imported on the first call that runs the kernels, never before.
 One combination is refused before the forward, where fla would refuse the backward after it
-(:func:`gated_backward_refused`): per-head gates (the decay form too, fla's ``chunk_simple_gla``) on a Hopper GPU
+(:func:`gated_backward_refused`, from Triton's package metadata and the device's name and capability): per-head gates (the decay form too, fla's ``chunk_simple_gla``) on a Hopper GPU
 with Triton >= 3.4.0 and < 3.7.1 (as torch 2.8.0 to 2.12.0 install), only when a gradient is needed, since
 fla's backward kernel for the gate (``chunk_bwd_dqkwg``) is miscompiled there and fla raises in it rather
 than return wrong gradients; inference keeps the kernels. The fix is Triton >= 3.7.1 (torch >= 2.12.1).
@@ -266,21 +266,30 @@ def refuses_gated_backward(triton_version: str, gpu_name: str, capability: Tuple
     return ("NVIDIA H" in gpu_name or capability[0] == 9) and version >= (3, 4, 0) and version < (3, 7, 1)
 
 
+def _triton_version() -> Optional[str]:
+    """The installed Triton's version from its package metadata (Triton itself is not imported here), or None."""
+    from importlib import metadata
+
+    for name in ("triton", "pytorch-triton"):  # the release, or the build that torch's nightlies bring
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def gated_backward_refused(device: torch.device) -> Optional[str]:
     """None when fla can run the backward of per-head gates on ``device`` (always off CUDA), else the installed
-    Triton and the GPU (:func:`refuses_gated_backward`); asked once per device, without importing fla."""
-    if device.type != "cuda":
-        return None
-    try:
-        import triton
-    except ImportError:  # the import of fla's kernels says so
+    Triton and the GPU (:func:`refuses_gated_backward`); asked once per device, without importing fla or Triton."""
+    version = _triton_version() if device.type == "cuda" else None
+    if version is None:  # no Triton: the import of fla's kernels says so
         return None
     index = torch.cuda.current_device() if device.index is None else device.index
     name, capability = torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index)
-    if not refuses_gated_backward(triton.__version__, name, capability):
+    if not refuses_gated_backward(version, name, capability):
         return None
-    return f"Triton {triton.__version__} on {name} (compute capability {capability[0]}.{capability[1]})"
+    return f"Triton {version} on {name} (compute capability {capability[0]}.{capability[1]})"
 
 
 def needs_grad(*tensors: Optional[Tensor]) -> bool:

@@ -374,6 +374,175 @@ def test_missing_fla_core(monkeypatch):
         bidirectional_delta_rule_attention(q.half(), k.half(), v.half(), beta, backend="triton")
 
 
+# fla-core 0.6 refuses the backward of per-head gates on Hopper with Triton >= 3.4.0 and < 3.7.1 (kernels.py)
+AFFECTED = "Triton 3.6.0 on NVIDIA H200 (compute capability 9.0)"
+
+
+@pytest.mark.parametrize("version,name,capability,refused", [
+    ("3.3.1", "NVIDIA H100 80GB HBM3", (9, 0), False), ("3.4.0rc1", "NVIDIA H100 80GB HBM3", (9, 0), False),
+    ("3.4.0", "NVIDIA H100 80GB HBM3", (9, 0), True), ("3.6.0", "NVIDIA H200", (9, 0), True),
+    ("3.7.0", "NVIDIA GH200 480GB", (9, 0), True), ("3.7.1", "NVIDIA H100 80GB HBM3", (9, 0), False),
+    ("3.7.1+git9f2b1c0", "NVIDIA H100 80GB HBM3", (9, 0), False), ("3.8.0", "NVIDIA H200", (9, 0), False),
+    ("3.6.0", "NVIDIA A100-SXM4-80GB", (8, 0), False), ("3.6.0", "NVIDIA B200", (10, 0), False),
+    ("3.6.0", "NVIDIA GeForce RTX 4090", (8, 9), False),
+])
+def test_refuses_gated_backward(version, name, capability, refused):
+    """The condition under which fla refuses the backward of per-head gates: Hopper and Triton in [3.4.0, 3.7.1),
+    in packaging's version order (a release candidate comes before its release)."""
+    assert recurrent_kernels.refuses_gated_backward(version, name, capability) is refused
+
+
+def test_refuses_gated_backward_agrees_with_fla():
+    """For the installed Triton on a Hopper GPU, the condition is fla's own (its flags in fla.utils), and the version
+    read from the package metadata is the module's."""
+    import triton
+    from fla import utils as fla_utils
+
+    assert recurrent_kernels._triton_version() == triton.__version__
+    want = fla_utils.TRITON_ABOVE_3_4_0 and not fla_utils.TRITON_ABOVE_3_7_1
+    assert recurrent_kernels.refuses_gated_backward(triton.__version__, "NVIDIA H100 80GB HBM3", (9, 0)) is want
+
+
+@pytest.mark.parametrize("version,want", [("3.6.0", AFFECTED), ("3.8.0", None)])
+def test_gated_backward_refused_reads_triton_and_the_gpu(monkeypatch, version, want):
+    """On a CUDA device the check reads Triton's version and the device's name and capability (faked here), and
+    says which; off CUDA it is None without asking."""
+    monkeypatch.setattr(recurrent_kernels, "_triton_version", lambda: version)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: {1: "NVIDIA H200"}[index])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: {1: (9, 0)}[index])
+    check = recurrent_kernels.gated_backward_refused.__wrapped__  # past the cache
+    assert check(torch.device("cuda", 1)) == want
+    assert check(torch.device("cpu")) is None
+    monkeypatch.setattr(recurrent_kernels, "_triton_version", lambda: None)  # no Triton: fla's import says so
+    assert check(torch.device("cuda", 1)) is None
+
+
+def _affected(monkeypatch, where=AFFECTED):
+    """The dispatch as on an affected GPU (``where``: the check's answer for every device; None: unaffected), and
+    "auto" taking this test's device; returns a record of the calls of fla's kernels."""
+    monkeypatch.setattr(recurrent_kernels, "gated_backward_refused", lambda device: where)
+    monkeypatch.setattr(recurrent_kernels, "_AUTO_DEVICES", (DEVICE,))
+    monkeypatch.setattr(recurrent_kernels, "_WARNED", set())
+    calls = []
+    run = recurrent_kernels._run
+    monkeypatch.setattr(recurrent_kernels, "_run", lambda name, *a: calls.append(name) or run(name, *a))
+    return calls
+
+
+def test_gated_backward_refusal_dispatch(monkeypatch):
+    """Where fla would refuse the backward of per-head gates (faked here): with a gradient to come, "auto" runs
+    PyTorch with one warning naming Triton, the GPU and the fix, and "triton" raises a one-line ValueError before
+    any kernel runs; per-channel gates and the delta rule keep the kernels."""
+    calls = _affected(monkeypatch)
+    q, k, v, beta, lg = (t.to(DEVICE) for t in _inputs(n=20, d=16, dv=16, gate="head"))
+    x = [t.half().requires_grad_() for t in (q, k, v)]
+    reason = recurrent_kernels.kernel_reason(x[0], x[2], "simple_gla", grad=True)
+    assert reason.startswith(f"fla refuses the backward of per-head gates with {AFFECTED}")
+    assert "install Triton >= 3.7.1" in reason
+    with pytest.warns(RuntimeWarning, match=r"not fla's kernels: fla refuses .* Triton 3\.6\.0 on NVIDIA H200"):
+        with record_backends() as used:
+            out = bidirectional_gated_linear_attention(*x, lg.float())
+    assert used == {("bidirectional_gated_linear_attention", "torch")} and calls == []
+    ref = bidirectional_gated_linear_attention(*(t.detach() for t in x), lg.float(), backend="torch")
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    out.float().sum().backward()  # the PyTorch path's backward
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per reason
+        decay_linear_attention(*x, 0.9)
+    for call in (lambda: gated_linear_attention(*x, lg.float(), backend="triton"),
+                 lambda: decay_linear_attention(*x, 0.9, backend="triton")):
+        with pytest.raises(ValueError) as info:
+            call()
+        message = str(info.value)
+        assert "\n" not in message and message.startswith("backend: 'triton' cannot run gated_linear_attention: ")
+        assert AFFECTED in message and "Triton >= 3.7.1" in message
+    assert calls == []  # refused before the forward
+    channel = F.logsigmoid(torch.randn(1, 3, 20, 16, generator=torch.Generator().manual_seed(3))).to(DEVICE)
+    assert recurrent_kernels.kernel_reason(x[0], x[2], "gla", grad=True) is None
+    assert recurrent_kernels.kernel_reason(x[0], x[2], "delta_rule", grad=True) is None
+    with record_backends() as used:
+        gated_linear_attention(*x, channel, backend="auto")
+        bidirectional_delta_rule_attention(*x, beta.float())
+    assert used == {("gated_linear_attention", "fla"), ("bidirectional_delta_rule_attention", "fla")}
+    assert calls == ["gla", "delta_rule"]
+
+
+def test_gated_backward_refusal_spares_inference(monkeypatch):
+    """Without a gradient to come (grad mode off, or no input requiring one) per-head gates keep the kernels on an
+    affected GPU (the forward is fine there); with a gradient only through the entering state they do not; and an
+    unaffected GPU keeps them with gradients."""
+    calls = _affected(monkeypatch)
+    q, k, v, _, lg = (t.to(DEVICE) for t in _inputs(n=20, d=16, dv=16, gate="head"))
+    x = [t.half() for t in (q, k, v)]
+    leaves = [t.clone().requires_grad_() for t in x]
+    assert not recurrent_kernels.needs_grad(*x, lg.float())
+    assert recurrent_kernels.kernel_reason(x[0], x[2], "simple_gla", grad=False) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with record_backends() as used:
+            bidirectional_gated_linear_attention(*x, lg.float())  # nothing requires a gradient
+            with torch.no_grad():
+                bidirectional_gated_linear_attention(*leaves, lg.float(), backend="triton")
+            with torch.inference_mode():
+                gated_linear_attention(*leaves, lg.float(), backend="triton")
+    assert used == {("bidirectional_gated_linear_attention", "fla"), ("gated_linear_attention", "fla")}
+    assert calls == ["simple_gla"] * 3
+    _, state = gated_linear_attention(*x, lg.float(), return_state=True, backend="torch")
+    state.s.requires_grad_()
+    with pytest.raises(ValueError, match="fla refuses the backward of per-head gates"):
+        gated_linear_attention(*x, lg.float(), state=state, backend="triton")
+    calls = _affected(monkeypatch, where=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with record_backends() as used:
+            bidirectional_gated_linear_attention(*leaves, lg.float(), backend="triton").float().sum().backward()
+    assert used == {("bidirectional_gated_linear_attention", "fla")} and calls == ["simple_gla"]
+    assert all(t.grad is not None for t in leaves)
+
+
+def test_gated_backward_refusal_spares_vig(monkeypatch):
+    """ViG's vig_gla mixers scan with per-channel gates (fla's chunk_gla): a training step of vig_tiny (one block,
+    48 wide, 64 px) keeps the kernels where per-head gates would not, without a warning."""
+    import timm
+
+    import linvision  # noqa: F401
+
+    calls = _affected(monkeypatch)
+    model = timm.create_model("vig_tiny", depth=1, embed_dim=48, num_heads=2, num_classes=10).to(DEVICE)
+    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with record_backends() as used:
+            model(x).square().mean().backward()
+    assert used == {("gated_linear_attention", "fla")} and set(calls) == {"gla"}
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_fla_refuses_only_the_per_head_gated_backward(monkeypatch):
+    """fla's own refusal, made to fire here by setting the flags it reads (Hopper, Triton 3.4 to 3.7.0) with its
+    tilelang backend available and switched on: per-head gates raise fla's RuntimeError in the backward, after the
+    forward ran (tilelang declines the call: simple_gla's backward keeps its states in fp32), while per-channel gates
+    and the delta rule run forward and backward. What kernels.py refuses ahead, and why tilelang is no fix."""
+    import fla.ops.common.chunk_o as chunk_o
+    from fla.ops.common.backends.tilelang import CommonTileLangBackend
+
+    for flag, value in (("IS_NVIDIA_HOPPER", True), ("TRITON_ABOVE_3_4_0", True), ("TRITON_ABOVE_3_7_1", False)):
+        monkeypatch.setattr(chunk_o, flag, value)
+    monkeypatch.setattr(CommonTileLangBackend, "is_available", classmethod(lambda cls: True))
+    monkeypatch.setenv("FLA_TILELANG", "1")
+    monkeypatch.setattr(recurrent_kernels, "gated_backward_refused", lambda device: None)  # let the call through
+    q, k, v, beta, lg = (t.to(DEVICE) for t in _inputs(n=20, d=16, dv=16, gate="head"))
+    x = [t.half().requires_grad_() for t in (q, k, v)]
+    out = gated_linear_attention(*x, lg.float(), backend="triton")
+    with pytest.raises(RuntimeError, match=r"Triton >= 3\.4\.0 and < 3\.7\.1 on Hopper GPUs"):
+        out.float().sum().backward()
+    channel = F.logsigmoid(torch.randn(1, 3, 20, 16, generator=torch.Generator().manual_seed(3))).to(DEVICE)
+    gated_linear_attention(*x, channel, backend="triton").float().sum().backward()
+    delta_rule_attention(*x, beta.float(), backend="triton").float().sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in x)
+
+
 def test_cpu_calls_import_no_fla():
     """The PyTorch path never imports fla-core: a CPU call with the default backend, in a fresh process."""
     code = ("import sys, torch; from linvision.ops import bidirectional_delta_rule_attention as f; "

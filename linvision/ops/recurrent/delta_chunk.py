@@ -113,7 +113,7 @@ def delta_rule_attention(
     state = check_state(state, q, v, None)
     phi_q, phi_k, vc = delta_features(q, k, v, feature_map, l2_normalize)
     s0 = None if state is None else state.s
-    if fla_kernels.kernel_path(backend, q, v, "delta_rule_attention", gated=False):
+    if fla_kernels.kernel_path(backend, q, v, "delta_rule_attention", "delta_rule"):
         out, s = fla_kernels.delta_scan(phi_q, phi_k, vc, beta, dtype=q.dtype, s0=s0, return_state=return_state)
     else:
         out, s = delta_chunk_scan(phi_q, phi_k, vc, beta, chunk_size, s0)
@@ -141,7 +141,7 @@ def bidirectional_delta_rule_attention(
     if flip.valid is not None:
         beta = beta.masked_fill(~flip.valid[..., 0], 0)
     phi_q, phi_k, vc = delta_features(q, k, v, feature_map, l2_normalize)
-    if fla_kernels.kernel_path(backend, q, v, "bidirectional_delta_rule_attention", gated=False):
+    if fla_kernels.kernel_path(backend, q, v, "bidirectional_delta_rule_attention", "delta_rule"):
         return flip.clean(fla_kernels.bidirectional_delta(phi_q, phi_k, vc, beta, dtype=q.dtype, flip=flip)
                           )[0].to(q.dtype)
     out_f = delta_chunk_scan(phi_q, phi_k, vc, beta, chunk_size).out

@@ -233,11 +233,12 @@ def _gated_attention(
     """The causal gated op on checked q, k, v, eps, chunk size and (B, H, N, G) log-gates; checks the state."""
     state = check_state(state, q, v, log_gate.shape[-1] if normalize else None)
     phi_q, phi_k, vc = causal_features(feature_map, q, k, v, op)
-    if fla_kernels.kernel_path(backend, q, v, op, gated=True):
+    s0, z0, count0 = (None, None, None) if state is None else (state.s, state.z, state.count)
+    grad = fla_kernels.needs_grad(phi_q, phi_k, vc, log_gate, s0, z0, count0)
+    if fla_kernels.kernel_path(backend, q, v, op, fla_kernels.gated_kernel(log_gate), grad):
         o, s, z, count = fla_kernels.gated_scan(
-            phi_q, phi_k, vc, log_gate, dtype=q.dtype, normalize=normalize, eps=eps,
-            s0=None if state is None else state.s, z0=None if state is None else state.z,
-            count0=None if state is None else state.count, return_state=return_state,
+            phi_q, phi_k, vc, log_gate, dtype=q.dtype, normalize=normalize, eps=eps, s0=s0, z0=z0, count0=count0,
+            return_state=return_state,
         )
         out = o.to(q.dtype)
         if not return_state:
@@ -281,7 +282,9 @@ def bidirectional_gated_linear_attention(
     flip = Reversal(lengths, q.shape[2])
     q, k, v, log_gate = flip.clean(q, k, v, log_gate)  # before any feature: the padding's gradients are zeros
     phi_q, phi_k, vc = causal_features(feature_map, q, k, v, "bidirectional_gated_linear_attention")
-    if fla_kernels.kernel_path(backend, q, v, "bidirectional_gated_linear_attention", gated=True):
+    grad = fla_kernels.needs_grad(phi_q, phi_k, vc, log_gate)
+    if fla_kernels.kernel_path(backend, q, v, "bidirectional_gated_linear_attention",
+                               fla_kernels.gated_kernel(log_gate), grad):
         return flip.clean(fla_kernels.bidirectional_gated(
             phi_q, phi_k, vc, log_gate, dtype=q.dtype, normalize=normalize, eps=eps, flip=flip))[0].to(q.dtype)
 

@@ -33,9 +33,15 @@ Dispatch (:func:`kernel_path`): ``backend="auto"`` takes the kernels for CUDA te
 call fits them, else PyTorch with a ``RuntimeWarning`` once per reason (CPU tensors go to PyTorch without one);
 ``"triton"`` forces them (ImportError without fla-core, ValueError for a call they cannot run, each in one line);
 ``"torch"`` is the PyTorch path. fla-core is imported on the first call that runs the kernels, never before.
+One combination is refused before the forward, where fla would refuse the backward after it
+(:func:`gated_backward_refused`, from Triton's package metadata and the device's name and capability): per-head gates (the decay form too, fla's ``chunk_simple_gla``) on a Hopper GPU
+with Triton >= 3.4.0 and < 3.7.1 (as torch 2.8.0 to 2.12.0 install), only when a gradient is needed, since
+fla's backward kernel for the gate (``chunk_bwd_dqkwg``) is miscompiled there and fla raises in it rather
+than return wrong gradients; inference keeps the kernels. The fix is Triton >= 3.7.1 (torch >= 2.12.1).
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import TYPE_CHECKING, Callable, Optional, Set, Tuple
 
@@ -52,6 +58,10 @@ __all__ = [
     "REQUIREMENT",
     "kernel_path",
     "kernel_reason",
+    "needs_grad",
+    "gated_kernel",
+    "refuses_gated_backward",
+    "gated_backward_refused",
     "operand_dtype",
     "decayed_counts",
     "gated_scan",
@@ -237,10 +247,70 @@ def _import_reason() -> Optional[str]:
     return _IMPORT_ERROR[0]
 
 
-def kernel_reason(q: Tensor, v: Tensor, gated: bool) -> Optional[str]:
-    """None when fla's kernels can run a recurrence on q (B, H, N, D) and v (B, H, N, Dv) (already validated; a
-    ``gated`` form or the delta rule), else a short reason. The import of fla-core is checked last (and only then
-    attempted)."""
+# --- a backward fla refuses: per-head gates on Hopper with Triton >= 3.4.0 and < 3.7.1 ---
+#
+# fla-core 0.6's chunk_bwd_dqkwg raises a RuntimeError when it is given a gate on a Hopper GPU (its name starts
+# "NVIDIA H" or its compute capability is 9.x) with Triton >= 3.4.0 and < 3.7.1, since Triton miscompiles it there
+# (fla-org/flash-linear-attention#640). Of the three kernels called here only chunk_simple_gla's backward calls it
+# with a gate (chunk_gla has its own chunk_gla_bwd_dqkg, chunk_delta_rule passes g=None), and the error comes after
+# the forward has run. fla's message also offers tilelang, but fla 0.6's tilelang backend declines this call: it
+# takes the states in the operands' dtype, and simple_gla's backward keeps them in fp32
+# (tests/test_recurrent_kernels.py runs fla's own dispatch to check it). So the one fix is Triton >= 3.7.1.
+
+def refuses_gated_backward(triton_version: str, gpu_name: str, capability: Tuple[int, int]) -> bool:
+    """fla-core 0.6's condition for refusing the backward of per-head gates: a Hopper GPU (``gpu_name`` with
+    "NVIDIA H" or compute ``capability`` 9.x) and ``triton_version`` >= 3.4.0 and < 3.7.1."""
+    from torch.torch_version import TorchVersion  # packaging's version order (pre-releases before the release)
+
+    version = TorchVersion(triton_version)
+    return ("NVIDIA H" in gpu_name or capability[0] == 9) and version >= (3, 4, 0) and version < (3, 7, 1)
+
+
+def _triton_version() -> Optional[str]:
+    """The installed Triton's version from its package metadata (Triton itself is not imported here), or None."""
+    from importlib import metadata
+
+    for name in ("triton", "pytorch-triton"):  # the release, or the build that torch's nightlies bring
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def gated_backward_refused(device: torch.device) -> Optional[str]:
+    """None when fla can run the backward of per-head gates on ``device`` (always off CUDA), else the installed
+    Triton and the GPU (:func:`refuses_gated_backward`); asked once per device, without importing fla or Triton."""
+    version = _triton_version() if device.type == "cuda" else None
+    if version is None:  # no Triton: the import of fla's kernels says so
+        return None
+    index = torch.cuda.current_device() if device.index is None else device.index
+    name, capability = torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index)
+    if not refuses_gated_backward(version, name, capability):
+        return None
+    return f"Triton {version} on {name} (compute capability {capability[0]}.{capability[1]})"
+
+
+def needs_grad(*tensors: Optional[Tensor]) -> bool:
+    """Whether a backward can run through a call on ``tensors`` (None skipped): grad mode on and one of them
+    requiring a gradient."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _backward_reason(q: Tensor, kernel: str, grad: bool) -> Optional[str]:
+    """Why fla would refuse the backward of this call (None when it would not, or no gradient is needed)."""
+    where = gated_backward_refused(q.device) if kernel == "simple_gla" and grad else None
+    if where is None:
+        return None
+    return (f"fla refuses the backward of per-head gates with {where}, where Triton >= 3.4.0 and < 3.7.1 "
+            "miscompiles it; install Triton >= 3.7.1 (torch >= 2.12.1 brings it), or run without gradients")
+
+
+def kernel_reason(q: Tensor, v: Tensor, kernel: str, grad: bool = False) -> Optional[str]:
+    """None when fla's ``kernel`` ("simple_gla", "gla" or "delta_rule") can run a recurrence on q (B, H, N, D) and
+    v (B, H, N, Dv) (already validated), forward and, when ``grad`` (:func:`needs_grad`), backward; else a short
+    reason. The import of fla-core is checked last (and only then attempted)."""
     if is_exporting():
         return "the call is being exported, and fla's kernels are not part of an exported graph"
     if q.dtype not in (*_HALF, torch.float32):
@@ -250,25 +320,25 @@ def kernel_reason(q: Tensor, v: Tensor, gated: bool) -> Optional[str]:
         return f"tensors are on {q.device.type} and TRITON_INTERPRET is not set"
     if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] + 2 > MAX_HEAD_DIM:
         return f"head dims D={q.shape[-1]}, Dv={v.shape[-1]} exceed fla's {MAX_HEAD_DIM} (Dv + 2 for the denominator)"
-    if gated and q.shape[-1] % 2:
+    if kernel != "delta_rule" and q.shape[-1] % 2:
         return f"head dim D={q.shape[-1]} is odd, and fla's gated kernels take even head dims"
-    return _import_reason()
+    return _backward_reason(q, kernel, grad) or _import_reason()
 
 
 def _warn_once(op: str, reason: str) -> None:
     warn_fallback(_WARNED, op, "fla's kernels", reason, stacklevel=5)
 
 
-def kernel_path(backend: str, q: Tensor, v: Tensor, op: str, gated: bool) -> bool:
-    """Whether the recurrence ``op`` (a ``gated`` form or the delta rule) on q, v runs on fla's kernels: ``backend``
-    "torch" never, "auto" for CUDA
-    tensors the kernels can take (a warning once per reason otherwise), "triton" always (ImportError when fla-core
-    does not import, ValueError when the call does not fit the kernels)."""
+def kernel_path(backend: str, q: Tensor, v: Tensor, op: str, kernel: str, grad: bool = False) -> bool:
+    """Whether the recurrence ``op`` on q, v runs on fla's ``kernel`` (as :func:`kernel_reason`; ``grad``: a
+    gradient will be needed): ``backend`` "torch" never, "auto" for CUDA tensors the kernels can take (a warning once
+    per reason otherwise), "triton" always (ImportError when fla-core does not import, ValueError when the call does
+    not fit the kernels)."""
     check_backend(backend)
     if backend == "torch" or (backend == "auto" and q.device.type not in _AUTO_DEVICES):
         note_backend(op, "torch")
         return False
-    reason = kernel_reason(q, v, gated)
+    reason = kernel_reason(q, v, kernel, grad)
     if reason is None:
         note_backend(op, "fla")
         return True
@@ -382,7 +452,8 @@ def _gated_operands(phi_q: Tensor, phi_k: Tensor, v: Tensor, normalize: bool, to
     return phi_q * query_scale, phi_k * key_scale, _pad_even(v), query_scale, key_scale
 
 
-def _gated_kernel(log_gate: Tensor) -> str:
+def gated_kernel(log_gate: Tensor) -> str:
+    """fla's kernel for log-gates (B, H, N, G): one gate per head, or per key channel."""
     return "simple_gla" if log_gate.shape[-1] == 1 else "gla"
 
 
@@ -415,7 +486,7 @@ def gated_scan(
             s0 = torch.cat([s0, z0.unsqueeze(-1)], dim=-1)
         s0 = _pad_even(s0) * k_scale
     op_dtype = operand_dtype(dtype, phi_q.device)
-    out, s = _run(_gated_kernel(log_gate), *(_operand(t, op_dtype) for t in (q, k, vv)), _gate(log_gate), s0,
+    out, s = _run(gated_kernel(log_gate), *(_operand(t, op_dtype) for t in (q, k, vv)), _gate(log_gate), s0,
                   return_state)
     count = counts.mean(-1).float() if normalize else None
     o = _gated_output(out, dv, normalize, eps, count, q_scale * k_scale)
@@ -444,7 +515,7 @@ def bidirectional_gated(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_gate: Tenso
     # reversed order: token i's query, times its own gate, reads the state after token i + 1
     q_b = _shift(flip(q) * gate_b.exp())
     out, _ = _run(
-        _gated_kernel(log_gate),
+        gated_kernel(log_gate),
         torch.cat([q.to(op_dtype), q_b.to(op_dtype)]),
         torch.cat([k.to(op_dtype), flip(k).to(op_dtype)]),
         torch.cat([vv.to(op_dtype), flip(vv).to(op_dtype)]),

@@ -58,19 +58,24 @@ def test_dry_run_writes_the_report_of_every_part(tmp_path, capsys):
         (2, "vit_small_patch16_224", 32), (2, TWIN, 32)]
     for p in points:
         assert p["status"] == "ok" and all(_number(p[k]) and p[k] > 0 for k in ("infer_img_s", "train_img_s")), p
-    assert points[1]["train_ms_vs_twin"] == 1.0 and _number(points[0]["infer_ms_vs_twin"])
+    assert points[1]["train_ms_vs_twin"] == 1.0
+    assert all(_number(points[0][f"{k}_ms_vs_twin"]) and points[0][f"{k}_ms_vs_twin"] > 0 for k in ("infer", "train"))
+    assert report["parts"]["models"]["planned"] == 2
 
     rec = report["parts"]["recurrences"]
     assert [c["what"] for c in rec["first_calls"]] == [
         "linear_rope at N=256", "bidir_delta at N=256", "bidir_gated at N=256", "vig_tiny at 32 px, batch 1"]
-    assert all(_number(c["seconds"]) and c["seconds"] > 0 for c in rec["first_calls"])
+    assert all(_number(c["seconds"]) and c["seconds"] > 0 and c["status"] == "ok" for c in rec["first_calls"])
+    assert all(r["status"] == "ok" for r in rec["rows"] + kernels["rows"])
+    assert "warmups" not in rec and "warmups" not in kernels  # no GPU warm-up off CUDA
     assert rec["backend"] == "torch" and [r["pass"] for r in rec["rows"]] == ["fwd", "bwd", "fwd+bwd"]
     for row in rec["rows"]:
         assert math.isclose(row["bidir_delta_over_linear_rope"], row["bidir_delta_ms"] / row["linear_rope_ms"])
 
     tests = report["parts"]["tests"]
     c = tests["counts"]
-    assert "-m cuda" in tests["command"] and "-k autocast" in tests["command"]
+    assert tests["command"].startswith("LINVISION_KERNEL_AUTOTUNE=0 pytest -v -m cuda ")
+    assert "-k autocast" in tests["command"]
     assert c["passed"] >= 1 and c["failed"] == c["error"] == 0 and c["run"] == c["passed"] + c["skipped"]
     assert c["deselected"] == c["collected"] - c["run"]
 
@@ -82,6 +87,11 @@ def test_dry_run_writes_the_report_of_every_part(tmp_path, capsys):
     row = kernels["rows"][0]
     assert f"| 256 | fwd | {row['triton_ms']:.3f} | {row['torch_ref_ms']:.3f} | {row['sdpa_ms']:.3f} |" in markdown
     assert f"| 2 | vit_small_patch16_224 | 32 | ok | {points[0]['infer_img_s']:.2f} |" in markdown
+    # the time / twin columns of the model that is not the twin hold its ratios
+    p = points[0]
+    assert re.search(rf"\| 2 \| vit_small_patch16_224 \| 32 \| ok \|.* \| {p['infer_ms_vs_twin']:.2f} \| "
+                     rf"{p['train_ms_vs_twin']:.2f} \|\n", markdown)
+    assert "| models | ok |" in markdown and "| 2 of 2 points measured |" in markdown
 
 
 def test_the_budget_is_shared_out_as_the_parts_start():
@@ -187,6 +197,171 @@ def test_bad_arguments_stop_before_anything_runs(tmp_path, capsys):
     with pytest.raises(ValueError, match="model: unknown 'linhier_nope'"):
         tool.main(["--models", "linhier_nope", "--twin", "none", "--output", str(tmp_path)])
     assert list(tmp_path.iterdir()) == []
+
+
+# --- the measuring parts, run in this process on the CPU with their timings stubbed or failing
+
+
+def _saver(snapshots):
+    """A part's ``save``: the figures so far, a deep copy of each state kept in ``snapshots``."""
+    state = {}
+
+    def save(**figures):
+        state.update(figures)
+        snapshots.append(json.loads(json.dumps(gpu_parts.plain(state))))
+
+    return save
+
+
+def _fake_point(name, size, batch_size, device, model_kwargs, **_):
+    """A measured point: inference 10 ms, training 30 ms, 100 / 300 MiB; the softmax twin twice as long."""
+    slow = 2.0 if model_kwargs.get("token_mixer") == "softmax" else 1.0
+    return {"model": name, "img_size": size, "batch_size": batch_size, "device": device, "status": "ok", "error": "",
+            "infer_ms": 10.0 * slow, "train_ms": 30.0 * slow, "infer_mem_mb": 100.0, "train_mem_mb": 300.0,
+            "infer_img_s": 100.0 / slow, "train_img_s": 33.0 / slow}
+
+
+def test_a_cut_models_part_keeps_the_ratios_to_the_twin_and_counts_every_planned_point(monkeypatch, capsys):
+    """The time / twin ratios are saved with each point, as soon as the twin of its size and batch is measured
+    (not only when the part ends: a part stopped at its deadline has them), and the summary counts the points
+    planned (models x sizes x batches), not those reached."""
+    from linvision.benchmark import gpu_render, throughput
+
+    monkeypatch.setattr(throughput, "benchmark_point", _fake_point)
+    snapshots = []
+    settings = {"models": ["vit_small_patch16_224", TWIN], "twin": TWIN, "device": "cpu", "img_size": [32, 64],
+                "batches": [2, 1], "amp": "none", "warmup": 0, "iters": 1, "model_kwargs": {}}
+    gpu_parts.models_part(settings, _saver(snapshots))
+    assert snapshots[0]["planned"] == 8 and snapshots[0]["points"] == []
+    measured = [snap for snap in snapshots if snap["points"]]
+    assert [len(snap["points"]) for snap in measured] == list(range(1, 9))
+    for snap in measured:
+        last = snap["points"][-1]
+        if last["model"] == TWIN:  # the twin of this size and batch just measured: the point before it has ratios
+            other = snap["points"][-2]
+            assert (other["infer_ms_vs_twin"], other["train_ms_vs_twin"]) == (0.5, 0.5)
+            assert (last["infer_ms_vs_twin"], last["train_mem_mb_vs_twin"]) == (1.0, 1.0)
+    cut = {"status": "timeout", "points": measured[4]["points"], "planned": 8}  # stopped after 5 of 8 points
+    assert gpu_render.summary("models", cut) == "5 of 8 points measured"
+    rows = gpu_render._models({**measured[4], "batches": [2, 1], "amp": "none", "device": "cpu", "iters": 1,
+                               "warmup": 0, "twin": TWIN})
+    assert "| 2 | vit_small_patch16_224 | 64 | ok | 100.00 | 100 | 33.00 | 300 | 0.50 | 0.50 |" in rows
+    assert "| 1 | vit_small_patch16_224 | 32 | ok | 100.00 | 100 | 33.00 | 300 | - | - |" in rows  # twin not yet
+
+
+class _FailingBackward(torch.autograd.Function):
+    """The identity forward; its backward raises as fla-core's gated backward did on Hopper with Triton 3.6."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results (see #640).\n"
+                           "second line")
+
+
+def test_a_failing_row_of_the_recurrences_is_its_status_and_the_part_goes_on(monkeypatch, tmp_path):
+    """bidir_gated's backward failing (in its first call and in each timing) and a first model failing to build:
+    each is that row's status (the exception's type and first line), every other row is measured (the first
+    calls after them, the timings at each N), and the part ends "failed" naming the rows."""
+    real_paths = gpu_parts.recurrence_paths
+
+    def paths(n, d, device, backend):
+        found = real_paths(n, d, device, backend)
+        gated = found["bidir_gated"]
+        found["bidir_gated"] = lambda q, k, v: _FailingBackward.apply(gated(q, k, v))
+        return found
+
+    def model_step(name, img_size, device, amp):
+        if name == "broken":
+            raise ValueError("model: unknown 'broken'")
+        return lambda: torch.ones(8, 8) @ torch.ones(8, 8)
+
+    monkeypatch.setattr(gpu_parts, "recurrence_paths", paths)
+    monkeypatch.setattr(gpu_parts, "_model_step", model_step)
+    snapshots = []
+    settings = {"device": "cpu", "heads": 1, "dim": 16, "dtype": "float32", "batch": 1, "n": [64, 128],
+                "backend": "torch", "first_models": ["broken", "tiny"], "amp": "none", "model_img_size": 32}
+    gpu_parts.recurrences_part(settings, _saver(snapshots))
+    rec = snapshots[-1]
+    error = "RuntimeError: Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results (see #640)."
+    assert [(c["what"], c["status"]) for c in rec["first_calls"]] == [
+        ("linear_rope at N=64", "ok"), ("bidir_delta at N=64", "ok"), ("bidir_gated at N=64", error),
+        ("broken at 32 px, batch 1", "ValueError: model: unknown 'broken'"), ("tiny at 32 px, batch 1", "ok")]
+    assert [_number(c["seconds"]) for c in rec["first_calls"]] == [True, True, False, False, True]
+    assert [(r["n"], r["pass"]) for r in rec["rows"]] == [(n, p) for n in (64, 128) for p in gpu_parts.PASSES]
+    for r in rec["rows"]:
+        assert _number(r["linear_rope_ms"]) and _number(r["bidir_delta_ms"]), r
+        assert _number(r["bidir_gated_ms"]) == (r["pass"] == "fwd"), r  # its forward is timed, not its backward
+        assert r["status"] == ("ok" if r["pass"] == "fwd" else f"bidir_gated: {error}"), r
+    assert rec["status"] == "failed" and rec["error"].startswith(
+        "6 rows failed: bidir_gated at N=64, broken at 32 px, batch 1, N=64 bwd, N=64 fwd+bwd, N=128 bwd")
+    from linvision.benchmark import gpu_render
+
+    markdown = "\n".join(gpu_render._recurrences({**rec, "pinned": True}))
+    assert f"| bidir_gated at N=64 | - | {error} |" in markdown
+    assert re.search(rf"\| 128 \| bwd \| [0-9.]+ \| [0-9.]+ \| - \| [0-9.]+ \| - \| bidir_gated: {re.escape(error)} \|",
+                     markdown)
+
+
+def test_the_timing_parts_warm_the_gpu_up_first(monkeypatch, capsys):
+    """Each timing part runs the GPU warm-up before its first timing, prints and saves it; off CUDA the warm-up
+    runs nothing; the load itself is synchronised matmuls, bounded in count and in time."""
+    from linvision.benchmark import throughput
+
+    events = []
+    record = {"matmuls": 4200, "seconds": 1.0, "size": 4096}
+    monkeypatch.setattr(gpu_parts, "warm_up", lambda device: events.append(f"warm-up {device}") or dict(record))
+    monkeypatch.setattr(gpu_parts, "time_paths", lambda paths, *a: events.append("timed") or {
+        label: {p: 1.0 for p in gpu_parts.PASSES} for label in paths})
+    monkeypatch.setattr(gpu_parts, "_first_calls", lambda *a: events.append("first calls"))
+    monkeypatch.setattr(throughput, "benchmark_point", lambda *a, **kw: events.append("timed") or _fake_point(
+        "vit_small_patch16_224", 32, 2, "cpu", {}))
+    base = {"device": "cpu", "heads": 1, "dim": 16, "dtype": "float32", "batch": 1, "n": [64]}
+    runs = {"kernels": {**base, "feature_map": "elu", "sdpa_max_n": 64},
+            "models": {"models": ["vit_small_patch16_224"], "twin": None, "device": "cpu", "img_size": [32],
+                       "batches": [2], "amp": "none", "warmup": 0, "iters": 1, "model_kwargs": {}},
+            "recurrences": {**base, "backend": "torch", "first_models": [], "amp": "none", "model_img_size": 32}}
+    expected = {"kernels": ["warm-up cpu", "timed"], "models": ["warm-up cpu", "timed"],
+                "recurrences": ["warm-up cpu", "first calls", "warm-up cpu", "timed"]}
+    for part, settings in runs.items():
+        events.clear()
+        snapshots = []
+        gpu_parts.PART_FUNCTIONS[part](settings, _saver(snapshots))
+        assert events == expected[part], part
+        assert snapshots[-1]["warmups"][0] == {"before": snapshots[-1]["warmups"][0]["before"], **record}, part
+    printed = capsys.readouterr().out
+    assert "GPU warm-up before the first timing: 4200 bf16 matmuls of 4096^2 in 1.00 s" in printed
+    monkeypatch.undo()
+    monkeypatch.setattr(gpu_parts, "matmul_load", lambda *a: pytest.fail("a load off CUDA"))
+    assert gpu_parts.warm_up("cpu") is None
+    monkeypatch.undo()
+    assert gpu_parts.matmul_load("cpu", torch.float32, 60.0, 25, 16)["matmuls"] == 25  # bounded in count
+    load = gpu_parts.matmul_load("cpu", torch.float32, 0.2, 10 ** 9, 16)  # and in time
+    assert 0.2 <= load["seconds"] < 30 and 0 < load["matmuls"] < 10 ** 9
+
+
+def test_the_kernel_test_files_run_first_without_autotuning(tmp_path):
+    """The tests part names every test file, the kernels' first (pytest keeps the order of the files named on its
+    command line, not of a folder named after them), and runs pytest with LINVISION_KERNEL_AUTOTUNE=0."""
+    paths = gpu_report.ordered_test_paths(ROOT)
+    files = sorted(f"tests/{f}" for f in os.listdir(os.path.join(ROOT, "tests"))
+                   if f.startswith("test_") and f.endswith(".py"))
+    assert paths[:2] == ["tests/test_kernels.py", "tests/test_recurrent_kernels.py"]
+    assert sorted(paths) == files and paths[2:] == [f for f in files if f not in paths[:2]]
+    (tmp_path / "tests").mkdir()
+    for name in ("test_a.py", "test_z.py"):
+        (tmp_path / "tests" / name).write_text(
+            "import os, pytest\n@pytest.mark.cuda\ndef test_env():\n"
+            "    assert os.environ['LINVISION_KERNEL_AUTOTUNE'] == '0'\n")
+    order = gpu_report.ordered_test_paths(str(tmp_path), first=["tests/test_z.py"])
+    assert order == ["tests/test_z.py", "tests/test_a.py"]
+    part = gpu_report.tests_part(str(tmp_path), str(tmp_path), 300, None, True, paths=order)
+    assert part["status"] == "ok", part
+    ran = [line.split("::")[0] for line in (tmp_path / "tests.log").read_text().splitlines() if "::test_env" in line]
+    assert ran == ["tests/test_z.py", "tests/test_a.py"] and part["counts"]["passed"] == 2
 
 
 # --- the cuda marker ---

@@ -364,6 +364,51 @@ def test_the_kernel_test_files_run_first_without_autotuning(tmp_path):
     assert ran == ["tests/test_z.py", "tests/test_a.py"] and part["counts"]["passed"] == 2
 
 
+# What the lent GPU machine's Python holds of linvision's and its examples' requirements (docs/kernels.md, "On a
+# lent GPU"): the rest comes in the wheels of `make gpu-wheels`.
+GPU_MACHINE_PACKAGES = {"torch", "torchvision", "triton", "numpy", "pillow", "safetensors", "huggingface-hub", "tqdm",
+                        "pyyaml", "einops", "matplotlib", "scikit-learn", "scikit-image"}
+
+
+def _dist(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _requirements(dist: str):
+    """The distributions ``dist`` requires (its extras' left out), as installed here."""
+    import importlib.metadata
+
+    reqs = importlib.metadata.distribution(dist).requires or []
+    return {_dist(re.match(r"[A-Za-z0-9._-]+", r).group(0)) for r in reqs if "extra ==" not in r}
+
+
+def test_the_gpu_wheels_carry_what_the_examples_and_the_wheels_need():
+    """`make gpu-wheels` downloads pinned wheels (constraints.txt) that, with the GPU machine's own packages, hold
+    every requirement of linvision and of those wheels, and every package the manual's examples import (the CUDA
+    tests run them: segmentation-models-pytorch for docs/segmentation.md)."""
+    import importlib.metadata
+
+    from test_examples import EXAMPLES
+
+    makefile = open(os.path.join(ROOT, "Makefile")).read().replace("\\\n", " ")  # continued lines joined
+    carried = {_dist(n) for n in re.search(r"pip download .* -d \.whl (.+)", makefile).group(1).split()}
+    pins = {_dist(line.split("==")[0]) for line in open(os.path.join(ROOT, "constraints.txt")) if "==" in line}
+    assert carried <= pins and "segmentation-models-pytorch" in carried
+    there = carried | GPU_MACHINE_PACKAGES | {"linvision"}
+    for dist in carried | {"linvision"}:
+        assert _requirements(dist) <= there, (dist, _requirements(dist) - there)
+    modules = importlib.metadata.packages_distributions()
+    imported = set()
+    for page, line, code in EXAMPLES:
+        for node in ast.walk(ast.parse(code)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            for top in (n.split(".")[0] for n in names):
+                if top not in sys.stdlib_module_names:
+                    imported |= {_dist(d) for d in modules.get(top, [top])}
+    assert "segmentation-models-pytorch" in imported and imported <= there, imported - there
+
+
 # --- the cuda marker ---
 
 _GPU_WORDS = re.compile(r"\b(GPU|CUDA)\b|cuda\.is_available|\bDEVICE\b")

@@ -54,12 +54,12 @@ def test_dry_run_writes_the_report_of_every_part(tmp_path, capsys):
         assert math.isclose(row["sdpa_over_triton"], row["sdpa_ms"] / row["triton_ms"])
 
     points = report["parts"]["models"]["points"]
-    assert [(p["batch_size"], p["model"], p["img_size"]) for p in points] == [
-        (2, "vit_small_patch16_224", 32), (2, TWIN, 32)]
+    assert [(p["batch_size"], p["model"], p["img_size"]) for p in points] == [  # the twin first at each size
+        (2, TWIN, 32), (2, "vit_small_patch16_224", 32)]
     for p in points:
         assert p["status"] == "ok" and all(_number(p[k]) and p[k] > 0 for k in ("infer_img_s", "train_img_s")), p
-    assert points[1]["train_ms_vs_twin"] == 1.0
-    assert all(_number(points[0][f"{k}_ms_vs_twin"]) and points[0][f"{k}_ms_vs_twin"] > 0 for k in ("infer", "train"))
+    assert points[0]["train_ms_vs_twin"] == 1.0
+    assert all(_number(points[1][f"{k}_ms_vs_twin"]) and points[1][f"{k}_ms_vs_twin"] > 0 for k in ("infer", "train"))
     assert report["parts"]["models"]["planned"] == 2
 
     rec = report["parts"]["recurrences"]
@@ -86,9 +86,9 @@ def test_dry_run_writes_the_report_of_every_part(tmp_path, capsys):
     assert markdown.count(f"**{gpu_report.DRY_NOTE}**") == 3 and "they are not speed figures" in gpu_report.DRY_NOTE
     row = kernels["rows"][0]
     assert f"| 256 | fwd | {row['triton_ms']:.3f} | {row['torch_ref_ms']:.3f} | {row['sdpa_ms']:.3f} |" in markdown
-    assert f"| 2 | vit_small_patch16_224 | 32 | ok | {points[0]['infer_img_s']:.2f} |" in markdown
+    assert f"| 2 | vit_small_patch16_224 | 32 | ok | {points[1]['infer_img_s']:.2f} |" in markdown
     # the time / twin columns of the model that is not the twin hold its ratios
-    p = points[0]
+    p = points[1]
     assert re.search(rf"\| 2 \| vit_small_patch16_224 \| 32 \| ok \|.* \| {p['infer_ms_vs_twin']:.2f} \| "
                      rf"{p['train_ms_vs_twin']:.2f} \|\n", markdown)
     assert "| models | ok |" in markdown and "| 2 of 2 points measured |" in markdown
@@ -107,6 +107,8 @@ def test_the_comparison_is_measured_batch_by_batch_and_size_by_size():
     order = gpu_parts.comparison_order(["a", "b"], [512, 1024], [8, 1])
     assert order == [(8, 512, "a"), (8, 512, "b"), (8, 1024, "a"), (8, 1024, "b"),
                      (1, 512, "a"), (1, 512, "b"), (1, 1024, "a"), (1, 1024, "b")]
+    assert gpu_parts.comparison_order(["a", "b", "t"], [512, 1024], [8], twin="t") == [
+        (8, 512, "t"), (8, 512, "a"), (8, 512, "b"), (8, 1024, "t"), (8, 1024, "a"), (8, 1024, "b")]
     points = [{"model": "a", "batch_size": 8, "img_size": 512, "status": "ok"},
               {"model": "a", "batch_size": 8, "img_size": 1024, "status": "oom"},
               {"model": "a", "batch_size": 8, "img_size": 2048, "status": "oom"},
@@ -214,17 +216,22 @@ def _saver(snapshots):
 
 
 def _fake_point(name, size, batch_size, device, model_kwargs, **_):
-    """A measured point: inference 10 ms, training 30 ms, 100 / 300 MiB; the softmax twin twice as long."""
-    slow = 2.0 if model_kwargs.get("token_mixer") == "softmax" else 1.0
-    return {"model": name, "img_size": size, "batch_size": batch_size, "device": device, "status": "ok", "error": "",
-            "infer_ms": 10.0 * slow, "train_ms": 30.0 * slow, "infer_mem_mb": 100.0, "train_mem_mb": 300.0,
-            "infer_img_s": 100.0 / slow, "train_img_s": 33.0 / slow}
+    """A measured point: inference 10 ms, training 30 ms, 100 / 300 MiB; the softmax twin twice as long, and out
+    of memory at 64 px with batch 2."""
+    twin = model_kwargs.get("token_mixer") == "softmax"
+    slow, oom = (2.0 if twin else 1.0), twin and size == 64 and batch_size == 2
+    nan = float("nan")
+    return {"model": name, "img_size": size, "batch_size": batch_size, "device": device,
+            "status": "oom" if oom else "ok", "error": "CUDA out of memory" if oom else "",
+            "infer_ms": nan if oom else 10.0 * slow, "train_ms": nan if oom else 30.0 * slow,
+            "infer_mem_mb": nan if oom else 100.0, "train_mem_mb": nan if oom else 300.0,
+            "infer_img_s": nan if oom else 100.0 / slow, "train_img_s": nan if oom else 33.0 / slow}
 
 
-def test_a_cut_models_part_keeps_the_ratios_to_the_twin_and_counts_every_planned_point(monkeypatch, capsys):
-    """The time / twin ratios are saved with each point, as soon as the twin of its size and batch is measured
-    (not only when the part ends: a part stopped at its deadline has them), and the summary counts the points
-    planned (models x sizes x batches), not those reached."""
+def test_a_cut_models_part_keeps_the_ratios_to_the_twin_and_counts_every_planned_point(monkeypatch):
+    """The twin is measured first at each size and batch, and each point is saved with its time / twin ratios (not
+    only when the part ends: a part stopped at its deadline has them; "-" where the twin has no figures); the
+    summary counts the points planned (models x sizes x batches), not those reached."""
     from linvision.benchmark import gpu_render, throughput
 
     monkeypatch.setattr(throughput, "benchmark_point", _fake_point)
@@ -235,18 +242,21 @@ def test_a_cut_models_part_keeps_the_ratios_to_the_twin_and_counts_every_planned
     assert snapshots[0]["planned"] == 8 and snapshots[0]["points"] == []
     measured = [snap for snap in snapshots if snap["points"]]
     assert [len(snap["points"]) for snap in measured] == list(range(1, 9))
-    for snap in measured:
+    ratios = []
+    for snap in measured:  # each point's ratios as it is saved
         last = snap["points"][-1]
-        if last["model"] == TWIN:  # the twin of this size and batch just measured: the point before it has ratios
-            other = snap["points"][-2]
-            assert (other["infer_ms_vs_twin"], other["train_ms_vs_twin"]) == (0.5, 0.5)
-            assert (last["infer_ms_vs_twin"], last["train_mem_mb_vs_twin"]) == (1.0, 1.0)
-    cut = {"status": "timeout", "points": measured[4]["points"], "planned": 8}  # stopped after 5 of 8 points
-    assert gpu_render.summary("models", cut) == "5 of 8 points measured"
-    rows = gpu_render._models({**measured[4], "batches": [2, 1], "amp": "none", "device": "cpu", "iters": 1,
+        ratios.append((last["model"], last["batch_size"], last["img_size"], last.get("infer_ms_vs_twin"),
+                       last.get("train_ms_vs_twin")))
+    vit = "vit_small_patch16_224"
+    assert ratios == [(TWIN, 2, 32, 1.0, 1.0), (vit, 2, 32, 0.5, 0.5), (TWIN, 2, 64, None, None),
+                      (vit, 2, 64, None, None), (TWIN, 1, 32, 1.0, 1.0), (vit, 1, 32, 0.5, 0.5),
+                      (TWIN, 1, 64, 1.0, 1.0), (vit, 1, 64, 0.5, 0.5)]  # None: NaN (the twin out of memory)
+    cut = {"status": "timeout", "points": measured[5]["points"], "planned": 8}  # stopped after 6 of 8 points
+    assert gpu_render.summary("models", cut) == "5 of 8 points measured"  # the twin's 64 px point: out of memory
+    rows = gpu_render._models({**measured[5], "batches": [2, 1], "amp": "none", "device": "cpu", "iters": 1,
                                "warmup": 0, "twin": TWIN})
-    assert "| 2 | vit_small_patch16_224 | 64 | ok | 100.00 | 100 | 33.00 | 300 | 0.50 | 0.50 |" in rows
-    assert "| 1 | vit_small_patch16_224 | 32 | ok | 100.00 | 100 | 33.00 | 300 | - | - |" in rows  # twin not yet
+    assert f"| 1 | {vit} | 32 | ok | 100.00 | 100 | 33.00 | 300 | 0.50 | 0.50 |" in rows
+    assert f"| 2 | {vit} | 64 | ok | 100.00 | 100 | 33.00 | 300 | - | - |" in rows
 
 
 class _FailingBackward(torch.autograd.Function):

@@ -207,11 +207,13 @@ def kernels_part(settings: Dict[str, Any], save: Callable[..., None]) -> None:
 # --- part 2: the models a user compares ---
 
 
-def comparison_order(models: Sequence[str], sizes: Sequence[Any], batches: Sequence[int]) -> List[Tuple]:
+def comparison_order(models: Sequence[str], sizes: Sequence[Any], batches: Sequence[int],
+                     twin: Optional[str] = None) -> List[Tuple]:
     """(batch, size, model) in the order the comparison measures them: batch by batch, size by size (the
     smallest first), every model at a size before the next size, so that a run cut short keeps whole
-    comparisons."""
-    return [(b, s, m) for b in batches for s in sizes for m in models]
+    comparisons; at each size the ``twin`` first, so that every point measured after it has its ratios."""
+    ordered = [m for m in models if m == twin] + [m for m in models if m != twin]
+    return [(b, s, m) for b in batches for s in sizes for m in ordered]
 
 
 def _skip_point(spec: str, size: Any, batch: int, settings: Dict[str, Any], reason: str) -> Dict[str, Any]:
@@ -234,7 +236,7 @@ def models_part(settings: Dict[str, Any], save: Callable[..., None]) -> None:
     from linvision.benchmark.throughput import benchmark_point, parse_model_spec
 
     points: List[Dict[str, Any]] = []
-    order = comparison_order(settings["models"], settings["img_size"], settings["batches"])
+    order = comparison_order(settings["models"], settings["img_size"], settings["batches"], settings["twin"])
     save(points=points, planned=len(order), twin=settings["twin"], model_kwargs=settings["model_kwargs"],
          **{k: settings[k] for k in ("batches", "device", "amp", "warmup", "iters")})
     _warm(settings["device"], save, "the first model", [])

@@ -9,9 +9,10 @@ deadline keeps what it measured:
   where each runs out of memory recorded (and its larger sizes at that batch skipped);
 - :func:`recurrences_part`: the first call of the recurrences and of two models that use them (compilation
   included), then the bidirectional delta rule and gated recurrences on fla-core's kernels against linear
-  attention with RoPE on the fused kernels, forward and backward, at each N.
+  attention with RoPE on the fused kernels, forward and backward, at each N; a call or path that fails is its
+  row's status, and the part goes on.
 
-On the CPU (the dry run) every figure is the time of one call, in Triton's interpreter for the fused kernels and
+On CUDA each part first runs :func:`warm_up` (the GPU's clocks ramp up under load). On the CPU (the dry run) every figure is the time of one call, in Triton's interpreter for the fused kernels and
 on the PyTorch path for the recurrences: the part's plumbing, not a speed.
 """
 from __future__ import annotations
@@ -230,9 +231,9 @@ def _skip_point(spec: str, size: Any, batch: int, settings: Dict[str, Any], reas
 def models_part(settings: Dict[str, Any], save: Callable[..., None]) -> None:
     """Every model of ``settings["models"]`` at every size and batch (:func:`comparison_order`), inference and a
     training step under autocast (``amp``), each point saved as it finishes; a model that runs out of memory at a
-    size is not tried at larger sizes with that batch (recorded as out of memory there too). Then, per batch,
-    each model's time and memory over the twin's, and ``oom_at``: per model and batch, the first size out of
-    memory."""
+    size is not tried at larger sizes with that batch (recorded as out of memory there too). With each point,
+    each model's time and memory over the twin's (:func:`_compare_to_twin`), and ``oom_at``: per model and
+    batch, the first size out of memory. ``planned``: how many points the part is to measure."""
     from linvision.benchmark.throughput import benchmark_point, parse_model_spec
 
     points: List[Dict[str, Any]] = []

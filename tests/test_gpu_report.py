@@ -316,6 +316,27 @@ def test_a_failing_row_of_the_recurrences_is_its_status_and_the_part_goes_on(mon
                      markdown)
 
 
+def test_a_failing_kernel_path_is_its_rows_status(monkeypatch):
+    """The fused kernels raising at every call: each row's status says so, the reference and SDPA are still timed
+    at each N, and the kernels part ends "failed"."""
+    import linvision.kernels
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PassManager::run failed\nmore")
+
+    monkeypatch.setattr(linvision.kernels, "linear_attention_triton", broken)
+    snapshots = []
+    settings = {"device": "cpu", "heads": 1, "dim": 16, "dtype": "float32", "batch": 1, "n": [32, 64],
+                "feature_map": "elu", "sdpa_max_n": 64}
+    gpu_parts.kernels_part(settings, _saver(snapshots))
+    rows = snapshots[-1]["rows"]
+    assert [(r["n"], r["pass"]) for r in rows] == [(n, p) for n in (32, 64) for p in gpu_parts.PASSES]
+    for r in rows:
+        assert r["triton_ms"] is None and _number(r["torch_ref_ms"]) and _number(r["sdpa_ms"]), r
+        assert r["status"] == "triton: RuntimeError: PassManager::run failed", r
+    assert snapshots[-1]["status"] == "failed" and snapshots[-1]["error"].startswith("6 rows failed: N=32 fwd, ")
+
+
 def test_the_timing_parts_warm_the_gpu_up_first(monkeypatch, capsys):
     """Each timing part runs the GPU warm-up before its first timing, prints and saves it; off CUDA the warm-up
     runs nothing; the load itself is synchronised matmuls, bounded in count and in time."""

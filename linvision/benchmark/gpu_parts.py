@@ -126,6 +126,7 @@ def time_passes(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
     except torch.OutOfMemoryError as e:
         times["oom"] = str(e).strip().splitlines()[0][:200]
     except Exception as e:  # noqa: BLE001 - a path that fails is that row's status, and the next path runs
+        traceback.print_exc()
         times["error"] = error_line(e)
     finally:
         del out, leaves
@@ -156,6 +157,13 @@ def row_status(times: Dict[str, Dict[str, Any]], name: str) -> str:
     return "; ".join(errors) or "ok"
 
 
+def fail_on_rows(save: Callable[..., None], failed: Sequence[str]) -> None:
+    """A part that measured every row but some failed ends "failed", naming the rows (the first six)."""
+    if failed:
+        save(status="failed", error=f"{len(failed)} rows failed: {', '.join(failed[:6])}"
+                                    + (", ..." if len(failed) > 6 else ""))
+
+
 def _rope(d: int, n: int, device: str):
     from linvision.ops import axial_rope
 
@@ -169,7 +177,8 @@ def _rope(d: int, n: int, device: str):
 def kernels_part(settings: Dict[str, Any], save: Callable[..., None]) -> None:
     """The fused kernels ("triton"), the PyTorch reference and SDPA at each N of ``settings["n"]`` (B, H, D, dtype,
     feature map from ``settings``), one row per (N, pass) saved as measured, with the kernels' minimal bytes over
-    their time as a share of the HBM bandwidth on a GPU."""
+    their time as a share of the HBM bandwidth on a GPU. A path that fails is its rows' status; the part goes on
+    and ends "failed"."""
     from linvision.kernels import linear_attention_triton
     from linvision.kernels.traffic import minimal_bytes
     from linvision.ops import linear_attention_reference, softmax_attention
@@ -203,6 +212,7 @@ def kernels_part(settings: Dict[str, Any], save: Callable[..., None]) -> None:
                                                       if k.endswith("_ms") and v), flush=True)
         del q, k, v, do
         save(rows=rows)
+    fail_on_rows(save, [f"N={r['n']} {r['pass']}" for r in rows if r["status"] != "ok"])
 
 
 # --- part 2: the models a user compares ---
@@ -395,11 +405,8 @@ def recurrences_part(settings: Dict[str, Any], save: Callable[..., None]) -> Non
         rows += _recurrence_rows(n, time_paths(paths, (q, k, v), do, device, bench_for(device)))
         del q, k, v, do
         save(rows=rows)
-    failed = [c["what"] for c in first if c["status"] != "ok"] + [
-        f"N={r['n']} {r['pass']}" for r in rows if r["status"] != "ok"]
-    if failed:
-        save(status="failed", error=f"{len(failed)} rows failed: {', '.join(failed[:6])}"
-                                    + (", ..." if len(failed) > 6 else ""))
+    fail_on_rows(save, [c["what"] for c in first if c["status"] != "ok"] + [
+        f"N={r['n']} {r['pass']}" for r in rows if r["status"] != "ok"])
 
 
 def _recurrence_rows(n: int, times: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:

@@ -12,8 +12,9 @@ deadline keeps what it measured:
   attention with RoPE on the fused kernels, forward and backward, at each N; a call or path that fails is its
   row's status, and the part goes on.
 
-On CUDA each part first runs :func:`warm_up` (the GPU's clocks ramp up under load). On the CPU (the dry run) every figure is the time of one call, in Triton's interpreter for the fused kernels and
-on the PyTorch path for the recurrences: the part's plumbing, not a speed.
+On CUDA each part first runs :func:`warm_up` (the GPU's clocks ramp up under load). On the CPU (the dry run)
+every figure is the time of one call, in Triton's interpreter for the fused kernels and on the PyTorch path for
+the recurrences: the part's plumbing, not a speed.
 """
 from __future__ import annotations
 
@@ -81,16 +82,17 @@ def matmul_load(device: str, dtype: torch.dtype, seconds: float, max_matmuls: in
     have passed or ``max_matmuls`` have run: {"matmuls": how many, "seconds": how long}."""
     g = torch.Generator(device=device).manual_seed(0)
     a, b = (torch.randn(size, size, generator=g, device=device, dtype=dtype) for _ in range(2))
+    c = torch.empty_like(a)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sync()
     start, count = time.perf_counter(), 0
     while count < max_matmuls and time.perf_counter() - start < seconds:
         for _ in range(min(10, max_matmuls - count)):
-            a @ b
+            torch.matmul(a, b, out=c)
             count += 1
         sync()
     record = {"matmuls": count, "seconds": time.perf_counter() - start, "size": size}
-    del a, b
+    del a, b, c
     return record
 
 

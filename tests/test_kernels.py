@@ -869,7 +869,7 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="batch and head dims must match"):
         linear_attention_triton(q, k[:, :1], v[:, :1], "elu")
     with pytest.raises(TypeError, match="q: expected a torch.Tensor"):
-        linear_attention_triton(q.numpy(), k, v, "elu")
+        linear_attention_triton(q.cpu().numpy(), k, v, "elu")
     with pytest.raises(ValueError, match="rope: table is for 16 tokens"):
         linear_attention_triton(q, k, v, "elu", rope=axial_rope(16, (4, 4)))
     with pytest.raises(ValueError, match="split_tokens: must be an int >= 0"):
@@ -881,8 +881,9 @@ def test_bad_inputs_raise():
 def test_custom_op_registration():
     q, k, v, _ = _inputs(1, 1, 20, 20, 16, 16, torch.float32, "relu")
     fx, fy = mixed_rope_freqs(16, 1)
-    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), "relu", fx.reshape(1, -1).requires_grad_(),
-            fy.reshape(1, -1), [0, 5], [0.0, 0.0], 1e-4, 8)
+    fx, fy = (f.reshape(1, -1).to(DEVICE) for f in (fx, fy))  # the op takes the frequencies on q's device
+    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), "relu", fx.requires_grad_(), fy, [0, 5],
+            [0.0, 0.0], 1e-4, 8)
     torch.library.opcheck(
         torch.ops.linvision.linear_attention_fwd.default, args,
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),

@@ -50,12 +50,14 @@ gpu-report:
 			$(GPU_REPORT_ARGS); \
 	else $(MAKE) $(STAMP) && $(BIN)/linvision-gpu-report $(GPU_REPORT_ARGS); fi
 
-# The wheels a bare GPU machine lacks, into .whl/ (ignored by git; ~4.5 MB): linvision built from this checkout,
-# fla-core and timm at the tested versions (pure Python; torch and triton are the machine's own).
+# The wheels a bare GPU machine lacks, into .whl/ (ignored by git; ~4.4 MB): linvision built from this checkout,
+# fla-core, timm and segmentation-models-pytorch (docs/segmentation.md's examples, run by the CUDA tests) at the
+# tested versions (pure Python; torch, triton and the other requirements are the machine's own).
 gpu-wheels: $(BASE_STAMP)
 	rm -rf .whl && mkdir -p .whl
 	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w .whl .
-	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: -c constraints.txt -d .whl fla-core timm
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: -c constraints.txt -d .whl fla-core timm \
+		segmentation-models-pytorch
 
 # The manual, with every warning an error, into site/ (open site/index.html); the test suite builds it the same way.
 docs: $(STAMP)

@@ -54,23 +54,28 @@ def test_dry_run_writes_the_report_of_every_part(tmp_path, capsys):
         assert math.isclose(row["sdpa_over_triton"], row["sdpa_ms"] / row["triton_ms"])
 
     points = report["parts"]["models"]["points"]
-    assert [(p["batch_size"], p["model"], p["img_size"]) for p in points] == [
-        (2, "vit_small_patch16_224", 32), (2, TWIN, 32)]
+    assert [(p["batch_size"], p["model"], p["img_size"]) for p in points] == [  # the twin first at each size
+        (2, TWIN, 32), (2, "vit_small_patch16_224", 32)]
     for p in points:
         assert p["status"] == "ok" and all(_number(p[k]) and p[k] > 0 for k in ("infer_img_s", "train_img_s")), p
-    assert points[1]["train_ms_vs_twin"] == 1.0 and _number(points[0]["infer_ms_vs_twin"])
+    assert points[0]["train_ms_vs_twin"] == 1.0
+    assert all(_number(points[1][f"{k}_ms_vs_twin"]) and points[1][f"{k}_ms_vs_twin"] > 0 for k in ("infer", "train"))
+    assert report["parts"]["models"]["planned"] == 2
 
     rec = report["parts"]["recurrences"]
     assert [c["what"] for c in rec["first_calls"]] == [
         "linear_rope at N=256", "bidir_delta at N=256", "bidir_gated at N=256", "vig_tiny at 32 px, batch 1"]
-    assert all(_number(c["seconds"]) and c["seconds"] > 0 for c in rec["first_calls"])
+    assert all(_number(c["seconds"]) and c["seconds"] > 0 and c["status"] == "ok" for c in rec["first_calls"])
+    assert all(r["status"] == "ok" for r in rec["rows"] + kernels["rows"])
+    assert "warmups" not in rec and "warmups" not in kernels  # no GPU warm-up off CUDA
     assert rec["backend"] == "torch" and [r["pass"] for r in rec["rows"]] == ["fwd", "bwd", "fwd+bwd"]
     for row in rec["rows"]:
         assert math.isclose(row["bidir_delta_over_linear_rope"], row["bidir_delta_ms"] / row["linear_rope_ms"])
 
     tests = report["parts"]["tests"]
     c = tests["counts"]
-    assert "-m cuda" in tests["command"] and "-k autocast" in tests["command"]
+    assert tests["command"].startswith("LINVISION_KERNEL_AUTOTUNE=0 pytest -v -m cuda ")
+    assert "-k autocast" in tests["command"]
     assert c["passed"] >= 1 and c["failed"] == c["error"] == 0 and c["run"] == c["passed"] + c["skipped"]
     assert c["deselected"] == c["collected"] - c["run"]
 
@@ -81,7 +86,12 @@ def test_dry_run_writes_the_report_of_every_part(tmp_path, capsys):
     assert markdown.count(f"**{gpu_report.DRY_NOTE}**") == 3 and "they are not speed figures" in gpu_report.DRY_NOTE
     row = kernels["rows"][0]
     assert f"| 256 | fwd | {row['triton_ms']:.3f} | {row['torch_ref_ms']:.3f} | {row['sdpa_ms']:.3f} |" in markdown
-    assert f"| 2 | vit_small_patch16_224 | 32 | ok | {points[0]['infer_img_s']:.2f} |" in markdown
+    assert f"| 2 | vit_small_patch16_224 | 32 | ok | {points[1]['infer_img_s']:.2f} |" in markdown
+    # the time / twin columns of the model that is not the twin hold its ratios
+    p = points[1]
+    assert re.search(rf"\| 2 \| vit_small_patch16_224 \| 32 \| ok \|.* \| {p['infer_ms_vs_twin']:.2f} \| "
+                     rf"{p['train_ms_vs_twin']:.2f} \|\n", markdown)
+    assert "| models | ok |" in markdown and "| 2 of 2 points measured |" in markdown
 
 
 def test_the_budget_is_shared_out_as_the_parts_start():
@@ -97,6 +107,8 @@ def test_the_comparison_is_measured_batch_by_batch_and_size_by_size():
     order = gpu_parts.comparison_order(["a", "b"], [512, 1024], [8, 1])
     assert order == [(8, 512, "a"), (8, 512, "b"), (8, 1024, "a"), (8, 1024, "b"),
                      (1, 512, "a"), (1, 512, "b"), (1, 1024, "a"), (1, 1024, "b")]
+    assert gpu_parts.comparison_order(["a", "b", "t"], [512, 1024], [8], twin="t") == [
+        (8, 512, "t"), (8, 512, "a"), (8, 512, "b"), (8, 1024, "t"), (8, 1024, "a"), (8, 1024, "b")]
     points = [{"model": "a", "batch_size": 8, "img_size": 512, "status": "ok"},
               {"model": "a", "batch_size": 8, "img_size": 1024, "status": "oom"},
               {"model": "a", "batch_size": 8, "img_size": 2048, "status": "oom"},
@@ -187,6 +199,245 @@ def test_bad_arguments_stop_before_anything_runs(tmp_path, capsys):
     with pytest.raises(ValueError, match="model: unknown 'linhier_nope'"):
         tool.main(["--models", "linhier_nope", "--twin", "none", "--output", str(tmp_path)])
     assert list(tmp_path.iterdir()) == []
+
+
+# --- the measuring parts, run in this process on the CPU with their timings stubbed or failing
+
+
+def _saver(snapshots):
+    """A part's ``save``: the figures so far, a deep copy of each state kept in ``snapshots``."""
+    state = {}
+
+    def save(**figures):
+        state.update(figures)
+        snapshots.append(json.loads(json.dumps(gpu_parts.plain(state))))
+
+    return save
+
+
+def _fake_point(name, size, batch_size, device, model_kwargs, **_):
+    """A measured point: inference 10 ms, training 30 ms, 100 / 300 MiB; the softmax twin twice as long, and out
+    of memory at 64 px with batch 2."""
+    twin = model_kwargs.get("token_mixer") == "softmax"
+    slow, oom = (2.0 if twin else 1.0), twin and size == 64 and batch_size == 2
+    nan = float("nan")
+    return {"model": name, "img_size": size, "batch_size": batch_size, "device": device,
+            "status": "oom" if oom else "ok", "error": "CUDA out of memory" if oom else "",
+            "infer_ms": nan if oom else 10.0 * slow, "train_ms": nan if oom else 30.0 * slow,
+            "infer_mem_mb": nan if oom else 100.0, "train_mem_mb": nan if oom else 300.0,
+            "infer_img_s": nan if oom else 100.0 / slow, "train_img_s": nan if oom else 33.0 / slow}
+
+
+def test_a_cut_models_part_keeps_the_ratios_to_the_twin_and_counts_every_planned_point(monkeypatch):
+    """The twin is measured first at each size and batch, and each point is saved with its time / twin ratios (not
+    only when the part ends: a part stopped at its deadline has them; "-" where the twin has no figures); the
+    summary counts the points planned (models x sizes x batches), not those reached."""
+    from linvision.benchmark import gpu_render, throughput
+
+    monkeypatch.setattr(throughput, "benchmark_point", _fake_point)
+    snapshots = []
+    settings = {"models": ["vit_small_patch16_224", TWIN], "twin": TWIN, "device": "cpu", "img_size": [32, 64],
+                "batches": [2, 1], "amp": "none", "warmup": 0, "iters": 1, "model_kwargs": {}}
+    gpu_parts.models_part(settings, _saver(snapshots))
+    assert snapshots[0]["planned"] == 8 and snapshots[0]["points"] == []
+    measured = [snap for snap in snapshots if snap["points"]]
+    assert [len(snap["points"]) for snap in measured] == list(range(1, 9))
+    ratios = []
+    for snap in measured:  # each point's ratios as it is saved
+        last = snap["points"][-1]
+        ratios.append((last["model"], last["batch_size"], last["img_size"], last.get("infer_ms_vs_twin"),
+                       last.get("train_ms_vs_twin")))
+    vit = "vit_small_patch16_224"
+    assert ratios == [(TWIN, 2, 32, 1.0, 1.0), (vit, 2, 32, 0.5, 0.5), (TWIN, 2, 64, None, None),
+                      (vit, 2, 64, None, None), (TWIN, 1, 32, 1.0, 1.0), (vit, 1, 32, 0.5, 0.5),
+                      (TWIN, 1, 64, 1.0, 1.0), (vit, 1, 64, 0.5, 0.5)]  # None: NaN (the twin out of memory)
+    cut = {"status": "timeout", "points": measured[5]["points"], "planned": 8}  # stopped after 6 of 8 points
+    assert gpu_render.summary("models", cut) == "5 of 8 points measured"  # the twin's 64 px point: out of memory
+    rows = gpu_render._models({**measured[5], "batches": [2, 1], "amp": "none", "device": "cpu", "iters": 1,
+                               "warmup": 0, "twin": TWIN})
+    assert f"| 1 | {vit} | 32 | ok | 100.00 | 100 | 33.00 | 300 | 0.50 | 0.50 |" in rows
+    assert f"| 2 | {vit} | 64 | ok | 100.00 | 100 | 33.00 | 300 | - | - |" in rows
+
+
+class _FailingBackward(torch.autograd.Function):
+    """The identity forward; its backward raises as fla-core's gated backward did on Hopper with Triton 3.6."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results (see #640).\n"
+                           "second line")
+
+
+def test_a_failing_row_of_the_recurrences_is_its_status_and_the_part_goes_on(monkeypatch, tmp_path):
+    """bidir_gated's backward failing (in its first call and in each timing) and a first model failing to build:
+    each is that row's status (the exception's type and first line), every other row is measured (the first
+    calls after them, the timings at each N), and the part ends "failed" naming the rows."""
+    real_paths = gpu_parts.recurrence_paths
+
+    def paths(n, d, device, backend):
+        found = real_paths(n, d, device, backend)
+        gated = found["bidir_gated"]
+        found["bidir_gated"] = lambda q, k, v: _FailingBackward.apply(gated(q, k, v))
+        return found
+
+    def model_step(name, img_size, device, amp):
+        if name == "broken":
+            raise ValueError("model: unknown 'broken'")
+        return lambda: torch.ones(8, 8) @ torch.ones(8, 8)
+
+    monkeypatch.setattr(gpu_parts, "recurrence_paths", paths)
+    monkeypatch.setattr(gpu_parts, "_model_step", model_step)
+    snapshots = []
+    settings = {"device": "cpu", "heads": 1, "dim": 16, "dtype": "float32", "batch": 1, "n": [64, 128],
+                "backend": "torch", "first_models": ["broken", "tiny"], "amp": "none", "model_img_size": 32}
+    gpu_parts.recurrences_part(settings, _saver(snapshots))
+    rec = snapshots[-1]
+    error = "RuntimeError: Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results (see #640)."
+    assert [(c["what"], c["status"]) for c in rec["first_calls"]] == [
+        ("linear_rope at N=64", "ok"), ("bidir_delta at N=64", "ok"), ("bidir_gated at N=64", error),
+        ("broken at 32 px, batch 1", "ValueError: model: unknown 'broken'"), ("tiny at 32 px, batch 1", "ok")]
+    assert [_number(c["seconds"]) for c in rec["first_calls"]] == [True, True, False, False, True]
+    assert [(r["n"], r["pass"]) for r in rec["rows"]] == [(n, p) for n in (64, 128) for p in gpu_parts.PASSES]
+    for r in rec["rows"]:
+        assert _number(r["linear_rope_ms"]) and _number(r["bidir_delta_ms"]), r
+        assert _number(r["bidir_gated_ms"]) == (r["pass"] == "fwd"), r  # its forward is timed, not its backward
+        assert r["status"] == ("ok" if r["pass"] == "fwd" else f"bidir_gated: {error}"), r
+    assert rec["status"] == "failed" and rec["error"].startswith(
+        "6 rows failed: bidir_gated at N=64, broken at 32 px, batch 1, N=64 bwd, N=64 fwd+bwd, N=128 bwd")
+    from linvision.benchmark import gpu_render
+
+    markdown = "\n".join(gpu_render._recurrences({**rec, "pinned": True}))
+    assert f"| bidir_gated at N=64 | - | {error} |" in markdown
+    assert re.search(rf"\| 128 \| bwd \| [0-9.]+ \| [0-9.]+ \| - \| [0-9.]+ \| - \| bidir_gated: {re.escape(error)} \|",
+                     markdown)
+
+
+def test_a_failing_kernel_path_is_its_rows_status(monkeypatch):
+    """The fused kernels raising at every call: each row's status says so, the reference and SDPA are still timed
+    at each N, and the kernels part ends "failed"."""
+    import linvision.kernels
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PassManager::run failed\nmore")
+
+    monkeypatch.setattr(linvision.kernels, "linear_attention_triton", broken)
+    snapshots = []
+    settings = {"device": "cpu", "heads": 1, "dim": 16, "dtype": "float32", "batch": 1, "n": [32, 64],
+                "feature_map": "elu", "sdpa_max_n": 64}
+    gpu_parts.kernels_part(settings, _saver(snapshots))
+    rows = snapshots[-1]["rows"]
+    assert [(r["n"], r["pass"]) for r in rows] == [(n, p) for n in (32, 64) for p in gpu_parts.PASSES]
+    for r in rows:
+        assert r["triton_ms"] is None and _number(r["torch_ref_ms"]) and _number(r["sdpa_ms"]), r
+        assert r["status"] == "triton: RuntimeError: PassManager::run failed", r
+    assert snapshots[-1]["status"] == "failed" and snapshots[-1]["error"].startswith("6 rows failed: N=32 fwd, ")
+
+
+def test_the_timing_parts_warm_the_gpu_up_first(monkeypatch, capsys):
+    """Each timing part runs the GPU warm-up before its first timing, prints and saves it; off CUDA the warm-up
+    runs nothing; the load itself is synchronised matmuls, bounded in count and in time."""
+    from linvision.benchmark import throughput
+
+    events = []
+    record = {"matmuls": 4200, "seconds": 1.0, "size": 4096}
+    monkeypatch.setattr(gpu_parts, "warm_up", lambda device: events.append(f"warm-up {device}") or dict(record))
+    monkeypatch.setattr(gpu_parts, "time_paths", lambda paths, *a: events.append("timed") or {
+        label: {p: 1.0 for p in gpu_parts.PASSES} for label in paths})
+    monkeypatch.setattr(gpu_parts, "_first_calls", lambda *a: events.append("first calls"))
+    monkeypatch.setattr(throughput, "benchmark_point", lambda *a, **kw: events.append("timed") or _fake_point(
+        "vit_small_patch16_224", 32, 2, "cpu", {}))
+    base = {"device": "cpu", "heads": 1, "dim": 16, "dtype": "float32", "batch": 1, "n": [64]}
+    runs = {"kernels": {**base, "feature_map": "elu", "sdpa_max_n": 64},
+            "models": {"models": ["vit_small_patch16_224"], "twin": None, "device": "cpu", "img_size": [32],
+                       "batches": [2], "amp": "none", "warmup": 0, "iters": 1, "model_kwargs": {}},
+            "recurrences": {**base, "backend": "torch", "first_models": [], "amp": "none", "model_img_size": 32}}
+    expected = {"kernels": ["warm-up cpu", "timed"], "models": ["warm-up cpu", "timed"],
+                "recurrences": ["warm-up cpu", "first calls", "warm-up cpu", "timed"]}
+    for part, settings in runs.items():
+        events.clear()
+        snapshots = []
+        gpu_parts.PART_FUNCTIONS[part](settings, _saver(snapshots))
+        assert events == expected[part], part
+        assert snapshots[-1]["warmups"][0] == {"before": snapshots[-1]["warmups"][0]["before"], **record}, part
+    printed = capsys.readouterr().out
+    assert "GPU warm-up before the first timing: 4200 bf16 matmuls of 4096^2 in 1.00 s" in printed
+    monkeypatch.undo()
+    monkeypatch.setattr(gpu_parts, "matmul_load", lambda *a: pytest.fail("a load off CUDA"))
+    assert gpu_parts.warm_up("cpu") is None
+    monkeypatch.undo()
+    assert gpu_parts.matmul_load("cpu", torch.float32, 60.0, 25, 16)["matmuls"] == 25  # bounded in count
+    load = gpu_parts.matmul_load("cpu", torch.float32, 0.2, 10 ** 9, 16)  # and in time
+    assert 0.2 <= load["seconds"] < 30 and 0 < load["matmuls"] < 10 ** 9
+
+
+def test_the_kernel_test_files_run_first_without_autotuning(tmp_path):
+    """The tests part names every test file, the kernels' first (pytest keeps the order of the files named on its
+    command line, not of a folder named after them), and runs pytest with LINVISION_KERNEL_AUTOTUNE=0."""
+    paths = gpu_report.ordered_test_paths(ROOT)
+    files = sorted(f"tests/{f}" for f in os.listdir(os.path.join(ROOT, "tests"))
+                   if f.startswith("test_") and f.endswith(".py"))
+    assert paths[:2] == ["tests/test_kernels.py", "tests/test_recurrent_kernels.py"]
+    assert sorted(paths) == files and paths[2:] == [f for f in files if f not in paths[:2]]
+    (tmp_path / "tests").mkdir()
+    for name in ("test_a.py", "test_z.py"):
+        (tmp_path / "tests" / name).write_text(
+            "import os, pytest\n@pytest.mark.cuda\ndef test_env():\n"
+            "    assert os.environ['LINVISION_KERNEL_AUTOTUNE'] == '0'\n")
+    order = gpu_report.ordered_test_paths(str(tmp_path), first=["tests/test_z.py"])
+    assert order == ["tests/test_z.py", "tests/test_a.py"]
+    part = gpu_report.tests_part(str(tmp_path), str(tmp_path), 300, None, True, paths=order)
+    assert part["status"] == "ok", part
+    ran = [line.split("::")[0] for line in (tmp_path / "tests.log").read_text().splitlines() if "::test_env" in line]
+    assert ran == ["tests/test_z.py", "tests/test_a.py"] and part["counts"]["passed"] == 2
+
+
+# What the lent GPU machine's Python holds of linvision's and its examples' requirements (docs/kernels.md, "On a
+# lent GPU"): the rest comes in the wheels of `make gpu-wheels`.
+GPU_MACHINE_PACKAGES = {"torch", "torchvision", "triton", "numpy", "pillow", "safetensors", "huggingface-hub", "tqdm",
+                        "pyyaml", "einops", "matplotlib", "scikit-learn", "scikit-image"}
+
+
+def _dist(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _requirements(dist: str):
+    """The distributions ``dist`` requires (its extras' left out), as installed here."""
+    import importlib.metadata
+
+    reqs = importlib.metadata.distribution(dist).requires or []
+    return {_dist(re.match(r"[A-Za-z0-9._-]+", r).group(0)) for r in reqs if "extra ==" not in r}
+
+
+def test_the_gpu_wheels_carry_what_the_examples_and_the_wheels_need():
+    """`make gpu-wheels` downloads pinned wheels (constraints.txt) that, with the GPU machine's own packages, hold
+    every requirement of linvision and of those wheels, and every package the manual's examples import (the CUDA
+    tests run them: segmentation-models-pytorch for docs/segmentation.md)."""
+    import importlib.metadata
+
+    from test_examples import EXAMPLES
+
+    makefile = open(os.path.join(ROOT, "Makefile")).read().replace("\\\n", " ")  # continued lines joined
+    carried = {_dist(n) for n in re.search(r"pip download .* -d \.whl (.+)", makefile).group(1).split()}
+    pins = {_dist(line.split("==")[0]) for line in open(os.path.join(ROOT, "constraints.txt")) if "==" in line}
+    assert carried <= pins and "segmentation-models-pytorch" in carried
+    there = carried | GPU_MACHINE_PACKAGES | {"linvision"}
+    for dist in carried | {"linvision"}:
+        assert _requirements(dist) <= there, (dist, _requirements(dist) - there)
+    modules = importlib.metadata.packages_distributions()
+    imported = set()
+    for page, line, code in EXAMPLES:
+        for node in ast.walk(ast.parse(code)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            for top in (n.split(".")[0] for n in names):
+                if top not in sys.stdlib_module_names:
+                    imported |= {_dist(d) for d in modules.get(top, [top])}
+    assert "segmentation-models-pytorch" in imported and imported <= there, imported - there
 
 
 # --- the cuda marker ---

@@ -162,7 +162,7 @@ def _tensor_core_emulation(q, k, v, do, feature, rope=None, eps=1e-4):
     if rope is None:
         rot = inv = lambda x: x  # noqa: E731
     else:
-        cos, sin = (t.float() for t in rope.tables())
+        cos, sin = (t.float().to(q.device) for t in rope.tables())  # the tables are built on the CPU
         rot = lambda x: rotate_pairs(x, cos, sin)  # noqa: E731
         inv = lambda x: rotate_pairs(x, cos, -sin)  # noqa: E731
     (fq, dfq), (fk, dfk) = _phi(q.float(), feature), _phi(k.float(), feature)
@@ -392,6 +392,7 @@ def test_later_calls_launch_the_chosen_configuration(monkeypatch):
     """The autotuner runs on the first call of a (kernel, head-dim bucket, N bucket, constexprs); a later call of
     the same bucket launches the configuration it chose without it, with the same output."""
     monkeypatch.setattr(kernel_module, "_CHOSEN", {})  # as in a fresh process
+    monkeypatch.setattr(kernel_module, "_AUTOTUNE", True)  # whatever LINVISION_KERNEL_AUTOTUNE says
     q, k, v, _ = _inputs(1, 2, 40, 40, 16, 16, torch.float32, "relu", seed=5)
     first = linear_attention_triton(q, k, v, "relu", split_tokens=16)
 
@@ -547,6 +548,47 @@ def test_cuda_graph_capture_launches_a_fixed_configuration(monkeypatch):
                        "args", FEATURE=1)
     bn, warps, stages = kernel_module.offered_configs("_key_bwd_kernel", 128)[0]
     assert launches == [((-(-1000 // bn), 6, 1), dict(FEATURE=1, BLOCK_N=bn, num_warps=warps, num_stages=stages))]
+
+
+def test_autotuning_switched_off_launches_the_first_offered_configuration(monkeypatch):
+    """LINVISION_KERNEL_AUTOTUNE=0 (read at import; the GPU report's CUDA tests set it): outside CUDA-graph capture
+    too, every launch takes the first offered configuration directly, and the autotuner is never used."""
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, kwargs))
+
+    class NoTuning:
+        def __getitem__(self, grid):
+            raise AssertionError("autotuned with LINVISION_KERNEL_AUTOTUNE=0")
+
+    monkeypatch.setattr(kernel_module, "_AUTOTUNE", False)
+    monkeypatch.setattr(kernel_module, "_INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(kernel_module, "_JITTED", {"_state_fwd_kernel": Recorder()})
+    monkeypatch.setattr(kernel_module, "_tuned", lambda *args: NoTuning())
+    monkeypatch.setattr(kernel_module, "_CHOSEN", {})
+    grid = kernel_module._grid(lambda cfg: -(-1000 // cfg["BLOCK_N"]), 6)
+    for _ in range(2):
+        kernel_module._run("_state_fwd_kernel", 64, 64, grid, "args", FEATURE=2)
+    bn, warps, stages = kernel_module.offered_configs("_state_fwd_kernel", 64)[0]
+    assert launches == 2 * [((-(-1000 // bn), 6, 1), dict(FEATURE=2, BLOCK_N=bn, num_warps=warps, num_stages=stages))]
+    assert kernel_module._CHOSEN == {}
+    code = "import linvision.kernels.linear_attention as m; print(m.AUTOTUNE_ENV, m._AUTOTUNE)"
+    env = dict(os.environ, LINVISION_KERNEL_AUTOTUNE="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["LINVISION_KERNEL_AUTOTUNE", "False"], out.stderr[-2000:]
+
+
+def test_first_offered_configurations_match_the_reference(monkeypatch):
+    """With autotuning off, the first offered configuration of each kernel (forward and backward, RoPE, token
+    splits) gives the float64 reference's output and gradients."""
+    monkeypatch.setattr(kernel_module, "_AUTOTUNE", False)
+    monkeypatch.setattr(kernel_module, "_tuned", lambda *args: pytest.fail("autotuned"))
+    q, k, v, do = _inputs(1, 2, 197, 197, 32, 24, torch.float32, "elu", seed=2)
+    _check(q, k, v, do, "elu", rope=_rope("axial", 197, 32, 2), split_tokens=100)
 
 
 # --- token masks and per-sample RoPE positions (batches of images of different sizes)
@@ -827,7 +869,7 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="batch and head dims must match"):
         linear_attention_triton(q, k[:, :1], v[:, :1], "elu")
     with pytest.raises(TypeError, match="q: expected a torch.Tensor"):
-        linear_attention_triton(q.numpy(), k, v, "elu")
+        linear_attention_triton(q.cpu().numpy(), k, v, "elu")
     with pytest.raises(ValueError, match="rope: table is for 16 tokens"):
         linear_attention_triton(q, k, v, "elu", rope=axial_rope(16, (4, 4)))
     with pytest.raises(ValueError, match="split_tokens: must be an int >= 0"):
@@ -839,8 +881,9 @@ def test_bad_inputs_raise():
 def test_custom_op_registration():
     q, k, v, _ = _inputs(1, 1, 20, 20, 16, 16, torch.float32, "relu")
     fx, fy = mixed_rope_freqs(16, 1)
-    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), "relu", fx.reshape(1, -1).requires_grad_(),
-            fy.reshape(1, -1), [0, 5], [0.0, 0.0], 1e-4, 8)
+    fx, fy = (f.reshape(1, -1).to(DEVICE) for f in (fx, fy))  # the op takes the frequencies on q's device
+    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), "relu", fx.requires_grad_(), fy, [0, 5],
+            [0.0, 0.0], 1e-4, 8)
     torch.library.opcheck(
         torch.ops.linvision.linear_attention_fwd.default, args,
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),

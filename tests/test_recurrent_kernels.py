@@ -105,7 +105,13 @@ def _inputs(b=1, h=3, n=100, d=32, dv=32, seed=0, gate=None):
 
 
 def _rel(x, ref):
-    return ((x.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+    x, ref = x.double().cpu(), ref.double().cpu()  # a kernel's result on the GPU, its reference on the CPU
+    return ((x - ref).abs().max() / ref.abs().max()).item()
+
+
+def _on_device(*tensors):
+    """``tensors`` on the device the kernels run on (the GPU; the CPU under the interpreter)."""
+    return [t.to(DEVICE) for t in tensors]
 
 
 def _with_grads(fn, inputs, dtypes, seed=7):
@@ -232,12 +238,12 @@ def test_bidirectional_gated_unnormalised_and_decay_on_kernels():
     """normalize=False (retention) with per-channel gates, and the fixed decay per head through the bidirectional op
     (the bidir_decay mixer's call), against float64 loops."""
     q, k, v, _, lg = _inputs(b=2, n=70, gate="channel")
-    out = bidirectional_gated_linear_attention(q.half(), k.half(), v.half(), lg.float(), normalize=False,
-                                               backend="triton")
+    half = _on_device(q.half(), k.half(), v.half())
+    out = bidirectional_gated_linear_attention(*half, lg.float().to(DEVICE), normalize=False, backend="triton")
     _assert_close_to("unnormalised", out, naive_bidirectional_gated(q, k, v, lg, normalize=False), TOL_OUT)
     decay = torch.tensor([0.5, 0.9, 1 - 2.0 ** -10], dtype=torch.float64)
     lg = decay.log().view(1, 3, 1)
-    out = bidirectional_gated_linear_attention(q.half(), k.half(), v.half(), lg.float(), backend="triton")
+    out = bidirectional_gated_linear_attention(*half, lg.float().to(DEVICE), backend="triton")
     _assert_close_to("decay", out, naive_bidirectional_gated(q, k, v, lg.unsqueeze(-1)), TOL_OUT)
 
 
@@ -246,7 +252,7 @@ def test_causal_gated_on_kernels_with_state(gate):
     """The causal gated form on the kernels, normalised and not, handing its state from a first to a second part:
     outputs and the final state (S, z, decayed count) against a float64 loop and the PyTorch path."""
     q, k, v, _, lg = _inputs(n=90, gate=gate)
-    head, tail = ([t[:, :, part].half() for t in (q, k, v)] + [lg[:, :, part].float()]
+    head, tail = (_on_device(*(t[:, :, part].half() for t in (q, k, v)), lg[:, :, part].float())
                   for part in (slice(0, 40), slice(40, None)))
     for normalize in (True, False):
         ref = naive_gated(q, k, v, lg, normalize)
@@ -267,8 +273,8 @@ def test_causal_delta_and_decay_on_kernels():
     kernels against float64 loops."""
     q, k, v, beta, _ = _inputs(n=80, d=64, dv=48)
     s0 = torch.randn(1, 3, 64, 48, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 0.1
-    out, state = delta_rule_attention(q.half(), k.half(), v.half(), beta.float(), state=RecurrentState(s0.float()),
-                                      return_state=True, backend="triton")
+    out, state = delta_rule_attention(*_on_device(q.half(), k.half(), v.half(), beta.float()),
+                                      state=RecurrentState(s0.float().to(DEVICE)), return_state=True, backend="triton")
     ref, s_ref = naive_delta(q, k, v, beta, s0=s0)
     _assert_close_to("delta", out, ref, TOL_OUT)
     _assert_close_to("delta state", state.s, s_ref, TOL_OUT)
@@ -277,7 +283,7 @@ def test_causal_delta_and_decay_on_kernels():
     for name, x, y in zip(("q", "k", "v", "beta"), grads, ref_grads):
         _assert_close_to(f"d{name}", x, y, TOL_GRAD)
     decay = torch.tensor([0.8, 0.97, 1.0], dtype=torch.float64)
-    out = decay_linear_attention(q.half(), k.half(), v.half(), decay, backend="triton")
+    out = decay_linear_attention(*_on_device(q.half(), k.half(), v.half(), decay), backend="triton")
     lg = decay.log().view(1, 3, 1, 1).expand(1, 3, 80, 1)
     _assert_close_to("decay", out, naive_gated(q, k, v, lg), TOL_OUT)
 
@@ -286,16 +292,16 @@ def test_fp32_inputs_run_with_fp16_operands():
     """fp32 inputs run with fp16 operands, fp32 accumulation and an fp32 result, within the fp16 tolerance of
     float64; under bf16 autocast the same (the ops turn autocast off around themselves) with a bf16 result."""
     q, k, v, beta, lg = _inputs(n=100, gate="head")
-    x = [t.float() for t in (q, k, v)]
-    out = bidirectional_delta_rule_attention(*x, beta.float(), backend="triton")
+    x = _on_device(*(t.float() for t in (q, k, v)))
+    out = bidirectional_delta_rule_attention(*x, beta.float().to(DEVICE), backend="triton")
     assert out.dtype == torch.float32
     _assert_close_to("delta fp32", out, naive_bidirectional_delta(q, k, v, beta), TOL_OUT)
-    out = bidirectional_gated_linear_attention(*x, lg.float(), backend="triton")
+    out = bidirectional_gated_linear_attention(*x, lg.float().to(DEVICE), backend="triton")
     assert out.dtype == torch.float32
     _assert_close_to("gated fp32", out, naive_bidirectional_gated(q, k, v, lg), TOL_OUT)
     assert recurrent_kernels.operand_dtype(torch.float32, torch.device(DEVICE)) == torch.float16
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
-        amp = bidirectional_gated_linear_attention(*x, lg.float(), backend="triton")
+        amp = bidirectional_gated_linear_attention(*x, lg.float().to(DEVICE), backend="triton")
     assert amp.dtype == torch.bfloat16
     torch.testing.assert_close(amp, out.bfloat16(), rtol=0, atol=0)
     assert recurrent_kernels.operand_dtype(torch.bfloat16, torch.device(DEVICE)) == torch.bfloat16
@@ -311,11 +317,11 @@ def test_half_precision_range_of_the_gated_sums():
     ref = bidirectional_gated_linear_attention(q.half().double(), k.half().double(), v.half().double(), lg,
                                                normalize=False, feature_map="identity", backend="torch")
     assert ref.abs().max() > 1e6  # the output itself is past fp16: the caller's fp16 output saturates
-    out = bidirectional_gated_linear_attention(q.float(), k.float(), v.float(), lg.float(), normalize=False,
-                                               feature_map="identity", backend="triton")
+    out = bidirectional_gated_linear_attention(*_on_device(q.float(), k.float(), v.float(), lg.float()),
+                                               normalize=False, feature_map="identity", backend="triton")
     _assert_close_to("fp32 result of fp16 operands", out, ref, TOL_OUT)
-    out = bidirectional_gated_linear_attention(q.half(), k.half(), v.half(), lg.float(), feature_map="identity",
-                                               backend="triton")
+    out = bidirectional_gated_linear_attention(*_on_device(q.half(), k.half(), v.half(), lg.float()),
+                                               feature_map="identity", backend="triton")
     ref = bidirectional_gated_linear_attention(q.half().double(), k.half().double(), v.half().double(), lg,
                                                feature_map="identity", backend="torch")
     assert torch.isfinite(out).all()
@@ -332,7 +338,8 @@ def test_dispatch():
                                          r"torch.float64"):
         bidirectional_delta_rule_attention(q, k, v, beta, backend="triton")
     with pytest.raises(ValueError, match="odd"):
-        gated_linear_attention(*(t[..., :5].half() for t in (q, k, v)), torch.zeros(1, 3, 20), backend="triton")
+        gated_linear_attention(*_on_device(*(t[..., :5].half() for t in (q, k, v)), torch.zeros(1, 3, 20)),
+                               backend="triton")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         out = bidirectional_delta_rule_attention(q.half(), k.half(), v.half(), beta, backend="auto")  # CPU: PyTorch

@@ -252,9 +252,12 @@ def test_a_naflex_batch_on_the_fused_kernels(monkeypatch):
     from linvision.ops import record_backends
     from linvision.ops.linear_attention import dispatch
 
-    model = tiny_linvit("linvit_tiny_patch16_rope_224").float()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: the kernels in the interpreter
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # fp32 convolutions on both paths
+    model = tiny_linvit("linvit_tiny_patch16_rope_224").float().to(device)
     images = [img.float() for img in _images()]
-    batch = naflex_batch(images)
+    batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in naflex_batch(images).items()}
+    images = [img.to(device) for img in images]
     monkeypatch.setattr(dispatch, "_AUTO_DEVICES", ("cuda", "cpu"))  # the interpreted kernels serve CPU tensors
     with record_backends() as used:
         logits = model(batch)

@@ -9,10 +9,12 @@ deadline keeps what it measured:
   where each runs out of memory recorded (and its larger sizes at that batch skipped);
 - :func:`recurrences_part`: the first call of the recurrences and of two models that use them (compilation
   included), then the bidirectional delta rule and gated recurrences on fla-core's kernels against linear
-  attention with RoPE on the fused kernels, forward and backward, at each N.
+  attention with RoPE on the fused kernels, forward and backward, at each N; a call or path that fails is its
+  row's status, and the part goes on.
 
-On the CPU (the dry run) every figure is the time of one call, in Triton's interpreter for the fused kernels and
-on the PyTorch path for the recurrences: the part's plumbing, not a speed.
+On CUDA each part first runs :func:`warm_up` (the GPU's clocks ramp up under load). On the CPU (the dry run)
+every figure is the time of one call, in Triton's interpreter for the fused kernels and on the PyTorch path for
+the recurrences: the part's plumbing, not a speed.
 """
 from __future__ import annotations
 
@@ -60,21 +62,77 @@ def free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+WARMUP_S = 1.0  # seconds of matmuls before a part's first timing on a GPU
+WARMUP_MAX_MATMULS = 20000  # and at most this many (at full clock a 4096^2 bf16 matmul takes ~0.2 ms)
+
+
+def warm_up(device: str, seconds: float = WARMUP_S, max_matmuls: int = WARMUP_MAX_MATMULS,
+            size: int = 4096) -> Optional[Dict[str, Any]]:
+    """On CUDA, ``seconds`` of bf16 matmuls (``size`` x ``size``, at most ``max_matmuls``, synchronised) before a
+    part's first timing: an idle GPU's clocks ramp up under load, and without this the first N timed reads the
+    ramp, not the kernels. Returns what ran ({"matmuls", "seconds"}); off CUDA nothing runs and it returns
+    None."""
+    if device != "cuda":
+        return None
+    return matmul_load(device, torch.bfloat16, seconds, max_matmuls, size)
+
+
+def matmul_load(device: str, dtype: torch.dtype, seconds: float, max_matmuls: int, size: int) -> Dict[str, Any]:
+    """Matmuls of two ``size`` x ``size`` matrices in batches of 10, each batch synchronised, until ``seconds``
+    have passed or ``max_matmuls`` have run: {"matmuls": how many, "seconds": how long}."""
+    g = torch.Generator(device=device).manual_seed(0)
+    a, b = (torch.randn(size, size, generator=g, device=device, dtype=dtype) for _ in range(2))
+    c = torch.empty_like(a)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    start, count = time.perf_counter(), 0
+    while count < max_matmuls and time.perf_counter() - start < seconds:
+        for _ in range(min(10, max_matmuls - count)):
+            torch.matmul(a, b, out=c)
+            count += 1
+        sync()
+    record = {"matmuls": count, "seconds": time.perf_counter() - start, "size": size}
+    del a, b, c
+    return record
+
+
+def _warm(device: str, save: Callable[..., None], before: str, warmups: List[Dict[str, Any]]) -> None:
+    """:func:`warm_up` before ``before`` (a part's first timing), printed and saved (``warmups``) when it ran."""
+    record = warm_up(device)
+    if record is not None:
+        warmups.append({"before": before, **record})
+        print(f"GPU warm-up before {before}: {record['matmuls']} bf16 matmuls of {record['size']}^2 in "
+              f"{record['seconds']:.2f} s", flush=True)
+        save(warmups=warmups)
+
+
+def error_line(e: BaseException) -> str:
+    """An exception in one line: its type and the first line of its message (at most 300 characters)."""
+    message = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+    return f"{type(e).__name__}: {message}" if message else type(e).__name__
+
+
 def time_passes(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], grad_out: torch.Tensor,
-                bench: Callable[[Callable[[], Any]], float]) -> Dict[str, float]:
+                bench: Callable[[Callable[[], Any]], float]) -> Dict[str, Any]:
     """Milliseconds of ``fn(*inputs)`` forward, backward (to the inputs, against ``grad_out``) and
-    forward+backward, as ``bench`` times each. torch.OutOfMemoryError propagates (the memory is freed first)."""
+    forward+backward, as ``bench`` times each. A pass that raises ends the timing there: the passes timed before
+    it are kept, with {"oom": message} for torch.OutOfMemoryError, else {"error": type and message}."""
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
-    out = None
+    out, times = None, {}
     try:
         with torch.no_grad():
-            fwd = bench(lambda: fn(*inputs))
+            times["fwd"] = bench(lambda: fn(*inputs))
         out = fn(*leaves)
-        bwd = bench(lambda: torch.autograd.grad(out, leaves, grad_out, retain_graph=True))
-        both = bench(lambda: torch.autograd.grad(fn(*leaves), leaves, grad_out))
-        return {"fwd": fwd, "bwd": bwd, "fwd+bwd": both}
+        times["bwd"] = bench(lambda: torch.autograd.grad(out, leaves, grad_out, retain_graph=True))
+        times["fwd+bwd"] = bench(lambda: torch.autograd.grad(fn(*leaves), leaves, grad_out))
+    except torch.OutOfMemoryError as e:
+        times["oom"] = str(e).strip().splitlines()[0][:200]
+    except Exception as e:  # noqa: BLE001 - a path that fails is that row's status, and the next path runs
+        traceback.print_exc()
+        times["error"] = error_line(e)
     finally:
         del out, leaves
+    return times
 
 
 def attention_inputs(b: int, h: int, n: int, d: int, device: str, dtype: torch.dtype) -> List[torch.Tensor]:
@@ -85,16 +143,27 @@ def attention_inputs(b: int, h: int, n: int, d: int, device: str, dtype: torch.d
 
 def time_paths(paths: Dict[str, Callable[..., torch.Tensor]], inputs: Sequence[torch.Tensor], grad_out: torch.Tensor,
                device: str, bench: Callable) -> Dict[str, Dict[str, Any]]:
-    """{label: {pass: ms}} of every path of ``paths``, one after the other on the same inputs; a path that runs
-    out of memory gets {"oom": message} and the others still run."""
+    """{label: {pass: ms}} of every path of ``paths``, one after the other on the same inputs
+    (:func:`time_passes`); a path that runs out of memory or fails gets "oom" or "error" and the others still
+    run."""
     times: Dict[str, Dict[str, Any]] = {}
     for label, fn in paths.items():
-        try:
-            times[label] = time_passes(fn, inputs, grad_out, bench)
-        except torch.OutOfMemoryError as e:
-            times[label] = {"oom": str(e).strip().splitlines()[0][:200]}
+        times[label] = time_passes(fn, inputs, grad_out, bench)
         free(device)
     return times
+
+
+def row_status(times: Dict[str, Dict[str, Any]], name: str) -> str:
+    """A (N, pass) row's status: "ok", or each path's error where that pass was not timed ("label: error")."""
+    errors = [f"{label}: {t['error']}" for label, t in times.items() if "error" in t and name not in t]
+    return "; ".join(errors) or "ok"
+
+
+def fail_on_rows(save: Callable[..., None], failed: Sequence[str]) -> None:
+    """A part that measured every row but some failed ends "failed", naming the rows (the first six)."""
+    if failed:
+        save(status="failed", error=f"{len(failed)} rows failed: {', '.join(failed[:6])}"
+                                    + (", ..." if len(failed) > 6 else ""))
 
 
 def _rope(d: int, n: int, device: str):
@@ -110,7 +179,8 @@ def _rope(d: int, n: int, device: str):
 def kernels_part(settings: Dict[str, Any], save: Callable[..., None]) -> None:
     """The fused kernels ("triton"), the PyTorch reference and SDPA at each N of ``settings["n"]`` (B, H, D, dtype,
     feature map from ``settings``), one row per (N, pass) saved as measured, with the kernels' minimal bytes over
-    their time as a share of the HBM bandwidth on a GPU."""
+    their time as a share of the HBM bandwidth on a GPU. A path that fails is its rows' status; the part goes on
+    and ends "failed"."""
     from linvision.kernels import linear_attention_triton
     from linvision.kernels.traffic import minimal_bytes
     from linvision.ops import linear_attention_reference, softmax_attention
@@ -121,6 +191,7 @@ def kernels_part(settings: Dict[str, Any], save: Callable[..., None]) -> None:
     rows: List[Dict[str, Any]] = []
     save(rows=rows, device=device, hbm_tbps=tbps, batch=b, heads=h, dim=d, dtype=settings["dtype"], feature_map=phi)
     itemsize = torch.finfo(dtype).bits // 8
+    _warm(device, save, "the first timing", [])
     for n in settings["n"]:
         q, k, v, do = attention_inputs(b, h, n, d, device, dtype)
         paths = {"triton": lambda q, k, v: linear_attention_triton(q, k, v, phi),
@@ -137,21 +208,25 @@ def kernels_part(settings: Dict[str, Any], save: Callable[..., None]) -> None:
                 row["sdpa_over_triton"] = row["sdpa_ms"] / row["triton_ms"]
             if tbps and row["triton_ms"]:
                 row["hbm_pct"] = 100 * floor / (row["triton_ms"] * 1e-3) / (tbps * 1e12)
+            row["status"] = row_status(times, name)
             rows.append(row)
             print(f"N={n:>7d} {name:>8}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in row.items()
                                                       if k.endswith("_ms") and v), flush=True)
         del q, k, v, do
         save(rows=rows)
+    fail_on_rows(save, [f"N={r['n']} {r['pass']}" for r in rows if r["status"] != "ok"])
 
 
 # --- part 2: the models a user compares ---
 
 
-def comparison_order(models: Sequence[str], sizes: Sequence[Any], batches: Sequence[int]) -> List[Tuple]:
+def comparison_order(models: Sequence[str], sizes: Sequence[Any], batches: Sequence[int],
+                     twin: Optional[str] = None) -> List[Tuple]:
     """(batch, size, model) in the order the comparison measures them: batch by batch, size by size (the
     smallest first), every model at a size before the next size, so that a run cut short keeps whole
-    comparisons."""
-    return [(b, s, m) for b in batches for s in sizes for m in models]
+    comparisons; at each size the ``twin`` first, so that every point measured after it has its ratios."""
+    ordered = [m for m in models if m == twin] + [m for m in models if m != twin]
+    return [(b, s, m) for b in batches for s in sizes for m in ordered]
 
 
 def _skip_point(spec: str, size: Any, batch: int, settings: Dict[str, Any], reason: str) -> Dict[str, Any]:
@@ -168,16 +243,18 @@ def _skip_point(spec: str, size: Any, batch: int, settings: Dict[str, Any], reas
 def models_part(settings: Dict[str, Any], save: Callable[..., None]) -> None:
     """Every model of ``settings["models"]`` at every size and batch (:func:`comparison_order`), inference and a
     training step under autocast (``amp``), each point saved as it finishes; a model that runs out of memory at a
-    size is not tried at larger sizes with that batch (recorded as out of memory there too). Then, per batch,
-    each model's time and memory over the twin's, and ``oom_at``: per model and batch, the first size out of
-    memory."""
-    from linvision.benchmark.throughput import add_comparisons, benchmark_point, parse_model_spec
+    size is not tried at larger sizes with that batch (recorded as out of memory there too). With each point,
+    each model's time and memory over the twin's (:func:`_compare_to_twin`), and ``oom_at``: per model and
+    batch, the first size out of memory. ``planned``: how many points the part is to measure."""
+    from linvision.benchmark.throughput import benchmark_point, parse_model_spec
 
     points: List[Dict[str, Any]] = []
-    save(points=points, twin=settings["twin"], model_kwargs=settings["model_kwargs"],
+    order = comparison_order(settings["models"], settings["img_size"], settings["batches"], settings["twin"])
+    save(points=points, planned=len(order), twin=settings["twin"], model_kwargs=settings["model_kwargs"],
          **{k: settings[k] for k in ("batches", "device", "amp", "warmup", "iters")})
+    _warm(settings["device"], save, "the first model", [])
     out_at: Dict[Tuple[str, int], Any] = {}
-    for batch, size, spec in comparison_order(settings["models"], settings["img_size"], settings["batches"]):
+    for batch, size, spec in order:
         if (spec, batch) in out_at:
             point = _skip_point(spec, size, batch, settings, f"not tried: out of memory at {out_at[spec, batch]} px")
         else:
@@ -191,12 +268,20 @@ def models_part(settings: Dict[str, Any], save: Callable[..., None]) -> None:
         points.append(point)
         print(f"batch {batch} {spec} {point['img_size']} px: {point['status']} "
               f"infer {point['infer_img_s']:.2f} img/s, train {point['train_img_s']:.2f} img/s", flush=True)
+        _compare_to_twin(points, settings["twin"])
         save(points=points, oom_at=_oom_at(points))
-    for batch in settings["batches"]:
+
+
+def _compare_to_twin(points: List[Dict[str, Any]], twin: Optional[str]) -> None:
+    """Each point's time and memory over the twin's at its size and batch (``*_vs_twin``,
+    :func:`linvision.benchmark.throughput.add_comparisons`), in every batch whose points include the twin so far:
+    recomputed after each point, so that a part stopped at its deadline keeps the ratios of what it measured."""
+    from linvision.benchmark.throughput import add_comparisons
+
+    for batch in dict.fromkeys(p["batch_size"] for p in points):
         group = [p for p in points if p["batch_size"] == batch]
-        if settings["twin"] and group:
-            add_comparisons(group, settings["twin"])
-    save(points=points, oom_at=_oom_at(points))
+        if twin is not None and any(p["model"] == twin for p in group):
+            add_comparisons(group, twin)
 
 
 def _oom_at(points: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -259,58 +344,89 @@ def _model_step(name: str, img_size: int, device: str, amp: str) -> Callable[[],
     return step
 
 
+def _first_call(what: str, make: Callable[[], Callable[[], Any]], device: str) -> Dict[str, Any]:
+    """The row of one first call: ``make()`` builds the call (its seconds are ``build_s``), then the call is timed
+    (:func:`first_call_seconds`); an exception in either is the row's status (type and first line), and its
+    seconds are None."""
+    start = time.perf_counter()
+    try:
+        call = make()
+        built = time.perf_counter() - start
+        seconds = first_call_seconds(call, device)
+    except Exception as e:  # noqa: BLE001 - the row records it and the part goes on to the next row
+        traceback.print_exc()
+        return {"what": what, "seconds": None, "status": error_line(e)}
+    finally:
+        call = None
+        free(device)
+    return {"what": what, "seconds": seconds, "build_s": built, "status": "ok"}
+
+
 def _first_calls(settings: Dict[str, Any], save: Callable[..., None], first: List[Dict[str, Any]]) -> None:
     """The first forward+backward of each recurrence op (at the smallest N) and of each model of
-    ``settings["first_models"]``, compilation included: how long a user's first call waits."""
+    ``settings["first_models"]``, compilation included: how long a user's first call waits. A call that fails is
+    recorded as its row's status, and the next one runs."""
     device, dtype, d = settings["device"], getattr(torch, settings["dtype"]), settings["dim"]
     n = min(settings["n"])
     q, k, v, do = attention_inputs(settings["batch"], settings["heads"], n, d, device, dtype)
     for label, fn in recurrence_paths(n, d, device, settings["backend"]).items():
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        seconds = first_call_seconds(lambda: torch.autograd.grad(fn(*leaves), leaves, do), device)
-        first.append({"what": f"{label} at N={n}", "seconds": seconds})
+        def make(fn=fn):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            return lambda: torch.autograd.grad(fn(*leaves), leaves, do)
+
+        first.append(_first_call(f"{label} at N={n}", make, device))
         save(first_calls=first)
+    size = settings["model_img_size"]
     for name in settings["first_models"]:
-        start = time.perf_counter()
-        step = _model_step(name, settings["model_img_size"], device, settings["amp"])
-        seconds = first_call_seconds(step, device)
-        first.append({"what": f"{name} at {settings['model_img_size']} px, batch 1", "seconds": seconds,
-                      "build_s": time.perf_counter() - start - seconds})
-        del step
-        free(device)
+        first.append(_first_call(f"{name} at {size} px, batch 1",
+                                 lambda: _model_step(name, size, device, settings["amp"]), device))
         save(first_calls=first)
 
 
 def recurrences_part(settings: Dict[str, Any], save: Callable[..., None]) -> None:
     """The first calls (:func:`_first_calls`), then bidir_delta and bidir_gated against linear_rope
-    (:func:`recurrence_paths`) at each N, forward, backward and forward+backward, one row per (N, pass)."""
+    (:func:`recurrence_paths`) at each N, forward, backward and forward+backward, one row per (N, pass). A call or
+    path that fails is its row's status (the exception's type and first line), and the part goes on; the part
+    then ends "failed", naming the rows."""
     from linvision.ops.recurrent import kernels as fla_kernels
 
     device, dtype = settings["device"], getattr(torch, settings["dtype"])
     pinned = os.environ.get(fla_kernels.AUTOTUNE_ENV, "0") != "1"
     first: List[Dict[str, Any]] = []
     rows: List[Dict[str, Any]] = []
+    warmups: List[Dict[str, Any]] = []
     save(first_calls=first, rows=rows, pinned=pinned, backend=settings["backend"],
          **{k: settings[k] for k in ("device", "batch", "heads", "dim", "dtype")})
+    _warm(device, save, "the first calls", warmups)
     _first_calls(settings, save, first)
     save(pinned_autotuners=len(fla_kernels._PINNED))
+    _warm(device, save, "the timings", warmups)  # the first calls compile on the CPU: the GPU idled meanwhile
     for n in settings["n"]:
         q, k, v, do = attention_inputs(settings["batch"], settings["heads"], n, settings["dim"], device, dtype)
         paths = recurrence_paths(n, settings["dim"], device, settings["backend"])
-        times = time_paths(paths, (q, k, v), do, device, bench_for(device))
-        for name in PASSES:
-            row = {"n": n, "pass": name}
-            for label in paths:
-                row[f"{label}_ms"] = times[label].get(name)
-                if "oom" in times[label]:
-                    row[f"{label}_oom"] = True
-            for label in ("bidir_delta", "bidir_gated"):
-                if row[f"{label}_ms"] and row["linear_rope_ms"]:
-                    row[f"{label}_over_linear_rope"] = row[f"{label}_ms"] / row["linear_rope_ms"]
-            rows.append(row)
-        print(f"N={n}: " + "; ".join(f"{lab} {t}" for lab, t in times.items()), flush=True)
+        rows += _recurrence_rows(n, time_paths(paths, (q, k, v), do, device, bench_for(device)))
         del q, k, v, do
         save(rows=rows)
+    fail_on_rows(save, [c["what"] for c in first if c["status"] != "ok"] + [
+        f"N={r['n']} {r['pass']}" for r in rows if r["status"] != "ok"])
+
+
+def _recurrence_rows(n: int, times: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The rows (one per pass) of the recurrence timings at ``n`` from :func:`time_paths`' ``times``."""
+    rows = []
+    for name in PASSES:
+        row = {"n": n, "pass": name}
+        for label, t in times.items():
+            row[f"{label}_ms"] = t.get(name)
+            if "oom" in t and name not in t:
+                row[f"{label}_oom"] = True
+        for label in ("bidir_delta", "bidir_gated"):
+            if row.get(f"{label}_ms") and row.get("linear_rope_ms"):
+                row[f"{label}_over_linear_rope"] = row[f"{label}_ms"] / row["linear_rope_ms"]
+        row["status"] = row_status(times, name)
+        rows.append(row)
+    print(f"N={n}: " + "; ".join(f"{lab} {t}" for lab, t in times.items()), flush=True)
+    return rows
 
 
 # --- the process of a part ---
@@ -352,6 +468,5 @@ def child() -> None:
         save(done=True)
     except Exception as e:
         traceback.print_exc()
-        message = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-        save(error=f"{type(e).__name__}: {message}" if message else type(e).__name__)
+        save(error=error_line(e))
         sys.exit(1)

@@ -26,7 +26,7 @@ def summary(part: str, result: Dict[str, Any]) -> str:
         return f"{len(result['rows'])} rows, N = {ns[0]}-{ns[-1]}"
     if part == "models" and "points" in result:
         points = result["points"]
-        return f"{sum(p['status'] == 'ok' for p in points)} of {len(points)} points measured"
+        return f"{sum(p['status'] == 'ok' for p in points)} of {result.get('planned', len(points))} points measured"
     return result.get("error", "")
 
 
@@ -48,13 +48,24 @@ def render(report: Dict[str, Any]) -> str:
         lines += ["", f"## {TITLES[part]}", "", f"Status: **{result['status']}**"
                   + (f": {result['error']}" if result.get("error") else "")
                   + f" ({result['seconds']:.0f} s; output in `{result['log']}`)."]
-        body = renderers[part](result)
+        body = _warmups(result) + renderers[part](result)
         if dry and body and part != "tests":
             body = ["", f"**{DRY_NOTE}**"] + body
         lines += body
         if result.get("log_tail"):
             lines += ["", "The end of its output:", "", "```", *result["log_tail"], "```"]
     return "\n".join(lines) + "\n"
+
+
+def _warmups(result: Dict[str, Any]) -> List[str]:
+    """The GPU warm-ups a part ran before its timings (none off CUDA)."""
+    return ["", "GPU warm-up: " + "; ".join(f"{w['matmuls']} bf16 matmuls of {w['size']}^2 in {w['seconds']:.2f} s "
+                                           f"before {w['before']}" for w in result["warmups"]) + "."
+            ] if result.get("warmups") else []
+
+
+def _status_cell(row: Dict[str, Any]) -> str:
+    return row.get("status", "ok").replace("|", "/")
 
 
 def _tests(result: Dict[str, Any]) -> List[str]:
@@ -78,11 +89,12 @@ def _kernels(result: Dict[str, Any]) -> List[str]:
     lines = ["", f"B={result['batch']} H={result['heads']} D=Dv={result['dim']} {result['dtype']}, "
                  f"phi={result['feature_map']}, on {result['device']}; ms per call"
                  + (f", % HBM of {result['hbm_tbps']} TB/s" if result.get("hbm_tbps") else "") + ".", "",
-             "| N | pass | triton (ms) | torch ref (ms) | SDPA (ms) | SDPA / triton | % HBM |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
+             "| N | pass | triton (ms) | torch ref (ms) | SDPA (ms) | SDPA / triton | % HBM | status |",
+             "|---:|---|---:|---:|---:|---:|---:|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['n']} | {r['pass']} | {_n(r['triton_ms'])} | {_n(r['torch_ref_ms'])} | "
-                     f"{_n(r['sdpa_ms'])} | {_n(r.get('sdpa_over_triton'), '.2f')} | {_n(r.get('hbm_pct'), '.1f')} |")
+                     f"{_n(r['sdpa_ms'])} | {_n(r.get('sdpa_over_triton'), '.2f')} | {_n(r.get('hbm_pct'), '.1f')} | "
+                     f"{_status_cell(r)} |")
     return lines
 
 
@@ -110,18 +122,18 @@ def _recurrences(result: Dict[str, Any]) -> List[str]:
     lines = []
     if result.get("first_calls"):
         lines += ["", f"First calls on {result['device']} (compilation included; fla's autotuners "
-                      f"{'pinned' if result.get('pinned') else 'autotuning'}):", "", "| first call | seconds |",
-                  "|---|---:|"]
-        lines += [f"| {c['what']} | {_n(c['seconds'], '.2f')} |" for c in result["first_calls"]]
+                      f"{'pinned' if result.get('pinned') else 'autotuning'}):", "",
+                  "| first call | seconds | status |", "|---|---:|---|"]
+        lines += [f"| {c['what']} | {_n(c['seconds'], '.2f')} | {_status_cell(c)} |" for c in result["first_calls"]]
     if result.get("rows"):
         lines += ["", f"B={result['batch']} H={result['heads']} D={result['dim']} {result['dtype']}, backend "
                       f"{result['backend']}; ms per call.", "",
                   "| N | pass | linear_rope (ms) | bidir_delta (ms) | bidir_gated (ms) | delta / linear_rope | "
-                  "gated / linear_rope |", "|---:|---|---:|---:|---:|---:|---:|"]
+                  "gated / linear_rope | status |", "|---:|---|---:|---:|---:|---:|---:|---|"]
         for r in result["rows"]:
             cells = [_n(r.get(f"{k}_ms")) if not r.get(f"{k}_oom") else "oom"
                      for k in ("linear_rope", "bidir_delta", "bidir_gated")]
             lines.append(f"| {r['n']} | {r['pass']} | " + " | ".join(cells) + f" | "
                          f"{_n(r.get('bidir_delta_over_linear_rope'), '.2f')} | "
-                         f"{_n(r.get('bidir_gated_over_linear_rope'), '.2f')} |")
+                         f"{_n(r.get('bidir_gated_over_linear_rope'), '.2f')} | {_status_cell(r)} |")
     return lines

@@ -54,8 +54,8 @@ FIRST_MODELS = ["vig_tiny", "linhier_delta_tiny_224"]
 DRY = {"n": [256], "rec_n": [256], "heads": 1, "dim": 16, "dtype": "float32", "img_size": [32], "batches": [2],
        "warmup": 0, "iters": 1, "amp": "none", "model_img_size": 32, "tests_k": "autocast",
        "tests_paths": ["tests/test_kernels.py"]}
-# The CUDA tests by value: the kernels' files first (pytest collects a file named twice once).
-TESTS_PATHS = ["tests/test_kernels.py", "tests/test_recurrent_kernels.py", "tests"]
+# The CUDA tests by value: the kernels' files first, then the other test files (:func:`ordered_test_paths`).
+TESTS_FIRST = ["tests/test_kernels.py", "tests/test_recurrent_kernels.py"]
 
 
 def part_deadline(part: str, remaining: Sequence[str], left: float) -> float:
@@ -238,18 +238,30 @@ def _log_lines(path: str) -> List[str]:
         return []
 
 
+def ordered_test_paths(repo: str, first: Sequence[str] = TESTS_FIRST) -> List[str]:
+    """The test files of ``repo``'s tests/, ``first`` first and the others after them in name order, each named
+    once. pytest runs the files named on its command line in that order; a folder named after some of its files
+    (``... tests/test_kernels.py tests``) is collected in its own name order instead, files named before
+    included."""
+    names = sorted(f for f in os.listdir(os.path.join(repo, "tests")) if f.startswith("test_") and f.endswith(".py"))
+    return [*first, *(p for p in (f"tests/{f}" for f in names) if p not in first)]
+
+
 def tests_part(repo: str, out_dir: str, deadline: float, keyword: Optional[str], interpret: bool,
                update: Callable[[Dict[str, Any]], None] = lambda figures: None,
                paths: Sequence[str] = ("tests",)) -> Dict[str, Any]:
-    """``pytest -m cuda`` (and ``-k keyword``) over ``paths`` of ``repo`` in a process stopped at ``deadline``;
-    the counts so far go to ``update`` every second."""
+    """``pytest -m cuda`` (and ``-k keyword``) over ``paths`` of ``repo`` in a process stopped at ``deadline``,
+    the fused kernels not autotuned (LINVISION_KERNEL_AUTOTUNE=0: each new shape would benchmark every offered
+    configuration); the counts so far go to ``update`` every second."""
+    from linvision.kernels.linear_attention import AUTOTUNE_ENV
+
     xml, log = os.path.abspath(os.path.join(out_dir, "tests.xml")), os.path.join(out_dir, "tests.log")
     if os.path.exists(xml):
         os.remove(xml)
     cmd = [sys.executable, "-m", "pytest", "-v", "-m", "cuda", "-p", "no:cacheprovider", f"--junitxml={xml}",
            *(["-k", keyword] if keyword else []), *paths]
-    command = " ".join(["pytest", *cmd[3:]])
-    run = run_process(cmd, deadline, log, env=child_env(interpret), cwd=repo,
+    command = " ".join([f"{AUTOTUNE_ENV}=0", "pytest", *cmd[3:]])
+    run = run_process(cmd, deadline, log, env={**child_env(interpret), AUTOTUNE_ENV: "0"}, cwd=repo,
                       tick=lambda: update({"command": command, **tests_figures(*_lines_and_results(log))}))
     lines, results = _log_lines(log), junit_results(xml)
     results = line_results(lines) if results is None else results
@@ -385,7 +397,7 @@ def _run_part(part: str, settings: Dict[str, Dict[str, Any]], options: Dict[str,
             import torch
 
             return tests_part(options["repo"], out_dir, deadline, keyword, not torch.cuda.is_available(), update,
-                              DRY["tests_paths"] if dry else TESTS_PATHS)
+                              DRY["tests_paths"] if dry else ordered_test_paths(options["repo"]))
         return run_child_part(part, settings[part], out_dir, deadline, dry, update)
     except Exception as e:  # the report records a part that could not even start, and the next part runs
         return {"status": "error", "error": f"{type(e).__name__}: {e}", "seconds": 0.0, "deadline_s": deadline,

@@ -78,6 +78,10 @@ MAX_VALUE_DIM = 128
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _INTERPRET_BLOCK_N = 64
+# LINVISION_KERNEL_AUTOTUNE=0 (read at import): every launch takes the first offered configuration, none benchmarked
+# (the CUDA tests: each new shape would otherwise time every configuration); the default is 1, autotuned.
+AUTOTUNE_ENV = "LINVISION_KERNEL_AUTOTUNE"
+_AUTOTUNE = os.environ.get(AUTOTUNE_ENV, "1") != "0"
 _SPLIT_ALIGN = 256  # split lengths are multiples of every autotuned BLOCK_N
 # The backward's products with the state (S, dS) take its hi part only: 2^-9 (bf16) / 2^-11 (fp16) relative,
 # within the gradients' tolerances (4x the output's), as flash attention's backward rounds P and dS to 16 bits;
@@ -928,10 +932,11 @@ def _grid(blocks, bh: int):
 
 
 def _run(name: str, d: int, dv: int, grid, *args, **meta) -> None:
-    """Launch kernel ``name``. During CUDA-graph capture, where benchmarking cannot run, the first offered
-    configuration; else the autotuner's choice: benchmarked on the first call of a (head-dim bucket, N bucket,
-    constexprs), then launched directly with the configuration it chose (no pass through the autotuner)."""
-    if not _INTERPRET and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    """Launch kernel ``name``. During CUDA-graph capture, where benchmarking cannot run, and with
+    LINVISION_KERNEL_AUTOTUNE=0, the first offered configuration; else the autotuner's choice: benchmarked on the
+    first call of a (head-dim bucket, N bucket, constexprs), then launched directly with the configuration it chose
+    (no pass through the autotuner)."""
+    if not _AUTOTUNE or (not _INTERPRET and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         bn, warps, stages = offered_configs(name, d, dv)[0]
         _JITTED[name][grid({"BLOCK_N": bn})](*args, **meta, BLOCK_N=bn, num_warps=warps, num_stages=stages)
         return

@@ -10,7 +10,11 @@ the budget that is left when it starts):
   recurrences  the first call (compilation included) of bidir_delta, bidir_gated, linear_rope, vig_tiny and
                linhier_delta_tiny_224 (1024 px), then bidir_delta and bidir_gated against linear_rope at
                4k-262k tokens, forward and backward
-  tests        the CUDA tests: pytest -m cuda
+  tests        the CUDA tests: pytest -m cuda, the kernels' test files first, the fused kernels not autotuned
+               (LINVISION_KERNEL_AUTOTUNE=0)
+
+On a GPU each timing part first runs about 1 s of matmuls, for the clocks to ramp up; a row that fails (a first
+call, a path at one N) is recorded as that row's status and the part goes on.
 
 report.md and report.json go into --output and are rewritten whenever a part's rows change, so a run cut at any
 point keeps what it measured; each part's output goes to <part>.log beside them.

@@ -28,14 +28,16 @@ def _number(value) -> bool:
 
 @pytest.mark.timeout(900)
 def test_dry_run_writes_the_report_of_every_part(tmp_path, capsys):
-    """The four parts in the order of their value, each with figures; two models keep the CPU's part short."""
+    """The five parts in the order of their value, each with figures; few models keep the CPU's parts short."""
     cuda = torch.cuda.is_available()
     out = tmp_path / "report"
     status = tool.main((["--dry-run"] if cuda else []) + [
-        "--output", str(out), "--models", "vit_small_patch16_224", TWIN, "--first-models", "vig_tiny"])
+        "--output", str(out), "--models", "vit_small_patch16_224", TWIN, "--first-models", "vig_tiny",
+        "--profile-models", "vit_small_patch16_224"])
     printed = capsys.readouterr().out
     assert status == 0, printed[-3000:]
-    for line in ("[1/4] kernels:", "[2/4] models:", "[3/4] recurrences:", "[4/4] tests:", "4 of 4 parts ok"):
+    for line in ("[1/5] kernels:", "[2/5] profile:", "[3/5] models:", "[4/5] recurrences:", "[5/5] tests:",
+                 "5 of 5 parts ok"):
         assert line in printed
     report = json.loads((out / "report.json").read_text())
     markdown = (out / "report.md").read_text()
@@ -45,13 +47,22 @@ def test_dry_run_writes_the_report_of_every_part(tmp_path, capsys):
         assert _number(part["seconds"]) and 0 < part["seconds"] <= part["deadline_s"]
         assert (out / part["log"]).is_file()
     # the budget is shared as the parts start: the first part gets its share of all of it
-    assert report["parts"]["kernels"]["deadline_s"] == pytest.approx(540 * 2 / 10)
+    assert report["parts"]["kernels"]["deadline_s"] == pytest.approx(540 * 2 / 11)
 
     kernels = report["parts"]["kernels"]
     assert [(r["n"], r["pass"]) for r in kernels["rows"]] == [(256, "fwd"), (256, "bwd"), (256, "fwd+bwd")]
     for row in kernels["rows"]:
         assert all(_number(row[k]) and row[k] > 0 for k in ("triton_ms", "torch_ref_ms", "sdpa_ms")), row
         assert math.isclose(row["sdpa_over_triton"], row["sdpa_ms"] / row["triton_ms"])
+
+    profile = report["parts"]["profile"]
+    assert [r["what"] for r in profile["rows"]] == [
+        "fused forward, N=256", "fused forward+backward, N=256", "SDPA forward+backward, N=256",
+        "vit_small_patch16_224 forward, batch 1, 32 px"]
+    for r in profile["rows"]:  # on the CPU nothing is launched and the host's time is the call's
+        assert r["wall_ms"] >= r["host_ms"] > 0 and r["launches"] == 0 and r["device_ms"] == 0, r
+        assert r["aten_ops"] >= 1 and r["top"] and all(t["calls"] > 0 for t in r["top"]), r
+    assert "linvision::linear_attention_bwd" in [t["op"] for t in profile["rows"][1]["top"]]
 
     points = report["parts"]["models"]["points"]
     assert [(p["batch_size"], p["model"], p["img_size"]) for p in points] == [  # the twin first at each size
@@ -79,11 +90,11 @@ def test_dry_run_writes_the_report_of_every_part(tmp_path, capsys):
     assert c["passed"] >= 1 and c["failed"] == c["error"] == 0 and c["run"] == c["passed"] + c["skipped"]
     assert c["deselected"] == c["collected"] - c["run"]
 
-    for heading in ("# GPU report", "## 1. Kernels against SDPA", "## 2. Models against timm's",
-                    "## 3. Recurrences on fla-core's kernels", "## 4. CUDA tests"):
+    for heading in ("# GPU report", "## 1. Kernels against SDPA", "## 2. Where a small call's time goes",
+                    "## 3. Models against timm's", "## 4. Recurrences on fla-core's kernels", "## 5. CUDA tests"):
         assert f"\n{heading}\n" in f"\n{markdown}"
     # every section with figures says first, in bold, that the dry run's figures are not speed figures
-    assert markdown.count(f"**{gpu_report.DRY_NOTE}**") == 3 and "they are not speed figures" in gpu_report.DRY_NOTE
+    assert markdown.count(f"**{gpu_report.DRY_NOTE}**") == 4 and "they are not speed figures" in gpu_report.DRY_NOTE
     row = kernels["rows"][0]
     assert f"| 256 | fwd | {row['triton_ms']:.3f} | {row['torch_ref_ms']:.3f} | {row['sdpa_ms']:.3f} |" in markdown
     assert f"| 2 | vit_small_patch16_224 | 32 | ok | {points[1]['infer_img_s']:.2f} |" in markdown
@@ -92,11 +103,14 @@ def test_dry_run_writes_the_report_of_every_part(tmp_path, capsys):
     assert re.search(rf"\| 2 \| vit_small_patch16_224 \| 32 \| ok \|.* \| {p['infer_ms_vs_twin']:.2f} \| "
                      rf"{p['train_ms_vs_twin']:.2f} \|\n", markdown)
     assert "| models | ok |" in markdown and "| 2 of 2 points measured |" in markdown
+    # the models' figure, one per batch, beside the report and shown in it
+    assert report["parts"]["models"]["figures"] == {"2": "models_b2.png"} and (out / "models_b2.png").is_file()
+    assert "(models_b2.png)" in markdown
 
 
 def test_the_budget_is_shared_out_as_the_parts_start():
     assert sum(gpu_report.part_deadline(p, gpu_report.PARTS, 540) for p in gpu_report.PARTS) == pytest.approx(540)
-    assert gpu_report.part_deadline("kernels", gpu_report.PARTS, 540) == pytest.approx(108)
+    assert gpu_report.part_deadline("kernels", gpu_report.PARTS, 540) == pytest.approx(540 * 2 / 11)
     # what the kernels left (500 of 540 s) goes to the three parts after it, by their shares 4:2:2
     assert gpu_report.part_deadline("models", ("models", "recurrences", "tests"), 500) == pytest.approx(250)
     assert gpu_report.part_deadline("tests", ("tests",), 37) == pytest.approx(37)

@@ -429,9 +429,64 @@ def _recurrence_rows(n: int, times: Dict[str, Dict[str, Any]]) -> List[Dict[str,
     return rows
 
 
+# --- part: where a small call's time goes ---
+
+
+def _profile_cases(settings: Dict[str, Any]) -> Dict[str, Callable[[], Any]]:
+    """The calls the profile part reads: the fused kernels' forward and forward+backward and SDPA's
+    forward+backward at the kernels part's smallest N, and a forward at batch 1 of each of ``settings["models"]``
+    under the amp of the models part."""
+    from linvision.kernels import linear_attention_triton
+    from linvision.ops import softmax_attention
+    from linvision.utils.amp import autocast
+    from linvision.utils.factory import create_model
+
+    device, dtype = settings["device"], getattr(torch, settings["dtype"])
+    b, h, d, n = settings["batch"], settings["heads"], settings["dim"], settings["n"]
+    q, k, v, do = attention_inputs(b, h, n, d, device, dtype)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+    def fused_fwd():
+        with torch.no_grad():
+            linear_attention_triton(q, k, v, "elu")
+
+    cases = {f"fused forward, N={n}": fused_fwd,
+             f"fused forward+backward, N={n}":
+                 lambda: torch.autograd.grad(linear_attention_triton(*leaves, "elu"), leaves, do),
+             f"SDPA forward+backward, N={n}": lambda: torch.autograd.grad(softmax_attention(*leaves), leaves, do)}
+    size = settings["img_size"]
+    for name in settings["models"]:
+        model = create_model(name, img_size=size).to(device).eval()
+        x = torch.randn(1, 3, size, size, device=device)
+
+        def forward(model=model, x=x):
+            with torch.no_grad(), autocast(torch.device(device), settings["amp"]):
+                model(x)
+
+        cases[f"{name} forward, batch 1, {size} px"] = forward
+    return cases
+
+
+def profile_part(settings: Dict[str, Any], save: Callable[..., None]) -> None:
+    """Each call of :func:`_profile_cases` read by :func:`linvision.benchmark.host_profile.profile_call`: wall,
+    host and device ms, launches and aten ops per call and the operators with the most host time, one row per
+    call saved as measured."""
+    from linvision.benchmark.host_profile import profile_call
+
+    rows: List[Dict[str, Any]] = []
+    save(rows=rows, device=settings["device"], steps=settings["steps"])
+    _warm(settings["device"], save, "the profiles", [])
+    for what, fn in _profile_cases(settings).items():
+        rows.append({"what": what, **profile_call(fn, settings["device"], steps=settings["steps"])})
+        print(f"{what}: " + ", ".join(f"{key} {rows[-1][key]:.3g}" for key in
+                                      ("wall_ms", "host_ms", "device_ms", "launches", "aten_ops")), flush=True)
+        save(rows=rows)
+
+
 # --- the process of a part ---
 
-PART_FUNCTIONS = {"kernels": kernels_part, "models": models_part, "recurrences": recurrences_part}
+PART_FUNCTIONS = {"kernels": kernels_part, "profile": profile_part, "models": models_part,
+                  "recurrences": recurrences_part}
 
 
 def write_json(path: str, data: Any) -> None:

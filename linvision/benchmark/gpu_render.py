@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List
 
-TITLES = {"kernels": "1. Kernels against SDPA", "models": "2. Models against timm's",
-          "recurrences": "3. Recurrences on fla-core's kernels", "tests": "4. CUDA tests"}
+TITLES = {"kernels": "1. Kernels against SDPA", "profile": "2. Where a small call's time goes",
+          "models": "3. Models against timm's", "recurrences": "4. Recurrences on fla-core's kernels",
+          "tests": "5. CUDA tests"}
 DRY_NOTE = ("Dry run on the CPU: each figure is one call, the kernels in Triton's interpreter and the recurrences on "
             "the PyTorch path, so the times and their ratios check that the part runs; they are not speed figures.")
 
@@ -24,6 +25,8 @@ def summary(part: str, result: Dict[str, Any]) -> str:
     if part in ("kernels", "recurrences") and result.get("rows"):
         ns = sorted({r["n"] for r in result["rows"]})
         return f"{len(result['rows'])} rows, N = {ns[0]}-{ns[-1]}"
+    if part == "profile" and result.get("rows"):
+        return f"{len(result['rows'])} calls read"
     if part == "models" and "points" in result:
         points = result["points"]
         return f"{sum(p['status'] == 'ok' for p in points)} of {result.get('planned', len(points))} points measured"
@@ -43,7 +46,8 @@ def render(report: Dict[str, Any]) -> str:
     for part, result in report["parts"].items():
         lines.append(f"| {part} | {result['status']} | {result['seconds']:.0f} | {result['deadline_s']:.0f} | "
                      f"{summary(part, result).replace('|', '/')} |")
-    renderers = {"tests": _tests, "kernels": _kernels, "models": _models, "recurrences": _recurrences}
+    renderers = {"tests": _tests, "kernels": _kernels, "profile": _profile, "models": _models,
+                 "recurrences": _recurrences}
     for part, result in report["parts"].items():
         lines += ["", f"## {TITLES[part]}", "", f"Status: **{result['status']}**"
                   + (f": {result['error']}" if result.get("error") else "")
@@ -98,6 +102,24 @@ def _kernels(result: Dict[str, Any]) -> List[str]:
     return lines
 
 
+def _profile(result: Dict[str, Any]) -> List[str]:
+    """The profile part: per call the clocks and counts, then each call's busiest operators."""
+    if not result.get("rows"):
+        return []
+    lines = ["", f"On {result['device']}, per call over {result['steps']} calls (after 2 untimed): wall (synchronised),"
+                 " host (until the call returns), device (its kernels' own time) in ms; launches and aten ops "
+                 "(nested ones included). Host-bound where wall is near host and above device.", "",
+             "| call | wall (ms) | host (ms) | device (ms) | launches | aten ops |", "|---|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['what']} | {_n(r['wall_ms'])} | {_n(r['host_ms'])} | {_n(r['device_ms'])} | "
+                     f"{_n(r['launches'], '.0f')} | {_n(r['aten_ops'], '.0f')} |")
+    for r in result["rows"]:
+        lines += ["", f"{r['what']}: the operators with the most host time of their own (µs per call)", "",
+                  "| operator | calls | host µs |", "|---|---:|---:|"]
+        lines += [f"| `{t['op']}` | {_n(t['calls'], '.0f')} | {_n(t['self_host_us'], '.1f')} |" for t in r["top"]]
+    return lines
+
+
 def _models(result: Dict[str, Any]) -> List[str]:
     if not result.get("points"):
         return []
@@ -115,6 +137,8 @@ def _models(result: Dict[str, Any]) -> List[str]:
     if result.get("oom_at"):
         lines += ["", "Out of memory from: " + "; ".join(f"{k} at {v} px" for k, v in result["oom_at"].items())
                   + "."]
+    for batch, name in (result.get("figures") or {}).items():
+        lines += ["", f"![images/s and peak memory against the size, batch {batch}]({name})"]
     return lines
 
 

@@ -4,6 +4,8 @@ The parts run in the order of their value, each in a process of its own stopped 
 starting when it ends (:data:`PARTS`):
 
   kernels      the fused kernels, the PyTorch reference and SDPA, forward and backward at 4k-131k tokens
+  profile      where a small call's time goes (host against device, launches, the busiest operators): the fused
+               kernels and SDPA at the smallest N, a forward at batch 1 of linhier_tiny_224 and vit_small
   models       linvision's models against timm's on the same card: images/s and peak memory, batch 8 and 1,
                inference and a training step, bf16 autocast, 512-2048 px, where each runs out of memory
   recurrences  the first call of the recurrences and of vig_tiny / linhier_delta_tiny_224 (compilation
@@ -40,8 +42,8 @@ from .gpu_render import DRY_NOTE, TITLES, render
 
 __all__ = ["PARTS", "TITLES", "SHARES", "DRY_NOTE", "MODELS", "run_report", "part_deadline", "check_options"]
 
-PARTS = ("kernels", "models", "recurrences", "tests")
-SHARES = {"kernels": 2, "models": 4, "recurrences": 2, "tests": 2}
+PARTS = ("kernels", "profile", "models", "recurrences", "tests")
+SHARES = {"kernels": 2, "profile": 1, "models": 4, "recurrences": 2, "tests": 2}
 DEFAULT_BUDGET = 540.0
 SOFTMAX_TWIN = "linvit_small_patch16_rope_224:token_mixer=softmax"
 # the bidirectional delta rule in the same ViT: it takes no prefix tokens and no RoPE (a learned position embedding)
@@ -50,6 +52,8 @@ MODELS = ["linhier_tiny_224", "mlla_tiny", "vig_h_tiny", "linvit_small_patch16_r
           BIDIR_DELTA_VIT, "swin_tiny_patch4_window7_224", "convnext_tiny",
           "vit_small_patch16_224", SOFTMAX_TWIN]
 FIRST_MODELS = ["vig_tiny", "linhier_delta_tiny_224"]
+# the profile part: a hierarchical model against timm's ViT, at batch 1 (where the host sets the time)
+PROFILE_MODELS = ["linhier_tiny_224", "vit_small_patch16_224"]
 # The dry run: every part at sizes a CPU runs in seconds.
 DRY = {"n": [256], "rec_n": [256], "heads": 1, "dim": 16, "dtype": "float32", "img_size": [32], "batches": [2],
        "warmup": 0, "iters": 1, "amp": "none", "model_img_size": 32, "tests_k": "autocast",
@@ -331,10 +335,12 @@ def part_settings(options: Dict[str, Any], dry: bool) -> Dict[str, Dict[str, Any
     return {
         "kernels": {**common, "n": o["n"], "feature_map": "elu", "hbm_tbps": o.get("hbm_tbps"),
                     "sdpa_max_n": max(o["n"]) if dry else o.get("sdpa_max_n", 131072)},
+        "profile": {**common, "n": min(o["n"]), "models": o.get("profile_models", PROFILE_MODELS),
+                    "img_size": 32 if dry else 512, "amp": o["amp"], "steps": 1 if dry else 5},
         "models": {"models": o["models"], "twin": o["twin"], "device": device, "img_size": o["img_size"],
                    "batches": o["batches"], "amp": o["amp"], "warmup": o["warmup"], "iters": o["iters"],
                    "model_kwargs": {}},
-        "recurrences": {**common, "n": o["rec_n"], "backend": "torch" if dry else "auto",
+        "recurrences": {**common, "n": o["rec_n"], "backend": "torch" if dry else "triton",
                         "first_models": o.get("first_models", FIRST_MODELS), "amp": o["amp"],
                         "model_img_size": o.get("model_img_size", 1024)},
     }
@@ -369,12 +375,30 @@ def run_report(options: Dict[str, Any], argv: Sequence[str] = ()) -> int:
         print(f"[{i + 1}/{len(parts)}] {part}: {TITLES[part][3:]} (deadline {deadline:.0f} s)", flush=True)
         result = _run_part(part, settings, options, out_dir, deadline, dry, report)
         report["parts"][part] = result
+        if part == "models":
+            result["figures"] = model_figures(result, out_dir, env["gpu"] or "CPU (dry run)")
         write_report(report, out_dir)
         print(f"[{i + 1}/{len(parts)}] {part}: {result['status']} in {result['seconds']:.0f} s", flush=True)
     bad = [p for p, r in report["parts"].items() if r["status"] != "ok"]
     print(f"{len(parts) - len(bad)} of {len(parts)} parts ok" + (f" ({', '.join(bad)} not)" if bad else "")
           + f"; report: {os.path.join(out_dir, 'report.md')} and report.json", flush=True)
     return 1 if bad else 0
+
+
+def model_figures(result: Dict[str, Any], out_dir: str, device: str) -> Dict[str, str]:
+    """models_b<batch>.png in ``out_dir`` for each batch of the models part with a measured point: images/s and
+    peak memory against the size, one series per model (:func:`linvision.benchmark.plots.plot_results`).
+    Returns {batch: file name} of the figures written."""
+    from linvision.benchmark.plots import plot_results
+
+    figures = {}
+    for batch in result.get("batches", []):
+        points = [p for p in result.get("points", []) if p["batch_size"] == batch]
+        name = f"models_b{batch}.png"
+        title = f"{device}, amp {result.get('amp')}, batch {batch}: linvision's models against timm's"
+        if points and plot_results(points, os.path.join(out_dir, name), title=title):
+            figures[str(batch)] = name
+    return figures
 
 
 def _run_part(part: str, settings: Dict[str, Dict[str, Any]], options: Dict[str, Any], out_dir: str,
@@ -418,6 +442,8 @@ def check_options(options: Dict[str, Any]) -> None:
                          f"{options['heads']}, {options['dim']}")
     for spec in options["models"]:
         check_model_name(parse_model_spec(spec)[0])
+    for name in [*options.get("first_models", []), *options.get("profile_models", [])]:
+        check_model_name(name)
     if options["twin"] is not None and options["twin"] not in options["models"]:
         raise ValueError(f"twin: {options['twin']!r} is not one of --models (--twin none: no comparison)")
 

@@ -1,10 +1,13 @@
 r"""Everything a GPU can tell about linvision in one run of a fixed budget, and one report.
 
-Four parts, in the order of their value, each in a process of its own stopped at its deadline (its share of
+Five parts, in the order of their value, each in a process of its own stopped at its deadline (its share of
 the budget that is left when it starts):
 
   kernels      the fused kernels, the PyTorch reference and softmax attention (SDPA), forward, backward and
                forward+backward at 4k-131k tokens (B=1, H=16, D=64, bf16), with the share of the HBM bandwidth
+  profile      where a small call's time goes, read with torch.profiler: wall, host and device ms, launches and
+               aten ops per call, the busiest operators; the kernels and SDPA at the smallest N, a forward at
+               batch 1 (512 px) of linhier_tiny_224 and vit_small_patch16_224
   models       linvision's models against timm's on the same card, bf16 autocast, batch 8 then 1, 512-2048 px:
                images/s and peak memory, inference and a training step, where each runs out of memory
   recurrences  the first call (compilation included) of bidir_delta, bidir_gated, linear_rope, vig_tiny and
@@ -85,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="images per forward and per training step, in the order measured")
     p.add_argument("--first-models", nargs="+", default=report.FIRST_MODELS,
                    help="models whose first forward+backward (batch 1, 1024 px) the recurrences part times")
+    p.add_argument("--profile-models", nargs="+", default=report.PROFILE_MODELS,
+                   help="models whose forward at batch 1 (512 px) the profile part reads")
     p.add_argument("--amp", default="bf16", help=AMP_HELP, **amp_flag_options())
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations before the timed ones")
     p.add_argument("--iters", type=int, default=3, help="timed iterations per figure")

@@ -526,9 +526,9 @@ def test_autocast_runs_in_the_autocast_dtype():
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
-def test_cuda_graph_capture_launches_a_fixed_configuration(monkeypatch):
-    """During CUDA-graph capture the autotuner (which benchmarks) is not used: the first offered configuration
-    is launched directly, with its block size in the grid."""
+def _spy_launches(monkeypatch, name, capturing, why):
+    """Kernel ``name``'s launches recorded (grid, keyword arguments) instead of run, as on a GPU (``capturing``:
+    inside CUDA-graph capture); the autotuner fails the test with ``why`` if it is used."""
     launches = []
 
     class Recorder:
@@ -537,13 +537,20 @@ def test_cuda_graph_capture_launches_a_fixed_configuration(monkeypatch):
 
     class NoTuning:
         def __getitem__(self, grid):
-            raise AssertionError("autotuned during capture")
+            raise AssertionError(why)
 
     monkeypatch.setattr(kernel_module, "_INTERPRET", False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    monkeypatch.setattr(kernel_module, "_JITTED", {"_key_bwd_kernel": Recorder()})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    monkeypatch.setattr(kernel_module, "_JITTED", {name: Recorder()})
     monkeypatch.setattr(kernel_module, "_tuned", lambda *args: NoTuning())
+    return launches
+
+
+def test_cuda_graph_capture_launches_a_fixed_configuration(monkeypatch):
+    """During CUDA-graph capture the autotuner (which benchmarks) is not used: the first offered configuration
+    is launched directly, with its block size in the grid."""
+    launches = _spy_launches(monkeypatch, "_key_bwd_kernel", True, "autotuned during capture")
     kernel_module._run("_key_bwd_kernel", 128, 64, kernel_module._grid(lambda cfg: -(-1000 // cfg["BLOCK_N"]), 6),
                        "args", FEATURE=1)
     bn, warps, stages = kernel_module.offered_configs("_key_bwd_kernel", 128)[0]
@@ -553,22 +560,8 @@ def test_cuda_graph_capture_launches_a_fixed_configuration(monkeypatch):
 def test_autotuning_switched_off_launches_the_first_offered_configuration(monkeypatch):
     """LINVISION_KERNEL_AUTOTUNE=0 (read at import; the GPU report's CUDA tests set it): outside CUDA-graph capture
     too, every launch takes the first offered configuration directly, and the autotuner is never used."""
-    launches = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((grid, kwargs))
-
-    class NoTuning:
-        def __getitem__(self, grid):
-            raise AssertionError("autotuned with LINVISION_KERNEL_AUTOTUNE=0")
-
+    launches = _spy_launches(monkeypatch, "_state_fwd_kernel", False, "autotuned with LINVISION_KERNEL_AUTOTUNE=0")
     monkeypatch.setattr(kernel_module, "_AUTOTUNE", False)
-    monkeypatch.setattr(kernel_module, "_INTERPRET", False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(kernel_module, "_JITTED", {"_state_fwd_kernel": Recorder()})
-    monkeypatch.setattr(kernel_module, "_tuned", lambda *args: NoTuning())
     monkeypatch.setattr(kernel_module, "_CHOSEN", {})
     grid = kernel_module._grid(lambda cfg: -(-1000 // cfg["BLOCK_N"]), 6)
     for _ in range(2):

@@ -75,7 +75,8 @@ def test_dry_run_writes_the_report_of_every_part(tmp_path, capsys):
 
     rec = report["parts"]["recurrences"]
     assert [c["what"] for c in rec["first_calls"]] == [
-        "linear_rope at N=256", "bidir_delta at N=256", "bidir_gated at N=256", "vig_tiny at 32 px, batch 1"]
+        "linear_rope at N=256", "bidir_delta at N=256", "bidir_gated at N=256", "bidir_gated_ch at N=256",
+        "vig_tiny at 32 px, batch 1"]
     assert all(_number(c["seconds"]) and c["seconds"] > 0 and c["status"] == "ok" for c in rec["first_calls"])
     assert all(r["status"] == "ok" for r in rec["rows"] + kernels["rows"])
     assert "warmups" not in rec and "warmups" not in kernels  # no GPU warm-up off CUDA
@@ -313,11 +314,12 @@ def test_a_failing_row_of_the_recurrences_is_its_status_and_the_part_goes_on(mon
     error = "RuntimeError: Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results (see #640)."
     assert [(c["what"], c["status"]) for c in rec["first_calls"]] == [
         ("linear_rope at N=64", "ok"), ("bidir_delta at N=64", "ok"), ("bidir_gated at N=64", error),
-        ("broken at 32 px, batch 1", "ValueError: model: unknown 'broken'"), ("tiny at 32 px, batch 1", "ok")]
-    assert [_number(c["seconds"]) for c in rec["first_calls"]] == [True, True, False, False, True]
+        ("bidir_gated_ch at N=64", "ok"), ("broken at 32 px, batch 1", "ValueError: model: unknown 'broken'"),
+        ("tiny at 32 px, batch 1", "ok")]
+    assert [_number(c["seconds"]) for c in rec["first_calls"]] == [True, True, False, True, False, True]
     assert [(r["n"], r["pass"]) for r in rec["rows"]] == [(n, p) for n in (64, 128) for p in gpu_parts.PASSES]
     for r in rec["rows"]:
-        assert _number(r["linear_rope_ms"]) and _number(r["bidir_delta_ms"]), r
+        assert _number(r["linear_rope_ms"]) and _number(r["bidir_delta_ms"]) and _number(r["bidir_gated_ch_ms"]), r
         assert _number(r["bidir_gated_ms"]) == (r["pass"] == "fwd"), r  # its forward is timed, not its backward
         assert r["status"] == ("ok" if r["pass"] == "fwd" else f"bidir_gated: {error}"), r
     assert rec["status"] == "failed" and rec["error"].startswith(
@@ -326,8 +328,9 @@ def test_a_failing_row_of_the_recurrences_is_its_status_and_the_part_goes_on(mon
 
     markdown = "\n".join(gpu_render._recurrences({**rec, "pinned": True}))
     assert f"| bidir_gated at N=64 | - | {error} |" in markdown
-    assert re.search(rf"\| 128 \| bwd \| [0-9.]+ \| [0-9.]+ \| - \| [0-9.]+ \| - \| bidir_gated: {re.escape(error)} \|",
-                     markdown)
+    # linear_rope, bidir_delta, bidir_gated, bidir_gated_ch, then the three ratios, then the status
+    assert re.search(rf"\| 128 \| bwd \| [0-9.]+ \| [0-9.]+ \| - \| [0-9.]+ \| [0-9.]+ \| - \| [0-9.]+ \| "
+                     rf"bidir_gated: {re.escape(error)} \|", markdown)
 
 
 def test_a_failing_kernel_path_is_its_rows_status(monkeypatch):

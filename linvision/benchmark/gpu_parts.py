@@ -297,10 +297,14 @@ def _oom_at(points: List[Dict[str, Any]]) -> Dict[str, Any]:
 # --- part 3: the recurrences ---
 
 
+RECURRENCES = ("bidir_delta", "bidir_gated", "bidir_gated_ch")  # timed against linear_rope
+
+
 def recurrence_paths(n: int, d: int, device: str, backend: str) -> Dict[str, Callable[..., torch.Tensor]]:
     """The ops the recurrences part times, on (B, H, N, D) q, k, v: ``linear_rope`` (linear attention with 2D
     RoPE on a grid N / 64 x 64, the fused kernels on a GPU), ``bidir_delta`` (the bidirectional delta rule,
-    beta 0.5) and ``bidir_gated`` (the bidirectional gated form, one gate per head, gamma 0.99), the two last on
+    beta 0.5), ``bidir_gated`` (the bidirectional gated form, one gate per head, gamma 0.99) and
+    ``bidir_gated_ch`` (one gate per key channel, as ViG's: another kernel of fla's), the three last on
     fla-core's kernels on a GPU (``backend``)."""
     from linvision.ops import (bidirectional_delta_rule_attention, bidirectional_gated_linear_attention,
                                linear_attention)
@@ -311,12 +315,12 @@ def recurrence_paths(n: int, d: int, device: str, backend: str) -> Dict[str, Cal
         beta = torch.full(q.shape[:3], 0.5, device=q.device)
         return bidirectional_delta_rule_attention(q, k, v, beta, backend=backend)
 
-    def gated(q, k, v):
-        log_gate = torch.full((*q.shape[:3], 1), math.log(0.99), device=q.device)
+    def gated(q, k, v, channels=1):
+        log_gate = torch.full((*q.shape[:3], channels), math.log(0.99), device=q.device)
         return bidirectional_gated_linear_attention(q, k, v, log_gate, backend=backend)
 
     return {"linear_rope": lambda q, k, v: linear_attention(q, k, v, "elu", rope=rope), "bidir_delta": delta,
-            "bidir_gated": gated}
+            "bidir_gated": gated, "bidir_gated_ch": lambda q, k, v: gated(q, k, v, q.shape[-1])}
 
 
 def first_call_seconds(fn: Callable[[], Any], device: str) -> float:
@@ -420,7 +424,7 @@ def _recurrence_rows(n: int, times: Dict[str, Dict[str, Any]]) -> List[Dict[str,
             row[f"{label}_ms"] = t.get(name)
             if "oom" in t and name not in t:
                 row[f"{label}_oom"] = True
-        for label in ("bidir_delta", "bidir_gated"):
+        for label in RECURRENCES:
             if row.get(f"{label}_ms") and row.get("linear_rope_ms"):
                 row[f"{label}_over_linear_rope"] = row[f"{label}_ms"] / row["linear_rope_ms"]
         row["status"] = row_status(times, name)

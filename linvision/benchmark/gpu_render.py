@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List
 
+from .gpu_parts import RECURRENCES
+
 TITLES = {"kernels": "1. Kernels against SDPA", "profile": "2. Where a small call's time goes",
           "models": "3. Models against timm's", "recurrences": "4. Recurrences on fla-core's kernels",
           "tests": "5. CUDA tests"}
@@ -152,12 +154,11 @@ def _recurrences(result: Dict[str, Any]) -> List[str]:
     if result.get("rows"):
         lines += ["", f"B={result['batch']} H={result['heads']} D={result['dim']} {result['dtype']}, backend "
                       f"{result['backend']}; ms per call.", "",
-                  "| N | pass | linear_rope (ms) | bidir_delta (ms) | bidir_gated (ms) | delta / linear_rope | "
-                  "gated / linear_rope | status |", "|---:|---|---:|---:|---:|---:|---:|---|"]
+                  "| N | pass | linear_rope (ms) | " + " | ".join(f"{k} (ms)" for k in RECURRENCES) + " | "
+                  + " | ".join(f"{k} / linear_rope" for k in RECURRENCES) + " | status |",
+                  "|---:|---|---:|" + "---:|" * (2 * len(RECURRENCES)) + "---|"]
         for r in result["rows"]:
-            cells = [_n(r.get(f"{k}_ms")) if not r.get(f"{k}_oom") else "oom"
-                     for k in ("linear_rope", "bidir_delta", "bidir_gated")]
-            lines.append(f"| {r['n']} | {r['pass']} | " + " | ".join(cells) + f" | "
-                         f"{_n(r.get('bidir_delta_over_linear_rope'), '.2f')} | "
-                         f"{_n(r.get('bidir_gated_over_linear_rope'), '.2f')} | {_status_cell(r)} |")
+            cells = [_n(r.get(f"{k}_ms")) if not r.get(f"{k}_oom") else "oom" for k in ("linear_rope", *RECURRENCES)]
+            ratios = [_n(r.get(f"{k}_over_linear_rope"), ".2f") for k in RECURRENCES]
+            lines.append(f"| {r['n']} | {r['pass']} | " + " | ".join(cells + ratios) + f" | {_status_cell(r)} |")
     return lines

@@ -9,7 +9,7 @@ starting when it ends (:data:`PARTS`):
   models       linvision's models against timm's on the same card: images/s and peak memory, batch 8 and 1,
                inference and a training step, bf16 autocast, 512-2048 px, where each runs out of memory
   recurrences  the first call of the recurrences and of vig_tiny / linhier_delta_tiny_224 (compilation
-               included), then bidir_delta and bidir_gated against linear_rope at 4k-262k tokens
+               included), then bidir_delta, bidir_gated and bidir_gated_ch against linear_rope at 4k-262k tokens
   tests        the CUDA tests, ``pytest -m cuda``
 
 The budget (seconds, all parts together) is shared by :data:`SHARES`: a part's deadline is its share of what is

@@ -10,9 +10,9 @@ the budget that is left when it starts):
                batch 1 (512 px) of linhier_tiny_224 and vit_small_patch16_224
   models       linvision's models against timm's on the same card, bf16 autocast, batch 8 then 1, 512-2048 px:
                images/s and peak memory, inference and a training step, where each runs out of memory
-  recurrences  the first call (compilation included) of bidir_delta, bidir_gated, linear_rope, vig_tiny and
-               linhier_delta_tiny_224 (1024 px), then bidir_delta and bidir_gated against linear_rope at
-               4k-262k tokens, forward and backward
+  recurrences  the first call (compilation included) of linear_rope, bidir_delta, bidir_gated (a gate per head),
+               bidir_gated_ch (per key channel), vig_tiny and linhier_delta_tiny_224 (1024 px), then the three
+               recurrences against linear_rope at 4k-262k tokens, forward and backward, on fla's kernels
   tests        the CUDA tests: pytest -m cuda, the kernels' test files first, the fused kernels not autotuned
                (LINVISION_KERNEL_AUTOTUNE=0)
 

@@ -535,3 +535,17 @@ def test_an_unmarked_test_skipped_for_lack_of_cuda_fails_the_run(tmp_path):
     assert "1 failed, 2 skipped" in result.stdout
     assert "test_unmarked is skipped for lack of CUDA (Skipped: needs a GPU) but has no @pytest.mark.cuda" in \
         result.stdout
+
+
+def test_the_profile_section_lists_each_calls_operators_and_kernels():
+    """A row as a GPU gives it (kernels with device time): the clocks' table, then per call its busiest
+    operators and its kernels."""
+    from linvision.benchmark import gpu_render
+
+    row = {"what": "fused forward, N=4096", "wall_ms": 0.2, "host_ms": 0.19, "device_ms": 0.012, "launches": 2,
+           "aten_ops": 11, "top": [{"op": "linvision::linear_attention_fwd", "calls": 1, "self_host_us": 95.5}],
+           "kernels": [{"kernel": "_output_fwd_kernel", "calls": 1, "device_us": 7.25}]}
+    markdown = "\n".join(gpu_render._profile({"rows": [row], "device": "cuda", "steps": 5}))
+    assert "| fused forward, N=4096 | 0.200 | 0.190 | 0.012 | 2 | 11 |" in markdown
+    assert "| `linvision::linear_attention_fwd` | 1 | 95.5 |" in markdown
+    assert "| `_output_fwd_kernel` | 1 | 7.2 |" in markdown or "| `_output_fwd_kernel` | 1 | 7.3 |" in markdown

@@ -119,6 +119,11 @@ def _profile(result: Dict[str, Any]) -> List[str]:
         lines += ["", f"{r['what']}: the operators with the most host time of their own (µs per call)", "",
                   "| operator | calls | host µs |", "|---|---:|---:|"]
         lines += [f"| `{t['op']}` | {_n(t['calls'], '.0f')} | {_n(t['self_host_us'], '.1f')} |" for t in r["top"]]
+        if r.get("kernels"):
+            lines += ["", f"{r['what']}: the device kernels with the most time (µs per call)", "",
+                      "| kernel | calls | device µs |", "|---|---:|---:|"]
+            lines += [f"| `{k['kernel'][:100]}` | {_n(k['calls'], '.0f')} | {_n(k['device_us'], '.1f')} |"
+                      for k in r["kernels"]]
     return lines
 
 

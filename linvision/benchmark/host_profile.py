@@ -11,7 +11,8 @@ cannot enqueue the work as fast as the device runs it: then the call's time is t
 - ``launches``: device launches per call (the runtime's and the driver's kernel-launch calls in the profile);
 - ``aten_ops``: aten operators per call, nested ones included (``aten::linear`` and the ``aten::addmm`` it calls
   are two);
-- ``top``: the operators with the most host time of their own, per call.
+- ``top``: the operators with the most host time of their own, per call;
+- ``kernels``: the device kernels with the most device time, per call (none on a CPU).
 
 A call is host-bound where ``wall_ms`` is close to ``host_ms`` and well above ``device_ms``.
 """
@@ -76,8 +77,10 @@ def _profile(fn: Callable[[], Any], device: str, steps: int, top: int) -> Dict[s
     ops = sorted((e for e in events if not _is_kernel(e)), key=lambda e: e.self_cpu_time_total, reverse=True)
     rows: List[Dict[str, Any]] = [{"op": e.key, "calls": e.count / steps, "self_host_us": e.self_cpu_time_total / steps}
                                   for e in ops[:top]]
+    kernels = sorted((e for e in events if _is_kernel(e)), key=_device_us, reverse=True)
     return {"launches": launches / steps, "aten_ops": aten / steps, "device_ms": device_us / 1e3 / steps,
-            "top": rows}
+            "top": rows, "kernels": [{"kernel": e.key, "calls": e.count / steps, "device_us": _device_us(e) / steps}
+                                     for e in kernels[:top]]}
 
 
 def profile_call(fn: Callable[[], Any], device: str, *, steps: int = 5, warmup: int = 2, top: int = 8) -> Dict[str, Any]:

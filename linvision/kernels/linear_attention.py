@@ -1129,9 +1129,12 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(q, k, v, s, z, freqs_x, freqs_y, valid, positions)
     ctx.options = (feature_map, rope_ints, rope_offsets, eps, split_tokens)
     ctx.mark_non_differentiable(s, z)
+    ctx.set_materialize_grads(False)  # no zeros formed (and launched) for the gradients of S and z, never used
 
 
 def _backward_rule(ctx, do, ds, dz):
+    if do is None:  # o got no gradient (S and z never do)
+        return (None,) * 12
     q, k, v, s, z, freqs_x, freqs_y, valid, positions = ctx.saved_tensors
     feature_map, rope_ints, rope_offsets, eps, split_tokens = ctx.options
     needs = ctx.needs_input_grad

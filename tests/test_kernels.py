@@ -918,7 +918,7 @@ def test_custom_op_registration():
     q, k, v, _ = _inputs(1, 1, 20, 20, 16, 16, torch.float32, "relu")
     fx, fy = mixed_rope_freqs(16, 1)
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), "relu", fx.reshape(1, -1).requires_grad_(),
-            fy.reshape(1, -1), [0, 5], [0.0, 0.0], 1e-4, 8)
+            fy.reshape(1, -1), [0, 5], [0.0, 0.0], 1e-4, 8, None, None)
     torch.library.opcheck(
         torch.ops.linvision.linear_attention_fwd.default, args,
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),

@@ -482,11 +482,10 @@ class _DeviceWork(_AtenOps):
 # A training step's device work (forward, backward) after a first step, by case: Triton launches and torch ops.
 STEP_WORK = {
     "plain": ((["_state_fwd_kernel", "_output_fwd_kernel"], []), (["_query_bwd_kernel", "_key_bwd_kernel"], [])),
-    "mask": ((["_state_fwd_kernel", "_output_fwd_kernel"], ["clamp_", "sum"]),
-             (["_query_bwd_kernel", "_key_bwd_kernel"], ["clamp_", "sum"])),
+    "mask": ((["_state_fwd_kernel", "_output_fwd_kernel"], ["sum"]), (["_query_bwd_kernel", "_key_bwd_kernel"], ["sum"])),
     "rope": ((["_state_fwd_kernel", "_output_fwd_kernel"], []), (["_query_bwd_kernel", "_key_bwd_kernel"], [])),
     "learnable rope": ((["_state_fwd_kernel", "_output_fwd_kernel"], []),
-                       (["_query_bwd_kernel", "_key_bwd_kernel"], ["clone", "clone", "sum"])),
+                       (["_query_bwd_kernel", "_key_bwd_kernel"], ["sum", "sum"])),
 }
 
 

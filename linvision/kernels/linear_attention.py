@@ -271,9 +271,10 @@ def _token_mask(valid_row, offs_n, hi, MASK: tl.constexpr):
 
 @triton.jit
 def _per_sample(x, COUNT, b, COUNTED: tl.constexpr, DIVIDE: tl.constexpr):
-    """``x`` times (DIVIDE: over) sample b's number of valid keys with COUNTED (a token mask); ``x`` without."""
+    """``x`` times (DIVIDE: over) sample b's number of valid keys with COUNTED (a token mask), at least 1 (as the
+    reference counts); ``x`` without."""
     if COUNTED:
-        n = tl.load(COUNT + b)
+        n = tl.maximum(tl.load(COUNT + b), 1.0)
         if DIVIDE:
             y = x / n
         else:
@@ -790,9 +791,9 @@ def _meta_of(dtype: torch.dtype, d: int, dv: int, feature_map: str, has_rope: bo
 
 class _Tokens:
     """What the kernels read of a token mask and per-sample positions: the mask as bytes (B, Nk) and each sample's
-    number of valid keys (B,) fp32 (at least 1, as the reference counts), the positions as fp32 (B or 1, M, 2)
-    with the RoPE offsets added (the angle is then formed exactly as the reference forms it); dummies (never read)
-    where absent. ``keys`` and ``queries`` are the MASK / COUNTED constexprs of the kernels over keys and queries:
+    number of valid keys (B,) fp32 (one launch; the kernels take at least 1, as the reference counts), the
+    positions as fp32 (B or 1, M, 2) with the RoPE offsets added (the angle is then formed exactly as the reference
+    forms it); dummies (never read) where absent. ``keys`` and ``queries`` are the MASK / COUNTED constexprs of the kernels over keys and queries:
     queries are masked only when they are the keys' tokens (Nq == Nk)."""
 
     def __init__(self, q: Tensor, valid: Optional[Tensor], positions: Optional[Tensor], offsets: List[float]):
@@ -801,7 +802,7 @@ class _Tokens:
             self.valid = self.count = q
         else:
             self.valid = valid.contiguous().view(torch.uint8)
-            self.count = valid.sum(dim=1, dtype=torch.float32).clamp_(min=1.0)
+            self.count = valid.sum(dim=1, dtype=torch.float32)
         if positions is None:
             self.pos, self.stride_pb = q, 0
         else:
@@ -1061,13 +1062,11 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor,
 
 def _freq_grads(df: Tensor, freqs_x: Optional[Tensor], heads: int) -> Tuple[Tensor, Tensor]:
     """(dfx, dfy) from per batch-head sums (B*H, 2, P): summed over the batch, and over the heads for shared
-    frequencies; empty tensors where no gradient was formed."""
+    frequencies, one sum each (two launches); empty tensors where no gradient was formed."""
     if freqs_x is None or df.shape[-1] == 0:
         return df.new_empty(0), df.new_empty(0)
-    df = df.view(-1, heads, 2, df.shape[-1]).sum(dim=0)  # (H, 2, P)
-    if freqs_x.shape[0] == 1:
-        df = df.sum(dim=0, keepdim=True)
-    return df[:, 0].clone(), df[:, 1].clone()
+    df = df.view(-1, heads if freqs_x.shape[0] > 1 else 1, 2, df.shape[-1])  # (B or B*H, H or 1, 2, P)
+    return df[:, :, 0].sum(dim=0), df[:, :, 1].sum(dim=0)
 
 
 # The custom ops, defined on a torch.library.Library with their autograd as an autograd.Function registered on the

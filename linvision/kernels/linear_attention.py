@@ -960,7 +960,7 @@ def _split_buffers(bh: int, n_splits: int, d: int, dv: int, device: torch.device
     s_part = torch.empty(bh, n_splits, d, dv, device=device, dtype=torch.float32)
     z_part = torch.empty(bh, n_splits, d, device=device, dtype=torch.float32)
     if not (reduce and n_splits > 1):
-        return s_part, z_part, s_part[:, 0], z_part[:, 0], s_part
+        return s_part, z_part, s_part.select(1, 0), z_part.select(1, 0), s_part
     s = torch.empty(bh, d, dv, device=device, dtype=torch.float32)
     return s_part, z_part, s, torch.empty(bh, d, device=device, dtype=torch.float32), _counters(device, bh)
 
@@ -1027,17 +1027,19 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor,
     p = d // 2
     dq = torch.empty(b, h, nq, d, device=q.device, dtype=q.dtype) if q_grad else q.new_empty(0)
     if nq == 0:  # no queries: nothing flows back to the keys, values or frequencies
-        df = torch.zeros(b * h, 2, p if freq_grad else 0, device=q.device, dtype=torch.float32)
+        df = torch.zeros(b * h, 2, p, device=q.device, dtype=torch.float32) if freq_grad else None
         dk = torch.zeros(b, h, nk, d, device=q.device, dtype=k.dtype)
-        return dq, dk, torch.zeros_like(v, memory_format=torch.contiguous_format), *_freq_grads(df, freqs_x, h)
+        return dq, dk, torch.zeros_like(v, memory_format=torch.contiguous_format), *_freq_grads(q, df, freqs_x, h)
     split = _split_len(nq, b * h, q.device, split_tokens)
     n_splits = _cdiv(nq, split)
     reduce = kv_grad or freq_grad  # the key kernel reads the sums
     ds_part, dz_part, ds, dz, counters = _split_buffers(b * h, n_splits, d, dv, q.device, reduce)
     # the frequency gradient: the query kernel stores its sum (reduced by its last split, or its one split's row),
-    # the key kernel adds to it
-    df_part = torch.empty(b * h, n_splits, 2, p if freq_grad else 0, device=q.device, dtype=torch.float32)
-    df = torch.empty_like(df_part[:, 0]) if freq_grad and n_splits > 1 else df_part[:, 0]
+    # the key kernel adds to it; without FREQ_GRAD the kernels never touch it (no buffer allocated)
+    df_part = df = dz_part
+    if freq_grad:
+        df_part = torch.empty(b * h, n_splits, 2, p, device=q.device, dtype=torch.float32)
+        df = torch.empty(b * h, 2, p, device=q.device, dtype=torch.float32) if n_splits > 1 else df_part.select(1, 0)
     off_row, off_col = (float(x) for x in rope_offsets)
     # the backward runs on the means (the kernels scale the sums by 1/Nk as they load them, no division is
     # launched): R phi(q) / den, rounded to 16 bits for the dS product, stays a normal fp16 number there (with
@@ -1048,7 +1050,7 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor,
          tok.stride_pb, eps, inv_n, h, b * h, nq, d // 2, dv, split, prefix, width, off_row, off_col,
          _next_pow2(nq), **meta, **tok.queries, DQ_GRAD=q_grad, REDUCE=reduce and n_splits > 1)
     if not reduce:
-        return dq, k.new_empty(0), v.new_empty(0), *_freq_grads(df, freqs_x, h)
+        return dq, k.new_empty(0), v.new_empty(0), *_freq_grads(q, df if freq_grad else None, freqs_x, h)
     dk = torch.empty(b, h, nk, d, device=q.device, dtype=k.dtype)
     dv_out = torch.empty(b, h, nk, dv, device=q.device, dtype=v.dtype)
     _run("_key_bwd_kernel", d, dv, _spans(nk, b * h, q.device), k, v, ds, dz, tab, tok.valid, tok.count, tok.pos,
@@ -1057,14 +1059,14 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor,
          _next_pow2(nk), **meta, **tok.keys)
     if not kv_grad:
         dk, dv_out = k.new_empty(0), v.new_empty(0)
-    return dq, dk, dv_out, *_freq_grads(df, freqs_x, h)
+    return dq, dk, dv_out, *_freq_grads(q, df if freq_grad else None, freqs_x, h)
 
 
-def _freq_grads(df: Tensor, freqs_x: Optional[Tensor], heads: int) -> Tuple[Tensor, Tensor]:
-    """(dfx, dfy) from per batch-head sums (B*H, 2, P): summed over the batch, and over the heads for shared
-    frequencies, one sum each (two launches); empty tensors where no gradient was formed."""
-    if freqs_x is None or df.shape[-1] == 0:
-        return df.new_empty(0), df.new_empty(0)
+def _freq_grads(q: Tensor, df: Optional[Tensor], freqs_x: Optional[Tensor], heads: int) -> Tuple[Tensor, Tensor]:
+    """(dfx, dfy) from per batch-head sums ``df`` (B*H, 2, P): summed over the batch, and over the heads for shared
+    frequencies, one sum each (two launches); empty fp32 tensors on q's device where no gradient was formed (None)."""
+    if freqs_x is None or df is None:
+        return q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32)
     df = df.view(-1, heads if freqs_x.shape[0] > 1 else 1, 2, df.shape[-1])  # (B or B*H, H or 1, 2, P)
     return df[:, :, 0].sum(dim=0), df[:, :, 1].sum(dim=0)
 

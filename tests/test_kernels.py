@@ -466,6 +466,9 @@ class _DeviceWork(_AtenOps):
                               "linear_attention_bwd": kernel_module._backward}[func.overloadpacket.__name__]
             with self:
                 return implementation(*args, **(kwargs or {}))
+        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+            with self:  # reached below autograd: what it decomposes into (nothing for .to of the same dtype)
+                return func.decompose(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
         if not self.launching and name not in self.SHAPE_ONLY:
             self.names[name] += 1
@@ -484,6 +487,8 @@ STEP_WORK = {
     "plain": ((["_state_fwd_kernel", "_output_fwd_kernel"], []), (["_query_bwd_kernel", "_key_bwd_kernel"], [])),
     "mask": ((["_state_fwd_kernel", "_output_fwd_kernel"], ["sum"]), (["_query_bwd_kernel", "_key_bwd_kernel"], ["sum"])),
     "rope": ((["_state_fwd_kernel", "_output_fwd_kernel"], []), (["_query_bwd_kernel", "_key_bwd_kernel"], [])),
+    "mask and positions": ((["_state_fwd_kernel", "_output_fwd_kernel"], ["stack", "sum"]),
+                           (["_query_bwd_kernel", "_key_bwd_kernel"], ["stack", "sum"])),
     "learnable rope": ((["_state_fwd_kernel", "_output_fwd_kernel"], []),
                        (["_query_bwd_kernel", "_key_bwd_kernel"], ["sum", "sum"])),
 }
@@ -501,6 +506,10 @@ def test_device_work_of_a_training_step(monkeypatch, case):
         options["valid"] = torch.arange(64) < torch.tensor([[50], [64]])
     elif case == "rope":
         options["rope"] = axial_rope(16, (8, 8))
+    elif case == "mask and positions":  # a NaFlex batch: each sample's own grid
+        q, k, v, do, options["valid"], positions = _masked_batch(2, 2, 64, 16, 16, torch.bfloat16, "elu", prefix=1)
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        options["rope"] = Rope(*mixed_rope_freqs(16, 2), (1, 63), num_prefix_tokens=1, positions=positions)
     elif case == "learnable rope":
         fx, fy = (f.requires_grad_() for f in mixed_rope_freqs(16, 2, generator=torch.Generator().manual_seed(1)))
         options["rope"] = Rope(fx, fy, (8, 8))

@@ -1077,7 +1077,7 @@ def _freq_grads(q: Tensor, df: Optional[Tensor], freqs_x: Optional[Tensor], head
 # (fill_defaults: about 50 us of a 90 us call on a 2-core CPU, launches stubbed). torch.compile and torch.export see
 # the same ops: the schema, the fake implementations and the FLOP formulas are registered as before. The schemas
 # have no default values (the dispatcher would leave out arguments equal to them): callers pass every argument.
-_LIB = torch.library.Library("linvision", "DEF")
+_LIB = torch.library.Library("linvision", "FRAGMENT")  # other fragments may define ops of the namespace too
 _LIB.define("linear_attention_fwd(Tensor q, Tensor k, Tensor v, str feature_map, Tensor? freqs_x, Tensor? freqs_y, "
             "int[] rope_ints, float[] rope_offsets, float eps, int split_tokens, Tensor? valid, Tensor? positions) "
             "-> (Tensor, Tensor, Tensor)")
@@ -1300,7 +1300,7 @@ def run_checked(q: Tensor, k: Tensor, v: Tensor, feature_map: str, rope: Optiona
         rope_ints = [rope.num_prefix_tokens, rope.grid[1]]
         rope_offsets = [float(rope.offset[0]), float(rope.offset[1])]
         positions = rope.positions
-    o, _, _ = torch.ops.linvision.linear_attention_fwd(
+    o, _, _ = torch.ops.linvision.linear_attention_fwd.default(
         q, k, v, feature_map_name(feature_map), freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens,
         valid, positions,
     )

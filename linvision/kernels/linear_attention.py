@@ -64,6 +64,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 from torch.utils.flop_counter import register_flop_formula
 
 from .common import (DEFAULT_EPS, FUSED_FEATURE_MAPS, KERNEL_NAMES, RopeSpec, check_eps, check_int, check_qkv,
@@ -274,9 +275,10 @@ def _token_mask(valid_row, offs_n, hi, MASK: tl.constexpr):
 
 @triton.jit
 def _per_sample(x, COUNT, b, COUNTED: tl.constexpr, DIVIDE: tl.constexpr):
-    """``x`` times (DIVIDE: over) sample b's number of valid keys with COUNTED (a token mask); ``x`` without."""
+    """``x`` times (DIVIDE: over) sample b's number of valid keys with COUNTED (a token mask), at least 1 (as the
+    reference counts); ``x`` without."""
     if COUNTED:
-        n = tl.load(COUNT + b)
+        n = tl.maximum(tl.load(COUNT + b), 1.0)
         if DIVIDE:
             y = x / n
         else:
@@ -793,9 +795,9 @@ def _meta_of(dtype: torch.dtype, d: int, dv: int, feature_map: str, has_rope: bo
 
 class _Tokens:
     """What the kernels read of a token mask and per-sample positions: the mask as bytes (B, Nk) and each sample's
-    number of valid keys (B,) fp32 (at least 1, as the reference counts), the positions as fp32 (B or 1, M, 2)
-    with the RoPE offsets added (the angle is then formed exactly as the reference forms it); dummies (never read)
-    where absent. ``keys`` and ``queries`` are the MASK / COUNTED constexprs of the kernels over keys and queries:
+    number of valid keys (B,) fp32 (one launch; the kernels take at least 1, as the reference counts), the
+    positions as fp32 (B or 1, M, 2) with the RoPE offsets added (the angle is then formed exactly as the reference
+    forms it); dummies (never read) where absent. ``keys`` and ``queries`` are the MASK / COUNTED constexprs of the kernels over keys and queries:
     queries are masked only when they are the keys' tokens (Nq == Nk)."""
 
     def __init__(self, q: Tensor, valid: Optional[Tensor], positions: Optional[Tensor], offsets: List[float]):
@@ -804,7 +806,7 @@ class _Tokens:
             self.valid = self.count = q
         else:
             self.valid = valid.contiguous().view(torch.uint8)
-            self.count = valid.sum(dim=1, dtype=torch.float32).clamp_(min=1.0)
+            self.count = valid.sum(dim=1, dtype=torch.float32)
         if positions is None:
             self.pos, self.stride_pb = q, 0
         else:
@@ -963,7 +965,7 @@ def _split_buffers(bh: int, n_splits: int, d: int, dv: int, device: torch.device
     s_part = torch.empty(bh, n_splits, d, dv, device=device, dtype=torch.float32)
     z_part = torch.empty(bh, n_splits, d, device=device, dtype=torch.float32)
     if not (reduce and n_splits > 1):
-        return s_part, z_part, s_part[:, 0], z_part[:, 0], s_part
+        return s_part, z_part, s_part.select(1, 0), z_part.select(1, 0), s_part
     s = torch.empty(bh, d, dv, device=device, dtype=torch.float32)
     return s_part, z_part, s, torch.empty(bh, d, device=device, dtype=torch.float32), _counters(device, bh)
 
@@ -1030,17 +1032,19 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor,
     p = d // 2
     dq = torch.empty(b, h, nq, d, device=q.device, dtype=q.dtype) if q_grad else q.new_empty(0)
     if nq == 0:  # no queries: nothing flows back to the keys, values or frequencies
-        df = torch.zeros(b * h, 2, p if freq_grad else 0, device=q.device, dtype=torch.float32)
+        df = torch.zeros(b * h, 2, p, device=q.device, dtype=torch.float32) if freq_grad else None
         dk = torch.zeros(b, h, nk, d, device=q.device, dtype=k.dtype)
-        return dq, dk, torch.zeros_like(v, memory_format=torch.contiguous_format), *_freq_grads(df, freqs_x, h)
+        return dq, dk, torch.zeros_like(v, memory_format=torch.contiguous_format), *_freq_grads(q, df, freqs_x, h)
     split = _split_len(nq, b * h, q.device, split_tokens)
     n_splits = _cdiv(nq, split)
     reduce = kv_grad or freq_grad  # the key kernel reads the sums
     ds_part, dz_part, ds, dz, counters = _split_buffers(b * h, n_splits, d, dv, q.device, reduce)
     # the frequency gradient: the query kernel stores its sum (reduced by its last split, or its one split's row),
-    # the key kernel adds to it
-    df_part = torch.empty(b * h, n_splits, 2, p if freq_grad else 0, device=q.device, dtype=torch.float32)
-    df = torch.empty_like(df_part[:, 0]) if freq_grad and n_splits > 1 else df_part[:, 0]
+    # the key kernel adds to it; without FREQ_GRAD the kernels never touch it (no buffer allocated)
+    df_part = df = dz_part
+    if freq_grad:
+        df_part = torch.empty(b * h, n_splits, 2, p, device=q.device, dtype=torch.float32)
+        df = torch.empty(b * h, 2, p, device=q.device, dtype=torch.float32) if n_splits > 1 else df_part.select(1, 0)
     off_row, off_col = (float(x) for x in rope_offsets)
     # the backward runs on the means (the kernels scale the sums by 1/Nk as they load them, no division is
     # launched): R phi(q) / den, rounded to 16 bits for the dS product, stays a normal fp16 number there (with
@@ -1051,7 +1055,7 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor,
          tok.stride_pb, eps, inv_n, h, b * h, nq, d // 2, dv, split, prefix, width, off_row, off_col,
          _next_pow2(nq), **meta, **tok.queries, DQ_GRAD=q_grad, REDUCE=reduce and n_splits > 1)
     if not reduce:
-        return dq, k.new_empty(0), v.new_empty(0), *_freq_grads(df, freqs_x, h)
+        return dq, k.new_empty(0), v.new_empty(0), *_freq_grads(q, df if freq_grad else None, freqs_x, h)
     dk = torch.empty(b, h, nk, d, device=q.device, dtype=k.dtype)
     dv_out = torch.empty(b, h, nk, dv, device=q.device, dtype=v.dtype)
     _run("_key_bwd_kernel", d, dv, _spans(nk, b * h, q.device), k, v, ds, dz, tab, tok.valid, tok.count, tok.pos,
@@ -1060,36 +1064,63 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor,
          _next_pow2(nk), **meta, **tok.keys)
     if not kv_grad:
         dk, dv_out = k.new_empty(0), v.new_empty(0)
-    return dq, dk, dv_out, *_freq_grads(df, freqs_x, h)
+    return dq, dk, dv_out, *_freq_grads(q, df if freq_grad else None, freqs_x, h)
 
 
-def _freq_grads(df: Tensor, freqs_x: Optional[Tensor], heads: int) -> Tuple[Tensor, Tensor]:
-    """(dfx, dfy) from per batch-head sums (B*H, 2, P): summed over the batch, and over the heads for shared
-    frequencies; empty tensors where no gradient was formed."""
-    if freqs_x is None or df.shape[-1] == 0:
-        return df.new_empty(0), df.new_empty(0)
-    df = df.view(-1, heads, 2, df.shape[-1]).sum(dim=0)  # (H, 2, P)
-    if freqs_x.shape[0] == 1:
-        df = df.sum(dim=0, keepdim=True)
-    return df[:, 0].clone(), df[:, 1].clone()
+def _freq_grads(q: Tensor, df: Optional[Tensor], freqs_x: Optional[Tensor], heads: int) -> Tuple[Tensor, Tensor]:
+    """(dfx, dfy) from per batch-head sums ``df`` (B*H, 2, P): summed over the batch, and over the heads for shared
+    frequencies, one sum each (two launches); empty fp32 tensors on q's device where no gradient was formed (None)."""
+    if freqs_x is None or df is None:
+        return q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32)
+    df = df.view(-1, heads if freqs_x.shape[0] > 1 else 1, 2, df.shape[-1])  # (B or B*H, H or 1, 2, P)
+    return df[:, :, 0].sum(dim=0), df[:, :, 1].sum(dim=0)
 
 
-@torch.library.custom_op("linvision::linear_attention_fwd", mutates_args=())
-def _linear_attention_fwd_op(
+# The custom ops, defined on a torch.library.Library with their autograd as an autograd.Function registered on the
+# Autograd key: a forward in grad mode costs about half the host time of torch.library.custom_op with
+# register_autograd, whose autograd wrapper rebuilds the schema's argument list once per argument on every call
+# (fill_defaults: about 50 us of a 90 us call on a 2-core CPU, launches stubbed). torch.compile and torch.export see
+# the same ops: the schema, the fake implementations and the FLOP formulas are registered as before. The schemas
+# have no default values (the dispatcher would leave out arguments equal to them): callers pass every argument.
+_LIB = torch.library.Library("linvision", "FRAGMENT")  # other fragments may define ops of the namespace too
+_LIB.define("linear_attention_fwd(Tensor q, Tensor k, Tensor v, str feature_map, Tensor? freqs_x, Tensor? freqs_y, "
+            "int[] rope_ints, float[] rope_offsets, float eps, int split_tokens, Tensor? valid, Tensor? positions) "
+            "-> (Tensor, Tensor, Tensor)")
+_LIB.define("linear_attention_bwd(Tensor q, Tensor k, Tensor v, Tensor do, Tensor s, Tensor z, str feature_map, "
+            "Tensor? freqs_x, Tensor? freqs_y, int[] rope_ints, float[] rope_offsets, float eps, int split_tokens, "
+            "bool freq_grad, bool kv_grad, bool q_grad, Tensor? valid, Tensor? positions) "
+            "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+
+
+def _linear_attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, feature_map: str, freqs_x: Optional[Tensor], freqs_y: Optional[Tensor],
     rope_ints: List[int], rope_offsets: List[float], eps: float, split_tokens: int, valid: Optional[Tensor] = None,
     positions: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """(o (B, H, Nq, Dv) in q's dtype, S (B, H, D, Dv) fp32, z (B, H, D) fp32); S and z are the sums over the keys
-    (o = (R phi(q)) S / (phi(q) . z + Nk eps), the mean form with the 1/Nk moved onto eps: no division launched;
-    with a token mask ``valid`` (B, Nk) the sums and Nk run over each sample's valid keys). ``positions``
-    (B or 1, M, 2): the RoPE (row, col) of each sample's tokens after the prefix.
-    o is a view of token-major (B, Nq, H, Dv) memory, so merging its heads back into channels copies nothing."""
+    """``linvision::linear_attention_fwd``: (o (B, H, Nq, Dv) in q's dtype, S (B, H, D, Dv) fp32, z (B, H, D)
+    fp32); S and z are the sums over the keys (o = (R phi(q)) S / (phi(q) . z + Nk eps), the mean form with the 1/Nk
+    moved onto eps: no division launched; with a token mask ``valid`` (B, Nk) the sums and Nk run over each
+    sample's valid keys). ``positions`` (B or 1, M, 2): the RoPE (row, col) of each sample's tokens after the
+    prefix. o is a view of token-major (B, Nq, H, Dv) memory, so merging its heads back into channels copies
+    nothing."""
     return _forward(q, k, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens, valid,
                     positions)
 
 
-@_linear_attention_fwd_op.register_fake
+def _linear_attention_bwd(
+    q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor, feature_map: str,
+    freqs_x: Optional[Tensor], freqs_y: Optional[Tensor], rope_ints: List[int], rope_offsets: List[float],
+    eps: float, split_tokens: int, freq_grad: bool, kv_grad: bool, q_grad: bool, valid: Optional[Tensor] = None,
+    positions: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``linvision::linear_attention_bwd``: (dq, dk, dv, dfx, dfy) from the inputs, the output gradient and the
+    saved S, z (nothing N-sized is saved); dfx, dfy are the RoPE frequencies' gradients with ``freq_grad``, dk and
+    dv with ``kv_grad``, dq with ``q_grad``, else empty."""
+    return _backward(q, k, v, do, s, z, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens,
+                     freq_grad, kv_grad, q_grad, valid, positions)
+
+
+@torch.library.register_fake("linvision::linear_attention_fwd", lib=_LIB)
 def _(q, k, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens, valid=None,
       positions=None):
     b, h, nq, d = q.shape
@@ -1101,21 +1132,7 @@ def _(q, k, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, spli
     )
 
 
-@torch.library.custom_op("linvision::linear_attention_bwd", mutates_args=())
-def _linear_attention_bwd_op(
-    q: Tensor, k: Tensor, v: Tensor, do: Tensor, s: Tensor, z: Tensor, feature_map: str,
-    freqs_x: Optional[Tensor], freqs_y: Optional[Tensor], rope_ints: List[int], rope_offsets: List[float],
-    eps: float, split_tokens: int, freq_grad: bool, kv_grad: bool, q_grad: bool, valid: Optional[Tensor] = None,
-    positions: Optional[Tensor] = None,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dfx, dfy) from the inputs, the output gradient and the saved S, z (nothing N-sized is saved);
-    dfx, dfy are the RoPE frequencies' gradients with ``freq_grad``, dk and dv with ``kv_grad``, dq with
-    ``q_grad``, else empty."""
-    return _backward(q, k, v, do, s, z, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens,
-                     freq_grad, kv_grad, q_grad, valid, positions)
-
-
-@_linear_attention_bwd_op.register_fake
+@torch.library.register_fake("linvision::linear_attention_bwd", lib=_LIB)
 def _(q, k, v, do, s, z, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens, freq_grad,
       kv_grad, q_grad, valid=None, positions=None):
     grads = freq_grad and freqs_x is not None
@@ -1128,29 +1145,51 @@ def _(q, k, v, do, s, z, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets,
     )
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens, valid, positions = inputs
-    _, s, z = output
-    ctx.save_for_backward(q, k, v, s, z, freqs_x, freqs_y, valid, positions)
-    ctx.options = (feature_map, rope_ints, rope_offsets, eps, split_tokens)
-    ctx.mark_non_differentiable(s, z)
+class _LinearAttention(torch.autograd.Function):
+    """The autograd of ``linvision::linear_attention_fwd``: its backward is ``linvision::linear_attention_bwd``."""
+
+    @staticmethod
+    def forward(ctx, *inputs):  # ctx as forward's argument: no separate setup_context, whose call binds the
+        # arguments to forward's signature with inspect on every call
+        q, k, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens, valid, positions = inputs
+        with torch._C._AutoDispatchBelowAutograd():  # to the implementation (or the fake one) of the op itself
+            o, s, z = torch.ops.linvision.linear_attention_fwd.default(*inputs)
+        ctx.save_for_backward(q, k, v, s, z, freqs_x, freqs_y, valid, positions)
+        ctx.options = (feature_map, rope_ints, rope_offsets, eps, split_tokens)
+        ctx.mark_non_differentiable(s, z)
+        ctx.set_materialize_grads(False)  # no zeros formed (and launched) for the gradients of S and z, never used
+        return o, s, z
+
+    @staticmethod
+    @once_differentiable  # the backward kernels have no backward of their own
+    def backward(ctx, do, ds, dz):
+        if do is None:  # o got no gradient (S and z never do)
+            return (None,) * 12
+        q, k, v, s, z, freqs_x, freqs_y, valid, positions = ctx.saved_tensors
+        feature_map, rope_ints, rope_offsets, eps, split_tokens = ctx.options
+        needs = ctx.needs_input_grad
+        dq, dk, dv, dfx, dfy = torch.ops.linvision.linear_attention_bwd.default(
+            q, k, v, do, s, z, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens,
+            needs[4] or needs[5], needs[1] or needs[2], needs[0], valid, positions,
+        )
+        # no key kernel (and no dk, dv) when neither keys nor values need a gradient, unless the frequencies do; no
+        # dq (formed or stored) when the queries need none
+        return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None, None,
+                dfx if needs[4] else None, dfy if needs[5] else None, None, None, None, None, None, None)
 
 
-def _backward_rule(ctx, do, ds, dz):
-    q, k, v, s, z, freqs_x, freqs_y, valid, positions = ctx.saved_tensors
-    feature_map, rope_ints, rope_offsets, eps, split_tokens = ctx.options
-    needs = ctx.needs_input_grad
-    dq, dk, dv, dfx, dfy = torch.ops.linvision.linear_attention_bwd(
-        q, k, v, do, s, z, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens,
-        needs[4] or needs[5], needs[1] or needs[2], needs[0], valid, positions,
-    )
-    # no key kernel (and no dk, dv) when neither keys nor values need a gradient, unless the frequencies do; no dq
-    # (formed or stored) when the queries need none
-    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None, None,
-            dfx if needs[4] else None, dfy if needs[5] else None, None, None, None, None, None, None)
+def _linear_attention_fwd_autograd(q, k, v, feature_map, freqs_x, freqs_y, *options):
+    """The forward op on the Autograd key: through :class:`_LinearAttention` when a gradient can flow (q, k, v or
+    the RoPE frequencies require one, in grad mode), else straight to the implementation."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, freqs_x, freqs_y)):
+        return _LinearAttention.apply(q, k, v, feature_map, freqs_x, freqs_y, *options)
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.linvision.linear_attention_fwd.default(q, k, v, feature_map, freqs_x, freqs_y, *options)
 
 
-_linear_attention_fwd_op.register_autograd(_backward_rule, setup_context=_setup_context)
+_LIB.impl("linear_attention_fwd", _linear_attention_fwd, "CompositeExplicitAutograd")
+_LIB.impl("linear_attention_bwd", _linear_attention_bwd, "CompositeExplicitAutograd")
+_LIB.impl("linear_attention_fwd", _linear_attention_fwd_autograd, "Autograd")
 
 
 @register_flop_formula(torch.ops.linvision.linear_attention_fwd)
@@ -1162,7 +1201,8 @@ def _fwd_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> in
 
 @register_flop_formula(torch.ops.linvision.linear_attention_bwd)
 def _bwd_flops(q_shape, k_shape, v_shape, do_shape, s_shape, z_shape, feature_map, freqs_x, freqs_y, rope_ints,
-               rope_offsets, eps, split_tokens, freq_grad, kv_grad, q_grad, out_shape=None, **kwargs) -> int:
+               rope_offsets, eps, split_tokens, freq_grad, kv_grad, q_grad, valid_shape, positions_shape,
+               out_shape=None, **kwargs) -> int:
     """Matrix products: g = dO S^T and dS over Nq queries (the numerator is not recomputed); v dS^T and dv over
     Nk keys, only when the key kernel runs (keys, values or RoPE frequencies need a gradient)."""
     b, h, nq, d = q_shape
@@ -1265,7 +1305,7 @@ def run_checked(q: Tensor, k: Tensor, v: Tensor, feature_map: str, rope: Optiona
         rope_ints = [rope.num_prefix_tokens, rope.grid[1]]
         rope_offsets = [float(rope.offset[0]), float(rope.offset[1])]
         positions = rope.positions
-    o, _, _ = torch.ops.linvision.linear_attention_fwd(
+    o, _, _ = torch.ops.linvision.linear_attention_fwd.default(
         q, k, v, feature_map_name(feature_map), freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens,
         valid, positions,
     )

@@ -66,7 +66,7 @@ DEFAULTS = {
     "linvision-bench-diffusion-parallel": [("--depth", "4"), ("--ranks", "1 2"), ("--modes", "ddp fsdp fsdp+ckpt")],
     "linvision-export": [("--tolerance", "0.0001"), ("--bench-iters", "3")],
     "linvision-gpu-report": [("--output", "output/gpu_report"), ("--budget", "540.0"),
-                             ("--n", "4096 8192 16384 32768 65536 131072"), ("--rec-n", "4096 16384 65536 262144"),
+                             ("--n", "2048 4096 8192 16384 32768 65536 131072"), ("--rec-n", "4096 16384 65536 262144"),
                              ("--img-size", "512 1024 2048"), ("--batch-sizes", "8 1"),
                              ("--first-models", "vig_tiny linhier_delta_tiny_224"),
                              ("--amp", "bf16")],

@@ -3,7 +3,7 @@
 The parts run in the order of their value, each in a process of its own stopped at its deadline, the next part
 starting when it ends (:data:`PARTS`):
 
-  kernels      the fused kernels, the PyTorch reference and SDPA, forward and backward at 4k-131k tokens
+  kernels      the fused kernels, the PyTorch reference and SDPA, forward and backward at 2k-131k tokens
   profile      where a small call's time goes (host against device, launches, the busiest operators): the fused
                kernels and SDPA at the smallest N, a forward at batch 1 of linhier_tiny_224 and vit_small
   models       linvision's models against timm's on the same card: images/s and peak memory, batch 8 and 1,

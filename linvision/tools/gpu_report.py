@@ -4,7 +4,7 @@ Five parts, in the order of their value, each in a process of its own stopped at
 the budget that is left when it starts):
 
   kernels      the fused kernels, the PyTorch reference and softmax attention (SDPA), forward, backward and
-               forward+backward at 4k-131k tokens (B=1, H=16, D=64, bf16), with the share of the HBM bandwidth
+               forward+backward at 2k-131k tokens (B=1, H=16, D=64, bf16), with the share of the HBM bandwidth
   profile      where a small call's time goes, read with torch.profiler: wall, host and device ms, launches and
                aten ops per call, the busiest operators; the kernels and SDPA at the smallest N, a forward at
                batch 1 (512 px) of linhier_tiny_224 and vit_small_patch16_224
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds for all parts together, shared out as each part starts")
     p.add_argument("--tests-k", default=None, metavar="EXPR",
                    help="pytest -k expression within -m cuda (default: none; 'autocast' in the dry run)")
-    p.add_argument("--n", type=int, nargs="+", default=[1 << e for e in range(12, 18)],
+    p.add_argument("--n", type=int, nargs="+", default=[1 << e for e in range(11, 18)],
                    help="token counts of the kernel timings")
     p.add_argument("--rec-n", type=int, nargs="+", default=[1 << e for e in range(12, 19, 2)],
                    help="token counts of the recurrence timings")

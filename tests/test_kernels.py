@@ -782,6 +782,24 @@ def test_token_mask_with_fewer_queries_than_keys():
     assert _rel_err(out[:1], alone) < TOL[torch.float32]
 
 
+def test_a_sample_with_no_valid_key_counts_one_as_the_reference_does():
+    """A sample whose keys are all masked (cross attention, Nq != Nk): the kernels take its key count as 1 (the
+    reference's floor), so its outputs are zero and every gradient finite, as the float64 reference gives; the
+    other sample is untouched."""
+    q, k, v, do = _inputs(2, 2, 5, 37, 16, 8, torch.float32, "elu")
+    valid = torch.arange(37, device=DEVICE)[None, :] < torch.tensor([[0], [23]], device=DEVICE)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = linear_attention_triton(*leaves, "elu", valid=valid)
+    grads = torch.autograd.grad(out, leaves, do)
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = linear_attention_reference(*ref_leaves, "elu", valid=valid)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, do.double())
+    assert not out[0].any() and _rel_err(out, ref) < TOL[torch.float32]
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert torch.isfinite(g).all(), name
+        assert _rel_err(g, r, 0.1 * r.abs().max().item()) < 4 * TOL[torch.float32], name
+
+
 def test_token_mask_from_linear_attention_reaches_the_kernels():
     """``linear_attention(valid=, backend="triton")`` runs the masked kernels and agrees with backend="torch"."""
     q, k, v, _, valid, positions = _masked_batch(3, 2, 24, 16, 16, torch.float32, "elu", prefix=0, pad=0.0)

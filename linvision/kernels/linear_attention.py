@@ -797,8 +797,8 @@ class _Tokens:
     """What the kernels read of a token mask and per-sample positions: the mask as bytes (B, Nk) and each sample's
     number of valid keys (B,) fp32 (one launch; the kernels take at least 1, as the reference counts), the
     positions as fp32 (B or 1, M, 2) with the RoPE offsets added (the angle is then formed exactly as the reference
-    forms it); dummies (never read) where absent. ``keys`` and ``queries`` are the MASK / COUNTED constexprs of the kernels over keys and queries:
-    queries are masked only when they are the keys' tokens (Nq == Nk)."""
+    forms it); dummies (never read) where absent. ``keys`` and ``queries`` are the MASK / COUNTED constexprs of the
+    kernels over keys and queries: queries are masked only when they are the keys' tokens (Nq == Nk)."""
 
     def __init__(self, q: Tensor, valid: Optional[Tensor], positions: Optional[Tensor], offsets: List[float]):
         self.has_valid = valid is not None

@@ -526,6 +526,35 @@ def test_gated_backward_refusal_spares_vig(monkeypatch):
     assert all(p.grad is not None for p in model.parameters())
 
 
+def test_gated_backward_refusal_in_a_model_as_users_run_it(monkeypatch):
+    """On an affected GPU (faked) a bidir_gated ViT as users run it: batch 1, an odd non-square image (7 x 13
+    patches), fp16 autocast (the interpreter's bf16 arithmetic is not the GPU's: see the module's docstring). An
+    inference_mode forward keeps fla's kernels; the training step after it runs the PyTorch path with one
+    warning, its logits those of the kernels' forward within 5% of their largest, and every parameter gets a
+    finite gradient."""
+    import timm
+
+    import linvision  # noqa: F401
+
+    calls = _affected(monkeypatch)
+    model = timm.create_model("linvit_tiny_patch16_224", token_mixer="bidir_gated", class_token=False,
+                              global_pool="avg", rope="none", depth=2, dynamic_img_size=True,
+                              num_classes=5).to(DEVICE)
+    x = torch.randn(1, 3, 7 * 16, 13 * 16, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    autocast = torch.autocast("cuda" if DEVICE == "cuda" else "cpu", dtype=torch.float16)
+    with record_backends() as used, torch.inference_mode(), autocast:
+        first = model(x)
+    assert used == {("bidirectional_gated_linear_attention", "fla")} and calls == ["simple_gla"] * 2
+    with pytest.warns(RuntimeWarning, match="fla refuses the backward of per-head gates"):
+        with record_backends() as used, autocast:
+            out = model(x)
+    assert used == {("bidirectional_gated_linear_attention", "torch")} and calls == ["simple_gla"] * 2
+    assert out.dtype == first.dtype == torch.float16
+    torch.testing.assert_close(out.float(), first.float(), rtol=0.05, atol=0.05 * first.float().abs().max().item())
+    out.float().square().mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+
+
 def test_fla_refuses_only_the_per_head_gated_backward(monkeypatch):
     """fla's own refusal, made to fire here by setting the flags it reads (Hopper, Triton 3.4 to 3.7.0) with its
     tilelang backend available and switched on: per-head gates raise fla's RuntimeError in the backward, after the

@@ -34,8 +34,8 @@ call fits them, else PyTorch with a ``RuntimeWarning`` once per reason (CPU tens
 ``"triton"`` forces them (ImportError without fla-core, ValueError for a call they cannot run, each in one line);
 ``"torch"`` is the PyTorch path. fla-core is imported on the first call that runs the kernels, never before.
 One combination is refused before the forward, where fla would refuse the backward after it
-(:func:`gated_backward_refused`, from Triton's package metadata and the device's name and capability): per-head gates (the decay form too, fla's ``chunk_simple_gla``) on a Hopper GPU
-with Triton >= 3.4.0 and < 3.7.1 (as torch 2.8.0 to 2.12.0 install), only when a gradient is needed, since
+(:func:`gated_backward_refused`, from Triton's package metadata and the device's name and capability): per-head
+gates (the decay form too, fla's ``chunk_simple_gla``) on a Hopper GPU with Triton >= 3.4.0 and < 3.7.1 (as torch 2.8.0 to 2.12.0 install), only when a gradient is needed, since
 fla's backward kernel for the gate (``chunk_bwd_dqkwg``) is miscompiled there and fla raises in it rather
 than return wrong gradients; inference keeps the kernels. The fix is Triton >= 3.7.1 (torch >= 2.12.1).
 """

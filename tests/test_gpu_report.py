@@ -63,6 +63,16 @@ def test_dry_run_writes_the_report_of_every_part(tmp_path, capsys):
         assert r["wall_ms"] >= r["host_ms"] > 0 and r["launches"] == 0 and r["device_ms"] == 0, r
         assert r["aten_ops"] >= 1 and r["top"] and all(t["calls"] > 0 for t in r["top"]), r
     assert "linvision::linear_attention_bwd" in [t["op"] for t in profile["rows"][1]["top"]]
+    # the grid sweep: each kind of kernel at every programs-per-SM setting, its default marked once
+    assert [(r["kernels"], r["per_sm"]) for r in profile["grid"]] == [
+        (kind, per_sm) for kind in ("state, query", "output, key") for per_sm in gpu_parts.GRID_SWEEP]
+    assert [r["per_sm"] for r in profile["grid"] if r["default"]] == [2, 4]
+    assert all(_number(r[f"{p}_ms"]) and r[f"{p}_ms"] > 0 for r in profile["grid"] for p in gpu_parts.PASSES)
+    assert "Grid sweep at N=256" in markdown
+    # the autotuner's choices (one configuration in the interpreter) for each of the four kernels
+    assert sorted({c["kernel"] for c in kernels["chosen"]}) == [
+        "_key_bwd_kernel", "_output_fwd_kernel", "_query_bwd_kernel", "_state_fwd_kernel"]
+    assert "The configurations the autotuner chose" in markdown
 
     points = report["parts"]["models"]["points"]
     assert [(p["batch_size"], p["model"], p["img_size"]) for p in points] == [  # the twin first at each size

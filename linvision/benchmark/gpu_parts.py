@@ -181,7 +181,7 @@ def kernels_part(settings: Dict[str, Any], save: Callable[..., None]) -> None:
     feature map from ``settings``), one row per (N, pass) saved as measured, with the kernels' minimal bytes over
     their time as a share of the HBM bandwidth on a GPU. A path that fails is its rows' status; the part goes on
     and ends "failed"."""
-    from linvision.kernels import linear_attention_triton
+    from linvision.kernels import chosen_configs, linear_attention_triton
     from linvision.kernels.traffic import minimal_bytes
     from linvision.ops import linear_attention_reference, softmax_attention
 
@@ -213,7 +213,7 @@ def kernels_part(settings: Dict[str, Any], save: Callable[..., None]) -> None:
             print(f"N={n:>7d} {name:>8}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in row.items()
                                                       if k.endswith("_ms") and v), flush=True)
         del q, k, v, do
-        save(rows=rows)
+        save(rows=rows, chosen=chosen_configs())
     fail_on_rows(save, [f"N={r['n']} {r['pass']}" for r in rows if r["status"] != "ok"])
 
 
@@ -437,27 +437,32 @@ def _recurrence_rows(n: int, times: Dict[str, Dict[str, Any]]) -> List[Dict[str,
 
 
 def _profile_cases(settings: Dict[str, Any]) -> Dict[str, Callable[[], Any]]:
-    """The calls the profile part reads: the fused kernels' forward and forward+backward and SDPA's
-    forward+backward at the kernels part's smallest N, and a forward at batch 1 of each of ``settings["models"]``
-    under the amp of the models part."""
+    """The calls the profile part reads: the fused kernels' forward and forward+backward at each N of
+    ``settings["n"]`` (the kernels part's smallest and largest: the host's share, then each kernel's device time),
+    SDPA's forward+backward at the smallest, and a forward at batch 1 of each of ``settings["models"]`` under the
+    amp of the models part."""
     from linvision.kernels import linear_attention_triton
     from linvision.ops import softmax_attention
     from linvision.utils.amp import autocast
     from linvision.utils.factory import create_model
 
     device, dtype = settings["device"], getattr(torch, settings["dtype"])
-    b, h, d, n = settings["batch"], settings["heads"], settings["dim"], settings["n"]
-    q, k, v, do = attention_inputs(b, h, n, d, device, dtype)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    b, h, d = settings["batch"], settings["heads"], settings["dim"]
+    cases: Dict[str, Callable[[], Any]] = {}
+    for n in settings["n"]:
+        q, k, v, do = attention_inputs(b, h, n, d, device, dtype)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
 
-    def fused_fwd():
-        with torch.no_grad():
-            linear_attention_triton(q, k, v, "elu")
+        def fused_fwd(q=q, k=k, v=v):
+            with torch.no_grad():
+                linear_attention_triton(q, k, v, "elu")
 
-    cases = {f"fused forward, N={n}": fused_fwd,
-             f"fused forward+backward, N={n}":
-                 lambda: torch.autograd.grad(linear_attention_triton(*leaves, "elu"), leaves, do),
-             f"SDPA forward+backward, N={n}": lambda: torch.autograd.grad(softmax_attention(*leaves), leaves, do)}
+        cases[f"fused forward, N={n}"] = fused_fwd
+        cases[f"fused forward+backward, N={n}"] = (
+            lambda leaves=leaves, do=do: torch.autograd.grad(linear_attention_triton(*leaves, "elu"), leaves, do))
+        if n == min(settings["n"]):
+            cases[f"SDPA forward+backward, N={n}"] = (
+                lambda leaves=leaves, do=do: torch.autograd.grad(softmax_attention(*leaves), leaves, do))
     size = settings["img_size"]
     for name in settings["models"]:
         model = create_model(name, img_size=size).to(device).eval()
@@ -471,10 +476,42 @@ def _profile_cases(settings: Dict[str, Any]) -> Dict[str, Callable[[], Any]]:
     return cases
 
 
+GRID_SWEEP = (1, 2, 4, 8, 16)  # programs per SM the grid sweep gives the split kernels, then the span kernels
+
+
+def grid_sweep(settings: Dict[str, Any], save: Callable[..., None]) -> List[Dict[str, Any]]:
+    """The fused kernels' forward, backward and forward+backward at the largest N with the number of programs per
+    SM changed, one kind of kernel at a time: the state and query kernels (their token splits; default
+    ``_SPLITS_PER_SM``), then the output and key kernels (their spans; default ``_SPANS_PER_SM``). One row per
+    setting, saved as measured: whether the kernels are short of programs to hide the memory's latency."""
+    from linvision.kernels import linear_attention as kernels
+
+    device, dtype = settings["device"], getattr(torch, settings["dtype"])
+    b, h, d, n = settings["batch"], settings["heads"], settings["dim"], max(settings["n"])
+    q, k, v, do = attention_inputs(b, h, n, d, device, dtype)
+    rows: List[Dict[str, Any]] = []
+    defaults = {"_SPLITS_PER_SM": kernels._SPLITS_PER_SM, "_SPANS_PER_SM": kernels._SPANS_PER_SM}
+    for constant in defaults:
+        for per_sm in GRID_SWEEP:
+            setattr(kernels, constant, per_sm)
+            try:
+                times = time_passes(lambda q, k, v: kernels.linear_attention_triton(q, k, v, "elu"), (q, k, v), do,
+                                    bench_for(device))
+            finally:
+                setattr(kernels, constant, defaults[constant])
+            rows.append({"n": n, "kernels": "state, query" if constant == "_SPLITS_PER_SM" else "output, key",
+                         "per_sm": per_sm, "default": per_sm == defaults[constant],
+                         **{f"{p}_ms": times.get(p) for p in PASSES}, "error": times.get("error")})
+            print(f"grid sweep N={n} {rows[-1]['kernels']} x{per_sm}/SM: "
+                  + ", ".join(f"{p} {times[p]:.3f} ms" for p in PASSES if p in times), flush=True)
+            save(grid=rows)
+    return rows
+
+
 def profile_part(settings: Dict[str, Any], save: Callable[..., None]) -> None:
     """Each call of :func:`_profile_cases` read by :func:`linvision.benchmark.host_profile.profile_call`: wall,
-    host and device ms, launches and aten ops per call and the operators with the most host time, one row per
-    call saved as measured."""
+    host and device ms, launches and aten ops per call, the operators with the most host time and the kernels
+    with the most device time, one row per call saved as measured; then :func:`grid_sweep`."""
     from linvision.benchmark.host_profile import profile_call
 
     rows: List[Dict[str, Any]] = []
@@ -485,6 +522,8 @@ def profile_part(settings: Dict[str, Any], save: Callable[..., None]) -> None:
         print(f"{what}: " + ", ".join(f"{key} {rows[-1][key]:.3g}" for key in
                                       ("wall_ms", "host_ms", "device_ms", "launches", "aten_ops")), flush=True)
         save(rows=rows)
+        free(settings["device"])
+    grid_sweep(settings, save)
 
 
 # --- the process of a part ---

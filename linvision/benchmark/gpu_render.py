@@ -101,6 +101,23 @@ def _kernels(result: Dict[str, Any]) -> List[str]:
         lines.append(f"| {r['n']} | {r['pass']} | {_n(r['triton_ms'])} | {_n(r['torch_ref_ms'])} | "
                      f"{_n(r['sdpa_ms'])} | {_n(r.get('sdpa_over_triton'), '.2f')} | {_n(r.get('hbm_pct'), '.1f')} | "
                      f"{_status_cell(r)} |")
+    if result.get("chosen"):
+        lines += ["", "The configurations the autotuner chose:", "",
+                  "| kernel | D bucket | N bucket | BLOCK_N | warps | stages |", "|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| `{c['kernel']}` | {c['dim_bucket']} | {c['n_bucket']} | {c['block_n']} | {c['num_warps']} | "
+                  f"{c['num_stages']} |" for c in result["chosen"]]
+    return lines
+
+
+def _grid(result: Dict[str, Any]) -> List[str]:
+    """The profile part's grid sweep: the passes' ms with the programs per SM of one kind of kernel changed."""
+    if not result.get("grid"):
+        return []
+    lines = ["", f"Grid sweep at N={result['grid'][0]['n']}: ms per call with the programs per SM of the split "
+                 "kernels (state, query) or of the span kernels (output, key) changed; * the default.", "",
+             "| kernels | programs per SM | fwd (ms) | bwd (ms) | fwd+bwd (ms) |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['kernels']} | {r['per_sm']}{' *' if r['default'] else ''} | {_n(r['fwd_ms'])} | "
+              f"{_n(r['bwd_ms'])} | {_n(r['fwd+bwd_ms'])} |" for r in result["grid"]]
     return lines
 
 
@@ -124,7 +141,7 @@ def _profile(result: Dict[str, Any]) -> List[str]:
                       "| kernel | calls | device µs |", "|---|---:|---:|"]
             lines += [f"| `{k['kernel'][:100]}` | {_n(k['calls'], '.0f')} | {_n(k['device_us'], '.1f')} |"
                       for k in r["kernels"]]
-    return lines
+    return lines + _grid(result)
 
 
 def _models(result: Dict[str, Any]) -> List[str]:

@@ -335,7 +335,7 @@ def part_settings(options: Dict[str, Any], dry: bool) -> Dict[str, Dict[str, Any
     return {
         "kernels": {**common, "n": o["n"], "feature_map": "elu", "hbm_tbps": o.get("hbm_tbps"),
                     "sdpa_max_n": max(o["n"]) if dry else o.get("sdpa_max_n", 131072)},
-        "profile": {**common, "n": min(o["n"]), "models": o.get("profile_models", PROFILE_MODELS),
+        "profile": {**common, "n": sorted({min(o["n"]), max(o["n"])}), "models": o.get("profile_models", PROFILE_MODELS),
                     "img_size": 32 if dry else 512, "amp": o["amp"], "steps": 1 if dry else 5},
         "models": {"models": o["models"], "twin": o["twin"], "device": device, "img_size": o["img_size"],
                    "batches": o["batches"], "amp": o["amp"], "warmup": o["warmup"], "iters": o["iters"],

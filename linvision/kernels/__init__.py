@@ -13,7 +13,8 @@ The Triton names load on first use, so ``linvision.kernels.common`` imports wher
 """
 import importlib
 
-__all__ = ["FUSED_FEATURE_MAPS", "MAX_HEAD_DIM", "MIN_HEAD_DIM", "linear_attention_triton", "unsupported_reason"]
+__all__ = ["FUSED_FEATURE_MAPS", "MAX_HEAD_DIM", "MIN_HEAD_DIM", "chosen_configs", "linear_attention_triton",
+           "unsupported_reason"]
 
 
 def __getattr__(name: str):

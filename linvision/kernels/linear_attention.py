@@ -58,7 +58,7 @@ import functools
 import os
 import weakref
 from collections import OrderedDict
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import triton
@@ -70,7 +70,7 @@ from torch.utils.flop_counter import register_flop_formula
 from .common import (DEFAULT_EPS, FUSED_FEATURE_MAPS, KERNEL_NAMES, RopeSpec, check_eps, check_int, check_qkv,
                      check_rope, check_valid, feature_map_name)
 
-__all__ = ["linear_attention_triton", "run_checked", "unsupported_reason", "FUSED_FEATURE_MAPS", "MIN_HEAD_DIM",
+__all__ = ["chosen_configs", "linear_attention_triton", "run_checked", "unsupported_reason", "FUSED_FEATURE_MAPS", "MIN_HEAD_DIM",
            "MAX_HEAD_DIM"]
 
 MIN_HEAD_DIM = 16
@@ -830,6 +830,9 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+_SPLITS_PER_SM = 2  # programs of the state and query kernels per SM (their token splits)
+
+
 def _split_len(n: int, bh: int, device: torch.device, split_tokens: int) -> int:
     """Tokens per split of the reductions over N (at least 1). ``split_tokens`` > 0 forces it; 0 picks enough
     splits to give about two programs per SM on a GPU (whole-N reductions off GPU), at least ``_SPLIT_ALIGN``
@@ -839,7 +842,7 @@ def _split_len(n: int, bh: int, device: torch.device, split_tokens: int) -> int:
         return split_tokens
     if device.type != "cuda" or n == 0:
         return max(n, 1)
-    splits = max(1, min(_cdiv(2 * _sm_count(device), bh), _cdiv(n, _SPLIT_ALIGN)))
+    splits = max(1, min(_cdiv(_SPLITS_PER_SM * _sm_count(device), bh), _cdiv(n, _SPLIT_ALIGN)))
     return _cdiv(_cdiv(n, splits), _SPLIT_ALIGN) * _SPLIT_ALIGN
 
 
@@ -950,6 +953,17 @@ def _run(name: str, d: int, dv: int, grid, *args, **meta) -> None:
         _CHOSEN[key] = tuned.best_config
     else:
         _JITTED[name][grid(config.kwargs)](*args, **meta, **config.all_kwargs())
+
+
+def chosen_configs() -> List[Dict[str, Any]]:
+    """The configurations the autotuner chose so far in this process, one per (kernel, head-dim bucket, N bucket,
+    constexprs): {"kernel", "dim_bucket", "n_bucket", "block_n", "num_warps", "num_stages", "constexprs"}."""
+    rows = []
+    for (name, bucket, n_bucket, *meta), config in _CHOSEN.items():
+        rows.append({"kernel": name, "dim_bucket": bucket, "n_bucket": n_bucket, "block_n": config.kwargs["BLOCK_N"],
+                     "num_warps": config.num_warps, "num_stages": config.num_stages,
+                     "constexprs": {k: (v if isinstance(v, (bool, int, float, str)) else str(v)) for k, v in meta}})
+    return rows
 
 
 @functools.lru_cache(maxsize=None)

@@ -504,15 +504,16 @@ def test_device_work_of_a_training_step(monkeypatch, case):
     leaves = [t.requires_grad_() for t in (q, k, v)]
     options = {}
     if case == "mask":
-        options["valid"] = torch.arange(64) < torch.tensor([[50], [64]])
+        options["valid"] = (torch.arange(64) < torch.tensor([[50], [64]])).to(DEVICE)
     elif case == "rope":
-        options["rope"] = axial_rope(16, (8, 8))
+        options["rope"] = axial_rope(16, (8, 8), device=DEVICE)
     elif case == "mask and positions":  # a NaFlex batch: each sample's own grid
         q, k, v, do, options["valid"], positions = _masked_batch(2, 2, 64, 16, 16, torch.bfloat16, "elu", prefix=1)
         leaves = [t.requires_grad_() for t in (q, k, v)]
         options["rope"] = Rope(*mixed_rope_freqs(16, 2), (1, 63), num_prefix_tokens=1, positions=positions)
     elif case == "learnable rope":
-        fx, fy = (f.requires_grad_() for f in mixed_rope_freqs(16, 2, generator=torch.Generator().manual_seed(1)))
+        fx, fy = (f.to(DEVICE).requires_grad_()
+                  for f in mixed_rope_freqs(16, 2, generator=torch.Generator().manual_seed(1)))
         options["rope"] = Rope(fx, fy, (8, 8))
         leaves += [fx, fy]
     with _DeviceWork(monkeypatch) as work:
@@ -533,7 +534,7 @@ def test_rope_table_cached_per_frequencies_and_version(monkeypatch):
     monkeypatch.setattr(kernel_module, "_build_table", lambda *args: built.append(1) or real_build(*args))
     q, k, v, do = _inputs(1, 2, 33, 33, 16, 8, torch.float32, "elu")
     fx, fy = mixed_rope_freqs(16, 2, generator=torch.Generator().manual_seed(1))
-    fx, fy = fx.clone().requires_grad_(), fy.clone().requires_grad_()
+    fx, fy = fx.to(DEVICE).requires_grad_(), fy.to(DEVICE).requires_grad_()
     rope = Rope(fx, fy, (4, 8), num_prefix_tokens=1)
 
     def step():
@@ -989,7 +990,7 @@ def test_custom_op_registration():
 
 def test_torch_compile_keeps_one_graph():
     q, k, v, do = _inputs(1, 2, 50, 50, 16, 16, torch.float32, "elu")
-    rope = rope_1d(16, 50)
+    rope = rope_1d(16, 50, device=DEVICE)
 
     def fn(q, k, v):
         return linear_attention(q * 2, k, v, "elu", rope=rope, backend="triton") + 1

@@ -2,6 +2,7 @@
 other sizes than the traced one; TorchScript exclusions stay true; the export tool checks its file in one line."""
 import fnmatch
 import json
+import os
 import warnings
 
 import pytest
@@ -13,6 +14,8 @@ from linvision.export.program import (compare_with_eager, export_onnx, export_pr
                                       load_exported)
 from support import run_tool
 from test_models import ALL_NAMES, _reduced
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # One model of each family and position scheme runs by default; the rest with --runslow.
 DEFAULT = ("linvit_small_patch16_224", "linvit_small_patch16_rope_224", "linhier_tiny_224", "mlla_tiny", "ravlt_tiny")
@@ -92,6 +95,37 @@ def test_exported_graph_holds_no_fused_kernel():
 
     with pytest.raises(ValueError, match="cannot run this call: the call is being exported"):
         torch.export.export(Attend(), (torch.randn(1, 2, 8, 16),))
+
+
+def test_compiled_calls_are_not_taken_for_exports(monkeypatch):
+    """Some torch releases (2.11 among them) answer ``torch.compiler.is_exporting()`` with True inside any
+    TorchDynamo trace, torch.compile's included; played here by replacing it with a function that always says
+    True. linvision's check reads the flag torch.export sets, so a compiled call stays off the export path (no
+    refusal, the kernels' output) and an exported one is still refused."""
+    from linvision.ops import linear_attention, linear_attention_reference
+    from linvision.ops.common import is_exporting
+
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)
+    assert not is_exporting()
+    q = torch.randn(1, 2, 8, 16)
+    seen = []
+
+    def attend(q):
+        seen.append(is_exporting())
+        return linear_attention(q, q, q, "elu", backend="triton")
+
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":  # the kernels can run the call
+        out = torch.compile(attend, backend="eager", fullgraph=True)(q.to(DEVICE))
+        torch.testing.assert_close(out.cpu(), linear_attention_reference(q, q, q, "elu"), rtol=1e-4, atol=1e-5)
+        assert seen == [False]
+
+    class Attend(torch.nn.Module):
+        def forward(self, q):
+            return attend(q)
+
+    with pytest.raises(ValueError, match="cannot run this call: the call is being exported"):
+        torch.export.export(Attend(), (q,))
+    assert seen[-1] is True
 
 
 @pytest.mark.parametrize("name", [n for n in ALL_NAMES if any(fnmatch.fnmatch(n, f) for f in EXCLUDE_JIT_FILTERS)])

@@ -510,7 +510,8 @@ def test_device_work_of_a_training_step(monkeypatch, case):
     elif case == "mask and positions":  # a NaFlex batch: each sample's own grid
         q, k, v, do, options["valid"], positions = _masked_batch(2, 2, 64, 16, 16, torch.bfloat16, "elu", prefix=1)
         leaves = [t.requires_grad_() for t in (q, k, v)]
-        options["rope"] = Rope(*mixed_rope_freqs(16, 2), (1, 63), num_prefix_tokens=1, positions=positions)
+        freqs = (f.to(DEVICE) for f in mixed_rope_freqs(16, 2))
+        options["rope"] = Rope(*freqs, (1, 63), num_prefix_tokens=1, positions=positions)
     elif case == "learnable rope":
         fx, fy = (f.to(DEVICE).requires_grad_()
                   for f in mixed_rope_freqs(16, 2, generator=torch.Generator().manual_seed(1)))

@@ -88,7 +88,13 @@ def check_backend(backend: str) -> str:
 
 
 def is_exporting() -> bool:
-    """True while torch.export traces (torch >= 2.6; always False before)."""
+    """True while torch.export traces (torch >= 2.6; always False before). It reads the flag torch.export sets:
+    in some releases (torch 2.11 among them) TorchDynamo answers a call of ``torch.compiler.is_exporting()``
+    with True while it traces for torch.compile as well, which would keep the kernels out of every compiled
+    model."""
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    if flag is not None:
+        return bool(flag)
     return getattr(torch.compiler, "is_exporting", lambda: False)()
 
 

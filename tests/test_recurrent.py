@@ -391,3 +391,32 @@ def test_models_keep_the_gated_mixers_own_start():
     # the generic init still reaches every other Linear: trunc-normal std 0.02 in linhier, not PyTorch's default
     qkv = next(m for m in models[0].modules() if isinstance(m, BidirGatedAttention)).qkv.weight
     assert 0.015 < qkv.std().item() < 0.025
+
+
+@pytest.mark.parametrize("gates", [1, 5])
+def test_decayed_counts_against_their_sums(gates):
+    """The decayed token counts the kernels' gated forms normalise with (per head and per channel), against their
+    sums written out in float64: forwards c_i = sum_{j <= i} exp(C_i - C_j) + exp(C_i) count0, backwards
+    sum_{j > i, j real} exp(C_{j-1} - C_{i-1}), with padding after each sample's real tokens."""
+    from linvision.ops.recurrent.kernels import decayed_counts
+
+    b, h, n = 2, 3, 37
+    g = torch.Generator().manual_seed(0)
+    log_gate = F.logsigmoid(torch.randn(b, h, n, gates, generator=g, dtype=torch.float64) + 2)
+    count0 = torch.rand(b, h, gates, generator=g, dtype=torch.float64) * 3
+    valid = (torch.arange(n) < torch.tensor([n, 20])[:, None]).view(b, 1, n, 1)
+    cum = log_gate.cumsum(2)
+    fwd_want = torch.zeros_like(log_gate)
+    bwd_want = torch.zeros_like(log_gate)
+    for i in range(n):
+        fwd_want[:, :, i] = (cum[:, :, i:i + 1] - cum[:, :, :i + 1]).exp().sum(2) + cum[:, :, i].exp() * count0
+        prev_i = cum[:, :, i] - log_gate[:, :, i]
+        for j in range(i + 1, n):
+            term = (cum[:, :, j - 1] - prev_i).exp()
+            bwd_want[:, :, i] += torch.where(valid[:, :, j], term, torch.zeros_like(term))
+    fwd, _ = decayed_counts(log_gate, count0)
+    torch.testing.assert_close(fwd, fwd_want, rtol=1e-12, atol=0)
+    fwd, bwd = decayed_counts(log_gate, backward=True, valid=valid)
+    torch.testing.assert_close(fwd, fwd_want - cum.exp() * count0.unsqueeze(2), rtol=1e-12, atol=0)
+    torch.testing.assert_close(bwd, bwd_want, rtol=1e-12, atol=1e-300)
+    assert fwd.shape == bwd.shape == log_gate.shape

@@ -428,17 +428,20 @@ def decayed_counts(log_gate: Tensor, count0: Optional[Tensor] = None, backward: 
     ``backward`` the reversed scan's, token i left out: sum_{j > i} exp(C_{j-1} - C_{i-1}), over the real tokens j
     only when ``valid`` (B, 1, N, 1) marks them (padding after them). Both from logcumsumexp, with no exp of a
     positive number; differentiable."""
-    g = log_gate.double()
-    cum = g.cumsum(2)
-    fwd = torch.exp(cum + torch.logcumsumexp(-cum, 2))
+    # the scans run over the last dim of a (B, H, G, N) copy: CUDA scans a dim that is not the last one column by
+    # column, each column's N steps in one thread (on an H200 the forward of bidir_gated took 243 ms at N=262,144,
+    # 1 µs per token and scan, against 2.3 ms for linear_rope); over the last dim a block scans a row in parallel
+    g = log_gate.double().transpose(2, 3)
+    cum = g.cumsum(-1)
+    fwd = torch.exp(cum + torch.logcumsumexp(-cum, -1))
     if count0 is not None:
-        fwd = fwd + cum.exp() * count0.double().unsqueeze(2)
+        fwd = fwd + cum.exp() * count0.double().unsqueeze(-1)
     if not backward:
-        return fwd, None
+        return fwd.transpose(2, 3), None
     prev = cum - g  # C_{i-1}
-    terms = prev if valid is None else prev.masked_fill(~valid, -1e30)  # finite: no NaN in the gradient
-    after = torch.logcumsumexp(terms.flip(2), 2).flip(2)  # log sum_{j >= i} exp(C_{j-1})
-    return fwd, F.pad(torch.exp(after[:, :, 1:] - prev[:, :, :-1]), (0, 0, 0, 1))
+    terms = prev if valid is None else prev.masked_fill(~valid.transpose(2, 3), -1e30)  # finite: no NaN in the grad
+    after = torch.logcumsumexp(terms.flip(-1), -1).flip(-1)  # log sum_{j >= i} exp(C_{j-1})
+    return fwd.transpose(2, 3), F.pad(torch.exp(after[..., 1:] - prev[..., :-1]), (0, 1)).transpose(2, 3)
 
 
 def _gated_operands(phi_q: Tensor, phi_k: Tensor, v: Tensor, normalize: bool, top_count: Tensor

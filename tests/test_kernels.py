@@ -645,6 +645,37 @@ def test_cuda_graph_capture_launches_a_fixed_configuration(monkeypatch):
     assert launches == [((-(-1000 // bn), 6, 1), dict(FEATURE=1, BLOCK_N=bn, num_warps=warps, num_stages=stages))]
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU: CUDA graphs")
+def test_cuda_graph_replays_a_training_call_on_new_inputs():
+    """A forward and backward with 2D RoPE captured in a CUDA graph (as torch.compile's "reduce-overhead" does),
+    then replayed on new inputs copied into its buffers: outputs and gradients as an eager call on those inputs
+    gives (the capture launches the first offered configurations, eager the autotuned ones: fp32 tolerances)."""
+    q, k, v, do = _inputs(2, 2, 300, 300, 32, 32, torch.float32, "elu")
+    rope = axial_rope(32, (15, 20), device=DEVICE)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the first calls (autotuning, the RoPE table) outside the capture
+        for _ in range(2):
+            torch.autograd.grad(linear_attention_triton(*leaves, "elu", rope=rope), leaves, do)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = linear_attention_triton(*leaves, "elu", rope=rope)
+        grads = torch.autograd.grad(out, leaves, do)
+    for seed in (1, 2):
+        new = _inputs(2, 2, 300, 300, 32, 32, torch.float32, "elu", seed=seed)
+        with torch.no_grad():
+            for buffer, value in zip([*leaves, do], new):
+                buffer.copy_(value)
+        graph.replay()
+        eager = [t.clone().requires_grad_() for t in new[:3]]
+        want = linear_attention_triton(*eager, "elu", rope=rope)
+        want_grads = torch.autograd.grad(want, eager, new[3])
+        for got, expected in zip([out, *grads], [want, *want_grads]):
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
 def test_autotuning_switched_off_launches_the_first_offered_configuration(monkeypatch):
     """LINVISION_KERNEL_AUTOTUNE=0 (read at import; the GPU report's CUDA tests set it): outside CUDA-graph capture
     too, every launch takes the first offered configuration directly, and the autotuner is never used."""

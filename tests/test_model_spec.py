@@ -56,9 +56,9 @@ PAIRS = {
     "rope_origin": ("corner", "center"), "chunk_size": (16, 32), "grid": ((4, 4), (3, 5)),
     "act_layer": (nn.GELU, nn.ReLU), "scale": (None, 0.5),
 }
-# Options that act only beside another: given with it. (``lepe_kernel`` without ``lepe`` is not refused: it sizes
-# a LePE there is none of.)
+# Options that act only beside another: given with it (alone, see test_lepe_kernel_goes_where_lepe_is_on).
 COMPANIONS = {"lepe_kernel": dict(lepe=True)}
+PAIRS["lepe_kernel"] = (3, 7)  # its default is None: 3, or 5 for the published mixers that use 5
 
 
 def _option_default(mixer_cls, option):
@@ -140,6 +140,29 @@ def test_cswin_stripes_honours_lepe_and_its_kernel():
     x = torch.randn(1, 3, 64, 64)
     with torch.no_grad():
         assert model.eval()(x).isfinite().all()
+
+
+def test_lepe_kernel_goes_where_lepe_is_on():
+    """``lepe_kernel`` sizes the LePE that ``lepe`` turns on: a mixer refuses it alone in one line; a model's
+    ``mixer_kwargs`` give it to the blocks whose LePE is on (Pola-Swin: its pola_swin blocks, by their default, not
+    its swin_window stages; linhier's, by its layout) and refuse it in one line where no block has one."""
+    with pytest.raises(ValueError, match=r"^lepe_kernel: 5 sizes the LePE convolution, which is off"):
+        create_mixer("linear", 32, 2, lepe_kernel=5)
+    with pytest.raises(ValueError, match=r"^lepe_kernel: 5 sizes the LePE convolution, which is off"):
+        create_mixer("cswin_stripes", 32, 2, lepe=False, lepe_kernel=5)
+    assert create_mixer("linear", 32, 2, lepe=True, lepe_kernel=5).lepe.weight.shape == (32, 1, 5, 5)
+    assert create_mixer("linear", 32, 2, lepe=True).lepe.weight.shape == (32, 1, 3, 3)
+    model = _small("pola_swin_tiny", mixer_kwargs=dict(lepe_kernel=7))
+    kernels = {type(m).__name__: m.lepe.conv.weight.shape[-1] if hasattr(m.lepe, "conv") else None
+               for _, m in _mixers(model) if getattr(m, "lepe", None) is not None}
+    assert kernels and set(kernels.values()) == {7}, kernels
+    assert {type(m).__name__ for _, m in _mixers(model)} - set(kernels)  # blocks without LePE kept none
+    for name in ("linvit_tiny_patch16_224", "inline_swin_tiny"):
+        with pytest.raises(ValueError, match=r"^mixer_kwargs: 'lepe_kernel' sizes what 'lepe' turns on, and no "
+                                             r"block it is given to has lepe=True \(set lepe=True with it\)$"):
+            timm.create_model(name, mixer_kwargs=dict(lepe_kernel=5))
+    model = timm.create_model("linhier_tiny_224", depths=(1, 1, 1, 1), mixer_kwargs=dict(lepe_kernel=5))  # lepe on
+    assert all(s.blocks[0].mixer.lepe.weight.shape[-1] == 5 for s in model.stages)
 
 
 def test_a_model_is_built_from_its_spec_and_options_reach_one_stage_or_one_block():

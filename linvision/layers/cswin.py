@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from linvision.ops import Rope, is_tracing
 
 from .mixers import AttentionMixer
-from .options import check_size
+from .options import check_size, lepe_size
 from .registry import register_mixer
 
 __all__ = ["CswinStripeAttention"]
@@ -35,10 +35,11 @@ class CswinStripeAttention(AttentionMixer):
     takes_prefix_tokens = False
     exports_fixed_grid = True  # the stripe count and padding follow the size: exported at one size
 
-    def __init__(self, dim: int, num_heads: int, *, stripe: int = 7, lepe: bool = True, lepe_kernel: int = 3,
-                 **kwargs):
+    def __init__(self, dim: int, num_heads: int, *, stripe: int = 7, lepe: bool = True,
+                 lepe_kernel: Optional[int] = None, **kwargs):
         # its LePE is the stripes' own (stripe_lepe), not the mixer's of the whole map (lepe=False)
-        super().__init__(dim, num_heads, lepe_kernel=lepe_kernel, **kwargs)
+        super().__init__(dim, num_heads, **kwargs)
+        lepe_kernel = lepe_size(lepe, lepe_kernel, 3)
         if self.rope_type is not None:
             raise ValueError(f"rope: cswin_stripes places tokens by its LePE, not RoPE; got {self.rope_type!r}")
         check_size("stripe", stripe)

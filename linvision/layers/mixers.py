@@ -51,7 +51,7 @@ from linvision.ops.common import FEATURE_MAPS, feature_map_name, feature_maps_wh
 from linvision.ops.feature_maps import orthogonal_random_projection
 
 from .layout import TokenLayout
-from .options import check_number, check_size
+from .options import check_number, check_size, lepe_size
 from .registry import TokenMixer, check_layout, check_prefix_tokens, register_mixer
 
 __all__ = [
@@ -111,12 +111,13 @@ class AttentionMixer(TokenMixer):
             token) sit as RoPE sees them: "corner" (the first patch, RoPE-ViT's convention) or "centre" (the
             middle of each image's grid). Tokens of the grid see each other the same either way: without prefix
             tokens the outputs are equal.
-        lepe: add a depthwise conv of V (on the grid) to the attention output; lepe_kernel its size (default 3).
+        lepe: add a depthwise conv of V (on the grid) to the attention output; lepe_kernel its size (default 3;
+            refused without lepe).
         gate: multiply the attention output (with LePE) by act(W_g x) before the output projection; act is the
             class's :meth:`gate_activation` (SiLU here, MLLA's gate; RALA's output modulation has none).
         qkv_bias: bias of the qkv projection.
         proj_drop: dropout after the output projection.
-    Raises ValueError for a bad dim/num_heads pair, an unknown ``rope`` or an even lepe_kernel.
+    Raises ValueError for a bad dim/num_heads pair, an unknown ``rope``, an even lepe_kernel or one without lepe.
 
     What a subclass may change besides :meth:`attend`: :meth:`build_qkv` / :meth:`project` (how q, k, v come
     from x), :meth:`build_proj` (the output projection), :meth:`make_rope` (the rotation of a grid) and
@@ -139,7 +140,7 @@ class AttentionMixer(TokenMixer):
     def __init__(
         self, dim: int, num_heads: int, *, rope: Optional[str] = None, rope_theta: float = 100.0,
         rope_row_first: bool = False, rope_fraction: float = 1.0, rope_origin: str = "corner", lepe: bool = False,
-        lepe_kernel: int = 3, gate: bool = False, qkv_bias: bool = True, proj_drop: float = 0.0,
+        lepe_kernel: Optional[int] = None, gate: bool = False, qkv_bias: bool = True, proj_drop: float = 0.0,
     ):
         super().__init__()
         check_size("dim", dim)
@@ -155,7 +156,7 @@ class AttentionMixer(TokenMixer):
             raise ValueError(f"rope_fraction: only axial RoPE turns a fraction of its channels; rope is {rope!r}")
         if rope_origin not in ROPE_ORIGINS:
             raise ValueError(f"rope_origin: unknown {rope_origin!r}; allowed: {', '.join(ROPE_ORIGINS)}")
-        check_size("lepe_kernel", lepe_kernel, odd=True)
+        lepe_kernel = lepe_size(lepe, lepe_kernel, 3)
         self.dim = dim
         self.num_heads = num_heads
         self.head_dim = dim // num_heads

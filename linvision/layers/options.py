@@ -15,9 +15,9 @@ from torch import Tensor, nn
 
 from linvision.ops.common import check_grid, check_int
 
-from .registry import MixerSpec, _mixer_name, mixer_options
+from .registry import MixerSpec, _mixer_name, mixer_option_default, mixer_options
 
-__all__ = ["merge_options", "stage_mixer_options", "check_size", "check_number", "check_square_grid", "check_images",
+__all__ = ["merge_options", "stage_mixer_options", "lepe_size", "check_size", "check_number", "check_square_grid", "check_images",
            "pad_to_kernel"]
 
 
@@ -63,13 +63,19 @@ def merge_options(*defaults: Optional[Mapping[str, Any]], **kwargs: Any) -> Dict
     return out
 
 
+# An option that sizes what another one turns on: it goes only to the mixers where that one is on.
+COMPANIONS = {"lepe_kernel": "lepe"}
+
+
 def stage_mixer_options(mixers: Sequence[MixerSpec], options: Optional[Mapping[str, Any]] = None,
-                        defaults: Optional[Mapping[str, Any]] = None, name: str = "mixer_kwargs"
-                        ) -> List[Dict[str, Any]]:
+                        defaults: Optional[Mapping[str, Any]] = None, name: str = "mixer_kwargs",
+                        current: Optional[Sequence[Mapping[str, Any]]] = None) -> List[Dict[str, Any]]:
     """The options of each stage's mixer: ``defaults`` (the family's, e.g. ``gate=True``) where that mixer takes
     them, overridden by ``options`` (the caller's). Every one of ``options`` must be an option of at least one of
     ``mixers``; ValueError in one line, naming the option and the mixers with their options, otherwise (a
-    misspelt option would otherwise be dropped without a word)."""
+    misspelt option would otherwise be dropped without a word). An option of :data:`COMPANIONS` goes only to the
+    mixers whose switch is on (in these options, else in ``current``, each mixer's options so far, else by the
+    mixer's default); ValueError in one line when the caller's reaches none."""
     options, defaults = dict(options or {}), dict(defaults or {})
     accepted = [set(mixer_options(m)) for m in mixers]
     unknown = [k for k in options if not any(k in a for a in accepted)]
@@ -80,7 +86,28 @@ def stage_mixer_options(mixers: Sequence[MixerSpec], options: Optional[Mapping[s
                          f"{' or '.join(names)} mixer{'s' if len(names) > 1 else ''} (options: "
                          f"{', '.join(known) or 'none'})")
     merged = {**defaults, **options}
-    return [{k: v for k, v in merged.items() if k in a} for a in accepted]
+    chosen = [{k: v for k, v in merged.items() if k in a} for a in accepted]
+    for option, switch in COMPANIONS.items():
+        for i, own in enumerate(chosen):
+            so_far = {switch: mixer_option_default(mixers[i], switch), **(current[i] if current else {}), **own}
+            if option in own and not so_far[switch]:
+                del own[option]
+        if option in options and not any(option in own for own in chosen):
+            raise ValueError(f"{name}: {option!r} sizes what {switch!r} turns on, and no block it is given to has "
+                             f"{switch}=True (set {switch}=True with it)")
+    return chosen
+
+
+def lepe_size(lepe: bool, lepe_kernel: Optional[int], default: int) -> int:
+    """The kernel size of a mixer's LePE convolution: ``lepe_kernel`` (odd), or ``default`` when None. ValueError
+    naming lepe_kernel when it is given with ``lepe`` off (it would size a convolution there is none of)."""
+    if lepe_kernel is None:
+        return default
+    check_size("lepe_kernel", lepe_kernel, odd=True)
+    if not lepe:
+        raise ValueError(f"lepe_kernel: {lepe_kernel} sizes the LePE convolution, which is off (lepe=False); set "
+                         "lepe=True with it")
+    return lepe_kernel
 
 
 @register_notrace_function  # a node of timm's FX graphs: the check runs on every traced call

@@ -25,6 +25,7 @@ from linvision.ops import Rope
 from linvision.ops.attention_variants import polarity_linear_attention
 
 from .mixers import AttentionMixer, OutputModulation
+from .options import lepe_size
 from .registry import register_mixer
 
 __all__ = ["PolaAttention", "HeadSharedConv", "PolaSwinAttention"]
@@ -104,9 +105,10 @@ class PolaSwinAttention(OutputModulation, PolaAttention):
 
     takes_prefix_tokens = False
 
-    def __init__(self, dim: int, num_heads: int, *, lepe: bool = True, lepe_kernel: int = 5, gate: bool = True,
-                 grid: Optional[Tuple[int, int]] = None, **kwargs):
-        super().__init__(dim, num_heads, lepe=False, lepe_kernel=lepe_kernel, gate=gate, **kwargs)
+    def __init__(self, dim: int, num_heads: int, *, lepe: bool = True, lepe_kernel: Optional[int] = None,
+                 gate: bool = True, grid: Optional[Tuple[int, int]] = None, **kwargs):
+        super().__init__(dim, num_heads, lepe=False, gate=gate, **kwargs)
+        lepe_kernel = lepe_size(lepe, lepe_kernel, 5)
         self.lepe = HeadSharedConv(self.head_dim, num_heads, lepe_kernel) if lepe else None
         self.key_pos: Optional[nn.Parameter] = None
         self.key_pos_grid: Optional[Tuple[int, int]] = None

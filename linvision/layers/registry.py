@@ -14,7 +14,7 @@ calls the mixer as one module (its parameters stay in the graph module), and tho
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Dict, List, Sequence, Tuple, Type, Union
+from typing import Any, Callable, Dict, List, Sequence, Tuple, Type, Union
 
 import torch
 from timm.layers import register_notrace_module
@@ -23,6 +23,7 @@ from torch import nn
 from .weight_init import own_reset_parameters
 
 __all__ = ["TokenMixer", "register_mixer", "create_mixer", "get_mixer_class", "list_mixers", "mixer_options",
+           "mixer_option_default",
            "parse_mixer_list", "no_weight_decay_of", "takes_prefix_tokens", "check_prefix_tokens", "takes_layout", "check_layout"]
 
 _MIXERS: Dict[str, Type[nn.Module]] = {}
@@ -199,6 +200,17 @@ def mixer_options(mixer: MixerSpec) -> List[str]:
         if not any(p.kind == p.VAR_KEYWORD for p in params):
             break
     return sorted(set(options))
+
+
+def mixer_option_default(mixer: MixerSpec, option: str) -> Any:
+    """The default of a mixer's keyword ``option`` (the first class up its hierarchy that declares it); None when
+    the mixer does not take it."""
+    for cls in get_mixer_class(mixer).__mro__:
+        if "__init__" in vars(cls):
+            param = inspect.signature(vars(cls)["__init__"]).parameters.get(option)
+            if param is not None and param.kind in (param.KEYWORD_ONLY, param.POSITIONAL_OR_KEYWORD):
+                return None if param.default is param.empty else param.default
+    return None
 
 
 def parse_mixer_list(token_mixers: Union[MixerSpec, Sequence[MixerSpec]], num_stages: int,

@@ -175,7 +175,8 @@ def with_mixer_options(stages: Sequence[StageSpec], mixer_kwargs: Optional[Mappi
                              f"(blocks per stage: {[len(s.blocks) for s in stages]})")
         name = "mixer_kwargs" if where is None else f"stage_mixer_kwargs[{where!r}]"
         mixers = [stages[i].blocks[j].mixer for i, j in places]
-        chosen = stage_mixer_options(mixers, options, name=name)
+        chosen = stage_mixer_options(mixers, options, name=name,
+                                     current=[stages[i].blocks[j].options for i, j in places])
         for (i, j), own in zip(places, chosen):
             blocks = list(stages[i].blocks)
             blocks[j] = replace(blocks[j], options={**blocks[j].options, **own})

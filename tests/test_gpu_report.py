@@ -66,7 +66,10 @@ def test_dry_run_writes_the_report_of_every_part(tmp_path, capsys):
     # the grid sweep: each kind of kernel at every programs-per-SM setting, its default marked once
     assert [(r["kernels"], r["per_sm"]) for r in profile["grid"]] == [
         (kind, per_sm) for kind in ("state, query", "output, key") for per_sm in gpu_parts.GRID_SWEEP]
-    assert [r["per_sm"] for r in profile["grid"] if r["default"]] == [2, 4]
+    from linvision.kernels import linear_attention as kernel_module
+
+    assert [r["per_sm"] for r in profile["grid"] if r["default"]] == [kernel_module._SPLITS_PER_SM,
+                                                                      kernel_module._SPANS_PER_SM]
     assert all(_number(r[f"{p}_ms"]) and r[f"{p}_ms"] > 0 for r in profile["grid"] for p in gpu_parts.PASSES)
     assert "Grid sweep at N=256" in markdown
     # the autotuner's choices (one configuration in the interpreter) for each of the four kernels

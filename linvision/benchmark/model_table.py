@@ -48,14 +48,17 @@ def claim_sizes(multiple: int) -> List[tuple]:
     return [(2 * multiple, 3 * multiple), (3 * multiple, 2 * multiple)]
 
 
-def input_multiple(name: str, device: str = "meta") -> Optional[int]:
+def input_multiple(name: str, device: str = "meta", model: Optional[torch.nn.Module] = None) -> Optional[int]:
     """The stride (the last feature map's reduction) when ``timm.create_model(name)``, with no other argument,
     runs at the sizes of :func:`claim_sizes` (any multiple of it, as the docs claim); None when it takes only the
     size it was built for. On the meta device (the default) the shapes alone are computed, which is where a size
-    is refused; a forward that needs values there raises instead of answering."""
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = timm.create_model(name).eval()
+    is refused; a forward that needs values there raises instead of answering. ``model``: that model already
+    built on ``device`` (else it is built here)."""
+    if model is None:
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = timm.create_model(name)
+    model = model.eval()
     stride = model.feature_info[-1]["reduction"]
     try:
         with torch.no_grad():
@@ -83,7 +86,7 @@ def measure(names: Sequence[str], size: int = 224) -> List[Dict]:
         gflops, no_attention = count_gflops_split(model, size)
         rows.append(dict(model=name, mixers=_mixers(model), size=size, params_m=round(count_params(model) / 1e6, 1),
                          gflops=round(gflops, 2), gflops_no_attention=round(no_attention, 2),
-                         input_multiple=input_multiple(name)))
+                         input_multiple=input_multiple(name, model=None if kwargs else model)))
     return rows
 
 

@@ -64,8 +64,10 @@ def test_dry_run_writes_the_report_of_every_part(tmp_path, capsys):
         assert r["aten_ops"] >= 1 and r["top"] and all(t["calls"] > 0 for t in r["top"]), r
     assert "linvision::linear_attention_bwd" in [t["op"] for t in profile["rows"][1]["top"]]
     # the grid sweep: each kind of kernel at every programs-per-SM setting, its default marked once
-    assert [(r["kernels"], r["per_sm"]) for r in profile["grid"]] == [
-        (kind, per_sm) for kind in ("state, query", "output, key") for per_sm in gpu_parts.GRID_SWEEP]
+    assert [r["kernels"] for r in profile["grid"]] == [
+        kind for kind in ("state, query", "output, key") for _ in gpu_parts.GRID_SWEEP] + [
+        f"query at most {cap} registers" for cap in gpu_parts.REGISTER_SWEEP]
+    assert [r["per_sm"] for r in profile["grid"][:2 * len(gpu_parts.GRID_SWEEP)]] == 2 * list(gpu_parts.GRID_SWEEP)
     from linvision.kernels import linear_attention as kernel_module
 
     assert [r["per_sm"] for r in profile["grid"] if r["default"]] == [kernel_module._SPLITS_PER_SM,

@@ -676,6 +676,19 @@ def test_cuda_graph_replays_a_training_call_on_new_inputs():
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
+def test_register_cap_reaches_the_launch_inside_its_block_only(monkeypatch):
+    """``register_cap`` (the GPU report's sweep): inside the block the capped kernel is compiled with Triton's
+    ``maxnreg``, after it without; other kernels never."""
+    launches = _spy_launches(monkeypatch, "_query_bwd_kernel", True, "autotuned during capture")
+    grid = kernel_module._grid(4, 2)
+    with kernel_module.register_cap("_query_bwd_kernel", 128):
+        kernel_module._run("_query_bwd_kernel", 64, 64, grid, "args", FEATURE=2)
+        assert kernel_module._REGISTER_CAPS == {"_query_bwd_kernel": 128}
+    kernel_module._run("_query_bwd_kernel", 64, 64, grid, "args", FEATURE=2)
+    assert [kwargs.get("maxnreg") for _, kwargs in launches] == [128, None]
+    assert kernel_module._REGISTER_CAPS == {}
+
+
 def test_autotuning_switched_off_launches_the_first_offered_configuration(monkeypatch):
     """LINVISION_KERNEL_AUTOTUNE=0 (read at import; the GPU report's CUDA tests set it): outside CUDA-graph capture
     too, every launch takes the first offered configuration directly, and the autotuner is never used."""

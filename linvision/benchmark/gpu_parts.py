@@ -477,13 +477,15 @@ def _profile_cases(settings: Dict[str, Any]) -> Dict[str, Callable[[], Any]]:
 
 
 GRID_SWEEP = (1, 2, 4, 8, 16)  # programs per SM the grid sweep gives the split kernels, then the span kernels
+REGISTER_SWEEP = (128,)  # then the query kernel's registers per thread at most (176 uncapped at D=64)
 
 
 def grid_sweep(settings: Dict[str, Any], save: Callable[..., None]) -> List[Dict[str, Any]]:
     """The fused kernels' forward, backward and forward+backward at the largest N with the number of programs per
     SM changed, one kind of kernel at a time: the state and query kernels (their token splits; default
-    ``_SPLITS_PER_SM``), then the output and key kernels (their spans; default ``_SPANS_PER_SM``). One row per
-    setting, saved as measured: whether the kernels are short of programs to hide the memory's latency."""
+    ``_SPLITS_PER_SM``), then the output and key kernels (their spans; default ``_SPANS_PER_SM``); then the query
+    kernel with its registers capped (:data:`REGISTER_SWEEP`), where only one of its programs fits an SM. One row
+    per setting, saved as measured: whether the kernels are short of programs to hide the memory's latency."""
     from linvision.kernels import linear_attention as kernels
 
     device, dtype = settings["device"], getattr(torch, settings["dtype"])
@@ -505,6 +507,15 @@ def grid_sweep(settings: Dict[str, Any], save: Callable[..., None]) -> List[Dict
             print(f"grid sweep N={n} {rows[-1]['kernels']} x{per_sm}/SM: "
                   + ", ".join(f"{p} {times[p]:.3f} ms" for p in PASSES if p in times), flush=True)
             save(grid=rows)
+    for cap in REGISTER_SWEEP:  # the query kernel, its registers capped: two programs per SM where it fitted one
+        with kernels.register_cap("_query_bwd_kernel", cap):
+            times = time_passes(lambda q, k, v: kernels.linear_attention_triton(q, k, v, "elu"), (q, k, v), do,
+                                bench_for(device))
+        rows.append({"n": n, "kernels": f"query at most {cap} registers", "per_sm": kernels._SPLITS_PER_SM,
+                     "default": False, **{f"{p}_ms": times.get(p) for p in PASSES}, "error": times.get("error")})
+        print(f"grid sweep N={n} {rows[-1]['kernels']}: "
+              + ", ".join(f"{p} {times[p]:.3f} ms" for p in PASSES if p in times), flush=True)
+        save(grid=rows)
     return rows
 
 

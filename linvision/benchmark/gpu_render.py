@@ -114,7 +114,8 @@ def _grid(result: Dict[str, Any]) -> List[str]:
     if not result.get("grid"):
         return []
     lines = ["", f"Grid sweep at N={result['grid'][0]['n']}: ms per call with the programs per SM of the split "
-                 "kernels (state, query) or of the span kernels (output, key) changed; * the default.", "",
+                 "kernels (state, query) or of the span kernels (output, key) changed, then the query kernel's "
+                 "registers per thread capped; * the default.", "",
              "| kernels | programs per SM | fwd (ms) | bwd (ms) | fwd+bwd (ms) |", "|---|---:|---:|---:|---:|"]
     lines += [f"| {r['kernels']} | {r['per_sm']}{' *' if r['default'] else ''} | {_n(r['fwd_ms'])} | "
               f"{_n(r['bwd_ms'])} | {_n(r['fwd+bwd_ms'])} |" for r in result["grid"]]

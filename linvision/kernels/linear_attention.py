@@ -54,11 +54,12 @@ formula registered), so ``torch.compile`` keeps it in one graph.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import weakref
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import triton
@@ -130,6 +131,38 @@ _CHOSEN = {}  # (kernel name, head-dim bucket, N_BUCKET, constexprs) -> the conf
 _ACCUMULATED = ("DF",)  # buffers the key kernel adds into (atomically), not overwrites
 
 
+# kernel name -> the registers per thread its launches are compiled with at most (Triton's maxnreg); empty by
+# default. Set inside :func:`register_cap` only: a cap that spills is outside the compile check's rule.
+_REGISTER_CAPS: Dict[str, int] = {}
+
+
+@contextlib.contextmanager
+def register_cap(kernel: str, cap: Optional[int]) -> Iterator[None]:
+    """Inside the block, kernel ``kernel`` compiles with at most ``cap`` registers per thread (None: no cap), for
+    the GPU report to time (the query kernel holds 176 at D=64, one program per SM; 128 fits two). The
+    autotuner's choices for the kernel are forgotten on entry and on exit."""
+    def forget():
+        for key in [k for k in _TUNED if k[0] == kernel]:
+            del _TUNED[key]
+        for key in [k for k in _CHOSEN if k[0] == kernel]:
+            del _CHOSEN[key]
+
+    before = _REGISTER_CAPS.get(kernel)
+    forget()
+    if cap is None:
+        _REGISTER_CAPS.pop(kernel, None)
+    else:
+        _REGISTER_CAPS[kernel] = cap
+    try:
+        yield
+    finally:
+        forget()
+        if before is None:
+            _REGISTER_CAPS.pop(kernel, None)
+        else:
+            _REGISTER_CAPS[kernel] = before
+
+
 def _kernel(fn):
     """Register a kernel; it is autotuned per head-dim bucket over :func:`offered_configs` (see :func:`_tuned`)."""
     jitted = triton.jit(fn)
@@ -145,7 +178,7 @@ def _tuned(name: str, d: int, dv: int):
         if _INTERPRET:
             configs = [triton.Config({"BLOCK_N": _INTERPRET_BLOCK_N}, num_warps=4)]
         else:
-            configs = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
+            configs = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s, maxnreg=_REGISTER_CAPS.get(name))
                        for bn, w, s in offered_configs(name, d, dv)]
         # the autotuner runs each configuration several times on the call's own buffers: a buffer a kernel adds
         # into (the key kernel's RoPE-frequency sums) is restored before each of those runs and after them
@@ -946,7 +979,8 @@ def _run(name: str, d: int, dv: int, grid, *args, **meta) -> None:
     (no pass through the autotuner)."""
     if not _AUTOTUNE or (not _INTERPRET and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         bn, warps, stages = offered_configs(name, d, dv)[0]
-        _JITTED[name][grid({"BLOCK_N": bn})](*args, **meta, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        cap = {"maxnreg": _REGISTER_CAPS[name]} if name in _REGISTER_CAPS else {}
+        _JITTED[name][grid({"BLOCK_N": bn})](*args, **meta, BLOCK_N=bn, num_warps=warps, num_stages=stages, **cap)
         return
     key = (name, _dim_bucket(d, dv), args[_n_bucket_index(name)], *meta.items())
     config = _CHOSEN.get(key)

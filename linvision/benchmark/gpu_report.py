@@ -18,8 +18,9 @@ measures them, and report.md and report.json are rewritten (atomically) whenever
 at any point keeps what it measured.
 
 Without CUDA (or with ``dry_run``) every part runs at tiny sizes on the CPU: the kernels in Triton's interpreter,
-the recurrences on the PyTorch path, the models at 32 px, the CUDA tests with ``-k autocast``. Its figures check
-the plumbing; they are not speed figures, and the report says so next to them.
+the recurrences on the PyTorch path, the models at 32 px, the CUDA test
+``-k autocast_runs_in_the_autocast_dtype``. Its figures check the plumbing; they are not speed figures, and the
+report says so next to them.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ FIRST_MODELS = ["vig_tiny", "linhier_delta_tiny_224"]
 PROFILE_MODELS = ["linhier_tiny_224", "vit_small_patch16_224"]
 # The dry run: every part at sizes a CPU runs in seconds.
 DRY = {"n": [256], "rec_n": [256], "heads": 1, "dim": 16, "dtype": "float32", "img_size": [32], "batches": [2],
-       "warmup": 0, "iters": 1, "amp": "none", "model_img_size": 32, "tests_k": "autocast",
+       "warmup": 0, "iters": 1, "amp": "none", "model_img_size": 32, "tests_k": "autocast_runs_in_the_autocast_dtype",
        "tests_paths": ["tests/test_kernels.py"]}
 # The CUDA tests by value: the kernels' files first, then the other test files (:func:`ordered_test_paths`).
 TESTS_FIRST = ["tests/test_kernels.py", "tests/test_recurrent_kernels.py"]

@@ -23,8 +23,9 @@ report.md and report.json go into --output and are rewritten whenever a part's r
 point keeps what it measured; each part's output goes to <part>.log beside them.
 
 Without CUDA, or with --dry-run, every part runs at tiny sizes on the CPU (the kernels in Triton's interpreter,
-the recurrences on the PyTorch path, the models at 32 px, the CUDA tests with -k autocast) and writes the same
-report; its figures check that the parts run and are not speed figures. The size flags are not used then.
+the recurrences on the PyTorch path, the models at 32 px, the CUDA test -k autocast_runs_in_the_autocast_dtype)
+and writes the same report; its figures check that the parts run and are not speed figures. The size flags are
+not used then.
 
     linvision-gpu-report                                       # on a GPU: output/gpu_report/report.md in 540 s
     linvision-gpu-report --dry-run --output /tmp/gpu_report    # every part at tiny sizes, on the CPU

@@ -142,6 +142,11 @@ def test_cswin_stripes_honours_lepe_and_its_kernel():
         assert model.eval()(x).isfinite().all()
 
 
+def _lepe_size(mixer):
+    conv = mixer.lepe.conv if hasattr(mixer.lepe, "conv") else mixer.lepe
+    return conv.weight.shape[-1]
+
+
 def test_lepe_kernel_goes_where_lepe_is_on():
     """``lepe_kernel`` sizes the LePE that ``lepe`` turns on: a mixer refuses it alone in one line; a model's
     ``mixer_kwargs`` give it to the blocks whose LePE is on (Pola-Swin: its pola_swin blocks, by their default, not
@@ -163,6 +168,18 @@ def test_lepe_kernel_goes_where_lepe_is_on():
             timm.create_model(name, mixer_kwargs=dict(lepe_kernel=5))
     model = timm.create_model("linhier_tiny_224", depths=(1, 1, 1, 1), mixer_kwargs=dict(lepe_kernel=5))  # lepe on
     assert all(s.blocks[0].mixer.lepe.weight.shape[-1] == 5 for s in model.stages)
+    # LePE turned off where a family's (RAVLT: lepe=True, lepe_kernel=5) or the caller's kernel size was given:
+    # the size goes with it, the other stages keep theirs
+    def kernels(model):
+        return [None if s.blocks[0].mixer.lepe is None else _lepe_size(s.blocks[0].mixer) for s in model.stages]
+
+    assert kernels(_small("ravlt_tiny", mixer_kwargs=dict(lepe=False))) == [None] * 4
+    assert kernels(_small("mavit_tiny", mixer_kwargs=dict(lepe=False))) == [None] * 4
+    assert kernels(_small("ravlt_tiny", stage_mixer_kwargs={0: dict(lepe=False)})) == [None, 5, 5, 5]
+    assert kernels(_small("linhier_tiny_224", mixer_kwargs=dict(lepe_kernel=7),
+                          stage_mixer_kwargs={1: dict(lepe=False)})) == [7, None, 7, 7]
+    with pytest.raises(ValueError, match=r"^stage_mixer_kwargs\[0\]: 'lepe_kernel' sizes what 'lepe' turns on"):
+        _small("linhier_tiny_224", stage_mixer_kwargs={0: dict(lepe=False, lepe_kernel=7)})
 
 
 def test_a_model_is_built_from_its_spec_and_options_reach_one_stage_or_one_block():

@@ -33,7 +33,7 @@ from .registry import (
 from .layout import TokenLayout
 from .weight_init import init_linear_weights, init_model_weights, own_reset_parameters
 from .options import (check_images, check_number, check_size, check_square_grid, merge_options, pad_to_kernel,
-                      stage_mixer_options)
+                      routed_options, stage_mixer_options)
 from .mixers import (
     AttentionMixer,
     CausalLinearAttention,

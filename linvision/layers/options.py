@@ -17,7 +17,7 @@ from linvision.ops.common import check_grid, check_int
 
 from .registry import MixerSpec, _mixer_name, mixer_option_default, mixer_options
 
-__all__ = ["merge_options", "stage_mixer_options", "lepe_size", "check_size", "check_number", "check_square_grid", "check_images",
+__all__ = ["merge_options", "stage_mixer_options", "routed_options", "lepe_size", "check_size", "check_number", "check_square_grid", "check_images",
            "pad_to_kernel"]
 
 
@@ -87,15 +87,24 @@ def stage_mixer_options(mixers: Sequence[MixerSpec], options: Optional[Mapping[s
                          f"{', '.join(known) or 'none'})")
     merged = {**defaults, **options}
     chosen = [{k: v for k, v in merged.items() if k in a} for a in accepted]
+    for i, own in enumerate(chosen):
+        kept = routed_options(mixers[i], {**(current[i] if current else {}), **own})
+        chosen[i] = {k: v for k, v in own.items() if k in kept}
     for option, switch in COMPANIONS.items():
-        for i, own in enumerate(chosen):
-            so_far = {switch: mixer_option_default(mixers[i], switch), **(current[i] if current else {}), **own}
-            if option in own and not so_far[switch]:
-                del own[option]
         if option in options and not any(option in own for own in chosen):
             raise ValueError(f"{name}: {option!r} sizes what {switch!r} turns on, and no block it is given to has "
                              f"{switch}=True (set {switch}=True with it)")
     return chosen
+
+
+def routed_options(mixer: MixerSpec, options: Mapping[str, Any]) -> Dict[str, Any]:
+    """A mixer's full ``options`` without the options of :data:`COMPANIONS` whose switch is off there (given, or
+    by the mixer's default): a family's ``lepe_kernel`` stays out of a block whose LePE the caller turned off."""
+    out = dict(options)
+    for option, switch in COMPANIONS.items():
+        if option in out and not out.get(switch, mixer_option_default(mixer, switch)):
+            del out[option]
+    return out
 
 
 def lepe_size(lepe: bool, lepe_kernel: Optional[int], default: int) -> int:

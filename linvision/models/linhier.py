@@ -32,7 +32,7 @@ from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_c
 from timm.models._features import feature_take_indices
 
 from linvision.layers import (MixerBlock, init_model_weights, merge_options, no_weight_decay_of, parse_mixer_list,
-                              stage_mixer_options)
+                              routed_options, stage_mixer_options)
 from linvision.layers.options import check_images
 from linvision.layers.registry import MixerSpec, mixer_options
 
@@ -123,7 +123,7 @@ def block_spec(mixer: MixerSpec, defaults: Optional[Mapping[str, Any]], grid: Tu
     """A block of ``mixer`` with the family's ``defaults`` that the mixer takes (the others go unused), and its
     stage's ``grid`` when the mixer takes a ``grid`` option (a learned position table of the stage's map)."""
     takes = mixer_options(mixer)
-    options = {k: v for k, v in (defaults or {}).items() if k in takes}
+    options = routed_options(mixer, {k: v for k, v in (defaults or {}).items() if k in takes})
     if "grid" in takes:
         options["grid"] = grid
     return BlockSpec(mixer, options)
@@ -179,7 +179,7 @@ def with_mixer_options(stages: Sequence[StageSpec], mixer_kwargs: Optional[Mappi
                                      current=[stages[i].blocks[j].options for i, j in places])
         for (i, j), own in zip(places, chosen):
             blocks = list(stages[i].blocks)
-            blocks[j] = replace(blocks[j], options={**blocks[j].options, **own})
+            blocks[j] = replace(blocks[j], options=routed_options(blocks[j].mixer, {**blocks[j].options, **own}))
             stages[i] = replace(stages[i], blocks=tuple(blocks))
     return tuple(stages)
 

@@ -87,13 +87,18 @@ def check_backend(backend: str) -> str:
     return backend
 
 
+# From torch 2.8 torch.export sets its flag while TorchDynamo traces in strict mode too; before, only its later
+# steps saw it, and ``torch.compiler.is_exporting()`` (True in every TorchDynamo trace) was the only answer.
+_EXPORT_FLAG_TRACED = torch.__version__ >= "2.8"
+
+
 def is_exporting() -> bool:
-    """True while torch.export traces (torch >= 2.6; always False before). It reads the flag torch.export sets:
-    in some releases (torch 2.11 among them) TorchDynamo answers a call of ``torch.compiler.is_exporting()``
-    with True while it traces for torch.compile as well, which would keep the kernels out of every compiled
-    model."""
+    """True while torch.export traces (torch >= 2.6; always False before). From torch 2.8 it reads the flag
+    torch.export sets, strict and not: releases up to torch 2.11 at least answer a call of
+    ``torch.compiler.is_exporting()`` with True while TorchDynamo traces for torch.compile as well, which would
+    keep the kernels out of every compiled model (before 2.8 they still do)."""
     flag = getattr(torch.compiler, "_is_exporting_flag", None)
-    if flag is not None:
+    if flag is not None and _EXPORT_FLAG_TRACED:
         return bool(flag)
     return getattr(torch.compiler, "is_exporting", lambda: False)()
 

@@ -102,24 +102,29 @@ def _kernels(result: Dict[str, Any]) -> List[str]:
                      f"{_n(r['sdpa_ms'])} | {_n(r.get('sdpa_over_triton'), '.2f')} | {_n(r.get('hbm_pct'), '.1f')} | "
                      f"{_status_cell(r)} |")
     if result.get("chosen"):
-        lines += ["", "The configurations the autotuner chose:", "",
-                  "| kernel | D bucket | N bucket | BLOCK_N | warps | stages |", "|---|---:|---:|---:|---:|---:|"]
-        lines += [f"| `{c['kernel']}` | {c['dim_bucket']} | {c['n_bucket']} | {c['block_n']} | {c['num_warps']} | "
-                  f"{c['num_stages']} |" for c in result["chosen"]]
+        lines += _table("The configurations the autotuner chose:",
+                        ["kernel", "D bucket", "N bucket", "BLOCK_N", "warps", "stages"],
+                        [[f"`{c['kernel']}`", c["dim_bucket"], c["n_bucket"], c["block_n"], c["num_warps"],
+                          c["num_stages"]] for c in result["chosen"]])
     return lines
+
+
+def _table(intro: str, header: List[str], rows: List[List[Any]]) -> List[str]:
+    """A markdown table after a line of ``intro``: the first column left-aligned, the others right."""
+    return ["", intro, "", "| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1),
+            *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows)]
 
 
 def _grid(result: Dict[str, Any]) -> List[str]:
     """The profile part's grid sweep: the passes' ms with the programs per SM of one kind of kernel changed."""
     if not result.get("grid"):
         return []
-    lines = ["", f"Grid sweep at N={result['grid'][0]['n']}: ms per call with the programs per SM of the split "
-                 "kernels (state, query) or of the span kernels (output, key) changed, then the query kernel's "
-                 "registers per thread capped; * the default.", "",
-             "| kernels | programs per SM | fwd (ms) | bwd (ms) | fwd+bwd (ms) |", "|---|---:|---:|---:|---:|"]
-    lines += [f"| {r['kernels']} | {r['per_sm']}{' *' if r['default'] else ''} | {_n(r['fwd_ms'])} | "
-              f"{_n(r['bwd_ms'])} | {_n(r['fwd+bwd_ms'])} |" for r in result["grid"]]
-    return lines
+    return _table(f"Grid sweep at N={result['grid'][0]['n']}: ms per call with the programs per SM of the split "
+                  "kernels (state, query) or of the span kernels (output, key) changed, then the query kernel's "
+                  "registers per thread capped; * the default.",
+                  ["kernels", "programs per SM", "fwd (ms)", "bwd (ms)", "fwd+bwd (ms)"],
+                  [[r["kernels"], f"{r['per_sm']}{' *' if r['default'] else ''}", _n(r["fwd_ms"]), _n(r["bwd_ms"]),
+                    _n(r["fwd+bwd_ms"])] for r in result["grid"]])
 
 
 def _profile(result: Dict[str, Any]) -> List[str]:

@@ -10,6 +10,7 @@ from torch import nn
 
 import linvision  # noqa: F401  (registers the models)
 from linvision.layers import create_mixer, get_mixer_class
+from linvision.layers.registry import mixer_option_default
 from linvision.models.linhier import BlockSpec, LinHier, StageSpec, linhier_layout
 
 HIER_SMALL = dict(depths=(1, 1, 2, 1), dims=(16, 32, 32, 32), num_heads=(2, 2, 2, 2), img_size=64)
@@ -61,14 +62,6 @@ COMPANIONS = {"lepe_kernel": dict(lepe=True)}
 PAIRS["lepe_kernel"] = (3, 7)  # its default is None: 3, or 5 for the published mixers that use 5
 
 
-def _option_default(mixer_cls, option):
-    for cls in mixer_cls.__mro__:
-        params = inspect.signature(vars(cls)["__init__"]).parameters if "__init__" in vars(cls) else {}
-        if option in params:
-            return params[option].default
-    raise AssertionError(f"{mixer_cls.__name__} does not declare {option}")
-
-
 def _two_values(option, default):
     """Two different values of an option: the table's, else the default and a value of its type next to it."""
     if option in PAIRS:
@@ -112,7 +105,7 @@ def test_every_mixer_option_reaches_every_block_that_declares_it_or_is_refused_i
             declared.setdefault(option, []).append((where, type(mixer)))
     checked = 0
     for option, places in sorted(declared.items()):
-        values = _two_values(option, _option_default(places[0][1], option))
+        values = _two_values(option, mixer_option_default(places[0][1], option))
         companions = COMPANIONS.get(option, {})
         (first, refused_a), (second, refused_b) = (_build_or_refusal(name, {**companions, option: v})
                                                    for v in values)

@@ -17,8 +17,8 @@ from linvision.ops.common import check_grid, check_int
 
 from .registry import MixerSpec, _mixer_name, mixer_option_default, mixer_options
 
-__all__ = ["merge_options", "stage_mixer_options", "routed_options", "lepe_size", "check_size", "check_number", "check_square_grid", "check_images",
-           "pad_to_kernel"]
+__all__ = ["merge_options", "stage_mixer_options", "routed_options", "lepe_size", "check_size", "check_number",
+           "check_square_grid", "check_images", "pad_to_kernel"]
 
 
 def check_size(name: str, value: Any, minimum: int = 1, odd: bool = False) -> int:

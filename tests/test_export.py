@@ -21,6 +21,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DEFAULT = ("linvit_small_patch16_224", "linvit_small_patch16_rope_224", "linhier_tiny_224", "mlla_tiny", "ravlt_tiny")
 ONNX_DEFAULT = ("linvit_small_patch16_rope_224", "ravlt_tiny")  # an ONNX export takes 7-25 s; the tool test exports mlla
 EXPORT = [pytest.param(n, id=n, marks=[] if n in DEFAULT else [pytest.mark.slow]) for n in ALL_NAMES]
+FIXED_DEFAULT = "linhier_tiny_224"  # the fixed-size export by default
 # The tolerance of an exported graph against eager: |diff| <= 1e-4 * max(1, |eager output|) (float32).
 TOLERANCE = 1e-4
 # TorchScript, as timm excludes its own models (its tests' EXCLUDE_JIT_FILTERS): every linvision model is excluded.
@@ -51,15 +52,24 @@ def _assert_close(rows):
         assert row["max_abs_diff"] <= TOLERANCE * max(1.0, row["max_abs_output"]), row
 
 
+@pytest.mark.parametrize("name", [pytest.param(n, id=n, marks=[] if n == FIXED_DEFAULT else [pytest.mark.slow])
+                                  for n in ALL_NAMES])
+def test_torch_export_at_the_traced_size(name):
+    """A plain trace (``dynamic=False``), batch 2 at the traced size; the dynamic export below covers the same
+    graph, so one model runs by default."""
+    model = _model(name)
+    size = _sizes(model)[0]
+    fixed = export_program(model, size, dynamic=False).module()
+    _assert_close(compare_with_eager(model, fixed, [size], batch=2))
+
+
 @pytest.mark.parametrize("name", EXPORT)
-def test_torch_export_fixed_and_dynamic(name):
+def test_torch_export_with_dynamic_sizes(name):
     model = _model(name)
     sizes = _sizes(model)
     x = torch.randn(1, 3, *sizes[0])
     with torch.no_grad():
         before = model(x)
-    fixed = export_program(model, sizes[0], dynamic=False).module()
-    _assert_close(compare_with_eager(model, fixed, sizes[:1], batch=2))
     dynamic = export_program(model, sizes[0]).module()
     rows = compare_with_eager(model, dynamic, sizes, batch=1) + compare_with_eager(model, dynamic, sizes, batch=3)
     _assert_close(rows)

@@ -9,6 +9,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # --- end linvision.kernels ---
 
+# --- torch's CPU threads: those the machine's load leaves free when the suite starts (the tools' rule), unless
+# the caller sets OMP_NUM_THREADS; the tools and torchrun jobs the tests start inherit the choice. With the other
+# core held by a process of another terminal session, two threads made small CPU calls 14-33x slower (their
+# parallel regions wait for the thread the scheduler holds back) and tests/test_published.py ran past 200 s
+# instead of 53 s on one thread; on idle cores one thread costs the whole suite about 5%
+# (docs/contributing.md). ---
+if "OMP_NUM_THREADS" not in os.environ:
+    from linvision.benchmark.throughput import threads_for_load
+
+    os.environ["OMP_NUM_THREADS"] = str(threads_for_load())
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 import pytest
 
 

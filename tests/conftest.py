@@ -18,8 +18,9 @@ if not torch.cuda.is_available():
 if "OMP_NUM_THREADS" not in os.environ:
     from linvision.benchmark.throughput import threads_for_load
 
-    os.environ["OMP_NUM_THREADS"] = str(threads_for_load())
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    threads = threads_for_load()
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
 
 import pytest
 

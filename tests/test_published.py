@@ -32,7 +32,8 @@ UNCOUNTED = ("mavit_tiny", "mavit_base", "mavit_large")  # published weights, no
 SLOW = ("mlla_base", "ravlt_base", "ravlt_large", "mavit_base", "mavit_large")
 NAMES = [pytest.param(n, id=n, marks=[pytest.mark.slow] if n in SLOW else []) for n in PUBLISHED]
 # the files' layouts by default at each family's tiny size (the same mapping at every size), all sizes with --runslow
-LAYOUTS = [pytest.param(n, id=n, marks=[] if n.endswith("_tiny") else [pytest.mark.slow]) for n in (*PUBLISHED, *UNCOUNTED)]
+LAYOUTS = [pytest.param(n, id=n, marks=[] if n.endswith("_tiny") else [pytest.mark.slow])
+           for n in (*PUBLISHED, *UNCOUNTED)]
 RESOLUTION_BUFFERS = (".attn.rope.rotations", ".RoPE.angle")  # rebuilt per input, never loaded
 
 

@@ -198,3 +198,62 @@ def test_isotropic_family_takes_one_mixer_for_every_block(data, tmp_path):
     saved = (tmp_path / "ab" / "runs" / "inline" / "config.yaml").read_text()
     assert "token_mixer: inline" in saved and "token_mixers" not in saved
     assert set(row["accuracy"]) == {"32", "48"} and all(isinstance(v, float) for v in row["accuracy"].values())
+
+
+def test_a_stopped_ablation_goes_on_with_resume_as_if_never_stopped(data, tmp_path):
+    """--stop-after-steps stops the ablation inside its first run; --resume continues that run from its last/ and
+    trains the next mixer: the same rows and loss records as an ablation never stopped. Resumed once more, both
+    finished runs are scored as they are, not trained again."""
+    flags = ("--mixers", "none", "linear", "--epochs", "2", "--log-interval", "1")
+    folder = tmp_path / "a" / "ab"
+    said = []
+    stopped = run_ablation(_args(data, tmp_path / "a", *flags, "--stop-after-steps", "4"), log=said.append)
+    assert stopped["stopped"] == str(folder / "runs" / "none") and stopped["table"] is None
+    assert said[-1].endswith(f"continue with: the same linvision-ablate command with --resume {folder}")
+    assert not (folder / "runs" / "linear").exists()
+    said.clear()
+    resumed = run_ablation(_args(data, tmp_path / "a", *flags, "--resume", str(folder)), log=said.append)
+    assert f"   continuing {folder / 'runs' / 'none'} from its last/ checkpoint" in said
+    whole = run_ablation(_args(data, tmp_path / "b", *flags), log=lambda m: None)
+    for got, want in zip(resumed["rows"], whole["rows"], strict=True):
+        assert got["mixer"] == want["mixer"] and got["accuracy"] == want["accuracy"]
+    for mixer in ("none", "linear"):
+        records = [(tmp_path / f / "ab" / "runs" / mixer / "metrics.jsonl").read_text().splitlines()
+                   for f in ("a", "b")]
+        losses = [[(r["kind"], r["epoch"], r.get("step"), r.get("loss", r.get("train_loss")))
+                   for r in map(json.loads, lines)] for lines in records]
+        assert losses[0] == losses[1] and len(losses[0]) == 8  # 3 steps and 1 epoch record per epoch
+    written = {m: (folder / "runs" / m / "summary.json").stat().st_mtime_ns for m in ("none", "linear")}
+    said.clear()
+    again = run_ablation(_args(data, tmp_path / "a", *flags, "--resume", str(folder)), log=said.append)
+    assert sum(m.endswith("finished earlier: scored as it is, not trained again") for m in said) == 2
+    assert {m: (folder / "runs" / m / "summary.json").stat().st_mtime_ns for m in written} == written
+    assert [r["accuracy"] for r in again["rows"]] == [r["accuracy"] for r in resumed["rows"]]
+
+
+def test_resume_refuses_a_folder_without_an_ablation_or_of_another_model(data, tmp_path):
+    with pytest.raises(ValueError, match="holds no ablation"):
+        run_ablation(_args(data, tmp_path, "--mixers", "none", "--resume", str(tmp_path)), log=lambda m: None)
+    run_ablation(_args(data, tmp_path, "--mixers", "none"), log=lambda m: None)
+    with pytest.raises(ValueError, match=r"is an ablation with img_size=32; this command gives img_size=48"):
+        run_ablation(_args(data, tmp_path, "--mixers", "none", "--img-size", "48", "--resume",
+                           str(tmp_path / "ab")), log=lambda m: None)
+
+
+def test_a_signal_in_a_run_says_how_the_ablation_goes_on(data, tmp_path, monkeypatch):
+    """A run stopped by SIGTERM (after saving) stops the ablation with the command that continues it, not the
+    command of that one run."""
+    import signal
+
+    import linvision.experiments.ablate as ablate
+    from linvision.utils.interrupt import TrainInterrupted
+
+    def stopped_run(cfg):
+        raise TrainInterrupted(signal.SIGTERM, cfg.output, f"linvision-train --resume {cfg.output}")
+
+    monkeypatch.setattr(ablate, "train", stopped_run)
+    with pytest.raises(TrainInterrupted) as stop:
+        run_ablation(_args(data, tmp_path, "--mixers", "none"), log=lambda m: None)
+    assert stop.value.signum == signal.SIGTERM
+    assert str(stop.value).endswith(f"continue with: the same linvision-ablate command with --resume "
+                                    f"{tmp_path / 'ab'}")

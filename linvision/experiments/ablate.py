@@ -28,7 +28,9 @@ against evaluation resolution; with several seeds the mean with a bar of plus an
 standard deviation, with one seed the values alone), ``throughput_memory.png`` (each point the median of
 ``bench_iters`` timed runs, a bar from the slowest to the fastest), and one training run folder per mixer and
 seed under ``runs/`` (``<mixer>`` for a single seed, ``<mixer>-s<seed>`` for several).
-The table and json are rewritten after every mixer, so a run that is stopped keeps the rows it finished.
+The table and json are rewritten after every mixer, so a run that is stopped keeps the rows it finished;
+``resume`` (the folder of a stopped ablation, run with the same flags) goes on in that folder: a finished run is
+scored as it is, a stopped one continues from its ``last/`` checkpoint, and the others are trained.
 """
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ from linvision.training.train import TrainConfig, add_train_args, train
 from linvision.training.validate import validate_checkpoint
 from linvision.utils.config import parse_kwargs
 from linvision.utils.factory import create_model
+from linvision.utils.interrupt import TrainInterrupted
 from linvision.utils.run_folder import claim_run_folder
 
 __all__ = ["add_ablate_args", "run_ablation", "markdown_table"]
@@ -65,8 +68,11 @@ SEG_FIELDS = ("decoder", "decoder_kwargs", "mosaic_size", "mosaic_train", "mosai
 
 
 def add_ablate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The training flags plus the ablation's own."""
+    """The training flags plus the ablation's own (``--resume`` takes an ablation's folder here)."""
     add_train_args(parser)
+    resume = next(a for a in parser._actions if a.dest == "resume")
+    resume.help = ("go on with a stopped ablation: its folder (<output>/<experiment>), with the same flags; finished "
+                   "runs are scored as they are, a stopped one continues from its last/")
     g = parser.add_argument_group("ablation")
     g.add_argument("--task", choices=["classify", "segment"], default="classify",
                    help="classify: top-1 of a classifier; segment: mIoU and pixel accuracy of the encoder --model "
@@ -121,8 +127,10 @@ def run_ablation(args: argparse.Namespace, log=_log) -> Dict[str, Any]:
     """Train, evaluate and benchmark ``args.model`` once per mixer in ``args.mixers``; returns the rows.
 
     Every run uses the same seed and recipe. The ablation owns its folder as a training run does: a folder
-    that holds an earlier ablation is not overwritten (this one goes to ``<name>-1``) unless ``--overwrite``.
-    Raises ValueError for an empty mixer list (unknown mixers and bad training arguments raise from the
+    that holds an earlier ablation is not overwritten (this one goes to ``<name>-1``) unless ``--overwrite``;
+    ``--resume FOLDER`` goes on with the ablation in FOLDER. A run stopped by ``--stop-after-steps`` stops the
+    ablation (the result then has ``stopped``: that run's folder, and no table); one stopped by a signal raises
+    TrainInterrupted, whose message says how to go on. Raises ValueError for an empty mixer list (unknown mixers and bad training arguments raise from the
     training code, before anything is trained for that mixer).
     """
     if not args.mixers:
@@ -137,14 +145,62 @@ def run_ablation(args: argparse.Namespace, log=_log) -> Dict[str, Any]:
         raise ValueError(f"bench_iters/bench_batch_size: must be >= 1, got {args.bench_iters} and "
                          f"{args.bench_batch_size}")
     _set_threads(getattr(args, "threads", None), log)
-    name = args.experiment or f"ablate-{time.strftime('%Y%m%d-%H%M%S')}"
-    folder = claim_run_folder(os.path.join(args.output, name), overwrite=args.overwrite, run_files=ABLATION_FILES)
+    if getattr(args, "resume", None):
+        folder = _claim_ablation_to_resume(args)
+    else:
+        name = args.experiment or f"ablate-{time.strftime('%Y%m%d-%H%M%S')}"
+        folder = claim_run_folder(os.path.join(args.output, name), overwrite=args.overwrite,
+                                  run_files=ABLATION_FILES)
+    go_on = f"the same linvision-ablate command with --resume {folder.path}"
     try:
         for note in folder.notes:
             log(note)
         return _run_ablation(args, folder.path, log)
+    except _RunStopped as e:  # --stop-after-steps: the ablation stops with the run, and says how to go on
+        log(f"{e.run_dir} stopped after step {e.step} (--stop-after-steps); continue with: {go_on}")
+        return {"run_dir": folder.path, "stopped": e.run_dir, "table": None}
+    except TrainInterrupted as e:  # a signal: the run saved its last/; the ablation goes on from its folder
+        raise TrainInterrupted(e.signum, e.folder, go_on) from None
     finally:
         folder.release()
+
+
+class _RunStopped(Exception):
+    """A run of the ablation stopped at ``--stop-after-steps`` (its last/ saved) before its epochs ended."""
+
+    def __init__(self, run_dir: str, step: int):
+        super().__init__(run_dir)
+        self.run_dir, self.step = run_dir, step
+
+
+# what an ablation resumed with --resume must share with the one that wrote the folder (ablation.json's keys)
+_RESUME_KEYS = ("task", "model", "model_kwargs", "img_size", "epochs", "dataset")
+
+
+def _claim_ablation_to_resume(args: argparse.Namespace):
+    """The folder of an earlier ablation (``args.resume``), claimed to go on in it: its finished runs are scored,
+    not trained again, and a stopped one continues from its ``last/``. Refused in one line when the folder holds
+    no ablation or when its ablation.json records another model, size, schedule or dataset."""
+    path = os.path.abspath(args.resume)
+    if not os.path.isdir(os.path.join(path, "runs")):
+        raise ValueError(f"resume: {path} holds no ablation (no runs/ folder); give a folder linvision-ablate "
+                         f"wrote")
+    recorded_path = os.path.join(path, "ablation.json")
+    if os.path.isfile(recorded_path):
+        try:
+            with open(recorded_path) as f:
+                recorded = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"resume: cannot read {recorded_path} ({e})") from None
+        given = {"task": getattr(args, "task", "classify"), "model": args.model,
+                 "model_kwargs": parse_kwargs(args.model_kwargs), "img_size": args.img_size,
+                 "epochs": args.epochs, "dataset": args.dataset}
+        differ = [k for k in _RESUME_KEYS if k in recorded and recorded[k] != given[k]]
+        if differ:
+            raise ValueError(f"resume: {path} is an ablation with " + ", ".join(
+                f"{k}={recorded[k]!r}" for k in differ) + "; this command gives " + ", ".join(
+                f"{k}={given[k]!r}" for k in differ) + " (give the same flags, or drop --resume for a new ablation)")
+    return claim_run_folder(path, resume=True, run_files=ABLATION_FILES)
 
 
 def _set_threads(threads, log) -> None:
@@ -264,7 +320,8 @@ def _run_ablation(args: argparse.Namespace, run_dir: str, log) -> Dict[str, Any]
             run_cfg = task.recipe.replace(model_kwargs=mixer_kwargs, seed=seed, output=os.path.join(run_dir, "runs"),
                                           resume=None, experiment=label if len(seeds) == 1 else f"{label}-s{seed}",
                                           overwrite=False)
-            runs.append(_train_and_score(task, run_cfg, seed, metrics, eval_sizes, log))
+            runs.append(_train_and_score(task, run_cfg, seed, metrics, eval_sizes, log,
+                                         resume=bool(getattr(args, "resume", None))))
         row = _mixer_row(args, task, label, mixer_kwargs, runs, metrics, eval_sizes)
         row["num_classes"] = runs[0]["num_classes"]
         rows.append(row)
@@ -288,15 +345,56 @@ def _run_ablation(args: argparse.Namespace, run_dir: str, log) -> Dict[str, Any]
 
 
 def _train_and_score(task: _Task, run_cfg: Any, seed: int, metrics: Tuple[str, ...], eval_sizes: List[int],
-                     log) -> Dict[str, Any]:
-    """Train one run (one mixer, one seed) and score it at every evaluation size: its entry of the row's runs."""
-    t0 = time.time()
-    summary = task.fit(run_cfg)
-    train_s = time.time() - t0
+                     log, resume: bool = False) -> Dict[str, Any]:
+    """Train one run (one mixer, one seed) and score it at every evaluation size: its entry of the row's runs.
+    Its training time is the sum of its epochs' (metrics.jsonl's ``time_s``: each epoch once, however often the
+    run was stopped and continued, without the evaluations)."""
+    summary = _fit(task, run_cfg, resume, log)
+    if "stopped_at_step" in summary:
+        raise _RunStopped(summary["run_dir"], summary["stopped_at_step"])
     log(f"   evaluating at {', '.join(map(str, eval_sizes))} px")
     val = task.validate(summary["run_dir"])
-    return {"seed": seed, "train_s": train_s, task.best: summary[task.best], "num_classes": summary["num_classes"],
+    return {"seed": seed, "train_s": _epochs_time(summary["run_dir"]), task.best: summary[task.best],
+            "num_classes": summary["num_classes"],
             **{metric: _per_size(val, _RESULT_KEYS[metric]) for metric in metrics}}
+
+
+def _fit(task: _Task, run_cfg: Any, resume: bool, log) -> Dict[str, Any]:
+    """The run's summary: trained now, or, in a resumed ablation, read from a run that finished (its
+    summary.json) or continued from its ``last/``; a run stopped before its first checkpoint starts again."""
+    path = os.path.join(run_cfg.output, run_cfg.experiment)
+    if not resume or not os.path.isdir(path):
+        return task.fit(run_cfg)
+    summary_path = os.path.join(path, "summary.json")
+    if os.path.isfile(summary_path):
+        try:
+            with open(summary_path) as f:
+                summary = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"resume: {summary_path} is not readable JSON ({e}); delete it to train that run "
+                             f"again") from None
+        log(f"   {path} finished earlier: scored as it is, not trained again")
+        return summary
+    if os.path.isfile(os.path.join(path, "last", "train_state.pt")):
+        log(f"   continuing {path} from its last/ checkpoint")
+        return task.fit(run_cfg.replace(resume=path))
+    log(f"   {path} stopped before its first checkpoint: trained from the start")
+    return task.fit(run_cfg.replace(overwrite=True))
+
+
+def _epochs_time(run_dir: str) -> float:
+    """Seconds of training in the epochs recorded in ``run_dir``'s metrics.jsonl (the last record of an epoch
+    counts, so an epoch a stop cut and a resume redid counts once)."""
+    times = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line cut by a kill
+                continue
+            if record.get("kind") == "epoch":
+                times[record["epoch"]] = record.get("time_s", 0.0)
+    return float(sum(times.values()))
 
 
 def _per_size(results: List[Dict[str, Any]], key: str) -> Dict[str, Any]:

@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> int:
     args = parse_args(build_parser())
     result = run_ablation(args)
+    if result.get("stopped"):  # --stop-after-steps: the line that says how to go on is printed
+        return 0
     print(result["table"])
     print(f"table and plots in {result['run_dir']}")
     return 0

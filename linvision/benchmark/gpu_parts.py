@@ -28,6 +28,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from linvision.benchmark.throughput import free_memory
+
 PASSES = ("fwd", "bwd", "fwd+bwd")
 _HBM_TBPS = {"H200": 4.8, "H100": 3.35, "A100": 2.0, "L40S": 0.864, "4090": 1.008}
 
@@ -51,15 +53,6 @@ def bench_for(device: str) -> Callable[[Callable[[], Any]], float]:
 
         return triton.testing.do_bench
     return time_once
-
-
-def free(device: str) -> None:
-    """Give back the caching allocator's free blocks (after an out-of-memory error above all)."""
-    import gc
-
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
 
 
 WARMUP_S = 1.0  # seconds of matmuls before a part's first timing on a GPU
@@ -149,7 +142,7 @@ def time_paths(paths: Dict[str, Callable[..., torch.Tensor]], inputs: Sequence[t
     times: Dict[str, Dict[str, Any]] = {}
     for label, fn in paths.items():
         times[label] = time_passes(fn, inputs, grad_out, bench)
-        free(device)
+        free_memory(torch.device(device))
     return times
 
 
@@ -362,7 +355,7 @@ def _first_call(what: str, make: Callable[[], Callable[[], Any]], device: str) -
         return {"what": what, "seconds": None, "status": error_line(e)}
     finally:
         call = None
-        free(device)
+        free_memory(torch.device(device))
     return {"what": what, "seconds": seconds, "build_s": built, "status": "ok"}
 
 
@@ -533,7 +526,7 @@ def profile_part(settings: Dict[str, Any], save: Callable[..., None]) -> None:
         print(f"{what}: " + ", ".join(f"{key} {rows[-1][key]:.3g}" for key in
                                       ("wall_ms", "host_ms", "device_ms", "launches", "aten_ops")), flush=True)
         save(rows=rows)
-        free(settings["device"])
+        free_memory(torch.device(settings["device"]))
     grid_sweep(settings, save)
 
 

@@ -9,18 +9,21 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # --- end linvision.kernels ---
 
-# --- torch's CPU threads: those the machine's load leaves free when the suite starts (the tools' rule), unless
-# the caller sets OMP_NUM_THREADS; the tools and torchrun jobs the tests start inherit the choice. With the other
+# --- torch's CPU threads: the cores other processes leave free when the suite starts (the tools' rule,
+# threads_for_load, on the cores kept busy over half a second: the load average lags a minute, so a job that has
+# just ended, an install before CI's run, would still count), unless the caller sets OMP_NUM_THREADS. With the other
 # core held by a process of another terminal session, two threads made small CPU calls 14-33x slower (their
-# parallel regions wait for the thread the scheduler holds back) and tests/test_published.py ran past 200 s
-# instead of 53 s on one thread; on idle cores one thread costs the whole suite about 5%
-# (docs/contributing.md). ---
+# parallel regions wait for the thread the scheduler holds back) and tests/test_published.py ran past 200 s instead
+# of 53 s on one thread. On a busy machine the choice (one thread) is exported, so the tools and torchrun jobs the
+# tests start take it too; on idle cores it is not: torchrun then gives each rank one thread, where an exported 2
+# made two ranks run four threads on two cores (docs/contributing.md has the figures). ---
 if "OMP_NUM_THREADS" not in os.environ:
-    from linvision.benchmark.throughput import threads_for_load
+    from linvision.benchmark.throughput import machine_load, threads_for_load
 
-    threads = threads_for_load()
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    torch.set_num_threads(threads)
+    threads = threads_for_load(machine_load(sample_s=0.5))
+    if threads < torch.get_num_threads():
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
 
 import pytest
 

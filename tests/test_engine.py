@@ -342,6 +342,26 @@ def test_threads_fit_the_cores_left_free():
     assert threads_for_load({"load": 1.0, "cores": 8, "threads": 4}) == 4
 
 
+def test_busy_cores_between_two_readings_of_proc_stat(tmp_path):
+    """The busy share of the machine's time (user, nice, system, irq, softirq, steal: not idle, not I/O wait)
+    times its cores; an unreadable file gives NaN, and machine_load falls back to the load average then."""
+    from linvision.benchmark.throughput import busy_cores, cores_busy_between
+
+    def reading(user, nice, system, idle, iowait, steal):
+        per_core = " 0 0 0 0 0 0 0 0 0 0"
+        return (f"cpu  {user} {nice} {system} {idle} {iowait} 0 0 {steal} 0 0\n"
+                f"cpu0{per_core}\ncpu1{per_core}\nintr 1 2 3\nctxt 4\n")
+
+    before = reading(100, 50, 50, 700, 100, 0)
+    # 400 ticks of two cores: 150 user, 50 nice (a niced job counts), 0 system, 150 idle, 30 I/O wait, 20 stolen
+    after = reading(250, 100, 50, 850, 130, 20)
+    assert cores_busy_between(before, after) == pytest.approx(2 * (150 + 50 + 20) / 400)
+    assert cores_busy_between(before, reading(100, 50, 50, 1100, 100, 0)) == 0.0
+    with pytest.raises(ValueError, match="no time passed"):
+        cores_busy_between(before, before)
+    assert np.isnan(busy_cores(0.0, str(tmp_path / "missing")))
+
+
 def test_benchmark_point_gflops_of_a_linear_model():
     class Flat(nn.Module):
         def __init__(self):

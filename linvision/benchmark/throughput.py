@@ -44,6 +44,7 @@ import gc
 import json
 import math
 import os
+import re
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -290,15 +291,53 @@ def _measure_training(point: BenchmarkPoint, model: nn.Module, x: torch.Tensor, 
 SPREAD_LIMIT_PCT = 50.0
 
 
-def machine_load() -> Dict[str, Any]:
+def machine_load(sample_s: Optional[float] = None) -> Dict[str, Any]:
     """``load`` (the 1-minute load average; NaN where the system keeps none), ``cores`` (those this process may run
-    on) and ``threads`` (torch's CPU threads)."""
+    on) and ``threads`` (torch's CPU threads). With ``sample_s``, ``load`` is instead the cores kept busy during
+    the next ``sample_s`` seconds (:func:`busy_cores`; the load average where /proc/stat is missing): the load
+    average lags a minute behind, so a job that has just ended still counts in it."""
     try:
         load = os.getloadavg()[0]
     except (OSError, AttributeError):
         load = float("nan")
+    if sample_s is not None:
+        busy = busy_cores(sample_s)
+        load = busy if _figure(busy) else load
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return {"load": load, "cores": cores, "threads": torch.get_num_threads()}
+
+
+def busy_cores(sample_s: float, stat_path: str = "/proc/stat") -> float:
+    """How many cores were busy over the next ``sample_s`` seconds (time neither idle nor waiting for I/O, a
+    hypervisor's stolen time included), from two readings of ``stat_path``; NaN where it cannot be read."""
+    try:
+        before = _read_text(stat_path)
+        time.sleep(sample_s)
+        after = _read_text(stat_path)
+        return cores_busy_between(before, after)
+    except (OSError, ValueError):
+        return float("nan")
+
+
+def cores_busy_between(before: str, after: str) -> float:
+    """The busy cores between two readings of /proc/stat: the share of the machine's time (its first ``cpu`` line:
+    user, nice, system, idle, iowait, irq, softirq, steal, ...) not spent idle or in I/O wait, times the number of
+    ``cpuN`` lines."""
+    def totals(text: str):
+        lines = text.splitlines()
+        fields = [int(v) for v in next(line for line in lines if line.split()[0] == "cpu").split()[1:]]
+        cores = sum(1 for line in lines if re.match(r"cpu\d+ ", line))
+        return sum(fields[:8]), fields[3] + fields[4], cores
+
+    (total0, idle0, cores), (total1, idle1, _) = totals(before), totals(after)
+    if total1 <= total0:
+        raise ValueError("/proc/stat: no time passed between the readings")
+    return cores * (1 - (idle1 - idle0) / (total1 - total0))
+
+
+def _read_text(path: str) -> str:
+    with open(path) as f:
+        return f.read()
 
 
 def busy_reason(load: Dict[str, Any]) -> str:

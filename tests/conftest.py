@@ -17,13 +17,17 @@ if not torch.cuda.is_available():
 # of 53 s on one thread. On a busy machine the choice (one thread) is exported, so the tools and torchrun jobs the
 # tests start take it too; on idle cores it is not: torchrun then gives each rank one thread, where an exported 2
 # made two ranks run four threads on two cores (docs/contributing.md has the figures). ---
+_THREADS = f"torch threads: {torch.get_num_threads()} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')})"
 if "OMP_NUM_THREADS" not in os.environ:
     from linvision.benchmark.throughput import machine_load, threads_for_load
 
-    threads = threads_for_load(machine_load(sample_s=0.5))
+    _load = machine_load(sample_s=0.5)
+    threads = threads_for_load(_load)
     if threads < torch.get_num_threads():
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)
+    _THREADS = (f"torch threads: {torch.get_num_threads()} ({_load['load']:.1f} of {_load['cores']} cores busy "
+                f"when the suite started{', exported' if 'OMP_NUM_THREADS' in os.environ else ''})")
 
 import pytest
 
@@ -61,11 +65,12 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """After the slowest tests (--durations), the slowest test files: where the run's time goes."""
+    """After the slowest tests (--durations), the slowest test files (where the run's time goes) and the torch
+    threads the suite ran on."""
     if not _FILE_SECONDS:
         return
     total = sum(_FILE_SECONDS.values())
-    terminalreporter.write_sep("=", f"slowest test files (of {total:.1f} s in tests)")
+    terminalreporter.write_sep("=", f"slowest test files (of {total:.1f} s in tests; {_THREADS})")
     for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:8]:
         terminalreporter.write_line(f"{seconds:8.1f} s  {100 * seconds / total:4.1f}%  {path}")
 

@@ -351,11 +351,12 @@ def busy_reason(load: Dict[str, Any]) -> str:
 
 def threads_for_load(load: Optional[Dict[str, Any]] = None) -> int:
     """torch CPU threads for the cores that other work leaves free, by :func:`machine_load` taken before this
-    process's own work starts: the cores less the load average (rounded), at least 1 and at most torch's count.
+    process's own work starts (by default over half a second of busy cores, ``sample_s=0.5``): the cores less
+    the load (rounded), at least 1 and at most torch's count.
     On a busy machine each parallel region of torch waits for its slowest thread, which the scheduler holds
     back: on 2 cores at load 6, a training step of the digits demo's model took 5-15 s on 2 threads and 0.35 s
     on 1."""
-    load = load or machine_load()
+    load = load or machine_load(sample_s=0.5)
     free = load["cores"] - math.floor(load["load"] + 0.5) if _figure(load["load"]) else load["cores"]
     return max(1, min(load["threads"], free))
 

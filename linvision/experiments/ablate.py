@@ -99,7 +99,8 @@ def add_ablate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="seconds: a benchmark size is skipped (recorded as such) when the previous size's points, "
                         "scaled by the ratio of pixels, would take longer (default: no limit)")
     g.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: the cores the machine's load average leaves free, at least 1)")
+                   help="torch CPU threads (default: the cores other processes leave free over half a second, at "
+                        "least 1)")
     return parser
 
 
@@ -212,10 +213,10 @@ def _set_threads(threads, log) -> None:
             raise ValueError(f"threads: at least 1, got {threads}")
         torch.set_num_threads(threads)
         return
-    load = machine_load()
+    load = machine_load(sample_s=0.5)  # the cores busy now: the load average would still count a job just ended
     fit = threads_for_load(load)
     if fit < load["threads"]:
-        log(f"load average {load['load']:.1f} on {load['cores']} cores: torch on {fit} thread"
+        log(f"{load['load']:.1f} of {load['cores']} cores busy: torch on {fit} thread"
             f"{'s' if fit > 1 else ''} instead of {load['threads']} (--threads to choose)")
         torch.set_num_threads(fit)
 

@@ -131,8 +131,8 @@ def run_ablation(args: argparse.Namespace, log=_log) -> Dict[str, Any]:
     that holds an earlier ablation is not overwritten (this one goes to ``<name>-1``) unless ``--overwrite``;
     ``--resume FOLDER`` goes on with the ablation in FOLDER. A run stopped by ``--stop-after-steps`` stops the
     ablation (the result then has ``stopped``: that run's folder, and no table); one stopped by a signal raises
-    TrainInterrupted, whose message says how to go on. Raises ValueError for an empty mixer list (unknown mixers and bad training arguments raise from the
-    training code, before anything is trained for that mixer).
+    TrainInterrupted, whose message says how to go on. Raises ValueError for an empty mixer list (unknown mixers
+    and bad training arguments raise from the training code, before anything is trained for that mixer).
     """
     if not args.mixers:
         raise ValueError("mixers: give at least one token mixer")
@@ -317,7 +317,7 @@ def _run_ablation(args: argparse.Namespace, run_dir: str, log) -> Dict[str, Any]
             log(f"== token mixer {mixer} ({index + 1} of {len(args.mixers)}), seed {seed}; "
                 f"{time.time() - start:.0f} s so far: training {args.epochs} epochs at {args.img_size} px")
             # only the training flags, so each run folder can be resumed or inspected with linvision-train (-seg);
-            # a fresh ablation folder holds no runs to overwrite
+            # a fresh ablation folder holds no runs to overwrite; a resumed one continues or scores its own (_fit)
             run_cfg = task.recipe.replace(model_kwargs=mixer_kwargs, seed=seed, output=os.path.join(run_dir, "runs"),
                                           resume=None, experiment=label if len(seeds) == 1 else f"{label}-s{seed}",
                                           overwrite=False)

@@ -46,6 +46,7 @@ import math
 import os
 import re
 import time
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -311,10 +312,9 @@ def busy_cores(sample_s: float, stat_path: str = "/proc/stat") -> float:
     """How many cores were busy over the next ``sample_s`` seconds (time neither idle nor waiting for I/O, a
     hypervisor's stolen time included), from two readings of ``stat_path``; NaN where it cannot be read."""
     try:
-        before = _read_text(stat_path)
+        before = Path(stat_path).read_text()
         time.sleep(sample_s)
-        after = _read_text(stat_path)
-        return cores_busy_between(before, after)
+        return cores_busy_between(before, Path(stat_path).read_text())
     except (OSError, ValueError):
         return float("nan")
 
@@ -325,7 +325,10 @@ def cores_busy_between(before: str, after: str) -> float:
     ``cpuN`` lines."""
     def totals(text: str):
         lines = text.splitlines()
-        fields = [int(v) for v in next(line for line in lines if line.split()[0] == "cpu").split()[1:]]
+        total = next((line for line in lines if line.startswith("cpu ")), None)
+        if total is None:
+            raise ValueError("/proc/stat: no 'cpu' line")
+        fields = [int(v) for v in total.split()[1:]]
         cores = sum(1 for line in lines if re.match(r"cpu\d+ ", line))
         return sum(fields[:8]), fields[3] + fields[4], cores
 
@@ -334,10 +337,6 @@ def cores_busy_between(before: str, after: str) -> float:
         raise ValueError("/proc/stat: no time passed between the readings")
     return cores * (1 - (idle1 - idle0) / (total1 - total0))
 
-
-def _read_text(path: str) -> str:
-    with open(path) as f:
-        return f.read()
 
 
 def busy_reason(load: Dict[str, Any]) -> str:

@@ -158,6 +158,32 @@ def test_class_token_vit_mapping_and_rope_student():
     torch.testing.assert_close(F.silu(mixer.gate(tokens)), torch.ones_like(tokens), rtol=0, atol=1e-6)
 
 
+def test_pola_entry_point_takes_deit_shaped_weights_and_keeps_its_own_feature_map():
+    """linvit_*_patch16_pola_224 (the plain model with PolaFormer's mixer) loads a class-token softmax ViT: its
+    absolute embedding, class token, qkv and projection are the teacher's, LePE starts at zero and the feature
+    map's parameters (power, scale) at the model's own initialisation; its logits differ from the teacher's."""
+    vit = _vit()
+    sd = vit.state_dict()
+    pola = timm.create_model("linvit_small_patch16_pola_224", num_classes=10, **SHAPE).eval()
+    fresh = {k: v.clone() for k, v in pola.state_dict().items()}
+    out = checkpoint_filter_fn(sd, pola)
+    pola.load_state_dict(out)
+    torch.testing.assert_close(pola.pos_embed, sd["pos_embed"], rtol=0, atol=0)
+    torch.testing.assert_close(pola.cls_token, sd["cls_token"], rtol=0, atol=0)
+    for i in range(SHAPE["depth"]):
+        mixer = pola.blocks[i].mixer
+        assert type(mixer).__name__ == "PolaAttention"
+        torch.testing.assert_close(mixer.qkv.weight, sd[f"blocks.{i}.attn.qkv.weight"], rtol=0, atol=0)
+        torch.testing.assert_close(mixer.proj.weight, sd[f"blocks.{i}.attn.proj.weight"], rtol=0, atol=0)
+        assert mixer.lepe.weight.abs().sum() == 0 and mixer.lepe.bias.abs().sum() == 0
+        for name in ("power_logit", "qk_scale"):
+            key = f"blocks.{i}.mixer.{name}"
+            assert key not in sd and torch.equal(pola.state_dict()[key], fresh[key]), key
+    x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        assert not torch.allclose(pola(x), vit(x), atol=1e-3)
+
+
 def test_wrong_and_truncated_files_give_clear_errors(tmp_path):
     other_width = timm.create_model("vit_small_patch16_224", embed_dim=32, depth=3, num_heads=2)
     wrong = tmp_path / "wrong.safetensors"

@@ -14,7 +14,8 @@ FAMILY_NAMES = {
     "linvit": [
         "linvit_tiny_patch16_224", "linvit_small_patch16_224", "linvit_base_patch16_224",
         "linvit_tiny_patch16_rope_224", "linvit_small_patch16_rope_224", "linvit_base_patch16_rope_224",
-        "linvit_small_patch16_rope_mixed_224",
+        "linvit_small_patch16_rope_mixed_224", "linvit_tiny_patch16_pola_224", "linvit_small_patch16_pola_224",
+        "linvit_base_patch16_pola_224",
     ],
     "linhier": [
         "linhier_tiny_224", "linhier_small_224", "linhier_base_224", "linhier_gcnn_femto_224", "linhier_gcnn_tiny_224",

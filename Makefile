@@ -28,13 +28,14 @@ demo: $(BASE_STAMP)
 	@echo "linvision-ablate: 4 token mixers, each trained 6 epochs, evaluated at 3 sizes, then timed together at 3; results in output/ablate_digits/"
 	$(BIN)/linvision-ablate --config ablate_digits
 
-# The test suite (the default, lean run; CI runs this).
+# The test suite (the default, lean run; CI runs this): a worker per free core, each test file on one worker
+# (pytest-xdist; on a machine with under two free cores, in one process: tests/conftest.py).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist loadfile
 
 # Including the cases marked slow.
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -q --runslow
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --runslow
 
 # The GPU report (docs/kernels.md, "The GPU report"): in --budget seconds (540 by default), by value, the kernels
 # against SDPA, the models against timm's, the recurrences, the CUDA tests (pytest -m cuda); report.md and

@@ -31,6 +31,27 @@ if "OMP_NUM_THREADS" not in os.environ:
 
 import pytest
 
+# --- the workers of `make test` (`-n auto`, pytest-xdist): one per core left free when the suite starts, each on
+# an equal share of them (one torch thread on 2 idle cores, exported to the tools and torchrun jobs its tests
+# start); on a machine with fewer than two free cores the suite runs in this process (no workers). ---
+_FREE_CORES = threads_for_load(_load) if "_load" in globals() else torch.get_num_threads()
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a plain pytest without the plugin runs as before
+def pytest_xdist_auto_num_workers(config):
+    return _FREE_CORES if _FREE_CORES >= 2 else 0
+
+
+def pytest_configure(config):
+    global _THREADS
+    workers = getattr(config.option, "numprocesses", None) or 0
+    if workers and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller, before it starts the workers
+        share = max(1, _FREE_CORES // workers)
+        os.environ["OMP_NUM_THREADS"] = str(share)
+        _THREADS = (f"{workers} workers of {share} torch thread{'s' if share > 1 else ''} each"
+                    + (f" ({_load['load']:.1f} of {_load['cores']} cores busy when the suite started)"
+                       if "_load" in globals() else ""))
+
 
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="also run tests marked slow")

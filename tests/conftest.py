@@ -31,15 +31,17 @@ if "OMP_NUM_THREADS" not in os.environ:
 
 import pytest
 
-# --- the workers of `make test` (`-n auto`, pytest-xdist): one per core left free when the suite starts, each on
-# an equal share of them (one torch thread on 2 idle cores, exported to the tools and torchrun jobs its tests
-# start); on a machine with fewer than two free cores the suite runs in this process (no workers). ---
+# --- the workers of `make test` (`-n auto`, pytest-xdist): one per core left free when the suite starts, at most
+# MAX_WORKERS (each holds its own models: a worker per core of a large machine would multiply the memory), each on
+# an equal share of the free cores' threads (one torch thread on 2 idle cores, exported to the tools and torchrun
+# jobs its tests start); on a machine with fewer than two free cores the suite runs in this process (no workers).
 _FREE_CORES = threads_for_load(_load) if "_load" in globals() else torch.get_num_threads()
+MAX_WORKERS = 4
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a plain pytest without the plugin runs as before
 def pytest_xdist_auto_num_workers(config):
-    return _FREE_CORES if _FREE_CORES >= 2 else 0
+    return min(_FREE_CORES, MAX_WORKERS) if _FREE_CORES >= 2 else 0
 
 
 def pytest_configure(config):

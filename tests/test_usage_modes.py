@@ -204,20 +204,10 @@ POSITION_OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("amp", list(AMP))
-@pytest.mark.parametrize("option", sorted(POSITION_OPTIONS))
-def test_rope_position_options_at_100k_tokens_under_autocast(option, amp, cold_rope_caches):
-    """pos_embed='learn' beside axial RoPE, and the class token at the grid's centre (rope_origin='centre'), as a
-    high-resolution user runs them: batch 1 of an odd non-square image of 100,172 patch tokens (2528 x 2536 px at
-    patch 8; an embedding resampled from the 4 x 4 training grid), a forward under inference_mode, then fp16/bf16
-    autocast forward and backward: finite, the logits within the autocast tolerance of fp32, and the option's
-    parameter's gradient that of a copy that never saw inference mode."""
-    import timm
-
-    kwargs, param = POSITION_OPTIONS[option]
-    torch.manual_seed(0)
-    model = timm.create_model("linvit_tiny_patch16_rope_224", patch_size=8, img_size=32, embed_dim=32, depth=1,
-                              num_heads=2, num_classes=5, **kwargs)
+def _inference_mode_then_autocast_at_100k_tokens(model, param, amp):
+    """Batch 1 of an odd non-square image of 100,172 patch tokens (2528 x 2536 px at patch 8), a forward under
+    inference_mode, then an fp16/bf16 autocast forward and backward of ``model`` and of a copy that never saw
+    inference mode: finite, the logits within the autocast tolerance of fp32, and ``param``'s gradient the copy's."""
     fresh = copy.deepcopy(model)
     x = torch.randn(1, 3, 2528, 2536, generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
@@ -235,6 +225,34 @@ def test_rope_position_options_at_100k_tokens_under_autocast(option, amp, cold_r
         torch.testing.assert_close(logits.float(), want, rtol=0, atol=AMP_TOL[amp] * max(scale, 1.0))
     assert torch.isfinite(grads_of[0]).all() and grads_of[0].abs().amax() > 0
     torch.testing.assert_close(grads_of[0], grads_of[1])
+
+
+@pytest.mark.parametrize("amp", list(AMP))
+@pytest.mark.parametrize("option", sorted(POSITION_OPTIONS))
+def test_rope_position_options_at_100k_tokens_under_autocast(option, amp, cold_rope_caches):
+    """pos_embed='learn' beside axial RoPE, and the class token at the grid's centre (rope_origin='centre'), as a
+    high-resolution user runs them (an embedding resampled from the 4 x 4 training grid): see
+    _inference_mode_then_autocast_at_100k_tokens."""
+    import timm
+
+    kwargs, param = POSITION_OPTIONS[option]
+    torch.manual_seed(0)
+    model = timm.create_model("linvit_tiny_patch16_rope_224", patch_size=8, img_size=32, embed_dim=32, depth=1,
+                              num_heads=2, num_classes=5, **kwargs)
+    _inference_mode_then_autocast_at_100k_tokens(model, param, amp)
+
+
+@pytest.mark.parametrize("amp", list(AMP))
+def test_pola_entry_point_at_100k_tokens_under_autocast(amp):
+    """linvit_*_patch16_pola_224 (class token, learned absolute embedding resampled to every input, PolaFormer's
+    mixer with LePE), reduced, as a high-resolution user runs it: see
+    _inference_mode_then_autocast_at_100k_tokens; the feature map's power parameter gets the copy's gradient."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("linvit_tiny_patch16_pola_224", patch_size=8, img_size=32, embed_dim=32, depth=1,
+                              num_heads=2, num_classes=5, dynamic_img_size=True)
+    _inference_mode_then_autocast_at_100k_tokens(model, "blocks.0.mixer.power_logit", amp)
 
 
 def pooled_and_logits(model, x):

@@ -17,17 +17,19 @@ if not torch.cuda.is_available():
 # of 53 s on one thread. On a busy machine the choice (one thread) is exported, so the tools and torchrun jobs the
 # tests start take it too; on idle cores it is not: torchrun then gives each rank one thread, where an exported 2
 # made two ranks run four threads on two cores (docs/contributing.md has the figures). ---
-_THREADS = f"torch threads: {torch.get_num_threads()} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')})"
+_FREE_CORES = torch.get_num_threads()  # the caller's OMP_NUM_THREADS, or the rule's choice below
+_LOAD, _EXPORTED = f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}", ""
 if "OMP_NUM_THREADS" not in os.environ:
     from linvision.benchmark.throughput import machine_load, threads_for_load
 
     _load = machine_load(sample_s=0.5)
-    threads = threads_for_load(_load)
-    if threads < torch.get_num_threads():
-        torch.set_num_threads(threads)
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-    _THREADS = (f"torch threads: {torch.get_num_threads()} ({_load['load']:.1f} of {_load['cores']} cores busy "
-                f"when the suite started{', exported' if 'OMP_NUM_THREADS' in os.environ else ''})")
+    _FREE_CORES = threads_for_load(_load)
+    if _FREE_CORES < torch.get_num_threads():
+        torch.set_num_threads(_FREE_CORES)
+        os.environ["OMP_NUM_THREADS"] = str(_FREE_CORES)
+    _LOAD = f"{_load['load']:.1f} of {_load['cores']} cores busy when the suite started"
+    _EXPORTED = ", exported" if "OMP_NUM_THREADS" in os.environ else ""
+_THREADS = f"torch threads: {torch.get_num_threads()} ({_LOAD}{_EXPORTED})"
 
 import pytest
 
@@ -35,7 +37,6 @@ import pytest
 # MAX_WORKERS (each holds its own models: a worker per core of a large machine would multiply the memory), each on
 # an equal share of the free cores' threads (one torch thread on 2 idle cores, exported to the tools and torchrun
 # jobs its tests start); on a machine with fewer than two free cores the suite runs in this process (no workers).
-_FREE_CORES = threads_for_load(_load) if "_load" in globals() else torch.get_num_threads()
 MAX_WORKERS = 4
 
 
@@ -50,9 +51,7 @@ def pytest_configure(config):
     if workers and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller, before it starts the workers
         share = max(1, _FREE_CORES // workers)
         os.environ["OMP_NUM_THREADS"] = str(share)
-        _THREADS = (f"{workers} workers of {share} torch thread{'s' if share > 1 else ''} each"
-                    + (f" ({_load['load']:.1f} of {_load['cores']} cores busy when the suite started)"
-                       if "_load" in globals() else ""))
+        _THREADS = f"{workers} workers of {share} torch thread{'s' if share > 1 else ''} each ({_LOAD})"
 
 
 def pytest_addoption(parser):

@@ -338,7 +338,6 @@ def cores_busy_between(before: str, after: str) -> float:
     return cores * (1 - (idle1 - idle0) / (total1 - total0))
 
 
-
 def busy_reason(load: Dict[str, Any]) -> str:
     """Why a machine with :func:`machine_load`'s figures ``load`` is too busy for CPU timings to stand, or ''
     when it is not: a load average above its cores (with half a core of slack), i.e. more threads waiting to run

@@ -23,13 +23,15 @@ def _rotate(x, cos, sin):
     return torch.cat([x[..., :p] * cos - x[..., p:] * sin, x[..., :p] * sin + x[..., p:] * cos], dim=-1)
 
 
-def _axial_tables(d, h, w, centre=False):
+def _axial_tables(d, h, w, centre=False, ref=None):
     """Axial RoPE angles written out: pairs t < D/4 rotate with the column, the others with the row; positions
-    counted from the first patch, or from the grid's centre."""
+    counted from the first patch, or from the grid's centre; with ``ref`` (rows, cols), rows scaled by
+    rows / h and columns by cols / w (position interpolation)."""
     p = d // 2
+    sy, sx = (1.0, 1.0) if ref is None else (ref[0] / h, ref[1] / w)
     mag = 1.0 / 100.0 ** (torch.arange(0, d, 4, dtype=torch.float64) / d)
-    rows = torch.arange(h, dtype=torch.float64).repeat_interleave(w) - ((h - 1) / 2 if centre else 0)
-    cols = torch.arange(w, dtype=torch.float64).repeat(h) - ((w - 1) / 2 if centre else 0)
+    rows = (torch.arange(h, dtype=torch.float64).repeat_interleave(w) - ((h - 1) / 2 if centre else 0)) * sy
+    cols = (torch.arange(w, dtype=torch.float64).repeat(h) - ((w - 1) / 2 if centre else 0)) * sx
     ang = torch.cat([cols[:, None] * mag[None], rows[:, None] * mag[None]], dim=-1)  # (N, P)
     assert ang.shape[-1] == p
     return ang.cos(), ang.sin()
@@ -139,6 +141,50 @@ def test_rope_origin_centre_puts_the_class_token_at_the_grid_centre(rope):
     torch.testing.assert_close(corner(x[:, 1:], (3, 4)), mixer(x[:, 1:], (3, 4)), rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="rope_origin: unknown 'middle'"):
         create_mixer("softmax", 32, 4, rope=rope, rope_origin="middle")
+
+
+@pytest.mark.parametrize("rope", ["axial", "mixed"])
+@pytest.mark.parametrize("origin", ["corner", "centre"])
+def test_rope_ref_grid_interpolates_the_positions_to_the_reference_grid(rope, origin):
+    """rope_ref_grid=(3, 4) on a 5 x 7 grid: a token at (row, col) turns as at (row * 3 / 5, col * 4 / 7), from
+    the corner or the centre (softmax with a class token, float64, the angles written out). On the 3 x 4
+    reference grid itself the mixer computes exactly what it computes without the option."""
+    torch.manual_seed(4)
+    mixer = create_mixer("softmax", 32, 4, rope=rope, rope_origin=origin, rope_ref_grid=(3, 4)).double()
+    x = torch.randn(2, 1 + 35, 32, dtype=torch.float64)
+    q, k, v = _qkv(mixer, x)
+    centre = origin == "centre"
+    if rope == "axial":
+        cos, sin = _with_prefix_rows(_axial_tables(8, 5, 7, centre=centre, ref=(3, 4)), 1)
+    else:  # per head: col * fx + row * fy, the positions scaled, written out
+        rows = (torch.arange(5, dtype=torch.float64).repeat_interleave(7) - (2.0 if centre else 0.0)) * 3 / 5
+        cols = (torch.arange(7, dtype=torch.float64).repeat(5) - (3.0 if centre else 0.0)) * 4 / 7
+        ang = cols[None, :, None] * mixer.rope_freqs_x[:, None] + rows[None, :, None] * mixer.rope_freqs_y[:, None]
+        ang = torch.cat([ang.new_zeros(4, 1, 4), ang], dim=1)
+        cos, sin = ang.cos(), ang.sin()
+    scores = _rotate(q, cos, sin) @ _rotate(k, cos, sin).transpose(-1, -2) / math.sqrt(8)
+    expected = mixer.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(x.shape))
+    torch.testing.assert_close(mixer(x, (5, 7), num_prefix_tokens=1), expected, rtol=1e-5, atol=1e-7)
+    plain = create_mixer("softmax", 32, 4, rope=rope, rope_origin=origin).double()
+    plain.load_state_dict(mixer.state_dict())
+    assert not torch.allclose(plain(x, (5, 7), num_prefix_tokens=1), expected, rtol=1e-3, atol=1e-4)
+    x12 = x[:, :13]
+    assert torch.equal(mixer(x12, (3, 4), num_prefix_tokens=1), plain(x12, (3, 4), num_prefix_tokens=1))
+
+
+def test_rope_ref_grid_reaches_linear_attention_and_is_refused_without_rope():
+    """The linear mixer turns its numerator with the interpolated angles (float64, the explicit N x N form); an
+    int is a square grid; without RoPE, or with a grid that is no pair of positive ints, one ValueError line."""
+    torch.manual_seed(6)
+    mixer = create_mixer("linear", 32, 2, rope="axial", rope_ref_grid=4).double()
+    assert mixer.rope_ref_grid == (4, 4)
+    x = torch.randn(2, 6 * 5, 32, dtype=torch.float64)
+    expected = _explicit_linear(mixer, x, (6, 5), _axial_tables(16, 6, 5, ref=(4, 4)))
+    torch.testing.assert_close(mixer(x, (6, 5)), expected, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="rope_ref_grid: position interpolation needs RoPE; rope is None"):
+        create_mixer("linear", 32, 2, rope_ref_grid=4)
+    with pytest.raises(ValueError, match=r"rope_ref_grid: expected a positive int or \(rows, cols\)"):
+        create_mixer("linear", 32, 2, rope="axial", rope_ref_grid=(4, 0))
 
 
 def test_rope_fraction_turns_only_that_share_of_the_channel_pairs():

@@ -58,7 +58,8 @@ PAIRS = {
     "act_layer": (nn.GELU, nn.ReLU), "scale": (None, 0.5),
 }
 # Options that act only beside another: given with it (alone, see test_lepe_kernel_goes_where_lepe_is_on).
-COMPANIONS = {"lepe_kernel": dict(lepe=True)}
+COMPANIONS = {"lepe_kernel": dict(lepe=True), "rope_ref_grid": dict(rope="axial")}
+PAIRS["rope_ref_grid"] = (None, (3, 5))  # position interpolation, with RoPE on
 PAIRS["lepe_kernel"] = (3, 7)  # its default is None: 3, or 5 for the published mixers that use 5
 
 
@@ -263,3 +264,29 @@ def test_sana_mixers_take_the_layout_their_flag_claims():
     x = torch.randn(1, 6, 32)
     with torch.no_grad():
         torch.testing.assert_close(mixer(x, (2, 3), layout=layout), mixer(x, (2, 3)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["mlla_base", "ravlt_base"])
+def test_rope_ref_grid_is_given_per_stage_in_a_hierarchical_model(name):
+    """A hierarchical model's stages run on grids of different sizes, so one ``rope_ref_grid`` for all of them is
+    refused in one line naming them; ``stage_mixer_kwargs`` gives each stage its grid at the model's img_size.
+    There the model computes exactly what it computes without the option; at another size it interpolates."""
+    with pytest.raises(ValueError, match=r"^mixer_kwargs: 'rope_ref_grid' is one grid, and the stages of this "
+                                         r"model run on 16x16, 8x8, 4x4, 2x2 at its img_size; give each stage"):
+        _small(name, mixer_kwargs=dict(rope_ref_grid=16))
+    grids = {0: 16, 1: 8, 2: 4, 3: 2}
+    model = _small(name, stage_mixer_kwargs={i: dict(rope_ref_grid=g) for i, g in grids.items()}).eval()
+    plain = _small(name).eval()
+    plain.load_state_dict(model.state_dict())
+    for (stage, _), mixer in _mixers(model):
+        attn = getattr(mixer, "attn", mixer)
+        if getattr(attn, "rope_type", None) is not None:
+            assert attn.rope_ref_grid == (grids[stage], grids[stage])
+    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    bigger = torch.randn(1, 3, 96, 128, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(x), plain(x))
+        # the first stage's output (random weights turn little with RoPE: differences of about 1e-4, where fp32
+        # rounding alone would leave 1e-6 at most)
+        got, want = (m.forward_intermediates(bigger, indices=[0], intermediates_only=True)[0] for m in (model, plain))
+    assert (got - want).abs().amax() > 2e-5

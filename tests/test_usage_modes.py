@@ -177,6 +177,24 @@ def test_compile_matches_eager(mixer):
         torch.testing.assert_close(compiled.eval()(x[:1]), model.eval()(x[:1]), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # one dynamic-shape graph per RoPE variant, about 30 s each on 2 CPU cores
+@pytest.mark.parametrize("name", ["linvit_tiny_patch16_rope_224", "linvit_small_patch16_rope_mixed_224"])
+def test_compile_with_rope_ref_grid_at_other_sizes(name):
+    """RoPE positions interpolated to the 4 x 4 training grid (rope_ref_grid=4) under torch.compile(dynamic=True):
+    at the training size and at two odd sizes (the scale a symbolic function of the grid) eager's logits."""
+    import timm
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = timm.create_model(name, img_size=64, depth=2, embed_dim=32, num_heads=2, num_classes=5,
+                              mixer_kwargs=dict(rope_ref_grid=4)).eval()
+    compiled = torch.compile(model, dynamic=True)
+    with torch.no_grad():
+        for hw in [(64, 64), (96, 128), (80, 48)]:
+            x = torch.randn(1, 3, *hw, generator=torch.Generator().manual_seed(hw[0]))
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["linvit_tiny_patch16_rope_224", "linvit_small_patch16_rope_mixed_224"])
 def test_vit_models_inference_mode_then_training(name, cold_rope_caches):
     """linvit's RoPE entry points (axial tables cached, mixed ones learnable; 2 blocks): a forward under
@@ -201,6 +219,7 @@ def test_vit_models_inference_mode_then_training(name, cold_rope_caches):
 POSITION_OPTIONS = {
     "pos_embed_learn": (dict(pos_embed="learn"), "pos_embed"),
     "rope_origin_centre": (dict(mixer_kwargs=dict(rope_origin="centre")), "blocks.0.mixer.qkv.weight"),
+    "rope_ref_grid": (dict(mixer_kwargs=dict(rope_ref_grid=4)), "blocks.0.mixer.qkv.weight"),
 }
 
 
@@ -230,9 +249,9 @@ def _inference_mode_then_autocast_at_100k_tokens(model, param, amp):
 @pytest.mark.parametrize("amp", list(AMP))
 @pytest.mark.parametrize("option", sorted(POSITION_OPTIONS))
 def test_rope_position_options_at_100k_tokens_under_autocast(option, amp, cold_rope_caches):
-    """pos_embed='learn' beside axial RoPE, and the class token at the grid's centre (rope_origin='centre'), as a
-    high-resolution user runs them (an embedding resampled from the 4 x 4 training grid): see
-    _inference_mode_then_autocast_at_100k_tokens."""
+    """pos_embed='learn' beside axial RoPE, the class token at the grid's centre (rope_origin='centre'), and the
+    positions interpolated to the 4 x 4 training grid (rope_ref_grid=4), as a high-resolution user runs them (an
+    embedding resampled from that grid): see _inference_mode_then_autocast_at_100k_tokens."""
     import timm
 
     kwargs, param = POSITION_OPTIONS[option]

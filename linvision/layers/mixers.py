@@ -24,7 +24,7 @@ arXiv:2404.07143) for the gated local + global mix; MambaOut (Yu & Wang 2024, ar
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple, Type
+from typing import Optional, Tuple, Type, Union
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,8 @@ from linvision.ops import (
     axial_rope_freqs,
     check_grid,
     get_feature_map,
+    interpolate_positions,
+    interpolation_scale,
     is_tracing,
     linear_attention,
     mixed_rope_freqs,
@@ -51,7 +53,7 @@ from linvision.ops.common import FEATURE_MAPS, feature_map_name, feature_maps_wh
 from linvision.ops.feature_maps import orthogonal_random_projection
 
 from .layout import TokenLayout
-from .options import check_number, check_size, lepe_size
+from .options import check_number, check_size, check_square_grid, lepe_size
 from .registry import TokenMixer, check_layout, check_prefix_tokens, register_mixer
 
 __all__ = [
@@ -111,6 +113,12 @@ class AttentionMixer(TokenMixer):
             token) sit as RoPE sees them: "corner" (the first patch, RoPE-ViT's convention) or "centre" (the
             middle of each image's grid). Tokens of the grid see each other the same either way: without prefix
             tokens the outputs are equal.
+        rope_ref_grid: position interpolation, an int or (rows, cols), usually the grid the model is trained
+            on: on another H x W grid a token at (row, col) turns as at (row * rows / H, col * cols / W), so every
+            grid spans the reference grid's extent, as a learned absolute embedding resampled to the grid does
+            (:func:`~linvision.ops.interpolation_scale`; timm's ``ref_feat_shape``). On the reference grid
+            itself the mixer computes exactly what it computes without the option. Default None: positions as
+            they are (a larger grid reaches angles the model never saw).
         lepe: add a depthwise conv of V (on the grid) to the attention output; lepe_kernel its size (default 3;
             refused without lepe).
         gate: multiply the attention output (with LePE) by act(W_g x) before the output projection; act is the
@@ -139,7 +147,8 @@ class AttentionMixer(TokenMixer):
 
     def __init__(
         self, dim: int, num_heads: int, *, rope: Optional[str] = None, rope_theta: float = 100.0,
-        rope_row_first: bool = False, rope_fraction: float = 1.0, rope_origin: str = "corner", lepe: bool = False,
+        rope_row_first: bool = False, rope_fraction: float = 1.0, rope_origin: str = "corner",
+        rope_ref_grid: Optional[Union[int, Tuple[int, int]]] = None, lepe: bool = False,
         lepe_kernel: Optional[int] = None, gate: bool = False, qkv_bias: bool = True, proj_drop: float = 0.0,
     ):
         super().__init__()
@@ -156,6 +165,10 @@ class AttentionMixer(TokenMixer):
             raise ValueError(f"rope_fraction: only axial RoPE turns a fraction of its channels; rope is {rope!r}")
         if rope_origin not in ROPE_ORIGINS:
             raise ValueError(f"rope_origin: unknown {rope_origin!r}; allowed: {', '.join(ROPE_ORIGINS)}")
+        if rope_ref_grid is not None:
+            if rope is None:
+                raise ValueError("rope_ref_grid: position interpolation needs RoPE; rope is None")
+            rope_ref_grid = check_square_grid("rope_ref_grid", rope_ref_grid)
         lepe_kernel = lepe_size(lepe, lepe_kernel, 3)
         self.dim = dim
         self.num_heads = num_heads
@@ -163,6 +176,7 @@ class AttentionMixer(TokenMixer):
         self.rope_type = rope
         self.rope_axial = dict(theta=rope_theta, row_first=rope_row_first, rotate=rope_fraction)  # axial_rope's
         self.rope_origin = rope_origin
+        self.rope_ref_grid = rope_ref_grid
         if rope is not None and self.rope_dim % 4 != 0:
             raise ValueError(f"rope: 2D RoPE needs a (feature) head dim divisible by 4, got {self.rope_dim}")
         self.qkv = self.build_qkv(dim, qkv_bias)
@@ -203,8 +217,11 @@ class AttentionMixer(TokenMixer):
         offset = self._rope_offset(hw, num_prefix_tokens)
         if self.rope_type == "axial":
             return axial_rope(self.rope_dim, hw, num_prefix_tokens=num_prefix_tokens, device=device, num_heads=1,
-                              offset=offset, **self.rope_axial)
-        return Rope(self.rope_freqs_x, self.rope_freqs_y, hw, num_prefix_tokens, offset)
+                              offset=offset, ref_grid=self.rope_ref_grid, **self.rope_axial)
+        scale = interpolation_scale(hw, self.rope_ref_grid)  # None on the reference grid: the parameters as they are
+        if scale is None:
+            return Rope(self.rope_freqs_x, self.rope_freqs_y, hw, num_prefix_tokens, offset)
+        return Rope(self.rope_freqs_x * scale[1], self.rope_freqs_y * scale[0], hw, num_prefix_tokens, offset)
 
     def _rope_offset(self, hw: Tuple[int, int], num_prefix_tokens: int) -> Tuple[float, float]:
         """The shift of the grid positions that puts (0, 0) where ``rope_origin`` says (only prefix tokens see it)."""
@@ -217,6 +234,7 @@ class AttentionMixer(TokenMixer):
         one batch), with the frequencies :meth:`make_rope` uses; None without RoPE."""
         if self.rope_type is None:
             return None
+        positions = interpolate_positions(positions, self.rope_ref_grid)  # unchanged without the option
         if self.rope_origin == "centre" and num_prefix_tokens:  # each image's own centre (padding sits at 0)
             positions = positions - positions.amax(dim=1, keepdim=True).to(torch.float32) / 2
         if self.rope_type == "axial":

@@ -11,7 +11,7 @@ models that load the authors' weights: :mod:`linvision.models.mlla`.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +45,7 @@ class MllaAttention(LinearAttention):
         if self.rope_type != "axial":
             return super().make_rope(hw, device, num_prefix_tokens)
         return axial_rope(self.rope_dim * self.num_heads, hw, num_prefix_tokens=num_prefix_tokens, device=device,
-                          num_heads=self.num_heads, **self.rope_axial)
+                          num_heads=self.num_heads, ref_grid=self.rope_ref_grid, **self.rope_axial)
 
 
 @register_mixer("mlla")
@@ -61,12 +61,14 @@ class MllaMixer(TokenMixer):
     the rows of the q and k projection reordered (:func:`linvision.ops.halves_from_interleaved`), which computes
     the same outputs.
 
-    Options: feature_map, eps, rope (None drops RoPE), qkv_bias, proj_drop. The grid is given at call time, so
+    Options: feature_map, eps, rope (None drops RoPE), rope_ref_grid (position interpolation, as
+    :class:`~linvision.layers.mixers.AttentionMixer`'s), qkv_bias, proj_drop. The grid is given at call time, so
     the RoPE tables follow any input size (the published model fixed them to the 224 px grid).
     """
 
     def __init__(self, dim: int, num_heads: int, *, feature_map: str = "elu", eps: float = 1e-6,
-                 rope: Optional[str] = "axial", qkv_bias: bool = True, proj_drop: float = 0.0):
+                 rope: Optional[str] = "axial", rope_ref_grid: Optional[Union[int, Tuple[int, int]]] = None,
+                 qkv_bias: bool = True, proj_drop: float = 0.0):
         super().__init__()
         self.dim = dim
         self.in_proj = nn.Linear(dim, dim)
@@ -74,7 +76,7 @@ class MllaMixer(TokenMixer):
         self.dwc = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
         self.attn = MllaAttention(
             dim, num_heads, feature_map=feature_map, eps=eps, rope=rope, rope_theta=10000.0, rope_row_first=True,
-            lepe=True, qkv_bias=qkv_bias,
+            rope_ref_grid=rope_ref_grid, lepe=True, qkv_bias=qkv_bias,
         )
         self.out_proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)

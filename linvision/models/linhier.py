@@ -164,8 +164,15 @@ def with_mixer_options(stages: Sequence[StageSpec], mixer_kwargs: Optional[Mappi
     """``stages`` with the caller's mixer options over the layout's: ``mixer_kwargs`` reach every block whose
     mixer takes them, then ``stage_mixer_kwargs`` ({stage index: options} or {(stage, block): options}) those
     of one stage or one block (a block's over its stage's). Every option must be taken by a block it is given
-    to: ValueError in one line naming it and the mixers otherwise, as for a key naming no stage or block."""
+    to: ValueError in one line naming it and the mixers otherwise, as for a key naming no stage or block. A grid
+    option (``rope_ref_grid``) in ``mixer_kwargs`` is refused when the stages' grids differ: one grid would be
+    wrong for all stages but one, so each stage takes its own in ``stage_mixer_kwargs``."""
     stages = list(stages)
+    grids = sorted({s.grid for s in stages})
+    if "rope_ref_grid" in (mixer_kwargs or {}) and len(grids) > 1:
+        raise ValueError(f"mixer_kwargs: 'rope_ref_grid' is one grid, and the stages of this model run on "
+                         f"{', '.join(f'{h}x{w}' for h, w in (s.grid for s in stages))} at its img_size; give each "
+                         f"stage its own, e.g. stage_mixer_kwargs={{0: {{'rope_ref_grid': {stages[0].grid}}}, ...}}")
     specific = sorted((stage_mixer_kwargs or {}).items(), key=lambda t: isinstance(t[0], (tuple, list)))
     targets = [(None, mixer_kwargs)] + specific
     for where, options in targets:

@@ -39,6 +39,8 @@ from .rope import (
     axial_rope_freqs,
     grid_positions,
     halves_from_interleaved,
+    interpolate_positions,
+    interpolation_scale,
     mixed_rope_freqs,
     rope_1d,
     rope_at,

@@ -7,6 +7,10 @@ head h at grid position (row, col) is rotated by the angle ``freqs_x[h, t] * col
   half of the pairs rotate with the column, half with the row, theta = 100.
 - 2D mixed RoPE (same paper): every pair of every head has its own learnable (fx, fy); axial is the special
   case where one of the two is zero for each pair.
+- Position interpolation (a ``ref_grid``): on an H x W grid a token at (row, col) turns as at (row * Hr / H,
+  col * Wr / W), so every grid spans the extent of the reference grid Hr x Wr (the grid a model was trained on)
+  instead of reaching angles it never saw; timm's ``ref_feat_shape``. It scales the frequencies (fx by Wr / W,
+  fy by Hr / H), which is the same rotation, so the kernels need nothing of it.
 
 Channel pairs are split in halves: pair t is (x[..., t], x[..., t + D/2]) (the interleaved pairs of published
 models map onto these by a reordering of channels, :func:`halves_from_interleaved`). Prefix tokens (e.g. a class
@@ -33,6 +37,8 @@ __all__ = [
     "rope_1d",
     "axial_rope",
     "rope_at",
+    "interpolation_scale",
+    "interpolate_positions",
     "axial_rope_freqs",
     "mixed_rope_freqs",
     "apply_rope",
@@ -237,20 +243,52 @@ def rope_1d(dim: int, num_tokens: int, theta: float = 10000.0, num_prefix_tokens
 
 def axial_rope(dim: int, grid: Tuple[int, int], theta: float = 100.0, num_prefix_tokens: int = 0, device=None, *,
                row_first: bool = False, endpoint: bool = False, num_heads: int = 1, rotate: float = 1.0,
-               offset: Tuple[float, float] = (0.0, 0.0)) -> Rope:
-    """2D axial RoPE for an H x W grid (frequencies: :func:`axial_rope_freqs`; ``offset`` as :class:`Rope`'s); the
-    object and its fp32 tables are cached per (dim, H, W, theta, prefix, device, row_first, endpoint, num_heads,
-    rotate, offset, inference mode) for the last ``CACHE_SIZE`` such keys, except while a graph is traced."""
+               offset: Tuple[float, float] = (0.0, 0.0), ref_grid: Optional[Tuple[int, int]] = None) -> Rope:
+    """2D axial RoPE for an H x W grid (frequencies: :func:`axial_rope_freqs`; ``offset`` as :class:`Rope`'s;
+    ``ref_grid``: the positions interpolated to that grid's extent, :func:`interpolation_scale`); the object and
+    its fp32 tables are cached per (dim, H, W, theta, prefix, device, row_first, endpoint, num_heads, rotate,
+    offset, ref_grid, inference mode) for the last ``CACHE_SIZE`` such keys, except while a graph is traced."""
     grid = check_grid(grid)
+    scale = interpolation_scale(grid, ref_grid)
     if is_tracing(*grid):  # a traced graph computes the tables itself: nothing cached, nothing taken from the cache
-        fx, fy = axial_rope_freqs(dim, theta, row_first=row_first, endpoint=endpoint, num_heads=num_heads,
-                                  rotate=rotate)
+        fx, fy = _scaled(*axial_rope_freqs(dim, theta, row_first=row_first, endpoint=endpoint, num_heads=num_heads,
+                                           rotate=rotate), scale)
         return Rope(fx.to(device), fy.to(device), grid, num_prefix_tokens, offset)
     key = (dim, grid, float(theta), num_prefix_tokens, str(torch.device(device or "cpu")), row_first, endpoint,
-           num_heads, float(rotate), tuple(map(float, offset)), torch.is_inference_mode_enabled())
+           num_heads, float(rotate), tuple(map(float, offset)), scale, torch.is_inference_mode_enabled())
     cached = _AXIAL_CACHE.lookup(key)
     if cached is None:
-        fx, fy = axial_rope_freqs(dim, theta, row_first=row_first, endpoint=endpoint, num_heads=num_heads,
-                                  rotate=rotate)
+        fx, fy = _scaled(*axial_rope_freqs(dim, theta, row_first=row_first, endpoint=endpoint, num_heads=num_heads,
+                                           rotate=rotate), scale)
         cached = _AXIAL_CACHE.store(key, Rope(fx.to(device), fy.to(device), grid, num_prefix_tokens, offset))
     return cached
+
+
+def interpolation_scale(grid: Tuple[int, int], ref_grid: Optional[Tuple[int, int]]) -> Optional[Tuple[float, float]]:
+    """(Hr / H, Wr / W): the factors by which position interpolation scales an H x W grid's rows and columns so
+    that it spans the reference grid Hr x Wr; None (nothing to scale) without ``ref_grid`` or on that grid itself,
+    so a model evaluated at the grid it was trained on is computed exactly as without the option."""
+    if ref_grid is None:
+        return None
+    h, w = grid
+    if (h, w) == tuple(ref_grid):
+        return None
+    return (ref_grid[0] / h, ref_grid[1] / w)
+
+
+def _scaled(freqs_x: Tensor, freqs_y: Tensor, scale: Optional[Tuple[float, float]]) -> Tuple[Tensor, Tensor]:
+    """The frequencies that turn a position (row, col) as the unscaled ones turn (row * sy, col * sx)."""
+    if scale is None:
+        return freqs_x, freqs_y
+    return freqs_x * scale[1], freqs_y * scale[0]
+
+
+def interpolate_positions(positions: Tensor, ref_grid: Optional[Tuple[int, int]]) -> Tensor:
+    """Per-sample (row, col) positions (B, M, 2) interpolated to ``ref_grid`` as :func:`axial_rope` does a grid's:
+    each sample's grid is taken as rows 0..max row and columns 0..max col of its own positions (padding tokens
+    sit at (0, 0)), and scaled by Hr / H, Wr / W; fp32. Without ``ref_grid``, the positions unchanged."""
+    if ref_grid is None:
+        return positions
+    extent = positions.amax(dim=1, keepdim=True).to(torch.float32) + 1  # (B, 1, 2): each sample's H, W
+    ref = torch.tensor([float(ref_grid[0]), float(ref_grid[1])], device=positions.device)
+    return positions.to(torch.float32) * (ref / extent)

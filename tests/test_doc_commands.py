@@ -522,6 +522,8 @@ SKIPPED: Dict[str, str] = {
     "--warmup-epochs 0 --seeds 0 --output /tmp/photos_run --experiment short_1epoch": "two ViT-Tiny trainings of "
                                                                                       "one epoch: 40 minutes at "
                                                                                       "nice 19 on a loaded CPU",
+    "linvision-validate --checkpoint runs/rope_ref_eval/s0 --img-size 96 144 192 --output runs/rope_ref_eval/s0.json":
+        "reads a best checkpoint of the ViT-Tiny ablation's linear_rope runs: 20 epochs each, hours",
 }
 
 

@@ -16,10 +16,12 @@ from linvision.ops import (
     axial_rope_freqs,
     causal_linear_attention,
     get_feature_map,
+    interpolate_positions,
     linear_attention,
     linear_attention_step,
     mixed_rope_freqs,
     rope_1d,
+    rope_at,
     softmax_attention,
 )
 from linvision.ops.feature_maps import FocusedFeatureMap
@@ -200,6 +202,33 @@ def _saved_storages(fn, *args):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn(*args)
     return out, kept
+
+
+def test_axial_rope_ref_grid_interpolates_positions_and_per_sample_positions_agree():
+    """axial_rope(ref_grid=(3, 4)) on a 5 x 7 grid: token (r, c) of an x-pair turns by fx * c * 4 / 7, of a y-pair
+    by fy * r * 3 / 5 (float64 reference); on the reference grid it is the very object without the option. The
+    same image's tokens at their own positions (rope_at after interpolate_positions, beside a smaller image
+    padded with (0, 0)) turn by the same angles, to fp32 rounding."""
+    d = 16
+    fx, fy = axial_rope_freqs(d)
+    cos, sin = axial_rope(d, (5, 7), ref_grid=(3, 4)).tables()
+    rows = torch.arange(5, dtype=torch.float64).repeat_interleave(7) * 3 / 5
+    cols = torch.arange(7, dtype=torch.float64).repeat(5) * 4 / 7
+    ang = cols[:, None] * fx.double() + rows[:, None] * fy.double()
+    torch.testing.assert_close(cos[0].double(), ang.cos(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin[0].double(), ang.sin(), rtol=0, atol=1e-6)
+    assert axial_rope(d, (3, 4), ref_grid=(3, 4)) is axial_rope(d, (3, 4))
+    positions = torch.zeros(2, 35, 2, dtype=torch.long)
+    positions[0, :, 0], positions[0, :, 1] = rows.mul(5 / 3).round().long(), cols.mul(7 / 4).round().long()
+    small = torch.stack(torch.meshgrid(torch.arange(2), torch.arange(3), indexing="ij"), -1).reshape(6, 2)
+    positions[1, :6] = small  # a 2 x 3 image, then padding at (0, 0)
+    per_sample = rope_at(fx, fy, interpolate_positions(positions, (3, 4)))
+    pcos, psin = per_sample.tables()
+    torch.testing.assert_close(pcos[0, 0], cos[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(psin[0, 0], sin[0], rtol=0, atol=1e-6)
+    want = axial_rope(d, (2, 3), ref_grid=(3, 4)).tables()[0][0]
+    torch.testing.assert_close(pcos[1, 0, :6], want, rtol=0, atol=1e-6)
+    assert interpolate_positions(positions, None) is positions
 
 
 @pytest.mark.parametrize("use_rope", [None, "axial", "mixed"])

@@ -256,3 +256,24 @@ def layer_norm(x, weight, bias, eps):
     mean = x.mean(-1, keepdim=True)
     var = ((x - mean) ** 2).mean(-1, keepdim=True)
     return (x - mean) / torch.sqrt(var + eps) * weight + bias
+
+
+def write_rope_checkpoint(folder, mixer_kwargs=None, seed=0):
+    """A checkpoint folder of a small random linvit with 2D RoPE and a learned absolute embedding (linear_rope,
+    patch 8, trained size 96 px: a 12 x 12 grid) for the digits, as linvision-train writes one; returns the
+    folder."""
+    import timm
+    import torch
+
+    from linvision.utils.checkpoint import save_checkpoint
+
+    kwargs = dict(patch_size=8, dynamic_img_size=True, token_mixer="linear_rope", embed_dim=32, depth=1,
+                  num_heads=2, mixer_kwargs=dict(mixer_kwargs or {"rope_theta": 10.0}))
+    torch.manual_seed(seed)
+    model = timm.create_model("linvit_tiny_patch16_224", num_classes=10, img_size=96, **kwargs)
+    meta = {"model": "linvit_tiny_patch16_224", "num_classes": 10, "in_chans": 3, "model_kwargs": kwargs,
+            "img_size": 96, "interpolation": "bilinear", "crop_pct": 1.0, "crop_mode": "center",
+            "mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5], "classes": [str(i) for i in range(10)],
+            "dataset": "digits"}
+    save_checkpoint(str(folder), model, meta)
+    return str(folder)

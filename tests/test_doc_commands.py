@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 import pytest
-from support import fenced_blocks, joined_lines, write_image_folder
+from support import fenced_blocks, joined_lines, write_image_folder, write_rope_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md"] + sorted(os.path.relpath(os.path.join(d, f), ROOT)
@@ -147,6 +147,13 @@ def _scenes(folder):
     return {"scenes": write_mosaic_folders(os.path.join(folder, "scenes"), size=128, train=2, val=2)}
 
 
+def _rope_run(folder):
+    """output/rope_run: a checkpoint of a small random linvit with RoPE, trained size 96 px at patch 8, whose
+    model.json records the digits."""
+    write_rope_checkpoint(os.path.join(folder, "output", "rope_run"))
+    return {}
+
+
 def _report(folder):
     return {"report": os.path.join(folder, "report")}
 
@@ -223,6 +230,12 @@ CHAINS: Dict[str, Chain] = {
     )),
     "tools_refused_size": Chain(slow=False, timeout=600, steps=(
         Step("linvision-train --dataset digits --model linvit_tiny_patch16_rope_224 --img-size 100"),
+    )),
+    # the same weights with RoPE positions interpolated, at three sizes (a random model: the command, not a score)
+    "validate_rope_ref_grid": Chain(setup=_rope_run, slow=False, timeout=600, steps=(
+        Step("linvision-validate --checkpoint output/rope_run --img-size 96 144 192 "
+             "--model-kwargs '{\"mixer_kwargs\": {\"rope_ref_grid\": 12}}'",
+             check=_validated([96, 144, 192], count=360, data="digits")),
     )),
     "naflex_native": Chain(steps=(
         Step("linvision-train --dataset photos_aspect --model linvit_tiny_patch16_rope_224 --naflex-loader "
@@ -522,7 +535,8 @@ SKIPPED: Dict[str, str] = {
     "--warmup-epochs 0 --seeds 0 --output /tmp/photos_run --experiment short_1epoch": "two ViT-Tiny trainings of "
                                                                                       "one epoch: 40 minutes at "
                                                                                       "nice 19 on a loaded CPU",
-    "linvision-validate --checkpoint runs/rope_ref_eval/s0 --img-size 96 144 192 --output runs/rope_ref_eval/s0.json":
+    "linvision-validate --checkpoint runs/fine_rope_s0/runs/linear_rope --img-size 96 144 192 --model-kwargs "
+    "'{\"mixer_kwargs\": {\"rope_ref_grid\": 12}}'":
         "reads a best checkpoint of the ViT-Tiny ablation's linear_rope runs: 20 epochs each, hours",
 }
 

@@ -86,3 +86,30 @@ def test_run_data_reads_the_run_s_config_then_the_checkpoint_s_meta(tmp_path):
     bare = _checkpoint(tmp_path / "bare", {"model": "m", "num_classes": 2})
     assert run_data(bare, {"model": "m", "num_classes": 2}) == (
         "folder", None, "data: folder, its validation split (the default)")
+
+
+def test_model_kwargs_rebuild_the_same_weights_with_rope_positions_interpolated(tmp_path):
+    """--model-kwargs merges over the options the checkpoint records, a dict option key by key (the recorded
+    rope_theta stays beside rope_ref_grid): on the training grid the scores are those without it, bit for bit;
+    at twice the size the interpolated positions give another loss. The tool prints what the function returns;
+    an option that changes the weights' shapes fails in one line."""
+    from support import write_rope_checkpoint
+
+    from linvision.training.validate import validate_checkpoint
+    from linvision.utils.checkpoint import load_model
+
+    folder = write_rope_checkpoint(tmp_path / "rope")
+    given = {"mixer_kwargs": {"rope_ref_grid": 12}}
+    model, _ = load_model(folder, **given)
+    mixer = model.blocks[0].mixer
+    assert mixer.rope_ref_grid == (12, 12) and mixer.rope_axial["theta"] == 10.0
+    plain = validate_checkpoint(folder, img_sizes=[96, 192], device="cpu")["results"]
+    interp = validate_checkpoint(folder, img_sizes=[96, 192], device="cpu", model_kwargs=given)["results"]
+    assert interp[0] == plain[0] and interp[0]["count"] == 360
+    assert interp[1]["loss"] != plain[1]["loss"]
+    proc = run_tool("validate.py", "--checkpoint", folder, "--img-size", "192", "--model-kwargs", json.dumps(given))
+    (printed,) = json.loads(proc.stdout)["results"]
+    assert printed["loss"] == pytest.approx(interp[1]["loss"], rel=1e-6)
+    proc = run_tool("validate.py", "--checkpoint", folder, "--model-kwargs", "embed_dim=64", check=False)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "(size mismatch for cls_token: copying a param with shape torch.Size([1, 1, 32])" in proc.stderr

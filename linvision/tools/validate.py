@@ -12,7 +12,9 @@ crop and normalisation default to the checkpoint's, the data being the dataset a
 --pretrained evaluates a model's trained weights as timm's pretrained=True loads them, on data with the weights'
 classes (e.g. ImageNet's val/<class>/ folders), with the interpolation, crop and normalisation of their
 pretrained config, at its size unless --img-size is given. --interpolation and --crop-pct override either. A
-size the model cannot run at is reported as an error entry; the other sizes are still evaluated.
+size the model cannot run at is reported as an error entry; the other sizes are still evaluated. --model-kwargs
+builds the same weights with other options that keep their shapes, e.g. a RoPE model trained at 96 px (patch 8)
+with its positions interpolated to that grid at every size: --model-kwargs '{"mixer_kwargs": {"rope_ref_grid": 12}}'.
 
 A segmenter is scored on the validation split it was trained with (or --dataset/--data-dir): mosaics are
 rendered at each --img-size (default: their training size); a folder's val/ images and masks are scored as
@@ -22,7 +24,7 @@ import argparse
 import json
 
 from linvision.utils.cli import run_cli, tool_parser
-from linvision.utils.config import add_config_arg, parse_args
+from linvision.utils.config import add_config_arg, parse_args, parse_kwargs
 from linvision.training.validate import add_validate_args, validate_checkpoint
 
 
@@ -48,7 +50,8 @@ def main() -> int:
                               args.workers, args.amp, args.device, args.progress,
                               pretrained=args.model if args.pretrained else None,
                               interpolation=args.interpolation, crop_pct=args.crop_pct,
-                              naflex_max_seq_len=args.naflex_max_seq_len if args.naflex_loader else None)
+                              naflex_max_seq_len=args.naflex_max_seq_len if args.naflex_loader else None,
+                              model_kwargs=parse_kwargs(args.model_kwargs))
     text = json.dumps(out, indent=2)
     print(text)
     if args.output:

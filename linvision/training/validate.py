@@ -57,6 +57,11 @@ def add_validate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--crop-pct", type=float, default=None,
                         help="centre-crop fraction: resize to size / crop_pct, crop size (default: the "
                              "checkpoint's; with --pretrained, the model's pretrained cfg's)")
+    parser.add_argument("--model-kwargs", nargs="*", default=None,
+                        help="key=value pairs or a JSON object merged over the model options the checkpoint "
+                             "records (a dict option such as mixer_kwargs key by key); with --pretrained, given "
+                             "to the model. E.g. RoPE positions interpolated to a 12 x 12 training grid: "
+                             "'{\"mixer_kwargs\": {\"rope_ref_grid\": 12}}'")
     parser.add_argument("--naflex-loader", action="store_true",
                         help="evaluate every image at its own aspect ratio, as timm's NaFlex loader batches it: "
                              "resized to at most --naflex-max-seq-len patches, cut into patches with their "
@@ -111,12 +116,12 @@ def eval_data_config(meta: Optional[Dict[str, Any]], size: int, model=None, inte
 
 
 def _validate_naflex(checkpoint, pretrained, meta, source, dataset, data_dir, max_seq_len, batch_size, workers,
-                     amp, progress, info, interpolation) -> Dict[str, Any]:
+                     amp, progress, info, interpolation, model_kwargs=None) -> Dict[str, Any]:
     """One evaluation of every image at its own aspect ratio through timm's NaFlex transform and collator."""
     if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
         raise ValueError(f"naflex_max_seq_len: must be an int >= 1, got {max_seq_len!r}")
     size = meta["img_size"]
-    model = _model_at(checkpoint, pretrained, size, info, first=False)
+    model = _model_at(checkpoint, pretrained, size, info, first=False, model_kwargs=model_kwargs)
     patch_size = check_naflex_model(model, meta["model"])
     data_config = eval_data_config(meta if checkpoint else None, size, model, interpolation, None)
     transform, collate = naflex_eval_parts(patch_size, max_seq_len, data_config)
@@ -129,16 +134,18 @@ def _validate_naflex(checkpoint, pretrained, meta, source, dataset, data_dir, ma
     return {"naflex_max_seq_len": max_seq_len, **res, "interpolation": data_config["interpolation"]}
 
 
-def _model_at(checkpoint: Optional[str], pretrained: Optional[str], size: int, info, first: bool):
-    """The model to evaluate at ``size``, built for it (a fixed position-embedding grid is resampled to it): the
-    checkpoint's, or ``pretrained``'s trained weights; for the ``first`` size rank 0 fills timm's cache before the
-    other ranks read it."""
+def _model_at(checkpoint: Optional[str], pretrained: Optional[str], size: int, info, first: bool,
+              model_kwargs: Optional[Dict[str, Any]] = None):
+    """The model to evaluate at ``size``, built for it (a fixed position-embedding grid is resampled to it) with
+    ``model_kwargs`` over its options: the checkpoint's, or ``pretrained``'s trained weights; for the ``first``
+    size rank 0 fills timm's cache before the other ranks read it."""
     if checkpoint:
-        model, _ = load_model(checkpoint, device=str(info.device), img_size=size)
+        model, _ = load_model(checkpoint, device=str(info.device), img_size=size, **(model_kwargs or {}))
         return model
     if first and not info.is_main:
         barrier(info)
-    model = create_model(pretrained, img_size=size, pretrained=True).to(info.device).eval()
+    model = create_model(pretrained, img_size=size, pretrained=True, model_kwargs=model_kwargs)
+    model = model.to(info.device).eval()
     if first and info.is_main:
         barrier(info)
     return model
@@ -151,12 +158,12 @@ def _print_note(note: Optional[str], info) -> None:
 
 
 def _validate_sizes(checkpoint, pretrained, meta, source, dataset, data_dir, sizes, batch_size, workers, amp,
-                    progress, info, interpolation, crop_pct, note) -> List[Dict[str, Any]]:
+                    progress, info, interpolation, crop_pct, note, model_kwargs=None) -> List[Dict[str, Any]]:
     """One evaluation at each of ``sizes``, the model rebuilt for each; a size the model cannot run at gets an
     ``error`` entry."""
     results = []
     for size in sizes:
-        model = _model_at(checkpoint, pretrained, size, info, first=size == sizes[0])
+        model = _model_at(checkpoint, pretrained, size, info, first=size == sizes[0], model_kwargs=model_kwargs)
         data_config = eval_data_config(meta if checkpoint else None, size, model, interpolation, crop_pct)
         transform = build_transform(is_training=False, **data_config)
         val_set = create_dataset(dataset, data_dir, "val", transform=transform, digits_size=size)
@@ -175,8 +182,11 @@ def _validate_sizes(checkpoint, pretrained, meta, source, dataset, data_dir, siz
 
 
 def _check_segmenter_options(interpolation: Optional[str], crop_pct: Optional[float],
-                             naflex_max_seq_len: Optional[int]) -> None:
+                             naflex_max_seq_len: Optional[int], model_kwargs: Optional[Dict[str, Any]]) -> None:
     """ValueError for the options of classifiers given with a segmenter's checkpoint."""
+    if model_kwargs:
+        raise ValueError("model_kwargs: a segmenter's checkpoint is rebuilt as its run recorded it; other model "
+                         "options apply to classifiers only")
     if interpolation is not None or crop_pct is not None:
         raise ValueError("interpolation/crop_pct: a segmenter is scored on whole images; these apply to "
                          "classifiers only")
@@ -189,7 +199,8 @@ def validate_checkpoint(checkpoint: Optional[str], dataset: Optional[str] = None
                         img_sizes: Optional[Sequence[int]] = None, batch_size: int = 64, workers: int = 0,
                         amp: str = "none", device: str = "auto", progress: bool = False,
                         pretrained: Optional[str] = None, interpolation: Optional[str] = None,
-                        crop_pct: Optional[float] = None, naflex_max_seq_len: Optional[int] = None) -> Dict[str, Any]:
+                        crop_pct: Optional[float] = None, naflex_max_seq_len: Optional[int] = None,
+                        model_kwargs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Evaluate ``checkpoint`` (or, with ``pretrained`` naming a model, that model's trained weights as
     ``timm.create_model(pretrained=True)`` loads them) on the validation split at each of ``img_sizes``.
 
@@ -199,6 +210,10 @@ def validate_checkpoint(checkpoint: Optional[str], dataset: Optional[str] = None
     With ``naflex_max_seq_len`` every image is evaluated once at its own aspect ratio instead (timm's NaFlex
     transform: resized to at most that many patches, patchified, batched by timm's NaFlex collator; the model must
     take NaFlex batches), one result {"naflex_max_seq_len", ...} in place of the sizes.
+
+    ``model_kwargs`` are merged over the options the checkpoint records (:func:`~linvision.utils.load_model`),
+    or given to ``pretrained``'s model: the same weights built with other options that keep their shapes (RoPE
+    positions interpolated, ``rope_ref_grid``); options that change the weights' shapes fail to load in one line.
 
     Returns {"checkpoint", "model", "train_img_size" (or for a run trained on NaFlex batches
     "train_naflex_seq_lens"), "results": [{"img_size", "top1", "top5", "loss", "count"} or
@@ -213,7 +228,7 @@ def validate_checkpoint(checkpoint: Optional[str], dataset: Optional[str] = None
     if checkpoint and checkpoint_task(checkpoint) == "segmentation":  # a checkpoint of linvision-train-seg
         from .seg_validate import validate_segmenter
 
-        _check_segmenter_options(interpolation, crop_pct, naflex_max_seq_len)
+        _check_segmenter_options(interpolation, crop_pct, naflex_max_seq_len, model_kwargs)
         return validate_segmenter(checkpoint, dataset, data_dir, img_sizes, batch_size, workers, amp, device,
                                   progress)
     check_transform_options(interpolation, crop_pct)  # a bad value ends here, before any model is built
@@ -231,11 +246,11 @@ def validate_checkpoint(checkpoint: Optional[str], dataset: Optional[str] = None
                                  "other")
             _print_note(note, info)
             results = [_validate_naflex(checkpoint, pretrained, meta, source, dataset, data_dir, naflex_max_seq_len,
-                                        batch_size, workers, amp, progress, info, interpolation)]
+                                        batch_size, workers, amp, progress, info, interpolation, model_kwargs)]
         else:
             sizes: List[int] = list(img_sizes or [meta["img_size"]])
             results = _validate_sizes(checkpoint, pretrained, meta, source, dataset, data_dir, sizes, batch_size,
-                                      workers, amp, progress, info, interpolation, crop_pct, note)
+                                      workers, amp, progress, info, interpolation, crop_pct, note, model_kwargs)
         barrier(info)
         # how it was trained: at its img_size, or on NaFlex batches (each image at its own aspect)
         trained = ({"train_naflex_seq_lens": meta["naflex_train_seq_lens"]} if meta.get("naflex_train_seq_lens")

@@ -265,12 +265,16 @@ def load_model(path: str, device: str = "cpu", img_size: Optional[int] = None,
     """Rebuild the model of a checkpoint folder (or a run folder: its best, else last) in eval mode.
 
     ``img_size`` rebuilds a model with a fixed input size for another size (its position embedding resampled
-    by the model's ``checkpoint_filter_fn``); ``model_kwargs`` override the stored ones. Returns (model, meta)
-    where meta is model.json's content (name, classes, normalisation, image size).
+    by the model's ``checkpoint_filter_fn``); ``model_kwargs`` override the stored ones, a dict option (such as
+    ``mixer_kwargs``) key by key. Returns (model, meta) where meta is model.json's content (name, classes,
+    normalisation, image size).
     """
     folder = resolve_checkpoint(path)
     meta = read_checkpoint_meta(folder)
-    kwargs = {**meta.get("model_kwargs", {}), **model_kwargs}
+    kwargs = dict(meta.get("model_kwargs", {}))
+    for key, value in model_kwargs.items():
+        both = isinstance(value, dict) and isinstance(kwargs.get(key), dict)
+        kwargs[key] = {**kwargs[key], **value} if both else value
     size = img_size if img_size is not None else meta.get("img_size")
     if img_size is not None and img_size != meta.get("img_size"):
         kwargs.pop("img_size", None)  # a stored training size gives way to the one asked for
@@ -299,5 +303,8 @@ def load_checkpoint_weights(model: nn.Module, folder: str, name: str, file: str 
     try:
         model.load_state_dict(_filter_state_dict(model, state))
     except RuntimeError as e:
+        # torch's message: a header line ending in ':', then one line per mismatch; the first mismatch says most
+        lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+        detail = lines[1] if len(lines) > 1 and lines[0].endswith(":") else lines[0]
         raise ValueError(f"checkpoint: {weights} does not hold the weights of the {name} that model.json "
-                         f"describes ({str(e).strip().splitlines()[0][:200]})") from None
+                         f"describes ({detail[:200]})") from None

@@ -168,8 +168,7 @@ def with_mixer_options(stages: Sequence[StageSpec], mixer_kwargs: Optional[Mappi
     option (``rope_ref_grid``) in ``mixer_kwargs`` is refused when the stages' grids differ: one grid would be
     wrong for all stages but one, so each stage takes its own in ``stage_mixer_kwargs``."""
     stages = list(stages)
-    grids = sorted({s.grid for s in stages})
-    if "rope_ref_grid" in (mixer_kwargs or {}) and len(grids) > 1:
+    if "rope_ref_grid" in (mixer_kwargs or {}) and len({s.grid for s in stages}) > 1:
         raise ValueError(f"mixer_kwargs: 'rope_ref_grid' is one grid, and the stages of this model run on "
                          f"{', '.join(f'{h}x{w}' for h, w in (s.grid for s in stages))} at its img_size; give each "
                          f"stage its own, e.g. stage_mixer_kwargs={{0: {{'rope_ref_grid': {stages[0].grid}}}, ...}}")

@@ -92,6 +92,30 @@ def run_tool(tool, *args, check=True):
     return proc
 
 
+def tiny_ablate_flags(data, out, *extra):
+    """linvision-ablate's flags for a tiny linhier on ``data`` (one epoch at 32 px, one timed run), into out/ab."""
+    return ["--dataset", "folder", "--data-dir", data, "--img-size", "32", "--model", "linhier_tiny_224",
+            "--model-kwargs", '{"depths": [1, 1, 1, 1], "dims": [8, 16, 16, 16], "num_heads": [1, 1, 1, 1]}',
+            "--epochs", "1", "--batch-size", "4", "--eval-sizes", "32", "--bench-sizes", "32",
+            "--bench-batch-size", "1", "--bench-iters", "1", "--device", "cpu", "--output", str(out),
+            "--experiment", "ab", "--no-progress", *extra]
+
+
+def write_ablation_json(folder, seeds=(0,), mixer="linear", **changes):
+    """``folder``/ablation.json as linvision-ablate writes it, with made-up scores (50 + seed at 32 px; nothing is
+    trained), for what reads ablations; ``changes`` replace its top-level keys. Returns the folder as a string."""
+    runs = [{"seed": s, "train_s": 1.0, "best_top1": 50.0 + s, "num_classes": 3, "accuracy": {"32": 50.0 + s}}
+            for s in seeds]
+    result = {"task": "classify", "model": "linhier_tiny_224", "model_kwargs": {}, "img_size": 32, "epochs": 1,
+              "seed": seeds[0], "seeds": list(seeds), "dataset": "folder", "eval_sizes": [32], "bench_sizes": [32],
+              "bench_batch_size": 1, "device": "cpu",
+              "rows": [{"mixer": mixer, "params_m": 1.0, "gflops": 0.5, "runs": runs}], **changes}
+    os.makedirs(folder)
+    with open(os.path.join(folder, "ablation.json"), "w") as f:
+        json.dump(result, f)
+    return str(folder)
+
+
 def tiny_train_flags(data, out, *extra):
     return ["--dataset", "folder", "--data-dir", data, "--img-size", "16", "--model", "test_vit",
             "--model-kwargs", *TINY_VIT, "--batch-size", "4", "--output", out, "--no-progress", "--device", "cpu",

@@ -7,15 +7,11 @@ import pytest
 
 from linvision.experiments.ablate import add_ablate_args, markdown_table, run_ablation
 from linvision.utils.config import parse_args
+from support import tiny_ablate_flags
 
 
 def _args(data, tmp_path, *extra):
-    flags = ["--dataset", "folder", "--data-dir", data, "--img-size", "32", "--model", "linhier_tiny_224",
-             "--model-kwargs", '{"depths": [1, 1, 1, 1], "dims": [8, 16, 16, 16], "num_heads": [1, 1, 1, 1]}',
-             "--epochs", "1", "--batch-size", "4", "--eval-sizes", "32", "--bench-sizes", "32",
-             "--bench-batch-size", "1", "--bench-iters", "1", "--device", "cpu", "--output", str(tmp_path),
-             "--experiment", "ab", "--no-progress", *extra]
-    return parse_args(add_ablate_args(argparse.ArgumentParser()), flags)
+    return parse_args(add_ablate_args(argparse.ArgumentParser()), tiny_ablate_flags(data, tmp_path, *extra))
 
 
 def test_seeds_give_mean_and_sample_std_of_the_runs(data, tmp_path):

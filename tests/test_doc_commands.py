@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 import pytest
-from support import fenced_blocks, joined_lines, write_image_folder, write_rope_checkpoint
+from support import fenced_blocks, joined_lines, write_ablation_json, write_image_folder, write_rope_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md"] + sorted(os.path.relpath(os.path.join(d, f), ROOT)
@@ -154,6 +154,20 @@ def _rope_run(folder):
     return {}
 
 
+def _seed_ablations(folder):
+    """runs/fine_s0, fine_s1, fine_s2: one seed's ablation.json each, made-up scores (50 + seed), nothing trained."""
+    for seed in range(3):
+        write_ablation_json(os.path.join(folder, "runs", f"fine_s{seed}"), seeds=(seed,))
+    return {}
+
+
+def _merged(folder, proc):
+    with open(os.path.join(folder, "runs", "fine_3seeds", "ablation.json")) as f:
+        (row,) = json.load(f)["rows"]
+    assert row["accuracy_seeds"]["32"] == [50.0, 51.0, 52.0] and row["accuracy"]["32"] == 51.0, row
+    assert "| linear | 1.000 | 0.5000 | 51.00 ± 1.00 |" in proc.stdout, proc.stdout
+
+
 def _report(folder):
     return {"report": os.path.join(folder, "report")}
 
@@ -236,6 +250,11 @@ CHAINS: Dict[str, Chain] = {
         Step("linvision-validate --checkpoint output/rope_run --img-size 96 144 192 "
              "--model-kwargs '{\"mixer_kwargs\": {\"rope_ref_grid\": 12}}'",
              check=_validated([96, 144, 192], count=360, data="digits")),
+    )),
+    # ablations of one seed each, joined (made-up ablation.json files: the command, not a score)
+    "ablate_merge": Chain(setup=_seed_ablations, slow=False, timeout=300, steps=(
+        Step("linvision-ablate --merge runs/fine_s0 runs/fine_s1 runs/fine_s2 --output runs --experiment fine_3seeds",
+             check=_merged),
     )),
     "naflex_native": Chain(steps=(
         Step("linvision-train --dataset photos_aspect --model linvit_tiny_patch16_rope_224 --naflex-loader "

@@ -92,6 +92,9 @@ def add_ablate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="benchmark resolutions (default: 1x, 2x, 4x and 8x the training size)")
     g.add_argument("--seeds", type=int, nargs="+", default=None,
                    help="train every mixer once per seed; top-1 is the mean and spread over them (default: --seed)")
+    g.add_argument("--merge", nargs="+", metavar="FOLDER", default=None,
+                   help="train nothing: join the ablations in these folders (one seed each, say) into one table of "
+                        "means and spreads per mixer, written to <output>/<experiment>")
     g.add_argument("--bench-batch-size", type=int, default=8, help="images per batch of the throughput and memory runs")
     g.add_argument("--bench-iters", type=int, default=5,
                    help="timed runs per throughput figure, which is their median (after one warm-up run)")
@@ -412,13 +415,21 @@ def _mixer_row(args: argparse.Namespace, task: _Task, label: str, mixer_kwargs: 
            "gflops": count_gflops(model, (task.in_chans, args.img_size, args.img_size)),
            "train_s": sum(r["train_s"] for r in runs) / len(runs),
            task.best: _seed_stats([r[task.best] for r in runs])["mean"]}
-    for metric in metrics:
-        stats = {str(s): _seed_stats([r[metric][str(s)] for r in runs]) for s in eval_sizes}
-        row[metric] = {s: st["mean"] for s, st in stats.items()}
-        row[f"{metric}_std"] = {s: st["std"] for s, st in stats.items()}
-        row[f"{metric}_seeds"] = {s: st["values"] for s, st in stats.items()}
+    row.update(seed_scores(runs, metrics, eval_sizes))
     row["runs"] = runs
     return row
+
+
+def seed_scores(runs: List[Dict[str, Any]], metrics: Tuple[str, ...], eval_sizes: List[int]) -> Dict[str, Any]:
+    """A row's scores over ``runs`` (one per seed): for each metric its mean, sample standard deviation and per-seed
+    values at every evaluation size (the keys ``<metric>``, ``<metric>_std``, ``<metric>_seeds``)."""
+    scores = {}
+    for metric in metrics:
+        stats = {str(s): _seed_stats([r[metric][str(s)] for r in runs]) for s in eval_sizes}
+        scores[metric] = {s: st["mean"] for s, st in stats.items()}
+        scores[f"{metric}_std"] = {s: st["std"] for s, st in stats.items()}
+        scores[f"{metric}_seeds"] = {s: st["values"] for s, st in stats.items()}
+    return scores
 
 
 def _benchmark(args: argparse.Namespace, task: _Task, rows: List[Dict[str, Any]],
@@ -516,21 +527,24 @@ def markdown_table(result: Dict[str, Any]) -> str:
     and memory per benchmark size."""
     evals, benches = result["eval_sizes"], result["bench_sizes"]
     metrics = _metrics(result)
-    head = (["mixer", "params (M)", f"GFLOPs @{result['img_size']}"]
+    row_seeds = [_row_seeds(row, result) for row in result["rows"]]
+    apart = len({tuple(s) for s in row_seeds}) > 1  # rows over different seeds (merged ablations): a column says which
+    head = (["mixer"] + (["seeds"] if apart else []) + ["params (M)", f"GFLOPs @{result['img_size']}"]
             + [f"{_SCORE_LABEL[m]} @{s}" for m in metrics for s in evals]
-            + [f"infer img/s @{s}" for s in benches] + [f"train img/s @{benches[-1]}",
-                                                        f"infer mem MiB @{benches[-1]}",
-                                                        f"train mem MiB @{benches[-1]}"])
+            + ([f"infer img/s @{s}" for s in benches] + [f"train img/s @{benches[-1]}",
+                                                         f"infer mem MiB @{benches[-1]}",
+                                                         f"train mem MiB @{benches[-1]}"] if benches else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     notes = []
     seeds = result.get("seeds") or [result.get("seed")]
-    for row in result["rows"]:
-        cells = [row["mixer"], f"{row['params_m']:.3f}", f"{row['gflops']:.4f}"]
+    for row, own_seeds in zip(result["rows"], row_seeds):
+        cells = ([row["mixer"]] + ([", ".join(map(str, own_seeds))] if apart else [])
+                 + [f"{row['params_m']:.3f}", f"{row['gflops']:.4f}"])
         for metric in metrics:
             for s in evals:
                 acc = row[metric][str(s)]
                 std = row.get(f"{metric}_std", {}).get(str(s))
-                spread = f" ± {_cell(std, '.2f')}" if len(seeds) > 1 and not isinstance(acc, str) else ""
+                spread = f" ± {_cell(std, '.2f')}" if len(own_seeds) > 1 and not isinstance(acc, str) else ""
                 cells.append(_cell(acc, ".2f") + spread)
                 if isinstance(acc, str) and metric == metrics[0]:
                     notes.append(f"{row['mixer']} @{s}: {acc}")
@@ -540,16 +554,26 @@ def markdown_table(result: Dict[str, Any]) -> str:
             cells.append(_timing_cell(b, "infer_img_s"))
             if b and b["status"] != "ok":
                 notes.append(f"{row['mixer']} benchmark @{s}: {b['status']}: {b['error']}")
-        last = bench.get(str(benches[-1]), {})
-        cells += [_timing_cell(last, "train_img_s"), _cell(last.get("infer_mem_mb"), ".1f"),
-                  _cell(last.get("train_mem_mb"), ".1f")]
+        if benches:
+            last = bench.get(str(benches[-1]), {})
+            cells += [_timing_cell(last, "train_img_s"), _cell(last.get("infer_mem_mb"), ".1f"),
+                      _cell(last.get("train_mem_mb"), ".1f")]
         lines.append("| " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
     text += _cost_note(result)
     names = " and ".join({"accuracy": "Top-1", "miou": "mIoU", "pixel_acc": "pixel accuracy"}[m] for m in metrics)
-    if len(seeds) > 1:
+    if apart:
+        text += (f"\n{names}: mean ± sample standard deviation over each row's seeds (one training run per seed; "
+                 f"one seed has no spread; per-seed values in ablation.json).\n")
+    elif len(seeds) > 1:
         text += (f"\n{names}: mean ± sample standard deviation over seeds {', '.join(map(str, seeds))} (one training "
                  f"run per seed; per-seed values in ablation.json).\n")
+    if result.get("merged_from"):
+        parents = {os.path.dirname(f) for f in result["merged_from"]}
+        names = (f"{', '.join(os.path.basename(f) for f in result['merged_from'])} in {parents.pop()}"
+                 if len(parents) == 1 else ", ".join(result["merged_from"]))
+        text += (f"\nMerged (linvision-ablate --merge) from {names}. No throughput or memory: runs timed in "
+                 f"separate processes are no comparison.\n")
     if result.get("task") == "segment":
         text += (f"\n{result['decoder']} head; mIoU and pixel accuracy (%) of each run's best/ on "
                  f"{result['mosaic_val']} validation mosaics rendered at each size (trained on {result['img_size']} "
@@ -572,6 +596,11 @@ def markdown_table(result: Dict[str, Any]) -> str:
     return text
 
 
+def _row_seeds(row: Dict[str, Any], result: Dict[str, Any]) -> List[int]:
+    """The seeds of a row's runs (of the ablation, for a row without runs)."""
+    return [r["seed"] for r in row["runs"]] if row.get("runs") else (result.get("seeds") or [result.get("seed")])
+
+
 def _timing_cell(bench: Dict[str, Any], key: str) -> str:
     """A throughput figure of the table, daggered when its point's times do not stand."""
     return _cell(bench.get(key), ".1f") + ("†" if bench.get("unreliable") and _cell(bench.get(key), ".1f") != "-"
@@ -582,6 +611,8 @@ def _cost_note(result: Dict[str, Any]) -> str:
     """What softmax attention costs against each linear mixer at the largest benchmark size (times, the inverse
     of the throughput ratio), the figures daggered and called unreliable when their points were; '' without a
     softmax row or with nothing measured."""
+    if not result["bench_sizes"]:
+        return ""
     size = str(result["bench_sizes"][-1])
     bench = {row["mixer"]: (row.get("bench") or {}).get(size) for row in result["rows"]}
     soft = bench.get("softmax")
@@ -605,7 +636,7 @@ def _accuracy_figure(result: Dict[str, Any]):
     """The figure of accuracy.png (a matplotlib Figure, not closed): the first score (top-1, or mIoU) of every
     mixer against evaluation resolution, each mixer in its own colour and marker, the legend to the right of the
     axes. With several seeds a point is their mean with a bar of plus and minus their sample standard deviation
-    (the mixers of one size set a little apart sideways so that the bars stay visible); with one seed there is no
+    (the mixers of one size set a little apart sideways so that the bars stay visible); a row of one seed has no
     bar. The title names the model, the data and what the points are."""
     import matplotlib
 
@@ -615,22 +646,27 @@ def _accuracy_figure(result: Dict[str, Any]):
     rows = result["rows"]
     metric = _metrics(result)[0]
     seeds = result.get("seeds") or [result.get("seed")]
-    several = len(seeds) > 1
+    row_seeds = [_row_seeds(row, result) for row in rows]
+    several = any(len(own) > 1 for own in row_seeds)
     sizes = [int(s) for s in result["eval_sizes"]]
     gaps = [math.log2(b / a) for a, b in zip(sorted(sizes), sorted(sizes)[1:]) if b > a]
     width = min([0.12] + [0.25 * g for g in gaps]) if several else 0.0
+    apart = len({tuple(own) for own in row_seeds}) > 1  # rows over different seeds: the legend gives each its count
     fig, ax = plt.subplots(figsize=(7.2, 4.2))
+    handles = []
     for k, (row, style) in enumerate(zip(rows, series_styles(len(rows)))):
+        label = row["mixer"] + (f", n={len(row_seeds[k])}" if apart else "")
         pts = [(int(s), v, row.get(f"{metric}_std", {}).get(s, 0.0)) for s, v in row[metric].items()
                if isinstance(v, (int, float))]
         xs = [p[0] * dodge(k, len(rows), width) for p in pts]
-        if several:
+        if len(row_seeds[k]) > 1:
             bars = ax.errorbar(xs, [p[1] for p in pts], yerr=[p[2] for p in pts], ms=5, capsize=2.5, elinewidth=1,
-                               label=row["mixer"], **style)
+                               label=label, **style)
             for artist in (*bars.lines[1], *bars.lines[2]):  # bars and caps lighter than the line they belong to
                 artist.set_alpha(0.6)
+            handles.append(bars)
         else:
-            ax.plot(xs, [p[1] for p in pts], ms=5, label=row["mixer"], **style)
+            handles += ax.plot(xs, [p[1] for p in pts], ms=5, label=label, **style)
     ax.set_xscale("log", base=2)
     ax.minorticks_off()
     ax.set_xticks(sizes, [str(s) for s in sizes])
@@ -638,12 +674,16 @@ def _accuracy_figure(result: Dict[str, Any]):
     score = {"accuracy": "top-1 (%)", "miou": "mIoU (%)"}[metric]
     ax.set_ylabel(score)
     ax.grid(True, alpha=0.3)
-    points = (f"each point the mean of seeds {', '.join(map(str, seeds))}, its bar ± their sample standard deviation"
-              if several else f"one seed ({seeds[0]}): no spread to show")
+    if apart:
+        points = "each point the mean of its n seeds, its bar ± their sample s.d."
+    elif several:
+        points = f"each point the mean of seeds {', '.join(map(str, seeds))}, its bar ± their sample standard deviation"
+    else:
+        points = f"one seed ({seeds[0]}): no spread to show"
     head = f"{result.get('decoder')} on {result['model']}" if result.get("task") == "segment" else result["model"]
     ax.set_title(f"{head}, {result.get('dataset', '?')} data: {score.split(' (')[0]} per token mixer\n{points}",
                  fontsize=9)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize=8, frameon=False,
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize=8, frameon=False,
               title="token mixer", title_fontsize=8, alignment="left")
     fig.tight_layout()
     return fig

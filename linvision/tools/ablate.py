@@ -14,10 +14,18 @@ accuracy.png, throughput_memory.png and one training run per mixer (runs/) into 
 --task segment trains the encoder --model in the smp head --decoder on the offline mosaics (--dataset mosaic)
 with the flags of linvision-train-seg, and reports mIoU and pixel accuracy of each run's best/ on the validation
 mosaics rendered at each --eval-sizes (128 to 1024 px).
+
+    linvision-ablate --merge runs/fine_s0 runs/fine_s1 runs/fine_s2 --output runs --experiment fine_3seeds
+
+--merge trains nothing: it joins ablations run apart (a seed or a mixer each, so each can run and resume alone)
+into one ablation.md, ablation.json and accuracy.png, each mixer's score the mean and spread over all its runs;
+rows whose --model-kwargs differ stay apart, labelled with what differs. No throughput: runs timed apart are no
+comparison.
 """
 import argparse
 
 from linvision.experiments.ablate import add_ablate_args, run_ablation
+from linvision.experiments.merge_ablations import write_merged
 from linvision.utils.cli import run_cli, tool_parser
 from linvision.utils.config import add_config_arg, parse_args
 
@@ -30,6 +38,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> int:
     args = parse_args(build_parser())
+    if args.merge:
+        if args.resume:
+            raise ValueError("merge: --merge trains nothing and --resume goes on training; give one of them")
+        result = write_merged(args.merge, args.output, args.experiment or "merged", overwrite=args.overwrite)
+        for note in result["notes"]:
+            print(note)
+        print(result["table"])
+        print(f"table and plot in {result['run_dir']}")
+        return 0
     result = run_ablation(args)
     if result.get("stopped"):  # --stop-after-steps: the line that says how to go on is printed
         return 0

@@ -63,6 +63,9 @@ def test_merge_refuses_what_is_not_one_ablation_in_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"merge: .*other is an ablation with img_size=48; .*a has img_size=32 "
                                          r"\(only ablations of one task"):
         merge_ablations([a, other])
+    head = write_ablation_json(tmp_path / "head", seeds=(2,), task="segment", decoder="fpn")
+    with pytest.raises(ValueError, match=r"with task='segment', decoder='fpn'; .*a has task='classify', decoder=None"):
+        merge_ablations([a, head])
     again = write_ablation_json(tmp_path / "again", seeds=(1, 2))
     with pytest.raises(ValueError, match=r"merge: seed 1 of linear is in .*a and in .*again; give each run once"):
         merge_ablations([a, again])

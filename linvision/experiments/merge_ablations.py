@@ -23,8 +23,9 @@ from linvision.utils.run_folder import claim_run_folder
 
 __all__ = ["merge_ablations", "write_merged"]
 
-# what the merged ablations must share (ablation.json's keys)
-MERGE_KEYS = ("task", "model", "img_size", "epochs", "dataset", "eval_sizes")
+# what the merged ablations must share (ablation.json's keys; the last five a segmentation ablation's)
+MERGE_KEYS = ("task", "model", "img_size", "epochs", "dataset", "eval_sizes", "decoder", "decoder_kwargs",
+              "mosaic_size", "mosaic_train", "mosaic_val")
 
 
 def merge_ablations(folders: Sequence[str]) -> Dict[str, Any]:
@@ -43,7 +44,7 @@ def merge_ablations(folders: Sequence[str]) -> Dict[str, Any]:
             raise ValueError(f"merge: {path} is an ablation with " + ", ".join(f"{k}={source.get(k)!r}" for k in differ)
                              + f"; {folders[0]} has " + ", ".join(f"{k}={first.get(k)!r}" for k in differ)
                              + " (only ablations of one task, model, size, schedule, data set and evaluation sizes "
-                               "merge)")
+                               "merge, a segmentation's of one head and mosaics)")
     flat = [_flatten(s.get("model_kwargs") or {}) for s in sources]
     common = {k: v for k, v in flat[0].items() if all(k in f and f[k] == v for f in flat[1:])}
     metrics = _metrics(first)
@@ -65,13 +66,10 @@ def merge_ablations(folders: Sequence[str]) -> Dict[str, Any]:
                 group["runs"].append({**run, "ablation": path})
     rows = [_merged_row(label, g, metrics, first["eval_sizes"]) for label, g in groups.items()]
     seeds = sorted({r["seed"] for g in groups.values() for r in g["runs"]})
-    result = {k: first.get(k) for k in MERGE_KEYS}
+    result = {k: first[k] for k in MERGE_KEYS if k in first}
     result.update(model_kwargs=_unflatten(common), seed=seeds[0], seeds=seeds, bench_sizes=[],
                   bench_batch_size=first.get("bench_batch_size"), device=first.get("device"),
                   merged_from=list(folders), rows=rows)
-    for key in ("decoder", "decoder_kwargs", "mosaic_size", "mosaic_train", "mosaic_val"):  # a segmentation's
-        if key in first:
-            result[key] = first[key]
     return result
 
 

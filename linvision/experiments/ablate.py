@@ -412,23 +412,24 @@ def _mixer_row(args: argparse.Namespace, task: _Task, label: str, mixer_kwargs: 
     score, and each score's mean, spread and per-seed values over ``runs`` at every evaluation size."""
     model = task.build(mixer_kwargs, runs[0]["num_classes"], args.img_size)
     row = {"mixer": label, "params_m": count_params(model) / 1e6,
-           "gflops": count_gflops(model, (task.in_chans, args.img_size, args.img_size)),
-           "train_s": sum(r["train_s"] for r in runs) / len(runs),
-           task.best: _seed_stats([r[task.best] for r in runs])["mean"]}
-    row.update(seed_scores(runs, metrics, eval_sizes))
-    row["runs"] = runs
+           "gflops": count_gflops(model, (task.in_chans, args.img_size, args.img_size))}
+    row.update(seed_scores(runs, task.best, metrics, eval_sizes))
     return row
 
 
-def seed_scores(runs: List[Dict[str, Any]], metrics: Tuple[str, ...], eval_sizes: List[int]) -> Dict[str, Any]:
-    """A row's scores over ``runs`` (one per seed): for each metric its mean, sample standard deviation and per-seed
-    values at every evaluation size (the keys ``<metric>``, ``<metric>_std``, ``<metric>_seeds``)."""
-    scores = {}
+def seed_scores(runs: List[Dict[str, Any]], best: str, metrics: Tuple[str, ...],
+                eval_sizes: List[int]) -> Dict[str, Any]:
+    """A row's scores over ``runs`` (one per seed): the mean training time and ``best`` score, for each metric its
+    mean, sample standard deviation and per-seed values at every evaluation size (the keys ``<metric>``,
+    ``<metric>_std``, ``<metric>_seeds``), and the runs themselves."""
+    scores = {"train_s": sum(r["train_s"] for r in runs) / len(runs),
+              best: _seed_stats([r[best] for r in runs])["mean"]}
     for metric in metrics:
         stats = {str(s): _seed_stats([r[metric][str(s)] for r in runs]) for s in eval_sizes}
         scores[metric] = {s: st["mean"] for s, st in stats.items()}
         scores[f"{metric}_std"] = {s: st["std"] for s, st in stats.items()}
         scores[f"{metric}_seeds"] = {s: st["values"] for s, st in stats.items()}
+    scores["runs"] = runs
     return scores
 
 
@@ -570,9 +571,9 @@ def markdown_table(result: Dict[str, Any]) -> str:
                  f"run per seed; per-seed values in ablation.json).\n")
     if result.get("merged_from"):
         parents = {os.path.dirname(f) for f in result["merged_from"]}
-        names = (f"{', '.join(os.path.basename(f) for f in result['merged_from'])} in {parents.pop()}"
-                 if len(parents) == 1 else ", ".join(result["merged_from"]))
-        text += (f"\nMerged (linvision-ablate --merge) from {names}. No throughput or memory: runs timed in "
+        sources = (f"{', '.join(os.path.basename(f) for f in result['merged_from'])} in {parents.pop()}"
+                   if len(parents) == 1 else ", ".join(result["merged_from"]))
+        text += (f"\nMerged (linvision-ablate --merge) from {sources}. No throughput or memory: runs timed in "
                  f"separate processes are no comparison.\n")
     if result.get("task") == "segment":
         text += (f"\n{result['decoder']} head; mIoU and pixel accuracy (%) of each run's best/ on "

@@ -18,7 +18,7 @@ import json
 import os
 from typing import Any, Dict, List, Sequence, Tuple
 
-from linvision.experiments.ablate import ABLATION_FILES, _metrics, _plot_accuracy, _seed_stats, _write_results, seed_scores
+from linvision.experiments.ablate import ABLATION_FILES, _metrics, _plot_accuracy, _write_results, seed_scores
 from linvision.utils.run_folder import claim_run_folder
 
 __all__ = ["merge_ablations", "write_merged"]
@@ -108,11 +108,9 @@ def _merged_row(label: str, group: Dict[str, Any], metrics: Tuple[str, ...], eva
     training time and best score, and each score's mean, spread and per-seed values, seeds in order."""
     source, runs = group["row"], sorted(group["runs"], key=lambda r: r["seed"])
     best = next(k for k in ("best_top1", "best_miou") if k in runs[0])
-    row = {"mixer": label, "model_kwargs": group["model_kwargs"], "params_m": source["params_m"],
-           "gflops": source["gflops"], "train_s": sum(r["train_s"] for r in runs) / len(runs),
-           best: _seed_stats([r[best] for r in runs])["mean"], "num_classes": source.get("num_classes"),
-           **seed_scores(runs, metrics, eval_sizes), "runs": runs}
-    return row
+    return {"mixer": label, "model_kwargs": group["model_kwargs"], "params_m": source["params_m"],
+            "gflops": source["gflops"], "num_classes": source.get("num_classes"),
+            **seed_scores(runs, best, metrics, eval_sizes)}
 
 
 def _flatten(options: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:

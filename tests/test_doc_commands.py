@@ -561,7 +561,8 @@ SKIPPED: Dict[str, str] = {
     "runs/fine_pola_s2 runs/fine_rope_s0 runs/fine_rope_s1 runs/fine_rope_s2 runs/fine_linear_s2 "
     "runs/fine_hybrid_s0 runs/fine_hybrid_s1 runs/fine_hybrid_s2 runs/fine_linear_lepe_s0 "
     "runs/fine_linear_lepe_s1 runs/fine_linear_focused_s0 runs/fine_linear_focused_s1 "
-    "runs/fine_linear_ropeonly_s0 runs/fine_linear_ropeonly_s1 --output runs --experiment fine_table":
+    "runs/fine_linear_ropeonly_s0 runs/fine_linear_ropeonly_s1 runs/fine_linear_lepe_s2 "
+    "runs/fine_linear_focused_s2 runs/fine_linear_ropeonly_s2 --output runs --experiment fine_table":
         "reads the ViT-Tiny ablation's folders, one seed each: 20 epochs a run, hours",
 }
 

@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -168,6 +169,21 @@ def _merged(folder, proc):
     assert "| linear | 1.000 | 0.5000 | 51.00 ± 1.00 |" in proc.stdout, proc.stdout
 
 
+def _records(folder):
+    """The mean-pooled ViT-Tiny runs' records, as the repository keeps them, under the chain's folder."""
+    shutil.copytree(os.path.join(ROOT, "docs", "records"), os.path.join(folder, "docs", "records"))
+    return {}
+
+
+def _merged_records(folder, proc):
+    """docs/results.md's two-seed means of the mean-pooled softmax and linear runs, from their records."""
+    with open(os.path.join(folder, "runs", "fine_avg_table", "ablation.json")) as f:
+        rows = {row["mixer"]: row for row in json.load(f)["rows"]}
+    for mixer, seeds in (("softmax", [92.5, 92.5]), ("linear", [91.67, 92.71])):
+        assert [round(a, 2) for a in rows[mixer]["accuracy_seeds"]["96"]] == seeds, rows[mixer]
+    assert "| linear | 0, 1 | 5.406 | 0.8125 | 92.19 ± 0.74 | 92.50 ± 0.88 | 93.33 ± 1.18 |" in proc.stdout, proc.stdout
+
+
 def _report(folder):
     return {"report": os.path.join(folder, "report")}
 
@@ -255,6 +271,14 @@ CHAINS: Dict[str, Chain] = {
     "ablate_merge": Chain(setup=_seed_ablations, slow=False, timeout=300, steps=(
         Step("linvision-ablate --merge runs/fine_s0 runs/fine_s1 runs/fine_s2 --output runs --experiment fine_3seeds",
              check=_merged),
+    )),
+    # the mean-pooled ViT-Tiny runs' records in docs/records, joined: the results page's two-seed means
+    "ablate_merge_records": Chain(setup=_records, slow=False, timeout=300, steps=(
+        Step("linvision-ablate --merge docs/records/photos_fine/fine_avg_softmax_s0 "
+             "docs/records/photos_fine/fine_avg_softmax_s1 docs/records/photos_fine/fine_avg_linear_s0 "
+             "docs/records/photos_fine/fine_avg_linear_s1 docs/records/photos_fine/fine_avg_agent_s0 "
+             "docs/records/photos_fine/fine_avg_inline_s0 docs/records/photos_fine/fine_avg_bidir_delta_s0 "
+             "--output runs --experiment fine_avg_table", check=_merged_records),
     )),
     "naflex_native": Chain(steps=(
         Step("linvision-train --dataset photos_aspect --model linvit_tiny_patch16_rope_224 --naflex-loader "

@@ -13,6 +13,8 @@ Four sources, chosen by ``dataset``:
   ``"photos_aspect"``: the same at aspect ratios from 1:3 to 3:1, each image at its own aspect (for NaFlex).
 - ``"photos_fine"``: 12 classes of look-alike nature photographs (crops of one photograph each, 96 px), from
   Debian's plasma-workspace-wallpapers and lomiri-wallpapers-16.04 (:mod:`linvision.data.fine_photos`); offline.
+  ``"photos_scale"``: 12 other look-alike nature photographs (Debian's mate-backgrounds), each crop's side drawn
+  between 1/6 and 1/3 of its photograph's height, resized to 96 px: the same kind of set at varied scale.
 
 Unreadable images raise :class:`BadImageError` naming the file; 16-bit greyscale images are scaled to 8 bits
 (not clipped). Loader worker processes leave the run's process group, so a signal to the group is the
@@ -100,9 +102,13 @@ def create_dataset(dataset: str, data_dir: Optional[str], split: str, transform:
         from .fine_photos import FinePhotoCropsDataset
 
         return FinePhotoCropsDataset(split, size=digits_size, transform=transform)
+    if dataset == "photos_scale":  # crops at varied scale of the nature photographs of mate-backgrounds
+        from .fine_photos import ScalePhotoCropsDataset
+
+        return ScalePhotoCropsDataset(split, size=digits_size, transform=transform)
     if not data_dir:
         raise ValueError(f"data_dir: required for dataset {dataset!r} (only 'digits', 'photos', "
-                         f"'photos_aspect' and 'photos_fine' need none)")
+                         f"'photos_aspect', 'photos_fine' and 'photos_scale' need none)")
     if not os.path.isdir(data_dir):
         raise FileNotFoundError(f"data_dir: folder not found: {data_dir}")
     if dataset == "folder":
@@ -134,7 +140,7 @@ def create_dataset(dataset: str, data_dir: Optional[str], split: str, transform:
 
 
 # the datasets by name (besides torchvision's, 'torch/<name>' and 'torchvision/<Name>')
-DATASET_NAMES = ("folder", "digits", "photos", "photos_aspect", "photos_fine")
+DATASET_NAMES = ("folder", "digits", "photos", "photos_aspect", "photos_fine", "photos_scale")
 
 
 def _check_name(dataset: str) -> None:

@@ -96,7 +96,7 @@ class PhotoCropsDataset(InMemoryImages):
         count = self.per_class[split]
         for label, (name, (left, top, right, bottom)) in enumerate(parts):
             rng = np.random.RandomState(1000 * label + (0 if split == "train" else 1))
-            widths, heights = self._crop_shapes(rng, count)  # the square set's draw none: its crops stay put
+            widths, heights = self._crop_shapes(rng, count, name)  # the square set's draw none: crops stay put
             xs = rng.randint(left, right - widths + 1, size=count)
             ys = rng.randint(top, bottom - heights + 1, size=count)
             photo = self._photograph(name)
@@ -116,8 +116,9 @@ class PhotoCropsDataset(InMemoryImages):
         """The RGB photograph that class ``name`` is cropped from (its boxes' coordinates)."""
         return photograph(name)
 
-    def _crop_shapes(self, rng: np.random.RandomState, count: int):
-        """(widths, heights) in source pixels of a class's ``count`` crops: ints, or arrays drawn from ``rng``."""
+    def _crop_shapes(self, rng: np.random.RandomState, count: int, name: str):
+        """(widths, heights) in source pixels of class ``name``'s ``count`` crops: ints, or arrays drawn from
+        ``rng``."""
         return self.crop, self.crop
 
     @staticmethod
@@ -133,7 +134,7 @@ class PhotoAspectCropsDataset(PhotoCropsDataset):
     ratio kept (at the default 64: as cut). Shapes and positions depend only on the split and class."""
 
     @staticmethod
-    def _crop_shapes(rng: np.random.RandomState, count: int):
+    def _crop_shapes(rng: np.random.RandomState, count: int, name: str = ""):
         low, high = ASPECT_RANGE
         aspect = np.exp(rng.uniform(np.log(low), np.log(high), size=count))
         heights = np.maximum(1, np.round(CROP / np.sqrt(aspect))).astype(np.int64)

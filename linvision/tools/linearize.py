@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-kwargs", nargs="*", default=None, help="key=value options of the student")
     parser.add_argument("--dataset", default="digits",
                         help="images of the transfer and the error report: 'digits', 'photos', 'photos_fine', "
-                             "'folder' or a torchvision dataset, as in linvision-train")
+                             "'photos_scale', 'folder' or a torchvision dataset, as in linvision-train")
     parser.add_argument("--data-dir", default=None,
                         help="folder with train/ and val/ class sub-folders, or a torchvision dataset's root "
                              "(digits and the photo sets need none)")

@@ -122,8 +122,9 @@ class TrainConfig(Recipe):
 
     # data
     dataset: str = _opt("folder", "'folder' (--data-dir with train/ and val/), the offline sets 'digits', 'photos', "
-                                  "'photos_aspect' (photo crops at aspect ratios 1:3 to 3:1, for NaFlex) and "
-                                  "'photos_fine' (look-alike nature photographs, 96 px), or a "
+                                  "'photos_aspect' (photo crops at aspect ratios 1:3 to 3:1, for NaFlex), "
+                                  "'photos_fine' (look-alike nature photographs, 96 px) and 'photos_scale' (the "
+                                  "same kind at varied crop scale), or a "
                                   "torchvision dataset on disk: 'torch/<name>' (timm's spelling, e.g. torch/cifar10) "
                                   "or 'torchvision/<Name>'", group="data")
     data_dir: Optional[str] = _opt(None, "folder with train/ and val/ class sub-folders", group="data")

@@ -207,6 +207,35 @@ def test_a_fixed_size_or_patch_grid_is_said_in_one_line():
         small_model("linvit_tiny_patch16_rope_224")(torch.randn(1, 3, 31, 17))
 
 
+@pytest.mark.parametrize("name", ["linvit_tiny_patch16_224", "linvit_tiny_patch16_pola_224",
+                                  "linvit_tiny_patch16_rope_224", "inline_deit_tiny"])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_size_the_patch_grid_cannot_cover_is_refused_at_build_in_one_line(name, dynamic):
+    """Every isotropic variant, with a fixed or a resampled position embedding or RoPE, refuses an img_size the
+    16 px patch grid leaves pixels of, as the RoPE variant refuses such an input: no 6x6 grid for 100 px."""
+    import timm
+
+    line = ("img_size: height and width must be multiples of the patch size 16x16, got 100x100 (the patch grid "
+            "would leave out 4 rows and 4 columns of pixels); use 96x96 or 112x112")
+    with torch.device("meta"), pytest.raises(ValueError, match="^" + re.escape(line) + "$"):
+        timm.create_model(name, img_size=100, dynamic_img_size=dynamic)
+    with torch.device("meta"):
+        model = timm.create_model(name, img_size=96, dynamic_img_size=dynamic)
+    assert tuple(model.patch_embed.grid_size) == (6, 6)
+    if dynamic:  # an input the grid cannot cover is refused at forward too
+        with pytest.raises(ValueError, match=re.escape("multiples of the patch size 16x16, got 100x100")):
+            model(torch.randn(1, 3, 100, 100, device="meta"))
+
+
+def test_vigs_convolutional_stem_still_takes_any_size():
+    import timm
+
+    import linvision  # noqa: F401
+    model = timm.create_model("vig_tiny", img_size=100, num_classes=3).eval()
+    with torch.no_grad():
+        assert model(torch.randn(1, 3, 100, 100)).shape == (1, 3)
+
+
 @pytest.mark.parametrize("name", ["pola_swin_tiny", "inline_pvt_tiny", "pola_pvt_tiny", "inline_cswin_tiny",
                                   "vig_tiny"])
 def test_the_layouts_run_at_the_sizes_their_page_promises(name):

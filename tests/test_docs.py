@@ -98,6 +98,28 @@ def test_stored_model_table_covers_every_model_and_is_readme_s():
     assert f"`{mt.COMMAND}`" in readme
 
 
+def test_front_table_rows_are_short_and_name_what_the_top1_belongs_to():
+    """README's row per family stays readable: linvit's ten models in one brace pattern (every name it stands
+    for registered, none left out), the models with a fixed size named by their variant, and a published top-1
+    known for only some of a family's models (MAViT's small) says whose it is."""
+    import itertools
+    import re
+
+    import timm
+    mt = _model_table()
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in mt.front_table(mt.read_rows(MODELS_JSON)).splitlines()}
+    assert rows["MAViT"].endswith("| 84.7 (small) |") and rows["MLLA"].endswith("| 83.5-85.3 |")
+    linvit = rows["linvit"].split(" | ")
+    pattern, *others = re.findall(r"`([^`]+)`", linvit[1])
+    groups = re.findall(r"\{([^}]*)\}", pattern)
+    pieces = re.split(r"\{[^}]*\}", pattern)
+    named = {"".join(itertools.chain.from_iterable(zip(pieces, choice))) + pieces[-1]
+             for choice in itertools.product(*(g.split(",") for g in groups))} | set(others)
+    assert named == set(timm.list_models("linvit_*")) and len(linvit[1]) < 100
+    assert linvit[3] == ("any multiple of 16; `*_patch16_224`, `*_patch16_pola_224`: 224 px "
+                         "(`dynamic_img_size=True`: any multiple of 16)")
+
+
 def _check_fresh(names):
     mt = _model_table()
     stored = {r["model"]: r for r in mt.read_rows(MODELS_JSON)}

@@ -313,13 +313,20 @@ def test_img_size_reaches_a_model_with_a_fixed_grid(data, tmp_path):
     assert "error" not in at48 and at48["count"] == 6
 
 
-def test_img_size_a_model_cannot_run_at_is_one_line(data, tmp_path):
-    proc = run_tool("train.py", *_tiny_linvit_flags(data, str(tmp_path), "linvit_tiny_patch16_rope_224", 40,
-                                                    "--epochs", "1"), check=False)
+@pytest.mark.parametrize("model", ["linvit_tiny_patch16_rope_224", "linvit_tiny_patch16_224",
+                                   "linvit_tiny_patch16_pola_224"])
+@pytest.mark.parametrize("size, line", [
+    (40, "got 40x40 (the patch grid would leave out 8 rows and 8 columns of pixels); use 32x32 or 48x48"),
+    (100, "got 100x100 (the patch grid would leave out 4 rows and 4 columns of pixels); use 96x96 or 112x112"),
+])
+def test_img_size_a_model_cannot_run_at_is_one_line(data, tmp_path, model, size, line):
+    """Every linvit variant refuses a size its patch grid cannot cover before any image is read, the variants
+    with a learned position embedding too (they built a 6 x 6 grid for 100 px and trained on it)."""
+    proc = run_tool("train.py", *_tiny_linvit_flags(data, str(tmp_path), model, size, "--epochs", "1"), check=False)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
-        "error: img_size: linvit_tiny_patch16_rope_224 cannot run at 40 px (x: height and width must be multiples of "
-        "the patch size 16x16, got 40x40); use a multiple of 16"]
+    assert proc.stderr.strip().splitlines()[-1:] == [
+        f"error: img_size: height and width must be multiples of the patch size 16x16, {line}"]
+    assert not list(tmp_path.iterdir()) and "Traceback" not in proc.stderr  # no run folder
 
 
 def test_timm_spellings_of_the_training_flags(tmp_path):

@@ -139,15 +139,66 @@ def front_table(rows: List[Dict]) -> str:
         by_family.setdefault(family(r["model"]), []).append(r)
     for label, members in by_family.items():
         prefix = next(p for p, name in FAMILIES if name == label)
-        names = f"`{prefix}` " + ", ".join(r["model"][len(prefix):] for r in members)
         params = _span([r["params_m"] for r in members], ".1f")
-        top1 = [t for t in (published_top1(r["model"]) for r in members) if t is not None]
         weighted = [r for r in members if _has_weights(r["model"])]
         cfg = timm.models.get_pretrained_cfg(weighted[0]["model"]) if weighted else None
         loads = f"{cfg.description.split(' (')[0]} (`.{cfg.tag}`)" if cfg else f"none: {UNTRAINED_USE[label]}"
-        lines.append(f"| {label} | {names} | {params} | {_family_input(members)} | {loads} | "
-                     f"{_span(top1, '.1f') if top1 else '—'} |")
+        lines.append(f"| {label} | {_family_names(prefix, members)} | {params} | {_family_input(prefix, members)} | "
+                     f"{loads} | {_family_top1(prefix, members)} |")
     return "\n".join(lines)
+
+
+def _size_and_variant(rest: str) -> tuple:
+    """A model name without its family prefix as (size, the rest): ``tiny_patch16_rope_224`` -> ("tiny",
+    "patch16_rope_224"), ``tiny`` -> ("tiny", "")."""
+    size, _, variant = rest.partition("_")
+    return size, variant
+
+
+def _variants(prefix: str, members: List[Dict]) -> Dict[str, List[str]]:
+    """Each variant of a family (a name's rest after its size) -> its sizes, in the members' order."""
+    out: Dict[str, List[str]] = {}
+    for r in members:
+        size, variant = _size_and_variant(r["model"][len(prefix):])
+        out.setdefault(variant, []).append(size)
+    return out
+
+
+def _family_names(prefix: str, members: List[Dict]) -> str:
+    """The models column: the prefix and each model's rest (``mlla_`` tiny, small, base); a family of several
+    variants of the same sizes in brace notation instead, with the variants not made at every size after it
+    (```linvit_{tiny,small,base}_patch16{,_pola,_rope}_224```, ```linvit_small_patch16_rope_mixed_224```)."""
+    variants = _variants(prefix, members)
+    if len(variants) < 2:
+        return f"`{prefix}` " + ", ".join(r["model"][len(prefix):] for r in members)
+    sizes = list(dict.fromkeys(_size_and_variant(r["model"][len(prefix):])[0] for r in members))
+    full = [v for v, at in variants.items() if at == sizes]
+    if len(full) < 2:
+        return f"`{prefix}` " + ", ".join(r["model"][len(prefix):] for r in members)
+    parts = [v.split("_") for v in full]
+    lead = 0
+    while all(len(p) > lead + 1 and p[lead] == parts[0][lead] for p in parts):
+        lead += 1
+    trail = 0
+    while all(len(p) >= lead + trail + 1 and p[-1 - trail] == parts[0][-1 - trail] for p in parts):
+        trail += 1
+    head, tail = parts[0][:lead], parts[0][len(parts[0]) - trail:]
+    middles = ["".join("_" + t for t in p[lead:len(p) - trail]) for p in parts]
+    pattern = (f"`{prefix}{{{','.join(sizes)}}}" + "".join("_" + t for t in head) + f"{{{','.join(middles)}}}"
+               + "".join("_" + t for t in tail) + "`")
+    others = [f"`{prefix}{size}_{v}`" for v, at in variants.items() if v not in full for size in at]
+    return ", ".join([pattern] + others)
+
+
+def _family_top1(prefix: str, members: List[Dict]) -> str:
+    """The published top-1 column: the range over the family, with the models it was published for named when
+    it was not for every one (MAViT's 84.7 is the small model's)."""
+    known = [(r["model"][len(prefix):], published_top1(r["model"])) for r in members]
+    known = [(rest, t) for rest, t in known if t is not None]
+    if not known:
+        return "—"
+    text = _span([t for _, t in known], ".1f")
+    return text if len(known) == len(members) else f"{text} ({', '.join(rest for rest, _ in known)})"
 
 
 def _span(values: List[float], fmt: str) -> str:
@@ -155,15 +206,30 @@ def _span(values: List[float], fmt: str) -> str:
     return f"{low:{fmt}}" if f"{low:{fmt}}" == f"{high:{fmt}}" else f"{low:{fmt}}-{high:{fmt}}"
 
 
-def _family_input(members: List[Dict]) -> str:
-    """The input of a family's models: the multiple they share, and those that take only their own size."""
+def _family_input(prefix: str, members: List[Dict]) -> str:
+    """The input of a family's models: the multiple they share, and those that take only their own size (named
+    by their variant, ```*_patch16_224```, where every size of that variant does)."""
     multiples = sorted({r["input_multiple"] for r in members if r["input_multiple"]})
     fixed = [r for r in members if not r["input_multiple"]]
     text = " or ".join(f"any multiple of {m}" for m in multiples)
     if fixed:
-        text += (f"; {', '.join(r['model'] for r in fixed)}: {input_text(fixed[0])}" if text
+        text += (f"; {_which(prefix, members, fixed)}: {input_text(fixed[0])}" if text
                  else input_text(fixed[0]))
     return text
+
+
+def _which(prefix: str, members: List[Dict], some: List[Dict]) -> str:
+    """``some`` of a family's models, named by their variants where they hold every size of them."""
+    variants = _variants(prefix, members)
+    chosen = {r["model"] for r in some}
+    names, covered = [], set()
+    for variant, sizes in variants.items():
+        models = {f"{prefix}{size}_{variant}" if variant else f"{prefix}{size}" for size in sizes}
+        if variant and len(sizes) > 1 and models <= chosen:
+            names.append(f"`*_{variant}`")
+            covered |= models
+    names += [r["model"] for r in some if r["model"] not in covered]
+    return ", ".join(names)
 
 
 def _has_weights(name: str) -> bool:

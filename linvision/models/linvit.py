@@ -113,7 +113,8 @@ class LinViT(nn.Module):
         embed_layer: the patch embedding, built as timm's ``PatchEmbed`` (img_size, patch_size, in_chans,
             embed_dim, output_fmt="NHWC", strict_img_size=...), with its ``patch_size`` and ``grid_size``.
     Raises ValueError for an unknown rope or global_pool, a rope the mixer has no option for, global_pool='token'
-    without a class token, or prefix tokens with a mixer that cannot take them.
+    without a class token, prefix tokens with a mixer that cannot take them, or an img_size that is not a
+    multiple of the patch size (whatever the position information: the grid would leave pixels out).
     """
 
     pos_embed_antialias = True  # how the absolute position embedding is resampled (timm's default: antialiased)
@@ -169,6 +170,7 @@ class LinViT(nn.Module):
             img_size, patch_size, in_chans, embed_dim, output_fmt="NHWC",
             strict_img_size=learned and rope is None and not dynamic_img_size,
         )
+        _check_grid(self.patch_embed)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
         self.reg_token = nn.Parameter(torch.zeros(1, reg_tokens, embed_dim)) if reg_tokens else None
         embed_len = self.patch_embed.num_patches + (0 if no_embed_class else self.num_prefix_tokens)
@@ -429,6 +431,22 @@ def _has_rope(token_mixer: Union[str, Type[nn.Module]]) -> bool:
 
 def _mixer_name(token_mixer: Union[str, Type[nn.Module]]) -> str:
     return token_mixer if isinstance(token_mixer, str) else getattr(token_mixer, "__name__", repr(token_mixer))
+
+
+def _check_grid(embed: nn.Module) -> None:
+    """ValueError in one line unless the patch grid covers the built size exactly: an ``img_size`` that is not a
+    multiple of the patch size would build a grid that drops the last rows and columns of every image (a patch
+    embedding that pads, ``dynamic_img_pad``, or has no such option, as ViG's convolutional stem, covers any
+    size); the same rule as the check of every input in ``LinViT._embed``."""
+    if getattr(embed, "dynamic_img_pad", True):
+        return
+    (h, w), (ph, pw) = embed.img_size, embed.patch_size
+    if h % ph or w % pw:
+        lower = f"{max(ph, h // ph * ph)}x{max(pw, w // pw * pw)}"
+        upper = f"{-(-h // ph) * ph}x{-(-w // pw) * pw}"
+        raise ValueError(f"img_size: height and width must be multiples of the patch size {ph}x{pw}, got {h}x{w} "
+                         f"(the patch grid would leave out {h % ph} rows and {w % pw} columns of pixels); use "
+                         f"{lower} or {upper}")
 
 
 def _check_pool(global_pool: str, class_token: bool) -> None:

@@ -82,3 +82,36 @@ def test_mixer_labels_name_runs_of_blocks():
     assert _mixer_label(HYBRID) == "9xlinear+3xsoftmax"
     assert _mixer_label("none,none,linear,softmax") == "2xnone+linear+softmax"
     assert _mixer_label("linear") == "linear"
+
+
+@pytest.mark.parametrize("name, fine, mixers", [
+    ("ablate_vit_tiny_photos_scale.yaml", "ablate_vit_tiny_photos_fine.yaml",
+     ["softmax", "linear", "linear_rope", "pola", HYBRID]),
+    ("ablate_vit_tiny_photos_scale_avg.yaml", "ablate_vit_tiny_photos_fine_avg.yaml", ["softmax", "linear"]),
+])
+def test_photos_scale_configs_are_photos_fines_on_the_other_set_with_three_seeds(name, fine, mixers):
+    """The ablation on photos_scale changes the data set, the seeds and the mixers, nothing of the recipe."""
+    args, reference = vars(_load(name)), vars(_load(fine))
+    assert (args.pop("dataset"), reference.pop("dataset")) == ("photos_scale", "photos_fine")
+    assert args.pop("seeds") == [0, 1, 2] and args.pop("mixers") == mixers
+    assert args.pop("experiment") == name[:-len(".yaml")]
+    for key in ("seeds", "mixers", "experiment", "config"):
+        reference.pop(key)
+    args.pop("config")
+    assert args == reference
+
+
+@pytest.mark.parametrize("mixer, options", [("linear_rope", {"rope_ref_grid": 12}),
+                                             ("linear", {"feature_map": "focused"})])
+def test_the_designs_with_options_of_the_photos_scale_ablation_build_and_run_at_every_size(mixer, options):
+    """linear_rope with its positions interpolated to the training grid and linear with the focused map, as the
+    config's header passes them (--model-kwargs), build at ViT-Tiny size and take the evaluation sizes."""
+    args = _load("ablate_vit_tiny_photos_scale.yaml")
+    kwargs = {**args.model_kwargs, "mixer_kwargs": options, "token_mixer": mixer}
+    torch.manual_seed(0)
+    model = create_model(args.model, num_classes=12, model_kwargs=kwargs, img_size=args.img_size).eval()
+    assert all(getattr(b.mixer, "rope_ref_grid", None) is not None for b in model.blocks) == ("rope_ref_grid"
+                                                                                              in options)
+    with torch.no_grad():
+        for size in args.eval_sizes:
+            assert model(torch.randn(1, 3, size, size)).shape == (1, 12)

@@ -491,3 +491,65 @@ def test_amp_on_vig_says_nothing_about_dtypes():
                             code.format(context="torch.autocast('cpu', dtype=torch.bfloat16)")],
                            capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert "Mismatch dtype between input and weight" in plain.stderr  # what the context keeps out
+
+
+def test_export_checks_and_times_hxw_sizes_as_the_benchmark_takes_them(tmp_path):
+    """--check-sizes and --bench-sizes take a side or HxW (linvision-benchmark's --img-size form), not sides only."""
+    bench = tmp_path / "bench.json"
+    proc = run_tool("export.py", "--model", "linvit_small_patch16_rope_224", "--model-kwargs", "depth=1",
+                    "embed_dim=32", "num_heads=2", "--img-size", "64", "--output", str(tmp_path / "vit.pt2"),
+                    "--check-sizes", "64x96", "48", "--bench-sizes", "32x48", "--bench-iters", "1",
+                    "--bench-out", str(bench))
+    lines = proc.stdout.splitlines()
+    assert lines[1].startswith(f"check {tmp_path / 'vit.pt2'} against eager at 64x96, 48x48: ") and \
+        lines[1].endswith(": ok")
+    assert lines[2].startswith("bench 32x48: eager ")
+    assert json.loads(bench.read_text())["rows"][0]["size"] == "32x48"
+    proc = run_tool("export.py", "--model", "mlla_tiny", "--output", "x.pt2", "--check-sizes", "320by512",
+                    check=False)
+    assert proc.returncode == 2 and proc.stderr.splitlines()[0] == (
+        "linvision-export: error: argument --check-sizes: img_size: '320by512' is neither a side nor HxW (e.g. 512 "
+        "or 2048x1024)")
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--learning-rate", "0.1"], "--learning-rate 0.1 (did you mean --lr?)"),
+    (["--learning_rate", "0.1"], "--learning_rate 0.1 (did you mean --lr?)"),
+    (["--batch_size", "4"], "--batch_size 4 (did you mean --batch-size?)"),
+    (["--num-epochs", "3"], "--num-epochs 3 (did you mean --epochs?)"),
+])
+def test_other_tools_spellings_of_a_flag_name_the_tools_own(flags, expected):
+    proc = run_tool("train.py", *flags, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [f"linvision-train: error: unrecognized arguments: {expected}",
+                                        "linvision-train --help lists every flag"]
+
+
+@pytest.mark.parametrize("name, nearest", [("mla_tiny", "mlla_tiny"), ("mla_tiny.in1k", "mlla_tiny.in1k"),
+                                           ("linvit_tiny_patch16", "linvit_tiny_patch16_224")])
+def test_a_misspelt_model_names_the_nearest_registered_one(data, tmp_path, name, nearest):
+    """Before any image is read (no image-check bar) and in one line."""
+    proc = run_tool("train.py", *tiny_train_flags(data, str(tmp_path), "--model", name, "--progress"), check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: model: unknown {name!r} (did you mean {nearest!r}?); similar: "
+        + proc.stderr.strip().split("; similar: ", 1)[-1]]
+    assert "reading the" not in proc.stderr
+
+
+def test_resume_with_a_stop_the_run_has_passed_is_refused_in_one_line(data, tmp_path):
+    """--stop-after-steps counts the run's steps from its start: resumed at step 6, 4 is behind it (it took a step
+    and said "stopped after step 7"); 8 stops at 8."""
+    flags = ["--epochs", "4", "--log-interval", "1"]
+    run_tool("train.py", *tiny_train_flags(data, str(tmp_path), "--experiment", "cut", *flags,
+                                           "--stop-after-steps", "6"))
+    run_dir = str(tmp_path / "cut")
+    proc = run_tool("train.py", "--resume", run_dir, "--stop-after-steps", "4", check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: stop_after_steps: the run resumes at step 6 and --stop-after-steps counts the run's steps from its "
+        "start, so 4 is behind it; give more than 6 (e.g. --stop-after-steps 10 for 4 more)"]
+    assert [s for s, _ in step_losses(run_dir)] == list(range(1, 7))  # nothing trained, nothing cut
+    proc = run_tool("train.py", "--resume", run_dir, "--stop-after-steps", "8")
+    assert "stopped after step 8 (--stop-after-steps 8)" in proc.stdout
+    assert [s for s, _ in step_losses(run_dir)] == list(range(1, 9))

@@ -48,7 +48,7 @@ from linvision.benchmark.throughput import (
     write_results,
 )
 from linvision.utils.factory import check_model_name
-from linvision.utils.cli import add_amp_arg, run_cli, tool_parser
+from linvision.utils.cli import add_amp_arg, arg_type, run_cli, tool_parser
 from linvision.utils.config import add_config_arg, parse_args, parse_kwargs
 
 
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--twin", default=None, help="one of --models: the others' time and memory over its")
     parser.add_argument("--gemm-rate", action="store_true",
                         help="measure the fp32 matrix-multiply rate and each forward's fraction of it")
-    parser.add_argument("--img-size", type=parse_img_size, nargs="+", default=[224, 512, 1024, 2048],
+    parser.add_argument("--img-size", type=arg_type(parse_img_size), nargs="+", default=[224, 512, 1024, 2048],
                         help="input sizes: a side in pixels (square) or HxW, e.g. 2048x1024; every model at each")
     parser.add_argument("--batch-size", "-b", type=int, default=8, help="images per forward and per training step")
     parser.add_argument("--model-kwargs", nargs="*", default=None, help="key=value pairs given to every model")

@@ -17,7 +17,8 @@ import os
 
 import torch
 
-from linvision.utils.cli import run_cli, tool_parser
+from linvision.benchmark.throughput import parse_img_size, size_label
+from linvision.utils.cli import arg_type, run_cli, tool_parser
 from linvision.utils.config import parse_kwargs
 from linvision.export.program import (FORMATS, compare_with_eager, export_onnx, export_program, fixed_grid,
                                      input_constraints, load_exported, save_program, time_runner)
@@ -43,11 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "size it was trained at; dynamic: at least twice the stride)")
     out.add_argument("--static", action="store_true", help="fix batch, height and width to the example's")
     chk = p.add_argument_group("check and benchmark")
-    chk.add_argument("--check-sizes", type=int, nargs="*", default=None,
-                     help="square sides to compare with eager (default: the example size and two larger multiples)")
+    chk.add_argument("--check-sizes", type=arg_type(parse_img_size), nargs="*", default=None,
+                     help="sizes to compare with eager, a side (square) or HxW as linvision-benchmark takes them, "
+                          "e.g. 320x512 (default: the example size and two larger multiples)")
     chk.add_argument("--tolerance", type=float, default=1e-4,
                      help="largest |exported - eager| allowed, relative to max(1, largest |output|)")
-    chk.add_argument("--bench-sizes", type=int, nargs="*", default=[], help="square sides to time eager and the file at")
+    chk.add_argument("--bench-sizes", type=arg_type(parse_img_size), nargs="*", default=[],
+                     help="sizes to time eager and the file at, a side or HxW")
     chk.add_argument("--bench-iters", type=int, default=3, help="timed calls per size (the minimum is kept)")
     chk.add_argument("--threads", type=int, default=None, help="torch CPU threads while timing")
     chk.add_argument("--bench-out", default=None, help="write the timings as JSON here")
@@ -81,6 +84,11 @@ def _load_model(args):
     return model.eval(), None
 
 
+def _hw(size):
+    """(height, width) of a size parse_img_size gave: a side or (H, W)."""
+    return (size, size) if isinstance(size, int) else tuple(size)
+
+
 def main() -> int:
     args = build_parser().parse_args()
     fmt = args.format or os.path.splitext(args.output)[1].lstrip(".")
@@ -105,7 +113,8 @@ def main() -> int:
             size = tuple(max(side, 2 * stride) for side in size)
     dynamic = not args.static
     one_size = fixed or fixed_grid(model)
-    if fixed_grid(model) and args.check_sizes and any((s, s) != tuple(size) for s in args.check_sizes):
+    check_sizes = None if args.check_sizes is None else [_hw(s) for s in args.check_sizes]
+    if fixed_grid(model) and check_sizes and any(s != tuple(size) for s in check_sizes):
         raise ValueError(f"check_sizes: {args.model or args.checkpoint} exports at one size, {size[0]}x{size[1]} "
                          f"(its window attention fixes the grid of the graph; --img-size picks it)")
     if fmt == "onnx":
@@ -118,8 +127,8 @@ def main() -> int:
           flush=True)
 
     run = load_exported(args.output, fmt)
-    if args.check_sizes is not None:
-        sizes = [(s, s) for s in args.check_sizes]
+    if check_sizes is not None:
+        sizes = check_sizes
     elif not dynamic or one_size:
         sizes = [size]
     else:
@@ -138,12 +147,12 @@ def main() -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         bench = []
-        for side in args.bench_sizes:
-            x = torch.randn(1, getattr(model, "in_chans", 3), side, side)
+        for h, w in map(_hw, args.bench_sizes):
+            x = torch.randn(1, getattr(model, "in_chans", 3), h, w)
             eager = time_runner(model, x, iters=args.bench_iters)
             exported = time_runner(run, x, iters=args.bench_iters)
-            bench.append({"size": side, "eager_img_s": eager, f"{fmt}_img_s": exported, "threads": torch.get_num_threads()})
-            print(f"bench {side}x{side}: eager {eager:.3g} img/s, {fmt} {exported:.3g} img/s "
+            bench.append({"size": size_label((h, w)), "eager_img_s": eager, f"{fmt}_img_s": exported, "threads": torch.get_num_threads()})
+            print(f"bench {h}x{w}: eager {eager:.3g} img/s, {fmt} {exported:.3g} img/s "
                   f"({exported / eager:.2f}x)", flush=True)
         if args.bench_out:
             atomic_write_text(args.bench_out, json.dumps({"model": args.model or args.checkpoint, "format": fmt,

@@ -44,7 +44,7 @@ from linvision.utils.checkpoint import (load_pretrained, load_torch_file, read_c
                                         save_checkpoint)
 from linvision.utils.config import parse_kwargs, save_yaml
 from linvision.utils.distributed import DistInfo, all_reduce_max, all_reduce_sum, barrier, cleanup, init_distributed
-from linvision.utils.factory import check_img_size, create_model
+from linvision.utils.factory import check_img_size, check_model_name, create_model
 from linvision.utils.files import atomic_write, atomic_write_text
 from linvision.utils.interrupt import StopFlag, TrainInterrupted
 from linvision.utils.run_folder import claim_run_folder
@@ -243,6 +243,7 @@ class ClassificationTask(Task):
         return cfg.model
 
     def build(self, cfg: TrainConfig, info: DistInfo, fresh: bool) -> TaskParts:
+        check_model_name(cfg.model)  # a misspelt name before any image is read
         train_set = create_dataset(cfg.dataset, cfg.data_dir, "train", digits_size=cfg.img_size)
         val_set = create_dataset(cfg.dataset, cfg.data_dir, "val", digits_size=cfg.img_size)
         check_data_files(cfg, info, {"training": train_set, "validation": val_set})
@@ -392,8 +393,12 @@ def _train_in_folder(cfg: Recipe, task: Task, info: DistInfo, run_dir: str,
     """The run, step by step: what to resume from, the parts, their restored state, the folder's files, then the
     epochs; each step is one function below."""
     state, external = _read_resume_state(cfg, run_dir, resuming_run)
+    if state:
+        _check_stop_after(cfg, state["global_step"])  # before the data and the model are built
     run = _set_up(cfg, task, info, run_dir, fresh=not (state or external))
     _restore(run, state, external)
+    if external:
+        _check_stop_after(cfg, run.global_step)
     _wrap_for_training(run)
     _open_records(run, resumed=bool(state))
     _report_layer_decay(run)
@@ -438,6 +443,16 @@ class _Run:
     epoch_start: float = 0.0
     updating: bool = False  # inside an optimizer update (see _train_step)
     steps_taken: int = 0  # updates this process made (not counting those a resumed run starts after)
+
+
+def _check_stop_after(cfg: Recipe, step: int) -> None:
+    """ValueError in one line when ``stop_after_steps`` (the run's steps in total) is not after ``step``, where a
+    resumed run stands: it would take one more step and stop there, past the number asked for."""
+    if cfg.stop_after_steps is not None and cfg.stop_after_steps <= step:
+        raise ValueError(f"stop_after_steps: the run resumes at step {step} and --stop-after-steps counts the "
+                         f"run's steps from its start, so {cfg.stop_after_steps} is behind it; give more than "
+                         f"{step} (e.g. --stop-after-steps {step + cfg.stop_after_steps} for {cfg.stop_after_steps} "
+                         f"more)")
 
 
 def _read_resume_state(cfg: Recipe, run_dir: str, resuming_run: bool):

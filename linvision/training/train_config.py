@@ -227,7 +227,9 @@ class TrainConfig(Recipe):
                                "cuda:LOCAL_RANK", group="run", choices=["auto", "cpu", "cuda"])
     log_interval: int = _opt(10, "steps between step records in metrics.jsonl", group="run", type=int)
     stop_after_steps: Optional[int] = _opt(None, "save a resumable checkpoint and stop after this many steps in "
-                                                 "total (the schedule still follows --epochs)", group="run", type=int)
+                                                 "total, counted from the run's start (a resumed run refuses one "
+                                                 "it has passed; the schedule still follows --epochs)", group="run",
+                                           type=int)
     progress: bool = _opt(True, "progress bars", group="run", action=argparse.BooleanOptionalAction)
 
     def check(self) -> None:

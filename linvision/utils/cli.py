@@ -7,7 +7,7 @@ import re
 import sys
 from typing import Callable, Optional
 
-__all__ = ["run_cli", "tool_parser", "HelpFormatter", "add_amp_arg", "amp_flag_options", "AMP_CHOICES", "AMP_HELP",
+__all__ = ["run_cli", "tool_parser", "arg_type", "HelpFormatter", "add_amp_arg", "amp_flag_options", "AMP_CHOICES", "AMP_HELP",
            "DEFAULT_AMP"]
 
 
@@ -61,13 +61,37 @@ def _nearest(word: str, candidates) -> Optional[str]:
     return found[0] if found else None
 
 
+# Other tools' spellings of the tools' flags, too far apart for difflib (--learning-rate and --lr share 3 of 15
+# letters): each is suggested where the parser has the flag it stands for.
+FLAG_ALIASES = {
+    "--learning-rate": "--lr", "--base-lr": "--lr", "--max-lr": "--lr", "--wd": "--weight-decay",
+    "--bs": "--batch-size", "--batch": "--batch-size", "--num-epochs": "--epochs", "--n-epochs": "--epochs",
+    "--max-epochs": "--epochs", "--image-size": "--img-size", "--resolution": "--img-size",
+    "--data": "--data-dir", "--data-path": "--data-dir", "--dataset-dir": "--data-dir", "--output-dir": "--output",
+    "--out": "--output", "--outdir": "--output", "--num-workers": "--workers", "--arch": "--model",
+    "--gpu": "--device", "--cuda": "--device", "--num-threads": "--threads", "--nthreads": "--threads",
+    "--optimizer": "--opt", "--scheduler": "--sched", "--mixed-precision": "--amp", "--fp16": "--amp",
+    "--bf16": "--amp", "--checkpoint-dir": "--checkpoint",
+}
+
+
+def _nearest_flag(word: str, flags) -> Optional[str]:
+    """The parser's flag nearest to the unknown ``word``: its own spelling with hyphens for underscores, a known
+    alias (:data:`FLAG_ALIASES`), else the closest by difflib."""
+    word = word.split("=")[0]
+    for guess in (word.replace("_", "-"), FLAG_ALIASES.get(word.replace("_", "-").lower())):
+        if guess in flags and guess != word:
+            return guess
+    return _nearest(word, flags)
+
+
 def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
     """`` (did you mean X?)`` for an unknown flag or a value outside a flag's choices in argparse's ``message``,
     or '' when nothing is near."""
     flags = [s for action in parser._actions for s in action.option_strings]
     unknown = re.match(r"unrecognized arguments: (.*)", message)
     if unknown:
-        near = [(w, _nearest(w.split("=")[0], flags)) for w in unknown.group(1).split() if w.startswith("-")]
+        near = [(w, _nearest_flag(w, flags)) for w in unknown.group(1).split() if w.startswith("-")]
         near = [f"{n} for {w}" if len(near) > 1 else n for w, n in near if n]
         return f" (did you mean {', '.join(near)}?)" if near else ""
     choice = re.match(r"argument ([^:]+): invalid choice: '?([^' ]+)'?", message)
@@ -77,6 +101,19 @@ def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
         near = _nearest(choice.group(2), action.choices) if action is not None and action.choices else None
         return f" (did you mean {near}?)" if near else ""
     return ""
+
+
+def arg_type(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """``parse`` as an argparse ``type=``: its ValueError's own message becomes argparse's error (``argument
+    --check-sizes: img_size: '320by512' is neither a side nor HxW ...``), not ``invalid parse value``."""
+    def convert(value: str):
+        try:
+            return parse(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = getattr(parse, "__name__", "value")
+    return convert
 
 
 def tool_parser(prog: str, doc: Optional[str]) -> argparse.ArgumentParser:

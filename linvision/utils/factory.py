@@ -18,15 +18,24 @@ _OWN_MODULES = ("mlla", "ravlt", "mavit", "polaformer", "inline", "vig", "linhie
 
 
 def check_model_name(name: str) -> None:
-    """ValueError naming ``name`` and close registered names unless timm (with linvision's models) knows it."""
+    """ValueError in one line naming ``name`` unless timm (with linvision's models) knows it: the nearest
+    registered name first (``unknown 'mla_tiny' (did you mean 'mlla_tiny'?)``, its ``.tag`` kept), then other
+    close ones and the names that share its first word."""
+    import difflib
+
     import timm
 
     import linvision.models  # noqa: F401  (registers linvision's models with timm)
 
     if not timm.is_model(name):
-        close = timm.list_models(f"*{name.split('_')[0]}*")[:12]
-        hint = f"; similar: {', '.join(close)}" if close else ""
-        raise ValueError(f"model: unknown {name!r}{hint}")
+        base, dot, tag = name.partition(".")
+        registered = timm.list_models()
+        close = difflib.get_close_matches(base, registered, n=4, cutoff=0.6)
+        family = [n for n in timm.list_models(f"*{base.split('_')[0]}*") if n not in close]
+        similar = (close[1:] + family)[:12]
+        nearest = f" (did you mean {close[0] + dot + tag!r}?)" if close else ""
+        hint = f"; similar: {', '.join(similar)}" if similar else ""
+        raise ValueError(f"model: unknown {name!r}{nearest}{hint}")
 
 
 def models_with_weights() -> List[str]:

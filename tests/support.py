@@ -1,5 +1,6 @@
 """What several test files share: tiny data on disk, the tools run in-process, reading a run's metrics, and the
 authors' checkpoint layouts of the published models with the comparisons made on them."""
+import collections
 import contextlib
 import io
 import json
@@ -13,6 +14,7 @@ import time
 import numpy as np
 import torch
 from PIL import Image
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
@@ -301,3 +303,35 @@ def write_rope_checkpoint(folder, mixer_kwargs=None, seed=0):
             "dataset": "digits"}
     save_checkpoint(str(folder), model, meta)
     return str(folder)
+
+
+class DeviceLaunches(TorchDispatchMode):
+    """A dispatch mode counting the device work of a call as a GPU would launch it, on any machine: every aten op
+    that computes is one launch (shape-only ops, allocations and views are none); a call of the fused
+    linear-attention op (the ``linvision::`` ops) is one, and is not run (its outputs are zeros of its shapes,
+    which counting does not need). ``names``: the counts by op; ``total``: their sum."""
+
+    SHAPE_ONLY = {"empty", "empty_like", "empty_strided", "new_empty", "view", "_unsafe_view", "as_strided", "select",
+                  "slice", "transpose", "t", "unsqueeze", "squeeze", "expand", "alias", "detach", "unbind", "permute",
+                  "reshape", "flatten", "unflatten", "split", "chunk", "split_with_sizes", "view_as", "lift_fresh",
+                  "_reshape_alias", "narrow"}
+
+    def __init__(self):
+        super().__init__()
+        self.names = collections.Counter()
+
+    @property
+    def total(self):
+        return sum(self.names.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "linvision":
+            self.names["linvision::" + func.overloadpacket.__name__] += 1
+            q, k, v = args[:3]
+            b, h, nq, d = q.shape
+            return (q.new_zeros(b, nq, h, v.shape[-1]).transpose(1, 2),
+                    q.new_zeros(b, h, d, v.shape[-1], dtype=torch.float32), q.new_zeros(b, h, d, dtype=torch.float32))
+        name = func.overloadpacket.__name__
+        if name not in self.SHAPE_ONLY:
+            self.names[name] += 1
+        return func(*args, **(kwargs or {}))

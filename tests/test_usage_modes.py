@@ -385,3 +385,65 @@ def test_published_models_on_cuda_under_autocast(name, amp):
     torch.testing.assert_close(logits.float(), want, rtol=0, atol=AMP_TOL[amp] * max(float(want.abs().amax()), 1.0))
     for pname, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), pname
+
+
+# bf16 and fp16 weights (model.to(dtype), no autocast): every family's reduced model in the dtype against the same
+# model in float64, as the norm of the difference relative to the logits' norm. What the ops sum stays fp32 inside
+# them; what remains is the 16-bit rounding of the weights and of the activations between the ops (bf16 keeps ~2
+# decimal digits, fp16 ~3).
+WEIGHT_DTYPES = {"bf16": (torch.bfloat16, 4e-2), "fp16": (torch.float16, 5e-3)}
+_HIER = dict(depths=(1, 1, 1, 1), dims=(16, 32, 32, 48), num_heads=(1, 2, 2, 3))
+_VIT = dict(embed_dim=32, depth=2, num_heads=2)
+WEIGHTS_FAMILIES = {
+    "linvit_tiny_patch16_224": dict(_VIT, dynamic_img_size=True), "linvit_tiny_patch16_pola_224": dict(
+        _VIT, dynamic_img_size=True), "linvit_small_patch16_rope_224": _VIT,
+    "linvit_small_patch16_rope_mixed_224": _VIT, "inline_deit_tiny": dict(_VIT, dynamic_img_size=True),
+    "vig_tiny": _VIT, **{name: _HIER for name in (
+        "linhier_tiny_224", "linhier_gcnn_femto_224", "linhier_delta_femto_224", "mlla_tiny", "ravlt_tiny",
+        "mavit_tiny", "vig_h_tiny", "inline_swin_tiny", "inline_pvt_tiny", "inline_cswin_tiny", "pola_swin_tiny",
+        "pola_pvt_tiny")},
+}
+
+
+def _relative_error(got, want):
+    assert got.dtype != torch.float64 and torch.isfinite(got).all()
+    return float((got.double() - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize("weights", sorted(WEIGHT_DTYPES))
+@pytest.mark.parametrize("name", sorted(WEIGHTS_FAMILIES))
+def test_half_precision_weights(name, weights):
+    """model.to(torch.bfloat16) / .half() for inference, inputs in that dtype: logits of that dtype within its
+    rounding of the float64 model's (an odd non-square size, batch 2)."""
+    import timm
+
+    dtype, tol = WEIGHT_DTYPES[weights]
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=5, **WEIGHTS_FAMILIES[name]).eval()
+    x = torch.randn(2, 3, 64, 96, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = model.double()(x.double())
+        got = model.to(dtype)(x.to(dtype))
+    assert got.dtype == dtype
+    assert _relative_error(got, want) < tol
+
+
+@pytest.mark.parametrize("weights", sorted(WEIGHT_DTYPES))
+@pytest.mark.parametrize("name", ["linvit_tiny_patch16_pola_224", "linvit_small_patch16_rope_224"])
+def test_half_precision_weights_at_100k_tokens(name, weights):
+    """bf16 / fp16 weights at 100,172 tokens (batch 1, 2528 x 2536 px at patch 8): the pooled features and logits
+    within the dtype's rounding of the fp32 model's, under torch.inference_mode (a sum over 100k tokens in fp16
+    would pass 65504: the ops keep their sums in fp32)."""
+    import timm
+
+    dtype, tol = WEIGHT_DTYPES[weights]
+    torch.manual_seed(0)
+    model = timm.create_model(name, patch_size=8, img_size=32, embed_dim=32, depth=1, num_heads=2, num_classes=5,
+                              dynamic_img_size=True).eval()
+    x = torch.randn(1, 3, 8 * 316, 8 * 317, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        want = [t.double() for t in pooled_and_logits(model, x)]
+        got = pooled_and_logits(model.to(dtype), x.to(dtype))
+    for what, g, w in zip(("pooled features", "logits"), got, want):
+        assert g.dtype == dtype, what
+        assert _relative_error(g, w) < tol, what

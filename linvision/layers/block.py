@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Tuple, Type, Union
 
-from timm.layers import DropPath, LayerNorm, LayerScale, Mlp
+import torch.nn.functional as F
+from timm.layers import DropPath, LayerNorm, LayerScale, Mlp, register_notrace_module
 from torch import Tensor, nn
 
+from .derived import derived
 from .layout import TokenLayout
 from .registry import check_layout, check_prefix_tokens, create_mixer
 
@@ -26,15 +28,29 @@ __all__ = ["ConvPosEnc", "DwConvMlp", "MixerBlock"]
 CPE_MODES = (False, True, "first")
 
 
+@register_notrace_module  # a leaf of timm's FX graphs: a traced model folds the residual as the eager one does
 class ConvPosEnc(nn.Module):
-    """Conditional position encoding: x + dwconv3x3(x) on channels-last x (B, H, W, C)."""
+    """Conditional position encoding: x + dwconv3x3(x) on channels-last x (B, H, W, C). For inference the residual
+    is folded into the convolution (a 1 added at the centre of each kernel, formed once: derived), one launch
+    instead of two."""
 
     def __init__(self, dim: int):
         super().__init__()
         self.proj = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
 
     def forward(self, x: Tensor) -> Tensor:
-        return x + self.proj(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+        proj = self.proj
+        folded = derived(self, "residual", (proj.weight,), lambda: (_with_identity(proj.weight),))
+        if folded is None:
+            return x + proj(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+        return F.conv2d(x.permute(0, 3, 1, 2), folded[0], proj.bias, padding=1, groups=proj.groups).permute(0, 2, 3, 1)
+
+
+def _with_identity(weight: Tensor) -> Tensor:
+    """A depthwise kernel (C, 1, k, k) plus the identity: 1 added at its centre."""
+    out = weight.clone()
+    out[:, 0, weight.shape[2] // 2, weight.shape[3] // 2] += 1
+    return out
 
 
 class DwConvMlp(nn.Module):

@@ -29,7 +29,6 @@ from typing import Optional, Tuple, Type, Union
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from linvision.ops import (
     FeatureMap,
@@ -43,7 +42,6 @@ from linvision.ops import (
     get_feature_map,
     interpolate_positions,
     interpolation_scale,
-    is_tracing,
     linear_attention,
     mixed_rope_freqs,
     rope_at,
@@ -52,9 +50,10 @@ from linvision.ops import (
 from linvision.ops.common import FEATURE_MAPS, feature_map_name, feature_maps_where
 from linvision.ops.feature_maps import orthogonal_random_projection
 
+from .derived import derived
 from .layout import TokenLayout
 from .options import check_number, check_size, check_square_grid, lepe_size
-from .registry import TokenMixer, check_layout, check_prefix_tokens, register_mixer
+from .registry import TokenMixer, check_layout, check_prefix_tokens, register_mixer, run_attend
 
 __all__ = [
     "check_feature_map",
@@ -305,13 +304,10 @@ class AttentionMixer(TokenMixer):
                 raise ValueError(f"layout: for {tuple(layout.valid.shape)} grid tokens, x has {b} x {n - p}")
             h, w = layout.canvas
             rope, extra = self.make_rope_at(layout.positions, p), {"layout": layout}
-        q, k, v = self.project(x)
+        q, k, v, g = self._project_and_gate(x)
         q, k, v = (t.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         source = x if block_input is None else block_input
-        if self.recompute_attend and torch.is_grad_enabled() and q.requires_grad and not is_tracing(n):
-            out = checkpoint(self.attend, q, k, v, (h, w), rope, source, use_reentrant=False, **extra)
-        else:
-            out = self.attend(q, k, v, (h, w), rope, source, **extra)
+        out = run_attend(self, self.attend, q, k, v, (h, w), rope, source, **extra)
         out = out.transpose(1, 2).reshape(b, n, c)
         if self.lepe is not None:
             v_tokens = v[:, :, p:].transpose(1, 2).reshape(b, n - p, c)
@@ -320,12 +316,39 @@ class AttentionMixer(TokenMixer):
             else:  # each image on a zero canvas: the zero padding it is convolved with alone
                 lepe = layout.from_canvas(self.lepe(layout.to_canvas(v_tokens)))
             out = out + (F.pad(lepe, (0, 0, p, 0)) if p else lepe)  # nothing for the prefix tokens
-        if self.gate is not None:
-            out = out * self.gate_activation(self.gate(x))
+        if g is not None:
+            out = out * self.gate_activation(g)
         return self.proj_drop(self.proj(out))
+
+    def _project_and_gate(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+        """q, k, v (:meth:`project`) and the gate's pre-activation (None without a gate). For inference the gate's
+        projection rides in the qkv projection's matrix product: one (C, 4C) weight formed once (derived), where
+        the mixer projects as this class does."""
+        gate = self.gate
+        if gate is None:
+            return (*self.project(x), None)
+        merged = None
+        if type(self).project is AttentionMixer.project and isinstance(self.qkv, nn.Linear) \
+                and not (self.split_value_proj and self.rope_type is not None):
+            qkv = self.qkv
+            merged = derived(self, "qkv-gate", (qkv.weight, qkv.bias, gate.weight, gate.bias),
+                             lambda: _stacked_linear(qkv, gate))
+        if merged is None:
+            return (*self.project(x), gate(x))
+        q, k, v, g = F.linear(x, *merged).chunk(4, dim=-1)
+        return q, k, v, g
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, num_heads={self.num_heads}, rope={self.rope_type}"
+
+
+def _stacked_linear(*layers: nn.Linear) -> Tuple[Tensor, Optional[Tensor]]:
+    """(weight, bias) of one linear layer that computes ``layers`` side by side (zeros for a missing bias)."""
+    weight = torch.cat([layer.weight for layer in layers])
+    if all(layer.bias is None for layer in layers):
+        return weight, None
+    return weight, torch.cat([layer.bias if layer.bias is not None else layer.weight.new_zeros(layer.out_features)
+                              for layer in layers])
 
 
 class OutputModulation:

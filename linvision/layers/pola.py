@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from linvision.ops import Rope
 from linvision.ops.attention_variants import polarity_linear_attention
 
+from .derived import derived
 from .mixers import AttentionMixer, OutputModulation
 from .options import lepe_size
 from .registry import register_mixer
@@ -64,8 +65,11 @@ class PolaAttention(AttentionMixer):
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
         cdt = torch.float64 if q.dtype == torch.float64 else torch.float32  # features and division in fp32
-        div = F.softplus(self.qk_scale).to(cdt)
-        return polarity_linear_attention(q.to(cdt) / div, k.to(cdt) / div, v.to(cdt), self.power(), rope=rope,
+        # the divisor and the power, formed once for inference (derived), on every call when trained
+        div, power = derived(self, f"scale-power-{cdt}", (self.qk_scale, self.power_logit),
+                             lambda: (F.softplus(self.qk_scale).to(cdt), self.power().to(cdt))) \
+            or (F.softplus(self.qk_scale).to(cdt), self.power())
+        return polarity_linear_attention(q.to(cdt) / div, k.to(cdt) / div, v.to(cdt), power, rope=rope,
                                          eps=self.eps).to(v.dtype)
 
     def extra_repr(self) -> str:

@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from timm.layers import RmsNorm
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from linvision.ops import (
     BACKENDS,
@@ -29,13 +28,12 @@ from linvision.ops import (
     bidirectional_gated_linear_attention,
     compute_dtype,
     gated_linear_attention,
-    is_tracing,
 )
 from linvision.ops.rope import Rope
 
 from .layout import TokenLayout
 from .mixers import AttentionMixer
-from .registry import check_layout, check_prefix_tokens, register_mixer
+from .registry import check_layout, check_prefix_tokens, register_mixer, run_attend
 
 __all__ = ["BidirectionalRecurrentMixer", "BidirDecayAttention", "BidirGatedAttention", "VigGatedAttention",
            "BidirDeltaAttention"]
@@ -296,10 +294,7 @@ class VigGatedAttention(BidirGatedAttention):
         local = self.local_act(self.local(x.transpose(1, 2).reshape(b, c, h, w))).flatten(2).transpose(1, 2)
         q, k, v = self.qkv(local).split([self.key_dim, self.key_dim, c], dim=-1)
         q, k, v = (t.unflatten(-1, (self.num_heads, t.shape[-1] // self.num_heads)).transpose(1, 2) for t in (q, k, v))
-        if self.recompute_attend and torch.is_grad_enabled() and q.requires_grad and not is_tracing(n):
-            out = checkpoint(self.attend, q, k, v, (h, w), None, local, use_reentrant=False)
-        else:
-            out = self.attend(q, k, v, (h, w), None, local)
+        out = run_attend(self, self.attend, q, k, v, (h, w), None, local)
         out = self.norm_global(out.transpose(1, 2))  # (B, N, heads, D)
         gate = torch.sigmoid(self.mix_gate(local)).unflatten(-1, (self.num_heads, -1))
         out = out * gate + self.norm_local(local.unflatten(-1, (self.num_heads, -1))) * (1 - gate)

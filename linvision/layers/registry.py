@@ -19,12 +19,15 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple, Type, Union
 import torch
 from timm.layers import register_notrace_module
 from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from linvision.ops import is_exporting
 
 from .weight_init import own_reset_parameters
 
 __all__ = ["TokenMixer", "register_mixer", "create_mixer", "get_mixer_class", "list_mixers", "mixer_options",
            "mixer_option_default",
-           "parse_mixer_list", "no_weight_decay_of", "takes_prefix_tokens", "check_prefix_tokens", "takes_layout", "check_layout"]
+           "parse_mixer_list", "no_weight_decay_of", "takes_prefix_tokens", "check_prefix_tokens", "takes_layout", "check_layout", "run_attend"]
 
 _MIXERS: Dict[str, Type[nn.Module]] = {}
 _ALIASES: Dict[str, str] = {}  # alias -> registered name
@@ -86,6 +89,18 @@ class TokenMixer(nn.Module):
     def options(cls) -> List[str]:
         """The keyword options this mixer takes besides dim and num_heads."""
         return mixer_options(cls)
+
+
+def run_attend(mixer: nn.Module, attend: Callable[..., torch.Tensor], q: torch.Tensor, *args: Any,
+               **kwargs: Any) -> torch.Tensor:
+    """``attend(q, *args, **kwargs)`` under the mixer's ``recompute_attend`` policy: checkpointed (non-reentrant:
+    its per-token tensors recomputed in the backward) when the policy is on and a gradient flows through q. The
+    policy holds under torch.compile too, which traces the checkpoint as one region it recomputes; torch.export,
+    whose graphs serve inference, runs ``attend`` plainly."""
+    if getattr(mixer, "recompute_attend", False) and torch.is_grad_enabled() and q.requires_grad \
+            and not is_exporting():
+        return checkpoint(attend, q, *args, use_reentrant=False, **kwargs)
+    return attend(q, *args, **kwargs)
 
 
 def _check_mixer_input(mixer: nn.Module, args: tuple, kwargs: dict) -> None:

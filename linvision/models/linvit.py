@@ -58,7 +58,8 @@ from torch.utils.checkpoint import checkpoint
 from safetensors import SafetensorError
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 import torch.nn.functional as F
-from timm.layers import LayerNorm, Mlp, PatchEmbed, global_pool_nlc, resample_abs_pos_embed, resample_patch_embed, trunc_normal_
+from timm.layers import (Format, LayerNorm, Mlp, PatchEmbed, global_pool_nlc, nchw_to, resample_abs_pos_embed,
+                         resample_patch_embed, trunc_normal_)
 from timm.models.naflexvit import global_pool_naflex
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
@@ -71,6 +72,18 @@ from linvision.layers.options import check_images
 from .published import explain_failed_download, require_weights, unwrap_state_dict
 
 __all__ = ["LinViT", "checkpoint_filter_fn", "convert_vit_state_dict"]
+
+
+def _patchify(embed: PatchEmbed, x: Tensor) -> Tensor:
+    """timm's ``PatchEmbed.forward`` after its size assertions, which :func:`check_images` has made: the assertions'
+    messages format the height and width, which under torch.compile(dynamic=True) fixes them in the graph (each
+    new resolution recompiled)."""
+    x = embed.proj(x)
+    if embed.flatten:
+        x = x.flatten(2).transpose(1, 2)
+    elif embed.output_fmt != Format.NCHW:
+        x = nchw_to(x, embed.output_fmt)
+    return embed.norm(x)
 
 
 class LinViT(nn.Module):
@@ -232,7 +245,7 @@ class LinViT(nn.Module):
         strict, padded = getattr(embed, "strict_img_size", False), getattr(embed, "dynamic_img_pad", True)
         check_images(x, self.in_chans, size=embed.img_size if strict else None,
                      multiple=None if strict or padded else embed.patch_size)
-        x = self.patch_embed(x)
+        x = _patchify(embed, x) if type(embed) is PatchEmbed and not (strict or padded) else embed(x)
         b, h, w, c = x.shape
         x = x.reshape(b, h * w, c)
         prefix = [t.expand(b, -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]

@@ -74,8 +74,20 @@ def _scale(scale: Optional[float], d: int) -> float:
 def polarity_features(x: Tensor, power: Union[float, Tensor], opposite: bool = False) -> Tensor:
     """[relu(x)^p, relu(-x)^p] (or the two halves swapped with ``opposite``) on the last dim: (..., D) -> (..., 2D).
     ``power``: a number or a tensor broadcastable to (..., D) (per head and channel), each >= 1."""
-    pos, neg = F.relu(x) ** power, F.relu(-x) ** power
-    return torch.cat([neg, pos] if opposite else [pos, neg], dim=-1)
+    both = _polarity_parts(x, power, 3 if opposite else 2)
+    d = x.shape[-1]
+    return both[..., d:] if opposite else both
+
+
+def _polarity_parts(x: Tensor, power: Union[float, Tensor], parts: int) -> Tensor:
+    """[relu(x), relu(-x), relu(x)][:parts] ** p on the last dim in one buffer (..., parts * D): its first 2D
+    channels are the features [pos, neg] and, with ``parts=3``, its last 2D the opposite ones [neg, pos], a view of
+    the same memory. relu(-x) is formed as relu(x) - x (exact: 0 - x or x - x) and the power is taken once."""
+    r = F.relu(x)
+    stacked = torch.cat([r, r - x, r][:parts], dim=-1)
+    if isinstance(power, Tensor) and power.dim() and power.shape[-1] != 1:  # per channel: the same for each part
+        power = power.repeat(*([1] * (power.dim() - 1)), parts)
+    return stacked ** power
 
 
 def _rope_for(rope: Optional[Rope], channels: int, name: str) -> None:
@@ -101,12 +113,12 @@ def polarity_linear_attention(
     cdt = compute_dtype(q.dtype)
     qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
     power = power.to(cdt) if isinstance(power, Tensor) else power
-    phi_k = polarity_features(kc, power)
+    phi_k = _polarity_parts(kc, power, 2)
+    both_q = _polarity_parts(qc, power, 3)  # the query features and their opposites, one buffer
+    d = q.shape[-1]
     v_same, v_opp = vc.chunk(2, dim=-1)
-    same = linear_attention(polarity_features(qc, power), phi_k, v_same, "identity", rope=rope, eps=eps,
-                            backend=backend)
-    opp = linear_attention(polarity_features(qc, power, opposite=True), phi_k, v_opp, "identity", rope=rope,
-                           eps=eps, backend=backend)
+    same = linear_attention(both_q[..., :2 * d], phi_k, v_same, "identity", rope=rope, eps=eps, backend=backend)
+    opp = linear_attention(both_q[..., d:], phi_k, v_opp, "identity", rope=rope, eps=eps, backend=backend)
     return torch.cat([same, opp], dim=-1).to(q.dtype)
 
 

@@ -6,11 +6,12 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from ..common import (DEFAULT_EPS, check_backend, check_eps, check_qkv, check_rope, check_valid, full_precision,
-                      is_tracing)
+                      is_exporting, is_tracing)
 from ..feature_maps import FeatureMap, FeatureMapArg, featurize, get_feature_map
-from ..rope import Rope, apply_rope
+from ..rope import Rope, apply_rope, rotate_pairs
 
 __all__ = ["check_options", "rotated_features", "reference_attention", "linear_attention_reference"]
 
@@ -129,11 +130,15 @@ def _linear_attention_pieces(phi_q: Tensor, phi_k: Tensor, rot_q: Tensor, rot_k:
     return out, s, z, den
 
 
-def _recomputing(q: Tensor, k: Tensor, v: Tensor, phi: FeatureMap, rope: Optional[Rope]) -> bool:
-    """Whether the call goes through :class:`_LinearAttentionFunction`: a gradient is wanted, the feature map
-    is one it knows, and no graph is being traced (compile and export see the plain formula)."""
+def _recomputing(q: Tensor, k: Tensor, v: Tensor, phi: FeatureMap, rope: Optional[Rope]) -> Optional[str]:
+    """How the call keeps its training memory down: "function" (eager, a map :class:`_LinearAttentionFunction`
+    knows), "checkpoint" (torch.compile, which cannot trace that backward: the plain formula under a
+    non-reentrant checkpoint, so the compiled graph too saves only the inputs and recomputes the features), or
+    None (no gradient wanted, or torch.export, whose graphs serve inference: the plain formula)."""
     wanted = torch.is_grad_enabled() and (any(t.requires_grad for t in (q, k, v)) or bool(_leaves(phi, rope)))
-    return wanted and phi.name in _RECOMPUTABLE_MAPS and not is_tracing(*q.shape)
+    if not wanted or phi.name not in _RECOMPUTABLE_MAPS or is_exporting():
+        return None
+    return "checkpoint" if is_tracing(*q.shape) else "function"
 
 
 def _fill_padded_keys(k: Tensor, valid: Tensor) -> Tensor:
@@ -152,9 +157,24 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, phi: FeatureMap, rope: 
         keep = valid[:, None, :, None]
         k, v = _fill_padded_keys(k, valid), v.masked_fill(~keep, 0)
         q = q.masked_fill(~keep, 0) if q.shape[2] == k.shape[2] else q
-    if _recomputing(q, k, v, phi, rope):
+    how = _recomputing(q, k, v, phi, rope)
+    if how == "function":
         return _LinearAttentionFunction.apply(q, k, v, phi, rope, eps, valid, *_leaves(phi, rope))
+    if how == "checkpoint":  # the RoPE tables made outside the region: inside it, a symbolic grid cannot build them
+        tables = None if rope is None else rope.tables()
+        return checkpoint(_attention_on_tables, q, k, v, phi, tables, eps, valid, use_reentrant=False)
     return _linear_attention_pieces(*rotated_features(q, k, v, phi, rope), eps, valid)[0].to(q.dtype)
+
+
+def _attention_on_tables(q: Tensor, k: Tensor, v: Tensor, phi: FeatureMap, tables: Optional[Tuple[Tensor, Tensor]],
+                         eps: float, valid: Optional[Tensor]) -> Tensor:
+    """The formula with RoPE given as its (cos, sin) tables (None: no RoPE), autograd keeping what it keeps."""
+    phi_q, phi_k, vc = featurize(phi, q, k, v)
+    rot_q, rot_k = phi_q, phi_k
+    if tables is not None:
+        cos, sin = (t.to(device=phi_q.device, dtype=phi_q.dtype) for t in tables)
+        rot_q, rot_k = rotate_pairs(phi_q, cos, sin), rotate_pairs(phi_k, cos, sin)
+    return _linear_attention_pieces(phi_q, phi_k, rot_q, rot_k, vc, eps, valid)[0].to(q.dtype)
 
 
 @full_precision

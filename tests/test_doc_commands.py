@@ -198,10 +198,24 @@ def _json(proc):
 
 
 def _summary(run):
+    """The run folder output/``run`` (a glob: a run named after its model has the time after the name) holds a
+    summary with a best epoch."""
     def check(folder, proc):
-        with open(os.path.join(folder, "output", run, "summary.json")) as f:
+        import glob
+
+        (path,) = glob.glob(os.path.join(folder, "output", run, "summary.json"))
+        with open(path) as f:
             summary = json.load(f)
         assert summary["best_epoch"] >= 0, summary
+    return check
+
+
+def _opened_and_trained(run, opening):
+    """The run's first line of output starts with ``opening`` (the opening line: model, data, device, threads) and
+    it trained (:func:`_summary`)."""
+    def check(folder, proc):
+        assert proc.stdout.splitlines()[0].startswith(opening), proc.stdout[:500]
+        _summary(run)(folder, proc)
     return check
 
 
@@ -260,11 +274,18 @@ CHAINS: Dict[str, Chain] = {
                     "num_heads=[1,2,3,4]", "--img-size", "32", "-b", "4", *EPOCH, "--no-progress", "--device", "cpu"),
              why="no download (the weights); one narrow block per stage at 32 px; " + TINY_FOLDER + "; " + ONE_EPOCH,
              check=_summary("finetune_mlla_tiny")),
+        # from scratch on the same folder, nothing downloaded; the opening line says what is trained on what
+        Step("linvision-train --model linvit_tiny_patch16_pola_224 --data-dir /data/pets --img-size 96",
+             subs={"/data/pets": "{pets}"},
+             extra=("--model-kwargs", "embed_dim=16", "depth=1", "num_heads=1", "--img-size", "32", "-b", "4",
+                    *EPOCH, "--no-progress", "--device", "cpu"),
+             why="one narrow block at 32 px; " + TINY_FOLDER + "; " + ONE_EPOCH,
+             check=_opened_and_trained("linvit_tiny_patch16_pola_224-*", "training linvit_tiny_patch16_pola_224 (")),
         Step("linvision-validate --checkpoint output/finetune_mlla_tiny --img-size 224 288 384",
              check=_validated([224, 288, 384], count=6, data="pets")),
     )),
     "tools_refused_size": Chain(slow=False, timeout=600, steps=(
-        Step("linvision-train --dataset digits --model linvit_tiny_patch16_rope_224 --img-size 100"),
+        Step("linvision-train --dataset digits --model linvit_tiny_patch16_pola_224 --img-size 100"),
     )),
     # the same weights with RoPE positions interpolated, at three sizes (a random model: the command, not a score)
     "validate_rope_ref_grid": Chain(setup=_rope_run, slow=False, timeout=600, steps=(

@@ -120,6 +120,22 @@ def test_front_table_rows_are_short_and_name_what_the_top1_belongs_to():
                          "(`dynamic_img_size=True`: any multiple of 16)")
 
 
+def test_readme_is_short_and_says_where_things_live():
+    """At most 150 lines; it says where the kernels, configs and tools are (inside linvision/), how the tools take
+    their threads, and its CPU headline points at the CPU plot of the measured comparisons, not at the GPU figure
+    above it."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    assert readme.count("\n") <= 150
+    for where in ("`linvision/kernels/`", "`linvision/configs/`", "`linvision/tools/`"):
+        assert where in readme
+    assert "`--threads N`, else\n`OMP_NUM_THREADS`, else the cores other processes leave free" in readme
+    assert "(the plot above)" not in readme
+    assert "(docs/results.md#linear-attention-against-its-softmax-twin-as-the-resolution-grows)" in readme
+    with open(os.path.join(ROOT, "docs", "results.md")) as f:
+        assert "## Linear attention against its softmax twin as the resolution grows" in f.read()
+
+
 def _check_fresh(names):
     mt = _model_table()
     stored = {r["model"]: r for r in mt.read_rows(MODELS_JSON)}

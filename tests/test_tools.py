@@ -5,7 +5,9 @@ import io
 import json
 import math
 import os
+import re
 import signal
+import subprocess
 
 import pytest
 
@@ -325,7 +327,7 @@ def test_img_size_a_model_cannot_run_at_is_one_line(data, tmp_path, model, size,
     proc = run_tool("train.py", *_tiny_linvit_flags(data, str(tmp_path), model, size, "--epochs", "1"), check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1:] == [
-        f"error: img_size: height and width must be multiples of the patch size 16x16, {line}"]
+        f"error: img_size: {model}: height and width must be multiples of the patch size 16x16, {line}"]
     assert not list(tmp_path.iterdir()) and "Traceback" not in proc.stderr  # no run folder
 
 
@@ -503,7 +505,7 @@ def test_export_checks_and_times_hxw_sizes_as_the_benchmark_takes_them(tmp_path)
     lines = proc.stdout.splitlines()
     assert lines[1].startswith(f"check {tmp_path / 'vit.pt2'} against eager at 64x96, 48x48: ") and \
         lines[1].endswith(": ok")
-    assert lines[2].startswith("bench 32x48: eager ")
+    assert lines[2].startswith("torch threads: ") and lines[3].startswith("bench 32x48: eager ")
     assert json.loads(bench.read_text())["rows"][0]["size"] == "32x48"
     proc = run_tool("export.py", "--model", "mlla_tiny", "--output", "x.pt2", "--check-sizes", "320by512",
                     check=False)
@@ -553,3 +555,73 @@ def test_resume_with_a_stop_the_run_has_passed_is_refused_in_one_line(data, tmp_
     proc = run_tool("train.py", "--resume", run_dir, "--stop-after-steps", "8")
     assert "stopped after step 8 (--stop-after-steps 8)" in proc.stdout
     assert [s for s, _ in step_losses(run_dir)] == list(range(1, 9))
+
+
+# --- torch's CPU threads: one rule, one flag, the choice printed
+
+CPU_TOOLS = ["linvision-train", "linvision-train-seg", "linvision-validate", "linvision-benchmark", "linvision-ablate",
+             "linvision-export", "linvision-linearize", "linvision-bench-naflex", "linvision-train-diffusion",
+             "linvision-sample-diffusion", "linvision-eval-diffusion-samples", "linvision-bench-diffusion-block"]
+
+
+@pytest.mark.parametrize("command", CPU_TOOLS)
+def test_every_tool_that_runs_torch_on_the_cpu_takes_its_threads_the_same_way(command):
+    import importlib
+    import tomllib
+
+    from linvision.utils.cli import THREADS_HELP
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        module = tomllib.load(f)["project"]["scripts"][command].split(":")[0]
+    parser = importlib.import_module(module).build_parser()
+    (action,) = [a for a in parser._actions if "--threads" in a.option_strings]
+    assert (action.default, action.type, action.help) == (None, int, THREADS_HELP)
+
+
+def test_the_threads_rule_flag_then_omp_num_threads_then_the_free_cores(monkeypatch):
+    import torch
+
+    from linvision.benchmark import throughput
+    from linvision.utils import threads
+
+    assert throughput.threads_for_load is threads.threads_for_load  # one implementation, re-exported
+    assert throughput.machine_load is threads.machine_load
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        for load, chosen in ((1.3, "1 of 2 (1.3 of 2 cores busy"), (0.2, "2 of 2 (0.2 of 2 cores busy")):
+            torch.set_num_threads(2)
+            monkeypatch.setattr(threads, "machine_load",
+                                lambda sample_s=None, load=load: {"load": load, "cores": 2, "threads": 2})
+            said = threads.set_threads()
+            assert said == f"torch threads: {chosen}; --threads to choose)"
+            assert torch.get_num_threads() == int(chosen[0]) and threads.threads_note() == said
+        assert threads.set_threads(1) == "torch threads: 1 (--threads)" and torch.get_num_threads() == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        assert threads.set_threads() == "torch threads: 1 (OMP_NUM_THREADS=1)"
+        with pytest.raises(ValueError, match=r"^threads: at least 1, got 0$"):
+            threads.set_threads(0)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_train_says_what_it_runs_in_one_line_before_reading_an_image(data, tmp_path):
+    """The opening line: model, parameters, size, data folder, classes, training / validation images, device,
+    precision and threads, before the image-check bar (stderr merged into stdout, in the order written). With no
+    OMP_NUM_THREADS and no --threads the threads are the free cores' (the rule's line); --threads 1 says so."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    flags = [PY, "-m", "linvision.tools.train", *tiny_train_flags(data, str(tmp_path), "--epochs", "1", "--progress")]
+    proc = run_subprocess(flags, env=env)
+    assert proc.returncode == 0, proc.stderr
+    first = proc.stdout.splitlines()[0]
+    head = (f"training test_vit (0.25M parameters) at 16 px on folder {data}: 3 classes, 12 training / 6 validation "
+            f"images; cpu, fp32 (no AMP), torch threads: ")
+    assert first.startswith(head)
+    assert re.fullmatch(r"\d+ of \d+ \([\d.]+ of \d+ cores busy; --threads to choose\)|1 \(torch's default here; "
+                        r"--threads to choose\)", first[len(head):]), first
+    merged = subprocess.run([*flags, "--threads", "1", "--experiment", "one"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert merged.returncode == 0, merged.stdout
+    assert merged.stdout.index(head + "1 (--threads)") < merged.stdout.index("reading the training images")
+    validated = run_tool("validate.py", "--checkpoint", str(tmp_path / "one"), "--threads", "1")
+    assert json.loads(validated.stdout)["threads"] == "torch threads: 1 (--threads)"  # stdout holds the JSON

@@ -44,9 +44,7 @@ import gc
 import json
 import math
 import os
-import re
 import time
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -57,6 +55,8 @@ from linvision.training.segmenter import DECODERS, build_segmenter, check_decode
 from linvision.utils.amp import autocast
 from linvision.utils.factory import create_model
 from linvision.utils.measure import MemoryMeter, run_in_process, timed
+# the threads rule lives with the tools' shared flags (every tool takes its threads the same way); re-exported here
+from linvision.utils.threads import busy_cores, cores_busy_between, machine_load, threads_for_load  # noqa: F401
 
 from .flops import count_gflops, count_params
 
@@ -292,52 +292,6 @@ def _measure_training(point: BenchmarkPoint, model: nn.Module, x: torch.Tensor, 
 SPREAD_LIMIT_PCT = 50.0
 
 
-def machine_load(sample_s: Optional[float] = None) -> Dict[str, Any]:
-    """``load`` (the 1-minute load average; NaN where the system keeps none), ``cores`` (those this process may run
-    on) and ``threads`` (torch's CPU threads). With ``sample_s``, ``load`` is instead the cores kept busy during
-    the next ``sample_s`` seconds (:func:`busy_cores`; the load average where /proc/stat is missing): the load
-    average lags a minute behind, so a job that has just ended still counts in it."""
-    try:
-        load = os.getloadavg()[0]
-    except (OSError, AttributeError):
-        load = float("nan")
-    if sample_s is not None:
-        busy = busy_cores(sample_s)
-        load = busy if _figure(busy) else load
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return {"load": load, "cores": cores, "threads": torch.get_num_threads()}
-
-
-def busy_cores(sample_s: float, stat_path: str = "/proc/stat") -> float:
-    """How many cores were busy over the next ``sample_s`` seconds (time neither idle nor waiting for I/O, a
-    hypervisor's stolen time included), from two readings of ``stat_path``; NaN where it cannot be read."""
-    try:
-        before = Path(stat_path).read_text()
-        time.sleep(sample_s)
-        return cores_busy_between(before, Path(stat_path).read_text())
-    except (OSError, ValueError):
-        return float("nan")
-
-
-def cores_busy_between(before: str, after: str) -> float:
-    """The busy cores between two readings of /proc/stat: the share of the machine's time (its first ``cpu`` line:
-    user, nice, system, idle, iowait, irq, softirq, steal, ...) not spent idle or in I/O wait, times the number of
-    ``cpuN`` lines."""
-    def totals(text: str):
-        lines = text.splitlines()
-        total = next((line for line in lines if line.startswith("cpu ")), None)
-        if total is None:
-            raise ValueError("/proc/stat: no 'cpu' line")
-        fields = [int(v) for v in total.split()[1:]]
-        cores = sum(1 for line in lines if re.match(r"cpu\d+ ", line))
-        return sum(fields[:8]), fields[3] + fields[4], cores
-
-    (total0, idle0, cores), (total1, idle1, _) = totals(before), totals(after)
-    if total1 <= total0:
-        raise ValueError("/proc/stat: no time passed between the readings")
-    return cores * (1 - (idle1 - idle0) / (total1 - total0))
-
-
 def busy_reason(load: Dict[str, Any]) -> str:
     """Why a machine with :func:`machine_load`'s figures ``load`` is too busy for CPU timings to stand, or ''
     when it is not: a load average above its cores (with half a core of slack), i.e. more threads waiting to run
@@ -345,18 +299,6 @@ def busy_reason(load: Dict[str, Any]) -> str:
     if _figure(load.get("load")) and load["load"] > load["cores"] + 0.5:
         return f"machine busy: load average {load['load']:.1f} on {load['cores']} cores"
     return ""
-
-
-def threads_for_load(load: Optional[Dict[str, Any]] = None) -> int:
-    """torch CPU threads for the cores that other work leaves free, by :func:`machine_load` taken before this
-    process's own work starts (by default over half a second of busy cores, ``sample_s=0.5``): the cores less
-    the load (rounded), at least 1 and at most torch's count.
-    On a busy machine each parallel region of torch waits for its slowest thread, which the scheduler holds
-    back: on 2 cores at load 6, a training step of the digits demo's model took 5-15 s on 2 threads and 0.35 s
-    on 1."""
-    load = load or machine_load(sample_s=0.5)
-    free = load["cores"] - math.floor(load["load"] + 0.5) if _figure(load["load"]) else load["cores"]
-    return max(1, min(load["threads"], free))
 
 
 def mark_reliability(points: List[BenchmarkPoint], load: Dict[str, Any],

@@ -12,7 +12,8 @@ at several resolutions after every mixer has trained, the mixers of one size tim
 machine falls on all of them alike; figures taken on a busy machine or with a wide spread are marked unreliable
 in the table and the plot. Parameters and FLOPs are counted per mixer. A mixer that cannot run at a size gets
 that failure in the table, not a crash. On a machine already busy when it starts, the ablation runs torch on the
-cores left free (:func:`~linvision.benchmark.throughput.threads_for_load`; ``--threads`` chooses).
+cores left free, by the rule every tool follows (:func:`linvision.utils.threads.set_threads`; ``--threads``
+chooses).
 
 ``task: segment`` asks the same of semantic segmentation: the encoder ``model`` (with each mixer) in the smp
 head ``decoder`` is trained on the offline texture mosaics (``dataset: mosaic``) by
@@ -48,18 +49,18 @@ from linvision.benchmark.plots import dodge, plot_results, series_styles
 from linvision.benchmark.throughput import (
     _empty_point,
     benchmark_interleaved,
-    machine_load,
     runs_phrase,
-    threads_for_load,
     unreliable_note,
 )
 from linvision.training.seg_config import SegTrainConfig
 from linvision.training.train import TrainConfig, add_train_args, train
 from linvision.training.validate import validate_checkpoint
+from linvision.utils.cli import add_threads_arg
 from linvision.utils.config import parse_kwargs
 from linvision.utils.factory import create_model
 from linvision.utils.interrupt import TrainInterrupted
 from linvision.utils.run_folder import claim_run_folder
+from linvision.utils.threads import set_threads
 
 __all__ = ["add_ablate_args", "run_ablation", "markdown_table"]
 
@@ -101,9 +102,7 @@ def add_ablate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--bench-time-limit", type=float, default=None,
                    help="seconds: a benchmark size is skipped (recorded as such) when the previous size's points, "
                         "scaled by the ratio of pixels, would take longer (default: no limit)")
-    g.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: the cores other processes leave free over half a second, at "
-                        "least 1)")
+    add_threads_arg(g)
     return parser
 
 
@@ -208,20 +207,8 @@ def _claim_ablation_to_resume(args: argparse.Namespace):
 
 
 def _set_threads(threads, log) -> None:
-    """torch's CPU threads: ``threads``, or those that the machine's load leaves free (said when fewer)."""
-    import torch
-
-    if threads is not None:
-        if threads < 1:
-            raise ValueError(f"threads: at least 1, got {threads}")
-        torch.set_num_threads(threads)
-        return
-    load = machine_load(sample_s=0.5)  # the cores busy now: the load average would still count a job just ended
-    fit = threads_for_load(load)
-    if fit < load["threads"]:
-        log(f"{load['load']:.1f} of {load['cores']} cores busy: torch on {fit} thread"
-            f"{'s' if fit > 1 else ''} instead of {load['threads']} (--threads to choose)")
-        torch.set_num_threads(fit)
+    """torch's CPU threads by the tools' rule (:func:`linvision.utils.threads.set_threads`), said in one line."""
+    log(set_threads(threads))
 
 
 def _seed_stats(values) -> Dict[str, Any]:

@@ -28,7 +28,8 @@ import torch
 from linvision.diffusion.block_speed import (DTYPES, OPTION_KEYS, TABLE_HEADER, comparison_text, compare_diffusers,
                                              describe, ratios, run_sweep)
 from linvision.diffusion.model import DIT_CONFIGS
-from linvision.utils.cli import tool_parser
+from linvision.utils.cli import add_threads_arg, tool_parser
+from linvision.utils.threads import set_threads
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3,
                    help="timed forwards per point (one from 16k tokens on); with --vs-diffusers, per model")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per point")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_threads_arg(p)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="device to run on (default: cuda when available, else cpu)")
     p.add_argument("--parts", action="store_true", help="also time the self-attention and the Mix-FFN alone")
@@ -58,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = build_parser().parse_args()
+    print(set_threads(args.threads), flush=True)
+    args.threads = torch.get_num_threads()  # the points measured in processes of their own take the same
     if args.vs_diffusers:
         if args.model == "sana_600m":
             args.model = "sana_600m_t2i"

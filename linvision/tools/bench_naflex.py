@@ -52,7 +52,8 @@ import torch
 from linvision.benchmark.naflex import (DEFAULT_BUDGETS, DEFAULT_MODELS, DTYPES, MODES, SweepConfig, image_sizes,
                                         limits, parse_budgets, plot, plot_title, read_csv, resolve_spec, run_sweep,
                                         table)
-from linvision.utils.cli import run_cli, tool_parser
+from linvision.utils.cli import add_threads_arg, run_cli, tool_parser
+from linvision.utils.threads import set_threads
 from linvision.utils.config import parse_kwargs
 
 
@@ -89,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype; bfloat16 runs under autocast")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs before the timed ones")
     p.add_argument("--iters", type=int, default=3, help="timed runs per figure; the figure is their median")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    add_threads_arg(p)
     p.add_argument("--memory-limit-gib", type=float, default=16.0,
                    help="skip a softmax model where its projected attention matrix passes this many GiB")
     p.add_argument("--slow-factor", type=float, default=10.0,
@@ -145,9 +146,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.from_csv:
         rows = read_csv(args.from_csv)
         return report(rows, cfg, args.plot, rows[0]["model"])
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    print(f"device {cfg.device}, {torch.get_num_threads()} threads, dtype {cfg.dtype}, {cfg.batches} batches of "
+    threads = set_threads(args.threads)
+    print(f"device {cfg.device}, {threads}, dtype {cfg.dtype}, {cfg.batches} batches of "
           f"{cfg.batch} images (seed {cfg.seed}; aspect 1:{cfg.max_aspect:g} to {cfg.max_aspect:g}:1, sides "
           f"{cfg.min_side}-{cfg.max_side} px), budgets {' '.join(map(str, cfg.budgets))}, modes "
           f"{' '.join(cfg.modes)}, {cfg.warmup} warm-up + {cfg.iters} timed runs per figure (their median), "

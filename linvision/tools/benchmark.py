@@ -48,7 +48,8 @@ from linvision.benchmark.throughput import (
     write_results,
 )
 from linvision.utils.factory import check_model_name
-from linvision.utils.cli import add_amp_arg, arg_type, run_cli, tool_parser
+from linvision.utils.cli import add_amp_arg, add_threads_arg, arg_type, run_cli, tool_parser
+from linvision.utils.threads import set_threads
 from linvision.utils.config import add_config_arg, parse_args, parse_kwargs
 
 
@@ -78,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs before the timed ones")
     parser.add_argument("--iters", type=int, default=10,
                         help="timed runs per figure; the figure is their median, their range its spread")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    add_threads_arg(parser)
     parser.add_argument("--train", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure training steps")
     parser.add_argument("--output", default="output", help="parent folder of the results folder <output>/<experiment>")
@@ -102,13 +103,12 @@ def main() -> int:
         raise ValueError(f"point_timeout: seconds > 0, got {args.point_timeout}")
     if args.iters < 1 or args.warmup < 0:
         raise ValueError(f"iters/warmup: need iters >= 1 and warmup >= 0, got {args.iters} and {args.warmup}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = set_threads(args.threads)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     out_dir = os.path.join(args.output, args.experiment or f"benchmark-{time.strftime('%Y%m%d-%H%M%S')}")
     seg = f", {args.decoder} head ({args.classes} classes)" if args.decoder else ""
     budget = f", {args.point_timeout:g} s per point" if args.point_timeout else ""
-    print(f"device {device}, threads {torch.get_num_threads()}, batch {args.batch_size}, amp {args.amp}, "
+    print(f"device {device}, {threads}, batch {args.batch_size}, amp {args.amp}, "
           f"{args.warmup} warm-up + {args.iters} timed runs per figure (their median){seg}{budget}", flush=True)
     gemm = None
     if args.gemm_rate:

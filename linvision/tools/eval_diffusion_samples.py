@@ -20,7 +20,8 @@ from linvision.diffusion.sampling import classify_images, decoder_for, sample_cl
 from linvision.diffusion.checkpoint import load_dit
 from linvision.diffusion.data import load_images
 from linvision import load_model
-from linvision.utils.cli import run_cli, tool_parser
+from linvision.utils.cli import add_threads_arg, run_cli, tool_parser
+from linvision.utils.threads import set_threads
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sampler", choices=SAMPLERS, default="euler",
                    help="ODE integrator: euler (one model call per step) or heun (two, but one in the last step)")
     p.add_argument("--seed", type=int, default=0, help="seed of the starting noise")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_threads_arg(p)
     p.add_argument("--grid", default=None, help="also write the first 10 samples of each class as a PNG grid")
     p.add_argument("--json", default=None, help="write the figures to this JSON file")
     return p
@@ -42,8 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> int:
     args = build_parser().parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    print(set_threads(args.threads), flush=True)
     dit, dit_meta = load_dit(args.dit)
     if dit.cfg.num_classes <= 0:
         raise ValueError(f"dit: {args.dit} is a caption model; this tool evaluates class-conditional ones")

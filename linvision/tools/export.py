@@ -18,11 +18,12 @@ import os
 import torch
 
 from linvision.benchmark.throughput import parse_img_size, size_label
-from linvision.utils.cli import arg_type, run_cli, tool_parser
+from linvision.utils.cli import add_threads_arg, arg_type, run_cli, tool_parser
 from linvision.utils.config import parse_kwargs
 from linvision.export.program import (FORMATS, compare_with_eager, export_onnx, export_program, fixed_grid,
                                      input_constraints, load_exported, save_program, time_runner)
 from linvision.utils.files import atomic_write_text
+from linvision.utils.threads import set_threads
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--bench-sizes", type=arg_type(parse_img_size), nargs="*", default=[],
                      help="sizes to time eager and the file at, a side or HxW")
     chk.add_argument("--bench-iters", type=int, default=3, help="timed calls per size (the minimum is kept)")
-    chk.add_argument("--threads", type=int, default=None, help="torch CPU threads while timing")
+    add_threads_arg(chk)
     chk.add_argument("--bench-out", default=None, help="write the timings as JSON here")
     return p
 
@@ -103,6 +104,7 @@ def main() -> int:
             import onnxscript  # noqa: F401
         except ImportError as e:
             raise ValueError(f"format: onnx needs the onnx extra (pip install 'linvision[onnx]'): {e}") from None
+    threads = set_threads(args.threads)
     model, trained = _load_model(args)
     stride, fixed = input_constraints(model)
     if args.img_size:
@@ -144,8 +146,7 @@ def main() -> int:
               f"that)): {'ok' if ok else 'FAILED'}", flush=True)
 
     if args.bench_sizes:
-        if args.threads:
-            torch.set_num_threads(args.threads)
+        print(threads, flush=True)
         bench = []
         for h, w in map(_hw, args.bench_sizes):
             x = torch.randn(1, getattr(model, "in_chans", 3), h, w)

@@ -21,7 +21,8 @@ import torch
 from safetensors.torch import save_file
 
 from linvision.utils.checkpoint import load_model
-from linvision.utils.cli import run_cli, tool_parser
+from linvision.utils.cli import add_threads_arg, run_cli, tool_parser
+from linvision.utils.threads import set_threads
 from linvision.utils.config import add_config_arg, parse_args, parse_kwargs
 from linvision.data.datasets import build_transform, create_dataset
 from linvision.experiments.linearize import TRANSFER_PARAMS, attention_errors, attention_transfer, build_student
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0,
                         help="random seed of the student's new parameters and the data order")
     parser.add_argument("--output", default=None, help="student weights (.safetensors)")
+    add_threads_arg(parser)
     return add_config_arg(parser)
 
 
@@ -61,6 +63,7 @@ def main() -> int:
     if args.batch_size < 1 or args.steps < 1 or args.eval_batches < 1:
         raise ValueError(f"batch_size/steps/eval_batches: must be >= 1, got {args.batch_size}, {args.steps}, "
                          f"{args.eval_batches}")
+    threads = set_threads(args.threads)  # said in the JSON report: standard output holds it alone
     torch.manual_seed(args.seed)
     teacher, meta = load_model(args.teacher)
     img_size = args.img_size or meta["img_size"]
@@ -83,7 +86,8 @@ def main() -> int:
     save_file({k: v.contiguous() for k, v in student.state_dict().items()}, args.output)
     print(json.dumps({"teacher": args.teacher, "model": args.model, "img_size": img_size, "params": args.params,
                       "steps": args.steps, "first_loss": losses[0], "last_loss": losses[-1],
-                      "layer_error_before": before, "layer_error_after": after, "output": args.output}, indent=2))
+                      "layer_error_before": before, "layer_error_after": after, "output": args.output,
+                      "threads": threads}, indent=2))
     return 0
 
 

@@ -18,7 +18,8 @@ from linvision.diffusion.flow import SAMPLERS
 from linvision.diffusion.data import CaptionEmbeddings
 from linvision.diffusion.sampling import decoder_for, sample_captions, sample_classes, save_grid
 from linvision.diffusion.checkpoint import load_dit
-from linvision.utils.cli import run_cli, tool_parser
+from linvision.utils.cli import add_threads_arg, run_cli, tool_parser
+from linvision.utils.threads import set_threads
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,11 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the starting noise")
     p.add_argument("--no-ema", action="store_true", help="sample the raw weights instead of the EMA")
     p.add_argument("--out", default=None, help="PNG path (default: <checkpoint>/samples.png)")
+    add_threads_arg(p)
     return p
 
 
 def main() -> int:
     args = build_parser().parse_args()
+    print(set_threads(args.threads), flush=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, meta = load_dit(args.checkpoint, ema=not args.no_ema, device=device)
     options = dict(steps=args.steps, cfg_scale=args.cfg_scale, sampler=args.sampler, shift=args.shift, seed=args.seed,

@@ -24,15 +24,17 @@ summary.json and the checkpoints last/ and best/ (load them with linvision.load_
 """
 import argparse
 
-from linvision.utils.cli import run_cli, tool_parser
+from linvision.utils.cli import add_threads_arg, run_cli, tool_parser
 from linvision.utils.config import add_config_arg, parse_args
+from linvision.utils.threads import set_threads
 from linvision.training.train import add_train_args, resume_config, train
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of linvision-train: every training flag and --config."""
     parser = tool_parser("linvision-train", __doc__)
-    return add_config_arg(add_train_args(parser))
+    add_threads_arg(add_train_args(parser))
+    return add_config_arg(parser)
 
 
 def main() -> int:
@@ -40,6 +42,7 @@ def main() -> int:
     args = parse_args(parser)
     if args.resume:
         args = parse_args(parser, base_config=resume_config(args.resume))
+    set_threads(args.threads)  # said in the run's opening line
     train(args)
     return 0
 

@@ -25,7 +25,8 @@ from dataclasses import fields
 import torch
 
 from linvision.diffusion.train import DiffusionTrainConfig, train_dit
-from linvision.utils.cli import run_cli, tool_parser
+from linvision.utils.cli import add_threads_arg, run_cli, tool_parser
+from linvision.utils.threads import set_threads
 from linvision.utils.config import add_config_arg, parse_args, parse_kwargs, save_yaml
 from linvision.utils.distributed import cleanup, init_distributed, on_main
 from linvision.utils.files import atomic_write
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 help=help_)
         else:
             recipe.add_argument(flag, type=_flag_type(hint), default=getattr(defaults, f.name), help=help_)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_threads_arg(p)
     p.add_argument("--output", default="output", help="parent folder of run folders")
     p.add_argument("--experiment", default="diffusion_digits", help="run folder name under --output")
     p.add_argument("--resume", action="store_true", help="continue from <output>/<experiment>/last")
@@ -77,10 +78,11 @@ def recipe_from_args(args: argparse.Namespace) -> DiffusionTrainConfig:
 
 def main() -> int:
     args = parse_args(build_parser())
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = set_threads(args.threads)
     cfg = recipe_from_args(args)
     info = init_distributed("auto", group=cfg.parallel == "fsdp")
+    if info.is_main:
+        print(threads, flush=True)
     held = []
 
     def claim() -> str:  # one process owns the folder; the others write only their checkpoint shards there

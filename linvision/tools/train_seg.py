@@ -29,8 +29,9 @@ linvision.training.segmenter.load_segmenter). Needs segmentation_models_pytorch:
 """
 import argparse
 
-from linvision.utils.cli import run_cli, tool_parser
+from linvision.utils.cli import add_threads_arg, run_cli, tool_parser
 from linvision.utils.config import add_config_arg, parse_args
+from linvision.utils.threads import set_threads
 from linvision.training.resume import resume_config
 from linvision.training.seg_config import add_seg_train_args
 
@@ -38,7 +39,7 @@ from linvision.training.seg_config import add_seg_train_args
 def build_parser() -> argparse.ArgumentParser:
     """The parser of linvision-train-seg: every segmentation training flag and --config."""
     parser = tool_parser("linvision-train-seg", __doc__)
-    return add_config_arg(add_seg_train_args(parser))
+    return add_config_arg(add_threads_arg(add_seg_train_args(parser)))
 
 
 def main() -> int:
@@ -48,6 +49,7 @@ def main() -> int:
     args = parse_args(parser)
     if args.resume:
         args = parse_args(parser, base_config=resume_config(args.resume))
+    print(set_threads(args.threads), flush=True)
     train_segmentation(args)
     return 0
 

@@ -23,15 +23,16 @@ they are, or at a size resized alike (masks by nearest neighbour) so that the sh
 import argparse
 import json
 
-from linvision.utils.cli import run_cli, tool_parser
+from linvision.utils.cli import add_threads_arg, run_cli, tool_parser
 from linvision.utils.config import add_config_arg, parse_args, parse_kwargs
+from linvision.utils.threads import set_threads
 from linvision.training.validate import add_validate_args, validate_checkpoint
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of linvision-validate: the validation flags and --config."""
     parser = tool_parser("linvision-validate", __doc__)
-    return add_config_arg(add_validate_args(parser))
+    return add_config_arg(add_threads_arg(add_validate_args(parser)))
 
 
 def main() -> int:
@@ -46,12 +47,14 @@ def main() -> int:
     if args.batch_size < 1 or args.workers < 0 or any(s < 1 for s in args.img_size or []):
         raise ValueError(f"batch_size/workers/img_size: need batch_size >= 1, workers >= 0 and sizes >= 1, got "
                          f"{args.batch_size}, {args.workers}, {args.img_size}")
+    threads = set_threads(args.threads)  # said in the JSON: standard output holds it alone
     out = validate_checkpoint(args.checkpoint, args.dataset, args.data_dir, args.img_size, args.batch_size,
                               args.workers, args.amp, args.device, args.progress,
                               pretrained=args.model if args.pretrained else None,
                               interpolation=args.interpolation, crop_pct=args.crop_pct,
                               naflex_max_seq_len=args.naflex_max_seq_len if args.naflex_loader else None,
                               model_kwargs=parse_kwargs(args.model_kwargs))
+    out["threads"] = threads
     text = json.dumps(out, indent=2)
     print(text)
     if args.output:

@@ -202,6 +202,24 @@ class Task:
         raise NotImplementedError
 
 
+def opening_line(cfg: TrainConfig, info: DistInfo, num_classes: int, train_count: int, val_count: int,
+                 model: nn.Module) -> str:
+    """The line ``linvision-train`` prints before any image is read: the data (folder, classes, training and
+    validation images), the model and its parameters, the image size, the device, the precision and the torch
+    threads with why (:func:`linvision.utils.threads.threads_note`)."""
+    from linvision.utils.threads import threads_note
+
+    data = f"{cfg.dataset} {cfg.data_dir}" if cfg.data_dir else cfg.dataset
+    params = sum(p.numel() for p in model.parameters())
+    count = f"{params / 1e6:.2f}M" if params >= 10_000 else f"{params:,}"
+    precision = {"none": "fp32 (no AMP)", "bf16": "bf16 autocast (AMP)",
+                 "fp16": "fp16 autocast (AMP, loss scaling)"}.get(cfg.amp, cfg.amp)
+    ranks = f" x {info.world_size} ranks" if info.distributed else ""
+    return (f"training {cfg.model} ({count} parameters) at {cfg.img_size} px on {data}: {num_classes} classes, "
+            f"{train_count} training / {val_count} validation images; {info.device.type}{ranks}, {precision}, "
+            f"{threads_note()}")
+
+
 def train_data_config(cfg: TrainConfig, model: nn.Module,
                       recorded: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """The settings of a classification run's transforms (:func:`~linvision.data.datasets.resolve_data_config`):
@@ -246,7 +264,6 @@ class ClassificationTask(Task):
         check_model_name(cfg.model)  # a misspelt name before any image is read
         train_set = create_dataset(cfg.dataset, cfg.data_dir, "train", digits_size=cfg.img_size)
         val_set = create_dataset(cfg.dataset, cfg.data_dir, "val", digits_size=cfg.img_size)
-        check_data_files(cfg, info, {"training": train_set, "validation": val_set})
         classes = _check_classes(train_set, val_set, cfg.num_classes)
         num_classes = cfg.num_classes or len(classes)
         if not num_classes:
@@ -259,6 +276,9 @@ class ClassificationTask(Task):
         with rank0_first(info, download):  # rank 0 fills timm's cache first; the others read the file it wrote
             model = create_model(cfg.model, num_classes=num_classes, in_chans=cfg.in_chans,
                                  model_kwargs=model_kwargs, img_size=cfg.img_size, pretrained=download)
+        if info.is_main:  # what the run is, in one line, before the images are read
+            print(opening_line(cfg, info, num_classes, len(train_set), len(val_set), model), flush=True)
+        check_data_files(cfg, info, {"training": train_set, "validation": val_set})
         if download and info.is_main:
             _report_pretrained(model, num_classes)
         if cfg.pretrained_path and fresh:

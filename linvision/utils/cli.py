@@ -7,7 +7,7 @@ import re
 import sys
 from typing import Callable, Optional
 
-__all__ = ["run_cli", "tool_parser", "arg_type", "HelpFormatter", "add_amp_arg", "amp_flag_options", "AMP_CHOICES", "AMP_HELP",
+__all__ = ["run_cli", "tool_parser", "arg_type", "add_threads_arg", "THREADS_HELP", "HelpFormatter", "add_amp_arg", "amp_flag_options", "AMP_CHOICES", "AMP_HELP",
            "DEFAULT_AMP"]
 
 
@@ -122,6 +122,19 @@ def tool_parser(prog: str, doc: Optional[str]) -> argparse.ArgumentParser:
     an unknown flag is an error), and :class:`ToolParser`'s two-line errors that name the nearest flag or
     value."""
     return ToolParser(prog=prog, description=doc, formatter_class=HelpFormatter, allow_abbrev=False)
+
+
+THREADS_HELP = ("torch CPU threads (default: OMP_NUM_THREADS when set, else the cores other processes leave free "
+                "over half a second; the choice is printed)")
+
+
+def add_threads_arg(parser, help: str = THREADS_HELP):
+    """``--threads N``, default None: the rule of :func:`linvision.utils.threads.set_threads`, which the tool
+    applies and prints before its work starts. It goes in the parser's group of run flags (``run``: --seed,
+    --device, ...) where it has one. Returns ``parser``."""
+    group = next((g for g in getattr(parser, "_action_groups", ()) if g.title == "run"), parser)
+    group.add_argument("--threads", type=int, default=None, help=help)
+    return parser
 
 
 AMP_CHOICES = ("none", "bf16", "fp16")

@@ -100,6 +100,10 @@ def create_model(name: str, num_classes: Optional[int] = None, in_chans: int = 3
             if "img_size" not in str(e):
                 raise
             model = timm.create_model(name, pretrained=pretrained, in_chans=in_chans, **kwargs)
+        except ValueError as e:  # a size the model refuses as it is built: the line names the model
+            if not str(e).startswith("img_size: "):
+                raise
+            raise ValueError(f"img_size: {name}: {str(e)[len('img_size: '):]}") from None
     else:
         model = timm.create_model(name, pretrained=pretrained, in_chans=in_chans, **kwargs)
     return model

@@ -129,7 +129,7 @@ def test_readme_is_short_and_says_where_things_live():
     assert readme.count("\n") <= 150
     for where in ("`linvision/kernels/`", "`linvision/configs/`", "`linvision/tools/`"):
         assert where in readme
-    assert "`--threads N`, else\n`OMP_NUM_THREADS`, else the cores other processes leave free" in readme
+    assert "`--threads N`, else `OMP_NUM_THREADS`, else the cores other processes leave free" in " ".join(readme.split())
     assert "(the plot above)" not in readme
     assert "(docs/results.md#linear-attention-against-its-softmax-twin-as-the-resolution-grows)" in readme
     with open(os.path.join(ROOT, "docs", "results.md")) as f:

@@ -5,6 +5,7 @@ import os
 
 import numpy as np
 import pytest
+import timm
 import torch
 from torch import nn
 
@@ -374,6 +375,52 @@ def test_benchmark_point_gflops_of_a_linear_model():
     p = benchmark_point("flat", 8, batch_size=2, iters=1, warmup=0, build_fn=lambda *a: Flat())
     assert p["status"] == "ok"
     assert p["gflops"] == pytest.approx(3 * 8 * 8 * 10 / 1e9)  # one multiply-accumulate per weight
+
+
+_TINY_ROPE = dict(embed_dim=32, depth=1, num_heads=2)
+
+
+def test_benchmark_point_with_16_bit_weights():
+    """weights="bf16": the model and input in bf16 (no autocast), inference timed, no training step (its figures
+    NaN), the mode recorded; under autocast the point is refused in one line."""
+    built = []
+
+    def build(name, size, kwargs):
+        built.append(timm.create_model(name, **kwargs))
+        return built[-1]
+
+    p = benchmark_point("linvit_tiny_patch16_rope_224", 32, batch_size=1, iters=1, warmup=0, flops=False,
+                        model_kwargs=_TINY_ROPE, build_fn=build, weights="bf16")
+    assert p["status"] == "ok", p["error"]
+    assert p["weights"] == "bf16" and p["compile"] == "none" and p["infer_img_s"] > 0
+    assert math.isnan(p["train_img_s"]) and math.isnan(p["infer_compile_s"])
+    assert {q.dtype for q in built[0].parameters()} == {torch.bfloat16}
+    with pytest.raises(ValueError, match=r"^weights: bf16 weights run without autocast .*pass --amp none$"):
+        benchmark_point("linvit_tiny_patch16_rope_224", 32, weights="bf16", amp="bf16")
+    with pytest.raises(ValueError, match=r"^compile: unknown 'max'; allowed: none, inductor, reduce-overhead$"):
+        benchmark_point("linvit_tiny_patch16_rope_224", 32, compile="max")
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_benchmark_point_compiled(monkeypatch, interleave):
+    """compile="inductor": the model timed under torch.compile (here its aot_eager backend, Inductor's code
+    generation being minutes on a CPU), inference and a training step, each first call's seconds recorded as
+    the compilation; the timed figures come after it."""
+    real = torch.compile
+    modes = []
+
+    def compile_for_test(model, mode=None, **kwargs):
+        modes.append(mode)
+        return real(model, backend="aot_eager", **kwargs)
+
+    monkeypatch.setattr(torch, "compile", compile_for_test)
+    torch._dynamo.reset()
+    (p,) = run_sweep(["linvit_tiny_patch16_rope_224"], [32], batch_size=1, iters=1, warmup=0, flops=False,
+                     model_kwargs=_TINY_ROPE, compile="inductor", interleave=interleave, log=lambda m: None)
+    assert p["status"] == "ok", p["error"]
+    assert modes == [None] and p["compile"] == "inductor"
+    assert p["infer_compile_s"] > 0 and p["train_compile_s"] > 0
+    assert p["infer_img_s"] > 0 and p["train_img_s"] > 0
 
 
 def test_benchmark_point_records_which_path_each_op_took():

@@ -289,6 +289,39 @@ def test_a_cut_models_part_keeps_the_ratios_to_the_twin_and_counts_every_planned
     assert f"| 2 | {vit} | 64 | ok | 100.00 | 100 | 33.00 | 300 | - | - |" in rows
 
 
+def test_models_part_runs_each_model_in_each_mode(monkeypatch):
+    """--model-modes: every model at every size in each mode, labelled with its mode ("name [mode]" unless eager),
+    benchmarked with that mode's compile and weights (16-bit weights without autocast), the twin's ratios taken
+    within the mode."""
+    from linvision.benchmark import throughput
+
+    calls = []
+
+    def fake(name, size, batch_size, device, model_kwargs, compile="none", weights="fp32", amp="none", **_):
+        calls.append((compile, weights, amp))
+        point = _fake_point(name, size, batch_size, device, model_kwargs)
+        if weights != "fp32":  # 16-bit weights: twice as fast, every model
+            point.update(infer_ms=point["infer_ms"] / 2, infer_img_s=point["infer_img_s"] * 2)
+        return point
+
+    monkeypatch.setattr(throughput, "benchmark_point", fake)
+    snapshots = []
+    settings = {"models": ["vit_small_patch16_224", TWIN], "twin": TWIN, "device": "cpu", "img_size": [32],
+                "batches": [1], "amp": "bf16", "warmup": 0, "iters": 1, "model_kwargs": {},
+                "modes": ["eager", "reduce-overhead", "bf16-weights"]}
+    gpu_parts.models_part(settings, _saver(snapshots))
+    points = snapshots[-1]["points"]
+    assert snapshots[0]["planned"] == 6 and len(points) == 6
+    assert sorted(set(calls)) == [("none", "bf16", "none"), ("none", "fp32", "bf16"), ("reduce-overhead", "fp32", "bf16")]
+    vit = "vit_small_patch16_224"
+    by_label = {p["model"]: p for p in points}
+    assert set(by_label) == {TWIN, vit, f"{TWIN} [reduce-overhead]", f"{vit} [reduce-overhead]",
+                             f"{TWIN} [bf16-weights]", f"{vit} [bf16-weights]"}
+    assert {p["mode"] for p in points} == {"eager", "reduce-overhead", "bf16-weights"}
+    for mode in ("", " [reduce-overhead]", " [bf16-weights]"):  # within each mode: vit half the twin's time
+        assert by_label[vit + mode]["infer_ms_vs_twin"] == 0.5
+
+
 class _FailingBackward(torch.autograd.Function):
     """The identity forward; its backward raises as fla-core's gated backward did on Hopper with Triton 3.6."""
 

@@ -57,6 +57,39 @@ def test_validate_reproduces_the_best_score_and_runs_other_sizes(trained, data):
     assert at24["img_size"] == 24 and "top1" in at24  # dynamic_img_size lets the ViT run at another size
 
 
+def test_validate_in_16_bit_weights_and_compiled(trained, data, monkeypatch):
+    """--weights bf16: the run's weights in bf16 (no autocast) score the validation set within bf16 rounding of
+    fp32 (the same count, the loss to 5%); --compile inductor runs the model under torch.compile (here its
+    aot_eager backend: Inductor's code generation takes minutes on a CPU) with fp32's figures; 16-bit weights
+    under --amp are refused in one line."""
+    import torch
+
+    from linvision.training.validate import validate_checkpoint
+
+    run_dir, _ = trained
+    fp32 = validate_checkpoint(run_dir, data_dir=data, img_sizes=[16])["results"][0]
+    bf16 = validate_checkpoint(run_dir, data_dir=data, img_sizes=[16], weights="bf16")["results"][0]
+    assert bf16["count"] == fp32["count"] == 6
+    assert bf16["loss"] == pytest.approx(fp32["loss"], rel=5e-2)
+    real, modes = torch.compile, []
+
+    def compile_for_test(model, mode=None, **kwargs):
+        modes.append(mode)
+        return real(model, backend="aot_eager", **kwargs)
+
+    monkeypatch.setattr(torch, "compile", compile_for_test)
+    torch._dynamo.reset()
+    got = validate_checkpoint(run_dir, data_dir=data, img_sizes=[16], compile="inductor")["results"][0]
+    assert modes == [None]
+    assert got["top1"] == fp32["top1"] and got["loss"] == pytest.approx(fp32["loss"], rel=1e-5)
+    proc = run_tool("validate.py", "--checkpoint", run_dir, "--data-dir", data, "--weights", "fp16", "--amp",
+                    "bf16", check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: weights: fp16 weights run without autocast (the model is in that dtype); got amp 'bf16': pass "
+        "--amp none"]
+
+
 def test_validate_gives_the_known_answer_of_a_constant_classifier(trained, data, tmp_path):
     """A head with zero weights and bias b predicts argmax(b) for every image: top-1 is that class's share of
     the validation set and the loss is mean_c (logsumexp(b) - b_c) over the (balanced) classes."""

@@ -222,6 +222,17 @@ def comparison_order(models: Sequence[str], sizes: Sequence[Any], batches: Seque
     return [(b, s, m) for b in batches for s in sizes for m in ordered]
 
 
+# The models part's run modes: (torch.compile mode, weights) of linvision.utils.run_mode; "eager" under the part's
+# autocast, the compiled ones too, "bf16-weights" without autocast (inference only)
+MODEL_MODES = {"eager": ("none", "fp32"), "inductor": ("inductor", "fp32"),
+               "reduce-overhead": ("reduce-overhead", "fp32"), "bf16-weights": ("none", "bf16")}
+
+
+def mode_label(spec: str, mode: str) -> str:
+    """A point's model label: the spec, with its run mode in brackets unless eager."""
+    return spec if mode == "eager" else f"{spec} [{mode}]"
+
+
 def _skip_point(spec: str, size: Any, batch: int, settings: Dict[str, Any], reason: str) -> Dict[str, Any]:
     """The record of a point not tried (its figures NaN), as out of memory for ``reason``."""
     from linvision.benchmark.throughput import size_label
@@ -238,28 +249,39 @@ def models_part(settings: Dict[str, Any], save: Callable[..., None]) -> None:
     training step under autocast (``amp``), each point saved as it finishes; a model that runs out of memory at a
     size is not tried at larger sizes with that batch (recorded as out of memory there too). With each point,
     each model's time and memory over the twin's (:func:`_compare_to_twin`), and ``oom_at``: per model and
-    batch, the first size out of memory. ``planned``: how many points the part is to measure."""
+    batch, the first size out of memory. ``planned``: how many points the part is to measure. ``modes`` (of
+    :data:`MODEL_MODES`, default eager only): each model at each size in each mode, labelled by
+    :func:`mode_label`, the twin's ratios taken within a mode."""
     from linvision.benchmark.throughput import benchmark_point, parse_model_spec
 
     points: List[Dict[str, Any]] = []
-    order = comparison_order(settings["models"], settings["img_size"], settings["batches"], settings["twin"])
+    modes = list(settings.get("modes", ["eager"]))
+    order = [(batch, size, mode, spec)
+             for batch, size, spec in comparison_order(settings["models"], settings["img_size"], settings["batches"],
+                                                       settings["twin"])
+             for mode in modes]
     save(points=points, planned=len(order), twin=settings["twin"], model_kwargs=settings["model_kwargs"],
-         **{k: settings[k] for k in ("batches", "device", "amp", "warmup", "iters")})
+         modes=modes, **{k: settings[k] for k in ("batches", "device", "amp", "warmup", "iters")})
     _warm(settings["device"], save, "the first model", [])
     out_at: Dict[Tuple[str, int], Any] = {}
-    for batch, size, spec in order:
-        if (spec, batch) in out_at:
-            point = _skip_point(spec, size, batch, settings, f"not tried: out of memory at {out_at[spec, batch]} px")
+    for batch, size, mode, spec in order:
+        label = mode_label(spec, mode)
+        if (label, batch) in out_at:
+            point = _skip_point(label, size, batch, settings, f"not tried: out of memory at {out_at[label, batch]} px")
         else:
             name, own = parse_model_spec(spec)
-            point = benchmark_point(name, size, batch_size=batch, device=settings["device"], amp=settings["amp"],
+            compile, weights = MODEL_MODES[mode]
+            point = benchmark_point(name, size, batch_size=batch, device=settings["device"],
+                                    amp=settings["amp"] if weights == "fp32" else "none",
                                     warmup=settings["warmup"], iters=settings["iters"], flops=False,
-                                    model_kwargs={**settings["model_kwargs"], **own})
-            point["model"] = spec
+                                    model_kwargs={**settings["model_kwargs"], **own}, compile=compile,
+                                    weights=weights)
+            point["model"] = label
             if point["status"] == "oom":
-                out_at[spec, batch] = point["img_size"]
+                out_at[label, batch] = point["img_size"]
+        point["mode"] = mode
         points.append(point)
-        print(f"batch {batch} {spec} {point['img_size']} px: {point['status']} "
+        print(f"batch {batch} {label} {point['img_size']} px: {point['status']} "
               f"infer {point['infer_img_s']:.2f} img/s, train {point['train_img_s']:.2f} img/s", flush=True)
         _compare_to_twin(points, settings["twin"])
         save(points=points, oom_at=_oom_at(points))
@@ -271,10 +293,11 @@ def _compare_to_twin(points: List[Dict[str, Any]], twin: Optional[str]) -> None:
     recomputed after each point, so that a part stopped at its deadline keeps the ratios of what it measured."""
     from linvision.benchmark.throughput import add_comparisons
 
-    for batch in dict.fromkeys(p["batch_size"] for p in points):
-        group = [p for p in points if p["batch_size"] == batch]
-        if twin is not None and any(p["model"] == twin for p in group):
-            add_comparisons(group, twin)
+    for batch, mode in dict.fromkeys((p["batch_size"], p.get("mode", "eager")) for p in points):
+        group = [p for p in points if p["batch_size"] == batch and p.get("mode", "eager") == mode]
+        label = None if twin is None else mode_label(twin, mode)
+        if label is not None and any(p["model"] == label for p in group):
+            add_comparisons(group, label)
 
 
 def _oom_at(points: List[Dict[str, Any]]) -> Dict[str, Any]:

@@ -340,7 +340,7 @@ def part_settings(options: Dict[str, Any], dry: bool) -> Dict[str, Dict[str, Any
                     "img_size": 32 if dry else 512, "amp": o["amp"], "steps": 1 if dry else 5},
         "models": {"models": o["models"], "twin": o["twin"], "device": device, "img_size": o["img_size"],
                    "batches": o["batches"], "amp": o["amp"], "warmup": o["warmup"], "iters": o["iters"],
-                   "model_kwargs": {}},
+                   "model_kwargs": {}, "modes": list(o.get("model_modes") or ["eager"])},
         "recurrences": {**common, "n": o["rec_n"], "backend": "torch" if dry else "triton",
                         "first_models": o.get("first_models", FIRST_MODELS), "amp": o["amp"],
                         "model_img_size": o.get("model_img_size", 1024)},

@@ -55,6 +55,7 @@ from linvision.training.segmenter import DECODERS, build_segmenter, check_decode
 from linvision.utils.amp import autocast
 from linvision.utils.factory import create_model
 from linvision.utils.measure import MemoryMeter, run_in_process, timed
+from linvision.utils.run_mode import COMPILE_MODES, WEIGHT_DTYPES, check_run_mode, compiled
 # the threads rule lives with the tools' shared flags (every tool takes its threads the same way); re-exported here
 from linvision.utils.threads import busy_cores, cores_busy_between, machine_load, threads_for_load  # noqa: F401
 
@@ -63,7 +64,8 @@ from .flops import count_gflops, count_params
 __all__ = ["BenchmarkPoint", "benchmark_point", "run_sweep", "write_results", "DEFAULT_MODELS",
            "parse_model_spec", "gemm_gflop_s", "add_comparisons", "comparison_table", "parse_img_size", "size_label",
            "DECODERS", "check_decoder", "runs_phrase", "free_memory", "timing", "benchmark_interleaved",
-           "machine_load", "busy_reason", "threads_for_load", "mark_reliability", "SPREAD_LIMIT_PCT", "unreliable_note"]
+           "machine_load", "busy_reason", "threads_for_load", "mark_reliability", "SPREAD_LIMIT_PCT", "unreliable_note",
+           "COMPILE_MODES", "WEIGHT_DTYPES", "check_run_mode"]
 
 # a linvision model against timm's softmax ViT and timm's MambaOut of about the same size (22-27M parameters)
 DEFAULT_MODELS = ["linhier_tiny_224", "vit_small_patch16_224", "mambaout_tiny"]
@@ -148,7 +150,8 @@ def _empty_point(name: str, img_size: Any, batch_size: int, device: str, amp: st
     point.update({"batch_size": batch_size, "device": str(device), "amp": amp, "status": "ok", "error": "",
                   "params_m": nan, "gflops": nan, "iters": iters})
     for prefix in ("infer", "train"):
-        point.update({f"{prefix}_{key}": nan for key in TIMING_KEYS}, **{f"{prefix}_mem_mb": nan})
+        point.update({f"{prefix}_{key}": nan for key in TIMING_KEYS}, **{f"{prefix}_mem_mb": nan,
+                                                                        f"{prefix}_compile_s": nan})
     point.update(backends="", load=nan, cores=0, threads=0, unreliable="")
     return point
 
@@ -180,7 +183,8 @@ def benchmark_point(name: str, img_size: Size, batch_size: int = 8, device: str 
                     model_kwargs: Optional[Dict[str, Any]] = None,
                     build_fn: Optional[Callable[[str, Size, Dict[str, Any]], nn.Module]] = None,
                     decoder: Optional[str] = None, classes: int = 19,
-                    report: Optional[Callable[[BenchmarkPoint], None]] = None) -> BenchmarkPoint:
+                    report: Optional[Callable[[BenchmarkPoint], None]] = None, compile: str = "none",
+                    weights: str = "fp32") -> BenchmarkPoint:
     """Measure one model at one size (a side, ``"HxW"`` or (H, W)); never raises for a failure of the model or
     an OOM.
 
@@ -196,24 +200,30 @@ def benchmark_point(name: str, img_size: Size, batch_size: int = 8, device: str 
     (H, W); by default timm's model, or with ``decoder`` (one of :data:`DECODERS`) the segmenter of
     :func:`~linvision.training.segmenter.build_segmenter` (whatever the size: its heads take any), whose
     training loss is per-pixel cross-entropy against random labels in [0, classes). ``report`` is called with
-    the point once its inference figures are in.
+    the point once its inference figures are in. ``compile`` (:data:`COMPILE_MODES`): the model timed under
+    torch.compile, its first call's seconds (the compilation) in ``infer_compile_s`` and ``train_compile_s``;
+    ``weights`` (:data:`WEIGHT_DTYPES`): the model and input in that dtype, inference only for 16-bit weights
+    (the training figures stay NaN).
     """
     if iters < 1:
         raise ValueError(f"iters: at least 1 timed iteration, got {iters}")
+    check_run_mode(compile, weights, amp)
     dev = torch.device(device)
     size = parse_img_size(img_size)
     point = _empty_point(name, size, batch_size, str(dev), amp, iters, decoder, classes)
+    point.update(compile=compile, weights=weights)
     build_fn = build_fn or _default_build(decoder, classes)
     model = x = None
     try:
         model = build_fn(name, size, dict(model_kwargs or {})).to(dev)
         _count(point, model, flops)
         x = torch.randn(batch_size, 3, point["height"], point["width"], device=dev)
-        _measure_inference(point, model, x, dev, amp, warmup, iters)
+        model, x = _prepared(point, model, x, compile, weights)
+        _measure_inference(point, model, x, dev, amp, warmup, iters, compile)
         if report is not None:
             report(point)
-        if train:
-            _measure_training(point, model, x, dev, amp, warmup, iters, decoder)
+        if train and weights == "fp32":
+            _measure_training(point, model, x, dev, amp, warmup, iters, decoder, compile)
     except Exception as e:  # the sweep records any failure of one point and goes on
         _record_failure(point, e)
     finally:
@@ -229,6 +239,28 @@ def _count(point: BenchmarkPoint, model: nn.Module, flops: bool) -> None:
     point["params_m"] = count_params(model) / 1e6
     if flops:
         point["gflops"] = count_gflops(model, (point["height"], point["width"]))
+
+
+def _prepared(point: BenchmarkPoint, model: nn.Module, x: torch.Tensor, compile: str,
+              weights: str) -> Tuple[nn.Module, torch.Tensor]:
+    """The model and input a point times: in the ``weights`` dtype, under ``compile``."""
+    dtype = WEIGHT_DTYPES[weights]
+    if dtype != torch.float32:
+        model, x = model.to(dtype), x.to(dtype)
+    return compiled(model, compile), x
+
+
+def _first_pass(point: BenchmarkPoint, phase: str, step: Callable[[], None], dev: torch.device,
+                compile: str) -> None:
+    """A compiled step's first call, timed into ``<phase>_compile_s`` (the compilation it pays); nothing for an
+    eager step."""
+    if compile == "none":
+        return
+    start = time.perf_counter()
+    step()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    point[f"{phase}_compile_s"] = time.perf_counter() - start
 
 
 def _infer_step(model: nn.Module, x: torch.Tensor, dev: torch.device, amp: str) -> Callable[[], None]:
@@ -269,19 +301,21 @@ def _train_step(model: nn.Module, x: torch.Tensor, dev: torch.device, amp: str,
 
 
 def _measure_inference(point: BenchmarkPoint, model: nn.Module, x: torch.Tensor, dev: torch.device, amp: str,
-                       warmup: int, iters: int) -> None:
+                       warmup: int, iters: int, compile: str = "none") -> None:
     """The inference figures of ``point``: ``model(x)`` in eval mode without gradients, timed, with the peak
-    memory it adds and the path each dispatching op took."""
+    memory it adds and the path each dispatching op took (a compiled model's first call timed apart)."""
     infer = _infer_step(model, x, dev, amp)
+    _first_pass(point, "infer", infer, dev, compile)
     with MemoryMeter(dev) as mem, record_backends() as used:
         times = timed(infer, dev, warmup, iters)
     point.update(timing("infer", times, len(x)), infer_mem_mb=mem.peak_mb, backends=backends_label(used))
 
 
 def _measure_training(point: BenchmarkPoint, model: nn.Module, x: torch.Tensor, dev: torch.device, amp: str,
-                      warmup: int, iters: int, decoder: Optional[str]) -> None:
+                      warmup: int, iters: int, decoder: Optional[str], compile: str = "none") -> None:
     """The training figures of ``point``: :func:`_train_step` on ``x``, timed, with the peak memory it adds."""
     step = _train_step(model, x, dev, amp, decoder)
+    _first_pass(point, "train", step, dev, compile)
     with MemoryMeter(dev) as mem, record_backends() as used:
         times = timed(step, dev, warmup, iters)
     point["backends"] = backends_label(used, point["backends"])
@@ -349,7 +383,8 @@ def benchmark_interleaved(models: Sequence[Tuple[str, Dict[str, Any]]], img_size
                           train: bool = True, flops: bool = True,
                           build_fn: Optional[Callable[[str, Size, Dict[str, Any]], nn.Module]] = None,
                           decoder: Optional[str] = None, classes: int = 19,
-                          log: Optional[Callable[[str], None]] = None) -> List[BenchmarkPoint]:
+                          log: Optional[Callable[[str], None]] = None, compile: str = "none",
+                          weights: str = "fp32") -> List[BenchmarkPoint]:
     """:func:`benchmark_point` of each (name, model_kwargs) of ``models`` at one size, the models timed
     interleaved: all are built, then for inference and then for the training step each model makes its first
     pass (untimed: its peak memory, and the first of ``warmup`` runs; so at least one), the other warm-up runs,
@@ -359,10 +394,11 @@ def benchmark_interleaved(models: Sequence[Tuple[str, Dict[str, Any]]], img_size
     rotation. ``log`` gets a progress line at most every 15 s."""
     if iters < 1:
         raise ValueError(f"iters: at least 1 timed iteration, got {iters}")
+    check_run_mode(compile, weights, amp)
     dev, size = torch.device(device), parse_img_size(img_size)
     build_fn = build_fn or _default_build(decoder, classes)
-    entries = [_Entry(_empty_point(name, size, batch_size, str(dev), amp, iters, decoder, classes))
-               for name, _ in models]
+    entries = [_Entry({**_empty_point(name, size, batch_size, str(dev), amp, iters, decoder, classes),
+                       "compile": compile, "weights": weights}) for name, _ in models]
     ticker = _Ticker(log)
     try:
         for entry, (name, kwargs) in zip(entries, models):
@@ -370,12 +406,13 @@ def benchmark_interleaved(models: Sequence[Tuple[str, Dict[str, Any]]], img_size
                 entry.model = build_fn(name, size, dict(kwargs or {})).to(dev)
                 _count(entry.point, entry.model, flops)
                 entry.x = torch.randn(batch_size, 3, entry.point["height"], entry.point["width"], device=dev)
+                entry.model, entry.x = _prepared(entry.point, entry.model, entry.x, compile, weights)
             except Exception as e:
                 entry.fail(e)
             free_memory(dev)
             ticker.tick(lambda: f"{size_label(size)} px: {name} built")
-        for phase in ("infer", "train") if train else ("infer",):
-            _interleaved_phase(entries, phase, dev, amp, decoder, warmup, iters, ticker)
+        for phase in ("infer", "train") if train and weights == "fp32" else ("infer",):
+            _interleaved_phase(entries, phase, dev, amp, decoder, warmup, iters, ticker, compile)
     finally:
         for entry in entries:
             entry.model = entry.x = entry.step = None
@@ -386,7 +423,7 @@ def benchmark_interleaved(models: Sequence[Tuple[str, Dict[str, Any]]], img_size
 
 
 def _interleaved_phase(entries: List[_Entry], phase: str, dev: torch.device, amp: str, decoder: Optional[str],
-                       warmup: int, iters: int, ticker: _Ticker) -> None:
+                       warmup: int, iters: int, ticker: _Ticker, compile: str = "none") -> None:
     """The ``phase`` ("infer" or "train") figures of every live entry: first pass (memory, backends), warm-up,
     then the timed runs interleaved."""
     label = "inference" if phase == "infer" else "training step"
@@ -394,6 +431,7 @@ def _interleaved_phase(entries: List[_Entry], phase: str, dev: torch.device, amp
         try:
             entry.step = (_infer_step(entry.model, entry.x, dev, amp) if phase == "infer"
                           else _train_step(entry.model, entry.x, dev, amp, decoder))
+            _first_pass(entry.point, phase, entry.step, dev, compile)
             with MemoryMeter(dev) as mem, record_backends() as used:
                 entry.step()
             entry.point[f"{phase}_mem_mb"] = mem.peak_mb
@@ -655,6 +693,9 @@ def _format(p: BenchmarkPoint) -> str:
     line = (f"{head}  infer {p['infer_img_s']:9.2f} img/s {p['infer_ms']:9.1f} ms "
             f"(spread {p['infer_spread_pct']:4.0f}%) {p['infer_mem_mb']:8.1f} MiB")
     flag = f" | UNRELIABLE: {p['unreliable']}" if p.get("unreliable") else ""
+    compiled = [f"{phase} {p[f'{phase}_compile_s']:.1f} s" for phase in ("infer", "train")
+                if _figure(p.get(f"{phase}_compile_s"))]
+    flag = (f" | compiled ({p.get('compile')}): " + ", ".join(compiled) if compiled else "") + flag
     if p["status"] != "ok":
         return f"{line} | {p['status']}: {p['error']}{flag}"
     if not _figure(p["train_ms"]):  # training not measured (--no-train): no columns for it

@@ -56,10 +56,10 @@ class CswinStripeAttention(AttentionMixer):
         b, nh, n, d = q.shape
         h, w = hw
         s = self.stripe
-        pad_h, pad_w = (0, -w % s) if vertical else (-h % s, 0)
-        hp, wp = h + pad_h, w + pad_w
-
-        count = wp // s if vertical else hp // s  # stripes per image
+        count = (w + s - 1) // s if vertical else (h + s - 1) // s  # stripes per image
+        # the padded map as count stripes of s: a product, so a symbolic size (torch.compile) needs no guard on it
+        hp, wp = (h, count * s) if vertical else (count * s, w)
+        pad_h, pad_w = hp - h, wp - w
 
         def stripes(t: Tensor) -> Tensor:  # (B, h, N, D) -> (B * stripes, h, tokens of a stripe, D)
             th, td = t.shape[1], t.shape[3]
@@ -68,7 +68,7 @@ class CswinStripeAttention(AttentionMixer):
                 t = t.reshape(b, th, hp, count, s, td).permute(0, 3, 1, 2, 4, 5)
             else:  # (B, h, H / s, s, W, D) -> (B, H / s, h, s, W, D)
                 t = t.reshape(b, th, count, s, wp, td).permute(0, 2, 1, 3, 4, 5)
-            return t.reshape(b * count, th, hp * wp // count, td)
+            return t.reshape(b * count, th, hp * s if vertical else s * wp, td)
 
         qs, ks, vs = stripes(q), stripes(k), stripes(v)
         mask = None

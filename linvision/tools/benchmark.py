@@ -40,6 +40,7 @@ from linvision.benchmark.throughput import (
     DEFAULT_MODELS,
     add_comparisons,
     check_decoder,
+    check_run_mode,
     comparison_table,
     gemm_gflop_s,
     parse_img_size,
@@ -48,7 +49,7 @@ from linvision.benchmark.throughput import (
     write_results,
 )
 from linvision.utils.factory import check_model_name
-from linvision.utils.cli import add_amp_arg, add_threads_arg, arg_type, run_cli, tool_parser
+from linvision.utils.cli import add_amp_arg, add_run_mode_args, add_threads_arg, arg_type, run_cli, tool_parser
 from linvision.utils.threads import set_threads
 from linvision.utils.config import add_config_arg, parse_args, parse_kwargs
 
@@ -74,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--point-timeout", type=float, default=None,
                         help="seconds: each point in a process of its own, stopped at this budget")
     add_amp_arg(parser)
+    add_run_mode_args(parser, ", its seconds recorded apart (infer_compile_s, train_compile_s); no training "
+                              "step is timed with 16-bit --weights")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="'auto': CUDA when available, else CPU")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs before the timed ones")
@@ -103,12 +106,15 @@ def main() -> int:
         raise ValueError(f"point_timeout: seconds > 0, got {args.point_timeout}")
     if args.iters < 1 or args.warmup < 0:
         raise ValueError(f"iters/warmup: need iters >= 1 and warmup >= 0, got {args.iters} and {args.warmup}")
+    check_run_mode(args.compile, args.weights, args.amp)
     threads = set_threads(args.threads)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     out_dir = os.path.join(args.output, args.experiment or f"benchmark-{time.strftime('%Y%m%d-%H%M%S')}")
     seg = f", {args.decoder} head ({args.classes} classes)" if args.decoder else ""
     budget = f", {args.point_timeout:g} s per point" if args.point_timeout else ""
-    print(f"device {device}, {threads}, batch {args.batch_size}, amp {args.amp}, "
+    mode = "" if args.compile == "none" else f", torch.compile {args.compile}"
+    mode += "" if args.weights == "fp32" else f", {args.weights} weights (inference only)"
+    print(f"device {device}, {threads}, batch {args.batch_size}, amp {args.amp}{mode}, "
           f"{args.warmup} warm-up + {args.iters} timed runs per figure (their median){seg}{budget}", flush=True)
     gemm = None
     if args.gemm_rate:
@@ -117,6 +123,7 @@ def main() -> int:
     points = run_sweep(args.models, args.img_size, out_dir, batch_size=args.batch_size, device=device,
                        amp=args.amp, warmup=args.warmup, iters=args.iters, train=args.train, flops=args.flops,
                        model_kwargs=parse_kwargs(args.model_kwargs), point_timeout=args.point_timeout,
+                       compile=args.compile, weights=args.weights,
                        **(dict(decoder=args.decoder, classes=args.classes) if args.decoder else {}))
     if args.twin is not None or gemm is not None:
         add_comparisons(points, args.twin, gemm)
@@ -125,7 +132,7 @@ def main() -> int:
         with open(os.path.join(out_dir, "comparison.md"), "w") as f:
             f.write(table + "\n")
     write_results(points, out_dir)
-    title = f"{device}, batch {args.batch_size}, amp {args.amp}"  # the plot adds how many runs each point is
+    title = f"{device}, batch {args.batch_size}, amp {args.amp}{mode}"  # the plot adds how many runs each point is
     title = f"{args.decoder} head, {title}" if args.decoder else title
     plotted = plot_results(points, os.path.join(out_dir, "throughput_memory.png"), title=title)
     failed = [p for p in points if p["status"] == "error"]

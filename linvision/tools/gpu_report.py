@@ -43,6 +43,7 @@ import sys
 from typing import Optional, Sequence
 
 from linvision.benchmark import gpu_report as report
+from linvision.benchmark.gpu_parts import MODEL_MODES
 from linvision.utils.cli import AMP_HELP, amp_flag_options, run_cli, tool_parser
 
 
@@ -91,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="models whose first forward+backward (batch 1, 1024 px) the recurrences part times")
     p.add_argument("--profile-models", nargs="+", default=report.PROFILE_MODELS,
                    help="models whose forward at batch 1 (512 px) the profile part reads")
+    p.add_argument("--model-modes", nargs="+", default=["eager"], choices=list(MODEL_MODES), metavar="MODE",
+                   help="run modes of the models part, each model in each: eager (under --amp), inductor and "
+                        "reduce-overhead (torch.compile, Inductor; with CUDA graphs), bf16-weights (inference "
+                        f"without autocast); of {', '.join(MODEL_MODES)}")
     p.add_argument("--amp", default="bf16", help=AMP_HELP, **amp_flag_options())
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations before the timed ones")
     p.add_argument("--iters", type=int, default=3, help="timed iterations per figure")

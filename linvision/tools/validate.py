@@ -53,7 +53,8 @@ def main() -> int:
                               pretrained=args.model if args.pretrained else None,
                               interpolation=args.interpolation, crop_pct=args.crop_pct,
                               naflex_max_seq_len=args.naflex_max_seq_len if args.naflex_loader else None,
-                              model_kwargs=parse_kwargs(args.model_kwargs))
+                              model_kwargs=parse_kwargs(args.model_kwargs), compile=args.compile,
+                              weights=args.weights)
     out["threads"] = threads
     text = json.dumps(out, indent=2)
     print(text)

@@ -23,8 +23,10 @@ def to_device(images, device: torch.device):
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, info: Optional[DistInfo] = None, amp: str = "none",
-             channels_last: bool = False, progress: bool = False) -> Dict[str, float]:
-    """Accuracy (percent) and mean cross-entropy of ``model`` on ``loader``.
+             channels_last: bool = False, progress: bool = False,
+             dtype: Optional[torch.dtype] = None) -> Dict[str, float]:
+    """Accuracy (percent) and mean cross-entropy of ``model`` on ``loader``; ``dtype``: the images cast to it (a
+    model in bf16 or fp16 weights).
 
     Each rank evaluates its shard; sums of correct predictions, losses and counts are reduced over ranks, so
     the figures are those of the whole set (the sharding repeats no sample). Returns
@@ -39,6 +41,8 @@ def evaluate(model: nn.Module, loader, info: Optional[DistInfo] = None, amp: str
         images, targets = to_device(images, info.device), targets.to(info.device)
         if channels_last and not isinstance(images, dict):
             images = images.contiguous(memory_format=torch.channels_last)
+        if dtype is not None and not isinstance(images, dict):
+            images = images.to(dtype)
         with autocast(info.device, amp):
             logits = model(images)
         logits = logits.float()

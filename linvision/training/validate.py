@@ -24,7 +24,8 @@ from linvision.data.naflex import check_naflex_model, naflex_eval_parts
 from linvision.data.run_data import run_data
 from linvision.utils.checkpoint import (checkpoint_task, load_model, read_checkpoint_meta, recorded_data_config,
                                         resolve_checkpoint)
-from linvision.utils.cli import add_amp_arg
+from linvision.utils.cli import add_amp_arg, add_run_mode_args
+from linvision.utils.run_mode import WEIGHT_DTYPES, check_run_mode, compiled
 from linvision.utils.distributed import barrier, cleanup, init_distributed
 from linvision.utils.factory import check_pretrained, create_model
 
@@ -71,6 +72,7 @@ def add_validate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--batch-size", "-b", type=int, default=64, help="images per batch on each rank")
     parser.add_argument("--workers", "-j", type=int, default=0, help="data-loading worker processes per rank")
     add_amp_arg(parser)
+    add_run_mode_args(parser, " (once per size)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="'auto': CUDA when available, else CPU")
     parser.add_argument("--output", default=None, help="write the JSON results to this file as well")
@@ -158,12 +160,15 @@ def _print_note(note: Optional[str], info) -> None:
 
 
 def _validate_sizes(checkpoint, pretrained, meta, source, dataset, data_dir, sizes, batch_size, workers, amp,
-                    progress, info, interpolation, crop_pct, note, model_kwargs=None) -> List[Dict[str, Any]]:
-    """One evaluation at each of ``sizes``, the model rebuilt for each; a size the model cannot run at gets an
-    ``error`` entry."""
+                    progress, info, interpolation, crop_pct, note, model_kwargs=None, compile: str = "none",
+                    weights: str = "fp32") -> List[Dict[str, Any]]:
+    """One evaluation at each of ``sizes``, the model rebuilt for each (in the ``weights`` dtype, under
+    ``compile``); a size the model cannot run at gets an ``error`` entry."""
     results = []
     for size in sizes:
         model = _model_at(checkpoint, pretrained, size, info, first=size == sizes[0], model_kwargs=model_kwargs)
+        dtype = WEIGHT_DTYPES[weights]
+        model = compiled(model.to(dtype).eval(), compile)
         data_config = eval_data_config(meta if checkpoint else None, size, model, interpolation, crop_pct)
         transform = build_transform(is_training=False, **data_config)
         val_set = create_dataset(dataset, data_dir, "val", transform=transform, digits_size=size)
@@ -173,7 +178,7 @@ def _validate_sizes(checkpoint, pretrained, meta, source, dataset, data_dir, siz
         sampler = ShardedSampler(len(val_set), info.rank, info.world_size, shuffle=False)
         loader = create_loader(val_set, batch_size, sampler, workers)
         try:
-            res = evaluate(model, loader, info, amp=amp, progress=progress)
+            res = evaluate(model, loader, info, amp=amp, progress=progress, dtype=dtype)
         except (RuntimeError, ValueError, AssertionError) as e:  # a model tied to one input size
             res = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"}
         results.append({"img_size": size, **res, "interpolation": data_config["interpolation"],
@@ -200,7 +205,8 @@ def validate_checkpoint(checkpoint: Optional[str], dataset: Optional[str] = None
                         amp: str = "none", device: str = "auto", progress: bool = False,
                         pretrained: Optional[str] = None, interpolation: Optional[str] = None,
                         crop_pct: Optional[float] = None, naflex_max_seq_len: Optional[int] = None,
-                        model_kwargs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+                        model_kwargs: Optional[Dict[str, Any]] = None, compile: str = "none",
+                        weights: str = "fp32") -> Dict[str, Any]:
     """Evaluate ``checkpoint`` (or, with ``pretrained`` naming a model, that model's trained weights as
     ``timm.create_model(pretrained=True)`` loads them) on the validation split at each of ``img_sizes``.
 
@@ -210,6 +216,10 @@ def validate_checkpoint(checkpoint: Optional[str], dataset: Optional[str] = None
     With ``naflex_max_seq_len`` every image is evaluated once at its own aspect ratio instead (timm's NaFlex
     transform: resized to at most that many patches, patchified, batched by timm's NaFlex collator; the model must
     take NaFlex batches), one result {"naflex_max_seq_len", ...} in place of the sizes.
+
+    ``compile`` and ``weights`` (:mod:`linvision.utils.run_mode`): the model evaluated under torch.compile, in
+    bf16 or fp16 weights with its inputs in that dtype (no autocast); the NaFlex loader and a segmenter take
+    neither (ValueError).
 
     ``model_kwargs`` are merged over the options the checkpoint records (:func:`~linvision.utils.load_model`),
     or given to ``pretrained``'s model: the same weights built with other options that keep their shapes (RoPE
@@ -225,6 +235,11 @@ def validate_checkpoint(checkpoint: Optional[str], dataset: Optional[str] = None
     """
     if (checkpoint is None) == (pretrained is None):
         raise ValueError("checkpoint: give a checkpoint (or run folder), or a model name with --pretrained")
+    check_run_mode(compile, weights, amp)
+    if (compile, weights) != ("none", "fp32") and (naflex_max_seq_len is not None or (
+            checkpoint and checkpoint_task(checkpoint) == "segmentation")):
+        raise ValueError("compile/weights: for classifiers evaluated at --img-size; the NaFlex loader and "
+                         "segmenters run eager in fp32 (or under --amp)")
     if checkpoint and checkpoint_task(checkpoint) == "segmentation":  # a checkpoint of linvision-train-seg
         from .seg_validate import validate_segmenter
 
@@ -250,7 +265,8 @@ def validate_checkpoint(checkpoint: Optional[str], dataset: Optional[str] = None
         else:
             sizes: List[int] = list(img_sizes or [meta["img_size"]])
             results = _validate_sizes(checkpoint, pretrained, meta, source, dataset, data_dir, sizes, batch_size,
-                                      workers, amp, progress, info, interpolation, crop_pct, note, model_kwargs)
+                                      workers, amp, progress, info, interpolation, crop_pct, note, model_kwargs,
+                                      compile, weights)
         barrier(info)
         # how it was trained: at its img_size, or on NaFlex batches (each image at its own aspect)
         trained = ({"train_naflex_seq_lens": meta["naflex_train_seq_lens"]} if meta.get("naflex_train_seq_lens")

@@ -157,6 +157,18 @@ def amp_flag_options() -> dict:
     return dict(nargs="?", const=DEFAULT_AMP, type=_amp_value, choices=AMP_CHOICES)
 
 
+def add_run_mode_args(parser, compile_note: str = "") -> None:
+    """``--compile`` and ``--weights`` (:mod:`linvision.utils.run_mode`); ``compile_note`` ends --compile's help."""
+    from linvision.utils.run_mode import COMPILE_MODES, WEIGHT_DTYPES
+
+    parser.add_argument("--compile", default="none", choices=COMPILE_MODES,
+                        help=f"run the model under torch.compile: 'inductor' or 'reduce-overhead' (Inductor "
+                             f"and CUDA graphs); the first call pays the compilation{compile_note}")
+    parser.add_argument("--weights", default="fp32", choices=list(WEIGHT_DTYPES),
+                        help="the weights' and input's dtype: bf16 or fp16 for inference without autocast "
+                             "(with --amp none)")
+
+
 def add_amp_arg(parser) -> None:
     """``--amp [none|bf16|fp16]``, default none (:func:`amp_flag_options`)."""
     parser.add_argument("--amp", default="none", help=AMP_HELP, **amp_flag_options())

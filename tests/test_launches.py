@@ -90,8 +90,8 @@ FOLDED = {  # a reduced model of each fold: (name, options, the module whose wei
 
 @pytest.mark.parametrize("case", sorted(FOLDED))
 def test_inference_folds_follow_the_weights(case):
-    """Eval without gradients (the folds formed once) equals eval with gradients wanted (the plain ops, as in
-    training) to fp32 rounding; after a training step changes the weights in place, and after load_state_dict,
+    """Eval without gradients (the folds formed once, under inference_mode first) equals eval with gradients
+    wanted (the plain ops, as in training) to fp32 rounding; after a training step changes the weights in place, and after load_state_dict,
     the folds are formed anew: eval equals the plain path again, and differs from the output before the step."""
     name, options = FOLDED[case]
     torch.manual_seed(0)
@@ -100,10 +100,13 @@ def test_inference_folds_follow_the_weights(case):
 
     def both():
         model.eval()
+        with torch.inference_mode():  # formed here, the folds are ordinary tensors the no_grad forward reuses
+            inference = model(x)
         with torch.no_grad():
             folded = model(x)
         plain = model(x).detach()  # grad mode: no fold
         torch.testing.assert_close(folded, plain, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(inference, folded, rtol=0, atol=0)
         return folded
 
     before = both()

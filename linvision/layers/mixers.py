@@ -329,6 +329,7 @@ class AttentionMixer(TokenMixer):
             return (*self.project(x), None)
         merged = None
         if type(self).project is AttentionMixer.project and isinstance(self.qkv, nn.Linear) \
+                and self.qkv.out_features == 3 * gate.out_features \
                 and not (self.split_value_proj and self.rope_type is not None):
             qkv = self.qkv
             merged = derived(self, "qkv-gate", (qkv.weight, qkv.bias, gate.weight, gate.bias),

@@ -28,8 +28,11 @@ def to_chunks(x: Tensor, c: int) -> Tensor:
     # With a symbolic n (torch.export with dynamic sizes) one more chunk of padding: a padding that is never empty
     # keeps the graph from assuming that every size is, like the traced one, a multiple of c.
     extra = c if isinstance(n, torch.SymInt) else 0
-    x = F.pad(x, (0, 0, 0, (-n) % c + extra))
-    return x.reshape(b, h, x.shape[2] // c, c, x.shape[-1])  # no -1: an empty batch has a chunk count too
+    # Written into a fresh buffer rather than F.pad: with a symbolic padding that turns out empty, F.pad returns
+    # the input's strides (a transposed input stays transposed) where the compiled graph assumed contiguous ones.
+    padded = x.new_zeros(b, h, n + (-n) % c + extra, x.shape[-1])
+    padded[:, :, :n] = x
+    return padded.view(b, h, padded.shape[2] // c, c, x.shape[-1])  # no -1: an empty batch has a chunk count too
 
 
 def chunk_length(chunk_size: int, n) -> int:

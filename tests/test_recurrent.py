@@ -221,6 +221,21 @@ def test_bidirectional_delta_matches_loops():
         torch.testing.assert_close(out, fwd + bwd.flip(2), rtol=1e-10, atol=1e-10)
 
 
+
+def test_delta_compiled_with_dynamic_sizes_on_transposed_inputs():
+    """torch.compile(fullgraph=True, dynamic=True) of the chunked delta rule on token-major (transposed) features,
+    batch 1: a token count that fills its chunks (an empty padding, where F.pad would keep the transposed strides
+    the graph does not expect) and a ragged one, each equal to the loops."""
+    fn = torch.compile(lambda q, k, v, beta: delta_rule_attention(q, k, v, beta, chunk_size=4), backend="aot_eager",
+                       fullgraph=True, dynamic=True)
+    torch._dynamo.reset()
+    for n in (11, 12):
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in qkv(b=1, n=n))
+        assert not q.is_contiguous()
+        beta = torch.rand(q.shape[:3], generator=torch.Generator().manual_seed(n), dtype=torch.float64)
+        torch.testing.assert_close(fn(q, k, v, beta), naive_delta(q, k, v, beta)[0], rtol=1e-10, atol=1e-10)
+
+
 def _grads(fn, *inputs):
     """Gradients of a fixed random projection of fn(*inputs) with respect to every input."""
     inputs = [t.detach().clone().requires_grad_() for t in inputs]

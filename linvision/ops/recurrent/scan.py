@@ -30,8 +30,9 @@ def to_chunks(x: Tensor, c: int) -> Tensor:
     extra = c if isinstance(n, torch.SymInt) else 0
     # Written into a fresh buffer rather than F.pad: with a symbolic padding that turns out empty, F.pad returns
     # the input's strides (a transposed input stays transposed) where the compiled graph assumed contiguous ones.
-    padded = x.new_zeros(b, h, n + (-n) % c + extra, x.shape[-1])
+    padded = x.new_empty(b, h, n + (-n) % c + extra, x.shape[-1])
     padded[:, :, :n] = x
+    padded[:, :, n:] = 0  # only the tail: one pass over the tokens, as F.pad's
     return padded.view(b, h, padded.shape[2] // c, c, x.shape[-1])  # no -1: an empty batch has a chunk count too
 
 

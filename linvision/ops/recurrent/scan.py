@@ -28,9 +28,13 @@ def to_chunks(x: Tensor, c: int) -> Tensor:
     # With a symbolic n (torch.export with dynamic sizes) one more chunk of padding: a padding that is never empty
     # keeps the graph from assuming that every size is, like the traced one, a multiple of c.
     extra = c if isinstance(n, torch.SymInt) else 0
-    # Written into a fresh buffer rather than F.pad: with a symbolic padding that turns out empty, F.pad returns
-    # the input's strides (a transposed input stays transposed) where the compiled graph assumed contiguous ones.
-    padded = x.new_empty(b, h, n + (-n) % c + extra, x.shape[-1])
+    pad = (-n) % c + extra
+    if not is_tracing(n):  # eager: F.pad, one launch, none when nothing is padded (a chunk split is a view)
+        padded = F.pad(x, (0, 0, 0, pad)) if pad else x
+        return padded.view(b, h, padded.shape[2] // c, c, x.shape[-1])
+    # Traced: written into a fresh buffer rather than F.pad; with a symbolic padding that turns out empty, F.pad
+    # returns the input's strides (a transposed input stays transposed) where the compiled graph assumed contiguous ones.
+    padded = x.new_empty(b, h, n + pad, x.shape[-1])
     padded[:, :, :n] = x
     padded[:, :, n:] = 0  # only the tail: one pass over the tokens, as F.pad's
     return padded.view(b, h, padded.shape[2] // c, c, x.shape[-1])  # no -1: an empty batch has a chunk count too

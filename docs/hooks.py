@@ -176,6 +176,14 @@ def _mathml(m, page) -> str:
     return f'<div class="math">{mathml}</div>' if block else mathml
 
 
+CELL = re.compile(r"<td[^>]*>.*?</td>", re.S)
+
+
+def _unbroken(cell: str) -> str:
+    """A table cell's "mean ± spread" kept on one line (a narrow column would break it at both spaces)."""
+    return cell.replace(" \u00b1 ", "&nbsp;\u00b1&nbsp;")
+
+
 def on_page_content(html_text, page, config, files):
     name = getattr(getattr(page, "file", None), "src_uri", page)
-    return MATH.sub(lambda m: _mathml(m, name), html_text)
+    return CELL.sub(lambda m: _unbroken(m.group(0)), MATH.sub(lambda m: _mathml(m, name), html_text))

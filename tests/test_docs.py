@@ -295,6 +295,19 @@ def test_names_in_table_cells_are_not_split(site):
     assert "<td><code>--train</code>, <code>--no-train</code></td>" in tools
 
 
+def test_spreads_stay_whole_and_long_code_lines_wrap(site):
+    """A "mean ± spread" cell of a results table is one unbroken run (the segmentation table broke each over three
+    lines), the results page opens with its summary table, and a code line longer than the column wraps (the
+    stylesheet's rule for every code block) instead of running past the right edge."""
+    results = _text(site, "results.html")
+    assert "<td>45.38&nbsp;\u00b1&nbsp;2.06</td>" in results
+    assert not re.search(r"<td>[^<]* \u00b1 [^<]*</td>", results)
+    assert results.index("The page at a glance") < results.index("Every figure on this page")
+    css = re.sub(r"/\*.*?\*/", "", _text(site, "stylesheets/extra.css"), flags=re.S)
+    rules = {selector.strip(): body for selector, body in re.findall(r"([^{}]+)\{([^}]*)\}", css)}
+    assert "white-space: pre-wrap" in rules[".md-typeset pre > code"]
+
+
 CODE_WIDTH = 104  # characters of a code line that fit the content column of a 1400 px window (docs/stylesheets)
 
 

@@ -599,3 +599,77 @@ def test_gated_cnn_is_registered_by_its_name_and_none_is_an_alias():
         check_prefix_tokens(a, 1)
     with pytest.raises(ValueError, match=r"^name: token mixer 'none' is already registered by GatedConvMixer"):
         register_mixer("another", "none")(type("Other", (TokenMixer,), {}))
+
+
+def _saved_and_grads(module, x, dtype=None):
+    """Bytes kept for the backward by one forward (distinct storages, parameters excluded) and the gradients."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    saved = {}
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in params:
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype or torch.bfloat16, enabled=dtype is not None):
+        out = module(x)
+    grads = torch.autograd.grad(out.float().square().sum(), [x, *module.parameters()])
+    return sum(saved.values()), out, grads
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["float64", "autocast-bf16"])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_recompute_mlp_equals_timms_mlp_and_keeps_less(dtype, approximate):
+    """RecomputeMlp has timm Mlp's state dict and its forward and gradients (float64 to rounding; under bf16
+    autocast the same bf16 products), in training keeps the hidden pre-activations but not the GELU's output nor
+    (autocast) fc2's cast weight, and in eval or without grad is timm's forward."""
+    from functools import partial
+
+    from timm.layers import Mlp
+
+    from linvision.layers import RecomputeMlp
+    torch.manual_seed(0)
+    act = partial(nn.GELU, approximate=approximate)
+    ref = Mlp(24, 96, act_layer=act).double()
+    ours = RecomputeMlp(24, 96, act_layer=act).double()
+    ours.load_state_dict(ref.state_dict())
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    x = torch.randn(2, 5, 7, 24, dtype=torch.float64, requires_grad=True)
+    if dtype is not None:
+        ref, ours, x = ref.float(), ours.float(), x.detach().float().requires_grad_()
+    kept_ref, out_ref, grads_ref = _saved_and_grads(ref, x, dtype)
+    kept, out, grads = _saved_and_grads(ours, x, dtype)
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype is None else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, **tol)
+    hidden = 2 * 5 * 7 * 96 * (8 if dtype is None else 2)  # one hidden-width tensor: the GELU's output
+    assert kept <= kept_ref - hidden
+    ours.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), ref.eval()(x), rtol=0, atol=0)
+
+
+def test_models_train_to_the_same_gradients_with_timms_mlp():
+    """A linhier and a linvit with the default RecomputeMlp against the same weights in timm's Mlp: equal loss
+    gradients in float64 (the model path, drop path and layer scale included)."""
+    import timm
+    from timm.layers import Mlp
+
+    import linvision  # noqa: F401
+    for name, kwargs, size in [("linhier_tiny_224", dict(depths=(1, 1, 1, 1), dims=(16, 32, 48, 64),
+                                                         num_heads=(1, 1, 2, 2)), 64),
+                               ("linvit_tiny_patch16_224", dict(depth=2, patch_size=8), 32)]:
+        grads = []
+        for mlp in (None, Mlp):
+            torch.manual_seed(0)
+            extra = {} if mlp is None else dict(mlp_layer=mlp)
+            model = timm.create_model(name, num_classes=3, img_size=size, **kwargs, **extra).double().train()
+            assert any(type(m).__name__ == ("RecomputeMlp" if mlp is None else "Mlp") for m in model.modules())
+            x = torch.randn(2, 3, size, size - 8 if name.startswith("linhier") else size, dtype=torch.float64)
+            loss = model(x).square().sum()
+            grads.append(torch.autograd.grad(loss, list(model.parameters())))
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)

@@ -852,3 +852,22 @@ def test_a_learned_absolute_embedding_beside_rope_is_added_at_every_grid(rope):
     assert plain.pos_embed is None and "pos_embed" not in plain.state_dict()
     with pytest.raises(ValueError, match=r"^pos_embed: unknown 'sincos'"):
         timm.create_model("linvit_tiny_patch16_224", pos_embed="sincos")
+
+
+def test_hierarchical_convolutions_run_channels_last():
+    """The blocks hold (B, H, W, C), so every convolution of linhier after the stem's first (which takes the image)
+    reads and writes channels-last strides, the layout the GPU's convolutions run fastest, in eval and training."""
+    torch.manual_seed(0)
+    model = timm.create_model("linhier_tiny_224", num_classes=3)
+    seen = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Conv2d):
+            module.register_forward_hook(lambda m, i, o, name=name: seen.append(
+                (name, i[0].stride(1) == 1 and o.is_contiguous(memory_format=torch.channels_last))))
+    for train in (False, True):
+        model.train(train)
+        seen.clear()
+        with torch.set_grad_enabled(train):
+            model(torch.randn(1, 3, 96, 80))
+        assert seen[0] == ("stem.conv1", False) and len(seen) > 20
+        assert all(ok for _, ok in seen[1:]), [name for name, ok in seen[1:] if not ok]

@@ -45,4 +45,4 @@ from .mixers import (
 )
 # the mechanisms' modules, each registering its mixers by name
 from . import agent, cswin, inline, mala, mlla, pola, rala, recurrent, window
-from .block import ConvPosEnc, DwConvMlp, MixerBlock
+from .block import ConvPosEnc, DwConvMlp, MixerBlock, RecomputeMlp

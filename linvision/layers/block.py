@@ -15,15 +15,17 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Tuple, Type, Union
 
+import torch
 import torch.nn.functional as F
 from timm.layers import DropPath, LayerNorm, LayerScale, Mlp, register_notrace_module
 from torch import Tensor, nn
+from torch.fx._symbolic_trace import is_fx_tracing
 
 from .derived import derived
 from .layout import TokenLayout
 from .registry import check_layout, check_prefix_tokens, create_mixer
 
-__all__ = ["ConvPosEnc", "DwConvMlp", "MixerBlock"]
+__all__ = ["ConvPosEnc", "DwConvMlp", "MixerBlock", "RecomputeMlp"]
 
 CPE_MODES = (False, True, "first")
 
@@ -72,6 +74,44 @@ class DwConvMlp(nn.Module):
         return self.drop(self.fc2(self.drop(h)))
 
 
+class _GeluLinear(torch.autograd.Function):
+    """fc2(gelu(h)) keeping h and fc2's weight for the backward, not gelu(h) (nor, under autocast, the weight's
+    cast copy): the activation and the cast are formed again there, each one elementwise pass."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, weight: Tensor, bias: Optional[Tensor], approximate: str) -> Tensor:
+        ctx.save_for_backward(h, weight)
+        ctx.approximate, ctx.bias_dtype = approximate, None if bias is None else bias.dtype
+        return F.linear(F.gelu(h, approximate=approximate), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        h, weight = ctx.saved_tensors
+        a = F.gelu(h, approximate=ctx.approximate)
+        w = weight.to(grad.dtype)
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_w = (g2.t() @ a.reshape(-1, a.shape[-1])).to(weight.dtype)
+        grad_b = None if ctx.bias_dtype is None else g2.sum(0).to(ctx.bias_dtype)
+        grad_h = torch.ops.aten.gelu_backward(grad @ w, h, approximate=ctx.approximate)
+        return grad_h, grad_w, grad_b, None
+
+
+class RecomputeMlp(Mlp):
+    """timm's ``Mlp`` (the same arguments, parameters and state dict) that, in a training step, keeps for the
+    backward the hidden pre-activations instead of the GELU's output: one tensor of the hidden width per block
+    instead of two, the GELU formed again in the backward. Eager only: traced by FX, under ``torch.compile``
+    (whose partitioner chooses what to recompute itself), in inference, and for another activation, dropout or
+    norm inside the MLP it is timm's forward."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if (self.training and torch.is_grad_enabled() and isinstance(self.act, nn.GELU)
+                and isinstance(self.fc2, nn.Linear) and isinstance(self.norm, nn.Identity)
+                and not self.drop1.p and not torch.compiler.is_compiling() and not torch.jit.is_scripting()
+                and not is_fx_tracing()):
+            return self.drop2(_GeluLinear.apply(self.fc1(x), self.fc2.weight, self.fc2.bias, self.act.approximate))
+        return super().forward(x)
+
+
 class MixerBlock(nn.Module):
     """Pre-norm token mixer and MLP residuals on channels-last x (B, H, W, C), optionally with CPE.
 
@@ -86,7 +126,8 @@ class MixerBlock(nn.Module):
         cpe: a 3x3 depthwise-conv position encoding before the mixer and before the MLP (True), before the mixer
             only ("first"), or none (False).
         layer_scale_init: initial value of a learnable per-channel scale on both branches (None: no scale).
-        mlp_layer: the MLP class, built as ``mlp_layer(dim, hidden, act_layer=..., drop=...)`` (timm's ``Mlp``).
+        mlp_layer: the MLP class, built as ``mlp_layer(dim, hidden, act_layer=..., drop=...)`` (:class:`RecomputeMlp`,
+            timm's ``Mlp`` keeping less for the backward).
     Raises ValueError for another ``cpe``.
     """
 
@@ -95,7 +136,7 @@ class MixerBlock(nn.Module):
         mixer_kwargs: Optional[Dict] = None, mlp_ratio: float = 4.0, drop_path: float = 0.0,
         proj_drop: float = 0.0, cpe: Union[bool, str] = False, norm_layer: Type[nn.Module] = LayerNorm,
         act_layer: Type[nn.Module] = nn.GELU, layer_scale_init: Optional[float] = None,
-        mlp_layer: Type[nn.Module] = Mlp,
+        mlp_layer: Type[nn.Module] = RecomputeMlp,
     ):
         super().__init__()
         if cpe not in CPE_MODES:

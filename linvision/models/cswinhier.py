@@ -16,10 +16,9 @@ from functools import partial
 from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
-from timm.layers import Mlp
 from torch import Tensor, nn
 
-from linvision.layers import merge_options, pad_to_kernel
+from linvision.layers import RecomputeMlp, merge_options, pad_to_kernel
 from linvision.layers.cswin import CswinStripeAttention
 
 from .linhier import Downsample, LinHier
@@ -94,5 +93,5 @@ def create_cswin_like(model_cls: type, variant: str, pretrained: bool, filter_fn
     """A model of CSWin's layout as ``model_cls`` (a LinHier), built through :func:`build_published`; ``sizes``
     (depths, dims, heads) and ``kwargs`` (``token_mixers``, options) over the layers."""
     args = dict(stem_layer=CswinStem, downsample_layer=partial(Downsample, norm_layer=nn.LayerNorm),
-                norm_layer=nn.LayerNorm, cpe=False, mlp_layer=Mlp, final_layer=nn.LayerNorm)
+                norm_layer=nn.LayerNorm, cpe=False, mlp_layer=RecomputeMlp, final_layer=nn.LayerNorm)
     return build_published(model_cls, variant, pretrained, filter_fn, **merge_options(sizes, args, **kwargs))

@@ -27,12 +27,12 @@ import torch
 from torch import Tensor, nn
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import ClassifierHead, ClNormMlpClassifierHead, LayerNorm, Mlp
+from timm.layers import ClassifierHead, ClNormMlpClassifierHead, LayerNorm
 from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
-from linvision.layers import (MixerBlock, init_model_weights, merge_options, no_weight_decay_of, parse_mixer_list,
-                              routed_options, stage_mixer_options)
+from linvision.layers import (MixerBlock, RecomputeMlp, init_model_weights, merge_options, no_weight_decay_of,
+                              parse_mixer_list, routed_options, stage_mixer_options)
 from linvision.layers.options import check_images
 from linvision.layers.registry import MixerSpec, mixer_options
 
@@ -218,7 +218,7 @@ class HierStage(nn.Module):
     def __init__(
         self, spec: StageSpec, downsample: Optional[nn.Module], drop_path: Sequence[float],
         norm_layer: Type[nn.Module], act_layer: Type[nn.Module], cpe: Union[bool, str] = True,
-        mlp_layer: Type[nn.Module] = Mlp,
+        mlp_layer: Type[nn.Module] = RecomputeMlp,
     ):
         super().__init__()
         self.downsample = downsample if downsample is not None else nn.Identity()
@@ -269,7 +269,8 @@ class LinHier(nn.Module):
             with ``norm_layer``) unless the stage names its ``entry``; maps channels-last to channels-last features.
         cpe: the blocks' 3x3 depthwise-conv position encoding: before the mixer and the MLP (True), before the
             mixer only ("first"), or none (False).
-        mlp_layer: the blocks' MLP class (timm's ``Mlp``; RAVLT: :class:`~linvision.layers.DwConvMlp`).
+        mlp_layer: the blocks' MLP class (:class:`~linvision.layers.RecomputeMlp`, timm's ``Mlp`` keeping less for
+            the backward; RAVLT: :class:`~linvision.layers.DwConvMlp`).
         layer_scale_init: initial layer scale of the blocks, one value or one per stage (None: no layer scale).
         final_layer: built as ``final_layer(dims[-1])`` after the last stage, on channels-last features (a norm
             before pooling, or a conv head whose ``out_chs`` becomes ``num_features``); the head is then pooling and
@@ -298,7 +299,7 @@ class LinHier(nn.Module):
         stem_layer: Optional[Callable[[int, int], nn.Module]] = None,
         downsample_layer: Optional[Callable[[int, int], nn.Module]] = None,
         cpe: Union[bool, str] = True,
-        mlp_layer: Type[nn.Module] = Mlp,
+        mlp_layer: Type[nn.Module] = RecomputeMlp,
         layer_scale_init: Union[None, float, Sequence[Optional[float]]] = None,
         final_layer: Optional[Callable[[int], nn.Module]] = None,
     ):

@@ -58,14 +58,14 @@ from torch.utils.checkpoint import checkpoint
 from safetensors import SafetensorError
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 import torch.nn.functional as F
-from timm.layers import (Format, LayerNorm, Mlp, PatchEmbed, global_pool_nlc, nchw_to, resample_abs_pos_embed,
+from timm.layers import (Format, LayerNorm, PatchEmbed, global_pool_nlc, nchw_to, resample_abs_pos_embed,
                          resample_patch_embed, trunc_normal_)
 from timm.models.naflexvit import global_pool_naflex
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
-from linvision.layers import (MixerBlock, TokenLayout, check_prefix_tokens, init_model_weights, merge_options, mixer_options,
-                              no_weight_decay_of, parse_mixer_list, stage_mixer_options)
+from linvision.layers import (MixerBlock, RecomputeMlp, TokenLayout, check_prefix_tokens, init_model_weights,
+                              merge_options, mixer_options, no_weight_decay_of, parse_mixer_list, stage_mixer_options)
 from linvision.layers.mixers import ROPE_TYPES
 from linvision.layers.options import check_images
 
@@ -158,7 +158,7 @@ class LinViT(nn.Module):
         norm_layer: Type[nn.Module] = LayerNorm,
         act_layer: Type[nn.Module] = nn.GELU,
         embed_layer: Callable[..., nn.Module] = PatchEmbed,
-        mlp_layer: Type[nn.Module] = Mlp,
+        mlp_layer: Type[nn.Module] = RecomputeMlp,
     ):
         super().__init__()
         mixers = parse_mixer_list(token_mixer, depth, "token_mixer", "blocks")

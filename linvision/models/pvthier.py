@@ -18,10 +18,10 @@ from functools import partial
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
-from timm.layers import Mlp, PatchEmbed, register_notrace_module, resample_abs_pos_embed, trunc_normal_
+from timm.layers import PatchEmbed, register_notrace_module, resample_abs_pos_embed, trunc_normal_
 from torch import Tensor, nn
 
-from linvision.layers import merge_options
+from linvision.layers import RecomputeMlp, merge_options
 from linvision.layers.options import pad_to_kernel
 
 from .linhier import LinHier, StageSpec, linhier_layout, stage_grids
@@ -153,6 +153,6 @@ def create_pvt_like(model_cls: type, variant: str, pretrained: bool, filter_fn: 
                     **kwargs) -> LinHier:
     """A model of PVT's layout as ``model_cls`` (a :class:`PvtHier`), built through :func:`build_published`;
     ``sizes`` (depths, dims, heads) and ``kwargs`` (``token_mixers``, options) over the layers."""
-    args = dict(layout=pvt_layout, norm_layer=partial(nn.LayerNorm, eps=1e-6), cpe=False, mlp_layer=Mlp, mlp_ratio=(8, 8, 4, 4),
-                final_layer=_no_final_norm)
+    args = dict(layout=pvt_layout, norm_layer=partial(nn.LayerNorm, eps=1e-6), cpe=False, mlp_layer=RecomputeMlp,
+                mlp_ratio=(8, 8, 4, 4), final_layer=_no_final_norm)
     return build_published(model_cls, variant, pretrained, filter_fn, **merge_options(sizes, args, **kwargs))

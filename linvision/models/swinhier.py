@@ -17,11 +17,10 @@ from dataclasses import replace
 from functools import partial
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
-from timm.layers import Mlp
 from timm.models.swin_transformer import PatchMerging
 from torch import Tensor, nn
 
-from linvision.layers import merge_options
+from linvision.layers import RecomputeMlp, merge_options
 from linvision.layers.registry import MixerSpec, mixer_options
 
 from .linhier import LinHier, StageSpec, linhier_layout
@@ -108,5 +107,5 @@ def create_swin_like(model_cls: type, variant: str, pretrained: bool, filter_fn:
     ``sizes`` (depths, dims, heads) and ``kwargs`` (``token_mixers``, options) over the layers; ``lead``: the
     mixed stages' leading blocks (:func:`swin_layout`)."""
     args = dict(layout=partial(swin_layout, lead=lead), stem_layer=swin_stem, downsample_layer=partial(PatchMerging, norm_layer=nn.LayerNorm),
-                norm_layer=nn.LayerNorm, cpe=False, mlp_layer=Mlp, final_layer=nn.LayerNorm)
+                norm_layer=nn.LayerNorm, cpe=False, mlp_layer=RecomputeMlp, final_layer=nn.LayerNorm)
     return build_published(model_cls, variant, pretrained, filter_fn, **merge_options(sizes, args, **kwargs))

@@ -673,3 +673,35 @@ def test_models_train_to_the_same_gradients_with_timms_mlp():
             grads.append(torch.autograd.grad(loss, list(model.parameters())))
         for a, b in zip(*grads):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("mode", ["autocast-fp16", "autocast-bf16", "bf16-weights", "compile"])
+def test_recompute_mlp_in_the_modes_people_train(mode):
+    """RecomputeMlp against timm's Mlp at batch 1 on an odd non-square grid of 105k tokens, after an
+    inference_mode forward: under fp16 and bf16 autocast, with bf16 weights, and compiled (fullgraph, aot_eager):
+    the same output and gradients to the dtype's rounding."""
+    from timm.layers import Mlp
+
+    from linvision.layers import RecomputeMlp
+    torch.manual_seed(0)
+    ref, ours = Mlp(8, 32), RecomputeMlp(8, 32)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(1, 317, 331, 8)
+    dtype = {"autocast-fp16": torch.float16, "autocast-bf16": torch.bfloat16}.get(mode)
+    if mode == "bf16-weights":
+        ref, ours, x = ref.bfloat16(), ours.bfloat16(), x.bfloat16()
+    run = torch.compile(ours, fullgraph=True, backend="aot_eager") if mode == "compile" else ours
+    with torch.inference_mode():
+        torch.testing.assert_close(run.eval()(x), ref.eval()(x), rtol=0, atol=0)
+    ours.train(), ref.train()
+    x = x.clone().requires_grad_()
+    grads = []
+    for module in (run, ref):
+        with torch.autocast("cpu", dtype or torch.bfloat16, enabled=dtype is not None):
+            out = module(x)
+        grads.append((out, *torch.autograd.grad(out.float().square().mean(), [x, *ref.parameters()]
+                                                if module is ref else [x, *ours.parameters()])))
+    tol = dict(rtol=0, atol=0) if mode == "compile" else dict(rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=0, atol=0)
+    for a, b in zip(grads[0][1:], grads[1][1:]):
+        torch.testing.assert_close(a.float(), b.float(), **tol)

@@ -19,7 +19,10 @@ import torch
 import torch.nn.functional as F
 from timm.layers import DropPath, LayerNorm, LayerScale, Mlp, register_notrace_module
 from torch import Tensor, nn
-from torch.fx._symbolic_trace import is_fx_tracing
+try:  # torch's is_fx_tracing logs a warning on its first call; this one is silent (and also false under export)
+    from torch.fx._symbolic_trace import is_fx_symbolic_tracing
+except ImportError:  # older torch: is_fx_tracing, silent there
+    from torch.fx._symbolic_trace import is_fx_tracing as is_fx_symbolic_tracing
 
 from .derived import derived
 from .layout import TokenLayout
@@ -107,7 +110,7 @@ class RecomputeMlp(Mlp):
         if (self.training and torch.is_grad_enabled() and isinstance(self.act, nn.GELU)
                 and isinstance(self.fc2, nn.Linear) and isinstance(self.norm, nn.Identity)
                 and not self.drop1.p and not torch.compiler.is_compiling() and not torch.jit.is_scripting()
-                and not is_fx_tracing()):
+                and not is_fx_symbolic_tracing()):
             return self.drop2(_GeluLinear.apply(self.fc1(x), self.fc2.weight, self.fc2.bias, self.act.approximate))
         return super().forward(x)
 

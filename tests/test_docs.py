@@ -48,7 +48,7 @@ def test_every_command_and_flag_is_in_the_manual(site):
 
 def test_api_reference_and_model_cards_are_built(site):
     api = _text(site, "api/ops.html")
-    assert 'id="linvision.ops.linear_attention.dispatch.linear_attention"' in api
+    assert 'id="linvision.ops.attention.dispatch.linear_attention"' in api
     cards = _text(site, "models/published.html")
     for name in ("mlla_tiny", "ravlt_large", "mavit_small"):
         assert f"<code>{name}</code>" in cards
@@ -332,7 +332,7 @@ def test_no_raw_rest_role_in_the_site(site):
         assert not role.search(_text(site, path)), f"{os.path.relpath(path, site)}: a raw reST role"
     ops = _text(site, "api/ops.html")
     links = re.findall(r'<a class="autorefs autorefs-internal"[^>]* href="([^"]*)"><code>([^<]*)</code></a>', ops)
-    assert ("#linvision.ops.linear_attention.dispatch.linear_attention", "linear_attention()") in links
+    assert ("#linvision.ops.attention.dispatch.linear_attention", "linear_attention()") in links
     assert ("#linvision.ops.rope.Rope", "Rope") in links
     assert len(links) >= 25
     # the kernels' module is documented under its source name: a role naming linvision.kernels links there
@@ -342,7 +342,7 @@ def test_no_raw_rest_role_in_the_site(site):
 def test_ops_reference_opens_with_linear_attention(site):
     ops = _text(site, "api/ops.html")
     order = [ops.index(f'id="linvision.ops.{name}"') for name in
-             ("linear_attention", "feature_maps", "rope", "recurrent", "attention_variants")]
+             ("attention", "feature_maps", "rope", "recurrent", "attention_variants")]
     assert order == sorted(order)
 
 

@@ -936,7 +936,7 @@ def test_dispatch_from_linear_attention(monkeypatch):
 def test_auto_says_once_why_the_kernels_cannot_serve_a_call(monkeypatch):
     """backend="auto" on the kernels' device: kernels where they apply (no warning), PyTorch with one
     RuntimeWarning per reason where they do not, including a failed import of the Triton kernels."""
-    dispatch = importlib.import_module("linvision.ops.linear_attention.dispatch")
+    dispatch = importlib.import_module("linvision.ops.attention.dispatch")
     monkeypatch.setattr(dispatch, "_AUTO_DEVICES", (DEVICE,))  # CPU tensors stand for CUDA ones when interpreting
     monkeypatch.setattr(dispatch, "_WARNED", set())
     q, k, v, _ = _inputs(1, 2, 24, 24, 16, 16, torch.float32, "elu")

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import linvision  # noqa: F401
-from linvision.ops.linear_attention import dispatch
+from linvision.ops.attention import dispatch
 from support import DeviceLaunches
 
 # Launches per eval forward at 224 px, batch 1: the ceilings. The recurrent families (vig, vig_h, linhier_delta)

@@ -16,8 +16,7 @@ for _floor in FLOORS:
     MAY_IMPORT.update({p: _below | {p} for p in _floor})
     _below |= set(_floor)
 MAY_IMPORT["diffusion"] = MAY_IMPORT["data"] | {"diffusion"}  # the shared utilities and data, never the trainer
-MAY_IMPORT["tools"] = _below | {"diffusion", "tools"}  # anything but the deprecated engine
-MAY_IMPORT["engine"] = _below | {"engine"}  # the deprecated names, answered from their new homes
+MAY_IMPORT["tools"] = _below | {"diffusion", "tools"}  # anything
 MAY_IMPORT["configs"] = {"configs"}  # the shipped YAML files: data, no imports
 
 
@@ -44,7 +43,7 @@ def test_imports_run_one_way_ops_to_kernels():
     assert {m for m, _ in _imports(root / "linvision" / "kernels" / "common.py")} <= {"__future__", "dataclasses", "typing", "torch"}
     ops = root / "linvision" / "ops"
     paths = sorted(ops.rglob("*.py"))
-    assert ops / "linear_attention" / "dispatch.py" in paths and ops / "recurrent" / "kernels.py" in paths
+    assert ops / "attention" / "dispatch.py" in paths and ops / "recurrent" / "kernels.py" in paths
     for path in paths:
         for module, top_level in _imports(path):
             if module.startswith("linvision"):
@@ -76,37 +75,17 @@ def test_every_package_stands_on_a_floor():
     assert "benchmark" not in MAY_IMPORT["export"] and "export" not in MAY_IMPORT["benchmark"]
 
 
-def test_the_former_engine_answers_with_the_new_homes_and_warns():
-    """linvision.engine's names and modules still import, as the very objects of their new homes, each with a
-    DeprecationWarning naming where it went; nothing in linvision/ or tools/ uses it any more."""
+def test_the_former_engine_package_is_gone():
+    """linvision.engine, the former home of the tools' library code, was removed after a release of deprecation
+    warnings: it no longer imports, and nothing in linvision/ refers to it."""
     import importlib
-    import sys
-    import warnings
 
-    import linvision
-    import linvision.engine as engine
-    import linvision.training.train as train
-
-    sys.modules.pop("linvision.engine.train", None)  # as on a first import, whatever ran before
-    for name in ("train", "load_model"):
-        vars(engine).pop(name, None)
-    with pytest.warns(DeprecationWarning, match="linvision.training.train"):
-        old = importlib.import_module("linvision.engine.train")
-    assert old is train
-    with pytest.warns(DeprecationWarning, match="linvision.utils.checkpoint.load_model"):
-        from linvision.engine import load_model
-    assert load_model is linvision.load_model
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert engine.load_model is load_model  # warned once, then kept
-    for name, new in engine.MOVED_MODULES.items():
-        assert (ROOT / Path(*new.split("."))).with_suffix(".py").is_file(), (name, new)
-    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
-        engine.nothing
+    assert not (ROOT / "linvision" / "engine").exists()
+    with pytest.raises(ModuleNotFoundError, match="linvision.engine"):
+        importlib.import_module("linvision.engine")
     for path in (ROOT / "linvision").rglob("*.py"):
-        if path.parent.name != "engine":
-            used = [m for m, _ in _imports(path) if m.startswith("linvision.engine")]
-            assert not used, f"{path.relative_to(ROOT)} imports {used}"
+        used = [m for m, _ in _imports(path) if m.startswith("linvision.engine")]
+        assert not used, f"{path.relative_to(ROOT)} imports {used}"
 
 
 def test_every_package_imports_downward_only():
@@ -125,7 +104,7 @@ def test_every_package_imports_downward_only():
 
 
 def test_safe_pickle_imports_nothing_of_linvision():
-    """The checkpoint reader that models and engine share sits below both: it imports nothing of linvision."""
+    """The checkpoint reader that models and training share sits below both: it imports nothing of linvision."""
     assert not [m for m, _ in _imports(ROOT / "linvision" / "safe_pickle.py") if m.startswith(("linvision", "."))]
 
 
@@ -236,3 +215,22 @@ def test_token_mixers_are_registered_in_layers_only():
     for path in (ROOT / "linvision").rglob("*.py"):
         if path.parent != ROOT / "linvision" / "layers":
             assert "register_mixer" not in path.read_text(), f"{path.relative_to(ROOT)} registers a mixer"
+
+
+def test_no_name_shadows_a_module():
+    """Every module of linvision/ is reached by attribute from its package after import (``import
+    linvision.ops.attention.dispatch`` then ``linvision.ops.attention.dispatch``): no re-exported function or class
+    carries the name of the module it sits beside."""
+    import importlib
+
+    modules = [p.relative_to(ROOT).with_suffix("") for p in (ROOT / "linvision").rglob("*.py")
+               if p.name != "__init__.py" or p.parent != ROOT / "linvision"]
+    assert len(modules) > 40
+    for rel in modules:
+        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+        name = ".".join(parts)
+        module = importlib.import_module(name)
+        found = importlib.import_module("linvision")
+        for attr in parts[1:]:
+            found = getattr(found, attr)
+        assert found is module, f"{name} is shadowed by {found!r}"

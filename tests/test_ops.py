@@ -332,7 +332,7 @@ def test_bad_inputs_raise_clear_errors():
 
 def test_triton_backend_without_kernels_raises_and_auto_falls_back(monkeypatch):
     from linvision.ops import record_backends
-    from linvision.ops.linear_attention import dispatch
+    from linvision.ops.attention import dispatch
 
     q, k, v = rand_qkv(1, 1, 5, 16, 16, dtype=torch.float32)
     with pytest.raises(ValueError, match="backend: 'triton' cannot run this call"):

@@ -256,7 +256,7 @@ def test_a_naflex_batch_on_the_fused_kernels(monkeypatch):
     the gradient of every parameter (fp32)."""
     pytest.importorskip("triton")
     from linvision.ops import record_backends
-    from linvision.ops.linear_attention import dispatch
+    from linvision.ops.attention import dispatch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: the kernels in the interpreter
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # fp32 convolutions on both paths

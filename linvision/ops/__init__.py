@@ -1,7 +1,7 @@
 """Pure tensor functions: linear attention (non-causal, causal, step), softmax attention, feature maps, RoPE,
 decay/gated/delta-rule recurrences. Dispatches to ``linvision.kernels``; nothing there imports from here.
 
-Each op family is a package (``linear_attention``, ``recurrent``: the reference, the chunked form, the step, the
+Each op family is a package (``attention``: linear and softmax attention; ``recurrent``: the reference, the chunked form, the step, the
 kernel dispatch), ``feature_maps``, ``rope`` and ``attention_variants`` are modules, and ``common`` holds the
 checks and constants they share."""
 from .common import (
@@ -24,7 +24,7 @@ from .feature_maps import (
     PerformerFeatureMap,
     get_feature_map,
 )
-from .linear_attention import (
+from .attention import (
     LinearAttentionState,
     causal_linear_attention,
     linear_attention,

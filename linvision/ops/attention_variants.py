@@ -47,7 +47,7 @@ from torch import Tensor
 from .common import check_eps, check_grid, check_qkv, compute_dtype, full_precision
 
 from .feature_maps import FeatureMapArg, get_feature_map
-from .linear_attention import linear_attention
+from .attention import linear_attention
 from .rope import Rope, apply_rope
 
 __all__ = [

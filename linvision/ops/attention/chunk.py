@@ -32,7 +32,7 @@ def causal_linear_attention(
     means over tokens j <= i. The gated scan with a zero log-gate: one state per chunk (N / chunk_size of them)
     is formed, never one per token.
 
-    Arguments as :func:`~linvision.ops.linear_attention.dispatch.linear_attention`; raises as it does."""
+    Arguments as :func:`~linvision.ops.attention.dispatch.linear_attention`; raises as it does."""
     check_qkv(q, k, v, same_tokens=True)
     eps = check_options(eps, "torch", rope)
     chunk_size = check_int("chunk_size", chunk_size, 1)

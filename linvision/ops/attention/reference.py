@@ -185,7 +185,7 @@ def linear_attention_reference(
     """Non-causal linear attention in plain PyTorch; memory ``O(N*D + D*Dv)``, no N x N matrix. With a gradient
     wanted, the features are recomputed in the backward (:class:`_LinearAttentionFunction`) rather than kept.
 
-    Arguments as :func:`~linvision.ops.linear_attention.dispatch.linear_attention`; raises as it does.
+    Arguments as :func:`~linvision.ops.attention.dispatch.linear_attention`; raises as it does.
     """
     check_qkv(q, k, v, same_tokens=rope is not None)
     eps = check_options(eps, "torch", rope)

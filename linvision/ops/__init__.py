@@ -1,9 +1,10 @@
 """Pure tensor functions: linear attention (non-causal, causal, step), softmax attention, feature maps, RoPE,
 decay/gated/delta-rule recurrences. Dispatches to ``linvision.kernels``; nothing there imports from here.
 
-Each op family is a package (``attention``: linear and softmax attention; ``recurrent``: the reference, the chunked form, the step, the
-kernel dispatch), ``feature_maps``, ``rope`` and ``attention_variants`` are modules, and ``common`` holds the
-checks and constants they share."""
+Each op family is a package (``attention``: linear and softmax attention; ``recurrent``: the decay, gated and
+delta-rule recurrences; each holds the reference, the chunked form, the step, the kernel dispatch),
+``feature_maps``, ``rope`` and ``attention_variants`` are modules, and ``common`` holds the checks and constants
+they share."""
 from .common import (
     BACKENDS,
     DEFAULT_EPS,

@@ -1,7 +1,9 @@
 """What several test files share: tiny data on disk, the tools run in-process, reading a run's metrics, and the
-authors' checkpoint layouts of the published models with the comparisons made on them."""
+authors' checkpoint layouts of the published models with the comparisons made on them, the float64 formulas the
+ops are checked against, the registered models at CPU size, and small diffusers peers with random weights."""
 import collections
 import contextlib
+import glob
 import io
 import json
 import os
@@ -138,6 +140,22 @@ def fenced_blocks(text: str):
     return blocks
 
 
+# README and every page of the manual
+PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"),
+                                                                          recursive=True))
+
+
+def python_examples():
+    """(page, first line, code) of every Python block of README.md and the manual."""
+    found = []
+    for page in PAGES:
+        with open(os.path.join(ROOT, page)) as f:
+            text = f.read()
+        found += [(page, text[:m.start()].count("\n") + 2, m.group(1))
+                  for m in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M)]
+    return found
+
+
 def joined_lines(body, first: int):
     """(line number, text) of a shell block's lines (the first is line ``first``), continuation lines joined."""
     out, pending, start = [], "", 0
@@ -266,6 +284,16 @@ def save_training_file(path, state, **extra):
                 **extra}, path)
 
 
+RESOLUTION_BUFFERS = (".attn.rope.rotations", ".RoPE.angle")  # MLLA's and RAVLT's: rebuilt per input, never loaded
+
+
+def save_published(path, state, **extra):
+    """A file laid out as MLLA's and RAVLT's training scripts write it (weights under 'model', an EMA copy beside
+    them, a pickled config, optimizer state), plus ``extra`` entries."""
+    ema = {k: v + 1 if v.is_floating_point() else v for k, v in state.items()}
+    save_training_file(path, state, state_dict_ema=ema, model_ema=ema, **extra)
+
+
 def sorted_values(tensors):
     """The values of all ``tensors``, sorted, in float64: two state dicts with equal sorted values hold the same
     numbers (nothing missing, duplicated or changed), whatever their names and shapes."""
@@ -335,3 +363,179 @@ class DeviceLaunches(TorchDispatchMode):
         if name not in self.SHAPE_ONLY:
             self.names[name] += 1
         return func(*args, **(kwargs or {}))
+
+
+# --- float64 formulas the ops are checked against ------------------------------------------------------------------
+
+REF_EPS = 1e-4  # the denominators' epsilon of the formulas below (the ops' default)
+
+
+def explicit_linear_attention(q, k, v, phi, rope=None, causal=False, eps=REF_EPS):
+    """o_i = sum_j w_ij v_j / (sum_j phi(q_i).phi(k_j) / n_i + eps) with the full N x N matrices, float64.
+
+    w_ij = (R_i phi(q_i)).(R_j phi(k_j)) / n_i, n_i = number of tokens token i sees.
+    """
+    from linvision.ops import apply_rope, get_feature_map
+
+    phi = get_feature_map(phi, dim=q.shape[-1])
+    pq, pk = phi(q.double(), True), phi(k.double(), False)
+    rq, rk = (apply_rope(pq, rope), apply_rope(pk, rope)) if rope is not None else (pq, pk)
+    a_num = rq @ rk.transpose(-1, -2)  # (B, H, N, N)
+    a_den = pq @ pk.transpose(-1, -2)
+    n = k.shape[2]
+    if causal:
+        mask = torch.ones(n, n, dtype=torch.bool).tril()
+        a_num, a_den = a_num.masked_fill(~mask, 0), a_den.masked_fill(~mask, 0)
+        count = torch.arange(1, n + 1, dtype=torch.float64)[:, None]
+    else:
+        count = torch.tensor(float(n), dtype=torch.float64)
+    return (a_num / count) @ v.double() / (a_den.sum(-1, keepdim=True) / count + eps)
+
+
+def elu_phi(x):
+    """The default feature map, elu(x) + 1, written out."""
+    return torch.nn.functional.elu(x) + 1
+
+
+def naive_gated(q, k, v, log_gate, normalize=True, eps=REF_EPS):
+    """Per-token loop of S_t = diag(g_t) S_{t-1} + phi(k_t)^T v_t, z and count likewise. log_gate (B, H, N, G)."""
+    b, h, n, d = q.shape
+    s = q.new_zeros(b, h, d, v.shape[-1])
+    z = q.new_zeros(b, h, d)
+    cnt = q.new_zeros(b, h, log_gate.shape[-1])
+    out = []
+    for t in range(n):
+        g = log_gate[:, :, t].exp()
+        pk = elu_phi(k[:, :, t])
+        s = g.unsqueeze(-1) * s + pk.unsqueeze(-1) * v[:, :, t].unsqueeze(-2)
+        z = g * z + pk
+        cnt = g * cnt + 1
+        pq = elu_phi(q[:, :, t])
+        num = torch.einsum("bhd,bhde->bhe", pq, s)
+        den = (pq * z).sum(-1) + eps * cnt.mean(-1)
+        out.append(num / den.unsqueeze(-1) if normalize else num)
+    return torch.stack(out, 2)
+
+
+def naive_delta(q, k, v, beta, s0=None, strict=False):
+    """Per-token loop of the delta rule on L2-normalised q, k (identity feature map); strict reads S_{t-1}."""
+    q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+    b, h, n, d = q.shape
+    s = q.new_zeros(b, h, d, v.shape[-1]) if s0 is None else s0
+    out = []
+    for t in range(n):
+        kt = k[:, :, t]
+        prev = s
+        s = s - beta[:, :, t, None, None] * kt.unsqueeze(-1) * (torch.einsum("bhd,bhde->bhe", kt, s)
+                                                                - v[:, :, t]).unsqueeze(-2)
+        out.append(torch.einsum("bhd,bhde->bhe", q[:, :, t], prev if strict else s))
+    return torch.stack(out, 2), s
+
+
+# --- the registered models, and each reduced to CPU size -----------------------------------------------------------
+
+FAMILY_NAMES = {
+    "linvit": [
+        "linvit_tiny_patch16_224", "linvit_small_patch16_224", "linvit_base_patch16_224",
+        "linvit_tiny_patch16_rope_224", "linvit_small_patch16_rope_224", "linvit_base_patch16_rope_224",
+        "linvit_small_patch16_rope_mixed_224", "linvit_tiny_patch16_pola_224", "linvit_small_patch16_pola_224",
+        "linvit_base_patch16_pola_224",
+    ],
+    "linhier": [
+        "linhier_tiny_224", "linhier_small_224", "linhier_base_224", "linhier_gcnn_femto_224", "linhier_gcnn_tiny_224",
+        "linhier_delta_femto_224", "linhier_delta_tiny_224", "linhier_delta_small_224",
+    ],
+    "mlla": ["mlla_tiny", "mlla_small", "mlla_base"],
+    "ravlt": ["ravlt_tiny", "ravlt_small", "ravlt_base", "ravlt_large"],
+    "mavit": ["mavit_tiny", "mavit_small", "mavit_base", "mavit_large"],
+    "vig": ["vig_tiny", "vig_small", "vig_base", "vig_h_tiny", "vig_h_small", "vig_h_base"],
+    "inline": ["inline_deit_tiny", "inline_deit_small", "inline_deit_base", "inline_swin_tiny", "inline_swin_small",
+               "inline_swin_base", "inline_pvt_tiny", "inline_pvt_small", "inline_pvt_medium", "inline_pvt_large",
+               "inline_cswin_tiny", "inline_cswin_small", "inline_cswin_base"],
+    "polaformer": ["pola_swin_tiny", "pola_swin_small", "pola_swin_base", "pola_pvt_tiny", "pola_pvt_small"],
+}
+ALL_NAMES = [n for names in FAMILY_NAMES.values() for n in names]
+# Reduced configurations (same code paths, CPU-sized) for the checks that need backward or many passes.
+SMALL_VIT = dict(embed_dim=32, depth=3, num_heads=2)
+SMALL_HIER = dict(depths=(1, 1, 2, 1), dims=(16, 32, 32, 48), num_heads=(1, 2, 2, 3))
+
+
+def is_isotropic(name):
+    """linvit and the published isotropic families (ViG, not ViG-H; InLine-DeiT, a linvit with its own mixer):
+    tokens out of forward_features, blocks under ``blocks``."""
+    return name.startswith(("linvit", "vig", "inline_deit")) and not name.startswith("vig_h")
+
+
+def reduced_kwargs(name, one_block=False):
+    """The keyword arguments that build registered model ``name`` at CPU size (its family's code paths); with
+    ``one_block``, one block per stage (the isotropic models one block in all)."""
+    vit, hier = SMALL_VIT, SMALL_HIER
+    if one_block:
+        vit, hier = dict(vit, depth=1), dict(hier, depths=(1, 1, 1, 1))
+    if name.startswith("inline_deit"):  # built for 224-448 px: reduced to 64 px as well
+        return dict(vit, img_size=64)
+    return dict(vit) if is_isotropic(name) else dict(hier)
+
+
+# the smallest model of every family
+ONE_PER_FAMILY = ["linvit_tiny_patch16_rope_224", "linhier_tiny_224", "linhier_delta_femto_224",
+                  "linhier_gcnn_femto_224", "mlla_tiny", "ravlt_tiny", "mavit_tiny", "pola_swin_tiny", "inline_swin_tiny",
+                  "pola_pvt_tiny", "inline_pvt_tiny", "inline_cswin_tiny", "vig_tiny", "vig_h_tiny", "inline_deit_tiny"]
+
+
+def small_model(name, **kwargs):
+    """Registered model ``name`` with one block per stage, 5 classes, seeded weights, in eval mode."""
+    import timm
+
+    import linvision  # noqa: F401  (registers the models)
+
+    torch.manual_seed(0)
+    return timm.create_model(name, num_classes=5, **reduced_kwargs(name, one_block=True), **kwargs).eval()
+
+
+# --- diffusers peers with random weights ---------------------------------------------------------------------------
+
+SANA_SMALL = dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=2,
+                  num_cross_attention_heads=2, cross_attention_head_dim=8, cross_attention_dim=16, caption_channels=12,
+                  sample_size=8, patch_size=2)
+
+
+def randomize(model, seed):
+    """``model`` with every parameter drawn anew (non-zero everywhere, of a size that keeps the outputs O(1))."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() < 2 else p.shape[-1] ** -0.5 * 0.5))
+    return model
+
+
+def diffusers_sana(seed=0, **overrides):
+    """A small diffusers ``SanaTransformer2DModel`` (``SANA_SMALL`` with ``overrides``), random weights, eval mode."""
+    import diffusers
+
+    torch.manual_seed(seed)
+    return randomize(diffusers.SanaTransformer2DModel(**{**SANA_SMALL, **overrides}).eval(), seed)
+
+
+def tiny_autoencoder(kind, path=None):
+    """A tiny random diffusers autoencoder of ``kind`` ("AutoencoderKL" or "AutoencoderDC"), saved to ``path`` when
+    given."""
+    import diffusers
+
+    torch.manual_seed(0)
+    if kind == "AutoencoderKL":
+        ae = diffusers.AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                                     up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16),
+                                     layers_per_block=1, latent_channels=4, norm_num_groups=4, sample_size=16,
+                                     scaling_factor=0.5, shift_factor=0.1)
+    else:
+        ae = diffusers.AutoencoderDC(in_channels=3, latent_channels=4, attention_head_dim=4,
+                                     encoder_block_types="ResBlock", decoder_block_types="ResBlock",
+                                     encoder_block_out_channels=(8, 16), decoder_block_out_channels=(8, 16),
+                                     encoder_layers_per_block=(1, 1), decoder_layers_per_block=(1, 1),
+                                     encoder_qkv_multiscales=((), ()), decoder_qkv_multiscales=((), ()),
+                                     upsample_block_type="interpolate", downsample_block_type="Conv",
+                                     scaling_factor=0.4)
+    if path is not None:
+        ae.save_pretrained(path)
+    return ae.eval()

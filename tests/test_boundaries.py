@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import linvision.ops as O
+from support import ONE_PER_FAMILY, small_model
 from linvision.ops.feature_maps import PerformerFeatureMap
 
 
@@ -166,25 +167,7 @@ def test_tokens_of_the_wrong_rank_or_width_are_refused_by_every_mixer_in_one_lin
 
 # --- models: images checked at the entry, empty batches, the sizes the manual promises
 
-SMALL_VIT = dict(embed_dim=32, depth=1, num_heads=2)
-SMALL_HIER = dict(depths=(1, 1, 1, 1), dims=(16, 32, 32, 48), num_heads=(1, 2, 2, 3))
-# the smallest model of every family, reduced to CPU size
-FAMILIES = ["linvit_tiny_patch16_rope_224", "linhier_tiny_224", "linhier_delta_femto_224", "linhier_gcnn_femto_224",
-            "mlla_tiny", "ravlt_tiny", "mavit_tiny", "pola_swin_tiny", "inline_swin_tiny", "pola_pvt_tiny",
-            "inline_pvt_tiny", "inline_cswin_tiny", "vig_tiny", "vig_h_tiny", "inline_deit_tiny"]
-
-
-def small_model(name, **kwargs):
-    import timm
-
-    import linvision  # noqa: F401  (registers the models)
-    isotropic = name.startswith(("linvit", "vig", "inline_deit")) and not name.startswith("vig_h")
-    size = dict(SMALL_VIT, img_size=64) if name.startswith("inline_deit") else SMALL_VIT if isotropic else SMALL_HIER
-    torch.manual_seed(0)
-    return timm.create_model(name, num_classes=5, **size, **kwargs).eval()
-
-
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", ONE_PER_FAMILY)
 def test_every_family_checks_its_images_in_one_line_and_takes_an_empty_batch(name):
     model = small_model(name)
     for shape in [(3, 64, 64), (1, 4, 64, 64)]:

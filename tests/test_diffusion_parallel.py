@@ -105,13 +105,13 @@ def test_a_single_process_checkpoint_resumes_as_fsdp_on_two_ranks(one_process, t
 def test_two_ranks_split_the_latent_cache(tmp_path):
     """Under torchrun the ranks encode the missing shards between them: the cache holds what one process
     encodes, and the run trains on it."""
-    from test_sana import _tiny_autoencoder
+    from support import tiny_autoencoder
 
     from linvision.diffusion.data import ImageSet
     from linvision.diffusion.latent_cache import LatentCache
     from linvision.diffusion.latents import encode_images
 
-    ae = _tiny_autoencoder("AutoencoderKL", tmp_path / "ae")
+    ae = tiny_autoencoder("AutoencoderKL", tmp_path / "ae")
     flags = ["--model", "digits", "--model-kwargs", "img_size=8", "in_chans=4", "dim=32", "depth=1", "num_heads=2",
              "head_dim=16", "num_cond_tokens=2", "--autoencoder", str(tmp_path / "ae"), "--cache-shard-size", "400",
              "--steps", "2", "--batch-size", "4", "--save-every", "0", "--threads", "1", "--output", str(tmp_path),

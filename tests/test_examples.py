@@ -9,7 +9,6 @@ machine: all four are skipped, saying which, and what they call is checked by th
 instead."""
 import ast
 import builtins
-import glob
 import io
 import os
 import re
@@ -17,24 +16,10 @@ import tokenize
 
 import pytest
 import torch
-from support import fenced_blocks, joined_lines
+from support import PAGES, fenced_blocks, joined_lines, python_examples
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"),
-                                                                          recursive=True))
-
-
-def _examples():
-    found = []
-    for page in PAGES:
-        with open(os.path.join(ROOT, page)) as f:
-            text = f.read()
-        found += [(page, text[:m.start()].count("\n") + 2, m.group(1))
-                  for m in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M)]
-    return found
-
-
-EXAMPLES = _examples()
+EXAMPLES = python_examples()
 
 
 def test_pages_have_examples():

@@ -12,8 +12,7 @@ import torch
 import linvision
 from linvision.export.program import (compare_with_eager, export_onnx, export_program, fixed_grid, input_constraints,
                                       load_exported)
-from support import run_tool
-from test_models import ALL_NAMES, _reduced
+from support import ALL_NAMES, reduced_kwargs, run_tool
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -33,7 +32,7 @@ EXCLUDE_JIT_FILTERS = ["*"]
 
 def _model(name):
     torch.manual_seed(0)
-    return timm.create_model(name, **_reduced(name)).eval()
+    return timm.create_model(name, **reduced_kwargs(name)).eval()
 
 
 def _sizes(model):

@@ -358,12 +358,12 @@ def test_fuzz_mixers(request):
 # --- models: the smallest of every family
 
 def test_fuzz_models(request):
-    from test_boundaries import FAMILIES, small_model
+    from support import ONE_PER_FAMILY, small_model
     rng, gen = random.Random(62), torch.Generator().manual_seed(62)
     failures, cases = [], _count(request, "models")
     built, wides = {}, {}
     for i in range(cases):
-        name = FAMILIES[i % len(FAMILIES)]
+        name = ONE_PER_FAMILY[i % len(ONE_PER_FAMILY)]
         if name not in built:
             built[name] = small_model(name)
             wides[name] = copy.deepcopy(built[name]).double()

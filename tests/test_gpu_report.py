@@ -484,7 +484,7 @@ def test_the_gpu_wheels_carry_what_the_examples_and_the_wheels_need():
     tests run them: segmentation-models-pytorch for docs/segmentation.md)."""
     import importlib.metadata
 
-    from test_examples import EXAMPLES
+    from support import python_examples
 
     makefile = open(os.path.join(ROOT, "Makefile")).read().replace("\\\n", " ")  # continued lines joined
     carried = {_dist(n) for n in re.search(r"pip download .* -d \.whl (.+)", makefile).group(1).split()}
@@ -495,7 +495,7 @@ def test_the_gpu_wheels_carry_what_the_examples_and_the_wheels_need():
         assert _requirements(dist) <= there, (dist, _requirements(dist) - there)
     modules = importlib.metadata.packages_distributions()
     imported = set()
-    for page, line, code in EXAMPLES:
+    for page, line, code in python_examples():
         for node in ast.walk(ast.parse(code)):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                      [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])

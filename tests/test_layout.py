@@ -234,3 +234,12 @@ def test_no_name_shadows_a_module():
         for attr in parts[1:]:
             found = getattr(found, attr)
         assert found is module, f"{name} is shadowed by {found!r}"
+
+
+def test_no_test_file_imports_another():
+    """What several test files share lives in tests/support.py: no test file imports another test file (importing
+    one runs its module-level parametrisation and fixtures again, and ties the two files' names together)."""
+    tests = {p.stem for p in (ROOT / "tests").glob("test_*.py")}
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        imported = {name.split(".")[0] for name, _ in _imports(path)} & tests
+        assert not imported, f"{path.name} imports test files {sorted(imported)}: move what they share to support.py"

@@ -9,44 +9,16 @@ from timm.optim import param_groups_layer_decay
 
 import linvision
 from linvision.benchmark.flops import count_gflops, count_params
+from support import ALL_NAMES, FAMILY_NAMES, SMALL_HIER, SMALL_VIT, is_isotropic, reduced_kwargs
 
-FAMILY_NAMES = {
-    "linvit": [
-        "linvit_tiny_patch16_224", "linvit_small_patch16_224", "linvit_base_patch16_224",
-        "linvit_tiny_patch16_rope_224", "linvit_small_patch16_rope_224", "linvit_base_patch16_rope_224",
-        "linvit_small_patch16_rope_mixed_224", "linvit_tiny_patch16_pola_224", "linvit_small_patch16_pola_224",
-        "linvit_base_patch16_pola_224",
-    ],
-    "linhier": [
-        "linhier_tiny_224", "linhier_small_224", "linhier_base_224", "linhier_gcnn_femto_224", "linhier_gcnn_tiny_224",
-        "linhier_delta_femto_224", "linhier_delta_tiny_224", "linhier_delta_small_224",
-    ],
-    "mlla": ["mlla_tiny", "mlla_small", "mlla_base"],
-    "ravlt": ["ravlt_tiny", "ravlt_small", "ravlt_base", "ravlt_large"],
-    "mavit": ["mavit_tiny", "mavit_small", "mavit_base", "mavit_large"],
-    "vig": ["vig_tiny", "vig_small", "vig_base", "vig_h_tiny", "vig_h_small", "vig_h_base"],
-    "inline": ["inline_deit_tiny", "inline_deit_small", "inline_deit_base", "inline_swin_tiny", "inline_swin_small",
-               "inline_swin_base", "inline_pvt_tiny", "inline_pvt_small", "inline_pvt_medium", "inline_pvt_large",
-               "inline_cswin_tiny", "inline_cswin_small", "inline_cswin_base"],
-    "polaformer": ["pola_swin_tiny", "pola_swin_small", "pola_swin_base", "pola_pvt_tiny", "pola_pvt_small"],
-}
-ALL_NAMES = [n for names in FAMILY_NAMES.values() for n in names]
 
 # Reduced configurations (same code paths, CPU-sized) for the checks that need backward or many passes.
-SMALL_VIT = dict(embed_dim=32, depth=3, num_heads=2)
-SMALL_HIER = dict(depths=(1, 1, 2, 1), dims=(16, 32, 32, 48), num_heads=(1, 2, 2, 3))
 VIT_ABS = ("linvit_small_patch16_224", dict(SMALL_VIT, img_size=64))
 VIT_ROPE = ("linvit_small_patch16_rope_224", SMALL_VIT)
 VIT_MIXED = ("linvit_small_patch16_rope_mixed_224", SMALL_VIT)
 HIER = ("linhier_tiny_224", SMALL_HIER)
 MEAN_POOL = dict(class_token=False, global_pool="avg")  # the linvit head of the mixers that cannot take a class token
 HIER_MIXERS = ("linhier_tiny_224", dict(SMALL_HIER, token_mixers="none,none,linear,softmax"))
-
-
-def _isotropic(name):
-    """linvit and the published isotropic families (ViG, not ViG-H; InLine-DeiT, a linvit with its own mixer):
-    tokens out of forward_features, blocks under ``blocks``."""
-    return name.startswith(("linvit", "vig", "inline_deit")) and not name.startswith("vig_h")
 
 
 def _fixed_size(name, kwargs):
@@ -58,16 +30,10 @@ def _fixed_size(name, kwargs):
     return name.startswith("linvit") and "rope" not in name and not kwargs.get("dynamic_img_size", False)
 
 
-def _reduced(name):
-    if name.startswith("inline_deit"):  # built for 224-448 px: reduced to 64 px as well
-        return dict(SMALL_VIT, img_size=64)
-    return dict(SMALL_VIT) if _isotropic(name) else dict(SMALL_HIER)
-
-
 # Every registered model reduced (its family's code paths at CPU size), and at full size with --runslow. Every
 # full-size model is built and run at 224 px and at two other sizes (shapes, on the meta device) by the model
 # table's fresh count (tests/test_docs.py), and one of each family for real at other sizes there.
-REGISTERED = [pytest.param(n, _reduced(n), id=n) for n in ALL_NAMES] + [
+REGISTERED = [pytest.param(n, reduced_kwargs(n), id=n) for n in ALL_NAMES] + [
     pytest.param(n, {}, id=f"{n}-full", marks=pytest.mark.slow) for n in ALL_NAMES]
 # timm's model contract holds for every registered model and for the other mixers and size options of each family.
 CONTRACT = REGISTERED + [
@@ -143,7 +109,7 @@ def test_registered_model_forward(name, kwargs):
     """Eval, at a small resolution: the images of a batch are independent (an image gives the same logits alone
     as beside another: no mixer, norm or reshape mixes the batch), forward is forward_head(forward_features), and
     different images give different logits (the input reaches the head)."""
-    model = _create(name, num_classes=7, **(dict(kwargs, img_size=64) if _isotropic(name) else kwargs)).eval()
+    model = _create(name, num_classes=7, **(dict(kwargs, img_size=64) if is_isotropic(name) else kwargs)).eval()
     x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         y = model.forward_head(model.forward_features(x))
@@ -181,7 +147,7 @@ def test_default_cfg(name, kwargs):
     with torch.no_grad():
         feats = model.forward_features(x)
         grid = (h // stride, w // stride)
-        if _isotropic(name):  # tokens (B, prefix + N, C), like timm's ViTs
+        if is_isotropic(name):  # tokens (B, prefix + N, C), like timm's ViTs
             assert feats.shape == (2, model.num_prefix_tokens + grid[0] * grid[1], model.num_features)
         else:  # channels-last map, as output_fmt says
             assert model.output_fmt == "NHWC" and feats.shape == (2, *grid, model.num_features)
@@ -194,7 +160,7 @@ def test_default_cfg(name, kwargs):
         torch.testing.assert_close(model.forward_head(feats, pre_logits=True), pooled)
         model.reset_classifier(0, "")
         unpooled = model(x)
-        if _isotropic(name):  # the tokens, through the norm after pooling where fc_norm put it (as timm)
+        if is_isotropic(name):  # the tokens, through the norm after pooling where fc_norm put it (as timm)
             torch.testing.assert_close(unpooled, model.fc_norm(feats), rtol=0, atol=0)
         else:
             assert unpooled.shape == feats.shape
@@ -221,7 +187,7 @@ def test_fx_trace_forward(name, kwargs):
     with torch.no_grad():
         torch.testing.assert_close(graph_model(x)[last], model(x), rtol=0, atol=0)
     _, nodes = get_graph_node_names(model)
-    block = "blocks.0" if _isotropic(name) else "stages.0.blocks.0"
+    block = "blocks.0" if is_isotropic(name) else "stages.0.blocks.0"
     assert f"{block}.mlp.fc1" in nodes and f"{block}.mixer" in nodes
     assert not any(n.startswith(f"{block}.mixer.") for n in nodes)
     if _fixed_size(name, kwargs):

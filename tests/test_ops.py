@@ -25,28 +25,9 @@ from linvision.ops import (
     softmax_attention,
 )
 from linvision.ops.feature_maps import FocusedFeatureMap
+from support import explicit_linear_attention
 
 EPS = 1e-4
-
-
-def explicit_linear_attention(q, k, v, phi, rope=None, causal=False, eps=EPS):
-    """o_i = sum_j w_ij v_j / (sum_j phi(q_i).phi(k_j) / n_i + eps) with the full N x N matrices, float64.
-
-    w_ij = (R_i phi(q_i)).(R_j phi(k_j)) / n_i, n_i = number of tokens token i sees.
-    """
-    phi = get_feature_map(phi, dim=q.shape[-1])
-    pq, pk = phi(q.double(), True), phi(k.double(), False)
-    rq, rk = (apply_rope(pq, rope), apply_rope(pk, rope)) if rope is not None else (pq, pk)
-    a_num = rq @ rk.transpose(-1, -2)  # (B, H, N, N)
-    a_den = pq @ pk.transpose(-1, -2)
-    n = k.shape[2]
-    if causal:
-        mask = torch.ones(n, n, dtype=torch.bool).tril()
-        a_num, a_den = a_num.masked_fill(~mask, 0), a_den.masked_fill(~mask, 0)
-        count = torch.arange(1, n + 1, dtype=torch.float64)[:, None]
-    else:
-        count = torch.tensor(float(n), dtype=torch.float64)
-    return (a_num / count) @ v.double() / (a_den.sum(-1, keepdim=True) / count + eps)
 
 
 def rand_qkv(b, h, n, d, dv, dtype=torch.float64, scale=1.0, seed=0):

@@ -18,8 +18,8 @@ import linvision
 from linvision.utils.checkpoint import load_pretrained
 from linvision.benchmark.flops import count_gflops, count_params
 from linvision.safe_pickle import NotLoaded, read_checkpoint
-from support import (Crafted, authors_layout, run_tool, save_training_file, serve_downloads_from, sorted_values,
-                     write_image_folder)
+from support import (RESOLUTION_BUFFERS, Crafted, authors_layout, run_tool, save_published, serve_downloads_from,
+                     sorted_values, write_image_folder)
 
 # Published params (M), GFLOPs at 224 and whether the published count includes the attention products (MLLA's
 # does; RAVLT's counts convolutions and projections only).
@@ -34,16 +34,6 @@ NAMES = [pytest.param(n, id=n, marks=[pytest.mark.slow] if n in SLOW else []) fo
 # the files' layouts by default at each family's tiny size (the same mapping at every size), all sizes with --runslow
 LAYOUTS = [pytest.param(n, id=n, marks=[] if n.endswith("_tiny") else [pytest.mark.slow])
            for n in (*PUBLISHED, *UNCOUNTED)]
-RESOLUTION_BUFFERS = (".attn.rope.rotations", ".RoPE.angle")  # rebuilt per input, never loaded
-
-
-def save_published(path, state, **extra):
-    """A file laid out as the authors' training script writes it (weights under 'model', an EMA copy beside them,
-    a pickled config, optimizer state), plus ``extra`` entries."""
-    ema = {k: v + 1 if v.is_floating_point() else v for k, v in state.items()}
-    save_training_file(path, state, state_dict_ema=ema, model_ema=ema, **extra)
-
-
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_published_layout_loads_every_tensor(name, tmp_path):
     """Every tensor of the file lands in the model (a bijection: the sorted values are equal, so nothing is missing,

@@ -5,6 +5,7 @@ models run at other sizes, and pretrained=True without a local file says where t
 
 tests/data/published/pola_{swin,pvt}_<size>.txt list the tensor names, shapes and dtypes of the authors' checkpoint
 (their model's state dict, buffers included); the files built here from them hold random values."""
+import functools
 import math
 
 import pytest
@@ -22,10 +23,8 @@ NAMES = [pytest.param(n, id=n, marks=[pytest.mark.slow] if n != "pola_swin_tiny"
 BUFFERS = (".relative_position_index", ".attn_mask")  # the authors' buffers, recomputed here
 
 
-def save_authors(path, state, **extra):
-    """A file laid out as the authors' main.py saves it (the weights under 'model', optimizer and scheduler state,
-    the best accuracy, the epoch and the pickled config)."""
-    save_training_file(path, state, max_accuracy=82.6, **extra)
+# A file laid out as the authors' main.py saves it (support.save_training_file), with their best accuracy.
+save_authors = functools.partial(save_training_file, max_accuracy=82.6)
 
 
 @pytest.mark.parametrize("name", NAMES)

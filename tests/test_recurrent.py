@@ -18,6 +18,7 @@ from linvision.ops import (
     gated_linear_attention_step,
     linear_attention_reference,
 )
+from support import elu_phi, naive_delta, naive_gated
 
 EPS = 1e-4
 CHUNKS = (1, 4, 5, 64)  # 64 > N: a single ragged chunk
@@ -31,44 +32,6 @@ def qkv(b=2, h=2, n=13, d=4, dv=3, dtype=torch.float64, seed=0):
 def log_gates(shape, seed=1, scale=1.0):
     g = torch.Generator().manual_seed(seed)
     return F.logsigmoid(torch.randn(*shape, generator=g, dtype=torch.float64) * 2 + 1) * scale
-
-
-def phi(x):
-    return F.elu(x) + 1
-
-
-def naive_gated(q, k, v, log_gate, normalize=True, eps=EPS):
-    """Per-token loop of S_t = diag(g_t) S_{t-1} + phi(k_t)^T v_t, z and count likewise. log_gate (B, H, N, G)."""
-    b, h, n, d = q.shape
-    s = q.new_zeros(b, h, d, v.shape[-1])
-    z = q.new_zeros(b, h, d)
-    cnt = q.new_zeros(b, h, log_gate.shape[-1])
-    out = []
-    for t in range(n):
-        g = log_gate[:, :, t].exp()
-        pk = phi(k[:, :, t])
-        s = g.unsqueeze(-1) * s + pk.unsqueeze(-1) * v[:, :, t].unsqueeze(-2)
-        z = g * z + pk
-        cnt = g * cnt + 1
-        pq = phi(q[:, :, t])
-        num = torch.einsum("bhd,bhde->bhe", pq, s)
-        den = (pq * z).sum(-1) + eps * cnt.mean(-1)
-        out.append(num / den.unsqueeze(-1) if normalize else num)
-    return torch.stack(out, 2)
-
-
-def naive_delta(q, k, v, beta, s0=None, strict=False):
-    """Per-token loop of the delta rule on L2-normalised q, k (identity feature map); strict reads S_{t-1}."""
-    q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-    b, h, n, d = q.shape
-    s = q.new_zeros(b, h, d, v.shape[-1]) if s0 is None else s0
-    out = []
-    for t in range(n):
-        kt = k[:, :, t]
-        prev = s
-        s = s - beta[:, :, t, None, None] * kt.unsqueeze(-1) * (torch.einsum("bhd,bhde->bhe", kt, s) - v[:, :, t]).unsqueeze(-2)
-        out.append(torch.einsum("bhd,bhde->bhe", q[:, :, t], prev if strict else s))
-    return torch.stack(out, 2), s
 
 
 @pytest.mark.parametrize("chunk", CHUNKS)
@@ -94,7 +57,7 @@ def test_gated_matches_quadratic_formula():
     lg = log_gates(q.shape[:3])
     cum = lg.cumsum(-1)
     w = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).exp().tril()  # (B, H, N, N)
-    a = w * (phi(q) @ phi(k).transpose(-1, -2))
+    a = w * (elu_phi(q) @ elu_phi(k).transpose(-1, -2))
     ref = (a @ v) / (a.sum(-1) + EPS * w.sum(-1)).unsqueeze(-1)
     torch.testing.assert_close(gated_linear_attention(q, k, v, lg, chunk_size=4), ref, rtol=1e-10, atol=1e-10)
 
@@ -158,7 +121,7 @@ def test_bidirectional_gated_matches_quadratic_formula(gate, normalize):
     fwd = (cum.unsqueeze(3) - cum.unsqueeze(2)).exp() * ones.tril()[..., None]
     bwd = (prev.unsqueeze(2) - prev.unsqueeze(3)).exp() * ones.triu(1)[..., None]
     w = fwd + bwd  # (B, H, N_i, N_j, G)
-    a = torch.einsum("bhid,bhjd,bhijd->bhij", phi(q), phi(k), w.expand(b, h, n, n, d))
+    a = torch.einsum("bhid,bhjd,bhijd->bhij", elu_phi(q), elu_phi(k), w.expand(b, h, n, n, d))
     ref = a @ v
     if normalize:
         ref = ref / (a.sum(-1) + EPS * w.mean(-1).sum(-1)).unsqueeze(-1)
@@ -258,7 +221,7 @@ def test_bidirectional_gated_gradients_match_quadratic_formula(gate):
         ones = torch.ones(n, n, dtype=torch.float64)
         w = ((cum.unsqueeze(3) - cum.unsqueeze(2)).exp() * ones.tril()[..., None]
              + (prev.unsqueeze(2) - prev.unsqueeze(3)).exp() * ones.triu(1)[..., None])
-        a = torch.einsum("bhid,bhjd,bhijd->bhij", phi(q), phi(k), w.expand(b, h, n, n, d))
+        a = torch.einsum("bhid,bhjd,bhijd->bhij", elu_phi(q), elu_phi(k), w.expand(b, h, n, n, d))
         return (a @ v) / (a.sum(-1) + EPS * w.mean(-1).sum(-1)).unsqueeze(-1)
 
     want = _grads(reference, q, k, v, lg)

@@ -27,7 +27,7 @@ from linvision.ops import (
     record_backends,
 )
 from linvision.ops.recurrent import kernels as recurrent_kernels
-from test_recurrent import naive_delta, naive_gated, phi
+from support import elu_phi, naive_delta, naive_gated
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -140,7 +140,7 @@ def naive_bidirectional_gated(q, k, v, lg, normalize=True, eps=EPS):
         z, c = q.new_zeros(b, h, d), q.new_zeros(b, h, gates.shape[-1])
         out = [None] * n
         for t in order:
-            g, pk, pq = gates[:, :, t], phi(k[:, :, t]), phi(q[:, :, t])
+            g, pk, pq = gates[:, :, t], elu_phi(k[:, :, t]), elu_phi(q[:, :, t])
             s, z, c = g.unsqueeze(-1) * s, g * z, g * c
             if strict:
                 out[t] = (torch.einsum("bhd,bhde->bhe", pq, s), (pq * z).sum(-1), c.mean(-1))

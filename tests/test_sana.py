@@ -17,28 +17,11 @@ from linvision.diffusion.sana import (
 )
 from linvision.diffusion.block import sana_attention_class
 from linvision.layers import CausalLinearAttention, LinearAttention
+from support import SANA_SMALL, diffusers_sana, tiny_autoencoder
 
 SanaLinearAttention = sana_attention_class(LinearAttention)  # LinearAttention with qk_norm and fp16_clamp
 
 diffusers = pytest.importorskip("diffusers")
-
-SMALL = dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=2,
-             num_cross_attention_heads=2, cross_attention_head_dim=8, cross_attention_dim=16, caption_channels=12,
-             sample_size=8, patch_size=2)
-
-
-def _randomize(model, seed):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # non-zero values everywhere, of a size that keeps the outputs O(1)
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() < 2 else p.shape[-1] ** -0.5 * 0.5))
-    return model
-
-
-def _diffusers_model(seed=0, **overrides):
-    torch.manual_seed(seed)
-    return _randomize(diffusers.SanaTransformer2DModel(**{**SMALL, **overrides}).eval(), seed)
-
 
 def _inputs(b=2, hw=(8, 12), l=5, in_chans=4, caption=12, seed=1):
     g = torch.Generator().manual_seed(seed)
@@ -69,7 +52,7 @@ def test_same_output_as_diffusers_with_a_padded_caption_on_a_non_square_grid(qk_
     """fp32, exact eps: float rounding apart the same output (max abs error below 2e-6 on outputs of size ~2;
     3.6e-7 measured);
     padded caption tokens change neither model."""
-    theirs = _diffusers_model(qk_norm=qk_norm, guidance_embeds=guidance)
+    theirs = diffusers_sana(qk_norm=qk_norm, guidance_embeds=guidance)
     ours = _linvision(theirs)
     x, t, context, mask = _inputs()
     g = torch.tensor([4.5, 2.0]) if guidance else None
@@ -92,7 +75,7 @@ def test_default_eps_is_the_sum_form_with_n_times_eps():
     diffusers' processor reproduces linvision's default output; with diffusers' own 1e-15 the two differ."""
     from diffusers.models import attention_processor as ap
 
-    theirs = _diffusers_model()
+    theirs = diffusers_sana()
     ours = _linvision(theirs, exact_eps=False)
     assert ours.cfg.eps == 1e-4 and ours.cfg.eps_form == "mean"
     x, t, context, mask = _inputs()
@@ -120,7 +103,7 @@ def test_default_eps_is_the_sum_form_with_n_times_eps():
 
 
 def test_conversion_round_trip_is_lossless():
-    theirs = _diffusers_model(qk_norm="rms_norm_across_heads", guidance_embeds=True)
+    theirs = diffusers_sana(qk_norm="rms_norm_across_heads", guidance_embeds=True)
     cfg = config_from_diffusers(dict(theirs.config))
     state = theirs.state_dict()
     back = state_dict_to_diffusers(state_dict_from_diffusers(state, cfg), cfg)
@@ -128,12 +111,12 @@ def test_conversion_round_trip_is_lossless():
     for k in state:
         assert torch.equal(back[k], state[k]), k
     config = config_to_diffusers(cfg)
-    assert {k: config[k] for k in SMALL} == SMALL
+    assert {k: config[k] for k in SANA_SMALL} == SANA_SMALL
     assert config_from_diffusers(config) == cfg
 
 
 def test_diffusers_save_pretrained_folder_loads_and_saves_back(tmp_path):
-    theirs = _diffusers_model(qk_norm="rms_norm_across_heads")
+    theirs = diffusers_sana(qk_norm="rms_norm_across_heads")
     theirs.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
     assert (tmp_path / "sharded" / "diffusion_pytorch_model.safetensors.index.json").exists()
     ours = load_diffusers_folder(str(tmp_path / "sharded"), exact_eps=True)
@@ -153,7 +136,7 @@ def test_diffusers_save_pretrained_folder_loads_and_saves_back(tmp_path):
 
 
 def test_folder_errors_name_the_file_and_the_key(tmp_path):
-    theirs = _diffusers_model()
+    theirs = diffusers_sana()
     theirs.save_pretrained(tmp_path / "m", max_shard_size="20KB")
     folder = tmp_path / "m"
     index = json.loads((folder / "diffusion_pytorch_model.safetensors.index.json").read_text())
@@ -235,31 +218,11 @@ def test_sum_eps_form_is_finite_in_half_precision():
     assert (out.float() - ref).norm() / ref.norm() < 5e-3
 
 
-def _tiny_autoencoder(kind, path=None):
-    torch.manual_seed(0)
-    if kind == "AutoencoderKL":
-        ae = diffusers.AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-                                     up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16),
-                                     layers_per_block=1, latent_channels=4, norm_num_groups=4, sample_size=16,
-                                     scaling_factor=0.5, shift_factor=0.1)
-    else:
-        ae = diffusers.AutoencoderDC(in_channels=3, latent_channels=4, attention_head_dim=4,
-                                     encoder_block_types="ResBlock", decoder_block_types="ResBlock",
-                                     encoder_block_out_channels=(8, 16), decoder_block_out_channels=(8, 16),
-                                     encoder_layers_per_block=(1, 1), decoder_layers_per_block=(1, 1),
-                                     encoder_qkv_multiscales=((), ()), decoder_qkv_multiscales=((), ()),
-                                     upsample_block_type="interpolate", downsample_block_type="Conv",
-                                     scaling_factor=0.4)
-    if path is not None:
-        ae.save_pretrained(path)
-    return ae.eval()
-
-
 @pytest.mark.parametrize("kind", ["AutoencoderKL", "AutoencoderDC"])
 def test_latents_are_scaled_as_diffusers_pipelines_scale_them(tmp_path, kind):
     from linvision.diffusion.latents import autoencoder_geometry, decode_latents, encode_images, load_autoencoder
 
-    _tiny_autoencoder(kind, tmp_path / "ae")
+    tiny_autoencoder(kind, tmp_path / "ae")
     ae = load_autoencoder(str(tmp_path / "ae"))
     assert type(ae).__name__ == kind and autoencoder_geometry(ae) == (3, 4, 2)
     x = torch.rand(3, 3, 16, 12) * 2 - 1
@@ -288,7 +251,7 @@ def test_latent_training_resumes_exactly_and_samples_decode_to_images(tmp_path):
     from linvision.diffusion.train import DiffusionTrainConfig, train_dit
 
     torch.set_num_threads(1)
-    _tiny_autoencoder("AutoencoderKL", tmp_path / "ae")
+    tiny_autoencoder("AutoencoderKL", tmp_path / "ae")
     model = dict(img_size=8, in_chans=4, patch_size=2, dim=32, depth=1, num_heads=2, head_dim=16, num_cond_tokens=2)
 
     def cfg():
@@ -338,7 +301,7 @@ def test_fine_tuning_starts_from_a_diffusers_folder_and_goes_back(tmp_path):
     from linvision.diffusion.train import DiffusionTrainConfig, train_dit
 
     torch.set_num_threads(1)
-    theirs = _diffusers_model(in_channels=1, out_channels=1, caption_channels=6)
+    theirs = diffusers_sana(in_channels=1, out_channels=1, caption_channels=6)
     theirs.save_pretrained(tmp_path / "sana")
     _, y, _ = load_images("digits", 8, 1)
     g = torch.Generator().manual_seed(0)
@@ -364,7 +327,7 @@ def test_latent_cache_keeps_finished_shards_after_a_kill_and_refuses_another_sou
     from linvision.diffusion.latent_cache import LatentCache, build_latent_cache
     from linvision.diffusion.latents import encode_images
 
-    ae = _tiny_autoencoder("AutoencoderKL")
+    ae = tiny_autoencoder("AutoencoderKL")
     data = ImageSet("digits", 16, 1)
     source = {"autoencoder": "tiny", "dataset": "digits", "image_size": 16}
     calls = []
@@ -407,7 +370,7 @@ def test_latents_encoded_per_batch_train_as_cached_ones_and_a_named_cache_is_reu
     from linvision.diffusion.train import DiffusionTrainConfig, train_dit
 
     torch.set_num_threads(1)
-    _tiny_autoencoder("AutoencoderKL", tmp_path / "ae")
+    tiny_autoencoder("AutoencoderKL", tmp_path / "ae")
     model = dict(img_size=8, in_chans=4, patch_size=2, dim=32, depth=1, num_heads=2, head_dim=16, num_cond_tokens=2)
 
     def cfg(**kw):
@@ -438,7 +401,7 @@ def test_a_sharded_fine_tuning_checkpoint_exports_to_a_diffusers_folder(tmp_path
     from linvision.diffusion.train import DiffusionTrainConfig, train_dit
 
     torch.set_num_threads(1)
-    theirs = _diffusers_model(in_channels=1, out_channels=1, caption_channels=6)
+    theirs = diffusers_sana(in_channels=1, out_channels=1, caption_channels=6)
     theirs.save_pretrained(tmp_path / "sana")
     g = torch.Generator().manual_seed(0)
     save_file({"context": torch.randn(1437, 3, 6, generator=g), "mask": torch.ones(1437, 3, dtype=torch.bool)},

@@ -16,7 +16,7 @@ from linvision.diffusion.checkpoint import save_dit_checkpoint  # noqa: E402
 from linvision.diffusion.model import LinDiT, create_dit  # noqa: E402
 from linvision.diffusion.pipeline import LinSanaTransformer2DModel  # noqa: E402
 from linvision.diffusion.sana import load_diffusers_folder  # noqa: E402
-from test_sana import SMALL, _diffusers_model, _randomize, _tiny_autoencoder  # noqa: E402
+from support import SANA_SMALL, diffusers_sana, randomize, tiny_autoencoder  # noqa: E402
 
 SIZE = dict(height=64, width=32)  # the pipeline needs multiples of 32; latents 32 x 16 (the autoencoder's 2x)
 
@@ -61,9 +61,9 @@ def parts(tmp_path_factory):
     """(diffusers' transformer, its folder, linvision's transformer from that folder, a tiny AutoencoderDC)."""
     torch.set_num_threads(1)
     folder = tmp_path_factory.mktemp("sana") / "transformer"
-    theirs = _diffusers_model()
+    theirs = diffusers_sana()
     theirs.save_pretrained(folder)
-    vae = _tiny_autoencoder("AutoencoderDC")
+    vae = tiny_autoencoder("AutoencoderDC")
     ours = LinSanaTransformer2DModel.from_pretrained(folder, exact_eps=True)
     return theirs, folder, ours, vae
 
@@ -89,7 +89,7 @@ def test_pipeline_gives_diffusers_latents_and_images(parts, scheduler):
 def test_sana_sprint_pipeline_with_a_guidance_embedding(parts, tmp_path):
     """SanaSprintPipeline (SCM scheduler, a guidance embedding scaled by guidance_embeds_scale) gives the same
     latents with either transformer."""
-    theirs = _diffusers_model(seed=1, guidance_embeds=True, qk_norm="rms_norm_across_heads")
+    theirs = diffusers_sana(seed=1, guidance_embeds=True, qk_norm="rms_norm_across_heads")
     theirs.save_pretrained(tmp_path / "sprint")
     ours = LinSanaTransformer2DModel.from_pretrained(tmp_path / "sprint")
     prompts = {k: v for k, v in _prompts().items() if not k.startswith("negative")}  # no negative prompt here
@@ -138,7 +138,7 @@ def test_checkpoint_route_gives_the_lindit_outputs(parts, tmp_path):
     here: config exact_eps False), in the pipeline too; from_lindit shares the model."""
     _, folder, _, vae = parts
     model = load_diffusers_folder(str(folder))  # linvision's default eps
-    ema = _randomize(LinDiT(model.cfg), seed=5).eval()
+    ema = randomize(LinDiT(model.cfg), seed=5).eval()
     save_dit_checkpoint(str(tmp_path / "run"), model, ema, meta={"step": 0})
     x, context = torch.randn(2, 4, 8, 12), torch.randn(2, 5, 12)
     mask = torch.tensor([[1, 1, 0, 0, 0], [1] * 5])
@@ -158,7 +158,7 @@ def test_checkpoint_route_gives_the_lindit_outputs(parts, tmp_path):
 def test_save_pretrained_round_trip_through_diffusers(tmp_path):
     """save_pretrained writes diffusers' folder (single file or shards), pipeline keys included; diffusers loads
     the same weights and config and computes the same output, guidance embedding and qk norm included."""
-    theirs = _diffusers_model(qk_norm="rms_norm_across_heads", guidance_embeds=True, timestep_scale=2.0,
+    theirs = diffusers_sana(qk_norm="rms_norm_across_heads", guidance_embeds=True, timestep_scale=2.0,
                               guidance_embeds_scale=0.5)
     theirs.save_pretrained(tmp_path / "src", max_shard_size="20KB")
     ours = LinSanaTransformer2DModel.from_pretrained(str(tmp_path / "src"))  # sharded
@@ -175,8 +175,8 @@ def test_save_pretrained_round_trip_through_diffusers(tmp_path):
         want = back(x, context, torch.tensor([700.0, 30.0]), guidance=g, return_dict=False)[0]
         got = ours(x, context, torch.tensor([700.0, 30.0]), guidance=g, return_dict=False)[0]
     assert _max_err(got, want) < 1e-6
-    fresh = LinSanaTransformer2DModel(**SMALL)  # diffusers-style construction from a config
-    assert fresh.num_parameters() == diffusers.SanaTransformer2DModel(**SMALL).num_parameters()
+    fresh = LinSanaTransformer2DModel(**SANA_SMALL)  # diffusers-style construction from a config
+    assert fresh.num_parameters() == diffusers.SanaTransformer2DModel(**SANA_SMALL).num_parameters()
 
 
 def test_forward_takes_diffusers_masks_timesteps_and_dtypes(parts):

@@ -180,7 +180,7 @@ def test_published_mlla_weights_reach_the_encoder_through_timms_cache(tmp_path, 
     tensors compared with the file, the q/k rows in linvision's order, every tensor equal to timm's classifier
     built from the same file."""
     from support import authors_layout
-    from test_published import save_published
+    from support import save_published
 
     state = authors_layout("mlla_tiny", blocks=1)
     path = tmp_path / "mlla_t.pth"

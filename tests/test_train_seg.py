@@ -295,7 +295,7 @@ def test_pretrained_encoder_starts_from_the_published_file(tmp_path, monkeypatch
     import timm
 
     from support import authors_layout, serve_downloads_from
-    from test_published import RESOLUTION_BUFFERS, save_published
+    from support import RESOLUTION_BUFFERS, save_published
 
     state = authors_layout("mlla_tiny", blocks=1)
     path = tmp_path / "mlla_t.pth"

@@ -8,7 +8,7 @@ import torch
 from linvision.ops import linear_attention, softmax_attention
 from linvision.ops.rope import apply_rope, axial_rope, axial_rope_freqs, rope_at
 
-from test_ops import explicit_linear_attention
+from support import explicit_linear_attention
 
 SIZES = [(3, 5), (4, 2), (1, 1)]  # each sample's grid (H, W); padded to N tokens
 

@@ -424,6 +424,30 @@ def test_linear_attention_feature_maps(feature_map):
     assert (out - elu(x, (3, 4))).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("mixer_name", ["linear", "causal", "rala", "mala", "hybrid", "bidir_gated"])
+def test_every_mixer_keeps_what_its_feature_map_holds(mixer_name):
+    """The table FEATURE_MAPS says what a map holds and every mixer that takes maps keeps it: the focused map's
+    learnable scale (a parameter that the loss reaches), Performer's projection (a persistent buffer), nothing for
+    the others (their map resolved once, at construction)."""
+    from linvision.ops.common import FEATURE_MAPS
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 12, 32)
+    for name, info in FEATURE_MAPS.items():
+        try:
+            mixer = create_mixer(mixer_name, 32, 2, feature_map=name)
+        except ValueError as e:  # a map this mixer refuses: the table's needs say why
+            assert "does not fit this mixer" in str(e), e
+            continue
+        keys = set(mixer.state_dict())
+        assert ("focus_scale" in keys) == info.learnable and ("performer_projection" in keys) == info.random
+        if not info.stateful:
+            assert mixer.phi() is mixer.phi() and mixer.phi().name == name
+        if info.learnable:
+            mixer(x, (3, 4)).square().mean().backward()
+            assert mixer.focus_scale.grad is not None and mixer.focus_scale.grad.abs().sum() > 0
+
+
 def test_mixer_block_with_cpe_matches_its_formula():
     """x + cpe1(x); + mixer(norm1(x)); + cpe2(x); + mlp(norm2(x)) on channels-last tokens, and without CPE the
     plain pre-norm block (no CPE parameters)."""

@@ -370,12 +370,19 @@ def test_one_table_of_feature_maps():
     assert set(FEATURE_MAP_NAMES) == set(FEATURE_MAPS) | set(FEATURE_MAP_ALIASES)
     assert FUSED_FEATURE_MAPS is KERNEL_FUSED and set(FUSED_FEATURE_MAPS) == {"identity", "relu", "elu"}
     assert LAYER_FEATURE_MAPS == tuple(n for n, i in FEATURE_MAPS.items() if i.nonnegative)
-    for name in FEATURE_MAPS:
-        if name == "performer":
-            with pytest.raises(ValueError, match="'performer' by name would draw a new random projection"):
+    from linvision.ops.attention.reference import _RECOMPUTABLE_MAPS
+
+    assert _RECOMPUTABLE_MAPS == tuple(n for n, i in FEATURE_MAPS.items() if i.recompute) and \
+        "performer" not in _RECOMPUTABLE_MAPS and "focused" in _RECOMPUTABLE_MAPS
+    for name, info in FEATURE_MAPS.items():
+        if info.random:
+            with pytest.raises(ValueError, match=f"'{name}' by name would draw a new random projection"):
                 get_feature_map(name)
-        else:
-            assert get_feature_map(name).name == name
+            continue
+        phi = get_feature_map(name)
+        assert phi.name == name
+        # a map that holds nothing is one object, resolved once; the others a fresh one per call
+        assert (get_feature_map(name.upper()) is phi) == (not info.stateful)
 
 
 def test_grid_check():

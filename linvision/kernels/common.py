@@ -52,7 +52,9 @@ FEATURE_MAP_ALIASES = {"elu+1": "elu", "elu1": "elu", "softmax_kernel": "exp"}
 
 @dataclass(frozen=True)
 class FeatureMapInfo:
-    """Where a named feature map may be used.
+    """A named feature map: where it may be used and what it holds. Every list of maps, the kernels' codes, the
+    PyTorch forms (``linvision.ops.feature_maps``) and the tensors a mixer keeps for a map are derived from these
+    rows; a new map is a row here and its PyTorch form there.
 
     fused: its in-kernel code in the Triton kernels (None: not fused, the PyTorch path runs it).
     causal: exact in causal, step and recurrent forms. ``exp`` and ``performer`` are not: their key stabiliser is
@@ -60,15 +62,25 @@ class FeatureMapInfo:
         every earlier prefix (whose own keys then underflow); they are non-causal only.
     nonnegative: phi >= 0, so a normalised attention's denominator is a sum of non-negative weights (``identity``
         is not: the normalised mixers refuse it, the delta rule, which L2-normalises instead, takes it).
-    stateful: the map holds tensors of its own (``focused``: a learnable scale, ``performer``: a random
-        projection), which a module keeps as a parameter or buffer; by name in an op, ``performer`` is refused
-        (it would draw a new projection on every call), ``focused`` runs with a unit scale.
+    learnable: the map learns a tensor of its own (``focused``: a per-channel scale), a mixer's parameter
+        ``focus_scale``; by name in an op it runs with that tensor at its initial value (a unit scale).
+    random: the map draws random tensors (``performer``: a projection), a mixer's persistent buffer
+        ``performer_projection``; by name in an op it is refused (it would draw anew on every call).
+    recompute: the reference path's backward recomputes the features instead of keeping them (it knows every
+        tensor the map learns).
     """
 
     fused: Optional[int]
     causal: bool
     nonnegative: bool
-    stateful: bool = False
+    learnable: bool = False
+    random: bool = False
+    recompute: bool = True
+
+    @property
+    def stateful(self) -> bool:
+        """The map holds tensors of its own (learnt or drawn)."""
+        return self.learnable or self.random
 
 
 FEATURE_MAPS = {
@@ -76,8 +88,8 @@ FEATURE_MAPS = {
     "relu": FeatureMapInfo(fused=1, causal=True, nonnegative=True),
     "elu": FeatureMapInfo(fused=2, causal=True, nonnegative=True),
     "exp": FeatureMapInfo(fused=None, causal=False, nonnegative=True),
-    "focused": FeatureMapInfo(fused=None, causal=True, nonnegative=True, stateful=True),
-    "performer": FeatureMapInfo(fused=None, causal=False, nonnegative=True, stateful=True),
+    "focused": FeatureMapInfo(fused=None, causal=True, nonnegative=True, learnable=True),
+    "performer": FeatureMapInfo(fused=None, causal=False, nonnegative=True, random=True, recompute=False),
 }
 # name -> in-kernel code of the maps the Triton kernels apply themselves
 FUSED_FEATURE_MAPS = {name: info.fused for name, info in FEATURE_MAPS.items() if info.fused is not None}

@@ -258,19 +258,25 @@ class AttentionMixer(TokenMixer):
 
     def use_feature_map(self, feature_map: str, **needs: bool) -> None:
         """Set ``self.feature_map`` to the canonical name of ``feature_map``, checked by :func:`check_feature_map`
-        against ``needs``. Performer's random projection becomes the persistent buffer ``performer_projection``
-        (saved with the weights, the same on every call, redrawn only by :meth:`redraw_feature_map`)."""
+        against ``needs``, and keep what the table says the map holds: a random map's draw (Performer's projection)
+        as the persistent buffer ``performer_projection`` (saved with the weights, the same on every call, redrawn
+        only by :meth:`redraw_feature_map`), a learnable map's tensor (the focused map's per-channel scale) as the
+        parameter ``focus_scale``. A map that holds nothing is resolved here, once."""
         self.feature_map = check_feature_map(feature_map, **needs)
-        projection = None
-        if self.feature_map == "performer":
-            projection = orthogonal_random_projection(self.head_dim, self.head_dim)
-        self.register_buffer("performer_projection", projection, persistent=projection is not None)
+        info = FEATURE_MAPS[self.feature_map]
+        projection = orthogonal_random_projection(self.head_dim, self.head_dim) if info.random else None
+        self.register_buffer("performer_projection", projection, persistent=info.random)
+        self.focus_scale = nn.Parameter(torch.zeros(self.head_dim)) if info.learnable else None
+        self._named_phi = None if info.stateful else get_feature_map(self.feature_map)
 
     def phi(self) -> FeatureMap:
-        """The feature map named by ``feature_map`` (Performer's reading this mixer's projection)."""
+        """The feature map named by ``feature_map``, reading this mixer's tensors (Performer's projection, the
+        focused map's scale)."""
         if self.performer_projection is not None:
             return PerformerFeatureMap(self.head_dim, projection=self.performer_projection)
-        return get_feature_map(self.feature_map)
+        if self.focus_scale is not None:
+            return FocusedFeatureMap(scale=self.focus_scale)
+        return self._named_phi
 
     @torch.no_grad()
     def redraw_feature_map(self, generator: Optional[torch.Generator] = None) -> None:
@@ -407,14 +413,6 @@ class LinearAttention(AttentionMixer):
         self.use_feature_map(feature_map, nonnegative=True, **({"causal": True} if self.causal else {}))
         self.eps = eps
         self.eps_form = eps_form
-        # FLatten's focused map owns a learnable scale; the others have no parameters.
-        self.focus_scale = nn.Parameter(torch.zeros(self.head_dim)) if self.feature_map == "focused" else None
-
-    def phi(self) -> FeatureMap:
-        """The feature map named by ``feature_map``, applied to q and k (the focused map with this mixer's scale)."""
-        if self.focus_scale is not None:
-            return FocusedFeatureMap(scale=self.focus_scale)
-        return super().phi()
 
     def op_eps(self, num_keys: int) -> float:
         """The eps handed to :func:`linvision.ops.linear_attention` (mean form) for ``num_keys`` keys."""

@@ -47,17 +47,35 @@ __all__ = [
     "featurize",
 ]
 
+# name -> the PyTorch form of each map of the table FEATURE_MAPS: a function phi(x, is_query), or the FeatureMap
+# class of a map that holds tensors; filled by @_form below, checked against the table at the end of the module.
+_FORMS: dict = {}
 
+
+def _form(name: str):
+    """Register the decorated function or class as the PyTorch form of the table's map ``name``."""
+    if name not in FEATURE_MAPS:
+        raise KeyError(f"{name!r} is not a row of FEATURE_MAPS (linvision.kernels.common): add the row first")
+
+    def register(form):
+        _FORMS[name] = form
+        return form
+    return register
+
+
+@_form("elu")
 def elu_plus_one(x: Tensor, is_query: bool = True) -> Tensor:
     """elu(x) + 1 = exp(min(x, 0)) + max(x, 0): computed so, since a CPU's exp is vectorised and the expm1
     inside F.elu is not (8x the time on the same tensor); equal up to the rounding of exp against expm1."""
     return torch.exp(x.clamp(max=0)) + F.relu(x)
 
 
+@_form("relu")
 def relu_features(x: Tensor, is_query: bool = True) -> Tensor:
     return F.relu(x)
 
 
+@_form("identity")
 def identity_features(x: Tensor, is_query: bool = True) -> Tensor:
     return x
 
@@ -72,6 +90,7 @@ def _stabiliser(x: Tensor, is_query: bool) -> Tensor:
     return x.amax(dim=(-2, -1), keepdim=True)
 
 
+@_form("exp")
 def exp_features(x: Tensor, is_query: bool = True) -> Tensor:
     """exp(x - c) with c the stabiliser of ``_stabiliser``; the largest value is exactly 1, so no overflow."""
     return torch.exp(x - _stabiliser(x, is_query))
@@ -138,6 +157,7 @@ class FeatureMap:
         return f"FeatureMap({self.name!r})"
 
 
+@_form("performer")
 class PerformerFeatureMap(FeatureMap):
     """FAVOR+ positive random features with a projection held by this object.
 
@@ -177,6 +197,7 @@ class PerformerFeatureMap(FeatureMap):
         return self.num_features
 
 
+@_form("focused")
 class FocusedFeatureMap(FeatureMap):
     """FLatten's focused map with power ``power`` and an optional raw scale tensor (learnable in layers)."""
 
@@ -189,12 +210,10 @@ class FocusedFeatureMap(FeatureMap):
         return focused_features(x, is_query, self.power, self.scale)
 
 
-_NAMED = {
-    "elu": elu_plus_one,
-    "relu": relu_features,
-    "exp": exp_features,
-    "identity": identity_features,
-}
+if set(_FORMS) != set(FEATURE_MAPS):  # a row of the table without its PyTorch form (or the reverse)
+    raise ImportError(f"feature maps without a PyTorch form: {sorted(set(FEATURE_MAPS) ^ set(_FORMS))}")
+# the named maps that hold nothing, resolved once: get_feature_map(name) hands out these objects
+_STATELESS = {name: FeatureMap(name, form) for name, form in _FORMS.items() if not FEATURE_MAPS[name].stateful}
 # every name get_feature_map takes: the table of linvision.kernels.common.FEATURE_MAPS and its aliases
 FEATURE_MAP_NAMES = tuple(sorted(set(FEATURE_MAPS) | set(FEATURE_MAP_ALIASES)))
 
@@ -215,14 +234,14 @@ def get_feature_map(feature_map: FeatureMapArg, dim: Optional[int] = None) -> Fe
         return feature_map
     if isinstance(feature_map, str):
         name = feature_map_name(feature_map)
-        if name in _NAMED:
-            return FeatureMap(name, _NAMED[name])
-        if name == "focused":
-            return FocusedFeatureMap()
-        if name == "performer":
-            raise ValueError("feature_map: 'performer' by name would draw a new random projection on every call; "
-                             "pass a PerformerFeatureMap, which holds one")
-        raise ValueError(f"feature_map: unknown name {feature_map!r}; allowed: {', '.join(FEATURE_MAP_NAMES)} or a callable")
+        info = FEATURE_MAPS.get(name)
+        if info is None:
+            raise ValueError(f"feature_map: unknown name {feature_map!r}; allowed: {', '.join(FEATURE_MAP_NAMES)} "
+                             "or a callable")
+        if info.random:
+            raise ValueError(f"feature_map: {name!r} by name would draw a new random projection on every call; "
+                             f"pass a {_FORMS[name].__name__}, which holds one")
+        return _STATELESS[name] if name in _STATELESS else _FORMS[name]()
     if callable(feature_map):
         try:
             n_params = len(inspect.signature(feature_map).parameters)

@@ -8,8 +8,8 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from ..common import (DEFAULT_EPS, check_backend, check_eps, check_qkv, check_rope, check_valid, full_precision,
-                      is_exporting, is_tracing)
+from ..common import (DEFAULT_EPS, check_backend, check_eps, check_qkv, check_rope, check_valid, feature_maps_where,
+                      full_precision, is_exporting, is_tracing)
 from ..feature_maps import FeatureMap, FeatureMapArg, featurize, get_feature_map
 from ..rope import Rope, apply_rope, rotate_pairs
 
@@ -35,9 +35,9 @@ def rotated_features(
     return phi_q, phi_k, apply_rope(phi_q, rope), apply_rope(phi_k, rope), vc
 
 
-# Feature maps whose only learnable tensor is ``scale`` (FLatten's focused map): the recomputing backward below
-# knows every leaf they can hand a gradient to.
-_RECOMPUTABLE_MAPS = ("elu", "relu", "exp", "identity", "focused")
+# The maps the recomputing backward below takes (FEATURE_MAPS' ``recompute``): it knows every leaf they can hand a
+# gradient to (``scale``, FLatten's focused map's).
+_RECOMPUTABLE_MAPS = feature_maps_where(recompute=True)
 
 
 def _leaves(phi: FeatureMap, rope: Optional[Rope]) -> Tuple[Tensor, ...]:

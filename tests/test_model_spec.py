@@ -11,6 +11,7 @@ from torch import nn
 import linvision  # noqa: F401  (registers the models)
 from linvision.layers import create_mixer, get_mixer_class
 from linvision.layers.registry import mixer_option_default
+from linvision.layers.registry import mixer_options
 from linvision.models.linhier import BlockSpec, LinHier, StageSpec, linhier_layout
 
 HIER_SMALL = dict(depths=(1, 1, 2, 1), dims=(16, 32, 32, 32), num_heads=(2, 2, 2, 2), img_size=64)
@@ -201,15 +202,42 @@ def test_a_model_is_built_from_its_spec_and_options_reach_one_stage_or_one_block
 
 
 def test_a_layout_is_data_and_the_model_is_what_it_says():
-    """A layout returns plain descriptions; a model built from one has those blocks, nothing else."""
+    """A layout returns plain descriptions; a model built from one has those blocks with the family's mixer
+    defaults, nothing else."""
+    from linvision.models.linhier import with_family_defaults
+
     stages = linhier_layout(depths=(1, 2), dims=(16, 32), num_heads=(2, 2), token_mixers="softmax,linear",
-                            defaults=dict(gate=True, window=4), img_size=64)
-    assert stages[1] == StageSpec(32, 2, (BlockSpec("linear", dict(gate=True)),) * 2, (8, 8))
+                            img_size=64)
+    assert stages[1] == StageSpec(32, 2, (BlockSpec("linear", {}),) * 2, (8, 8))
+    assert with_family_defaults(stages, dict(gate=True, window=4))[1] == \
+        StageSpec(32, 2, (BlockSpec("linear", dict(gate=True)),) * 2, (8, 8))
     model = LinHier(depths=(1, 2), dims=(16, 32), num_heads=(2, 2), token_mixers="softmax,linear", num_classes=3,
-                    layout=lambda **kw: linhier_layout(defaults=dict(gate=True, window=4), **kw))
-    assert model.spec == linhier_layout(depths=(1, 2), dims=(16, 32), num_heads=(2, 2), token_mixers="softmax,linear",
-                                        defaults=dict(gate=True, window=4))
+                    layout=lambda **kw: linhier_layout(**kw), mixer_defaults=dict(gate=True, window=4))
+    assert model.spec == with_family_defaults(
+        linhier_layout(depths=(1, 2), dims=(16, 32), num_heads=(2, 2), token_mixers="softmax,linear"),
+        dict(gate=True, window=4))
     assert all(b.mixer.gate is not None for s in model.stages for b in s.blocks)
+
+
+@pytest.mark.parametrize("name, option, value", [("linhier_tiny_224", "gate", True),
+                                                 ("inline_cswin_tiny", "lepe", True),
+                                                 ("pola_swin_tiny", "window", 7)])
+def test_a_family_keeps_its_mixer_defaults_whatever_the_layout(name, option, value):
+    """A family's mixer options are the model's, not its layout's: built with another layout (here the plain
+    :func:`linhier_layout`), the blocks whose mixer takes the option still have it; the caller's mixer_kwargs win
+    over it, and ``mixer_defaults`` replaces the family's."""
+    sizes = dict(depths=(1, 1, 1, 1), dims=(16, 32, 32, 48), num_heads=(1, 2, 2, 3))
+    taking = [b for s in timm.create_model(name, **sizes).spec for b in s.blocks
+              if option in mixer_options(b.mixer)]
+    assert taking and all(b.options[option] == value for b in taking)
+    plain = timm.create_model(name, **sizes, layout=linhier_layout).spec
+    assert [b.options[option] for s in plain for b in s.blocks if option in mixer_options(b.mixer)] == \
+        [value] * len(taking)
+    other = 5 if option == "window" else False
+    mine = timm.create_model(name, **sizes, layout=linhier_layout, mixer_kwargs={option: other}).spec
+    assert all(b.options[option] == other for s in mine for b in s.blocks if option in mixer_options(b.mixer))
+    bare = timm.create_model(name, **sizes, layout=linhier_layout, mixer_defaults={}).spec
+    assert all(option not in b.options for s in bare for b in s.blocks)
 
 
 def test_every_entry_point_has_its_pretrained_cfg():
@@ -272,10 +300,17 @@ def test_rope_ref_grid_is_given_per_stage_in_a_hierarchical_model(name):
     refused in one line naming them; ``stage_mixer_kwargs`` gives each stage its grid at the model's img_size.
     There the model computes exactly what it computes without the option; at another size it interpolates."""
     with pytest.raises(ValueError, match=r"^mixer_kwargs: 'rope_ref_grid' is one grid, and the stages of this "
-                                         r"model run on 16x16, 8x8, 4x4, 2x2 at its img_size; give each stage"):
+                                         r"model run on 16x16, 8x8, 4x4, 2x2 at its img_size; give each stage "
+                                         r"its own grid with rope_ref_grid=True"):
         _small(name, mixer_kwargs=dict(rope_ref_grid=16))
+    with pytest.raises(TypeError, match=r"^rope_ref_grid: True \(each stage's grid at img_size\) or False, got 16"):
+        timm.create_model(name, **HIER_SMALL, rope_ref_grid=16)
     grids = {0: 16, 1: 8, 2: 4, 3: 2}
     model = _small(name, stage_mixer_kwargs={i: dict(rope_ref_grid=g) for i, g in grids.items()}).eval()
+    # the model's rope_ref_grid=True: the same grids, from each stage's StageSpec.grid
+    auto = _small(name, rope_ref_grid=True)
+    grid_of = lambda m: [getattr(getattr(x, "attn", x), "rope_ref_grid", None) for _, x in _mixers(m)]  # noqa: E731
+    assert grid_of(auto) == grid_of(model) and any(g is not None for g in grid_of(auto))
     plain = _small(name).eval()
     plain.load_state_dict(model.state_dict())
     for (stage, _), mixer in _mixers(model):

@@ -52,7 +52,6 @@ input) and no class token; it is kept as the form the results page measured.
 """
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Dict
 
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
@@ -60,7 +59,7 @@ from torch import Tensor, nn
 
 from linvision.layers import merge_options
 
-from .linhier import LinHier, linhier_layout
+from .linhier import LinHier
 from .linvit import LinViT
 from .linvit import checkpoint_filter_fn as linvit_filter
 from .published import (explain_failed_download, load_published, published_cfg, published_file_overlay,
@@ -307,7 +306,7 @@ def inline_pvt_large(pretrained: bool = False, **kwargs) -> LinHier:
 
 # LePE in every block: the stripes' own, the InLine and whole-map softmax blocks' over their map
 _CSWIN_MIXERS = dict(token_mixers="inline_cswin,inline_cswin,cswin_stripes,softmax",
-                     layout=partial(linhier_layout, defaults=dict(lepe=True)))
+                     mixer_defaults=dict(lepe=True))
 _CSWIN_SIZES: Dict[str, Dict[str, Any]] = {
     "tiny": dict(depths=(2, 4, 18, 1), dims=(64, 128, 256, 512), num_heads=(2, 4, 8, 16)),
     "small": dict(depths=(3, 6, 29, 2), dims=(64, 128, 256, 512), num_heads=(2, 4, 8, 16)),

@@ -34,11 +34,12 @@ from timm.models._features import feature_take_indices
 from linvision.layers import (MixerBlock, RecomputeMlp, init_model_weights, merge_options, no_weight_decay_of,
                               parse_mixer_list, routed_options, stage_mixer_options)
 from linvision.layers.options import check_images
-from linvision.layers.registry import MixerSpec, mixer_options
+from linvision.layers.registry import MixerSpec, mixer_option_default, mixer_options
 
 from .published import require_weights, unwrap_state_dict
 
-__all__ = ["LinHier", "StageSpec", "BlockSpec", "linhier_layout", "with_mixer_options", "stage_grids"]
+__all__ = ["LinHier", "StageSpec", "BlockSpec", "linhier_layout", "with_family_defaults", "with_mixer_options",
+           "with_stage_rope_grids", "stage_grids"]
 
 def _to_nchw(x: Tensor) -> Tensor:
     return x.permute(0, 3, 1, 2)
@@ -119,26 +120,50 @@ def _per_stage(value: Any, count: int, name: str) -> Tuple[Any, ...]:
     return values
 
 
-def block_spec(mixer: MixerSpec, defaults: Optional[Mapping[str, Any]], grid: Tuple[int, int]) -> BlockSpec:
-    """A block of ``mixer`` with the family's ``defaults`` that the mixer takes (the others go unused), and its
-    stage's ``grid`` when the mixer takes a ``grid`` option (a learned position table of the stage's map)."""
-    takes = mixer_options(mixer)
-    options = routed_options(mixer, {k: v for k, v in (defaults or {}).items() if k in takes})
-    if "grid" in takes:
-        options["grid"] = grid
-    return BlockSpec(mixer, options)
+def block_spec(mixer: MixerSpec, grid: Tuple[int, int]) -> BlockSpec:
+    """A block of ``mixer`` with its stage's ``grid`` when the mixer takes a ``grid`` option (a learned position
+    table of the stage's map)."""
+    return BlockSpec(mixer, {"grid": grid} if "grid" in mixer_options(mixer) else {})
+
+
+def with_family_defaults(stages: Sequence[StageSpec], defaults: Optional[Mapping[str, Any]]
+                         ) -> Tuple[StageSpec, ...]:
+    """``stages`` with a family's mixer options ``defaults`` in every block whose mixer takes them and whose layout
+    did not set them (the others go unused): what makes a family's block (MLLA's output gate, InLine-CSwin's
+    LePE) whatever layout builds its stages."""
+    if not defaults:
+        return tuple(stages)
+
+    def block(b: BlockSpec) -> BlockSpec:
+        takes = mixer_options(b.mixer)
+        extra = {k: v for k, v in defaults.items() if k in takes and k not in b.options}
+        return replace(b, options=routed_options(b.mixer, {**extra, **b.options})) if extra else b
+    return tuple(replace(stage, blocks=tuple(block(b) for b in stage.blocks)) for stage in stages)
+
+
+def with_stage_rope_grids(stages: Sequence[StageSpec]) -> Tuple[StageSpec, ...]:
+    """``stages`` with each block that turns its positions with RoPE (a ``rope`` option, given or by its mixer's
+    default, that is not None) interpolating them to its stage's grid (``rope_ref_grid``: :attr:`StageSpec.grid`,
+    the grid at the model's img_size), unless the block sets its own: at img_size the model computes what it
+    computes without it, at other sizes each stage's positions span the range they were trained on."""
+    def block(b: BlockSpec, grid: Tuple[int, int]) -> BlockSpec:
+        if "rope_ref_grid" not in mixer_options(b.mixer) or b.options.get("rope_ref_grid") is not None:
+            return b
+        if b.options.get("rope", mixer_option_default(b.mixer, "rope")) is None:
+            return b
+        return replace(b, options={**b.options, "rope_ref_grid": grid})
+    return tuple(replace(stage, blocks=tuple(block(b, stage.grid) for b in stage.blocks)) for stage in stages)
 
 
 def linhier_layout(
     depths: Sequence[int] = (3, 5, 9, 4), dims: Sequence[int] = (64, 128, 256, 512),
     num_heads: Sequence[int] = (2, 4, 8, 16), token_mixers: Union[MixerSpec, Sequence[MixerSpec]] = "linear_rope",
     mlp_ratio: Union[float, Sequence[float]] = 4.0, layer_scale_init: Union[None, float, Sequence] = None,
-    img_size: Any = 224, *, defaults: Optional[Mapping[str, Any]] = None,
-    lead: Optional[Sequence[Optional[Tuple[int, MixerSpec]]]] = None,
+    img_size: Any = 224, *, lead: Optional[Sequence[Optional[Tuple[int, MixerSpec]]]] = None,
 ) -> Tuple[StageSpec, ...]:
     """The stages of a hierarchical model: stage i has ``depths[i]`` blocks of ``token_mixers[i]`` (one name, 4
-    comma-separated names or a sequence) with the family's mixer options ``defaults`` (:func:`block_spec`).
-    ``lead``: per stage None or (n, mixer): the first n blocks of that stage take ``mixer`` instead (a mixed
+    comma-separated names or a sequence; :func:`block_spec`); a family's mixer options are the model's
+    ``mixer_defaults``, not the layout's. ``lead``: per stage None or (n, mixer): the first n blocks of that stage take ``mixer`` instead (a mixed
     stage). ``mlp_ratio`` and ``layer_scale_init``: one value or one per stage. Raises ValueError for lists of
     other lengths or unknown mixers."""
     depths, dims, num_heads = tuple(depths), tuple(dims), tuple(num_heads)
@@ -154,7 +179,7 @@ def linhier_layout(
     stages = []
     for i in range(n):
         count, first = leads[i] or (0, None)
-        blocks = tuple(block_spec(first if j < count else mixers[i], defaults, grids[i]) for j in range(depths[i]))
+        blocks = tuple(block_spec(first if j < count else mixers[i], grids[i]) for j in range(depths[i]))
         stages.append(StageSpec(dims[i], num_heads[i], blocks, grids[i], ratios[i], scales[i]))
     return tuple(stages)
 
@@ -166,12 +191,14 @@ def with_mixer_options(stages: Sequence[StageSpec], mixer_kwargs: Optional[Mappi
     of one stage or one block (a block's over its stage's). Every option must be taken by a block it is given
     to: ValueError in one line naming it and the mixers otherwise, as for a key naming no stage or block. A grid
     option (``rope_ref_grid``) in ``mixer_kwargs`` is refused when the stages' grids differ: one grid would be
-    wrong for all stages but one, so each stage takes its own in ``stage_mixer_kwargs``."""
+    wrong for all stages but one, so each stage takes its own (the model's ``rope_ref_grid=True``, or
+    ``stage_mixer_kwargs``)."""
     stages = list(stages)
     if "rope_ref_grid" in (mixer_kwargs or {}) and len({s.grid for s in stages}) > 1:
         raise ValueError(f"mixer_kwargs: 'rope_ref_grid' is one grid, and the stages of this model run on "
                          f"{', '.join(f'{h}x{w}' for h, w in (s.grid for s in stages))} at its img_size; give each "
-                         f"stage its own, e.g. stage_mixer_kwargs={{0: {{'rope_ref_grid': {stages[0].grid}}}, ...}}")
+                         f"stage its own grid with rope_ref_grid=True (the model's option), or one by one with "
+                         f"stage_mixer_kwargs={{0: {{'rope_ref_grid': {stages[0].grid}}}, ...}}")
     specific = sorted((stage_mixer_kwargs or {}).items(), key=lambda t: isinstance(t[0], (tuple, list)))
     targets = [(None, mixer_kwargs)] + specific
     for where, options in targets:
@@ -258,8 +285,14 @@ class LinHier(nn.Module):
             options}), over ``mixer_kwargs``; refused in the same way.
         layout: returns the stages (a tuple of :class:`StageSpec`), called with ``depths``, ``dims``,
             ``num_heads``, ``token_mixers``, ``mlp_ratio``, ``layer_scale_init`` and ``img_size`` as keywords; a
-            family binds its own mixer defaults and block pattern (default: :func:`linhier_layout` with the
-            output gate, ``gate=True``, for the mixers that take one: the MLLA block).
+            family binds its block pattern (default: :func:`linhier_layout`).
+        mixer_defaults: the family's mixer options, under the layout's and the caller's: every block whose mixer
+            takes one and whose layout did not set it receives it, whatever the layout (None: the class's
+            :attr:`MIXER_DEFAULTS`; LinHier's is the output gate, ``gate=True``, for the mixers that take one: the
+            MLLA block).
+        rope_ref_grid: True: every block with RoPE interpolates its positions to its stage's grid at ``img_size``
+            (:attr:`StageSpec.grid`; a block's own ``rope_ref_grid`` in ``stage_mixer_kwargs`` wins), so a model
+            run at another size turns each stage's positions within the range it was trained on.
         mlp_ratio: MLP hidden size / dim, one value or one per stage.
         img_size: nominal input size: the grid of a stage's position tables, where a layout has some (no
             parameter of the default layout depends on it).
@@ -278,6 +311,8 @@ class LinHier(nn.Module):
     Raises ValueError for inconsistent stage lists, unknown mixers or options no block takes.
     """
 
+    MIXER_DEFAULTS: Mapping[str, Any] = {"gate": True}  # the MLLA block: the output gate where the mixer takes one
+
     def __init__(
         self,
         in_chans: int = 3,
@@ -290,6 +325,8 @@ class LinHier(nn.Module):
         mixer_kwargs: Optional[Dict[str, Any]] = None,
         stage_mixer_kwargs: Optional[Dict[Any, Dict[str, Any]]] = None,
         layout: Optional[Callable[..., Sequence[StageSpec]]] = None,
+        mixer_defaults: Optional[Mapping[str, Any]] = None,
+        rope_ref_grid: bool = False,
         mlp_ratio: Union[float, Sequence[float]] = 4.0,
         drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
@@ -304,10 +341,14 @@ class LinHier(nn.Module):
         final_layer: Optional[Callable[[int], nn.Module]] = None,
     ):
         super().__init__()
-        layout = layout or partial(linhier_layout, defaults=dict(gate=True))
-        spec = layout(depths=depths, dims=dims, num_heads=num_heads, token_mixers=token_mixers, mlp_ratio=mlp_ratio,
-                      layer_scale_init=layer_scale_init, img_size=img_size)
-        self.spec = with_mixer_options(spec, mixer_kwargs, stage_mixer_kwargs)
+        if not isinstance(rope_ref_grid, bool):
+            raise TypeError(f"rope_ref_grid: True (each stage's grid at img_size) or False, got {rope_ref_grid!r}; "
+                            "one grid for every block goes in mixer_kwargs of an isotropic model")
+        spec = (layout or linhier_layout)(depths=depths, dims=dims, num_heads=num_heads, token_mixers=token_mixers,
+                                          mlp_ratio=mlp_ratio, layer_scale_init=layer_scale_init, img_size=img_size)
+        spec = with_family_defaults(spec, self.MIXER_DEFAULTS if mixer_defaults is None else mixer_defaults)
+        spec = with_mixer_options(spec, mixer_kwargs, stage_mixer_kwargs)
+        self.spec = with_stage_rope_grids(spec) if rope_ref_grid else spec
         self.token_mixers = tuple(stage_mixer_text(stage) for stage in self.spec)
         self.num_classes = num_classes
         self.in_chans = in_chans

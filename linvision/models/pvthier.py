@@ -83,6 +83,8 @@ def pvt_layout(**sizes: Any) -> Tuple[StageSpec, ...]:
 class PvtHier(LinHier):
     """:class:`LinHier` with PVT's stages (:func:`pvt_layout`; the layers: :func:`create_pvt_like`)."""
 
+    MIXER_DEFAULTS = {}  # PVT's blocks: the mixers as they come
+
     def __init__(self, *, layout: Optional[Callable[..., Sequence[StageSpec]]] = None, **kwargs):
         super().__init__(layout=layout or pvt_layout, **kwargs)
 

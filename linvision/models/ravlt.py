@@ -35,7 +35,7 @@ from timm.models import generate_default_cfgs, register_model
 from linvision.layers import DwConvMlp, merge_options
 from linvision.ops import halves_from_interleaved
 
-from .linhier import LinHier, linhier_layout
+from .linhier import LinHier
 from .published import build_published, load_published, published_cfg, unwrap_state_dict
 
 __all__ = ["Ravlt", "ChannelsLastConv", "RavltStem", "checkpoint_filter_fn", "SIZES", "create_ravlt_like"]
@@ -44,7 +44,7 @@ __all__ = ["Ravlt", "ChannelsLastConv", "RavltStem", "checkpoint_filter_fn", "SI
 # accuracy of both the raw and the EMA copy and neither their README nor their paper says which one is published;
 # their own detection and segmentation code start from "model", so that is what a fine-tuning user gets here.
 WEIGHT_KEYS = ("model", "state_dict")
-# The options of RAVLT's mixers (both stages' RoPE, LePE and output modulation): its layout's defaults.
+# The options of RAVLT's mixers (both stages' RoPE, LePE and output modulation): the family's mixer defaults.
 MIXER_DEFAULTS = dict(rope="axial", rope_theta=10000.0, rope_row_first=True, lepe=True, lepe_kernel=5, gate=True)
 
 
@@ -172,7 +172,7 @@ def create_ravlt_like(model_cls: type, variant: str, pretrained: bool = False, h
     args = dict(
         token_mixers="ravlt_rala,ravlt_rala,ravlt_softmax,ravlt_softmax", mlp_ratio=3.5, stem_layer=RavltStem,
         downsample_layer=partial(ChannelsLastConv, kernel_size=3, stride=2, apply_act=False),
-        cpe="first", mlp_layer=DwConvMlp, layout=partial(linhier_layout, defaults=MIXER_DEFAULTS),
+        cpe="first", mlp_layer=DwConvMlp, mixer_defaults=MIXER_DEFAULTS,
         final_layer=partial(ChannelsLastConv, out_chs=head_chs, act_layer=nn.SiLU),
     )
     return build_published(model_cls, variant, pretrained, checkpoint_filter_fn, **merge_options(args, **kwargs))

@@ -42,11 +42,11 @@ def swin_stem(in_chans: int, dim: int) -> nn.Module:
 
 def swin_layout(*, lead: Optional[Sequence[Optional[Tuple[int, MixerSpec]]]] = None, **sizes: Any
                 ) -> Tuple[StageSpec, ...]:
-    """Swin's stages (:func:`~linvision.models.linhier.linhier_layout` of ``sizes``): windows of 7 for the mixers
-    that take a window, the ``"swin_window"`` blocks at odd places in their stage shifted (Swin's alternation),
-    and ``lead``: per stage None or (n, mixer), the first n blocks of that stage taking ``mixer`` (the
-    published "mixed" stages: a few linear-attention blocks, then window attention)."""
-    stages = linhier_layout(defaults=dict(window=7), lead=lead, **sizes)
+    """Swin's stages (:func:`~linvision.models.linhier.linhier_layout` of ``sizes``): the ``"swin_window"``
+    blocks at odd places in their stage shifted (Swin's alternation), and ``lead``: per stage None or (n, mixer),
+    the first n blocks of that stage taking ``mixer`` (the published "mixed" stages: a few linear-attention
+    blocks, then window attention)."""
+    stages = linhier_layout(lead=lead, **sizes)
     return tuple(replace(stage, blocks=tuple(
         replace(block, options={**block.options, "shift": j % 2 == 1}) if "shift" in mixer_options(block.mixer)
         else block for j, block in enumerate(stage.blocks))) for stage in stages)
@@ -54,7 +54,9 @@ def swin_layout(*, lead: Optional[Sequence[Optional[Tuple[int, MixerSpec]]]] = N
 
 class SwinHier(LinHier):
     """:class:`LinHier` with Swin's stages (:func:`swin_layout`; the layers: :func:`create_swin_like`). The
-    window side of the softmax stages: ``mixer_kwargs=dict(window=...)`` (7)."""
+    window side of the softmax stages: ``mixer_kwargs=dict(window=...)`` (7, the family's mixer default)."""
+
+    MIXER_DEFAULTS = {"window": 7}
 
     def __init__(self, *, layout: Optional[Callable[..., Sequence[StageSpec]]] = None, **kwargs):
         super().__init__(layout=layout or swin_layout, **kwargs)

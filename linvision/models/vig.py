@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from linvision.layers import merge_options
 from linvision.layers.options import pad_to_kernel
 
-from .linhier import LinHier, linhier_layout
+from .linhier import LinHier
 from .linvit import LinViT
 from .published import (explain_failed_download, load_published, published_cfg, published_file_overlay,
                         unwrap_state_dict)
@@ -255,7 +255,7 @@ HIER_SIZES: Dict[str, Dict[str, Any]] = {
     "base": dict(depths=(2, 2, 17, 2), dims=(128, 256, 512, 1024), num_heads=(4, 8, 16, 32)),
 }
 # The authors' hierarchical evaluation halves the scans' sum once (output scale 1/2; ViG's halves it twice).
-_HIER_LAYERS = dict(token_mixers="vig_gla", layout=partial(linhier_layout, defaults=dict(output_scale=0.5)),
+_HIER_LAYERS = dict(token_mixers="vig_gla", mixer_defaults=dict(output_scale=0.5),
                     norm_layer=nn.LayerNorm, act_layer=nn.GELU, cpe=False, mlp_layer=gated_mlp,
                     final_layer=nn.LayerNorm)
 

@@ -199,7 +199,7 @@ class PerformerFeatureMap(FeatureMap):
 
 @_form("focused")
 class FocusedFeatureMap(FeatureMap):
-    """FLatten's focused map with power ``power`` and an optional raw scale tensor (learnable in layers)."""
+    """FLatten's focused map with power ``power`` and an optional raw scale tensor."""
 
     def __init__(self, power: float = 3.0, scale: Optional[Tensor] = None):
         self.power = power

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 import linvision  # noqa: F401  (registers the models)
 from linvision.data.datasets import build_transform, create_dataset
 from linvision.experiments.linearize import attention_errors, attention_transfer, build_student, transfer_parameters
-from linvision.models.linvit import checkpoint_filter_fn
+from linvision.models.vit_weights import checkpoint_filter_fn
 
 SHAPE = dict(embed_dim=64, depth=3, num_heads=2)
 

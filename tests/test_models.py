@@ -519,7 +519,7 @@ def test_round_trip_safetensors_other_classes_and_one_channel(tmp_path):
 
 
 def test_checkpoint_filter_unwraps_and_resamples_patch_kernel():
-    from linvision.models.linvit import checkpoint_filter_fn
+    from linvision.models.vit_weights import checkpoint_filter_fn
 
     for head, prefix in ((MEAN_POOL, 0), ({}, 1)):  # without and with the class token (its row is kept)
         model = _create("linvit_small_patch16_224", img_size=64, **SMALL_VIT, **head)
@@ -776,7 +776,7 @@ def test_converted_vit_output_gate_starts_as_a_pass_through(mixer):
     """convert_vit_state_dict starts an output gate at weight 0 and the bias its activation maps to 1 (SiLU for
     the linear mixers, none for RALA's output modulation), so the gated model computes what the ungated one
     does from the same softmax ViT (float64)."""
-    from linvision.models.linvit import convert_vit_state_dict
+    from linvision.models.vit_weights import convert_vit_state_dict
 
     torch.manual_seed(0)
     vit = timm.create_model("vit_tiny_patch16_224", img_size=32, depth=1, embed_dim=32, num_heads=2, num_classes=3)

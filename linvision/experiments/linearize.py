@@ -36,7 +36,7 @@ def build_student(name: str, teacher: nn.Module, img_size: int, **kwargs) -> nn.
     softmax ViT or a linvit) by linvit's ``checkpoint_filter_fn``, with the teacher's number of classes."""
     import timm
 
-    from linvision.models.linvit import checkpoint_filter_fn
+    from linvision.models.vit_weights import checkpoint_filter_fn
 
     if not name.startswith("linvit"):
         raise ValueError(f"name: {name!r} is not a linvit model; linearization converts ViT weights into linvit")

@@ -163,9 +163,9 @@ def linhier_layout(
 ) -> Tuple[StageSpec, ...]:
     """The stages of a hierarchical model: stage i has ``depths[i]`` blocks of ``token_mixers[i]`` (one name, 4
     comma-separated names or a sequence; :func:`block_spec`); a family's mixer options are the model's
-    ``mixer_defaults``, not the layout's. ``lead``: per stage None or (n, mixer): the first n blocks of that stage take ``mixer`` instead (a mixed
-    stage). ``mlp_ratio`` and ``layer_scale_init``: one value or one per stage. Raises ValueError for lists of
-    other lengths or unknown mixers."""
+    ``mixer_defaults``, not the layout's. ``lead``: per stage None or (n, mixer): the first n blocks of that
+    stage take ``mixer`` instead (a mixed stage). ``mlp_ratio`` and ``layer_scale_init``: one value or one per
+    stage. Raises ValueError for lists of other lengths or unknown mixers."""
     depths, dims, num_heads = tuple(depths), tuple(dims), tuple(num_heads)
     if not len(depths) == len(dims) == len(num_heads):
         raise ValueError(f"depths, dims, num_heads: lengths differ ({len(depths)}, {len(dims)}, {len(num_heads)})")

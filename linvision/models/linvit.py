@@ -34,7 +34,8 @@ must fit the mixer: ValueError in one line, naming the option and the mixer, oth
 
 There are no linvit weights of its own (``pretrained=True`` without a tag fails and says so): the ``.deit_fb_in1k``
 tags point at timm's DeiT softmax weights of the same shape, which ``checkpoint_filter_fn`` converts
-(:func:`~linvision.models.vit_weights.convert_vit_state_dict`) into the start of linearization (``linvision.experiments.linearize``); a local copy loads with ``pretrained_cfg_overlay=dict(file=...)``.
+(:func:`~linvision.models.vit_weights.convert_vit_state_dict`) into the start of linearization
+(``linvision.experiments.linearize``); a local copy loads with ``pretrained_cfg_overlay=dict(file=...)``.
 
 The ``*_pola_*`` entry points are the plain ones with PolaFormer's mixer (``token_mixer="pola"``, LePE on): in a
 ViT-Tiny trained from scratch on fine-grained photos it came level with its softmax twin at the training size and

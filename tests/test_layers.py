@@ -737,3 +737,89 @@ def test_recompute_mlp_in_the_modes_people_train(mode):
     torch.testing.assert_close(grads[0][0], grads[1][0], rtol=0, atol=0)
     for a, b in zip(grads[0][1:], grads[1][1:]):
         torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+class _PlainGate(nn.Module):
+    """linear(a * act(g)) as autograd records it: the reference of gated_linear."""
+
+    def __init__(self, linear, act):
+        super().__init__()
+        self.linear, self.act = linear, act
+
+    def forward(self, a, g):
+        return self.linear(a * self.act(g))
+
+
+@pytest.mark.parametrize("mode", ["float64", "autocast-bf16", "autocast-fp16", "bf16-weights"])
+@pytest.mark.parametrize("act", ["silu", "identity"])
+def test_gated_linear_equals_the_plain_product_and_keeps_less(mode, act):
+    """gated_linear (an attention's gate and output projection) against linear(a * act(g)) recorded by autograd:
+    the same output, and gradients of a, g, the weight and the bias to the dtype's rounding (float64: 1e-12), while
+    keeping at least two tensors of the output's size fewer for the backward (act(g) and the product); at batch 1
+    on an odd grid of 105k tokens, after an inference_mode forward, which is the plain computation."""
+    from linvision.layers.recompute import gated_linear
+
+    torch.manual_seed(0)
+    act_fn = F.silu if act == "silu" else (lambda t: t)
+    linear = nn.Linear(8, 8)
+    n = (1, 317 * 331, 8) if mode != "float64" else (2, 13, 8)
+    a, g = torch.randn(*n), torch.randn(*n)
+    dtype = {"autocast-bf16": torch.bfloat16, "autocast-fp16": torch.float16}.get(mode)
+    if mode == "float64":
+        linear, a, g = linear.double(), a.double(), g.double()
+    if mode == "bf16-weights":
+        linear, a, g = linear.bfloat16(), a.bfloat16(), g.bfloat16()
+    ref = _PlainGate(linear, act_fn)
+    with torch.inference_mode():
+        torch.testing.assert_close(gated_linear(a, g, act_fn, linear), ref(a, g), rtol=0, atol=0)
+    a, g = a.clone().requires_grad_(), g.clone().requires_grad_()
+    results = []
+    for run in (lambda: gated_linear(a, g, act_fn, linear), lambda: ref(a, g)):
+        params = {p.untyped_storage().data_ptr() for p in linear.parameters()}
+        saved = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.autocast("cpu", dtype or torch.bfloat16, enabled=dtype is not None):
+            out = run()
+        grads = torch.autograd.grad(out.float().square().mean(), [a, g, *linear.parameters()])
+        results.append((sum(saved.values()), out, grads))
+    (kept, out, grads), (kept_ref, out_ref, grads_ref) = results
+    torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
+    tol = dict(rtol=1e-12, atol=1e-14) if mode == "float64" else dict(rtol=2e-2, atol=2e-3)
+    for mine, theirs in zip(grads, grads_ref):
+        assert mine.dtype == theirs.dtype
+        torch.testing.assert_close(mine, theirs, **tol)
+    one = out.numel() * out.element_size()  # a tensor of the output's size in the product's dtype at least
+    assert kept <= kept_ref - (2 if act == "silu" else 1) * one
+
+
+def test_gated_attention_trains_to_the_plain_gradients_and_keeps_less(monkeypatch):
+    """A linhier (MLLA's gated linear attention) and RALA's output modulation train to the gradients of the plain
+    gate (gated_linear switched off) in float64, and keep less for the backward."""
+    import timm
+
+    import linvision  # noqa: F401
+    from linvision.layers import recompute
+
+    for name, kwargs in [("linhier_tiny_224", dict(depths=(1, 1, 1, 1), dims=(16, 32, 48, 64), num_heads=(1, 1, 2, 2))),
+                         ("ravlt_tiny", dict(depths=(1, 1, 1, 1), dims=(16, 32, 48, 64), num_heads=(1, 1, 2, 2)))]:
+        results = []
+        for plain in (False, True):
+            if plain:
+                monkeypatch.setattr(recompute, "_recomputes", lambda: False)
+            torch.manual_seed(0)
+            model = timm.create_model(name, num_classes=3, **kwargs).double().train()
+            x = torch.randn(2, 3, 64, 96, dtype=torch.float64, generator=torch.Generator().manual_seed(1),
+                            requires_grad=True)
+            kept, _, grads = _saved_and_grads(model, x)
+            results.append((kept, grads))
+        monkeypatch.undo()
+        (kept, grads), (kept_plain, grads_plain) = results
+        for mine, theirs in zip(grads, grads_plain):
+            torch.testing.assert_close(mine, theirs, rtol=1e-9, atol=1e-11)
+        assert kept < kept_plain, name

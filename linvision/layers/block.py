@@ -15,17 +15,13 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Tuple, Type, Union
 
-import torch
 import torch.nn.functional as F
-from timm.layers import DropPath, LayerNorm, LayerScale, Mlp, register_notrace_module
+from timm.layers import DropPath, LayerNorm, LayerScale, register_notrace_module
 from torch import Tensor, nn
-try:  # torch's is_fx_tracing logs a warning on its first call; this one is silent (and also false under export)
-    from torch.fx._symbolic_trace import is_fx_symbolic_tracing
-except ImportError:  # older torch: is_fx_tracing, silent there
-    from torch.fx._symbolic_trace import is_fx_tracing as is_fx_symbolic_tracing
 
 from .derived import derived
 from .layout import TokenLayout
+from .recompute import RecomputeMlp
 from .registry import check_layout, check_prefix_tokens, create_mixer
 
 __all__ = ["ConvPosEnc", "DwConvMlp", "MixerBlock", "RecomputeMlp"]
@@ -75,44 +71,6 @@ class DwConvMlp(nn.Module):
         h = self.act(self.fc1(x))
         h = h + self.dwconv(h.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
         return self.drop(self.fc2(self.drop(h)))
-
-
-class _GeluLinear(torch.autograd.Function):
-    """fc2(gelu(h)) keeping h and fc2's weight for the backward, not gelu(h) (nor, under autocast, the weight's
-    cast copy): the activation and the cast are formed again there, each one elementwise pass."""
-
-    @staticmethod
-    def forward(ctx, h: Tensor, weight: Tensor, bias: Optional[Tensor], approximate: str) -> Tensor:
-        ctx.save_for_backward(h, weight)
-        ctx.approximate, ctx.bias_dtype = approximate, None if bias is None else bias.dtype
-        return F.linear(F.gelu(h, approximate=approximate), weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        h, weight = ctx.saved_tensors
-        a = F.gelu(h, approximate=ctx.approximate)
-        w = weight.to(grad.dtype)
-        g2 = grad.reshape(-1, grad.shape[-1])
-        grad_w = (g2.t() @ a.reshape(-1, a.shape[-1])).to(weight.dtype)
-        grad_b = None if ctx.bias_dtype is None else g2.sum(0).to(ctx.bias_dtype)
-        grad_h = torch.ops.aten.gelu_backward(grad @ w, h, approximate=ctx.approximate)
-        return grad_h, grad_w, grad_b, None
-
-
-class RecomputeMlp(Mlp):
-    """timm's ``Mlp`` (the same arguments, parameters and state dict) that, in a training step, keeps for the
-    backward the hidden pre-activations instead of the GELU's output: one tensor of the hidden width per block
-    instead of two, the GELU formed again in the backward. Eager only: traced by FX, under ``torch.compile``
-    (whose partitioner chooses what to recompute itself), in inference, and for another activation, dropout or
-    norm inside the MLP it is timm's forward."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        if (self.training and torch.is_grad_enabled() and isinstance(self.act, nn.GELU)
-                and isinstance(self.fc2, nn.Linear) and isinstance(self.norm, nn.Identity)
-                and not self.drop1.p and not torch.compiler.is_compiling() and not torch.jit.is_scripting()
-                and not is_fx_symbolic_tracing()):
-            return self.drop2(_GeluLinear.apply(self.fc1(x), self.fc2.weight, self.fc2.bias, self.act.approximate))
-        return super().forward(x)
 
 
 class MixerBlock(nn.Module):

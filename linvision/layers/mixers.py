@@ -53,6 +53,7 @@ from linvision.ops.feature_maps import orthogonal_random_projection
 from .derived import derived
 from .layout import TokenLayout
 from .options import check_number, check_size, check_square_grid, lepe_size
+from .recompute import gated_linear
 from .registry import TokenMixer, check_layout, check_prefix_tokens, register_mixer, run_attend
 
 __all__ = [
@@ -322,8 +323,8 @@ class AttentionMixer(TokenMixer):
             else:  # each image on a zero canvas: the zero padding it is convolved with alone
                 lepe = layout.from_canvas(self.lepe(layout.to_canvas(v_tokens)))
             out = out + (F.pad(lepe, (0, 0, p, 0)) if p else lepe)  # nothing for the prefix tokens
-        if g is not None:
-            out = out * self.gate_activation(g)
+        if g is not None:  # proj(out * act(g)), keeping out and g for the backward, not act(g) nor the product
+            return self.proj_drop(gated_linear(out, g, self.gate_activation, self.proj))
         return self.proj_drop(self.proj(out))
 
     def _project_and_gate(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:

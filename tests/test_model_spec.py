@@ -263,7 +263,8 @@ def test_each_model_file_writes_its_cfgs_once_before_its_entry_points():
     for path in sorted(folder.glob("*.py")):
         tree = ast.parse(path.read_text())
         entries = [n.lineno for n in tree.body if isinstance(n, ast.FunctionDef)
-                   and any(getattr(d, "id", None) == "register_model" for d in n.decorator_list)]
+                   and any(getattr(d, "id", None) == "register_model"
+                           or getattr(getattr(d, "func", None), "id", None) == "entry_point" for d in n.decorator_list)]
         writes = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == "default_cfgs"
                   and isinstance(n.ctx, ast.Store)]
         uses = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and getattr(n.value, "id", None)

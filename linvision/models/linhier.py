@@ -28,14 +28,15 @@ from torch import Tensor, nn
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import ClassifierHead, ClNormMlpClassifierHead, LayerNorm
-from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, register_model
+from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs
 from timm.models._features import feature_take_indices
 
-from linvision.layers import (MixerBlock, RecomputeMlp, init_model_weights, merge_options, no_weight_decay_of,
-                              parse_mixer_list, routed_options, stage_mixer_options)
+from linvision.layers import (MixerBlock, RecomputeMlp, init_model_weights, no_weight_decay_of, parse_mixer_list,
+                              routed_options, stage_mixer_options)
 from linvision.layers.options import check_images
 from linvision.layers.registry import MixerSpec, mixer_option_default, mixer_options
 
+from .entry_points import entry_point
 from .published import require_weights, unwrap_state_dict
 
 __all__ = ["LinHier", "StageSpec", "BlockSpec", "linhier_layout", "with_family_defaults", "with_mixer_options",
@@ -552,48 +553,46 @@ _TINY = dict(depths=(3, 5, 9, 4), dims=(64, 128, 256, 512), num_heads=(2, 4, 8, 
 _SMALL = dict(depths=(3, 6, 21, 6), dims=(64, 128, 256, 512), num_heads=(2, 4, 8, 16))
 
 
-@register_model
+@entry_point(_create_linhier, _TINY)
 def linhier_tiny_224(pretrained: bool = False, **kwargs) -> LinHier:
-    return _create_linhier("linhier_tiny_224", pretrained, **merge_options(_TINY, **kwargs))
+    """linhier, tiny: the MLLA block (linear attention with 2D RoPE, LePE and an output gate) in every stage."""
 
 
-@register_model
+@entry_point(_create_linhier, _SMALL)
 def linhier_small_224(pretrained: bool = False, **kwargs) -> LinHier:
-    return _create_linhier("linhier_small_224", pretrained, **merge_options(_SMALL, **kwargs))
+    """linhier, small: as tiny, deeper (3, 6, 21 and 6 blocks)."""
 
 
-@register_model
+@entry_point(_create_linhier, dict(depths=(3, 6, 21, 6), dims=(96, 192, 384, 768), num_heads=(3, 6, 12, 24)))
 def linhier_base_224(pretrained: bool = False, **kwargs) -> LinHier:
-    args = dict(depths=(3, 6, 21, 6), dims=(96, 192, 384, 768), num_heads=(3, 6, 12, 24))
-    return _create_linhier("linhier_base_224", pretrained, **merge_options(args, **kwargs))
+    """linhier, base: as small, wider (96 to 768 channels)."""
 
 
-@register_model
+@entry_point(_create_linhier, _FEMTO, dict(token_mixers="gated_cnn"))
 def linhier_gcnn_femto_224(pretrained: bool = False, **kwargs) -> LinHier:
-    args = merge_options(_FEMTO, dict(token_mixers="gated_cnn"), **kwargs)
-    return _create_linhier("linhier_gcnn_femto_224", pretrained, **args)
+    """linhier, femto, with MambaOut's Gated CNN in every stage (no attention)."""
 
 
-@register_model
+@entry_point(_create_linhier, dict(depths=(2, 2, 7, 2), dims=(80, 160, 320, 576), num_heads=(2, 4, 8, 16),
+                                   token_mixers="gated_cnn"))
 def linhier_gcnn_tiny_224(pretrained: bool = False, **kwargs) -> LinHier:
-    args = dict(depths=(2, 2, 7, 2), dims=(80, 160, 320, 576), num_heads=(2, 4, 8, 16), token_mixers="gated_cnn")
-    return _create_linhier("linhier_gcnn_tiny_224", pretrained, **merge_options(args, **kwargs))
+    """MambaOut's Gated CNN in every stage (no attention): 2, 2, 7 and 2 blocks, 80 to 576 channels."""
 
 
 # The bidirectional delta rule in every stage: the best hierarchical mixer of the project's comparisons (docs/results.md).
 _DELTA = dict(token_mixers="bidir_delta")
 
 
-@register_model
+@entry_point(_create_linhier, _FEMTO, _DELTA)
 def linhier_delta_femto_224(pretrained: bool = False, **kwargs) -> LinHier:
-    return _create_linhier("linhier_delta_femto_224", pretrained, **merge_options(_FEMTO, _DELTA, **kwargs))
+    """linhier, femto, with the bidirectional delta rule in every stage."""
 
 
-@register_model
+@entry_point(_create_linhier, _TINY, _DELTA)
 def linhier_delta_tiny_224(pretrained: bool = False, **kwargs) -> LinHier:
-    return _create_linhier("linhier_delta_tiny_224", pretrained, **merge_options(_TINY, _DELTA, **kwargs))
+    """linhier, tiny, with the bidirectional delta rule in every stage."""
 
 
-@register_model
+@entry_point(_create_linhier, _SMALL, _DELTA)
 def linhier_delta_small_224(pretrained: bool = False, **kwargs) -> LinHier:
-    return _create_linhier("linhier_delta_small_224", pretrained, **merge_options(_SMALL, _DELTA, **kwargs))
+    """linhier, small, with the bidirectional delta rule in every stage."""

@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from timm.layers import (Format, LayerNorm, PatchEmbed, global_pool_nlc, nchw_to, resample_abs_pos_embed,
                          trunc_normal_)
 from timm.models.naflexvit import global_pool_naflex
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import build_model_with_cfg, generate_default_cfgs
 from timm.models._features import feature_take_indices
 
 from linvision.layers import (MixerBlock, RecomputeMlp, TokenLayout, check_prefix_tokens, init_model_weights,
@@ -69,8 +69,9 @@ from linvision.layers import (MixerBlock, RecomputeMlp, TokenLayout, check_prefi
 from linvision.layers.mixers import ROPE_TYPES
 from linvision.layers.options import check_images
 
+from .entry_points import entry_point
 from .published import explain_failed_download, require_weights
-from .vit_weights import checkpoint_filter_fn, convert_vit_state_dict
+from .vit_weights import checkpoint_filter_fn
 
 __all__ = ["LinViT"]
 
@@ -599,55 +600,51 @@ def _rope_options(variant: str, *defaults: Dict[str, Any], **kwargs: Any) -> Dic
     return args
 
 
-@register_model
+@entry_point(_create_linvit, _TINY)
 def linvit_tiny_patch16_224(pretrained: bool = False, **kwargs) -> LinViT:
-    return _create_linvit("linvit_tiny_patch16_224", pretrained, **merge_options(_TINY, **kwargs))
+    """ViT-Tiny/16 (DeiT's sizes) with linear attention and a learned absolute position embedding."""
 
 
-@register_model
+@entry_point(_create_linvit, _SMALL)
 def linvit_small_patch16_224(pretrained: bool = False, **kwargs) -> LinViT:
-    return _create_linvit("linvit_small_patch16_224", pretrained, **merge_options(_SMALL, **kwargs))
+    """ViT-Small/16 with linear attention and a learned absolute position embedding."""
 
 
-@register_model
+@entry_point(_create_linvit, _BASE)
 def linvit_base_patch16_224(pretrained: bool = False, **kwargs) -> LinViT:
-    return _create_linvit("linvit_base_patch16_224", pretrained, **merge_options(_BASE, **kwargs))
+    """ViT-Base/16 with linear attention and a learned absolute position embedding."""
 
 
-@register_model
+@entry_point(_create_linvit, _TINY, _POLA)
 def linvit_tiny_patch16_pola_224(pretrained: bool = False, **kwargs) -> LinViT:
-    return _create_linvit("linvit_tiny_patch16_pola_224", pretrained, **merge_options(_TINY, _POLA, **kwargs))
+    """ViT-Tiny/16 with PolaFormer's attention (LePE on)."""
 
 
-@register_model
+@entry_point(_create_linvit, _SMALL, _POLA)
 def linvit_small_patch16_pola_224(pretrained: bool = False, **kwargs) -> LinViT:
-    return _create_linvit("linvit_small_patch16_pola_224", pretrained, **merge_options(_SMALL, _POLA, **kwargs))
+    """ViT-Small/16 with PolaFormer's attention (LePE on)."""
 
 
-@register_model
+@entry_point(_create_linvit, _BASE, _POLA)
 def linvit_base_patch16_pola_224(pretrained: bool = False, **kwargs) -> LinViT:
-    return _create_linvit("linvit_base_patch16_pola_224", pretrained, **merge_options(_BASE, _POLA, **kwargs))
+    """ViT-Base/16 with PolaFormer's attention (LePE on)."""
 
 
-@register_model
+@entry_point(_create_linvit, _TINY, _ROPE, options=_rope_options)
 def linvit_tiny_patch16_rope_224(pretrained: bool = False, **kwargs) -> LinViT:
-    return _create_linvit("linvit_tiny_patch16_rope_224", pretrained,
-                          **_rope_options("linvit_tiny_patch16_rope_224", _TINY, _ROPE, **kwargs))
+    """ViT-Tiny/16 with linear attention, 2D axial RoPE and LePE, no absolute embedding."""
 
 
-@register_model
+@entry_point(_create_linvit, _SMALL, _ROPE, options=_rope_options)
 def linvit_small_patch16_rope_224(pretrained: bool = False, **kwargs) -> LinViT:
-    return _create_linvit("linvit_small_patch16_rope_224", pretrained,
-                          **_rope_options("linvit_small_patch16_rope_224", _SMALL, _ROPE, **kwargs))
+    """ViT-Small/16 with linear attention, 2D axial RoPE and LePE, no absolute embedding."""
 
 
-@register_model
+@entry_point(_create_linvit, _BASE, _ROPE, options=_rope_options)
 def linvit_base_patch16_rope_224(pretrained: bool = False, **kwargs) -> LinViT:
-    return _create_linvit("linvit_base_patch16_rope_224", pretrained,
-                          **_rope_options("linvit_base_patch16_rope_224", _BASE, _ROPE, **kwargs))
+    """ViT-Base/16 with linear attention, 2D axial RoPE and LePE, no absolute embedding."""
 
 
-@register_model
+@entry_point(_create_linvit, _SMALL, _ROPE, dict(rope="mixed"), options=_rope_options)
 def linvit_small_patch16_rope_mixed_224(pretrained: bool = False, **kwargs) -> LinViT:
-    args = _rope_options("linvit_small_patch16_rope_mixed_224", _SMALL, _ROPE, dict(rope="mixed"), **kwargs)
-    return _create_linvit("linvit_small_patch16_rope_mixed_224", pretrained, **args)
+    """ViT-Small/16 with linear attention and 2D RoPE of learnable per-head frequencies (RoPE-ViT mixed)."""

@@ -211,8 +211,11 @@ def test_a_layout_is_data_and_the_model_is_what_it_says():
     assert stages[1] == StageSpec(32, 2, (BlockSpec("linear", {}),) * 2, (8, 8))
     assert with_family_defaults(stages, dict(gate=True, window=4))[1] == \
         StageSpec(32, 2, (BlockSpec("linear", dict(gate=True)),) * 2, (8, 8))
-    model = LinHier(depths=(1, 2), dims=(16, 32), num_heads=(2, 2), token_mixers="softmax,linear", num_classes=3,
-                    layout=lambda **kw: linhier_layout(**kw), mixer_defaults=dict(gate=True, window=4))
+    class Family(LinHier):
+        MIXER_DEFAULTS = dict(gate=True, window=4)
+
+    model = Family(depths=(1, 2), dims=(16, 32), num_heads=(2, 2), token_mixers="softmax,linear", num_classes=3,
+                   layout=lambda **kw: linhier_layout(**kw))
     assert model.spec == with_family_defaults(
         linhier_layout(depths=(1, 2), dims=(16, 32), num_heads=(2, 2), token_mixers="softmax,linear"),
         dict(gate=True, window=4))
@@ -225,7 +228,7 @@ def test_a_layout_is_data_and_the_model_is_what_it_says():
 def test_a_family_keeps_its_mixer_defaults_whatever_the_layout(name, option, value):
     """A family's mixer options are the model's, not its layout's: built with another layout (here the plain
     :func:`linhier_layout`), the blocks whose mixer takes the option still have it; the caller's mixer_kwargs win
-    over it, and ``mixer_defaults`` replaces the family's."""
+    over it."""
     sizes = dict(depths=(1, 1, 1, 1), dims=(16, 32, 32, 48), num_heads=(1, 2, 2, 3))
     taking = [b for s in timm.create_model(name, **sizes).spec for b in s.blocks
               if option in mixer_options(b.mixer)]
@@ -236,8 +239,6 @@ def test_a_family_keeps_its_mixer_defaults_whatever_the_layout(name, option, val
     other = 5 if option == "window" else False
     mine = timm.create_model(name, **sizes, layout=linhier_layout, mixer_kwargs={option: other}).spec
     assert all(b.options[option] == other for s in mine for b in s.blocks if option in mixer_options(b.mixer))
-    bare = timm.create_model(name, **sizes, layout=linhier_layout, mixer_defaults={}).spec
-    assert all(option not in b.options for s in bare for b in s.blocks)
 
 
 def test_every_entry_point_has_its_pretrained_cfg():

@@ -101,6 +101,8 @@ class InLineCswin(LinHier):
     """CSWin's layout (:func:`~linvision.models.cswinhier.create_cswin_like`) with InLine's stages; loads the
     authors' files (timm's ``custom_load``)."""
 
+    MIXER_DEFAULTS = {"lepe": True}  # LePE in every block: the stripes' own, the InLine and whole-map softmax blocks'
+
     def load_pretrained(self, path: str) -> None:
         load_published(self, path, cswin_filter_fn)
 
@@ -305,8 +307,7 @@ def inline_pvt_large(pretrained: bool = False, **kwargs) -> LinHier:
 
 
 # LePE in every block: the stripes' own, the InLine and whole-map softmax blocks' over their map
-_CSWIN_MIXERS = dict(token_mixers="inline_cswin,inline_cswin,cswin_stripes,softmax",
-                     mixer_defaults=dict(lepe=True))
+_CSWIN_MIXERS = dict(token_mixers="inline_cswin,inline_cswin,cswin_stripes,softmax")
 _CSWIN_SIZES: Dict[str, Dict[str, Any]] = {
     "tiny": dict(depths=(2, 4, 18, 1), dims=(64, 128, 256, 512), num_heads=(2, 4, 8, 16)),
     "small": dict(depths=(3, 6, 29, 2), dims=(64, 128, 256, 512), num_heads=(2, 4, 8, 16)),

@@ -163,8 +163,8 @@ def linhier_layout(
     img_size: Any = 224, *, lead: Optional[Sequence[Optional[Tuple[int, MixerSpec]]]] = None,
 ) -> Tuple[StageSpec, ...]:
     """The stages of a hierarchical model: stage i has ``depths[i]`` blocks of ``token_mixers[i]`` (one name, 4
-    comma-separated names or a sequence; :func:`block_spec`); a family's mixer options are the model's
-    ``mixer_defaults``, not the layout's. ``lead``: per stage None or (n, mixer): the first n blocks of that
+    comma-separated names or a sequence; :func:`block_spec`); a family's mixer options are its model class's
+    ``MIXER_DEFAULTS``, not the layout's. ``lead``: per stage None or (n, mixer): the first n blocks of that
     stage take ``mixer`` instead (a mixed stage). ``mlp_ratio`` and ``layer_scale_init``: one value or one per
     stage. Raises ValueError for lists of other lengths or unknown mixers."""
     depths, dims, num_heads = tuple(depths), tuple(dims), tuple(num_heads)
@@ -287,10 +287,6 @@ class LinHier(nn.Module):
         layout: returns the stages (a tuple of :class:`StageSpec`), called with ``depths``, ``dims``,
             ``num_heads``, ``token_mixers``, ``mlp_ratio``, ``layer_scale_init`` and ``img_size`` as keywords; a
             family binds its block pattern (default: :func:`linhier_layout`).
-        mixer_defaults: the family's mixer options, under the layout's and the caller's: every block whose mixer
-            takes one and whose layout did not set it receives it, whatever the layout (None: the class's
-            :attr:`MIXER_DEFAULTS`; LinHier's is the output gate, ``gate=True``, for the mixers that take one: the
-            MLLA block).
         rope_ref_grid: True: every block with RoPE interpolates its positions to its stage's grid at ``img_size``
             (:attr:`StageSpec.grid`; a block's own ``rope_ref_grid`` in ``stage_mixer_kwargs`` wins), so a model
             run at another size turns each stage's positions within the range it was trained on.
@@ -312,7 +308,10 @@ class LinHier(nn.Module):
     Raises ValueError for inconsistent stage lists, unknown mixers or options no block takes.
     """
 
-    MIXER_DEFAULTS: Mapping[str, Any] = {"gate": True}  # the MLLA block: the output gate where the mixer takes one
+    # The family's mixer options, under the layout's and the caller's: every block whose mixer takes one and whose
+    # layout did not set it receives it, whatever the layout (:func:`with_family_defaults`). A family's class sets
+    # its own; LinHier's is the output gate where the mixer takes one: the MLLA block.
+    MIXER_DEFAULTS: Mapping[str, Any] = {"gate": True}
 
     def __init__(
         self,
@@ -326,7 +325,6 @@ class LinHier(nn.Module):
         mixer_kwargs: Optional[Dict[str, Any]] = None,
         stage_mixer_kwargs: Optional[Dict[Any, Dict[str, Any]]] = None,
         layout: Optional[Callable[..., Sequence[StageSpec]]] = None,
-        mixer_defaults: Optional[Mapping[str, Any]] = None,
         rope_ref_grid: bool = False,
         mlp_ratio: Union[float, Sequence[float]] = 4.0,
         drop_rate: float = 0.0,
@@ -347,7 +345,7 @@ class LinHier(nn.Module):
                             "one grid for every block goes in mixer_kwargs of an isotropic model")
         spec = (layout or linhier_layout)(depths=depths, dims=dims, num_heads=num_heads, token_mixers=token_mixers,
                                           mlp_ratio=mlp_ratio, layer_scale_init=layer_scale_init, img_size=img_size)
-        spec = with_family_defaults(spec, self.MIXER_DEFAULTS if mixer_defaults is None else mixer_defaults)
+        spec = with_family_defaults(spec, self.MIXER_DEFAULTS)
         spec = with_mixer_options(spec, mixer_kwargs, stage_mixer_kwargs)
         self.spec = with_stage_rope_grids(spec) if rope_ref_grid else spec
         self.token_mixers = tuple(stage_mixer_text(stage) for stage in self.spec)

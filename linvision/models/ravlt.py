@@ -79,6 +79,8 @@ class RavltStem(nn.Module):
 class Ravlt(LinHier):
     """:class:`LinHier` with RAVLT's layers; loads the authors' files (timm's ``custom_load``)."""
 
+    MIXER_DEFAULTS = MIXER_DEFAULTS
+
     def load_pretrained(self, path: str) -> None:
         load_published(self, path, checkpoint_filter_fn)
 
@@ -172,7 +174,7 @@ def create_ravlt_like(model_cls: type, variant: str, pretrained: bool = False, h
     args = dict(
         token_mixers="ravlt_rala,ravlt_rala,ravlt_softmax,ravlt_softmax", mlp_ratio=3.5, stem_layer=RavltStem,
         downsample_layer=partial(ChannelsLastConv, kernel_size=3, stride=2, apply_act=False),
-        cpe="first", mlp_layer=DwConvMlp, mixer_defaults=MIXER_DEFAULTS,
+        cpe="first", mlp_layer=DwConvMlp,
         final_layer=partial(ChannelsLastConv, out_chs=head_chs, act_layer=nn.SiLU),
     )
     return build_published(model_cls, variant, pretrained, checkpoint_filter_fn, **merge_options(args, **kwargs))

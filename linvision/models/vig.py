@@ -109,6 +109,9 @@ class VigH(LinHier):
     """:class:`~linvision.models.linhier.LinHier` with ViG-H's layers (the module docstring); loads the authors'
     files (timm's ``custom_load``)."""
 
+    # The authors' hierarchical evaluation halves the scans' sum once (output scale 1/2; ViG's halves it twice).
+    MIXER_DEFAULTS = {"output_scale": 0.5}
+
     def load_pretrained(self, path: str) -> None:
         load_published(self, path, hier_filter_fn)
 
@@ -254,8 +257,7 @@ HIER_SIZES: Dict[str, Dict[str, Any]] = {
     "small": dict(depths=(2, 2, 17, 2), dims=(96, 192, 384, 768), num_heads=(3, 6, 12, 24)),
     "base": dict(depths=(2, 2, 17, 2), dims=(128, 256, 512, 1024), num_heads=(4, 8, 16, 32)),
 }
-# The authors' hierarchical evaluation halves the scans' sum once (output scale 1/2; ViG's halves it twice).
-_HIER_LAYERS = dict(token_mixers="vig_gla", mixer_defaults=dict(output_scale=0.5),
+_HIER_LAYERS = dict(token_mixers="vig_gla",
                     norm_layer=nn.LayerNorm, act_layer=nn.GELU, cpe=False, mlp_layer=gated_mlp,
                     final_layer=nn.LayerNorm)
 

@@ -37,9 +37,10 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -n auto --dist loadfile --runslow
 
-# The GPU report (docs/kernels.md, "The GPU report"): in --budget seconds (540 by default), by value, the kernels
-# against SDPA, the models against timm's, the recurrences, the CUDA tests (pytest -m cuda); report.md and
-# report.json in output/gpu_report/, rewritten as each part's rows come. GPU_REPORT_ARGS passes flags on.
+# The GPU report (docs/kernels.md, "The GPU report"): in --budget seconds (540 by default), by value, the models
+# against timm's in their run modes (the headline), the kernels against SDPA, the recurrences, the CUDA tests
+# (pytest -m cuda); report.md and report.json in output/gpu_report/, rewritten as each part's rows come.
+# GPU_REPORT_ARGS passes flags on.
 # On a bare GPU machine without network (python3 holding torch and triton), after `make gpu-wheels` here:
 # the wheels of .whl/ go into $(GPU_SITE) (about 5 s, no index, no dependencies resolved) and python3 runs the
 # report from there. Elsewhere it runs in .venv; without CUDA that is the dry run (tiny sizes on the CPU).

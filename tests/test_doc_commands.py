@@ -571,6 +571,8 @@ SKIPPED: Dict[str, str] = {
         "runs part of this test suite under pytest, from within it",
     "linvision-gpu-report --parts kernels recurrences --budget 300 --rec-n 16384 65536":
         "a GPU's sizes; without one the same parts run in the dry run (chain gpu_report_dry_run)",
+    "linvision-gpu-report --parts models --model-modes eager --img-size 512 1024 2048":
+        "a GPU's sizes; without one the models part runs in the dry run (chain gpu_report_dry_run)",
     "torchrun --nproc_per_node 4 linvision/tools/train_diffusion.py --config diffusion_digits":
         "four processes; the same config in one process runs (chain diffusion_digits)",
     "torchrun --nproc_per_node 8 linvision/tools/train_diffusion.py --config diffusion_sana_600m_finetune "

@@ -36,7 +36,7 @@ def test_dry_run_writes_the_report_of_every_part(tmp_path, capsys):
         "--profile-models", "vit_small_patch16_224"])
     printed = capsys.readouterr().out
     assert status == 0, printed[-3000:]
-    for line in ("[1/5] kernels:", "[2/5] profile:", "[3/5] models:", "[4/5] recurrences:", "[5/5] tests:",
+    for line in ("[1/5] models:", "[2/5] kernels:", "[3/5] profile:", "[4/5] recurrences:", "[5/5] tests:",
                  "5 of 5 parts ok"):
         assert line in printed
     report = json.loads((out / "report.json").read_text())
@@ -47,7 +47,7 @@ def test_dry_run_writes_the_report_of_every_part(tmp_path, capsys):
         assert _number(part["seconds"]) and 0 < part["seconds"] <= part["deadline_s"]
         assert (out / part["log"]).is_file()
     # the budget is shared as the parts start: the first part gets its share of all of it
-    assert report["parts"]["kernels"]["deadline_s"] == pytest.approx(540 * 2 / 11)
+    assert report["parts"]["models"]["deadline_s"] == pytest.approx(540 * 5 / 11)
 
     kernels = report["parts"]["kernels"]
     assert [(r["n"], r["pass"]) for r in kernels["rows"]] == [(256, "fwd"), (256, "bwd"), (256, "fwd+bwd")]
@@ -126,9 +126,11 @@ def test_dry_run_writes_the_report_of_every_part(tmp_path, capsys):
 
 def test_the_budget_is_shared_out_as_the_parts_start():
     assert sum(gpu_report.part_deadline(p, gpu_report.PARTS, 540) for p in gpu_report.PARTS) == pytest.approx(540)
-    assert gpu_report.part_deadline("kernels", gpu_report.PARTS, 540) == pytest.approx(540 * 2 / 11)
-    # what the kernels left (500 of 540 s) goes to the three parts after it, by their shares 4:2:2
-    assert gpu_report.part_deadline("models", ("models", "recurrences", "tests"), 500) == pytest.approx(250)
+    assert gpu_report.PARTS[0] == "models"  # the headline first
+    assert gpu_report.part_deadline("models", gpu_report.PARTS, 540) == pytest.approx(540 * 5 / 11)
+    # what the models left (400 of 540 s) goes to the parts after it, by their shares 2:1:1:2
+    assert gpu_report.part_deadline("kernels", ("kernels", "profile", "recurrences", "tests"), 400) == \
+        pytest.approx(400 * 2 / 6)
     assert gpu_report.part_deadline("tests", ("tests",), 37) == pytest.approx(37)
     assert gpu_report.part_deadline("tests", ("tests",), -3) == 0
 
@@ -139,6 +141,14 @@ def test_the_comparison_is_measured_batch_by_batch_and_size_by_size():
                      (1, 512, "a"), (1, 512, "b"), (1, 1024, "a"), (1, 1024, "b")]
     assert gpu_parts.comparison_order(["a", "b", "t"], [512, 1024], [8], twin="t") == [
         (8, 512, "t"), (8, 512, "a"), (8, 512, "b"), (8, 1024, "t"), (8, 1024, "a"), (8, 1024, "b")]
+    # the deciding models first, at the first batch and size, each point once; a deciding name not among the
+    # models is not measured
+    order = gpu_parts.comparison_order(["a", "b", "c", "t"], [1024, 512], [8, 1], twin="t", deciding=["c", "a", "x"])
+    assert order == [
+        (8, 1024, "c"), (8, 1024, "a"), (8, 1024, "t"), (8, 1024, "b"),
+        (8, 512, "t"), (8, 512, "a"), (8, 512, "b"), (8, 512, "c"),
+        (1, 1024, "t"), (1, 1024, "a"), (1, 1024, "b"), (1, 1024, "c"),
+        (1, 512, "t"), (1, 512, "a"), (1, 512, "b"), (1, 512, "c")]
     points = [{"model": "a", "batch_size": 8, "img_size": 512, "status": "ok"},
               {"model": "a", "batch_size": 8, "img_size": 1024, "status": "oom"},
               {"model": "a", "batch_size": 8, "img_size": 2048, "status": "oom"},
@@ -300,18 +310,25 @@ def test_models_part_runs_each_model_in_each_mode(monkeypatch):
     def fake(name, size, batch_size, device, model_kwargs, compile="none", weights="fp32", amp="none", **_):
         calls.append((compile, weights, amp))
         point = _fake_point(name, size, batch_size, device, model_kwargs)
-        if weights != "fp32":  # 16-bit weights: twice as fast, every model
-            point.update(infer_ms=point["infer_ms"] / 2, infer_img_s=point["infer_img_s"] * 2)
+        if weights != "fp32":  # 16-bit weights: twice as fast in inference, every model; no training step
+            point.update(infer_ms=point["infer_ms"] / 2, infer_img_s=point["infer_img_s"] * 2,
+                         train_ms=float("nan"), train_img_s=float("nan"))
+        if compile != "none":  # compiled: training 1.5x as fast, its first calls timed apart
+            point.update(train_ms=point["train_ms"] / 1.5, train_img_s=point["train_img_s"] * 1.5,
+                         infer_compile_s=12.5, train_compile_s=40.0)
         return point
 
     monkeypatch.setattr(throughput, "benchmark_point", fake)
     snapshots = []
     settings = {"models": ["vit_small_patch16_224", TWIN], "twin": TWIN, "device": "cpu", "img_size": [32],
                 "batches": [1], "amp": "bf16", "warmup": 0, "iters": 1, "model_kwargs": {},
-                "modes": ["eager", "reduce-overhead", "bf16-weights"]}
+                "modes": ["eager", "reduce-overhead", "bf16-weights"], "deciding": ["vit_small_patch16_224"]}
     gpu_parts.models_part(settings, _saver(snapshots))
     points = snapshots[-1]["points"]
     assert snapshots[0]["planned"] == 6 and len(points) == 6
+    # the deciding model first, in every mode, then the twin
+    assert [p["model"] for p in points[:4]] == ["vit_small_patch16_224", "vit_small_patch16_224 [reduce-overhead]",
+                                                "vit_small_patch16_224 [bf16-weights]", TWIN]
     assert sorted(set(calls)) == [("none", "bf16", "none"), ("none", "fp32", "bf16"), ("reduce-overhead", "fp32", "bf16")]
     vit = "vit_small_patch16_224"
     by_label = {p["model"]: p for p in points}
@@ -320,6 +337,13 @@ def test_models_part_runs_each_model_in_each_mode(monkeypatch):
     assert {p["mode"] for p in points} == {"eager", "reduce-overhead", "bf16-weights"}
     for mode in ("", " [reduce-overhead]", " [bf16-weights]"):  # within each mode: vit half the twin's time
         assert by_label[vit + mode]["infer_ms_vs_twin"] == 0.5
+    # the report: each model in its fastest mode, inference and training apart, and the compilations' seconds
+    from linvision.benchmark import gpu_render
+
+    markdown = "\n".join(gpu_render._models(snapshots[-1]))
+    assert f"| 1 | 32 | {vit} | 200.00 | bf16-weights | 49.50 | reduce-overhead |" in markdown
+    assert f"| 1 | 32 | {TWIN} | 100.00 | bf16-weights | 24.75 | reduce-overhead |" in markdown
+    assert f"{vit} [reduce-overhead] @ 1 x 32 px: infer 12.5 s, train 40.0 s" in markdown
 
 
 class _FailingBackward(torch.autograd.Function):

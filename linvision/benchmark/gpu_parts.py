@@ -214,12 +214,14 @@ def kernels_part(settings: Dict[str, Any], save: Callable[..., None]) -> None:
 
 
 def comparison_order(models: Sequence[str], sizes: Sequence[Any], batches: Sequence[int],
-                     twin: Optional[str] = None) -> List[Tuple]:
-    """(batch, size, model) in the order the comparison measures them: batch by batch, size by size (the
-    smallest first), every model at a size before the next size, so that a run cut short keeps whole
+                     twin: Optional[str] = None, deciding: Sequence[str] = ()) -> List[Tuple]:
+    """(batch, size, model) in the order the comparison measures them: first the ``deciding`` models (those of
+    ``models`` the headline compares) at the first batch and the first size, then batch by batch, size by size
+    in the order given, every model at a size before the next size, so that a run cut short keeps whole
     comparisons; at each size the ``twin`` first, so that every point measured after it has its ratios."""
     ordered = [m for m in models if m == twin] + [m for m in models if m != twin]
-    return [(b, s, m) for b in batches for s in sizes for m in ordered]
+    head = [(batches[0], sizes[0], m) for m in deciding if m in models] if batches and sizes else []
+    return head + [(b, s, m) for b in batches for s in sizes for m in ordered if (b, s, m) not in head]
 
 
 # The models part's run modes: (torch.compile mode, weights) of linvision.utils.run_mode; "eager" under the part's
@@ -251,14 +253,15 @@ def models_part(settings: Dict[str, Any], save: Callable[..., None]) -> None:
     each model's time and memory over the twin's (:func:`_compare_to_twin`), and ``oom_at``: per model and
     batch, the first size out of memory. ``planned``: how many points the part is to measure. ``modes`` (of
     :data:`MODEL_MODES`, default eager only): each model at each size in each mode, labelled by
-    :func:`mode_label`, the twin's ratios taken within a mode."""
+    :func:`mode_label`, the twin's ratios taken within a mode. ``deciding``: the models measured first, in every
+    mode, at the first batch and size (:func:`comparison_order`)."""
     from linvision.benchmark.throughput import benchmark_point, parse_model_spec
 
     points: List[Dict[str, Any]] = []
     modes = list(settings.get("modes", ["eager"]))
     order = [(batch, size, mode, spec)
              for batch, size, spec in comparison_order(settings["models"], settings["img_size"], settings["batches"],
-                                                       settings["twin"])
+                                                       settings["twin"], settings.get("deciding", ()))
              for mode in modes]
     save(points=points, planned=len(order), twin=settings["twin"], model_kwargs=settings["model_kwargs"],
          modes=modes, **{k: settings[k] for k in ("batches", "device", "amp", "warmup", "iters")})

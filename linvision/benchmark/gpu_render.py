@@ -164,12 +164,50 @@ def _models(result: Dict[str, Any]) -> List[str]:
                  _n(p["train_mem_mb"], ".0f"), _n(p.get("infer_ms_vs_twin"), ".2f"),
                  _n(p.get("train_ms_vs_twin"), ".2f")]
         lines.append(f"| {p['batch_size']} | {p['model']} | {p['img_size']} | {status} | " + " | ".join(cells) + " |")
+    lines += _best_modes(result["points"]) + _compile_seconds(result["points"])
     if result.get("oom_at"):
         lines += ["", "Out of memory from: " + "; ".join(f"{k} at {v} px" for k, v in result["oom_at"].items())
                   + "."]
     for batch, name in (result.get("figures") or {}).items():
         lines += ["", f"![images/s and peak memory against the size, batch {batch}]({name})"]
     return lines
+
+
+def _model_of(point: Dict[str, Any]) -> str:
+    """A point's model without its run mode (``"name [mode]"`` -> ``"name"``)."""
+    mode = point.get("mode", "eager")
+    return point["model"][:-len(f" [{mode}]")] if point["model"].endswith(f" [{mode}]") else point["model"]
+
+
+def _best_modes(points: List[Dict[str, Any]]) -> List[str]:
+    """Where the models ran in more than one mode: each model at each batch and size in its fastest mode,
+    inference and training apart (the headline's comparison: each in its best mode)."""
+    if len({p.get("mode", "eager") for p in points}) < 2:
+        return []
+    best: Dict[tuple, Dict[str, Any]] = {}
+    for p in points:
+        key = (p["batch_size"], p["img_size"], _model_of(p))
+        entry = best.setdefault(key, {})
+        for phase in ("infer", "train"):
+            value = p.get(f"{phase}_img_s")
+            if isinstance(value, (int, float)) and math.isfinite(value) and value > entry.get(phase, (0, ""))[0]:
+                entry[phase] = (value, p.get("mode", "eager"))
+    lines = ["", "Each model in its fastest mode:", "",
+             "| batch | px | model | infer img/s | infer mode | train img/s | train mode |",
+             "|---:|---:|---|---:|---|---:|---|"]
+    for (batch, size, model), entry in best.items():
+        cells = [f"{_n(entry[ph][0], '.2f')} | {entry[ph][1]}" if ph in entry else "- | -" for ph in ("infer", "train")]
+        lines.append(f"| {batch} | {size} | {model} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _compile_seconds(points: List[Dict[str, Any]]) -> List[str]:
+    """The compiled points' first calls (their compilation, outside the timings), one line."""
+    paid = [f"{p['model']} @ {p['batch_size']} x {p['img_size']} px: "
+            + ", ".join(f"{phase} {_n(p.get(f'{phase}_compile_s'), '.1f')} s" for phase in ("infer", "train"))
+            for p in points if any(_n(p.get(f"{ph}_compile_s")) != "-" for ph in ("infer", "train"))]
+    return ["", "Compilation (each compiled point's first call, not in its timings): " + "; ".join(paid) + "."] \
+        if paid else []
 
 
 def _recurrences(result: Dict[str, Any]) -> List[str]:

@@ -3,11 +3,13 @@
 The parts run in the order of their value, each in a process of its own stopped at its deadline, the next part
 starting when it ends (:data:`PARTS`):
 
+  models       linvision's models against timm's on the same card, each in its run modes (eager, compiled with
+               CUDA graphs, bf16 weights): images/s and peak memory, batch 8 and 1, inference and a training step,
+               1024, 512 and 2048 px, where each runs out of memory; linhier_tiny_224, Swin-T and ConvNeXt-T at
+               1024 px, batch 8, first (:data:`DECIDING`)
   kernels      the fused kernels, the PyTorch reference and SDPA, forward and backward at 2k-131k tokens
   profile      where a small call's time goes (host against device, launches, the busiest operators): the fused
                kernels and SDPA at the smallest N, a forward at batch 1 of linhier_tiny_224 and vit_small
-  models       linvision's models against timm's on the same card: images/s and peak memory, batch 8 and 1,
-               inference and a training step, bf16 autocast, 512-2048 px, where each runs out of memory
   recurrences  the first call of the recurrences and of vig_tiny / linhier_delta_tiny_224 (compilation
                included), then bidir_delta, bidir_gated and bidir_gated_ch against linear_rope at 4k-262k tokens
   tests        the CUDA tests, ``pytest -m cuda``
@@ -41,10 +43,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from .gpu_parts import plain, write_json
 from .gpu_render import DRY_NOTE, TITLES, render
 
-__all__ = ["PARTS", "TITLES", "SHARES", "DRY_NOTE", "MODELS", "run_report", "part_deadline", "check_options"]
+__all__ = ["PARTS", "TITLES", "SHARES", "DRY_NOTE", "MODELS", "DECIDING", "MODEL_RUN_MODES", "run_report",
+           "part_deadline", "check_options"]
 
-PARTS = ("kernels", "profile", "models", "recurrences", "tests")
-SHARES = {"kernels": 2, "profile": 1, "models": 4, "recurrences": 2, "tests": 2}
+PARTS = ("models", "kernels", "profile", "recurrences", "tests")
+SHARES = {"models": 5, "kernels": 2, "profile": 1, "recurrences": 1, "tests": 2}
 DEFAULT_BUDGET = 540.0
 SOFTMAX_TWIN = "linvit_small_patch16_rope_224:token_mixer=softmax"
 # the bidirectional delta rule in the same ViT: it takes no prefix tokens and no RoPE (a learned position embedding)
@@ -52,13 +55,17 @@ BIDIR_DELTA_VIT = "linvit_small_patch16_rope_224:token_mixer=bidir_delta,class_t
 MODELS = ["linhier_tiny_224", "mlla_tiny", "vig_h_tiny", "linvit_small_patch16_rope_224",
           BIDIR_DELTA_VIT, "swin_tiny_patch4_window7_224", "convnext_tiny",
           "vit_small_patch16_224", SOFTMAX_TWIN]
+# The headline: the hierarchical model against Swin-T and ConvNeXt-T, measured first (first batch, first size)
+DECIDING = ["linhier_tiny_224", "swin_tiny_patch4_window7_224", "convnext_tiny"]
+# The run modes of the models part: each model in each, the compiled ones' compilation timed apart
+MODEL_RUN_MODES = ["eager", "reduce-overhead", "bf16-weights"]
 FIRST_MODELS = ["vig_tiny", "linhier_delta_tiny_224"]
 # the profile part: a hierarchical model against timm's ViT, at batch 1 (where the host sets the time)
 PROFILE_MODELS = ["linhier_tiny_224", "vit_small_patch16_224"]
 # The dry run: every part at sizes a CPU runs in seconds.
 DRY = {"n": [256], "rec_n": [256], "heads": 1, "dim": 16, "dtype": "float32", "img_size": [32], "batches": [2],
        "warmup": 0, "iters": 1, "amp": "none", "model_img_size": 32, "tests_k": "autocast_runs_in_the_autocast_dtype",
-       "tests_paths": ["tests/test_kernels.py"]}
+       "tests_paths": ["tests/test_kernels.py"], "model_modes": ["eager"]}  # compiling on a CPU takes minutes
 # The CUDA tests by value: the kernels' files first, then the other test files (:func:`ordered_test_paths`).
 TESTS_FIRST = ["tests/test_kernels.py", "tests/test_recurrent_kernels.py"]
 
@@ -340,7 +347,8 @@ def part_settings(options: Dict[str, Any], dry: bool) -> Dict[str, Dict[str, Any
                     "img_size": 32 if dry else 512, "amp": o["amp"], "steps": 1 if dry else 5},
         "models": {"models": o["models"], "twin": o["twin"], "device": device, "img_size": o["img_size"],
                    "batches": o["batches"], "amp": o["amp"], "warmup": o["warmup"], "iters": o["iters"],
-                   "model_kwargs": {}, "modes": list(o.get("model_modes") or ["eager"])},
+                   "model_kwargs": {}, "modes": list(o.get("model_modes") or ["eager"]),
+                   "deciding": list(o.get("deciding", DECIDING))},
         "recurrences": {**common, "n": o["rec_n"], "backend": "torch" if dry else "triton",
                         "first_models": o.get("first_models", FIRST_MODELS), "amp": o["amp"],
                         "model_img_size": o.get("model_img_size", 1024)},

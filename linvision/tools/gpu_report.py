@@ -3,13 +3,15 @@ r"""Everything a GPU can tell about linvision in one run of a fixed budget, and 
 Five parts, in the order of their value, each in a process of its own stopped at its deadline (its share of
 the budget that is left when it starts):
 
+  models       linvision's models against timm's on the same card, each in three run modes (eager under bf16
+               autocast, compiled with CUDA graphs, bf16 weights; --model-modes), batch 8 then 1, 1024, 512 and
+               2048 px: images/s, peak memory and compile seconds, inference and a training step, where each runs
+               out of memory; first linhier_tiny_224, Swin-T and ConvNeXt-T at batch 8, 1024 px (--deciding)
   kernels      the fused kernels, the PyTorch reference and softmax attention (SDPA), forward, backward and
                forward+backward at 2k-131k tokens (B=1, H=16, D=64, bf16), with the share of the HBM bandwidth
   profile      where a small call's time goes, read with torch.profiler: wall, host and device ms, launches and
                aten ops per call, the busiest operators; the kernels and SDPA at the smallest N, a forward at
                batch 1 (512 px) of linhier_tiny_224 and vit_small_patch16_224
-  models       linvision's models against timm's on the same card, bf16 autocast, batch 8 then 1, 512-2048 px:
-               images/s and peak memory, inference and a training step, where each runs out of memory
   recurrences  the first call (compilation included) of linear_rope, bidir_delta, bidir_gated (a gate per head),
                bidir_gated_ch (per key channel), vig_tiny and linhier_delta_tiny_224 (1024 px), then the three
                recurrences against linear_rope at 4k-262k tokens, forward and backward, on fla's kernels
@@ -23,12 +25,13 @@ report.md and report.json go into --output and are rewritten whenever a part's r
 point keeps what it measured; each part's output goes to <part>.log beside them.
 
 Without CUDA, or with --dry-run, every part runs at tiny sizes on the CPU (the kernels in Triton's interpreter,
-the recurrences on the PyTorch path, the models at 32 px, the CUDA test -k autocast_runs_in_the_autocast_dtype)
-and writes the same report; its figures check that the parts run and are not speed figures. The size flags are
-not used then.
+the recurrences on the PyTorch path, the models at 32 px in eager mode only, the CUDA test
+-k autocast_runs_in_the_autocast_dtype) and writes the same report; its figures check that the parts run and are
+not speed figures. The size and mode flags are not used then.
 
     linvision-gpu-report                                       # on a GPU: output/gpu_report/report.md in 540 s
     linvision-gpu-report --dry-run --output /tmp/gpu_report    # every part at tiny sizes, on the CPU
+    linvision-gpu-report --parts models --model-modes eager --img-size 512 1024 2048   # eager only
     linvision-gpu-report --parts kernels recurrences --budget 300 --rec-n 16384 65536
     linvision-gpu-report --parts tests --tests-k "delta or gated" --budget 900
 
@@ -84,15 +87,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="models of the comparison, each a timm name optionally with name:key=value options")
     p.add_argument("--twin", default=report.SOFTMAX_TWIN,
                    help="one of --models: the others' time and memory over its ('none': no comparison)")
-    p.add_argument("--img-size", type=_img_size, nargs="+", default=[512, 1024, 2048],
-                   help="input sizes of the comparison: a side in pixels or HxW")
+    p.add_argument("--img-size", type=_img_size, nargs="+", default=[1024, 512, 2048],
+                   help="input sizes of the comparison, in the order measured: a side in pixels or HxW")
+    p.add_argument("--deciding", nargs="+", default=report.DECIDING, metavar="MODEL",
+                   help="models of --models measured first, in every mode, at the first batch and size (the "
+                        "headline comparison)")
     p.add_argument("--batch-sizes", "-b", type=int, nargs="+", default=[8, 1], dest="batches",
                    help="images per forward and per training step, in the order measured")
     p.add_argument("--first-models", nargs="+", default=report.FIRST_MODELS,
                    help="models whose first forward+backward (batch 1, 1024 px) the recurrences part times")
     p.add_argument("--profile-models", nargs="+", default=report.PROFILE_MODELS,
                    help="models whose forward at batch 1 (512 px) the profile part reads")
-    p.add_argument("--model-modes", nargs="+", default=["eager"], choices=list(MODEL_MODES), metavar="MODE",
+    p.add_argument("--model-modes", nargs="+", default=report.MODEL_RUN_MODES, choices=list(MODEL_MODES),
+                   metavar="MODE",
                    help="run modes of the models part, each model in each: eager (under --amp), inductor and "
                         "reduce-overhead (torch.compile, Inductor; with CUDA graphs), bf16-weights (inference "
                         f"without autocast); of {', '.join(MODEL_MODES)}")

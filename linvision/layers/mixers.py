@@ -143,6 +143,7 @@ class AttentionMixer(TokenMixer):
 
     recompute_attend = True  # the TokenMixer policy (False there); forward() checkpoints attend() under it
     split_value_proj = False
+    rope_endpoint = False  # axial frequencies theta^(-i / (D/4)); True: theta^-linspace(0, 1, D/4) (RAVLT's)
     takes_prefix_tokens = True  # subclasses whose mixing depends on the grid set False
 
     def __init__(
@@ -174,7 +175,8 @@ class AttentionMixer(TokenMixer):
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.rope_type = rope
-        self.rope_axial = dict(theta=rope_theta, row_first=rope_row_first, rotate=rope_fraction)  # axial_rope's
+        self.rope_axial = dict(theta=rope_theta, row_first=rope_row_first, rotate=rope_fraction,  # axial_rope's
+                               **({"endpoint": True} if self.rope_endpoint else {}))
         self.rope_origin = rope_origin
         self.rope_ref_grid = rope_ref_grid
         if rope is not None and self.rope_dim % 4 != 0:
@@ -374,9 +376,7 @@ class RavltRope:
     (the last one theta^-1) instead of theta^(-i / (D/4)). Used by RAVLT's and MAViT's mixers (``"ravlt_rala"``,
     ``"ravlt_softmax"``, ``"mavit_mala"``)."""
 
-    def __init__(self, dim: int, num_heads: int, **kwargs):
-        super().__init__(dim, num_heads, **kwargs)
-        self.rope_axial["endpoint"] = True
+    rope_endpoint = True  # AttentionMixer's axial frequencies end at theta^-1
 
 
 def _token_mask(layout: Optional[TokenLayout], q: Tensor) -> Optional[Tensor]:

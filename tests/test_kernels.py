@@ -28,7 +28,7 @@ pytestmark = [pytestmark, pytest.mark.cuda]
 
 pytest.importorskip("triton")
 import linvision.kernels as kernels  # noqa: E402
-from linvision.kernels import linear_attention as kernel_module  # noqa: E402
+from linvision.kernels import la_kernels, linear_attention as kernel_module  # noqa: E402
 from linvision.kernels.common import DEFAULT_EPS  # noqa: E402
 from linvision.kernels import linear_attention_triton, unsupported_reason  # noqa: E402
 from linvision.kernels.traffic import count_traffic, minimal_bytes  # noqa: E402
@@ -173,14 +173,14 @@ def _tensor_core_emulation(q, k, v, do, feature, rope=None, eps=1e-4):
     den = (fq.double() * z[:, :, None].double()).sum(-1, keepdim=True).float().double() + eps * nk
     o = (rnd(rq) @ _split_state(s, dt)) / den
     s, z = (s / nk).double(), (z / nk).double()  # fp32 means
-    s_op = _split_state(s, dt, lo=kernel_module.BACKWARD_LO.value)
+    s_op = _split_state(s, dt, lo=la_kernels.BACKWARD_LO.value)
     den = (fq.double() * z[:, :, None]).sum(-1, keepdim=True).float().double() + eps
     g = (dod @ s_op.transpose(-2, -1)) / den
     dden = -(rq.double() * g).sum(-1, keepdim=True) / den
     dq = (inv(g.float()).double() + dden * z[:, :, None]) * dfq.double()
     ds = rnd(rq * (1 / den.float())).transpose(-2, -1) @ dod / nk
     dz = (dden * fq.double()).sum(dim=2) / nk
-    ds_op = _split_state(ds, dt, lo=kernel_module.BACKWARD_LO.value)
+    ds_op = _split_state(ds, dt, lo=la_kernels.BACKWARD_LO.value)
     dv = rnd(rk) @ ds_op
     gk = vd @ ds_op.transpose(-2, -1)
     dk = (inv(gk.float()).double() + dz[:, :, None]) * dfk.double()
@@ -630,7 +630,7 @@ def _spy_launches(monkeypatch, name, capturing, why):
     monkeypatch.setattr(kernel_module, "_INTERPRET", False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
-    monkeypatch.setattr(kernel_module, "_JITTED", {name: Recorder()})
+    monkeypatch.setattr(la_kernels, "_JITTED", {name: Recorder()})
     monkeypatch.setattr(kernel_module, "_tuned", lambda *args: NoTuning())
     return launches
 
@@ -641,7 +641,7 @@ def test_cuda_graph_capture_launches_a_fixed_configuration(monkeypatch):
     launches = _spy_launches(monkeypatch, "_key_bwd_kernel", True, "autotuned during capture")
     kernel_module._run("_key_bwd_kernel", 128, 64, kernel_module._grid(lambda cfg: -(-1000 // cfg["BLOCK_N"]), 6),
                        "args", FEATURE=1)
-    bn, warps, stages = kernel_module.offered_configs("_key_bwd_kernel", 128)[0]
+    bn, warps, stages = la_kernels.offered_configs("_key_bwd_kernel", 128)[0]
     assert launches == [((-(-1000 // bn), 6, 1), dict(FEATURE=1, BLOCK_N=bn, num_warps=warps, num_stages=stages))]
 
 
@@ -698,7 +698,7 @@ def test_autotuning_switched_off_launches_the_first_offered_configuration(monkey
     grid = kernel_module._grid(lambda cfg: -(-1000 // cfg["BLOCK_N"]), 6)
     for _ in range(2):
         kernel_module._run("_state_fwd_kernel", 64, 64, grid, "args", FEATURE=2)
-    bn, warps, stages = kernel_module.offered_configs("_state_fwd_kernel", 64)[0]
+    bn, warps, stages = la_kernels.offered_configs("_state_fwd_kernel", 64)[0]
     assert launches == 2 * [((-(-1000 // bn), 6, 1), dict(FEATURE=2, BLOCK_N=bn, num_warps=warps, num_stages=stages))]
     assert kernel_module._CHOSEN == {}
     code = "import linvision.kernels.linear_attention as m; print(m.AUTOTUNE_ENV, m._AUTOTUNE)"
@@ -1089,8 +1089,8 @@ def test_offered_configurations_are_candidates():
     chose them from, and their block sizes divide the split alignment."""
     for name in kernel_module.KERNEL_NAMES:
         for d in (16, 32, 48, 64, 96, 128):
-            offered = kernel_module.offered_configs(name, d)
-            assert offered and set(offered) <= set(kernel_module.CANDIDATE_CONFIGS), (name, d)
+            offered = la_kernels.offered_configs(name, d)
+            assert offered and set(offered) <= set(la_kernels.CANDIDATE_CONFIGS), (name, d)
             assert all(kernel_module._SPLIT_ALIGN % bn == 0 for bn, _, _ in offered)
 
 
@@ -1136,5 +1136,5 @@ def test_kernels_compile_for_hopper(args):
     from linvision.kernels.compile_check import grad_variants as _grad_variants
 
     # the query backward also without dq (queries that need no gradient)
-    assert len(rows) == sum(len(kernel_module.offered_configs(k, d)) * len(_grad_variants(k)) for k in kernels)
+    assert len(rows) == sum(len(la_kernels.offered_configs(k, d)) * len(_grad_variants(k)) for k in kernels)
     assert any(" (no dq) " in row for row in rows) == ("_query_bwd_kernel" in kernels)

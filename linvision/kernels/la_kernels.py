@@ -41,7 +41,7 @@ products ("ieee").
 The configurations offered per kernel and head dim (:func:`offered_configs`) are those that compile for sm_90
 without register spills, within 227 KB of shared memory and with a pipelined token loop
 (``linvision/tools/check_kernels.py`` checks them without a GPU, from :func:`kernel_function` and
-:func:`kernel_constexprs`). The kernels are launched by :mod:`.linear_attention`; this module imports only
+:func:`kernel_constexprs`). The kernels are launched by :mod:`.la_launch`; this module imports only
 Triton and :mod:`.common`.
 """
 from __future__ import annotations
@@ -90,7 +90,8 @@ _JITTED = {}  # kernel name -> jitted function
 
 
 def _kernel(fn):
-    """Register a kernel; it is autotuned per head-dim bucket over :func:`offered_configs` (see :func:`~.linear_attention._tuned`)."""
+    """Register a kernel; it is autotuned per head-dim bucket over :func:`offered_configs` (see
+    :func:`~.la_launch._tuned`)."""
     jitted = triton.jit(fn)
     _JITTED[fn.__name__] = jitted
     return jitted

@@ -8,10 +8,10 @@ dim are :func:`~.la_kernels.offered_configs`. During CUDA-graph capture, where t
 first offered configuration runs. Batch x heads is folded into grid axes 1 and 2, so it has no 65535 limit.
 Under ``TRITON_INTERPRET=1`` one fixed configuration is used.
 
-:func:`_forward` and :func:`_backward`, what the custom ops of :mod:`.linear_attention` run, allocate the
-buffers, take the RoPE table (built once per frequency tensors and grid), choose the token splits and spans and
-launch the kernels. The process's caches (the configurations chosen, the register caps, the split counters and
-the RoPE tables) live here only.
+:func:`_forward` and :func:`_backward`, what the custom ops of :mod:`.la_op` run, allocate the buffers,
+take the RoPE table (built once per frequency tensors and grid), choose the token splits and spans and launch
+the kernels. The process's caches (the configurations chosen, the register caps, the split counters and the RoPE
+tables) live here only.
 """
 from __future__ import annotations
 

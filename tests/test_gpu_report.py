@@ -68,10 +68,9 @@ def test_dry_run_writes_the_report_of_every_part(tmp_path, capsys):
         kind for kind in ("state, query", "output, key") for _ in gpu_parts.GRID_SWEEP] + [
         f"query at most {cap} registers" for cap in gpu_parts.REGISTER_SWEEP]
     assert [r["per_sm"] for r in profile["grid"][:2 * len(gpu_parts.GRID_SWEEP)]] == 2 * list(gpu_parts.GRID_SWEEP)
-    from linvision.kernels import linear_attention as kernel_module
+    from linvision.kernels import la_launch
 
-    assert [r["per_sm"] for r in profile["grid"] if r["default"]] == [kernel_module._SPLITS_PER_SM,
-                                                                      kernel_module._SPANS_PER_SM]
+    assert [r["per_sm"] for r in profile["grid"] if r["default"]] == [la_launch._SPLITS_PER_SM, la_launch._SPANS_PER_SM]
     assert all(_number(r[f"{p}_ms"]) and r[f"{p}_ms"] > 0 for r in profile["grid"] for p in gpu_parts.PASSES)
     assert "Grid sweep at N=256" in markdown
     # the autotuner's choices (one configuration in the interpreter) for each of the four kernels

@@ -28,7 +28,7 @@ pytestmark = [pytestmark, pytest.mark.cuda]
 
 pytest.importorskip("triton")
 import linvision.kernels as kernels  # noqa: E402
-from linvision.kernels import linear_attention as kernel_module  # noqa: E402
+from linvision.kernels import la_kernels, la_launch, linear_attention as kernel_module  # noqa: E402
 from linvision.kernels.common import DEFAULT_EPS  # noqa: E402
 from linvision.kernels import linear_attention_triton, unsupported_reason  # noqa: E402
 from linvision.kernels.traffic import count_traffic, minimal_bytes  # noqa: E402
@@ -173,14 +173,14 @@ def _tensor_core_emulation(q, k, v, do, feature, rope=None, eps=1e-4):
     den = (fq.double() * z[:, :, None].double()).sum(-1, keepdim=True).float().double() + eps * nk
     o = (rnd(rq) @ _split_state(s, dt)) / den
     s, z = (s / nk).double(), (z / nk).double()  # fp32 means
-    s_op = _split_state(s, dt, lo=kernel_module.BACKWARD_LO.value)
+    s_op = _split_state(s, dt, lo=la_kernels.BACKWARD_LO.value)
     den = (fq.double() * z[:, :, None]).sum(-1, keepdim=True).float().double() + eps
     g = (dod @ s_op.transpose(-2, -1)) / den
     dden = -(rq.double() * g).sum(-1, keepdim=True) / den
     dq = (inv(g.float()).double() + dden * z[:, :, None]) * dfq.double()
     ds = rnd(rq * (1 / den.float())).transpose(-2, -1) @ dod / nk
     dz = (dden * fq.double()).sum(dim=2) / nk
-    ds_op = _split_state(ds, dt, lo=kernel_module.BACKWARD_LO.value)
+    ds_op = _split_state(ds, dt, lo=la_kernels.BACKWARD_LO.value)
     dv = rnd(rk) @ ds_op
     gk = vd @ ds_op.transpose(-2, -1)
     dk = (inv(gk.float()).double() + dz[:, :, None]) * dfk.double()
@@ -289,7 +289,7 @@ def test_programs_past_the_last_span_add_nothing(monkeypatch):
     trailing programs have no tokens: here 33 programs for 300 tokens in blocks of 64 (5 spans, 28 programs
     empty). Outputs, q, k, v gradients and the learnable frequencies' gradient (added atomically by every key
     program) match the float64 reference as with spans of their own."""
-    monkeypatch.setattr(kernel_module, "_spans", lambda n, bh, device: kernel_module._grid(lambda cfg: 33, bh))
+    monkeypatch.setattr(la_launch, "_spans", lambda n, bh, device: la_launch._grid(lambda cfg: 33, bh))
     q, k, v, do = _inputs(1, 2, 300, 300, 16, 8, torch.float32, "elu")
     fx, fy = mixed_rope_freqs(16, 2, generator=torch.Generator().manual_seed(1))
     grads = {}
@@ -308,13 +308,13 @@ def test_no_key_kernel_without_key_or_value_gradients(monkeypatch):
     """Frozen keys and values (no RoPE frequencies to train): the backward runs the query kernel only; dq as the
     reference's."""
     launched = []
-    real_run = kernel_module._run
+    real_run = la_launch._run
 
     def run(name, *args, **kwargs):
         launched.append(name)
         real_run(name, *args, **kwargs)
 
-    monkeypatch.setattr(kernel_module, "_run", run)
+    monkeypatch.setattr(la_launch, "_run", run)
     q, k, v, do = _inputs(1, 2, 40, 40, 16, 16, torch.float32, "elu")
     qk = q.clone().requires_grad_()
     (dq,) = torch.autograd.grad(linear_attention_triton(qk, k, v, "elu", rope=rope_1d(16, 40)), qk, do)
@@ -329,7 +329,7 @@ def test_no_query_gradient_formed_for_frozen_queries(monkeypatch):
     """Queries that need no gradient: the query kernel runs without DQ_GRAD (no dq formed or stored, no dq buffer);
     dk and dv as the reference's, over two token splits."""
     launched = []
-    real_run = kernel_module._run
+    real_run = la_launch._run
 
     def run(name, *args, **kwargs):
         launched.append((name, kwargs.get("DQ_GRAD")))
@@ -337,7 +337,7 @@ def test_no_query_gradient_formed_for_frozen_queries(monkeypatch):
             assert args[11].numel() == 0  # DQ (after d, dv, grid, Q, DO, S, Z, TAB, VALID, COUNT, POS): no buffer
         real_run(name, *args, **kwargs)
 
-    monkeypatch.setattr(kernel_module, "_run", run)
+    monkeypatch.setattr(la_launch, "_run", run)
     q, k, v, do = _inputs(1, 2, 40, 40, 16, 16, torch.float32, "elu")
     kk, vk = k.clone().requires_grad_(), v.clone().requires_grad_()
     grads = torch.autograd.grad(linear_attention_triton(q, kk, vk, "elu", rope=rope_1d(16, 40), split_tokens=32),
@@ -376,30 +376,30 @@ def test_split_partials_summed_in_the_kernels_and_no_division_launched():
     no_rope = (None, None, [0, 1], [0.0, 0.0])
     for split_tokens in (32, 0, 32):  # 4 splits; one split; 4 again
         with _AtenOps() as fwd:
-            out, s, z = kernel_module._forward(q, k, v, "elu", *no_rope, DEFAULT_EPS, split_tokens)
+            out, s, z = la_launch._forward(q, k, v, "elu", *no_rope, DEFAULT_EPS, split_tokens)
         with _AtenOps() as bwd:
-            grads = kernel_module._backward(q, k, v, do, s, z, "elu", *no_rope, DEFAULT_EPS, split_tokens, False,
+            grads = la_launch._backward(q, k, v, do, s, z, "elu", *no_rope, DEFAULT_EPS, split_tokens, False,
                                             True, True)[:3]
         assert len(fwd.names) > 0 and len(bwd.names) > 0  # the mode sees the implementations' torch calls
         assert not set(fwd.names) & arithmetic and not set(bwd.names) & arithmetic, split_tokens
         assert _rel_err(out, ref) < TOL[torch.float32]
         for name, g, r in zip("qkv", grads, ref_grads):
             assert _rel_err(g, r) < 4 * TOL[torch.float32], name
-    assert kernel_module._COUNTERS and not any(c.any() for c in kernel_module._COUNTERS.values())  # left at zero
+    assert la_launch._COUNTERS and not any(c.any() for c in la_launch._COUNTERS.values())  # left at zero
 
 
 def test_later_calls_launch_the_chosen_configuration(monkeypatch):
     """The autotuner runs on the first call of a (kernel, head-dim bucket, N bucket, constexprs); a later call of
     the same bucket launches the configuration it chose without it, with the same output."""
-    monkeypatch.setattr(kernel_module, "_CHOSEN", {})  # as in a fresh process
-    monkeypatch.setattr(kernel_module, "_AUTOTUNE", True)  # whatever LINVISION_KERNEL_AUTOTUNE says
+    monkeypatch.setattr(la_launch, "_CHOSEN", {})  # as in a fresh process
+    monkeypatch.setattr(la_launch, "_AUTOTUNE", True)  # whatever LINVISION_KERNEL_AUTOTUNE says
     q, k, v, _ = _inputs(1, 2, 40, 40, 16, 16, torch.float32, "relu", seed=5)
     first = linear_attention_triton(q, k, v, "relu", split_tokens=16)
 
     def no_tuning(*args):
         raise AssertionError("autotuner used again")
 
-    monkeypatch.setattr(kernel_module, "_tuned", no_tuning)
+    monkeypatch.setattr(la_launch, "_tuned", no_tuning)
     torch.testing.assert_close(linear_attention_triton(q, k, v, "relu", split_tokens=16), first, rtol=0, atol=0)
     with pytest.raises(AssertionError, match="autotuner used again"):  # a new N bucket tunes
         linear_attention_triton(*(torch.cat([t, t], dim=2) for t in (q, k, v)), "relu", split_tokens=16)
@@ -417,19 +417,19 @@ TABLE_OPS = {"arange", "cos", "sin", "cat", "stack"}
 def test_host_ops_of_one_call(monkeypatch, rope):
     """The launches and aten ops of one forward and one backward call (launches recorded, not run): no more than
     ``HOST_OPS``; the second call with RoPE builds no table. Counts, not times: deterministic on any machine."""
-    monkeypatch.setattr(kernel_module, "_sm_count", lambda device: 132)
-    assert kernel_module._split_len(4096, 16, torch.device("cuda"), 0) == 256  # 16 splits, 256 programs
+    monkeypatch.setattr(la_launch, "_sm_count", lambda device: 132)
+    assert la_launch._split_len(4096, 16, torch.device("cuda"), 0) == 256  # 16 splits, 256 programs
     launched = []
-    monkeypatch.setattr(kernel_module, "_run", lambda name, *args, **kwargs: launched.append(name))
+    monkeypatch.setattr(la_launch, "_run", lambda name, *args, **kwargs: launched.append(name))
     q, k, v, do = (torch.randn(1, 16, 4096, 64).bfloat16() for _ in range(4))
     r = axial_rope(64, (64, 64)) if rope else None
     args = (r.freqs_x.reshape(-1, 32), r.freqs_y.reshape(-1, 32), [0, 64]) if rope else (None, None, [0, 1])
     counts = []
     for _ in range(2):
         with _AtenOps() as fwd:
-            out, s, z = kernel_module._forward(q, k, v, "elu", *args, [0.0, 0.0], DEFAULT_EPS, 256)
+            out, s, z = la_launch._forward(q, k, v, "elu", *args, [0.0, 0.0], DEFAULT_EPS, 256)
         with _AtenOps() as bwd:
-            kernel_module._backward(q, k, v, do, s, z, "elu", *args, [0.0, 0.0], DEFAULT_EPS, 256, False, True, True)
+            la_launch._backward(q, k, v, do, s, z, "elu", *args, [0.0, 0.0], DEFAULT_EPS, 256, False, True, True)
         counts.append((fwd.names, bwd.names))
     assert launched == 2 * (HOST_OPS["forward"][0] + HOST_OPS["backward"][0])
     (fwd0, _), (fwd1, bwd1) = counts
@@ -449,7 +449,7 @@ class _DeviceWork(_AtenOps):
     def __init__(self, monkeypatch):
         super().__init__()
         self.launched, self.launching = [], False
-        real_run = kernel_module._run
+        real_run = la_launch._run
 
         def run(name, *args, **kwargs):
             self.launched.append(name)
@@ -459,12 +459,12 @@ class _DeviceWork(_AtenOps):
             finally:
                 self.launching = False
 
-        monkeypatch.setattr(kernel_module, "_run", run)
+        monkeypatch.setattr(la_launch, "_run", run)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "linvision":  # look inside the custom ops: their implementations, under this mode
-            implementation = {"linear_attention_fwd": kernel_module._forward,
-                              "linear_attention_bwd": kernel_module._backward}[func.overloadpacket.__name__]
+            implementation = {"linear_attention_fwd": la_launch._forward,
+                              "linear_attention_bwd": la_launch._backward}[func.overloadpacket.__name__]
             with self:
                 return implementation(*args, **(kwargs or {}))
         if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
@@ -531,8 +531,8 @@ def test_rope_table_cached_per_frequencies_and_version(monkeypatch):
     frequencies (an optimizer step) or other frequency tensors build a new one, and the outputs follow the new
     frequencies (float64 reference)."""
     built = []
-    real_build = kernel_module._build_table
-    monkeypatch.setattr(kernel_module, "_build_table", lambda *args: built.append(1) or real_build(*args))
+    real_build = la_launch._build_table
+    monkeypatch.setattr(la_launch, "_build_table", lambda *args: built.append(1) or real_build(*args))
     q, k, v, do = _inputs(1, 2, 33, 33, 16, 8, torch.float32, "elu")
     fx, fy = mixed_rope_freqs(16, 2, generator=torch.Generator().manual_seed(1))
     fx, fy = fx.to(DEVICE).requires_grad_(), fy.to(DEVICE).requires_grad_()
@@ -582,7 +582,7 @@ def test_strided_inputs():
 def test_batch_heads_folded_into_the_grid(monkeypatch):
     """B x H beyond the grid-axis limit runs on two grid axes; the programs past B x H store nothing (the
     outputs start as NaN). The limit is lowered to 3 so that 2 x 4 heads need a 3 x 3 grid."""
-    monkeypatch.setattr(kernel_module, "_MAX_GRID_Y", 3)
+    monkeypatch.setattr(la_launch, "_MAX_GRID_Y", 3)
     real_empty = torch.empty
 
     def poisoned_empty(*args, **kwargs):
@@ -627,11 +627,11 @@ def _spy_launches(monkeypatch, name, capturing, why):
         def __getitem__(self, grid):
             raise AssertionError(why)
 
-    monkeypatch.setattr(kernel_module, "_INTERPRET", False)
+    monkeypatch.setattr(la_launch, "_INTERPRET", False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
-    monkeypatch.setattr(kernel_module, "_JITTED", {name: Recorder()})
-    monkeypatch.setattr(kernel_module, "_tuned", lambda *args: NoTuning())
+    monkeypatch.setattr(la_kernels, "_JITTED", {name: Recorder()})
+    monkeypatch.setattr(la_launch, "_tuned", lambda *args: NoTuning())
     return launches
 
 
@@ -639,9 +639,9 @@ def test_cuda_graph_capture_launches_a_fixed_configuration(monkeypatch):
     """During CUDA-graph capture the autotuner (which benchmarks) is not used: the first offered configuration
     is launched directly, with its block size in the grid."""
     launches = _spy_launches(monkeypatch, "_key_bwd_kernel", True, "autotuned during capture")
-    kernel_module._run("_key_bwd_kernel", 128, 64, kernel_module._grid(lambda cfg: -(-1000 // cfg["BLOCK_N"]), 6),
+    la_launch._run("_key_bwd_kernel", 128, 64, la_launch._grid(lambda cfg: -(-1000 // cfg["BLOCK_N"]), 6),
                        "args", FEATURE=1)
-    bn, warps, stages = kernel_module.offered_configs("_key_bwd_kernel", 128)[0]
+    bn, warps, stages = la_kernels.offered_configs("_key_bwd_kernel", 128)[0]
     assert launches == [((-(-1000 // bn), 6, 1), dict(FEATURE=1, BLOCK_N=bn, num_warps=warps, num_stages=stages))]
 
 
@@ -680,28 +680,28 @@ def test_register_cap_reaches_the_launch_inside_its_block_only(monkeypatch):
     """``register_cap`` (the GPU report's sweep): inside the block the capped kernel is compiled with Triton's
     ``maxnreg``, after it without; other kernels never."""
     launches = _spy_launches(monkeypatch, "_query_bwd_kernel", True, "autotuned during capture")
-    grid = kernel_module._grid(4, 2)
-    with kernel_module.register_cap("_query_bwd_kernel", 128):
-        kernel_module._run("_query_bwd_kernel", 64, 64, grid, "args", FEATURE=2)
-        assert kernel_module._REGISTER_CAPS == {"_query_bwd_kernel": 128}
-    kernel_module._run("_query_bwd_kernel", 64, 64, grid, "args", FEATURE=2)
+    grid = la_launch._grid(4, 2)
+    with la_launch.register_cap("_query_bwd_kernel", 128):
+        la_launch._run("_query_bwd_kernel", 64, 64, grid, "args", FEATURE=2)
+        assert la_launch._REGISTER_CAPS == {"_query_bwd_kernel": 128}
+    la_launch._run("_query_bwd_kernel", 64, 64, grid, "args", FEATURE=2)
     assert [kwargs.get("maxnreg") for _, kwargs in launches] == [128, None]
-    assert kernel_module._REGISTER_CAPS == {}
+    assert la_launch._REGISTER_CAPS == {}
 
 
 def test_autotuning_switched_off_launches_the_first_offered_configuration(monkeypatch):
     """LINVISION_KERNEL_AUTOTUNE=0 (read at import; the GPU report's CUDA tests set it): outside CUDA-graph capture
     too, every launch takes the first offered configuration directly, and the autotuner is never used."""
     launches = _spy_launches(monkeypatch, "_state_fwd_kernel", False, "autotuned with LINVISION_KERNEL_AUTOTUNE=0")
-    monkeypatch.setattr(kernel_module, "_AUTOTUNE", False)
-    monkeypatch.setattr(kernel_module, "_CHOSEN", {})
-    grid = kernel_module._grid(lambda cfg: -(-1000 // cfg["BLOCK_N"]), 6)
+    monkeypatch.setattr(la_launch, "_AUTOTUNE", False)
+    monkeypatch.setattr(la_launch, "_CHOSEN", {})
+    grid = la_launch._grid(lambda cfg: -(-1000 // cfg["BLOCK_N"]), 6)
     for _ in range(2):
-        kernel_module._run("_state_fwd_kernel", 64, 64, grid, "args", FEATURE=2)
-    bn, warps, stages = kernel_module.offered_configs("_state_fwd_kernel", 64)[0]
+        la_launch._run("_state_fwd_kernel", 64, 64, grid, "args", FEATURE=2)
+    bn, warps, stages = la_kernels.offered_configs("_state_fwd_kernel", 64)[0]
     assert launches == 2 * [((-(-1000 // bn), 6, 1), dict(FEATURE=2, BLOCK_N=bn, num_warps=warps, num_stages=stages))]
-    assert kernel_module._CHOSEN == {}
-    code = "import linvision.kernels.linear_attention as m; print(m.AUTOTUNE_ENV, m._AUTOTUNE)"
+    assert la_launch._CHOSEN == {}
+    code = "import linvision.kernels.la_launch as m; print(m.AUTOTUNE_ENV, m._AUTOTUNE)"
     env = dict(os.environ, LINVISION_KERNEL_AUTOTUNE="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.stdout.split() == ["LINVISION_KERNEL_AUTOTUNE", "False"], out.stderr[-2000:]
@@ -710,8 +710,8 @@ def test_autotuning_switched_off_launches_the_first_offered_configuration(monkey
 def test_first_offered_configurations_match_the_reference(monkeypatch):
     """With autotuning off, the first offered configuration of each kernel (forward and backward, RoPE, token
     splits) gives the float64 reference's output and gradients."""
-    monkeypatch.setattr(kernel_module, "_AUTOTUNE", False)
-    monkeypatch.setattr(kernel_module, "_tuned", lambda *args: pytest.fail("autotuned"))
+    monkeypatch.setattr(la_launch, "_AUTOTUNE", False)
+    monkeypatch.setattr(la_launch, "_tuned", lambda *args: pytest.fail("autotuned"))
     q, k, v, do = _inputs(1, 2, 197, 197, 32, 24, torch.float32, "elu", seed=2)
     _check(q, k, v, do, "elu", rope=_rope("axial", 197, 32, 2), split_tokens=100)
 
@@ -981,7 +981,7 @@ def test_unsupported_reasons(monkeypatch):
     fx, fy = mixed_rope_freqs(16, 1)
     assert _reason(q, k, v, rope=Rope(fx.requires_grad_(), fy, (2, 4))) is None  # learnable: differentiated
     if DEVICE == "cpu":
-        monkeypatch.setattr(kernel_module, "_INTERPRET", False)
+        monkeypatch.setattr(la_launch, "_INTERPRET", False)
         reason = _reason(q, k, v)
         assert reason == "tensors are on cpu and TRITON_INTERPRET is not set"
         with pytest.raises(ValueError, match="TRITON_INTERPRET is not set"):
@@ -1089,9 +1089,9 @@ def test_offered_configurations_are_candidates():
     chose them from, and their block sizes divide the split alignment."""
     for name in kernel_module.KERNEL_NAMES:
         for d in (16, 32, 48, 64, 96, 128):
-            offered = kernel_module.offered_configs(name, d)
-            assert offered and set(offered) <= set(kernel_module.CANDIDATE_CONFIGS), (name, d)
-            assert all(kernel_module._SPLIT_ALIGN % bn == 0 for bn, _, _ in offered)
+            offered = la_kernels.offered_configs(name, d)
+            assert offered and set(offered) <= set(la_kernels.CANDIDATE_CONFIGS), (name, d)
+            assert all(la_launch._SPLIT_ALIGN % bn == 0 for bn, _, _ in offered)
 
 
 def test_compile_check_verdicts():
@@ -1136,5 +1136,5 @@ def test_kernels_compile_for_hopper(args):
     from linvision.kernels.compile_check import grad_variants as _grad_variants
 
     # the query backward also without dq (queries that need no gradient)
-    assert len(rows) == sum(len(kernel_module.offered_configs(k, d)) * len(_grad_variants(k)) for k in kernels)
+    assert len(rows) == sum(len(la_kernels.offered_configs(k, d)) * len(_grad_variants(k)) for k in kernels)
     assert any(" (no dq) " in row for row in rows) == ("_query_bwd_kernel" in kernels)

@@ -505,21 +505,21 @@ def grid_sweep(settings: Dict[str, Any], save: Callable[..., None]) -> List[Dict
     ``_SPLITS_PER_SM``), then the output and key kernels (their spans; default ``_SPANS_PER_SM``); then the query
     kernel with its registers capped (:data:`REGISTER_SWEEP`), where only one of its programs fits an SM. One row
     per setting, saved as measured: whether the kernels are short of programs to hide the memory's latency."""
-    from linvision.kernels import linear_attention as kernels
+    from linvision.kernels import la_launch, linear_attention as kernels
 
     device, dtype = settings["device"], getattr(torch, settings["dtype"])
     b, h, d, n = settings["batch"], settings["heads"], settings["dim"], max(settings["n"])
     q, k, v, do = attention_inputs(b, h, n, d, device, dtype)
     rows: List[Dict[str, Any]] = []
-    defaults = {"_SPLITS_PER_SM": kernels._SPLITS_PER_SM, "_SPANS_PER_SM": kernels._SPANS_PER_SM}
+    defaults = {"_SPLITS_PER_SM": la_launch._SPLITS_PER_SM, "_SPANS_PER_SM": la_launch._SPANS_PER_SM}
     for constant in defaults:
         for per_sm in GRID_SWEEP:
-            setattr(kernels, constant, per_sm)
+            setattr(la_launch, constant, per_sm)
             try:
                 times = time_passes(lambda q, k, v: kernels.linear_attention_triton(q, k, v, "elu"), (q, k, v), do,
                                     bench_for(device))
             finally:
-                setattr(kernels, constant, defaults[constant])
+                setattr(la_launch, constant, defaults[constant])
             rows.append({"n": n, "kernels": "state, query" if constant == "_SPLITS_PER_SM" else "output, key",
                          "per_sm": per_sm, "default": per_sm == defaults[constant],
                          **{f"{p}_ms": times.get(p) for p in PASSES}, "error": times.get("error")})
@@ -527,10 +527,10 @@ def grid_sweep(settings: Dict[str, Any], save: Callable[..., None]) -> List[Dict
                   + ", ".join(f"{p} {times[p]:.3f} ms" for p in PASSES if p in times), flush=True)
             save(grid=rows)
     for cap in REGISTER_SWEEP:  # the query kernel, its registers capped: two programs per SM where it fitted one
-        with kernels.register_cap("_query_bwd_kernel", cap):
+        with la_launch.register_cap("_query_bwd_kernel", cap):
             times = time_passes(lambda q, k, v: kernels.linear_attention_triton(q, k, v, "elu"), (q, k, v), do,
                                 bench_for(device))
-        rows.append({"n": n, "kernels": f"query at most {cap} registers", "per_sm": kernels._SPLITS_PER_SM,
+        rows.append({"n": n, "kernels": f"query at most {cap} registers", "per_sm": la_launch._SPLITS_PER_SM,
                      "default": False, **{f"{p}_ms": times.get(p) for p in PASSES}, "error": times.get("error")})
         print(f"grid sweep N={n} {rows[-1]['kernels']}: "
               + ", ".join(f"{p} {times[p]:.3f} ms" for p in PASSES if p in times), flush=True)

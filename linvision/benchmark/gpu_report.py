@@ -265,7 +265,7 @@ def tests_part(repo: str, out_dir: str, deadline: float, keyword: Optional[str],
     """``pytest -m cuda`` (and ``-k keyword``) over ``paths`` of ``repo`` in a process stopped at ``deadline``,
     the fused kernels not autotuned (LINVISION_KERNEL_AUTOTUNE=0: each new shape would benchmark every offered
     configuration); the counts so far go to ``update`` every second."""
-    from linvision.kernels.linear_attention import AUTOTUNE_ENV
+    from linvision.kernels.la_launch import AUTOTUNE_ENV
 
     xml, log = os.path.abspath(os.path.join(out_dir, "tests.xml")), os.path.join(out_dir, "tests.log")
     if os.path.exists(xml):

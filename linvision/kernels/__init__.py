@@ -6,6 +6,9 @@ The kernels know only tensors, ints and flags and import nothing from the rest o
 - ``linear_attention_triton`` (in ``linear_attention.py``, needs Triton): the fused non-causal forward and
   backward; ``unsupported_reason`` says why a call cannot run there (the dispatcher in
   ``linvision.ops.linear_attention`` then falls back to PyTorch, with a warning under ``backend="auto"``).
+  Below it, one job a module: ``la_op`` (the torch custom ops, their fake implementations, autograd and FLOP
+  formulas), ``la_launch`` (autotuning, buffers, RoPE tables, grids and the launches; the process's caches) and
+  ``la_kernels`` (the Triton jit code and its tables).
 - ``common``: what the ops and the kernels both need (input validation, :class:`~.common.RopeSpec`); no Triton.
 - ``traffic``: memory traffic of kernel launches counted in the Triton interpreter.
 

@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 DEFAULT_EPS = 1e-4
-# The four Triton kernels of linear_attention.py, by function name (here so that tools can name them without Triton).
+# The four Triton kernels of la_kernels.py, by function name (here so that tools can name them without Triton).
 KERNEL_NAMES = ("_state_fwd_kernel", "_output_fwd_kernel", "_query_bwd_kernel", "_key_bwd_kernel")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 FEATURE_MAP_ALIASES = {"elu+1": "elu", "elu1": "elu", "softmax_kernel": "exp"}

@@ -69,7 +69,7 @@ def _signature(fn, dtype: str, consts: dict) -> tuple:
     """(signature, constexprs, attrs) of a kernel as a launch specializes it: N-sized tensors in the input dtype,
     state and RoPE tables fp32, channel strides 1, pointers and the ``_DIVISIBLE`` ints 16-divisible."""
     short = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[dtype]
-    from . import linear_attention as m
+    from . import la_kernels as m
 
     consts = dict(consts, **{name: 1 for name in fn.arg_names if _is_channel_stride(name)})
     sig, attrs = {}, {}
@@ -119,7 +119,7 @@ def compile_kernel(kernel: str, d: int, dtype: str, rope: str, config: Sequence[
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from . import linear_attention as m
+    from . import la_kernels as m
 
     block_n, warps, stages = config
     fn = m.kernel_function(kernel)
@@ -141,7 +141,7 @@ def compile_kernel(kernel: str, d: int, dtype: str, rope: str, config: Sequence[
 def grad_variants(kernel: str) -> List[dict]:
     """The gradient variants a kernel is launched in: the query backward with and without dq; one for the
     other kernels."""
-    from . import linear_attention as m
+    from . import la_kernels as m
 
     return [{}, {"dq_grad": False}] if "DQ_GRAD" in m.kernel_function(kernel).arg_names else [{}]
 
@@ -163,7 +163,7 @@ def check(kernels: Iterable[str], dims: Iterable[int], dtypes: Iterable[str], ro
           candidates: bool = False, echo=None) -> List[CompileResult]:
     """Compile every combination; ``candidates`` compiles the whole search space instead of the offered
     configurations. ``echo`` is called with each result as it comes."""
-    from . import linear_attention as m
+    from . import la_kernels as m
 
     results = []
     for kernel, d, dtype, rope in itertools.product(kernels, dims, dtypes, ropes):

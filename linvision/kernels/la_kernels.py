@@ -97,12 +97,20 @@ def _kernel(fn):
     return jitted
 
 
+# The in-kernel codes of the fused maps, from the one table (linvision.kernels.common.FEATURE_MAPS); any other code is
+# the identity's.
+_RELU = tl.constexpr(FUSED_FEATURE_MAPS["relu"])
+_ELU = tl.constexpr(FUSED_FEATURE_MAPS["elu"])
+if set(FUSED_FEATURE_MAPS) != {"identity", "relu", "elu"}:  # a fused row the kernels have no code path for
+    raise ImportError(f"FEATURE_MAPS fuses {sorted(FUSED_FEATURE_MAPS)}; the kernels apply identity, relu and elu")
+
+
 @triton.jit
 def _phi(x, FEATURE: tl.constexpr):
-    """Feature map on fp32 values: 0 identity, 1 relu, 2 elu + 1."""
-    if FEATURE == 1:
+    """Feature map on fp32 values, by its code of FEATURE_MAPS' ``fused`` column: relu, elu + 1, else identity."""
+    if FEATURE == _RELU:
         y = tl.maximum(x, 0.0)
-    elif FEATURE == 2:
+    elif FEATURE == _ELU:
         y = tl.where(x > 0, x + 1.0, tl.exp(tl.minimum(x, 0.0)))
     else:
         y = x
@@ -113,9 +121,9 @@ def _phi(x, FEATURE: tl.constexpr):
 def _phi_grad(f, FEATURE: tl.constexpr):
     """d phi / dx from the features f = phi(x) (fp32): relu 1 where f > 0; elu + 1 min(f, 1) (exp(x) for x <= 0,
     1 above); identity 1. The inputs themselves need not stay live."""
-    if FEATURE == 1:
+    if FEATURE == _RELU:
         g = tl.where(f > 0, 1.0, 0.0)
-    elif FEATURE == 2:
+    elif FEATURE == _ELU:
         g = tl.minimum(f, 1.0)
     else:
         g = tl.full(f.shape, 1.0, tl.float32)

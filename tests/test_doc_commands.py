@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 import pytest
-from support import fenced_blocks, joined_lines, write_ablation_json, write_image_folder, write_rope_checkpoint
+from support import (command_argv, fenced_blocks, joined_lines, write_ablation_json, write_image_folder,
+                     write_rope_checkpoint)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md"] + sorted(os.path.relpath(os.path.join(d, f), ROOT)
@@ -638,15 +639,27 @@ def _words(doc: Documented, step: Step, names: Dict[str, str]) -> List[str]:
     return words + list(step.extra)
 
 
+def _installed(program: str) -> bool:
+    """Whether this environment's console script ``program`` runs the entry point pyproject.toml names (an install
+    that predates the checkout's pyproject.toml may have another, or no such script)."""
+    path = os.path.join(BIN, program)
+    if not os.path.isfile(path):
+        return False
+    module, function = _scripts()[program].split(":")
+    with open(path, errors="replace") as f:
+        return f"from {module} import {function}\n" in f.read()
+
+
 def _argv(words: List[str]) -> List[str]:
-    """The process to start: console scripts and torchrun from this environment (a console script that its install
-    predates: its module, as ``python -m``), python as this interpreter, linvision/tools/ files of this checkout."""
+    """The process to start: console scripts and torchrun from this environment (a console script whose install
+    predates pyproject.toml's entry point: that entry point, called as the script would call it), python as this
+    interpreter, linvision/tools/ files of this checkout."""
     program, *args = words
     args = [os.path.join(ROOT, a) if a.startswith("linvision/tools/") else a for a in args]
     if program in ("python", "python3"):
         return [sys.executable, *args]
-    if not os.path.isfile(os.path.join(BIN, program)) and program in _scripts():
-        return [sys.executable, "-m", _scripts()[program].split(":")[0], *args]
+    if program in _scripts() and not _installed(program):
+        return [*command_argv(program), *args]
     return [os.path.join(BIN, program), *args]
 
 

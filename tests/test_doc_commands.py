@@ -493,7 +493,7 @@ CHAINS: Dict[str, Chain] = {
              why="224 px, one timed call, on the CPU where a GPU is there too"),
     )),
     "bench_kernels": Chain(steps=(
-        Step("python linvision/tools/bench_kernels.py", extra=("--n", "1024"),
+        Step("linvision-bench-kernels", extra=("--n", "1024"),
              why="N = 1024 of 1024-16384: the interpreter takes over 15 minutes for all of them",
              check=_traffic_rows_of_the_manual),
     )),
@@ -585,9 +585,9 @@ SKIPPED: Dict[str, str] = {
                                                            "the CPU: hours",
     "python linvision/tools/bench_diffusion_block.py --tokens 1024 4096 16384 --parts": "16k tokens of softmax attention, "
                                                                                "part by part, on the CPU: long",
-    "python linvision/tools/check_kernels.py": "184 compilations of a few seconds each (the smaller --fla check runs)",
-    "python linvision/tools/check_kernels.py --candidates --d 128 --dtype bfloat16 --rope on": "every candidate "
-                                                                                     "configuration compiled: long",
+    "linvision-check-kernels": "184 compilations of a few seconds each (the smaller --fla check runs)",
+    "linvision-check-kernels --candidates --d 128 --dtype bfloat16 --rope on": "every candidate "
+                                                                               "configuration compiled: long",
     "linvision-check-kernels --fla --d 32 64 128 --dtype float16 bfloat16 --markdown": "over 15 CPU minutes (its "
                                                                                        "one-form line runs)",
     'curl -L -o mlla_tiny_in1k.pth "https://cloud.tsinghua.edu.cn/f/7a19712877cb4242889c/?dl=1"':

@@ -3,7 +3,8 @@
 A page asks for one with a marker line:
 
 - ``<!-- flags: linvision-train -->``: the command's usage and a table of every flag, from its argument parser
-  (``linvision.tools.<tool>.build_parser()``, the parser the command itself runs);
+  (the parser the command itself runs: ``build_parser()`` of its module in ``linvision.tools``, or the one the
+  module's ``PARSERS`` names where it holds several commands);
 - ``<!-- model-table -->``: params, GFLOPs and what ``pretrained=True`` loads for every registered model, from
   ``docs/models.json`` (written by ``linvision-model-table --json docs/models.json``);
 - ``<!-- model-cards: PATTERN -->``: a card per model whose timm name matches PATTERN, from its pretrained config
@@ -34,6 +35,14 @@ def _scripts() -> dict:
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         scripts = tomllib.load(f)["project"]["scripts"]
     return {name: target.split(":")[0] for name, target in scripts.items()}
+
+
+def _parser(command: str, module: str) -> argparse.ArgumentParser:
+    """The parser that ``command`` runs: ``module``'s build_parser(), or in a module of several commands the one its
+    PARSERS names."""
+    tool = importlib.import_module(module)
+    parsers = getattr(tool, "PARSERS", None)
+    return parsers[command]() if parsers is not None else tool.build_parser()
 
 
 CODE_SPAN = re.compile(r"(`+)(.+?)\1")
@@ -78,7 +87,7 @@ def flags_table(command: str) -> str:
     if command not in scripts:
         raise ValueError(f"docs: flags marker names {command!r}, not a command of pyproject.toml "
                          f"({', '.join(sorted(scripts))})")
-    parser = importlib.import_module(scripts[command]).build_parser()
+    parser = _parser(command, scripts[command])
     rows = ["| flag | default | what it sets |", "|---|---|---|"]
     usage = textwrap.dedent(" " * 7 + _usage(parser).strip().removeprefix("usage: "))
     for action in parser._actions:

@@ -4,6 +4,7 @@ ops are checked against, the registered models at CPU size, and small diffusers 
 import collections
 import contextlib
 import glob
+import importlib
 import io
 import json
 import os
@@ -12,6 +13,7 @@ import runpy
 import subprocess
 import sys
 import time
+import tomllib
 
 import numpy as np
 import torch
@@ -77,15 +79,46 @@ def step_losses(run_dir):
     return [(r["step"], r["loss"]) for r in records if r["kind"] == "step"]
 
 
+def _scripts():
+    """Console-script name -> entry point ("module:function"), from pyproject.toml."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)["project"]["scripts"]
+
+
+SCRIPTS = _scripts()
+
+
+def command_parser(command):
+    """The argument parser that console script ``command`` runs: its module's ``build_parser()``, or in a module of
+    several commands (linvision.tools.diffusion, linvision.tools.kernels) the one its ``PARSERS`` names."""
+    module = importlib.import_module(SCRIPTS[command].split(":")[0])
+    parsers = getattr(module, "PARSERS", None)
+    return parsers[command]() if parsers is not None else module.build_parser()
+
+
+def command_argv(command):
+    """The start of a process that runs console script ``command`` of this checkout, as the installed script does:
+    its entry point, called and its result the exit status (``python -c``; an installed script may predate a
+    change of pyproject.toml)."""
+    module, function = SCRIPTS[command].split(":")
+    return [PY, "-c", f"import sys; from {module} import {function}; sys.exit({function}())"]
+
+
 def run_tool(tool, *args, check=True):
-    """Run tools/<tool> as ``python tools/<tool> args`` would, in this process (no second torch import)."""
+    """Run a tool in this process (no second torch import) with the command line ``args``: a console script by its
+    name (``linvision-train-diffusion``: its entry point, as the installed script calls it) or a file of
+    linvision/tools/ (``train.py``: as ``python linvision/tools/train.py args`` runs it)."""
     out, err = io.StringIO(), io.StringIO()
     argv = sys.argv
     sys.argv = [tool, *args]
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            runpy.run_path(os.path.join(ROOT, "linvision", "tools", tool), run_name="__main__")
-        code = 0
+            if tool in SCRIPTS:
+                module, function = SCRIPTS[tool].split(":")
+                code = getattr(importlib.import_module(module), function)() or 0
+            else:
+                runpy.run_path(os.path.join(ROOT, "linvision", "tools", tool), run_name="__main__")
+                code = 0
     except SystemExit as e:
         code = e.code or 0
     finally:

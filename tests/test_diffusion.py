@@ -330,18 +330,13 @@ def test_optimizer_leaves_modulation_tables_and_vectors_undecayed():
 
 
 def test_tool_flags_are_the_recipe_fields():
-    """linvision/tools/train_diffusion.py builds its recipe flags from DiffusionTrainConfig: every field is a flag with
-    the field's default, and flags (and YAML keys) come back as the recipe."""
-    import importlib.util
+    """linvision-train-diffusion (linvision/tools/diffusion.py) builds its recipe flags from DiffusionTrainConfig:
+    every field is a flag with the field's default, and flags (and YAML keys) come back as the recipe."""
     from dataclasses import fields
 
-    from support import ROOT
+    from linvision.tools import diffusion as tool
 
-    spec = importlib.util.spec_from_file_location("train_diffusion_tool", os.path.join(ROOT, "linvision", "tools",
-                                                                                      "train_diffusion.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    parser = tool.build_parser()
+    parser = tool.train_parser()
     dests = {a.dest for a in parser._actions}
     names = [f.name for f in fields(DiffusionTrainConfig)]
     assert set(names) <= dests
@@ -420,7 +415,8 @@ def test_dropped_caption_is_the_unconditional_velocity():
     torch.testing.assert_close(guided_velocity(model, x, t, cond, 2.5), v_u + 2.5 * (v_c - v_u))
 
 
-@pytest.mark.parametrize("tool, args", [("sample_diffusion.py", []), ("eval_diffusion_samples.py", ["nowhere_too"])])
+@pytest.mark.parametrize("tool, args", [("linvision-sample-diffusion", []),
+                                        ("linvision-eval-diffusion-samples", ["nowhere_too"])])
 def test_sampling_tools_answer_a_missing_checkpoint_in_one_line(tool, args, tmp_path):
     from support import run_tool
 

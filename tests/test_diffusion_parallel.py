@@ -9,7 +9,7 @@ import torch
 
 from linvision.diffusion.checkpoint import is_sharded_checkpoint, load_dit
 from linvision.diffusion.model import create_dit
-from support import PY, ROOT, run_subprocess, run_tool
+from support import PY, ROOT, command_argv, run_subprocess, run_tool
 
 MODEL = ["--model", "digits", "--model-kwargs", "depth=2", "dim=32", "num_heads=2", "head_dim=16",
          "num_cond_tokens=2"]
@@ -25,8 +25,8 @@ def _flags(out, experiment, steps, *extra):
 
 def _torchrun(*flags, ranks=2):
     proc = run_subprocess(
-        [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-         os.path.join(ROOT, "linvision", "tools", "train_diffusion.py"), *flags],
+        [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks), "--no-python",
+         *command_argv("linvision-train-diffusion"), *flags],
         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -48,8 +48,8 @@ def _assert_same_weights(run_a, run_b, atol=2e-6):
 def one_process(tmp_path_factory):
     """The reference: one process, the whole batch of 8, 4 steps; and the same run's state at step 2."""
     out = tmp_path_factory.mktemp("one")
-    four = run_tool("train_diffusion.py", *_flags(out, "four", 4))
-    run_tool("train_diffusion.py", *_flags(out, "two", 2))
+    four = run_tool("linvision-train-diffusion", *_flags(out, "four", 4))
+    run_tool("linvision-train-diffusion", *_flags(out, "two", 2))
     return out, _losses(four.stdout)
 
 
@@ -80,12 +80,12 @@ def test_fsdp_shards_resume_on_two_ranks_and_on_one_process(one_process, tmp_pat
     assert "resumed from" in again.stdout and _losses(again.stdout) == losses[2:]
     _assert_same_weights(ref / "four", tmp_path / "fsdp")
     shutil.copytree(tmp_path / "fsdp_to_one", tmp_path / "fsdp_to_fsdp_one")
-    one = run_tool("train_diffusion.py", *_flags(tmp_path, "fsdp_to_one", 4, "--resume"))
+    one = run_tool("linvision-train-diffusion", *_flags(tmp_path, "fsdp_to_one", 4, "--resume"))
     assert _losses(one.stdout) == losses[2:]
     _assert_same_weights(ref / "four", tmp_path / "fsdp_to_one")
     assert not is_sharded_checkpoint(str(tmp_path / "fsdp_to_one" / "last"))  # a single process writes files
     # FSDP at another world size: the 2-rank shards resharded onto a group of one
-    solo = run_tool("train_diffusion.py", *_flags(tmp_path, "fsdp_to_fsdp_one", 4, "--resume", "--parallel", "fsdp",
+    solo = run_tool("linvision-train-diffusion", *_flags(tmp_path, "fsdp_to_fsdp_one", 4, "--resume", "--parallel", "fsdp",
                                                    "--fsdp-param-dtype", "fp32"))
     assert _losses(solo.stdout) == losses[2:]
     _assert_same_weights(ref / "four", tmp_path / "fsdp_to_fsdp_one")
@@ -138,17 +138,17 @@ def test_fsdp_in_one_process_and_bad_settings(one_process, tmp_path):
     """--parallel fsdp without torchrun shards over a group of one (same steps); a batch that does not split
     over the ranks and unknown modes fail in one line."""
     ref, losses = one_process
-    proc = run_tool("train_diffusion.py", *_flags(tmp_path, "solo", 4, "--parallel", "fsdp",
+    proc = run_tool("linvision-train-diffusion", *_flags(tmp_path, "solo", 4, "--parallel", "fsdp",
                                                    "--fsdp-param-dtype", "fp32"))
     assert _losses(proc.stdout) == losses
     _assert_same_weights(ref / "four", tmp_path / "solo")
-    bad = run_tool("train_diffusion.py", *_flags(tmp_path, "bad", 1, "--parallel", "zero3"), check=False)
+    bad = run_tool("linvision-train-diffusion", *_flags(tmp_path, "bad", 1, "--parallel", "zero3"), check=False)
     assert bad.returncode == 2 and "parallel" in bad.stderr.strip().splitlines()[-1]
-    bad = run_tool("train_diffusion.py", *_flags(tmp_path, "bad", 1, "--fsdp-param-dtype", "fp8"), check=False)
+    bad = run_tool("linvision-train-diffusion", *_flags(tmp_path, "bad", 1, "--fsdp-param-dtype", "fp8"), check=False)
     assert bad.returncode == 2 and "fsdp_param_dtype" in bad.stderr
     odd = run_subprocess(
-        [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         os.path.join(ROOT, "linvision", "tools", "train_diffusion.py"), *_flags(tmp_path, "odd", 1), "--batch-size", "7"],
+        [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--no-python",
+         *command_argv("linvision-train-diffusion"), *_flags(tmp_path, "odd", 1), "--batch-size", "7"],
         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert odd.returncode != 0 and "do not split over 2 ranks" in odd.stderr
 
@@ -171,12 +171,12 @@ def test_activation_checkpointing_changes_no_gradient():
 
 
 def test_memory_benchmark_shows_fsdp_sharding_the_state(tmp_path):
-    """linvision/tools/bench_diffusion_parallel.py: on 2 ranks FSDP holds about half of DDP's weights, gradients and
+    """linvision-bench-diffusion-parallel: on 2 ranks FSDP holds about half of DDP's weights, gradients and
     optimizer states per rank; the table and the JSON are written."""
     import json
 
     proc = run_subprocess(
-        [PY, os.path.join(ROOT, "linvision", "tools", "bench_diffusion_parallel.py"), "--model", "digits", "--depth", "2",
+        [*command_argv("linvision-bench-diffusion-parallel"), "--model", "digits", "--depth", "2",
          "--latent", "8", "--batch", "2", "--steps", "2", "--ranks", "2", "--modes", "ddp", "fsdp",
          "--param-dtype", "fp32", "--out", str(tmp_path / "mem")],
         cwd=ROOT)

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 import pytest
-from support import fenced_blocks, joined_lines, write_ablation_json, write_image_folder, write_rope_checkpoint
+from support import (command_argv, fenced_blocks, joined_lines, write_ablation_json, write_image_folder,
+                     write_rope_checkpoint)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md"] + sorted(os.path.relpath(os.path.join(d, f), ROOT)
@@ -397,15 +398,15 @@ CHAINS: Dict[str, Chain] = {
         Step("python linvision/tools/train.py --config digits_demo --model linvit_tiny_patch16_rope_224 "
              "--model-kwargs patch_size=4 embed_dim=96 depth=4 num_heads=3 --epochs 30 --experiment "
              "digits_linvit_cls30", extra=EPOCH, why=ONE_EPOCH),
-        Step("python linvision/tools/train_diffusion.py --config diffusion_digits", extra=("--steps", "20"),
+        Step("linvision-train-diffusion --config diffusion_digits", extra=("--steps", "20"),
              why="20 of the 500 steps show that training runs"),
-        Step("python linvision/tools/sample_diffusion.py output/diffusion_digits --per-class 10 --steps 20 --cfg-scale 3"),
-        Step("python linvision/tools/eval_diffusion_samples.py output/diffusion_digits output/digits_linvit_cls30 "
+        Step("linvision-sample-diffusion output/diffusion_digits --per-class 10 --steps 20 --cfg-scale 3"),
+        Step("linvision-eval-diffusion-samples output/diffusion_digits output/digits_linvit_cls30 "
              "--per-class 50 --cfg-scale 3", extra=("--per-class", "5"), why="5 samples of each class, not 50"),
-        Step("python linvision/tools/train_diffusion.py --config diffusion_digits --model-kwargs "
+        Step("linvision-train-diffusion --config diffusion_digits --model-kwargs "
              "self_attn=bidir_delta --experiment diffusion_digits_bidir_delta", extra=("--steps", "20"),
              why="20 of the 500 steps show that training runs"),
-        Step("python linvision/tools/eval_diffusion_samples.py output/diffusion_digits_bidir_delta output/digits_linvit_cls30 "
+        Step("linvision-eval-diffusion-samples output/diffusion_digits_bidir_delta output/digits_linvit_cls30 "
              "--per-class 50 --cfg-scale 1 --steps 20", extra=("--per-class", "5"),
              why="5 samples of each class, not 50"),
     )),
@@ -492,7 +493,7 @@ CHAINS: Dict[str, Chain] = {
              why="224 px, one timed call, on the CPU where a GPU is there too"),
     )),
     "bench_kernels": Chain(steps=(
-        Step("python linvision/tools/bench_kernels.py", extra=("--n", "1024"),
+        Step("linvision-bench-kernels", extra=("--n", "1024"),
              why="N = 1024 of 1024-16384: the interpreter takes over 15 minutes for all of them",
              check=_traffic_rows_of_the_manual),
     )),
@@ -511,12 +512,12 @@ CHAINS: Dict[str, Chain] = {
              extra=("--depth", "1", "--steps", "2"), why="one block and two steps a point (over 15 minutes with 4 "
                                                          "blocks on 2 cores)",
              check=_files("fsdp_memory.md", "fsdp_memory.json")),
-        Step("python linvision/tools/bench_diffusion_parallel.py --out fsdp_memory", extra=("--ranks", "1", "--depth", "1",
-                                                                                  "--steps", "2"),
+        Step("linvision-bench-diffusion-parallel --out fsdp_memory",
+             extra=("--ranks", "1", "--depth", "1", "--steps", "2"),
              why="one rank (the two-rank points ran in the command before), one block and two steps a point"),
     )),
     "bench_diffusion_block": Chain(steps=(
-        Step("python linvision/tools/bench_diffusion_block.py --tokens 1024 4096 --repeats 10", extra=("--repeats", "1"),
+        Step("linvision-bench-diffusion-block --tokens 1024 4096 --repeats 10", extra=("--repeats", "1"),
              why="one timed forward at each point"),
     )),
 }
@@ -573,22 +574,22 @@ SKIPPED: Dict[str, str] = {
         "a GPU's sizes; without one the same parts run in the dry run (chain gpu_report_dry_run)",
     "linvision-gpu-report --parts models --model-modes eager --img-size 512 1024 2048":
         "a GPU's sizes; without one the models part runs in the dry run (chain gpu_report_dry_run)",
-    "torchrun --nproc_per_node 4 linvision/tools/train_diffusion.py --config diffusion_digits":
+    "torchrun --nproc_per_node 4 --no-python linvision-train-diffusion --config diffusion_digits":
         "four processes; the same config in one process runs (chain diffusion_digits)",
-    "torchrun --nproc_per_node 8 linvision/tools/train_diffusion.py --config diffusion_sana_600m_finetune "
+    "torchrun --nproc_per_node 8 --no-python linvision-train-diffusion --config diffusion_sana_600m_finetune "
     "--parallel fsdp --grad-checkpointing": "8 GPUs and a local copy of Sana-600M's weights",
-    "torchrun --nproc_per_node 2 linvision/tools/train_diffusion.py --config diffusion_sana_600m_finetune "
+    "torchrun --nproc_per_node 2 --no-python linvision-train-diffusion --config diffusion_sana_600m_finetune "
     "--parallel fsdp --resume": "GPUs and the run of the FSDP command before it (Sana-600M's weights)",
-    "python linvision/tools/bench_diffusion_block.py --vs-diffusers --model sana_600m_t2i --latent 32 32 --repeats 3 "
+    "linvision-bench-diffusion-block --vs-diffusers --model sana_600m_t2i --latent 32 32 --repeats 3 "
     "--threads 1": "two 600M-parameter transformers in float32 on the CPU: long, and more memory than the tests "
                    "may take",
-    "python linvision/tools/bench_diffusion_block.py --timeout 240": "every point up to 64k tokens of softmax attention on "
-                                                           "the CPU: hours",
-    "python linvision/tools/bench_diffusion_block.py --tokens 1024 4096 16384 --parts": "16k tokens of softmax attention, "
-                                                                               "part by part, on the CPU: long",
-    "python linvision/tools/check_kernels.py": "184 compilations of a few seconds each (the smaller --fla check runs)",
-    "python linvision/tools/check_kernels.py --candidates --d 128 --dtype bfloat16 --rope on": "every candidate "
-                                                                                     "configuration compiled: long",
+    "linvision-bench-diffusion-block --timeout 240": "every point up to 64k tokens of softmax attention on the CPU: "
+                                                     "hours",
+    "linvision-bench-diffusion-block --tokens 1024 4096 16384 --parts": "16k tokens of softmax attention, "
+                                                                         "part by part, on the CPU: long",
+    "linvision-check-kernels": "184 compilations of a few seconds each (the smaller --fla check runs)",
+    "linvision-check-kernels --candidates --d 128 --dtype bfloat16 --rope on": "every candidate "
+                                                                               "configuration compiled: long",
     "linvision-check-kernels --fla --d 32 64 128 --dtype float16 bfloat16 --markdown": "over 15 CPU minutes (its "
                                                                                        "one-form line runs)",
     'curl -L -o mlla_tiny_in1k.pth "https://cloud.tsinghua.edu.cn/f/7a19712877cb4242889c/?dl=1"':
@@ -640,15 +641,27 @@ def _words(doc: Documented, step: Step, names: Dict[str, str]) -> List[str]:
     return words + list(step.extra)
 
 
+def _installed(program: str) -> bool:
+    """Whether this environment's console script ``program`` runs the entry point pyproject.toml names (an install
+    that predates the checkout's pyproject.toml may have another, or no such script)."""
+    path = os.path.join(BIN, program)
+    if not os.path.isfile(path):
+        return False
+    module, function = _scripts()[program].split(":")
+    with open(path, errors="replace") as f:
+        return f"from {module} import {function}\n" in f.read()
+
+
 def _argv(words: List[str]) -> List[str]:
-    """The process to start: console scripts and torchrun from this environment (a console script that its install
-    predates: its module, as ``python -m``), python as this interpreter, linvision/tools/ files of this checkout."""
+    """The process to start: console scripts and torchrun from this environment (a console script whose install
+    predates pyproject.toml's entry point: that entry point, called as the script would call it), python as this
+    interpreter, linvision/tools/ files of this checkout."""
     program, *args = words
     args = [os.path.join(ROOT, a) if a.startswith("linvision/tools/") else a for a in args]
     if program in ("python", "python3"):
         return [sys.executable, *args]
-    if not os.path.isfile(os.path.join(BIN, program)) and program in _scripts():
-        return [sys.executable, "-m", _scripts()[program].split(":")[0], *args]
+    if program in _scripts() and not _installed(program):
+        return [*command_argv(program), *args]
     return [os.path.join(BIN, program), *args]
 
 

@@ -10,6 +10,7 @@ import sys
 import tomllib
 
 import pytest
+from support import command_parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,8 +37,8 @@ def _scripts() -> dict:
 
 def test_every_command_and_flag_is_in_the_manual(site):
     html = _text(site, "tools.html")
-    for command, target in _scripts().items():
-        parser = importlib.import_module(target.split(":")[0]).build_parser()
+    for command in _scripts():
+        parser = command_parser(command)
         assert f'id="{command}"' in html, f"tools page has no section for {command}"
         for action in parser._actions:
             if isinstance(action, argparse._HelpAction):

@@ -16,7 +16,7 @@ import tokenize
 
 import pytest
 import torch
-from support import PAGES, fenced_blocks, joined_lines, python_examples
+from support import PAGES, SCRIPTS, command_parser, fenced_blocks, joined_lines, python_examples
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = python_examples()
@@ -220,25 +220,29 @@ def test_results_that_agree_with_their_comments_pass(capsys):
     assert capsys.readouterr().out == "torch.Size([2, 6]) True\n"
 
 
-def _scripts():
-    """Console-script name -> tool module, from pyproject.toml."""
-    import tomllib
-    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-        return {k: v.split(":")[0] for k, v in tomllib.load(f)["project"]["scripts"].items()}
+def _modules():
+    """Tool module -> the console script it runs, for the modules of one command (pyproject.toml's entry points; a
+    module of several commands runs none of them as ``python -m``)."""
+    modules = [entry.split(":")[0] for entry in SCRIPTS.values()]
+    return {entry.split(":")[0]: command for command, entry in SCRIPTS.items()
+            if modules.count(entry.split(":")[0]) == 1}
+
+
+LAUNCHER_FLAGS = ("-m", "--no-python", "--no_python")  # torchrun's: the module, or the program, follows
 
 
 def _shell_commands(body, first):
-    """(line number, tool module, arguments) of every tool command line in ``body``, shell lines of which the first
-    is line ``first``. Continuation lines are joined, comments dropped, and the lines' own variables (NAME="..." or
-    NAME=value) substituted."""
+    """(line number, console script, arguments) of every tool command line in ``body``, shell lines of which the
+    first is line ``first``: the command typed, or the one a module or file of linvision/tools/ runs as ``python -m``,
+    ``python FILE`` or under torchrun. Continuation lines are joined, comments dropped, and the lines' own variables
+    (NAME="..." or NAME=value) substituted."""
     import shlex
-    scripts = _scripts()
-    by_file = {f"linvision/tools/{m.rsplit('.', 1)[1]}.py": m for m in scripts.values()}
-    by_module = {m: m for m in scripts.values()}
+    by_module = _modules()
+    by_file = {f"linvision/tools/{m.rsplit('.', 1)[1]}.py": command for m, command in by_module.items()}
     found, env = [], {}
     for start, line in joined_lines(body, first):
         line = re.sub(r"\s+#.*$", "", line.strip().removeprefix("$ "))
-        if not re.match(r"(linvision-|python tools/|python -m linvision|torchrun |[A-Z]\w*=)", line):
+        if not re.match(r"(linvision-|python linvision/tools/|python -m linvision|torchrun |[A-Z]\w*=)", line):
             continue
         words = shlex.split(line)
         if all(re.fullmatch(r"[A-Z]\w*=.*", w) for w in words):
@@ -248,20 +252,20 @@ def _shell_commands(body, first):
             line = line.replace(f"${name}", value)
         words = shlex.split(line) if line else []
         if words[:1] == ["torchrun"]:
-            words = words[next(i for i, w in enumerate(words) if w == "-m" or w.endswith(".py")):]
-            words = words[1:] if words[0] == "-m" else words
+            words = words[next(i for i, w in enumerate(words) if w in LAUNCHER_FLAGS or w.endswith(".py")):]
+            words = words[1:] if words[0] in LAUNCHER_FLAGS else words
         elif words[:1] == ["python"]:
             words = words[2:] if words[1:2] == ["-m"] else words[1:]
         if not words:
             continue
-        module = scripts.get(words[0]) or by_file.get(words[0]) or by_module.get(words[0])
-        if module:
-            found.append((start, module, words[1:]))
+        command = words[0] if words[0] in SCRIPTS else by_file.get(words[0]) or by_module.get(words[0])
+        if command:
+            found.append((start, command, words[1:]))
     return found
 
 
 def _command_lines():
-    """Every tool command line in the shell blocks of the pages: (page, line, tool module, arguments)."""
+    """Every tool command line in the shell blocks of the pages: (page, line, console script, arguments)."""
     found = []
     for page in PAGES:
         with open(os.path.join(ROOT, page)) as f:
@@ -276,35 +280,33 @@ COMMANDS = _command_lines()
 
 
 def test_pages_have_command_lines():
-    modules = {m for _, _, m, _ in COMMANDS}
-    assert len(COMMANDS) >= 60 and {"linvision.tools.train", "linvision.tools.benchmark", "linvision.tools.export",
-                                    "linvision.tools.train_diffusion"} <= modules
+    commands = {c for _, _, c, _ in COMMANDS}
+    assert len(COMMANDS) >= 60 and {"linvision-train", "linvision-benchmark", "linvision-export",
+                                    "linvision-train-diffusion"} <= commands
 
 
-@pytest.mark.parametrize("page, line, module, args", COMMANDS,
+@pytest.mark.parametrize("page, line, command, args", COMMANDS,
                          ids=[f"{page}:{line}" for page, line, _, _ in COMMANDS])
-def test_command_line_parses(page, line, module, args):
+def test_command_line_parses(page, line, command, args):
     """Each printed command line is one its tool accepts: every flag exists and every value has the right type."""
-    import importlib
-    parser = importlib.import_module(module).build_parser()
+    parser = command_parser(command)
     try:
         parser.parse_args(args)
     except SystemExit as e:
         pytest.fail(f"{page}:{line}: `{parser.prog} {' '.join(args)}` is refused by the tool's parser (exit {e.code})")
 
 
-def _help_parser(module: str, width: int = 100):
+def _help_parser(command: str, width: int = 100):
     """A tool's parser, printing its help as a terminal ``width`` columns wide does."""
-    import importlib
-    parser = importlib.import_module(module).build_parser()
+    parser = command_parser(command)
     formatter_class = parser.formatter_class
     parser.formatter_class = lambda prog: formatter_class(prog, width=width)
     return parser
 
 
-def _help_description(module: str) -> str:
+def _help_description(command: str) -> str:
     """The part of a tool's ``--help`` between the usage and the flags, as printed: where the examples are."""
-    parser = _help_parser(module)
+    parser = _help_parser(command)
     full, usage = parser.format_help(), parser.format_usage()
     parser.description = None
     bare = parser.format_help()
@@ -314,10 +316,10 @@ def _help_description(module: str) -> str:
 
 def _help_command_lines():
     """Every command line that a tool's --help prints (a line starting with linvision-... or torchrun, joined
-    across continuation backslashes): (command, line, tool module, arguments)."""
+    across continuation backslashes): (command, line, the console script it runs, arguments)."""
     found = []
-    for command, module in _scripts().items():
-        found += [(command, *c) for c in _shell_commands(_help_description(module).split("\n"), 1)]
+    for command in SCRIPTS:
+        found += [(command, *c) for c in _shell_commands(_help_description(command).split("\n"), 1)]
     return found
 
 
@@ -327,9 +329,8 @@ HELP_COMMANDS = _help_command_lines()
 def test_every_help_has_examples_of_its_command():
     """Each tool's --help shows how to run it, each example on lines as typed: a command continued on the next line
     ends with a backslash (no line joined into the one before it with the backslash lost)."""
-    scripts = _scripts()
-    for command, module in scripts.items():
-        lines = [raw.strip() for raw in _help_description(module).split("\n")]
+    for command in SCRIPTS:
+        lines = [raw.strip() for raw in _help_description(command).split("\n")]
         assert any(line == command or line.startswith(command + " ") for line in lines), \
             f"{command} --help shows no example of {command}"
         for line in lines:
@@ -339,14 +340,13 @@ def test_every_help_has_examples_of_its_command():
     assert len(HELP_COMMANDS) >= 35
 
 
-@pytest.mark.parametrize("command, line, module, args", HELP_COMMANDS,
+@pytest.mark.parametrize("command, line, runs, args", HELP_COMMANDS,
                          ids=[f"{command}-help:{line}" for command, line, _, _ in HELP_COMMANDS])
-def test_help_command_line_parses(command, line, module, args):
+def test_help_command_line_parses(command, line, runs, args):
     """Each command line of a tool's --help is one the tool accepts (parsed only, nothing runs); a --config names a
     config shipped with linvision, whose keys are flags of the tool."""
-    import importlib
     from linvision.utils.config import packaged_config, parse_args
-    parser = importlib.import_module(module).build_parser()
+    parser = command_parser(runs)
     configs = [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--config", "-c")]
     for name in configs:
         assert packaged_config(name) is not None, f"{command} --help:{line}: --config {name} is not a shipped config"

@@ -87,8 +87,8 @@ def test_fla_autotuning_is_kept_on_request():
 
 SM90 = textwrap.dedent("""
     import json, sys
-    from linvision.tools import check_kernels as ck
-    ck._pretend_hopper()
+    from linvision.kernels import compile_check as ck
+    ck.pretend_hopper()
     import torch
     from linvision.ops.recurrent import kernels as rk
     from linvision.ops.recurrent.scan import Reversal
@@ -105,7 +105,7 @@ SM90 = textwrap.dedent("""
                                        flip=Reversal(None, n))
         o.float().sum().backward()
         for name, kernel in ck._FLA_COMPILED:
-            rows.append([form, name, *ck._ptxas_usage(kernel.asm["ptx"]), kernel.metadata.shared])
+            rows.append([form, name, *ck.ptxas_usage(kernel.asm["ptx"]), kernel.metadata.shared])
     print(json.dumps(rows))
 """)
 

@@ -2,23 +2,16 @@
 installed commands are typed, no markup, and no abbreviated flags (an unknown flag is an error, never taken for a
 longer one). The examples of --help parse with their tool's parser: tests/test_examples.py."""
 import argparse
-import importlib
-import os
 import re
-import tomllib
 
 import pytest
 
 from linvision.utils.cli import HelpFormatter, tool_parser
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-with open(os.path.join(ROOT, "pyproject.toml"), "rb") as _f:
-    SCRIPTS = {name: target.split(":")[0] for name, target in tomllib.load(_f)["project"]["scripts"].items()}
+from support import SCRIPTS, command_parser
 
 
 def _parser(command: str) -> argparse.ArgumentParser:
-    return importlib.import_module(SCRIPTS[command]).build_parser()
+    return command_parser(command)
 
 
 def _help(command: str, width: int = 100) -> str:
@@ -114,7 +107,8 @@ def test_help_is_plain_text_with_installed_commands(command):
 def test_help_keeps_the_description_lines(command):
     """The description is printed as written, whatever the terminal's width: examples keep their line breaks
     and continuation backslashes."""
-    doc = importlib.import_module(SCRIPTS[command]).__doc__
+    doc = _parser(command).description
+    assert doc
     for width in (60, 200):
         assert doc in _help(command, width), f"{command} --help at {width} columns rewraps the description"
 

@@ -1095,7 +1095,7 @@ def test_offered_configurations_are_candidates():
 
 
 def test_compile_check_verdicts():
-    """The pass rule of linvision/tools/check_kernels.py: zero spills, shared memory within 227 KB, and a token loop whose
+    """The pass rule of linvision-check-kernels: zero spills, shared memory within 227 KB, and a token loop whose
     16-bit loads are all asynchronous copies (every kernel loops over its tokens)."""
     from linvision.kernels.compile_check import CompileResult, token_loads_pipelined as _token_loads_pipelined
 
@@ -1119,15 +1119,17 @@ def test_compile_check_verdicts():
 
 # Compiles kernels for an sm_90 target with Triton's bundled ptxas (no GPU needed), in a process without
 # TRITON_INTERPRET: GPU-only constraints (dot shapes, types) are checked and the offered configurations of a
-# subset are held to the rule above. The full table: python linvision/tools/check_kernels.py (docs/kernels.md).
+# subset are held to the rule above. The full table: linvision-check-kernels (docs/kernels.md).
 @pytest.mark.slow
 @pytest.mark.parametrize("args", [
     ["--d", "64", "--dtype", "bfloat16", "--rope", "on"],
     ["--d", "128", "--dtype", "float16", "--rope", "off", "--kernel", "_query_bwd_kernel", "_key_bwd_kernel"],
 ])
 def test_kernels_compile_for_hopper(args):
+    from support import command_argv
+
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-m", "linvision.tools.check_kernels", *args], env=env,
+    result = subprocess.run([*command_argv("linvision-check-kernels"), *args], env=env,
                             capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     rows = [line for line in result.stdout.splitlines() if line.rstrip().endswith(" ok")]

@@ -710,12 +710,14 @@ def test_longer_sequences_on_kernels(form, d):
 
 @pytest.mark.slow
 def test_fla_kernels_compile_for_hopper():
-    """linvision/tools/check_kernels.py --fla compiles every configuration of fla's kernels that the bidirectional delta rule
+    """linvision-check-kernels --fla compiles every configuration of fla's kernels that the bidirectional delta rule
     runs (forward and backward, D 32, fp16) for sm_90 without a GPU, and reports each kernel: in a process without
     the interpreter, as a GPU would compile them."""
+    from support import command_argv
+
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
     args = ["--fla", "--form", "bidir_delta", "--d", "32", "--dtype", "float16"]
-    result = subprocess.run([sys.executable, "-m", "linvision.tools.check_kernels", *args], env=env,
+    result = subprocess.run([*command_argv("linvision-check-kernels"), *args], env=env,
                             capture_output=True, text=True, timeout=3000)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     rows = {line.split()[1]: line.split() for line in result.stdout.splitlines() if line.startswith("bidir_delta ")}

@@ -12,7 +12,7 @@ from PIL import Image
 
 from linvision.utils.files import recover_checkpoint_folder, write_checkpoint_folder
 from linvision.utils.run_folder import claim_run_folder
-from support import (PY, ROOT, SUBPROCESS_TIMEOUT, TINY_VIT, logs, run_tool, spawn, step_losses,
+from support import (PY, ROOT, SUBPROCESS_TIMEOUT, TINY_VIT, command_argv, logs, run_tool, spawn, step_losses,
                      tiny_train_flags, wait_until, write_image_folder)
 
 
@@ -422,8 +422,8 @@ def test_sigterm_saves_the_diffusion_trainer(tmp_path):
     cfg = tmp_path / "d.yaml"
     cfg.write_text("steps: 100000\nbatch_size: 8\nlog_every: 1\nsave_every: 0\nthreads: 1\n"
                    "model_kwargs: {dim: 32, depth: 1, num_heads: 2, head_dim: 16}\n")
-    proc = spawn([PY, os.path.join(ROOT, "linvision", "tools", "train_diffusion.py"), "--config", str(cfg), "--output",
-                  str(tmp_path), "--experiment", "dit"], tmp_path, "dit-log", cwd=ROOT, start_new_session=True)
+    proc = spawn([*command_argv("linvision-train-diffusion"), "--config", str(cfg), "--output", str(tmp_path),
+                  "--experiment", "dit"], tmp_path, "dit-log", cwd=ROOT, start_new_session=True)
     wait_until(lambda: logs(tmp_path, "dit-log")[0].count("step ") >= 3, proc, what="3 steps")
     os.killpg(proc.pid, signal.SIGTERM)
     proc.wait(timeout=120)

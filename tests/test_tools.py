@@ -13,8 +13,8 @@ import pytest
 
 from linvision.utils.config import parse_args
 from linvision.training.train import add_train_args
-from support import (PY, ROOT, logs, run_subprocess, run_tool, spawn, step_losses, tiny_train_flags, wait_until,
-                     write_image_folder)
+from support import (PY, ROOT, SCRIPTS, command_parser, logs, run_subprocess, run_tool, spawn, step_losses,
+                     tiny_train_flags, wait_until, write_image_folder)
 
 @pytest.fixture(scope="module")
 def trained(data, tmp_path_factory):
@@ -451,18 +451,16 @@ def test_installed_console_scripts():
 
 
 def test_every_command_has_a_parser_with_help_for_each_flag():
-    """Each console script of pyproject.toml that runs linvision.tools.<tool> has <tool>.build_parser(), the
-    parser the command runs: named as the command is typed, and with a help line for every flag."""
+    """Each console script of pyproject.toml runs a function of linvision.tools.<module>, whose module has the
+    parser the command runs (build_parser(), or PARSERS[command] in a module of several commands): named as the
+    command is typed, and with a help line for every flag."""
     import importlib
-    import tomllib
 
-    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-        scripts = tomllib.load(f)["project"]["scripts"]
-    tools = {name: target.split(":")[0] for name, target in scripts.items()
-             if target.split(":")[0].startswith("linvision.tools.")}
-    assert {"linvision-train", "linvision-validate", "linvision-benchmark", "linvision-export"} <= set(tools)
-    for name, module in tools.items():
-        parser = importlib.import_module(module).build_parser()
+    assert {"linvision-train", "linvision-validate", "linvision-benchmark", "linvision-export"} <= set(SCRIPTS)
+    for name, entry in SCRIPTS.items():
+        module, function = entry.split(":")
+        assert module.startswith("linvision.tools.") and callable(getattr(importlib.import_module(module), function))
+        parser = command_parser(name)
         assert isinstance(parser, argparse.ArgumentParser), name
         assert parser.prog == name
         assert parser.format_help().startswith(f"usage: {name} ")
@@ -599,14 +597,9 @@ CPU_TOOLS = ["linvision-train", "linvision-train-seg", "linvision-validate", "li
 
 @pytest.mark.parametrize("command", CPU_TOOLS)
 def test_every_tool_that_runs_torch_on_the_cpu_takes_its_threads_the_same_way(command):
-    import importlib
-    import tomllib
-
     from linvision.utils.cli import THREADS_HELP
 
-    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-        module = tomllib.load(f)["project"]["scripts"][command].split(":")[0]
-    parser = importlib.import_module(module).build_parser()
+    parser = command_parser(command)
     (action,) = [a for a in parser._actions if "--threads" in a.option_strings]
     assert (action.default, action.type, action.help) == (None, int, THREADS_HELP)
 

@@ -49,7 +49,8 @@ def _opt(default: Any, help: str, **kw: Any) -> Any:
 
 @dataclass
 class DiffusionTrainConfig:
-    """The recipe of :func:`train_dit`; linvision/tools/train_diffusion.py derives its flags from these fields."""
+    """The recipe of :func:`train_dit`; linvision-train-diffusion (linvision/tools/diffusion.py) derives its flags
+    from these fields."""
 
     model: Union[str, Dict[str, Any]] = _opt("digits", f"base model config ({', '.join(DIT_CONFIGS)}) or a dict "
                                                        f"of DiTConfig fields")

@@ -40,7 +40,7 @@ products ("ieee").
 
 The configurations offered per kernel and head dim (:func:`offered_configs`) are those that compile for sm_90
 without register spills, within 227 KB of shared memory and with a pipelined token loop
-(``linvision/tools/check_kernels.py`` checks them without a GPU, from :func:`kernel_function` and
+(``linvision-check-kernels`` checks them without a GPU, from :func:`kernel_function` and
 :func:`kernel_constexprs`). The kernels are launched by :mod:`.la_launch`; this module imports only
 Triton and :mod:`.common`.
 """
@@ -60,7 +60,7 @@ BACKWARD_LO = tl.constexpr(False)
 
 
 # (BLOCK_N, num_warps, num_stages): the search space the offered configurations were chosen from with
-# linvision/tools/check_kernels.py (sm_90: no spills, shared memory <= 227 KB, pipelined token loops).
+# linvision-check-kernels (sm_90: no spills, shared memory <= 227 KB, pipelined token loops).
 CANDIDATE_CONFIGS = ((16, 8, 2), (32, 4, 2), (32, 8, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (64, 8, 3), (128, 4, 2),
                      (128, 8, 2), (128, 8, 3), (256, 8, 2))
 _OFFERED = {}  # filled below the kernels: kernel name -> {BLOCK_P: configs}
@@ -673,8 +673,8 @@ FP32_POINTERS = {"S", "Z", "DS", "DZ", "S_PART", "Z_PART", "DS_PART", "DZ_PART",
 BYTE_POINTERS = {"VALID"}  # the token mask, one byte per token
 INT_POINTERS = {"LOCK"}  # int32 counters of the last-split reductions
 FLOAT_SCALARS = {"eps", "inv_n", "off_row", "off_col"}
-# Chosen from `python linvision/tools/check_kernels.py --candidates` (sm_90, bf16 with RoPE, the heaviest case) and checked for
-# fp16/bf16 with RoPE on and off by `python linvision/tools/check_kernels.py` (docs/kernels.md); keyed on the head-dim bucket.
+# Chosen from `linvision-check-kernels --candidates` (sm_90, bf16 with RoPE, the heaviest case) and checked for
+# fp16/bf16 with RoPE on and off by `linvision-check-kernels` (docs/kernels.md); keyed on the head-dim bucket.
 _OFFERED.update({
     "_state_fwd_kernel": {32: ((64, 8, 3), (128, 8, 2)), 64: ((64, 8, 2), (64, 8, 3), (128, 8, 2)),
                           128: ((32, 8, 2), (64, 8, 2), (64, 8, 3))},

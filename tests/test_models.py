@@ -601,6 +601,8 @@ def test_entry_point_defaults_give_way_and_options_never_vanish():
     block = ravlt.stages[0].blocks[0]
     assert block.cpe == "first" and isinstance(block.mlp, DwConvMlp) and ravlt.spec[0].blocks[0].options["lepe"] is True
     assert timm.create_model("ravlt_tiny", depths=(1, 1, 1, 1), cpe=False).stages[0].blocks[0].cpe is False
+    for name in ("ravlt_tiny", "mavit_tiny"):  # the conv head's width, a default like any other
+        assert timm.create_model(name, depths=(1, 1, 1, 1), head_chs=96).num_features == 96
     for old in ("block_kwargs", "mixer_defaults"):
         with pytest.raises(TypeError, match=old):
             timm.create_model("linhier_gcnn_femto_224", **{old: {}})

@@ -66,9 +66,9 @@ default_cfgs = generate_default_cfgs({
 _MIXERS = dict(token_mixers="mavit_mala,mavit_mala,ravlt_softmax,ravlt_softmax")
 
 
-def _create_mavit(variant: str, size: str, head_chs: int, pretrained: bool, **kwargs) -> LinHier:
-    args = merge_options(SIZES[size], _MIXERS, **kwargs)
-    return create_ravlt_like(Mavit, variant, pretrained, head_chs=head_chs, **args)
+def _create_mavit(variant: str, size: str, head: int, pretrained: bool, **kwargs) -> LinHier:
+    args = merge_options(SIZES[size], _MIXERS, dict(head_chs=head), **kwargs)  # the caller's head_chs wins
+    return create_ravlt_like(Mavit, variant, pretrained, **args)
 
 
 # Published training used stochastic depth 0.1 / 0.15 / 0.4 / 0.55 (T / S / B / L); the models default to none,

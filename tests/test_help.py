@@ -60,7 +60,9 @@ DEFAULTS = {
     "linvision-export": [("--tolerance", "0.0001"), ("--bench-iters", "3")],
     "linvision-gpu-report": [("--output", "output/gpu_report"), ("--budget", "540.0"),
                              ("--n", "2048 4096 8192 16384 32768 65536 131072"), ("--rec-n", "4096 16384 65536 262144"),
-                             ("--img-size", "512 1024 2048"), ("--batch-sizes", "8 1"),
+                             ("--img-size", "1024 512 2048"), ("--batch-sizes", "8 1"),
+                             ("--model-modes", "eager reduce-overhead bf16-weights"),
+                             ("--deciding", "linhier_tiny_224 swin_tiny_patch4_window7_224 convnext_tiny"),
                              ("--first-models", "vig_tiny linhier_delta_tiny_224"),
                              ("--amp", "bf16")],
 }

@@ -4,13 +4,16 @@ The kernels know only tensors, ints and flags and import nothing from the rest o
 ``linvision.ops`` dispatches to them, never the other way round.
 
 - ``linear_attention_triton`` (in ``linear_attention.py``, needs Triton): the fused non-causal forward and
-  backward; ``unsupported_reason`` says why a call cannot run there (the dispatcher in
-  ``linvision.ops.linear_attention`` then falls back to PyTorch, with a warning under ``backend="auto"``).
+  backward; ``unsupported_reason`` says why a call cannot run there (the dispatcher,
+  ``linvision.ops.attention.dispatch``, then falls back to PyTorch, with a warning under ``backend="auto"``).
   Below it, one job a module: ``la_op`` (the torch custom ops, their fake implementations, autograd and FLOP
   formulas), ``la_launch`` (autotuning, buffers, RoPE tables, grids and the launches; the process's caches) and
   ``la_kernels`` (the Triton jit code and its tables).
-- ``common``: what the ops and the kernels both need (input validation, :class:`~.common.RopeSpec`); no Triton.
+- ``common``: what the ops and the kernels both need (input validation, :class:`~.common.RopeSpec`, the one table
+  of feature maps); no Triton.
 - ``traffic``: memory traffic of kernel launches counted in the Triton interpreter.
+- ``compile_check``: the kernels compiled for sm_90 without a GPU (registers, spills, shared memory, pipelining),
+  for ``linvision-check-kernels``.
 
 The Triton names load on first use, so ``linvision.kernels.common`` imports where Triton is not installed.
 """

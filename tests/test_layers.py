@@ -823,3 +823,18 @@ def test_gated_attention_trains_to_the_plain_gradients_and_keeps_less(monkeypatc
         for mine, theirs in zip(grads, grads_plain):
             torch.testing.assert_close(mine, theirs, rtol=1e-9, atol=1e-11)
         assert kept < kept_plain, name
+
+
+def test_gated_linear_with_a_frozen_projection():
+    """A frozen projection (linear probing, a frozen backbone): gated_linear gives a and g the plain product's
+    gradients and the weight none."""
+    from linvision.layers.recompute import gated_linear
+
+    torch.manual_seed(0)
+    linear = nn.Linear(8, 8).double().requires_grad_(False)
+    a, g = (torch.randn(1, 37, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    got = torch.autograd.grad(gated_linear(a, g, F.silu, linear).square().sum(), [a, g])
+    want = torch.autograd.grad(linear(a * F.silu(g)).square().sum(), [a, g])
+    for mine, theirs in zip(got, want):
+        torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-14)
+    assert linear.weight.grad is None

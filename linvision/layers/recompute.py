@@ -85,12 +85,14 @@ class _GatedLinear(torch.autograd.Function):
         with torch.enable_grad():
             g_ = g.detach().requires_grad_(ctx.needs_input_grad[1])
             s = ctx.act(g_)
-        h = a * s.detach()
-        w = weight.to(grad.dtype)
         g2 = grad.reshape(-1, grad.shape[-1])
-        grad_w = (g2.t() @ h.to(grad.dtype).reshape(-1, h.shape[-1])).to(weight.dtype)
-        grad_b = None if ctx.bias_dtype is None else g2.sum(0).to(ctx.bias_dtype)
-        grad_h = (grad @ w).to(h.dtype)
+        grad_w = grad_b = None
+        if ctx.needs_input_grad[2]:  # the product formed again only for the weight's gradient (none when frozen)
+            h = (a * s.detach()).to(grad.dtype)
+            grad_w = (g2.t() @ h.reshape(-1, h.shape[-1])).to(weight.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[3]:
+            grad_b = g2.sum(0).to(ctx.bias_dtype)
+        grad_h = (grad @ weight.to(grad.dtype)).to(torch.promote_types(a.dtype, s.dtype))
         grad_a = (grad_h * s.detach()).to(a.dtype) if ctx.needs_input_grad[0] else None
         grad_g = None
         if ctx.needs_input_grad[1]:

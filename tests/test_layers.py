@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from linvision.layers import (MixerBlock, check_prefix_tokens, create_mixer, get_mixer_class, list_mixers,
-                              mixer_options, takes_prefix_tokens)
+from linvision.layers import (CONTEXT_PARTS, MixerBlock, MixerContext, TokenLayout, check_prefix_tokens,
+                              create_mixer, get_mixer_class, list_mixers, mixer_accepts, mixer_options)
 from linvision.layers.mixers import GatedConvMixer, HybridAttention, window_merge, window_partition
 from linvision.ops import axial_rope, axial_rope_freqs
 
@@ -102,7 +102,7 @@ def test_linear_mixers_with_prefix_tokens_match_explicit_formula(name, kwargs):
     tables = _with_prefix_rows(_axial_tables(16, *hw), prefix) if mixer.rope_type == "axial" else None
     expected = _explicit_linear(mixer, x, hw, tables, prefix=prefix)
     tol = dict(rtol=1e-9, atol=1e-10) if tables is None else dict(rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(mixer(x, hw, num_prefix_tokens=prefix), expected, **tol)
+    torch.testing.assert_close(mixer(x, MixerContext(hw, prefix)), expected, **tol)
 
 
 def test_softmax_mixer_with_prefix_tokens_matches_explicit_formula():
@@ -113,7 +113,7 @@ def test_softmax_mixer_with_prefix_tokens_matches_explicit_formula():
     cos, sin = _with_prefix_rows(_axial_tables(8, 3, 4), 1)
     scores = _rotate(q, cos, sin) @ _rotate(k, cos, sin).transpose(-1, -2) / math.sqrt(8)
     expected = mixer.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(x.shape))
-    torch.testing.assert_close(mixer(x, (3, 4), num_prefix_tokens=1), expected, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(mixer(x, MixerContext((3, 4), 1)), expected, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("rope", ["axial", "mixed"])
@@ -134,10 +134,10 @@ def test_rope_origin_centre_puts_the_class_token_at_the_grid_centre(rope):
         cos, sin = ang.cos(), ang.sin()
     scores = _rotate(q, cos, sin) @ _rotate(k, cos, sin).transpose(-1, -2) / math.sqrt(8)
     expected = mixer.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(x.shape))
-    torch.testing.assert_close(mixer(x, (3, 4), num_prefix_tokens=1), expected, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(mixer(x, MixerContext((3, 4), 1)), expected, rtol=1e-5, atol=1e-7)
     corner = create_mixer("softmax", 32, 4, rope=rope).double()
     corner.load_state_dict(mixer.state_dict())
-    assert not torch.allclose(corner(x, (3, 4), num_prefix_tokens=1), expected, rtol=1e-3, atol=1e-4)
+    assert not torch.allclose(corner(x, MixerContext((3, 4), 1)), expected, rtol=1e-3, atol=1e-4)
     torch.testing.assert_close(corner(x[:, 1:], (3, 4)), mixer(x[:, 1:], (3, 4)), rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="rope_origin: unknown 'middle'"):
         create_mixer("softmax", 32, 4, rope=rope, rope_origin="middle")
@@ -164,12 +164,12 @@ def test_rope_ref_grid_interpolates_the_positions_to_the_reference_grid(rope, or
         cos, sin = ang.cos(), ang.sin()
     scores = _rotate(q, cos, sin) @ _rotate(k, cos, sin).transpose(-1, -2) / math.sqrt(8)
     expected = mixer.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(x.shape))
-    torch.testing.assert_close(mixer(x, (5, 7), num_prefix_tokens=1), expected, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(mixer(x, MixerContext((5, 7), 1)), expected, rtol=1e-5, atol=1e-7)
     plain = create_mixer("softmax", 32, 4, rope=rope, rope_origin=origin).double()
     plain.load_state_dict(mixer.state_dict())
-    assert not torch.allclose(plain(x, (5, 7), num_prefix_tokens=1), expected, rtol=1e-3, atol=1e-4)
+    assert not torch.allclose(plain(x, MixerContext((5, 7), 1)), expected, rtol=1e-3, atol=1e-4)
     x12 = x[:, :13]
-    assert torch.equal(mixer(x12, (3, 4), num_prefix_tokens=1), plain(x12, (3, 4), num_prefix_tokens=1))
+    assert torch.equal(mixer(x12, MixerContext((3, 4), 1)), plain(x12, MixerContext((3, 4), 1)))
 
 
 def test_rope_ref_grid_reaches_linear_attention_and_is_refused_without_rope():
@@ -202,7 +202,7 @@ def test_rope_fraction_turns_only_that_share_of_the_channel_pairs():
     cos, sin = _with_prefix_rows((ang.cos(), ang.sin()), 1)
     scores = _rotate(q, cos, sin) @ _rotate(k, cos, sin).transpose(-1, -2) / math.sqrt(16)
     expected = mixer.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(x.shape))
-    torch.testing.assert_close(mixer(x, (3, 4), num_prefix_tokens=1), expected, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(mixer(x, MixerContext((3, 4), 1)), expected, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="rope_fraction: only axial RoPE"):
         create_mixer("softmax", 32, 2, rope="mixed", rope_fraction=0.5)
     with pytest.raises(ValueError, match=r"rope_fraction: the fraction .* must be in \(0, 1\], got 0.0"):
@@ -224,15 +224,15 @@ def test_prefix_tokens_taken_or_refused_in_one_line(name):
     options = {k: v for k, v in dict(rope=None, lepe=False).items() if k in mixer_options(name)}
     mixer = create_mixer(name, 32, 2, **options).double()
     x = torch.randn(2, 2 + 12, 32, dtype=torch.float64)
-    if not takes_prefix_tokens(name):
+    if not mixer_accepts(name, "prefix_tokens"):
         block = MixerBlock(32, 2, name, options).double()
         with pytest.raises(ValueError, match=f"token mixer {name!r} cannot take prefix tokens"):
             block(x, (3, 4), num_prefix_tokens=2)
         return
     if name not in GRID_BOUND:
-        torch.testing.assert_close(mixer(x, (3, 4), num_prefix_tokens=2), mixer(x, (1, 14)), rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(mixer(x, MixerContext((3, 4), 2)), mixer(x, (1, 14)), rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match="hw"):
-        mixer(x, (3, 4), num_prefix_tokens=1)
+        mixer(x, MixerContext((3, 4), 1))
 
 
 def test_axial_tables_written_out_match_ops():
@@ -474,8 +474,9 @@ def test_mixer_block_with_cpe_matches_its_formula():
 @pytest.mark.parametrize("name", list_mixers())
 def test_every_registered_mixer_keeps_the_token_mixer_contract(name):
     """Each registered mixer is a TokenMixer: built as cls(dim, num_heads) from its name, maps (B, N, C) on a
-    non-square grid to (B, N, C) and gives each image what it gives it alone; takes prefix tokens exactly when it
-    says so; lists its options; its init_weights and no_weight_decay run."""
+    non-square grid to (B, N, C) and gives each image what it gives it alone; the grid alone and its context give
+    the same; takes prefix tokens and a layout exactly when its class accepts them, refusing the others in one
+    line; lists its options; its init_weights and no_weight_decay run."""
     from linvision.layers import TokenMixer, mixer_options
 
     cls = get_mixer_class(name)
@@ -489,13 +490,23 @@ def test_every_registered_mixer_keeps_the_token_mixer_contract(name):
         alone = mixer(x[1:], (3, 4))
     assert out.shape == x.shape and torch.isfinite(out).all()
     torch.testing.assert_close(out[1:], alone, rtol=1e-9, atol=1e-9)
+    assert cls.accepts <= set(CONTEXT_PARTS)
+    with torch.no_grad():  # the grid alone is the context of the grid; the block's input is read or ignored
+        assert torch.equal(mixer(x, MixerContext((3, 4))), out)
+        beside = mixer(x, MixerContext((3, 4), block_input=x.reshape(2, 3, 4, 32)))
+    if name != "inline_cswin":  # the one mixer that reads the block's input (its local kernels' mean)
+        assert torch.equal(beside, out)
     with_prefix = torch.randn(1, 13, 32, dtype=torch.float64)
-    if cls.takes_prefix_tokens:
+    if "prefix_tokens" in cls.accepts:
         with torch.no_grad():
-            assert mixer(with_prefix, (3, 4), num_prefix_tokens=1).shape == with_prefix.shape
+            assert mixer(with_prefix, MixerContext((3, 4), 1)).shape == with_prefix.shape
     else:
-        with pytest.raises(ValueError, match="cannot take prefix tokens"):
-            check_prefix_tokens(mixer, 1)
+        with pytest.raises(ValueError, match=f"token mixer {name!r} cannot take prefix tokens"):
+            mixer(with_prefix, MixerContext((3, 4), 1))
+    if "layout" not in cls.accepts:
+        coord = torch.stack(torch.meshgrid(torch.arange(3), torch.arange(4), indexing="ij"), -1).reshape(1, 12, 2)
+        with pytest.raises(ValueError, match=f"token mixer {name!r} cannot take a batch of images of different"):
+            mixer(x[:1], MixerContext((3, 4), layout=TokenLayout.from_patches(coord)))
     mixer.init_weights()
     assert isinstance(mixer.no_weight_decay(), set)
 
@@ -571,7 +582,7 @@ def test_init_model_weights_honours_a_modules_own_reset_parameters_and_never_pyt
             calls.append("mixer reset")
             nn.init.constant_(self.bias, -1.0)
 
-        def forward(self, x, hw):
+        def mix(self, x, ctx):
             return x + self.bias
 
     class OwnLinear(nn.Linear):  # a Linear with its own start keeps it over the generic rule
@@ -838,3 +849,35 @@ def test_gated_linear_with_a_frozen_projection():
     for mine, theirs in zip(got, want):
         torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-14)
     assert linear.weight.grad is None
+
+
+def test_mixer_context_is_the_one_call_form():
+    """A mixer takes tokens and one context: the grid alone stands for its context, anything else is refused in
+    one line; a tensor that is not (B, N, dim) tokens is refused before any work; the InLine-CSwin mixer reads the
+    block's input from the context (its local kernels from that input's mean), as a block hands it on."""
+    mixer = create_mixer("linear", 8, 2)
+    x = torch.randn(1, 6, 8)
+    with pytest.raises(TypeError, match="ctx: expected a MixerContext or the grid"):
+        mixer(x, (1, 2, 3))
+    with pytest.raises(TypeError, match="ctx: expected a MixerContext or the grid"):
+        mixer(x, 6)
+    with pytest.raises(ValueError, match="x: the 'linear' mixer takes tokens"):
+        mixer(x[..., :4], (2, 3))
+    with pytest.raises(ValueError, match="part: unknown 'grid'"):
+        mixer_accepts("linear", "grid")
+    assert MixerContext.of([2, 3]) == MixerContext((2, 3)) and MixerContext((2, 3), 1).parts() == ("prefix_tokens",)
+    torch.manual_seed(0)
+    block = MixerBlock(8, 2, "inline_cswin").double().eval()
+    grid = torch.randn(2, 3, 4, 8, dtype=torch.float64)
+    seen = {}
+    block.mixer.register_forward_pre_hook(lambda m, args: seen.update(ctx=args[1]))
+    with torch.no_grad():
+        out = block(grid)
+        tokens = grid.reshape(2, 12, 8)
+        expected = block.mixer(block.norm1(tokens), MixerContext((3, 4), block_input=tokens))
+    assert seen["ctx"].block_input is not None and seen["ctx"].hw == (3, 4)
+    with torch.no_grad():
+        kernels = block.mixer.local_kernels(tokens)  # from the block's input, not the normalised tokens
+        assert not torch.allclose(kernels, block.mixer.local_kernels(block.norm1(tokens)))
+        torch.testing.assert_close(out, (grid + expected.reshape(2, 3, 4, 8)) +
+                                   block.mlp(block.norm2(grid + expected.reshape(2, 3, 4, 8))), rtol=0, atol=0)

@@ -282,18 +282,18 @@ def test_each_model_file_writes_its_cfgs_once_before_its_entry_points():
         checked += 1
     assert checked >= 8
 
-def test_sana_mixers_take_the_layout_their_flag_claims():
+def test_sana_mixers_take_the_layout_their_class_accepts():
     """A Sana self-attention whose class says it takes a batch of images of different sizes takes one."""
     from linvision.diffusion.block import self_attention
-    from linvision.layers import TokenLayout, takes_layout
+    from linvision.layers import MixerContext, TokenLayout, mixer_accepts
 
     mixer = self_attention(32, head_dim=16, qk_norm=True).eval()
-    assert takes_layout(mixer)
+    assert mixer_accepts(mixer, "layout")
     coord = torch.stack(torch.meshgrid(torch.arange(2), torch.arange(3), indexing="ij"), -1).reshape(1, 6, 2)
     layout = TokenLayout.from_patches(coord, torch.ones(1, 6, dtype=torch.bool))
     x = torch.randn(1, 6, 32)
     with torch.no_grad():
-        torch.testing.assert_close(mixer(x, (2, 3), layout=layout), mixer(x, (2, 3)), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mixer(x, MixerContext((2, 3), layout=layout)), mixer(x, (2, 3)), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["mlla_base", "ravlt_base"])

@@ -435,7 +435,7 @@ def test_rope_models_any_resolution_and_aspect(name, kwargs):
     mixers = [m for n, m in model.named_modules() if n.endswith(".mixer")]
     calls = []
     for mixer in mixers:
-        mixer.register_forward_pre_hook(lambda module, args: calls.append((tuple(args[1]), args[0].shape[1])))
+        mixer.register_forward_pre_hook(lambda module, args: calls.append((tuple(args[1].hw), args[0].shape[1])))
     prefix = getattr(model, "num_prefix_tokens", 0)
     if name.startswith("linvit"):
         strides = [16] * len(mixers)
@@ -602,7 +602,12 @@ def test_entry_point_defaults_give_way_and_options_never_vanish():
     assert block.cpe == "first" and isinstance(block.mlp, DwConvMlp) and ravlt.spec[0].blocks[0].options["lepe"] is True
     assert timm.create_model("ravlt_tiny", depths=(1, 1, 1, 1), cpe=False).stages[0].blocks[0].cpe is False
     for name in ("ravlt_tiny", "mavit_tiny"):  # the conv head's width, a default like any other
-        assert timm.create_model(name, depths=(1, 1, 1, 1), head_chs=96).num_features == 96
+        model = timm.create_model(name, depths=(1, 1, 1, 1), head_chs=96)
+        assert model.num_features == 96 and model.final.conv.out_channels == 96
+        with pytest.raises(ValueError, match="norm: the final layer of .* is a conv head"):
+            model.forward_intermediates(torch.randn(1, 3, 64, 64), norm=True)
+    with pytest.raises(ValueError, match="head_chs: the channels of a final conv head need final_layer"):
+        timm.create_model("linhier_tiny_224", depths=(1, 1, 1, 1), head_chs=96)
     for old in ("block_kwargs", "mixer_defaults"):
         with pytest.raises(TypeError, match=old):
             timm.create_model("linhier_gcnn_femto_224", **{old: {}})

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from linvision.layers import create_mixer, list_mixers, takes_prefix_tokens
+from linvision.layers import MixerContext, create_mixer, list_mixers, mixer_accepts
 from linvision.ops import axial_rope
 from linvision.ops.attention_variants import (
     agent_attention,
@@ -221,7 +221,7 @@ def test_mixers_registered_and_trainable_in_both_families(name):
 
     assert name in list_mixers()
     torch.manual_seed(0)
-    head = {} if takes_prefix_tokens(name) else dict(class_token=False, global_pool="avg")
+    head = {} if mixer_accepts(name, "prefix_tokens") else dict(class_token=False, global_pool="avg")
     for model in (LinViT(img_size=64, patch_size=8, embed_dim=32, depth=1, num_heads=2, num_classes=3,
                          token_mixer=name, **head),
                   LinHier(depths=(1, 1, 1, 1), dims=(16, 32, 32, 32), num_heads=(1, 2, 2, 2), num_classes=3,
@@ -263,7 +263,7 @@ def test_inline_local_residual_mixes_the_3x3_neighbourhood():
     m = create_mixer("inline", 8, 2).double()
     x = torch.randn(1, 16, 8, dtype=torch.float64)
     q, k, v = m.qkv(x).reshape(1, 16, 3, 2, 4).permute(2, 0, 3, 1, 4)
-    out = m.attend(q, k, v, (4, 4), None, x)
+    out = m.attend(q, k, v, None, x, MixerContext((4, 4)))
     weights = m.local(x.transpose(1, 2).reshape(1, 8, 4, 4)).reshape(1, 2, 3, 3, 4, 4)  # (B, heads, dy, dx, H, W)
     vg = F.pad(v.reshape(1, 2, 4, 4, 4), (0, 0, 1, 1, 1, 1))  # (B, heads, H+2, W+2, D)
     local = torch.zeros(1, 2, 4, 4, 4, dtype=torch.float64)

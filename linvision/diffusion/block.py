@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from linvision.layers import AttentionMixer, TokenLayout, create_mixer, get_mixer_class, stage_mixer_options
+from linvision.layers import AttentionMixer, MixerContext, create_mixer, get_mixer_class, stage_mixer_options
 from linvision.ops import check_grid
 
 __all__ = ["modulate", "SanaAttention", "sana_attention_class", "self_attention", "CrossAttention", "MixFFN",
@@ -66,9 +66,8 @@ class SanaAttention:
         q, k, v = super().project(x)
         return self.q_norm(q), self.k_norm(k), v
 
-    def forward(self, x: Tensor, hw: Tuple[int, int], num_prefix_tokens: int = 0,
-                layout: Optional[TokenLayout] = None) -> Tensor:
-        out = super().forward(x, hw, num_prefix_tokens, layout=layout)
+    def mix(self, x: Tensor, ctx: MixerContext) -> Tensor:
+        out = super().mix(x, ctx)
         if self.fp16_clamp and out.dtype == torch.float16:
             out = out.clamp(-FP16_MAX, FP16_MAX)
         return out

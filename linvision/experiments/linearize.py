@@ -24,6 +24,8 @@ from typing import Dict, Iterable, List, Tuple
 import torch
 from torch import Tensor, nn
 
+from linvision.layers import MixerContext
+
 __all__ = ["TRANSFER_PARAMS", "build_student", "attention_modules", "transfer_parameters", "attention_errors", "attention_transfer"]
 
 TRANSFER_PARAMS = ("new", "mixer")
@@ -120,7 +122,7 @@ def _layer_losses(student: nn.Module, teacher: nn.Module, images: Tensor) -> Lis
     layers = zip(student_modules, _layer_scales(student), _layer_scales(teacher), recorder.records)
     for mixer, student_scale, teacher_scale, (inputs, target) in layers:
         if kept:  # every token, the prefix tokens included: (B, P + H*W, C)
-            out = mixer(inputs, grid, num_prefix_tokens=kept)
+            out = mixer(inputs, MixerContext(grid, kept))
         else:
             inputs, target = inputs[:, prefix:], target[:, prefix:]  # (B, H*W, C)
             out = mixer(inputs, grid)

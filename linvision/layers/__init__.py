@@ -26,10 +26,10 @@ from .registry import (
     no_weight_decay_of,
     parse_mixer_list,
     register_mixer,
-    takes_prefix_tokens,
-    takes_layout,
-    check_layout,
+    mixer_accepts,
+    check_context,
 )
+from .context import CONTEXT_PARTS, MixerContext
 from .layout import TokenLayout
 from .weight_init import init_linear_weights, init_model_weights, own_reset_parameters
 from .options import (check_images, check_number, check_size, check_square_grid, merge_options, pad_to_kernel,

@@ -16,6 +16,7 @@ from torch import Tensor
 from linvision.ops import Rope
 from linvision.ops.attention_variants import agent_attention
 
+from .context import MixerContext
 from .mixers import AttentionMixer
 from .options import check_square_grid
 from .registry import register_mixer
@@ -27,7 +28,7 @@ __all__ = ["AgentAttention"]
 class AgentAttention(AttentionMixer):
     """Agent attention. agent_grid: (rows, cols) of the agent pool (default (7, 7)); no RoPE (ValueError)."""
 
-    takes_prefix_tokens = False  # the agents are pooled from the grid
+    accepts = frozenset()  # the agents are pooled from the grid
 
     def __init__(self, dim: int, num_heads: int, *, agent_grid: Tuple[int, int] = (7, 7), lepe: bool = True,
                  rope: Optional[str] = None, **kwargs):
@@ -38,8 +39,8 @@ class AgentAttention(AttentionMixer):
         super().__init__(dim, num_heads, lepe=lepe, **kwargs)
         self.agent_grid = agent_grid
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
-        return agent_attention(q, k, v, hw, self.agent_grid)
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, rope: Optional[Rope], x: Tensor, ctx: MixerContext) -> Tensor:
+        return agent_attention(q, k, v, ctx.hw, self.agent_grid)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, agents={math.prod(self.agent_grid)}"

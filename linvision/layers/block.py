@@ -2,7 +2,8 @@
 sequence (B, P + H*W, C) with P prefix tokens (class / register tokens) before the grid, given with its grid:
 
     x = x + cpe1(x)                                     (with ``cpe``) 3x3 depthwise conv: conditional pos. enc.
-    x = x + drop_path(ls1 * mixer(norm1(x), (H, W)))    any registered token mixer, or a mixer class
+    x = x + drop_path(ls1 * mixer(norm1(x), ctx))       any registered token mixer, or a mixer class; ctx: the
+                                                        grid, prefix tokens, layout and the block's input x
     x = x + cpe2(x)                                     (with ``cpe=True``, not with ``cpe="first"``)
     x = x + drop_path(ls2 * mlp(norm2(x)))
 
@@ -22,7 +23,8 @@ from torch import Tensor, nn
 from .derived import derived
 from .layout import TokenLayout
 from .recompute import RecomputeMlp
-from .registry import check_layout, check_prefix_tokens, create_mixer
+from .context import MixerContext
+from .registry import create_mixer
 
 __all__ = ["ConvPosEnc", "DwConvMlp", "MixerBlock", "RecomputeMlp"]
 
@@ -120,30 +122,19 @@ class MixerBlock(nn.Module):
         """x: a channels-last grid (B, H, W, C) (``hw`` None), or tokens (B, P + H*W, C) on the grid ``hw`` after
         P = ``num_prefix_tokens`` prefix tokens (class / register tokens; the mixer must take them), or tokens
         (B, P + M, C) of images of different sizes placed by ``layout`` (the mixer must take it). Returns x's
-        layout. Raises ValueError for tokens given to a block with CPE, which convolves a grid."""
+        layout. The mixer is called once, with a :class:`~linvision.layers.MixerContext` of all that and the
+        block's input before its norm. Raises ValueError for tokens given to a block with CPE, which convolves a
+        grid."""
         if hw is None:
             b, h, w, c = x.shape
             x = self.cpe1(x)
-            if getattr(self.mixer, "reads_block_input", False):  # the mixer reads the input before the norm too
-                tokens = x.reshape(b, h * w, c)
-                mixed = self.mixer(self.norm1(tokens), (h, w), block_input=tokens)
-            else:
-                mixed = self.mixer(self.norm1(x).reshape(b, h * w, c), (h, w))
-            mixed = mixed.reshape(b, h, w, c)
+            ctx = MixerContext((h, w), block_input=x)
+            mixed = self.mixer(self.norm1(x).reshape(b, h * w, c), ctx).reshape(b, h, w, c)
             x = x + self.drop_path1(self.ls1(mixed))
             x = self.cpe2(x)
         else:
             if self.cpe:
                 raise ValueError("hw: a block with CPE runs on a channels-last grid (B, H, W, C), not on tokens")
-            if layout is not None:
-                check_layout(self.mixer, layout)
-                mixed = self.mixer(self.norm1(x), hw, num_prefix_tokens=check_prefix_tokens(self.mixer,
-                                                                                            num_prefix_tokens),
-                                   layout=layout)
-            elif num_prefix_tokens:
-                mixed = self.mixer(self.norm1(x), hw, num_prefix_tokens=check_prefix_tokens(self.mixer,
-                                                                                            num_prefix_tokens))
-            else:
-                mixed = self.mixer(self.norm1(x), hw)
-            x = x + self.drop_path1(self.ls1(mixed))
+            ctx = MixerContext(hw, num_prefix_tokens, layout, x)
+            x = x + self.drop_path1(self.ls1(self.mixer(self.norm1(x), ctx)))
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from linvision.ops import Rope, is_tracing
 
+from .context import MixerContext
 from .mixers import AttentionMixer
 from .options import check_size, lepe_size
 from .registry import register_mixer
@@ -32,7 +33,7 @@ class CswinStripeAttention(AttentionMixer):
     not a whole number of stripes is padded at the right / bottom, padded keys taking no weight. No RoPE, no
     prefix tokens (CSWin's whole-map last stage is ``"softmax"`` with ``lepe=True``)."""
 
-    takes_prefix_tokens = False
+    accepts = frozenset()
     exports_fixed_grid = True  # the stripe count and padding follow the size: exported at one size
 
     def __init__(self, dim: int, num_heads: int, *, stripe: int = 7, lepe: bool = True,
@@ -90,14 +91,14 @@ class CswinStripeAttention(AttentionMixer):
             out = out.reshape(b, count, nh, s, wp, d).permute(0, 2, 1, 3, 4, 5).reshape(b, nh, hp, wp, d)
         return out[:, :, :h, :w].reshape(b, nh, n, d)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, rope: Optional[Rope], x: Tensor, ctx: MixerContext) -> Tensor:
         half, c = self.num_heads // 2, self.dim // 2
         weight = bias = (None, None)
         if self.stripe_lepe is not None:
             w, b = self.stripe_lepe.weight.to(v.dtype), self.stripe_lepe.bias.to(v.dtype)
             weight, bias = (w[:c], w[c:]), (b[:c], b[c:])
-        vertical = self._branch(q[:, :half], k[:, :half], v[:, :half], hw, True, weight[0], bias[0])
-        horizontal = self._branch(q[:, half:], k[:, half:], v[:, half:], hw, False, weight[1], bias[1])
+        vertical = self._branch(q[:, :half], k[:, :half], v[:, :half], ctx.hw, True, weight[0], bias[0])
+        horizontal = self._branch(q[:, half:], k[:, half:], v[:, half:], ctx.hw, False, weight[1], bias[1])
         return torch.cat([vertical, horizontal], dim=1)
 
     def extra_repr(self) -> str:

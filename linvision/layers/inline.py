@@ -15,11 +15,11 @@ whose weights are predicted from the input:
   weights per image and channel are predicted from the mean input token by two grouped 1x1 projections (one group
   per head) with a GELU between them; prefix tokens (the class token) take part in the attention and the mean.
 - ``"inline_cswin"`` (:class:`InLineCswinAttention`): ``"inline_deit"`` on the grid with a 3x3 LePE of v, the
-  kernels predicted from the block's input before its norm (``reads_block_input``).
+  kernels predicted from the block's input before its norm (the context's ``block_input``).
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from linvision.ops import Rope
 from linvision.ops.attention_variants import injective_linear_attention
 
+from .context import MixerContext
 from .mixers import AttentionMixer
 from .registry import register_mixer
 
@@ -41,7 +42,7 @@ class InLineAttention(AttentionMixer):
     scale: score scale (default head_dim^-1/2). RoPE (if set) rotates q and k before the scores.
     """
 
-    takes_prefix_tokens = False  # the local residual convolves the grid
+    accepts = frozenset()  # the local residual convolves the grid
 
     def __init__(self, dim: int, num_heads: int, *, local: bool = True, scale: Optional[float] = None, **kwargs):
         super().__init__(dim, num_heads, **kwargs)
@@ -51,12 +52,12 @@ class InLineAttention(AttentionMixer):
             self.local = nn.Sequential(nn.Conv2d(dim, dim, 3, padding=1, groups=dim), nn.GELU(),
                                        nn.Conv2d(dim, 9 * num_heads, 1))
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, rope: Optional[Rope], x: Tensor, ctx: MixerContext) -> Tensor:
         out = injective_linear_attention(q, k, v, scale=self.scale, rope=rope)
         if self.local is None:
             return out
         b, nh, n, d = v.shape
-        h, w = hw
+        h, w = ctx.hw
         weights = self.local(x.transpose(1, 2).reshape(b, x.shape[-1], h, w)).reshape(b, nh, 9, n)
         patches = F.unfold(v.transpose(2, 3).reshape(b * nh, d, h, w), 3, padding=1).reshape(b, nh, d, 9, n)
         return out + torch.einsum("bhdtn,bhtn->bhnd", patches, weights)
@@ -86,13 +87,17 @@ class InLineDeitAttention(AttentionMixer):
         b, _, c = x.shape
         return self.local(x.mean(dim=1).unsqueeze(-1)).reshape(b, c, 9)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
+    def kernel_input(self, x: Tensor, ctx: MixerContext) -> Tensor:
+        """The tokens (B, N, C) whose mean predicts the local kernels: the mixer's input x."""
+        return x
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, rope: Optional[Rope], x: Tensor, ctx: MixerContext) -> Tensor:
         out = injective_linear_attention(q, k, v, scale=self.scale, rope=rope)
         b, nh, n, d = v.shape
-        h, w = hw
+        h, w = ctx.hw
         p = n - h * w  # prefix tokens
         grid = v[:, :, p:].transpose(2, 3).reshape(b, nh * d, h, w)  # channel head * D + i, as x's
-        kernels = self.local_kernels(x).to(grid.dtype)[..., None, None]
+        kernels = self.local_kernels(self.kernel_input(x, ctx)).to(grid.dtype)[..., None, None]
         # the per-image depthwise 3x3 cross-correlation as nine shifted products (no convolution with one group
         # per image and channel, whose group count depends on the batch: ONNX cannot export that)
         padded = F.pad(grid, (1, 1, 1, 1))
@@ -110,11 +115,14 @@ class InLineDeitAttention(AttentionMixer):
 class InLineCswinAttention(InLineDeitAttention):
     """InLine-CSwin's attention: ``"inline_deit"`` on the grid (no prefix tokens) with a 3x3 depthwise LePE of v
     (``lepe``, on by default) added to the output, the local residual's kernels predicted from the mean of the
-    block's input before its norm (``block_input``, which a block hands to a mixer with ``reads_block_input``;
-    the mixer's input x when called alone)."""
+    block's input before its norm (the context's ``block_input``, which a block hands to every mixer; the mixer's
+    input x when called alone)."""
 
-    takes_prefix_tokens = False
-    reads_block_input = True
+    accepts = frozenset()
 
     def __init__(self, dim: int, num_heads: int, *, lepe: bool = True, **kwargs):
         super().__init__(dim, num_heads, lepe=lepe, **kwargs)
+
+    def kernel_input(self, x: Tensor, ctx: MixerContext) -> Tensor:
+        """The block's input before its norm (x when there is none)."""
+        return ctx.input_tokens(x)

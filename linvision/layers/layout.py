@@ -2,7 +2,7 @@
 
 A batch of timm's NaFlex loader holds, per sample, the patches of one image at its own size and aspect ratio in
 raster order, then padding: ``patch_coord`` (B, M, 2) gives each patch's (row, col) in its image's grid and
-``patch_valid`` (B, M) which patches are real. A mixer given a layout (one whose class sets ``takes_layout``)
+``patch_valid`` (B, M) which patches are real. A mixer given a layout (one whose class ``accepts`` ``"layout"``)
 lets only each sample's valid tokens into its state (``valid=`` of the ops), turns each token by RoPE at its own
 (row, col) (``rope_at``), and runs grid operations such as LePE's convolution on a zero canvas holding each
 image at its place (:meth:`TokenLayout.to_canvas`, :meth:`TokenLayout.from_canvas`), which is the zero padding

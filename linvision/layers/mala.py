@@ -13,13 +13,14 @@ The op: :func:`linvision.ops.attention_variants.magnitude_aware_linear_attention
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 from torch import Tensor
 
 from linvision.ops import Rope
 from linvision.ops.attention_variants import magnitude_aware_linear_attention
 
+from .context import MixerContext
 from .mixers import AttentionMixer, OutputModulation, RavltRope
 from .registry import register_mixer
 
@@ -36,7 +37,7 @@ class MALAttention(AttentionMixer):
         self.use_feature_map(feature_map, nonnegative=True)
         self.scale, self.eps = scale, eps
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, rope: Optional[Rope], x: Tensor, ctx: MixerContext) -> Tensor:
         return magnitude_aware_linear_attention(q, k, v, self.phi(), scale=self.scale, rope=rope,
                                                 eps=self.eps)
 

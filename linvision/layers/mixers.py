@@ -3,10 +3,11 @@ linear attention, local-window softmax + global linear attention, and the Gated 
 softmax stages (``"ravlt_softmax"``) and the two mixins several mechanisms share (:class:`OutputModulation`,
 :class:`RavltRope`).
 
-Every mixer is built as ``cls(dim, num_heads, **options)`` and maps tokens x (B, N, C) on a grid hw = (H, W),
-N = H * W in raster order, to (B, N, C). The grid is given at call time, so a mixer runs at any resolution
-and aspect ratio with the same weights. A mixer whose class sets ``takes_prefix_tokens`` also takes
-``num_prefix_tokens=P``: x then holds P prefix tokens (class and register tokens, as in timm's ViT) before the
+Every mixer is built as ``cls(dim, num_heads, **options)`` and called as ``mixer(x, ctx)``: tokens x (B, N, C)
+on the grid ``ctx.hw`` = (H, W), N = H * W in raster order, to (B, N, C) (:class:`~linvision.layers.MixerContext`).
+The grid is given at call time, so a mixer runs at any resolution and aspect ratio with the same weights. A mixer
+whose class ``accepts`` ``"prefix_tokens"`` also takes a context with ``num_prefix_tokens=P``: x then holds P
+prefix tokens (class and register tokens, as in timm's ViT) before the
 H * W grid tokens. They are mixed as tokens like any other; RoPE leaves them unrotated and LePE, a convolution on
 the grid, adds nothing to them. Mixers that work on the grid itself (windows, convolutions, scans along the
 raster order) do not take them and say so.
@@ -51,10 +52,11 @@ from linvision.ops.common import FEATURE_MAPS, feature_map_name, feature_maps_wh
 from linvision.ops.feature_maps import orthogonal_random_projection
 
 from .derived import derived
+from .context import MixerContext
 from .layout import TokenLayout
 from .options import check_number, check_size, check_square_grid, lepe_size
 from .recompute import gated_linear
-from .registry import TokenMixer, check_layout, check_prefix_tokens, register_mixer, run_attend
+from .registry import TokenMixer, register_mixer, run_attend
 
 __all__ = [
     "check_feature_map",
@@ -144,7 +146,7 @@ class AttentionMixer(TokenMixer):
     recompute_attend = True  # the TokenMixer policy (False there); forward() checkpoints attend() under it
     split_value_proj = False
     rope_endpoint = False  # axial frequencies theta^(-i / (D/4)); True: theta^-linspace(0, 1, D/4) (RAVLT's)
-    takes_prefix_tokens = True  # subclasses whose mixing depends on the grid set False
+    accepts = frozenset({"prefix_tokens"})  # subclasses whose mixing depends on the grid take none
 
     def __init__(
         self, dim: int, num_heads: int, *, rope: Optional[str] = None, rope_theta: float = 100.0,
@@ -290,33 +292,30 @@ class AttentionMixer(TokenMixer):
                              f"{type(self).__name__} draws nothing; only 'performer' has a projection to redraw")
         self.phi().redraw(generator)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, rope: Optional[Rope], x: Tensor, ctx: MixerContext) -> Tensor:
         """q, k, v: (B, heads, N, D) -> (B, heads, N, D). x: the mixer's input tokens (B, N, C), for mixers whose
-        mixing depends on the data beyond q, k, v (e.g. forget gates)."""
+        mixing depends on the data beyond q, k, v (e.g. forget gates). ctx: the call's context with ``hw`` the
+        grid the tokens lie on (with a layout, the canvas every image fits in)."""
         raise NotImplementedError
 
-    def forward(self, x: Tensor, hw: Tuple[int, int], num_prefix_tokens: int = 0,
-                layout: Optional[TokenLayout] = None, block_input: Optional[Tensor] = None) -> Tensor:
-        """x: (B, N, C) tokens, ``num_prefix_tokens`` prefix tokens then the grid hw -> (B, N, C); or, with a
-        ``layout`` (a class with ``takes_layout``), the prefix tokens then each sample's tokens where the layout
-        puts them (``hw`` ignored). ``block_input``: the block's input before its norm (a class with
-        ``reads_block_input``), handed to :meth:`attend` in place of x. Raises ValueError for prefix tokens or a
-        layout the class does not take, or a token count that does not fit."""
-        p = check_prefix_tokens(self, num_prefix_tokens)
-        check_layout(self, layout)
+    def mix(self, x: Tensor, ctx: MixerContext) -> Tensor:
+        """x: (B, N, C) tokens, ``ctx.num_prefix_tokens`` prefix tokens then the grid ``ctx.hw`` -> (B, N, C); or,
+        with ``ctx.layout``, the prefix tokens then each sample's tokens where the layout puts them. Raises
+        ValueError for a token count that does not fit."""
+        p, layout = ctx.num_prefix_tokens, ctx.layout
         b, n, c = x.shape
         if layout is None:
-            h, w = check_grid(hw, n - p, name="hw")
-            rope, extra = self.make_rope((h, w), x.device, p), {}
+            h, w = check_grid(ctx.hw, n - p, name="hw")
+            rope = self.make_rope((h, w), x.device, p)
         else:
             if layout.valid.shape != (b, n - p):
                 raise ValueError(f"layout: for {tuple(layout.valid.shape)} grid tokens, x has {b} x {n - p}")
             h, w = layout.canvas
-            rope, extra = self.make_rope_at(layout.positions, p), {"layout": layout}
+            rope = self.make_rope_at(layout.positions, p)
+        ctx = ctx._replace(hw=(h, w))
         q, k, v, g = self._project_and_gate(x)
         q, k, v = (t.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        source = x if block_input is None else block_input
-        out = run_attend(self, self.attend, q, k, v, (h, w), rope, source, **extra)
+        out = run_attend(self, self.attend, q, k, v, rope, x, ctx)
         out = out.transpose(1, 2).reshape(b, n, c)
         if self.lepe is not None:
             v_tokens = v[:, :, p:].transpose(1, 2).reshape(b, n - p, c)
@@ -402,7 +401,7 @@ class LinearAttention(AttentionMixer):
 
     causal = False
     recompute_attend = False  # linear_attention keeps only q, k, v itself
-    takes_layout = True  # linear_attention(valid=) keeps the images of a batch apart
+    accepts = frozenset({"prefix_tokens", "layout"})  # linear_attention(valid=) keeps the images apart
 
     def __init__(self, dim: int, num_heads: int, *, feature_map: str = "elu", eps: float = 1e-4,
                  eps_form: str = "mean", **kwargs):
@@ -419,8 +418,8 @@ class LinearAttention(AttentionMixer):
         """The eps handed to :func:`linvision.ops.linear_attention` (mean form) for ``num_keys`` keys."""
         return self.eps / num_keys if self.eps_form == "sum" else self.eps
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor,
-               layout: Optional[TokenLayout] = None) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, rope: Optional[Rope], x: Tensor, ctx: MixerContext) -> Tensor:
+        layout = ctx.layout
         if layout is not None and self.eps_form == "sum":
             raise ValueError("eps_form: 'sum' (eps / N) has no single N in a batch of images of different sizes; "
                              "use eps_form='mean'")
@@ -445,8 +444,7 @@ class CausalLinearAttention(LinearAttention):
     tokens: a class token first in the order would see no other token."""
 
     causal = True
-    takes_prefix_tokens = False
-    takes_layout = False
+    accepts = frozenset()
 
 
 @register_mixer("softmax")
@@ -456,12 +454,10 @@ class SoftmaxAttention(AttentionMixer):
     recompute_attend = False  # SDPA keeps q, k, v and its output, nothing else
     # with RoPE, SDPA keeps rotated copies of q and k: v computed apart lets the projection's q, k go
     split_value_proj = True
+    accepts = frozenset({"prefix_tokens", "layout"})  # softmax_attention(valid=) keeps the images apart
 
-    takes_layout = True
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor,
-               layout: Optional[TokenLayout] = None) -> Tensor:
-        return softmax_attention(q, k, v, rope=rope, valid=_token_mask(layout, q))
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, rope: Optional[Rope], x: Tensor, ctx: MixerContext) -> Tensor:
+        return softmax_attention(q, k, v, rope=rope, valid=_token_mask(ctx.layout, q))
 
 
 @register_mixer("ravlt_softmax")
@@ -504,8 +500,7 @@ class HybridAttention(LinearAttention):
     tokens (they have no window).
     """
 
-    takes_prefix_tokens = False
-    takes_layout = False  # windows of the raster grid
+    accepts = frozenset()  # windows of the raster grid
     # attend builds rotated q, k, padded window copies of q, k, v, the local output and the global one: recomputed
     # in the backward (the policy of AttentionMixer), where LinearAttention keeps nothing of its own
     recompute_attend = True
@@ -520,7 +515,8 @@ class HybridAttention(LinearAttention):
         """The per-head mixing logits are not decayed (decay would pull the mix towards 0.5)."""
         return super().no_weight_decay() | {"mix_logit"}
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, rope: Optional[Rope], x: Tensor, ctx: MixerContext) -> Tensor:
+        hw = ctx.hw
         global_out = linear_attention(q, k, v, self.phi(), rope=rope, eps=self.op_eps(k.shape[2]))
         if rope is not None:
             q_l, k_l = apply_rope(q, rope).to(v.dtype), apply_rope(k, rope).to(v.dtype)
@@ -572,9 +568,9 @@ class GatedConvMixer(TokenMixer):
         self.fc2 = nn.Linear(hidden, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def forward(self, x: Tensor, hw: Tuple[int, int]) -> Tensor:
-        """x: (B, N, C) tokens on grid hw -> (B, N, C)."""
-        h, w = check_grid(hw, x.shape[1], name="hw")
+    def mix(self, x: Tensor, ctx: MixerContext) -> Tensor:
+        """x: (B, N, C) tokens on the grid ``ctx.hw`` -> (B, N, C)."""
+        h, w = check_grid(ctx.hw, x.shape[1], name="hw")
         g, i, c = torch.split(self.fc1(x), self.split, dim=-1)
         b = x.shape[0]
         c = self.conv(c.transpose(1, 2).reshape(b, c.shape[-1], h, w)).flatten(2).transpose(1, 2)  # (B, N, conv)

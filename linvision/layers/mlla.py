@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from linvision.ops import Rope, axial_rope, check_grid
 
+from .context import MixerContext
 from .mixers import LinearAttention
 from .registry import TokenMixer, register_mixer
 
@@ -81,9 +82,9 @@ class MllaMixer(TokenMixer):
         self.out_proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def forward(self, x: Tensor, hw: Tuple[int, int]) -> Tensor:
-        """x: (B, N, C) tokens on grid hw -> (B, N, C)."""
-        h, w = check_grid(hw, x.shape[1], name="hw")
+    def mix(self, x: Tensor, ctx: MixerContext) -> Tensor:
+        """x: (B, N, C) tokens on the grid ``ctx.hw`` -> (B, N, C)."""
+        h, w = check_grid(ctx.hw, x.shape[1], name="hw")
         b, n, c = x.shape
         gate = F.silu(self.act_proj(x))
         u = self.in_proj(x).transpose(1, 2).reshape(b, c, h, w)

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from linvision.ops import Rope
 from linvision.ops.attention_variants import polarity_linear_attention
 
+from .context import MixerContext
 from .derived import derived
 from .mixers import AttentionMixer, OutputModulation
 from .options import lepe_size
@@ -63,7 +64,7 @@ class PolaAttention(AttentionMixer):
     def power(self) -> Tensor:
         return 1 + self.alpha * torch.sigmoid(self.power_logit)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, rope: Optional[Rope], x: Tensor, ctx: MixerContext) -> Tensor:
         cdt = torch.float64 if q.dtype == torch.float64 else torch.float32  # features and division in fp32
         # the divisor and the power, formed once for inference (derived), on every call when trained
         div, power = derived(self, f"scale-power-{cdt}", (self.qk_scale, self.power_logit),
@@ -107,7 +108,7 @@ class PolaSwinAttention(OutputModulation, PolaAttention):
     tokens (the key encoding is a grid's).
     """
 
-    takes_prefix_tokens = False
+    accepts = frozenset()
 
     def __init__(self, dim: int, num_heads: int, *, lepe: bool = True, lepe_kernel: Optional[int] = None,
                  gate: bool = True, grid: Optional[Tuple[int, int]] = None, **kwargs):
@@ -130,11 +131,11 @@ class PolaSwinAttention(OutputModulation, PolaAttention):
             return self.key_pos
         return resample_abs_pos_embed(self.key_pos, list(hw), list(self.key_pos_grid), num_prefix_tokens=0)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, rope: Optional[Rope], x: Tensor, ctx: MixerContext) -> Tensor:
         if self.key_pos is not None:
             b, nh, n, d = k.shape
-            k = k + self.key_position(hw).to(k.dtype).reshape(1, n, nh, d).transpose(1, 2)
-        return super().attend(q, k, v, hw, rope, x)
+            k = k + self.key_position(ctx.hw).to(k.dtype).reshape(1, n, nh, d).transpose(1, 2)
+        return super().attend(q, k, v, rope, x, ctx)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, key_pos_grid={self.key_pos_grid}"

@@ -16,13 +16,14 @@ The op: :func:`linvision.ops.attention_variants.rank_augmented_linear_attention`
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 from torch import Tensor, nn
 
 from linvision.ops import Rope
 from linvision.ops.attention_variants import rank_augmented_linear_attention
 
+from .context import MixerContext
 from .mixers import AttentionMixer, OutputModulation, RavltRope
 from .registry import register_mixer
 
@@ -41,7 +42,7 @@ class RALAttention(OutputModulation, AttentionMixer):
         self.use_feature_map(feature_map, nonnegative=True)
         self.eps = eps
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, rope: Optional[Rope], x: Tensor, ctx: MixerContext) -> Tensor:
         return rank_augmented_linear_attention(q, k, v, self.phi(), rope=rope, eps=self.eps)
 
     def extra_repr(self) -> str:
@@ -62,7 +63,7 @@ class RALAPremodAttention(AttentionMixer):
         self.eps = eps
         self.modulation = nn.Linear(dim, dim) if modulation else None
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, rope: Optional[Rope], x: Tensor, ctx: MixerContext) -> Tensor:
         out = rank_augmented_linear_attention(q, k, v, self.phi(), rope=rope, eps=self.eps)
         if self.modulation is None:
             return out

@@ -31,9 +31,9 @@ from linvision.ops import (
 )
 from linvision.ops.rope import Rope
 
-from .layout import TokenLayout
+from .context import MixerContext
 from .mixers import AttentionMixer
-from .registry import check_layout, check_prefix_tokens, register_mixer, run_attend
+from .registry import register_mixer, run_attend
 
 __all__ = ["BidirectionalRecurrentMixer", "BidirDecayAttention", "BidirGatedAttention", "VigGatedAttention",
            "BidirDeltaAttention"]
@@ -69,8 +69,9 @@ class BidirectionalRecurrentMixer(AttentionMixer):
     Raises ValueError for a bad dim/num_heads pair, chunk_size, backend or an unknown feature map.
     """
 
-    takes_prefix_tokens = False  # the scans run along the raster order of the grid
-    takes_layout = True  # each image's tokens scanned as alone (packed: real tokens first, padding after)
+    # no prefix tokens: the scans run along the raster order of the grid; a layout: each image's tokens scanned
+    # as alone (packed: real tokens first, padding after)
+    accepts = frozenset({"layout"})
     # the scans are causal in each direction (no max-over-all-tokens stabiliser) and normalised (phi >= 0)
     feature_map_needs = dict(causal=True, nonnegative=True)
 
@@ -94,8 +95,8 @@ class BidirectionalRecurrentMixer(AttentionMixer):
         after them). Returns (B, heads, N, D)."""
         raise NotImplementedError
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor,
-               layout: Optional[TokenLayout] = None) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, rope: Optional[Rope], x: Tensor, ctx: MixerContext) -> Tensor:
+        layout = ctx.layout
         if layout is not None and not layout.packed:
             raise ValueError("layout: the scans need each image's patches first and its padding after them (as "
                              "timm's NaFlex collator packs them)")
@@ -103,7 +104,7 @@ class BidirectionalRecurrentMixer(AttentionMixer):
         out = self.scan(q, k, v, x, lengths)
         if self.column_major:
             if layout is None:
-                h, w = hw
+                h, w = ctx.hw
                 n = h * w
                 to_cols = torch.arange(n, device=x.device).reshape(h, w).t().reshape(-1)  # column-major -> raster
                 to_rows = torch.arange(n, device=x.device).reshape(w, h).t().reshape(-1)  # its inverse
@@ -238,7 +239,7 @@ class VigGatedAttention(BidirGatedAttention):
     Raises ValueError for a width that the heads or expand_k do not divide.
     """
 
-    takes_layout = False  # each image's scan runs over its own grid; no NaFlex batches
+    accepts = frozenset()  # each image's scan runs over its own grid; no NaFlex batches
     feature_map_needs = dict(causal=True)  # unnormalised: the identity map (signed q, k)
 
     def __init__(
@@ -283,18 +284,15 @@ class VigGatedAttention(BidirGatedAttention):
         out_back = run(q.flip(2), k.flip(2), v.flip(2), backward.flip(2)).flip(2)
         return (out + out_back) * self.output_scale
 
-    def forward(self, x: Tensor, hw: Tuple[int, int], num_prefix_tokens: int = 0,
-                layout: Optional[TokenLayout] = None) -> Tensor:
-        """x: (B, N, C) tokens of the grid hw in raster order -> (B, N, C). ValueError for prefix tokens, a layout
-        or a grid that does not hold N tokens."""
-        check_prefix_tokens(self, num_prefix_tokens)
-        check_layout(self, layout)
+    def mix(self, x: Tensor, ctx: MixerContext) -> Tensor:
+        """x: (B, N, C) tokens of the grid ``ctx.hw`` in raster order -> (B, N, C). ValueError for a grid that does
+        not hold N tokens."""
         b, n, c = x.shape
-        h, w = check_grid(hw, n, name="hw")
+        h, w = check_grid(ctx.hw, n, name="hw")
         local = self.local_act(self.local(x.transpose(1, 2).reshape(b, c, h, w))).flatten(2).transpose(1, 2)
         q, k, v = self.qkv(local).split([self.key_dim, self.key_dim, c], dim=-1)
         q, k, v = (t.unflatten(-1, (self.num_heads, t.shape[-1] // self.num_heads)).transpose(1, 2) for t in (q, k, v))
-        out = run_attend(self, self.attend, q, k, v, (h, w), None, local)
+        out = run_attend(self, self.attend, q, k, v, None, local, ctx)
         out = self.norm_global(out.transpose(1, 2))  # (B, N, heads, D)
         gate = torch.sigmoid(self.mix_gate(local)).unflatten(-1, (self.num_heads, -1))
         out = out * gate + self.norm_local(local.unflatten(-1, (self.num_heads, -1))) * (1 - gate)

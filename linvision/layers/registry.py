@@ -1,20 +1,17 @@
-"""Registry of token mixers, so that models and ablations pick a mixer by name.
+"""Registry of token mixers, so that models and ablations pick a mixer by name, and the contract they keep.
 
-A token mixer is an ``nn.Module`` built as ``cls(dim, num_heads, **kwargs)`` whose ``forward(x, hw)`` maps
-tokens x of shape (B, N, C) on a grid hw = (H, W) with N = H * W to (B, N, C).
+A token mixer is a :class:`TokenMixer` built as ``cls(dim, num_heads, **kwargs)`` and called as ``mixer(x, ctx)``:
+tokens x of shape (B, N, C) and one :class:`~linvision.layers.MixerContext` (or the grid (H, W) alone) to (B, N, C).
 
 Every registered mixer is also registered with timm as a leaf of FX tracing (``register_notrace_module``): a
 mixer builds its RoPE tables and checks the token count against the grid with Python ints, which symbolic
-tracing cannot see.
-
-A mixer class that sets ``takes_prefix_tokens = True`` also takes ``forward(x, hw, num_prefix_tokens=P)``: x then
-holds P prefix tokens (class / register tokens) before the H * W grid tokens, N = P + H * W. A traced model
-calls the mixer as one module (its parameters stay in the graph module), and those checks still run on every call.
+tracing cannot see. A traced model calls the mixer as one module (its parameters stay in the graph module), and
+those checks still run on every call.
 """
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, List, Sequence, Tuple, Type, Union
+from typing import Any, Callable, Dict, FrozenSet, List, Sequence, Tuple, Type, Union
 
 import torch
 from timm.layers import register_notrace_module
@@ -23,11 +20,12 @@ from torch.utils.checkpoint import checkpoint
 
 from linvision.ops import is_exporting
 
+from .context import CONTEXT_PARTS, MixerContext
 from .weight_init import own_reset_parameters
 
 __all__ = ["TokenMixer", "register_mixer", "create_mixer", "get_mixer_class", "list_mixers", "mixer_options",
-           "mixer_option_default",
-           "parse_mixer_list", "no_weight_decay_of", "takes_prefix_tokens", "check_prefix_tokens", "takes_layout", "check_layout", "run_attend"]
+           "mixer_option_default", "parse_mixer_list", "no_weight_decay_of", "mixer_accepts", "check_context",
+           "check_prefix_tokens", "run_attend"]
 
 _MIXERS: Dict[str, Type[nn.Module]] = {}
 _ALIASES: Dict[str, str] = {}  # alias -> registered name
@@ -37,17 +35,18 @@ class TokenMixer(nn.Module):
     """What every registered token mixer is; :func:`register_mixer` refuses a class that does not derive from it.
 
     - Built as ``cls(dim, num_heads, **options)``; its options are the keyword arguments of its ``__init__`` (and
-      of the bases it hands ``**kwargs`` to), as :meth:`options` lists them. Models give each mixer only the
-      options it has (:func:`linvision.layers.stage_mixer_options`).
-    - ``forward(x, hw)`` maps tokens x (B, N, C) on the grid hw = (H, W), N = H * W in raster order, to (B, N, C);
-      a class with ``takes_prefix_tokens = True`` also takes ``forward(x, hw, num_prefix_tokens=P)``, x holding P
-      prefix tokens before the grid (the others refuse them through :func:`check_prefix_tokens`); a class with
-      ``takes_layout = True`` also takes ``forward(x, hw, num_prefix_tokens=P, layout=L)``, a batch of images
-      of different sizes (:class:`~linvision.layers.layout.TokenLayout`; ``hw`` is then ignored), and gives every
-      image what it gives that image alone (the others refuse a layout through :func:`check_layout`).
-    - ``reads_block_input = True``: the mixer also takes ``forward(x, hw, block_input=X)``, X (B, N, C) the
-      block's input before its norm, which a block on a grid passes to it (InLine-CSwin predicts its local
-      kernels from the mean of that input); without it, the mixer reads x.
+      of the bases it hands ``**kwargs`` to), as :meth:`options` lists them, all fixed at construction. Models
+      give each mixer only the options it has (:func:`linvision.layers.stage_mixer_options`).
+    - Called one way, ``mixer(x, ctx)``: tokens x (B, N, C) and a :class:`~linvision.layers.MixerContext` ctx
+      (the grid (H, W) alone stands for ``MixerContext((H, W))``) -> (B, N, C). ``forward`` checks x (a
+      (B, N, C) tensor, C the mixer's ``dim``) and that ctx holds no part the class does not take, each in one
+      line, then calls :meth:`mix`, which a mixer implements.
+    - ``accepts``: the parts of the context beyond the grid the class takes (of
+      :data:`~linvision.layers.context.CONTEXT_PARTS`): ``"prefix_tokens"`` (x holds P class / register tokens
+      before the H * W grid tokens) and ``"layout"`` (a batch of images of different sizes,
+      :class:`~linvision.layers.layout.TokenLayout`, each image given what it gets alone). None here: a mixer on
+      the grid itself (windows, convolutions, scans along the raster order). The block's input before its norm
+      (``ctx.block_input``) is always offered; a mixer reads it or not.
     - ``init_weights()``: its own start (a gate's biases, ...), which models re-apply after their generic
       initialisation (:func:`linvision.layers.init_model_weights`); by default the mixer's own
       ``reset_parameters()`` when its class defines one, else nothing.
@@ -55,24 +54,28 @@ class TokenMixer(nn.Module):
     - ``recompute_attend``: the training-memory policy. True: the per-token tensors the mixer builds beyond its
       projections (features, augmented or windowed copies, gates, states) are not kept for the backward but
       recomputed there (its mixing runs twice in training; fewer bytes held for every layer); the mixer's
-      ``forward`` honours it. False (the default here): the mixer keeps what autograd keeps, as a mixer that
+      :meth:`mix` honours it. False (the default here): the mixer keeps what autograd keeps, as a mixer that
       builds no such tensors, or whose op saves only its inputs, should. The attention mixers
       (:class:`linvision.layers.AttentionMixer`) start at True and recompute their ``attend`` under it; the
       linear and softmax ones, which keep nothing of their own, set False. An instance may override its class.
 
-    A mixer handed to a model as a class (timm's layer arguments take classes too) only needs the ``forward``
-    of this contract.
+    A mixer handed to a model as a class (timm's layer arguments take classes too) only needs a ``forward(x,
+    ctx)`` of this contract.
     """
 
-    takes_prefix_tokens = False
-    takes_layout = False
-    reads_block_input = False
+    accepts: FrozenSet[str] = frozenset()
     recompute_attend = False
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        # the tokens' rank and channels, checked before any work (forward's own checks see the grid)
-        self.register_forward_pre_hook(_check_mixer_input, with_kwargs=True)
+    def forward(self, x: torch.Tensor, ctx: Union[MixerContext, Tuple[int, int]]) -> torch.Tensor:
+        """x (B, N, C) on the context ``ctx`` -> (B, N, C): the checks, then :meth:`mix`."""
+        ctx = MixerContext.of(ctx)
+        _check_tokens(self, x)
+        check_context(self, ctx)
+        return self.mix(x, ctx)
+
+    def mix(self, x: torch.Tensor, ctx: MixerContext) -> torch.Tensor:
+        """The mixing itself, on checked tokens and context."""
+        raise NotImplementedError(f"{type(self).__name__}: a TokenMixer implements mix(x, ctx)")
 
     def init_weights(self) -> None:
         """Re-apply the mixer's own initialisation: here its own ``reset_parameters()``, when its class defines
@@ -103,10 +106,9 @@ def run_attend(mixer: nn.Module, attend: Callable[..., torch.Tensor], q: torch.T
     return attend(q, *args, **kwargs)
 
 
-def _check_mixer_input(mixer: nn.Module, args: tuple, kwargs: dict) -> None:
-    """The pre-hook of every :class:`TokenMixer`: x a (B, N, C) tensor with C the mixer's ``dim`` (where it has
-    one); TypeError / ValueError in one line naming x, its shape and what the mixer takes."""
-    x = args[0] if args else kwargs.get("x")
+def _check_tokens(mixer: nn.Module, x: torch.Tensor) -> None:
+    """x a (B, N, C) tensor with C the mixer's ``dim`` (where it has one); TypeError / ValueError in one line
+    naming x, its shape and what the mixer takes."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a torch.Tensor of tokens (B, N, C), got {type(x).__name__}")
     dim = getattr(mixer, "dim", None)
@@ -161,10 +163,13 @@ def create_mixer(mixer: MixerSpec, dim: int, num_heads: int, **kwargs) -> nn.Mod
     return get_mixer_class(mixer)(dim, num_heads, **kwargs)
 
 
-def takes_prefix_tokens(mixer: Union[MixerSpec, nn.Module]) -> bool:
-    """Whether a mixer (a registered name, a class or a built mixer) takes prefix tokens before its grid tokens."""
+def mixer_accepts(mixer: Union[MixerSpec, nn.Module], part: str) -> bool:
+    """Whether a mixer (a registered name, a class or a built mixer) takes the context part ``part`` (one of
+    :data:`~linvision.layers.context.CONTEXT_PARTS`) beyond its grid; ValueError for another part."""
+    if part not in CONTEXT_PARTS:
+        raise ValueError(f"part: unknown {part!r}; allowed: {', '.join(CONTEXT_PARTS)}")
     cls = mixer if isinstance(mixer, nn.Module) else get_mixer_class(mixer)
-    return bool(getattr(cls, "takes_prefix_tokens", False))
+    return part in getattr(cls, "accepts", ())
 
 
 def check_prefix_tokens(mixer: Union[MixerSpec, nn.Module], num_prefix_tokens: int) -> int:
@@ -172,26 +177,21 @@ def check_prefix_tokens(mixer: Union[MixerSpec, nn.Module], num_prefix_tokens: i
     given to a mixer that works on the grid itself (windows, convolutions, scans along the raster order)."""
     if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
         raise ValueError(f"num_prefix_tokens: must be an int >= 0, got {num_prefix_tokens!r}")
-    if num_prefix_tokens and not takes_prefix_tokens(mixer):
+    if num_prefix_tokens and not mixer_accepts(mixer, "prefix_tokens"):
         name = _mixer_name(mixer)
         raise ValueError(f"token mixer {name!r} cannot take prefix tokens (class / register tokens): it works on "
                          "the token grid itself; use a model without class_token / reg_tokens")
     return num_prefix_tokens
 
 
-def takes_layout(mixer: Union[MixerSpec, nn.Module]) -> bool:
-    """Whether a mixer (a registered name, a class or a built mixer) takes a batch of images of different sizes."""
-    cls = mixer if isinstance(mixer, nn.Module) else get_mixer_class(mixer)
-    return bool(getattr(cls, "takes_layout", False))
-
-
-def check_layout(mixer: Union[MixerSpec, nn.Module], layout) -> None:
-    """ValueError, naming the mixer, when ``layout`` (a batch of images of different sizes) is given to a mixer
-    that cannot keep the images apart."""
-    if layout is not None and not takes_layout(mixer):
+def check_context(mixer: Union[MixerSpec, nn.Module], ctx: MixerContext) -> None:
+    """ValueError, naming the mixer, for a part of ``ctx`` the mixer does not take: prefix tokens
+    (:func:`check_prefix_tokens`) or a layout (a batch of images of different sizes it cannot keep apart)."""
+    check_prefix_tokens(mixer, ctx.num_prefix_tokens)
+    if ctx.layout is not None and not mixer_accepts(mixer, "layout"):
         raise ValueError(f"token mixer {_mixer_name(mixer)!r} cannot take a batch of images of different sizes "
                          f"(patch_coord / patch_valid): it has no token mask; mixers that do: "
-                         f"{', '.join(n for n in list_mixers() if takes_layout(n))}")
+                         f"{', '.join(n for n in list_mixers() if mixer_accepts(n, 'layout'))}")
 
 
 def _mixer_name(mixer: Union[MixerSpec, nn.Module]) -> str:

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from linvision.ops import Rope
 
+from .context import MixerContext
 from .mixers import AttentionMixer, window_merge, window_partition
 from .options import check_size
 from .registry import register_mixer
@@ -33,7 +34,7 @@ class SwinWindowAttention(AttentionMixer):
     -100, as Swin does. The map is padded at the bottom and right to whole windows; padded keys take no weight.
     No RoPE, no prefix tokens."""
 
-    takes_prefix_tokens = False
+    accepts = frozenset()
     exports_fixed_grid = True  # the window count, padding and shift follow the size: exported at one size
 
     def __init__(self, dim: int, num_heads: int, *, window: int = 7, shift: bool = False, **kwargs):
@@ -72,10 +73,11 @@ class SwinWindowAttention(AttentionMixer):
         other = other.masked_fill(~valid[:, None, :], float("-inf"))
         return bias + other[None]
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, hw: Tuple[int, int], rope: Optional[Rope], x: Tensor) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, rope: Optional[Rope], x: Tensor, ctx: MixerContext) -> Tensor:
         """Swin's order: the map padded at the bottom and right to whole windows, then rolled by the shift, then
         split into windows; after attention rolled back and cropped."""
         b, nh, n, d = q.shape
+        hw = ctx.hw
         (h, w), win = hw, self.window
         padded = (math.ceil(h / win) * win, math.ceil(w / win) * win)
         shifts = self._shifts(hw)

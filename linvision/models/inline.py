@@ -43,7 +43,7 @@ InLine-CSwin is CSWin's layout (:mod:`linvision.models.cswinhier`) with the stag
 split sizes 56 and 28 hold the whole maps of 224 px), CSWin's cross-shaped stripes (``"cswin_stripes"``, 7 wide)
 in stage 3 and softmax attention with LePE over the whole 7 x 7 map in stage 4. ``"inline_cswin"`` is
 ``"inline_deit"`` with a 3x3 LePE of v and its kernels predicted from the mean of the block's input before the norm
-(the block hands it on: ``reads_block_input``). The published files keep an EMA copy beside the raw weights; the
+(the block hands it on in the mixer's context: ``block_input``). The published files keep an EMA copy beside the raw weights; the
 EMA copy is loaded, as timm loads a training checkpoint. Evaluation as Swin's.
 
 The ablation's ``"inline"`` mixer (beside the published ones in :mod:`linvision.layers.inline`) has the same

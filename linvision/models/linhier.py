@@ -33,7 +33,7 @@ from timm.models._features import feature_take_indices
 
 from linvision.layers import (MixerBlock, RecomputeMlp, init_model_weights, no_weight_decay_of, parse_mixer_list,
                               routed_options, stage_mixer_options)
-from linvision.layers.options import check_images
+from linvision.layers.options import check_images, check_size
 from linvision.layers.registry import MixerSpec, mixer_option_default, mixer_options
 
 from .entry_points import entry_point
@@ -303,8 +303,10 @@ class LinHier(nn.Module):
             the backward; RAVLT: :class:`~linvision.layers.DwConvMlp`).
         layer_scale_init: initial layer scale of the blocks, one value or one per stage (None: no layer scale).
         final_layer: built as ``final_layer(dims[-1])`` after the last stage, on channels-last features (a norm
-            before pooling, or a conv head whose ``out_chs`` becomes ``num_features``); the head is then pooling and
-            a linear classifier. None (default): the head normalises after pooling.
+            before pooling), or as ``final_layer(dims[-1], head_chs)`` with ``head_chs`` (a conv head whose
+            ``head_chs`` channels are ``num_features``); the head is then pooling and a linear classifier. None
+            (default): the head normalises after pooling.
+        head_chs: the output channels of a final conv head (with ``final_layer`` only).
     Raises ValueError for inconsistent stage lists, unknown mixers or options no block takes.
     """
 
@@ -337,7 +339,8 @@ class LinHier(nn.Module):
         cpe: Union[bool, str] = True,
         mlp_layer: Type[nn.Module] = RecomputeMlp,
         layer_scale_init: Union[None, float, Sequence[Optional[float]]] = None,
-        final_layer: Optional[Callable[[int], nn.Module]] = None,
+        final_layer: Optional[Callable[..., nn.Module]] = None,
+        head_chs: Optional[int] = None,
     ):
         super().__init__()
         if not isinstance(rope_ref_grid, bool):
@@ -358,6 +361,11 @@ class LinHier(nn.Module):
                            downsample_layer or partial(Downsample, norm_layer=norm_layer), drop_path_rate,
                            norm_layer, act_layer, cpe, mlp_layer)
         last = self.spec[-1].dim
+        if head_chs is not None:
+            if final_layer is None:
+                raise ValueError("head_chs: the channels of a final conv head need final_layer")
+            check_size("head_chs", head_chs)
+        self.head_chs = head_chs
         if final_layer is None:
             self.final = nn.Identity()
             self.num_features = last
@@ -366,8 +374,8 @@ class LinHier(nn.Module):
                 input_fmt="NHWC",
             )
         else:
-            self.final = final_layer(last)
-            self.num_features = getattr(self.final, "out_chs", last)
+            self.final = final_layer(last) if head_chs is None else final_layer(last, head_chs)
+            self.num_features = last if head_chs is None else head_chs
             self.head = ClassifierHead(self.num_features, num_classes, pool_type=global_pool, drop_rate=drop_rate,
                                        input_fmt="NHWC")
         self.head_hidden_size = self.head.num_features
@@ -461,7 +469,7 @@ class LinHier(nn.Module):
         (before the pooling, as MLLA's), else the head's norm (which the classifier applies after the pooling).
         Raises ValueError when there is none: a final conv head (RAVLT's) or a head without a norm (pruned)."""
         if not isinstance(self.final, nn.Identity):
-            if hasattr(self.final, "out_chs"):
+            if self.head_chs is not None:
                 raise ValueError(f"norm: the final layer of {type(self).__name__} is a conv head "
                                  f"({type(self.final).__name__}), not a norm; use norm=False")
             return self.final

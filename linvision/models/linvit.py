@@ -12,7 +12,7 @@ tokens), "max", "avgmax" or "" (the tokens); ``fc_norm`` moves the final norm af
 as timm's: after it for "avg", "max" and "avgmax", so ``global_pool="avg"`` normalises the mean of the tokens;
 ``fc_norm=False`` takes the mean of the normalised tokens instead). The prefix tokens go through every mixer as
 tokens (RoPE leaves them unrotated), so only mixers that take prefix tokens
-(:func:`linvision.layers.takes_prefix_tokens`) build with them; a mixer that works on the grid (windows,
+(:func:`linvision.layers.mixer_accepts` ``"prefix_tokens"``) build with them; a mixer that works on the grid (windows,
 convolutions, scans) needs ``class_token=False, global_pool="avg"``. The class token is the default because it
 measured better: pooling it instead of the mean of the normalised patch tokens took the softmax twin from 2.7
 points below timm's ViT-Tiny/8 to level with it (photo crops, 3 seeds; docs/results.md, "The isotropic family

@@ -53,7 +53,6 @@ class ChannelsLastConv(ConvNormAct):
 
     def __init__(self, in_chs: int, out_chs: int, kernel_size: int = 1, stride: int = 1, **kwargs):
         super().__init__(in_chs, out_chs, kernel_size, stride=stride, bias=True, **kwargs)
-        self.out_chs = out_chs
 
     def forward(self, x: Tensor) -> Tensor:
         return super().forward(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
@@ -175,7 +174,7 @@ def create_ravlt_like(model_cls: type, variant: str, pretrained: bool = False, h
         token_mixers="ravlt_rala,ravlt_rala,ravlt_softmax,ravlt_softmax", mlp_ratio=3.5, stem_layer=RavltStem,
         downsample_layer=partial(ChannelsLastConv, kernel_size=3, stride=2, apply_act=False),
         cpe="first", mlp_layer=DwConvMlp,
-        final_layer=partial(ChannelsLastConv, out_chs=head_chs, act_layer=nn.SiLU),
+        final_layer=partial(ChannelsLastConv, act_layer=nn.SiLU), head_chs=head_chs,
     )
     return build_published(model_cls, variant, pretrained, checkpoint_filter_fn, **merge_options(args, **kwargs))
 

@@ -857,6 +857,65 @@ def test_token_mask_from_linear_attention_reaches_the_kernels():
     torch.testing.assert_close(fused, ref, rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["silu", "identity"])
+@pytest.mark.parametrize("rope", [None, "axial"])
+def test_epilogue_adds_the_residual_and_gates_in_the_output_pass(dtype, activation, rope):
+    """Without gradients the output kernel's epilogue gives (attention + residual) * act(gate) of the float64
+    formula, residual and gate read as strided views of token-major tensors (a LePE branch, a gate sliced from a
+    wider projection), with no launch of its own; linvision.ops.linear_attention hands it to the kernels there and
+    applies it after the attention where a gradient flows, with the same values."""
+    from linvision.ops import GATE_ACTIVATIONS
+
+    b, h, n, d, dv = 2, 2, 33, 16, 24
+    q, k, v, do = _inputs(b, h, n, n, d, dv, dtype, "elu")
+    g = torch.Generator().manual_seed(3)
+    residual = torch.randn(b, n, h, dv, generator=g).to(DEVICE, dtype).transpose(1, 2)
+    gate = torch.randn(b, n, 2 * h * dv, generator=g).to(DEVICE, dtype)[..., :h * dv].unflatten(-1, (h, dv))
+    gate = gate.transpose(1, 2)
+    spec = _rope(rope, n, d, h)
+    expected = (linear_attention_reference(q.double(), k.double(), v.double(), "elu", rope=spec)
+                + residual.double()) * GATE_ACTIVATIONS[activation](gate.double())
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names[func.__name__.split(".")[0]] += 1
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), Ops() as ops:
+        out = linear_attention(q, k, v, "elu", rope=spec, backend="triton", residual=residual, gate=gate,
+                               gate_activation=activation)
+    assert out.dtype == dtype and _rel_err(out, expected) < TOL[dtype]
+    assert ops.names["linear_attention_fwd"] == 1 and not {"add", "mul", "silu"} & set(ops.names), ops.names
+    with torch.no_grad():
+        direct = linear_attention_triton(q, k, v, "elu", rope=spec, residual=residual, gate=gate,
+                                         gate_activation=activation)
+    assert _rel_err(direct, expected) < TOL[dtype]
+    # a gradient wanted: the kernels' attention, then the epilogue in PyTorch, differentiable
+    qg = q.detach().clone().requires_grad_()
+    trained = linear_attention(qg, k, v, "elu", rope=spec, backend="triton", residual=residual, gate=gate,
+                               gate_activation=activation)
+    assert _rel_err(trained, expected) < TOL[dtype]
+    trained.float().sum().backward()
+    assert qg.grad is not None and torch.isfinite(qg.grad).all()
+    with pytest.raises(ValueError, match="the forward's epilogue runs without gradients"):
+        linear_attention_triton(qg, k, v, "elu", residual=residual)
+
+
+def test_epilogue_inputs_checked_in_one_line():
+    q, k, v, _ = _inputs(1, 2, 8, 8, 16, 16, torch.float32, "elu")
+    with pytest.raises(ValueError, match=r"residual: expected shape \(1, 2, 8, 16\) \(B, H, Nq, Dv\)"):
+        linear_attention(q, k, v, residual=torch.zeros(1, 8, 2, 16))
+    with pytest.raises(TypeError, match="gate: expected a floating tensor, got torch.int64"):
+        linear_attention(q, k, v, gate=torch.zeros(1, 2, 8, 16, dtype=torch.long))
+    with pytest.raises(ValueError, match="gate_activation: unknown 'gelu'; allowed: identity, silu"):
+        linear_attention(q, k, v, gate=torch.zeros_like(q), gate_activation="gelu")
+
+
 def test_every_output_element_written(monkeypatch):
     """Every buffer the launcher allocates (outputs, split partials) starts as NaN; results must be clean."""
     real_empty = torch.empty
@@ -1026,11 +1085,17 @@ def test_custom_op_registration():
     fx, fy = mixed_rope_freqs(16, 1)
     fx, fy = (f.reshape(1, -1).to(DEVICE) for f in (fx, fy))  # the op takes the frequencies on q's device
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), "relu", fx.requires_grad_(), fy, [0, 5],
-            [0.0, 0.0], 1e-4, 8, None, None)
+            [0.0, 0.0], 1e-4, 8, None, None, None, None, 0)
     torch.library.opcheck(
         torch.ops.linvision.linear_attention_fwd.default, args,
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
     )
+    # the epilogue (inference): a residual and a SiLU gate, strided views
+    residual, gate = (torch.randn(1, 20, 1, 16, device=DEVICE).transpose(1, 2) for _ in range(2))
+    args = (q.detach(), k.detach(), v.detach(), "relu", fx.detach(), fy, [0, 5], [0.0, 0.0], 1e-4, 8, None, None,
+            residual, gate, 2)
+    torch.library.opcheck(torch.ops.linvision.linear_attention_fwd.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 def test_torch_compile_keeps_one_graph():
@@ -1050,6 +1115,17 @@ def test_torch_compile_keeps_one_graph():
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+    # inference with the epilogue: still one graph, the kernels' output pass adding and gating
+    residual, gate = (t.transpose(1, 2) for t in torch.randn(2, 1, 50, 2, 16, device=DEVICE))
+
+    def epilogue(q, k, v):
+        return linear_attention(q, k, v, "elu", rope=rope, backend="triton", residual=residual, gate=gate,
+                                gate_activation="silu")
+
+    with torch.no_grad():
+        out = torch.compile(epilogue, backend="aot_eager", fullgraph=True)(q, k, v)
+    ref = (linear_attention_reference(q, k, v, "elu", rope=rope) + residual) * F.silu(gate)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
 def test_flop_formula():
@@ -1115,6 +1191,10 @@ def test_compile_check_verdicts():
     assert not _token_loads_pipelined(copy + "\n" + loop.format(sync), "bfloat16")
     assert not _token_loads_pipelined(loop.format("%c = arith.addf"), "bfloat16")
     assert not _token_loads_pipelined(copy, "bfloat16")  # no loop
+    # the epilogue's two plain loads (residual and gate) are allowed to it, a third is not
+    two = copy + "\n" + loop.format(sync + "\n" + sync)
+    assert _token_loads_pipelined(two, "bfloat16", 2) and not _token_loads_pipelined(two, "bfloat16", 1)
+    assert not _token_loads_pipelined(loop.format(sync), "bfloat16", 2)  # and at least one copy
 
 
 # Compiles kernels for an sm_90 target with Triton's bundled ptxas (no GPU needed), in a process without
@@ -1135,8 +1215,9 @@ def test_kernels_compile_for_hopper(args):
     rows = [line for line in result.stdout.splitlines() if line.rstrip().endswith(" ok")]
     kernels = args[args.index("--kernel") + 1:] if "--kernel" in args else kernel_module.KERNEL_NAMES
     d = int(args[1])
-    from linvision.kernels.compile_check import grad_variants as _grad_variants
+    from linvision.kernels.compile_check import launch_variants as _launch_variants
 
-    # the query backward also without dq (queries that need no gradient)
-    assert len(rows) == sum(len(la_kernels.offered_configs(k, d)) * len(_grad_variants(k)) for k in kernels)
+    # the query backward also without dq (queries that need no gradient), the output kernel with its epilogue
+    assert len(rows) == sum(len(la_kernels.offered_configs(k, d)) * len(_launch_variants(k)) for k in kernels)
     assert any(" (no dq) " in row for row in rows) == ("_query_bwd_kernel" in kernels)
+    assert any(" (epilogue) " in row for row in rows) == ("_output_fwd_kernel" in kernels)

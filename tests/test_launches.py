@@ -4,7 +4,8 @@ launch per computing aten op and per fused call; views and allocations none). Ea
 ceiling, so a change that adds launches to a block shows here. The inference folds that removed some of them
 (linvision.layers.derived: the gate's projection in the qkv product, the conv position encoding's residual in its
 kernel, PolaFormer's divisor and power formed once) give the plain path's outputs, and follow the weights when
-they change."""
+they change; so does the fused output pass of the linear mixers, which adds LePE and applies the output gate in
+the kernel's epilogue."""
 import pytest
 import timm
 import torch
@@ -18,23 +19,23 @@ from support import DeviceLaunches
 # count their scans' PyTorch path (on a GPU fla-core's kernels run them).
 CEILINGS = {
     "linvit_tiny_patch16_224": 125,
-    "linvit_tiny_patch16_pola_224": 341,
-    "linvit_small_patch16_rope_224": 160,
-    "linvit_small_patch16_rope_mixed_224": 160,
+    "linvit_tiny_patch16_pola_224": 317,
+    "linvit_small_patch16_rope_224": 148,
+    "linvit_small_patch16_rope_mixed_224": 148,
     "inline_deit_tiny": 569,
     "vig_tiny": 1862,
-    "linhier_tiny_224": 350,
+    "linhier_tiny_224": 287,
     "linhier_gcnn_femto_224": 179,
     "linhier_delta_femto_224": 1653,
-    "mlla_tiny": 413,
+    "mlla_tiny": 395,
     "ravlt_tiny": 430,
     "mavit_tiny": 498,
     "vig_h_tiny": 2448,
     "inline_swin_tiny": 567,
     "inline_pvt_tiny": 382,
     "inline_cswin_tiny": 815,
-    "pola_swin_tiny": 586,
-    "pola_pvt_tiny": 244,
+    "pola_swin_tiny": 578,
+    "pola_pvt_tiny": 228,
 }
 
 
@@ -121,3 +122,28 @@ def test_inference_folds_follow_the_weights(case):
     model.load_state_dict(state)
     loaded = both()
     assert (loaded - after).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("name", ["linhier_tiny_224", "mlla_tiny", "linvit_small_patch16_rope_224"])
+def test_epilogue_gives_the_plain_path_and_saves_its_launches(name, fused_on_cpu):
+    """Without gradients the linear mixers hand LePE's branch and the output gate to the fused kernels' epilogue:
+    the model's output equals the plain path (gradients wanted: the kernels' attention, then LePE's add and the
+    gate in PyTorch) to fp32 rounding, and its forward launches no add for LePE and no SiLU or multiply for the
+    gate (linhier: none of them at all, every block's LePE and gate in the epilogue)."""
+    torch.manual_seed(0)
+    small = dict(depths=(1, 1, 1, 1), dims=(16, 32, 32, 48), num_heads=(1, 2, 2, 3)) if "vit" not in name else \
+        dict(embed_dim=32, depth=2, num_heads=2, dynamic_img_size=True)
+    model = timm.create_model(name, num_classes=5, **small).eval()
+    x = torch.randn(2, 3, 64, 96, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        fused = model(x)
+    plain = model(x).detach()
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+    mode = launches(model, x)
+    plain_mode = DeviceLaunches()
+    with plain_mode:
+        model(x)
+    blocks = mode.names["linvision::linear_attention_fwd"]
+    assert blocks > 0 and mode.total < plain_mode.total
+    if name == "linhier_tiny_224":
+        assert mode.names["silu"] == 0 and mode.names["mul"] == 0 and plain_mode.names["silu"] == blocks

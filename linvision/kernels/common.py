@@ -24,6 +24,8 @@ from torch import Tensor
 
 __all__ = [
     "DEFAULT_EPS",
+    "EPILOGUE_GATES",
+    "check_epilogue",
     "FLOAT_DTYPES",
     "FEATURE_MAP_ALIASES",
     "FEATURE_MAPS",
@@ -93,6 +95,9 @@ FEATURE_MAPS = {
 }
 # name -> in-kernel code of the maps the Triton kernels apply themselves
 FUSED_FEATURE_MAPS = {name: info.fused for name, info in FEATURE_MAPS.items() if info.fused is not None}
+# The activations of an output gate the forward's epilogue applies, (attention + residual) * act(gate), and their
+# in-kernel codes (0: no gate).
+EPILOGUE_GATES = {"identity": 1, "silu": 2}
 
 
 def feature_maps_where(**properties: bool) -> Tuple[str, ...]:
@@ -262,3 +267,23 @@ def check_rope(rope: RopeSpec, dim: int, num_tokens: int, num_heads: int, batch:
         )
     if rope.num_heads not in (1, num_heads):
         raise ValueError(f"rope: frequencies for {rope.num_heads} heads, input has {num_heads} heads")
+
+
+def check_epilogue(q: Tensor, v: Tensor, residual: Optional[Tensor], gate: Optional[Tensor],
+                   gate_activation: str) -> None:
+    """ValueError / TypeError in one line for an epilogue that does not fit the call: ``residual`` and ``gate``
+    floating tensors of the output's shape (B, H, Nq, Dv) on q's device, ``gate_activation`` one of
+    ``EPILOGUE_GATES``."""
+    if gate_activation not in EPILOGUE_GATES:
+        raise ValueError(f"gate_activation: unknown {gate_activation!r}; allowed: {', '.join(EPILOGUE_GATES)}")
+    shape = (*q.shape[:3], v.shape[-1])
+    for name, t in (("residual", residual), ("gate", gate)):
+        if t is None:
+            continue
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name}: expected a floating tensor, got "
+                            f"{t.dtype if isinstance(t, Tensor) else type(t).__name__}")
+        if tuple(t.shape) != shape or t.device != q.device:
+            raise ValueError(f"{name}: expected shape {shape} (B, H, Nq, Dv) on {q.device}, got "
+                             f"{tuple(t.shape)} on {t.device}")
+

@@ -45,11 +45,12 @@ class CompileResult:
     shared_bytes: int
     pipelined: bool
     dq_grad: bool = True  # False: the query backward without dq
+    epilogue: bool = False  # True: the output kernel with its epilogue (a residual and a SiLU gate)
 
     @property
     def name(self) -> str:
         short = self.kernel.strip("_").replace("_kernel", "")
-        return short if self.dq_grad else f"{short} (no dq)"
+        return short + ("" if self.dq_grad else " (no dq)") + (" (epilogue)" if self.epilogue else "")
 
     @property
     def ok(self) -> bool:
@@ -112,9 +113,10 @@ def ptxas_usage(ptx: str) -> tuple:
 
 
 def compile_kernel(kernel: str, d: int, dtype: str, rope: str, config: Sequence[int],
-                   feature: str = "elu", dq_grad: bool = True) -> CompileResult:
+                   feature: str = "elu", dq_grad: bool = True, epilogue: bool = False) -> CompileResult:
     """Compile one kernel (by name) for sm_90 with D = Dv = d, RoPE "off", "on" or "learn" and config (BLOCK_N,
-    num_warps, num_stages); ``dq_grad`` False: the query backward without dq (queries that need no gradient)."""
+    num_warps, num_stages); ``dq_grad`` False: the query backward without dq (queries that need no gradient);
+    ``epilogue``: the output kernel adding a residual and multiplying by a SiLU gate (inference)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -125,7 +127,8 @@ def compile_kernel(kernel: str, d: int, dtype: str, rope: str, config: Sequence[
     fn = m.kernel_function(kernel)
     naflex = rope == "naflex"  # a batch of images of different sizes: token mask, RoPE at per-sample positions
     consts = dict(m.kernel_constexprs(dtype, d, d, feature, rope != "off", freq_grad=rope == "learn",
-                                       dq_grad=dq_grad, mask=naflex, counted=naflex, positions=naflex),
+                                       dq_grad=dq_grad, mask=naflex, counted=naflex, positions=naflex,
+                                       residual=epilogue, gate="silu" if epilogue else None),
                   BLOCK_N=block_n)
     consts = {name: value for name, value in consts.items() if name in fn.arg_names}  # FREQ_GRAD etc.: backward
     sig, consts, attrs = _signature(fn, dtype, consts)
@@ -134,21 +137,26 @@ def compile_kernel(kernel: str, d: int, dtype: str, rope: str, config: Sequence[
     regs, spills = ptxas_usage(compiled.asm["ptx"])
     ttgir = compiled.asm["ttgir"]
     return CompileResult(kernel, d, dtype, rope, block_n, warps, stages, regs, spills, compiled.metadata.shared,
-                         pipelined=token_loads_pipelined(ttgir, dtype),
-                         dq_grad=dq_grad or "DQ_GRAD" not in fn.arg_names)
+                         pipelined=token_loads_pipelined(ttgir, dtype, 2 if epilogue else 0),
+                         dq_grad=dq_grad or "DQ_GRAD" not in fn.arg_names, epilogue=epilogue)
 
 
-def grad_variants(kernel: str) -> List[dict]:
-    """The gradient variants a kernel is launched in: the query backward with and without dq; one for the
-    other kernels."""
+def launch_variants(kernel: str) -> List[dict]:
+    """The variants a kernel is launched in: the query backward with and without dq, the output kernel without
+    and with its epilogue; one for the other kernels."""
     from . import la_kernels as m
 
-    return [{}, {"dq_grad": False}] if "DQ_GRAD" in m.kernel_function(kernel).arg_names else [{}]
+    names = m.kernel_function(kernel).arg_names
+    if "DQ_GRAD" in names:
+        return [{}, {"dq_grad": False}]
+    return [{}, {"epilogue": True}] if "HAS_RES" in names else [{}]
 
 
-def token_loads_pipelined(ttgir: str, dtype: str) -> bool:
-    """Whether the token loop loads its N-sized (16-bit) tiles only by asynchronous copies or TMA: at least one
-    such copy and no synchronous ``tt.load`` of a 16-bit pointer left inside the loop."""
+def token_loads_pipelined(ttgir: str, dtype: str, plain_loads: int = 0) -> bool:
+    """Whether the token loop loads its N-sized (16-bit) tiles by asynchronous copies or TMA: at least one such
+    copy and at most ``plain_loads`` synchronous ``tt.load`` of a 16-bit pointer left inside the loop (the output
+    kernel's epilogue reads its residual and gate tiles so, where they are used: Triton pipelines only the loads
+    that feed its products)."""
     if "scf.for" not in ttgir:
         return False
     ptr = "!tt.ptr<bf16>" if dtype == "bfloat16" else "!tt.ptr<f16>"
@@ -156,7 +164,7 @@ def token_loads_pipelined(ttgir: str, dtype: str) -> bool:
     copies = [line for line in ttgir.splitlines() if ("async_copy_global_to_local" in line or "async_tma" in line)
               and (ptr in line or "tensordesc" in line)]
     sync = [line for line in body.splitlines() if "tt.load " in line and ptr in line]
-    return bool(copies) and not sync
+    return bool(copies) and len(sync) <= plain_loads
 
 
 def check(kernels: Iterable[str], dims: Iterable[int], dtypes: Iterable[str], ropes: Iterable[str],
@@ -170,8 +178,8 @@ def check(kernels: Iterable[str], dims: Iterable[int], dtypes: Iterable[str], ro
         if rope == "learn" and "FREQ_GRAD" not in m.kernel_function(kernel).arg_names:
             continue  # the forward kernels compile the same with learnable frequencies
         configs = m.CANDIDATE_CONFIGS if candidates else m.offered_configs(kernel, d)
-        for config, grads in itertools.product(configs, grad_variants(kernel)):
-            result = compile_kernel(kernel, d, dtype, rope, config, **grads)
+        for config, variant in itertools.product(configs, launch_variants(kernel)):
+            result = compile_kernel(kernel, d, dtype, rope, config, **variant)
             results.append(result)
             if echo is not None:
                 echo(result)

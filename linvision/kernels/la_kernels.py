@@ -51,7 +51,7 @@ from typing import Optional, Tuple
 import triton
 import triton.language as tl
 
-from .common import FUSED_FEATURE_MAPS
+from .common import EPILOGUE_GATES, FUSED_FEATURE_MAPS
 
 # The backward's products with the state (S, dS) take its hi part only: 2^-9 (bf16) / 2^-11 (fp16) relative,
 # within the gradients' tolerances (4x the output's), as flash attention's backward rounds P and dS to 16 bits;
@@ -101,6 +101,7 @@ def _kernel(fn):
 # the identity's.
 _RELU = tl.constexpr(FUSED_FEATURE_MAPS["relu"])
 _ELU = tl.constexpr(FUSED_FEATURE_MAPS["elu"])
+_SILU = tl.constexpr(EPILOGUE_GATES["silu"])  # any other nonzero gate code is the identity's
 if set(FUSED_FEATURE_MAPS) != {"identity", "relu", "elu"}:  # a fused row the kernels have no code path for
     raise ImportError(f"FEATURE_MAPS fuses {sorted(FUSED_FEATURE_MAPS)}; the kernels apply identity, relu and elu")
 
@@ -507,16 +508,19 @@ def _state_fwd_kernel(K, V, TAB, VALID, POS, S_PART, Z_PART, S, Z, LOCK, stride_
 
 
 @_kernel
-def _output_fwd_kernel(Q, S, Z, TAB, VALID, COUNT, POS, O, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob,
-                       stride_oh, stride_on, stride_od, stride_th, stride_ts, stride_pb, eps, H, BH, N, D_HALF, DV,
-                       prefix, width, N_BUCKET, FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr,
+def _output_fwd_kernel(Q, S, Z, TAB, VALID, COUNT, POS, O, RES, GATE, stride_qb, stride_qh, stride_qn, stride_qd,
+                       stride_ob, stride_oh, stride_on, stride_od, stride_rb, stride_rh, stride_rn, stride_rd,
+                       stride_gb, stride_gh, stride_gn, stride_gd, stride_th, stride_ts, stride_pb, eps, H, BH, N,
+                       D_HALF, DV, prefix, width, N_BUCKET, FEATURE: tl.constexpr, HAS_ROPE: tl.constexpr,
                        MASK: tl.constexpr, COUNTED: tl.constexpr, POSITIONS: tl.constexpr, PRECISION: tl.constexpr,
                        DOT: tl.constexpr, ROUND_BF16: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr,
-                       BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
+                       BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RES: tl.constexpr, GATE_ACT: tl.constexpr):
     """Grid (spans, B*H): o = (R phi(q)) S / (phi(q) . z + eps) for the queries of one span (:func:`_span`), a
     loop over its token blocks (``eps`` times the sample's valid keys with COUNTED; invalid queries with MASK get
     0); the state is loaded and split once per program. The rotated features enter the tensor cores in the input
-    dtype, S as its hi + lo split."""
+    dtype, S as its hi + lo split. The epilogue, in fp32 before the one rounding to O's dtype: with HAS_RES
+    o + RES (a LePE branch), with GATE_ACT (a code of ``EPILOGUE_GATES``) that times act(GATE) (an output gate);
+    RES and GATE are read with their own strides (views of token-major projections) and never without the flags."""
     pid_s, bh, b, h, valid, offs_p, offs_e = _program(H, BH, BLOCK_P, BLOCK_DV)
     valid_row, pos_row = _sample_rows(VALID, POS, b, N, stride_pb)
     eps = _per_sample(eps, COUNT, b, COUNTED, False)
@@ -524,6 +528,8 @@ def _output_fwd_kernel(Q, S, Z, TAB, VALID, COUNT, POS, O, stride_qb, stride_qh,
     hi1, lo1, hi2, lo2, inv = _split_state(s1, s2, DOT, ROUND_BF16, SPLIT, True)
     q_base = _head(Q, b, h, stride_qb, stride_qh)
     o_base = _head(O, b, h, stride_ob, stride_oh)
+    r_base = _head(RES, b, h, stride_rb, stride_rh)
+    g_base = _head(GATE, b, h, stride_gb, stride_gh)
     lo, hi = _span(pid_s, N, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -536,8 +542,18 @@ def _output_fwd_kernel(Q, S, Z, TAB, VALID, COUNT, POS, O, stride_qb, stride_qh,
                          PRECISION, True)
         num = _state_dot(_operand(r2, DOT, ROUND_BF16), hi2, lo2, num, SPLIT, PRECISION, True)
         den = tl.sum(f1 * z1[None, :], axis=1) + tl.sum(f2 * z2[None, :], axis=1) + eps
+        out = num * (inv / den)[:, None]
+        # the epilogue's tiles, plain loads where they are used (loaded at the top of the iteration, the pair
+        # spilled registers at BLOCK_N 256, D 64; Triton pipelines only the loads that feed its products)
+        if HAS_RES:
+            out += _load_tile(r_base, offs_n, offs_e, stride_rn, stride_rd, mask_o & valid).to(tl.float32)
+        if GATE_ACT != 0:
+            gate = _load_tile(g_base, offs_n, offs_e, stride_gn, stride_gd, mask_o & valid).to(tl.float32)
+            if GATE_ACT == _SILU:
+                gate = gate * tl.sigmoid(gate)
+            out = out * gate
         o_ptrs = o_base + offs_n.to(tl.int64)[:, None] * stride_on + offs_e[None, :] * stride_od
-        tl.store(o_ptrs, (num * (inv / den)[:, None]).to(O.dtype.element_ty), mask=mask_o & valid)
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=mask_o & valid)
 
 
 @_kernel
@@ -668,7 +684,7 @@ def _key_bwd_kernel(K, V, DS, DZ, TAB, VALID, COUNT, POS, DK, DV_OUT, DF, stride
         tl.atomic_add(df_ptrs + D_HALF, dfy, mask=(offs_p < D_HALF) & valid)
 
 
-TOKEN_POINTERS = {"K", "V", "Q", "O", "DO", "DQ", "DK", "DV_OUT"}  # in the input dtype
+TOKEN_POINTERS = {"K", "V", "Q", "O", "RES", "GATE", "DO", "DQ", "DK", "DV_OUT"}  # in the input dtype
 FP32_POINTERS = {"S", "Z", "DS", "DZ", "S_PART", "Z_PART", "DS_PART", "DZ_PART", "TAB", "DF_PART", "DF", "COUNT", "POS"}
 BYTE_POINTERS = {"VALID"}  # the token mask, one byte per token
 INT_POINTERS = {"LOCK"}  # int32 counters of the last-split reductions
@@ -697,13 +713,15 @@ _TL_DTYPES = {"float16": tl.float16, "bfloat16": tl.bfloat16, "float32": tl.floa
 
 def kernel_constexprs(dtype: str, d: int, dv: int, feature: str, has_rope: bool, interpret: bool = False,
                       freq_grad: bool = False, dq_grad: bool = True, mask: bool = False, counted: bool = False,
-                      positions: bool = False, reduce: bool = True) -> dict:
+                      positions: bool = False, reduce: bool = True, residual: bool = False,
+                      gate: Optional[str] = None) -> dict:
     """The constexprs of a launch (all but BLOCK_N; FREQ_GRAD only for the backward kernels, DQ_GRAD only for the
     query backward, COUNTED not for the state kernel, REDUCE (``reduce``: the last split program sums the splits)
     only for the state kernel and the query backward, see :func:`kernel_function`); ``dtype`` by name
     ("bfloat16", ...). 16-bit inputs: dot operands in that dtype (the fp32 state split hi + lo); fp32 inputs: exact
     fp32 products ("ieee"). ``mask``: the kernel's tokens are read through a token mask; ``counted``: means over
-    each sample's valid keys; ``positions``: RoPE at per-sample positions."""
+    each sample's valid keys; ``positions``: RoPE at per-sample positions; ``residual``, ``gate`` (an activation
+    of ``EPILOGUE_GATES``): the output kernel's epilogue (HAS_RES, GATE_ACT)."""
     half = dtype != "float32"
     round_bf16 = interpret and dtype == "bfloat16"
     return dict(
@@ -721,4 +739,6 @@ def kernel_constexprs(dtype: str, d: int, dv: int, feature: str, has_rope: bool,
         COUNTED=counted,
         POSITIONS=positions,
         REDUCE=reduce,
+        HAS_RES=residual,
+        GATE_ACT=0 if gate is None else EPILOGUE_GATES[gate],
     )

@@ -112,7 +112,7 @@ def _meta_of(dtype: torch.dtype, d: int, dv: int, feature_map: str, has_rope: bo
              positions: bool) -> dict:
     meta = kernel_constexprs(str(dtype).replace("torch.", ""), d, dv, feature_map, has_rope, _INTERPRET,
                              bool(freq_grad), positions=positions)
-    for name in ("DQ_GRAD", "MASK", "COUNTED", "REDUCE"):
+    for name in ("DQ_GRAD", "MASK", "COUNTED", "REDUCE", "HAS_RES", "GATE_ACT"):
         del meta[name]
     if freq_grad is None:
         del meta["FREQ_GRAD"]
@@ -334,8 +334,9 @@ def _counters(device: torch.device, count: int) -> Tensor:
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, feature_map: str, freqs_x: Optional[Tensor],
              freqs_y: Optional[Tensor], rope_ints: List[int], rope_offsets: List[float], eps: float,
-             split_tokens: int, valid: Optional[Tensor] = None,
-             positions: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+             split_tokens: int, valid: Optional[Tensor] = None, positions: Optional[Tensor] = None,
+             residual: Optional[Tensor] = None, gate: Optional[Tensor] = None,
+             gate_act: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
     b, h, nq, d = q.shape
     nk, dv = k.shape[2], v.shape[-1]
     has_pos = positions is not None and freqs_x is not None
@@ -352,10 +353,12 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, feature_map: str, freqs_x: Optiona
     z = z.view(b, h, d)
     o = torch.empty(b, nq, h, dv, device=q.device, dtype=q.dtype).transpose(1, 2)  # token-major memory
     if nq > 0:
+        res = o if residual is None else residual  # (B, H, Nq, Dv) views; o stands in, never read, when absent
+        gt = o if gate is None or not gate_act else gate
         _run("_output_fwd_kernel", d, dv, _spans(nq, b * h, q.device), q, s, z, tab, tok.valid, tok.count,
-             tok.pos, o, *q.stride(), *o.stride(), stride_th, stride_ts, tok.stride_pb, tok.scale(eps, nk), h, b * h,
-             nq, d // 2, dv, prefix, width, _next_pow2(nq), **meta,
-             **tok.queries)
+             tok.pos, o, res, gt, *q.stride(), *o.stride(), *res.stride(), *gt.stride(), stride_th, stride_ts,
+             tok.stride_pb, tok.scale(eps, nk), h, b * h, nq, d // 2, dv, prefix, width, _next_pow2(nq), **meta,
+             **tok.queries, HAS_RES=residual is not None, GATE_ACT=gate_act if gate is not None else 0)
     return o, s, z
 
 

@@ -25,8 +25,8 @@ from .la_launch import _backward, _forward
 # have no default values (the dispatcher would leave out arguments equal to them): callers pass every argument.
 _LIB = torch.library.Library("linvision", "FRAGMENT")  # other fragments may define ops of the namespace too
 _LIB.define("linear_attention_fwd(Tensor q, Tensor k, Tensor v, str feature_map, Tensor? freqs_x, Tensor? freqs_y, "
-            "int[] rope_ints, float[] rope_offsets, float eps, int split_tokens, Tensor? valid, Tensor? positions) "
-            "-> (Tensor, Tensor, Tensor)")
+            "int[] rope_ints, float[] rope_offsets, float eps, int split_tokens, Tensor? valid, Tensor? positions, "
+            "Tensor? residual, Tensor? gate, int gate_act) -> (Tensor, Tensor, Tensor)")
 _LIB.define("linear_attention_bwd(Tensor q, Tensor k, Tensor v, Tensor do, Tensor s, Tensor z, str feature_map, "
             "Tensor? freqs_x, Tensor? freqs_y, int[] rope_ints, float[] rope_offsets, float eps, int split_tokens, "
             "bool freq_grad, bool kv_grad, bool q_grad, Tensor? valid, Tensor? positions) "
@@ -36,16 +36,18 @@ _LIB.define("linear_attention_bwd(Tensor q, Tensor k, Tensor v, Tensor do, Tenso
 def _linear_attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, feature_map: str, freqs_x: Optional[Tensor], freqs_y: Optional[Tensor],
     rope_ints: List[int], rope_offsets: List[float], eps: float, split_tokens: int, valid: Optional[Tensor] = None,
-    positions: Optional[Tensor] = None,
+    positions: Optional[Tensor] = None, residual: Optional[Tensor] = None, gate: Optional[Tensor] = None,
+    gate_act: int = 0,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """``linvision::linear_attention_fwd``: (o (B, H, Nq, Dv) in q's dtype, S (B, H, D, Dv) fp32, z (B, H, D)
     fp32); S and z are the sums over the keys (o = (R phi(q)) S / (phi(q) . z + Nk eps), the mean form with the 1/Nk
     moved onto eps: no division launched; with a token mask ``valid`` (B, Nk) the sums and Nk run over each
     sample's valid keys). ``positions`` (B or 1, M, 2): the RoPE (row, col) of each sample's tokens after the
     prefix. o is a view of token-major (B, Nq, H, Dv) memory, so merging its heads back into channels copies
-    nothing."""
+    nothing. The epilogue, inference only (the autograd refuses it): o = (attention + ``residual``) * act(``gate``),
+    both (B, H, Nq, Dv) of any strides, act by its code ``gate_act`` of ``EPILOGUE_GATES``."""
     return _forward(q, k, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens, valid,
-                    positions)
+                    positions, residual, gate, gate_act)
 
 
 def _linear_attention_bwd(
@@ -63,7 +65,7 @@ def _linear_attention_bwd(
 
 @torch.library.register_fake("linvision::linear_attention_fwd", lib=_LIB)
 def _(q, k, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens, valid=None,
-      positions=None):
+      positions=None, residual=None, gate=None, gate_act=0):
     b, h, nq, d = q.shape
     dv = v.shape[-1]
     return (
@@ -92,7 +94,11 @@ class _LinearAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *inputs):  # ctx as forward's argument: no separate setup_context, whose call binds the
         # arguments to forward's signature with inspect on every call
-        q, k, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens, valid, positions = inputs
+        q, k, v, feature_map, freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens, valid, positions = \
+            inputs[:12]
+        if any(t is not None for t in inputs[12:14]):
+            raise ValueError("residual, gate: the forward's epilogue runs without gradients (inference); in training "
+                             "apply them to the attention's output")
         with torch._C._AutoDispatchBelowAutograd():  # to the implementation (or the fake one) of the op itself
             o, s, z = torch.ops.linvision.linear_attention_fwd.default(*inputs)
         ctx.save_for_backward(q, k, v, s, z, freqs_x, freqs_y, valid, positions)
@@ -105,7 +111,7 @@ class _LinearAttention(torch.autograd.Function):
     @once_differentiable  # the backward kernels have no backward of their own
     def backward(ctx, do, ds, dz):
         if do is None:  # o got no gradient (S and z never do)
-            return (None,) * 12
+            return (None,) * 15
         q, k, v, s, z, freqs_x, freqs_y, valid, positions = ctx.saved_tensors
         feature_map, rope_ints, rope_offsets, eps, split_tokens = ctx.options
         needs = ctx.needs_input_grad
@@ -116,13 +122,15 @@ class _LinearAttention(torch.autograd.Function):
         # no key kernel (and no dk, dv) when neither keys nor values need a gradient, unless the frequencies do; no
         # dq (formed or stored) when the queries need none
         return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None, None,
-                dfx if needs[4] else None, dfy if needs[5] else None, None, None, None, None, None, None)
+                dfx if needs[4] else None, dfy if needs[5] else None, None, None, None, None, None, None, None, None,
+                None)
 
 
 def _linear_attention_fwd_autograd(q, k, v, feature_map, freqs_x, freqs_y, *options):
     """The forward op on the Autograd key: through :class:`_LinearAttention` when a gradient can flow (q, k, v or
     the RoPE frequencies require one, in grad mode), else straight to the implementation."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, freqs_x, freqs_y)):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (q, k, v, freqs_x, freqs_y, *options[6:8])):
         return _LinearAttention.apply(q, k, v, feature_map, freqs_x, freqs_y, *options)
     with torch._C._AutoDispatchBelowAutograd():
         return torch.ops.linvision.linear_attention_fwd.default(q, k, v, feature_map, freqs_x, freqs_y, *options)

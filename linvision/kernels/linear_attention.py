@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 from . import la_launch, la_op  # noqa: F401  (la_op registers the custom ops)
-from .common import (DEFAULT_EPS, FUSED_FEATURE_MAPS, KERNEL_NAMES, RopeSpec, check_eps, check_int, check_qkv,
-                     check_rope, check_valid, feature_map_name)
+from .common import (DEFAULT_EPS, EPILOGUE_GATES, FUSED_FEATURE_MAPS, KERNEL_NAMES, RopeSpec, check_epilogue,
+                     check_eps, check_int, check_qkv, check_rope, check_valid, feature_map_name)
 from .la_kernels import (BACKWARD_LO, BYTE_POINTERS, CANDIDATE_CONFIGS, FLOAT_SCALARS,  # noqa: F401
                          FP32_POINTERS, INT_POINTERS, TOKEN_POINTERS, kernel_constexprs, kernel_function,
                          offered_configs)
@@ -74,7 +74,8 @@ def _autocast(q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor, Tensor, 
 
 def linear_attention_triton(
     q: Tensor, k: Tensor, v: Tensor, feature_map: str, rope: Optional[RopeSpec] = None, eps: float = DEFAULT_EPS, *,
-    split_tokens: int = 0, valid: Optional[Tensor] = None,
+    split_tokens: int = 0, valid: Optional[Tensor] = None, residual: Optional[Tensor] = None,
+    gate: Optional[Tensor] = None, gate_activation: str = "identity",
 ) -> Tensor:
     """Fused non-causal linear attention; same semantics as ``linvision.ops.linear_attention_reference``.
 
@@ -92,6 +93,11 @@ def linear_attention_triton(
     with bf16 operands under bf16 autocast and fp32 operands under fp16 autocast), a view of token-major
     (B, Nq, H, Dv) memory: ``o.transpose(1, 2).reshape(B, Nq, H * Dv)`` is free;
     differentiable in q, k, v and the RoPE frequencies.
+
+    residual, gate: the output kernel's epilogue, for inference: (attention + residual) * act(gate), act one of
+    ``EPILOGUE_GATES`` (``gate_activation``), each (B, H, Nq, Dv) of any strides (a LePE branch, an output gate),
+    added and multiplied in fp32 before the one rounding to the output dtype; no launch of their own. ValueError
+    when a gradient would flow (the epilogue has no backward; apply them to the output in training).
 
     Raises TypeError / ValueError for invalid inputs (see :func:`~.common.check_qkv`) and ValueError with the
     reason when the kernels cannot run the call.
@@ -111,13 +117,16 @@ def linear_attention_triton(
     reason = unsupported_reason(q, k, v, feature_map, rope=rope, causal=False)
     if reason is not None:
         raise ValueError(f"linear_attention_triton: cannot run this call: {reason}")
-    return run_checked(q, k, v, feature_map, rope, eps, split_tokens, valid)
+    check_epilogue(q, v, residual, gate, gate_activation)
+    return run_checked(q, k, v, feature_map, rope, eps, split_tokens, valid, residual, gate, gate_activation)
 
 
 def run_checked(q: Tensor, k: Tensor, v: Tensor, feature_map: str, rope: Optional[RopeSpec], eps: float,
-                split_tokens: int = 0, valid: Optional[Tensor] = None) -> Tensor:
-    """:func:`linear_attention_triton` for a caller that has made its checks (inputs, RoPE, eps, token mask, and
-    :func:`unsupported_reason` None: ``linvision.ops.linear_attention`` does), so a call validates once."""
+                split_tokens: int = 0, valid: Optional[Tensor] = None, residual: Optional[Tensor] = None,
+                gate: Optional[Tensor] = None, gate_activation: str = "identity") -> Tensor:
+    """:func:`linear_attention_triton` for a caller that has made its checks (inputs, RoPE, eps, token mask, the
+    epilogue and :func:`unsupported_reason` None: ``linvision.ops.linear_attention`` does), so a call validates
+    once."""
     q, k, v, result_dtype = _autocast(q, k, v)
     freqs_x = freqs_y = None
     rope_ints: List[int] = [0, 1]
@@ -133,6 +142,6 @@ def run_checked(q: Tensor, k: Tensor, v: Tensor, feature_map: str, rope: Optiona
         positions = rope.positions
     o, _, _ = torch.ops.linvision.linear_attention_fwd.default(
         q, k, v, feature_map_name(feature_map), freqs_x, freqs_y, rope_ints, rope_offsets, eps, split_tokens,
-        valid, positions,
+        valid, positions, residual, gate, EPILOGUE_GATES[gate_activation] if gate is not None else 0,
     )
     return o if result_dtype is None else o.to(result_dtype)

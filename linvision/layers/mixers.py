@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from linvision.ops import (
+    GATE_ACTIVATIONS,
     FeatureMap,
     FocusedFeatureMap,
     PerformerFeatureMap,
@@ -145,6 +146,7 @@ class AttentionMixer(TokenMixer):
 
     recompute_attend = True  # the TokenMixer policy (False there); forward() checkpoints attend() under it
     split_value_proj = False
+    gate_act = "silu"  # the output gate's activation, a name of linvision.ops.GATE_ACTIVATIONS
     rope_endpoint = False  # axial frequencies theta^(-i / (D/4)); True: theta^-linspace(0, 1, D/4) (RAVLT's)
     accepts = frozenset({"prefix_tokens"})  # subclasses whose mixing depends on the grid take none
 
@@ -258,8 +260,9 @@ class AttentionMixer(TokenMixer):
         return q, k, v
 
     def gate_activation(self, g: Tensor) -> Tensor:
-        """The activation of the output gate: SiLU."""
-        return F.silu(g)
+        """The activation of the output gate, named by the class's ``gate_act`` (of
+        :data:`linvision.ops.GATE_ACTIVATIONS`): SiLU here."""
+        return GATE_ACTIVATIONS[self.gate_act](g)
 
     def use_feature_map(self, feature_map: str, **needs: bool) -> None:
         """Set ``self.feature_map`` to the canonical name of ``feature_map``, checked by :func:`check_feature_map`
@@ -315,18 +318,36 @@ class AttentionMixer(TokenMixer):
         ctx = ctx._replace(hw=(h, w))
         q, k, v, g = self._project_and_gate(x)
         q, k, v = (t.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        out = run_attend(self, self.attend, q, k, v, rope, x, ctx)
-        out = out.transpose(1, 2).reshape(b, n, c)
+        lepe = None
         if self.lepe is not None:
             v_tokens = v[:, :, p:].transpose(1, 2).reshape(b, n - p, c)
             if layout is None:
                 lepe = self.lepe(v_tokens.reshape(b, h, w, c).permute(0, 3, 1, 2)).flatten(2).transpose(1, 2)
             else:  # each image on a zero canvas: the zero padding it is convolved with alone
                 lepe = layout.from_canvas(self.lepe(layout.to_canvas(v_tokens)))
-            out = out + (F.pad(lepe, (0, 0, p, 0)) if p else lepe)  # nothing for the prefix tokens
+            lepe = F.pad(lepe, (0, 0, p, 0)) if p else lepe  # nothing for the prefix tokens
+        if not torch.is_grad_enabled() and (lepe is not None or g is not None):  # inference: one epilogue
+            out = self.attend_epilogue(q, k, v, rope, x, ctx, *(self._heads(t) for t in (lepe, g)))
+            if out is not None:
+                return self.proj_drop(self.proj(out.transpose(1, 2).reshape(b, n, c)))
+        out = run_attend(self, self.attend, q, k, v, rope, x, ctx)
+        out = out.transpose(1, 2).reshape(b, n, c)
+        if lepe is not None:
+            out = out + lepe
         if g is not None:  # proj(out * act(g)), keeping out and g for the backward, not act(g) nor the product
             return self.proj_drop(gated_linear(out, g, self.gate_activation, self.proj))
         return self.proj_drop(self.proj(out))
+
+    def attend_epilogue(self, q: Tensor, k: Tensor, v: Tensor, rope: Optional[Rope], x: Tensor, ctx: MixerContext,
+                        residual: Optional[Tensor], gate: Optional[Tensor]) -> Optional[Tensor]:
+        """For inference: (attend(...) + residual) * act(gate) (B, heads, N, D) computed by the mixing's own op in
+        one pass (the LePE branch and the output gate as heads, act the class's ``gate_act``), or None where the
+        mixing has no such op (here: none has; :class:`LinearAttention` fuses them into its kernels' epilogue)."""
+        return None
+
+    def _heads(self, t: Optional[Tensor]) -> Optional[Tensor]:
+        """Tokens (B, N, C) as the heads' view (B, heads, N, D), no copy; None stays None."""
+        return None if t is None else t.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
 
     def _project_and_gate(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
         """q, k, v (:meth:`project`) and the gate's pre-activation (None without a gate). For inference the gate's
@@ -366,8 +387,7 @@ class OutputModulation:
     in the mixers that take this. Used by ``"rala"``, ``"pola_swin"``, ``"mavit_mala"`` and RAVLT's softmax stages
     (``"ravlt_softmax"``)."""
 
-    def gate_activation(self, g: Tensor) -> Tensor:
-        return g
+    gate_act = "identity"
 
 
 class RavltRope:
@@ -425,6 +445,15 @@ class LinearAttention(AttentionMixer):
                              "use eps_form='mean'")
         return linear_attention(q, k, v, self.phi(), rope=rope, causal=self.causal,
                                 eps=self.op_eps(k.shape[2]), valid=_token_mask(layout, q))
+
+    def attend_epilogue(self, q: Tensor, k: Tensor, v: Tensor, rope: Optional[Rope], x: Tensor, ctx: MixerContext,
+                        residual: Optional[Tensor], gate: Optional[Tensor]) -> Optional[Tensor]:
+        """:func:`linvision.ops.linear_attention` with the epilogue, which its fused kernels apply in their output
+        pass; None for a subclass whose ``attend`` mixes otherwise, and for a batch of images of different sizes."""
+        if type(self).attend is not LinearAttention.attend or ctx.layout is not None:
+            return None
+        return linear_attention(q, k, v, self.phi(), rope=rope, causal=self.causal, eps=self.op_eps(k.shape[2]),
+                                residual=residual, gate=gate, gate_activation=self.gate_act)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, feature_map={self.feature_map}, causal={self.causal}"

@@ -26,6 +26,7 @@ from .feature_maps import (
     get_feature_map,
 )
 from .attention import (
+    GATE_ACTIVATIONS,
     LinearAttentionState,
     causal_linear_attention,
     linear_attention,

@@ -82,11 +82,12 @@ def polarity_features(x: Tensor, power: Union[float, Tensor], opposite: bool = F
 def _polarity_parts(x: Tensor, power: Union[float, Tensor], parts: int) -> Tensor:
     """[relu(x), relu(-x), relu(x)][:parts] ** p on the last dim in one buffer (..., parts * D): its first 2D
     channels are the features [pos, neg] and, with ``parts=3``, its last 2D the opposite ones [neg, pos], a view of
-    the same memory. relu(-x) is formed as relu(x) - x (exact: 0 - x or x - x) and the power is taken once."""
+    the same memory. relu(-x) is formed as relu(x) - x (exact: 0 - x or x - x) and the power is taken once, a
+    per-channel power broadcast over the parts (no copy of it)."""
     r = F.relu(x)
     stacked = torch.cat([r, r - x, r][:parts], dim=-1)
     if isinstance(power, Tensor) and power.dim() and power.shape[-1] != 1:  # per channel: the same for each part
-        power = power.repeat(*([1] * (power.dim() - 1)), parts)
+        return (stacked.unflatten(-1, (parts, x.shape[-1])) ** power.unsqueeze(-2)).flatten(-2)
     return stacked ** power
 
 

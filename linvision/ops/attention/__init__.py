@@ -27,12 +27,13 @@ chunked), :mod:`.step` (token by token), :mod:`.dispatch` (:func:`~.dispatch.lin
 then the fused kernels or PyTorch) and :mod:`.softmax` (softmax attention with the same call shape).
 """
 from .chunk import causal_linear_attention
-from .dispatch import linear_attention
+from .dispatch import GATE_ACTIVATIONS, linear_attention
 from .reference import linear_attention_reference
 from .softmax import softmax_attention
 from .step import LinearAttentionState, linear_attention_step
 
 __all__ = [
+    "GATE_ACTIVATIONS",
     "linear_attention",
     "linear_attention_reference",
     "causal_linear_attention",

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .common import check_eps, check_grid, check_qkv, compute_dtype, full_precision
+from .common import check_eps, check_grid, check_qkv, compute_dtype, full_precision, is_tracing
 
 from .feature_maps import FeatureMapArg, get_feature_map
 from .attention import linear_attention
@@ -120,7 +120,12 @@ def polarity_linear_attention(
     v_same, v_opp = vc.chunk(2, dim=-1)
     same = linear_attention(both_q[..., :2 * d], phi_k, v_same, "identity", rope=rope, eps=eps, backend=backend)
     opp = linear_attention(both_q[..., d:], phi_k, v_opp, "identity", rope=rope, eps=eps, backend=backend)
-    return torch.cat([same, opp], dim=-1).to(q.dtype)
+    if torch.is_grad_enabled() or is_tracing():
+        return torch.cat([same, opp], dim=-1).to(q.dtype)
+    # inference: joined into token-major memory in q's dtype, so the heads merge back into channels (B, N, C)
+    # with no copy and no cast of their own
+    b, h, n, _ = same.shape
+    return torch.cat([same, opp], dim=-1, out=q.new_empty(b, n, h, v.shape[-1]).transpose(1, 2))
 
 
 def _augment(x: Tensor, extra: Tensor) -> Tensor:

@@ -19,23 +19,23 @@ from support import DeviceLaunches
 # count their scans' PyTorch path (on a GPU fla-core's kernels run them).
 CEILINGS = {
     "linvit_tiny_patch16_224": 125,
-    "linvit_tiny_patch16_pola_224": 305,
+    "linvit_tiny_patch16_pola_224": 245,
     "linvit_small_patch16_rope_224": 148,
     "linvit_small_patch16_rope_mixed_224": 148,
     "inline_deit_tiny": 569,
     "vig_tiny": 1862,
     "linhier_tiny_224": 287,
     "linhier_gcnn_femto_224": 179,
-    "linhier_delta_femto_224": 1653,
+    "linhier_delta_femto_224": 1637,
     "mlla_tiny": 395,
     "ravlt_tiny": 430,
     "mavit_tiny": 498,
-    "vig_h_tiny": 2448,
+    "vig_h_tiny": 2416,
     "inline_swin_tiny": 567,
     "inline_pvt_tiny": 382,
     "inline_cswin_tiny": 815,
-    "pola_swin_tiny": 574,
-    "pola_pvt_tiny": 222,
+    "pola_swin_tiny": 558,
+    "pola_pvt_tiny": 190,
 }
 
 

@@ -91,6 +91,20 @@ def test_polarity_against_formula():
     torch.testing.assert_close(feats, torch.tensor([[0.0, 9.0, 4.0, 0.0]], dtype=torch.float64))
 
 
+def test_polarity_without_gradients_forms_both_features_in_one_pass():
+    """Without gradients the features of q and k are formed together (one division, one set of launches): the
+    same outputs, bit for bit, as the path with gradients; ``scale`` divides q and k first, as the layer's learned
+    softplus scale does."""
+    q, k, v = _qkv()
+    power = 1 + 4 * torch.rand(2, 1, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    scale = 0.5 + torch.rand(2, 1, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    graded = polarity_linear_attention(q, k, v, power, backend="torch", scale=scale)
+    with torch.no_grad():
+        joint = polarity_linear_attention(q, k, v, power, backend="torch", scale=scale)
+    assert torch.equal(joint, graded)
+    torch.testing.assert_close(graded, _pola_oracle(q / scale, k / scale, v, power, 1e-6), rtol=1e-10, atol=1e-10)
+
+
 def test_polarity_rope_rotates_the_numerator_of_2d_features():
     q, k, v = _qkv(n=36)
     rope = axial_rope(32, (6, 6))  # 2D = 32 feature channels

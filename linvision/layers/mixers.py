@@ -325,24 +325,28 @@ class AttentionMixer(TokenMixer):
                 lepe = self.lepe(v_tokens.reshape(b, h, w, c).permute(0, 3, 1, 2)).flatten(2).transpose(1, 2)
             else:  # each image on a zero canvas: the zero padding it is convolved with alone
                 lepe = layout.from_canvas(self.lepe(layout.to_canvas(v_tokens)))
-            lepe = F.pad(lepe, (0, 0, p, 0)) if p else lepe  # nothing for the prefix tokens
-        if not torch.is_grad_enabled() and (lepe is not None or g is not None):  # inference: one epilogue
-            out = self.attend_epilogue(q, k, v, rope, x, ctx, *(self._heads(t) for t in (lepe, g)))
+        inference = not torch.is_grad_enabled()
+        if inference and (lepe is not None or g is not None):  # inference: one epilogue
+            out = self.attend_epilogue(q, k, v, rope, x, ctx, lepe, g)
             if out is not None:
                 return self.proj_drop(self.proj(out.transpose(1, 2).reshape(b, n, c)))
         out = run_attend(self, self.attend, q, k, v, rope, x, ctx)
         out = out.transpose(1, 2).reshape(b, n, c)
         if lepe is not None:
-            out = out + lepe
+            if p and inference:  # onto the grid tokens of the mixing's own fresh output, in place: no padded copy
+                out[:, p:].add_(lepe)
+            else:
+                out = out + _with_prefix_rows(lepe, p)
         if g is not None:  # proj(out * act(g)), keeping out and g for the backward, not act(g) nor the product
             return self.proj_drop(gated_linear(out, g, self.gate_activation, self.proj))
         return self.proj_drop(self.proj(out))
 
     def attend_epilogue(self, q: Tensor, k: Tensor, v: Tensor, rope: Optional[Rope], x: Tensor, ctx: MixerContext,
-                        residual: Optional[Tensor], gate: Optional[Tensor]) -> Optional[Tensor]:
-        """For inference: (attend(...) + residual) * act(gate) (B, heads, N, D) computed by the mixing's own op in
-        one pass (the LePE branch and the output gate as heads, act the class's ``gate_act``), or None where the
-        mixing has no such op (here: none has; :class:`LinearAttention` fuses them into its kernels' epilogue)."""
+                        lepe: Optional[Tensor], gate: Optional[Tensor]) -> Optional[Tensor]:
+        """For inference: (attend(...) + LePE) * act(gate) (B, heads, N, D) computed by the mixing's own op in one
+        pass (``lepe``: LePE's output on the grid tokens (B, N - P, C), nothing for the prefix tokens; ``gate``:
+        the gate's pre-activation (B, N, C); act the class's ``gate_act``), or None where the mixing has no such
+        op (here: none has; :class:`LinearAttention` fuses them into its kernels' epilogue)."""
         return None
 
     def _heads(self, t: Optional[Tensor]) -> Optional[Tensor]:
@@ -370,6 +374,11 @@ class AttentionMixer(TokenMixer):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, num_heads={self.num_heads}, rope={self.rope_type}"
+
+
+def _with_prefix_rows(lepe: Tensor, p: int) -> Tensor:
+    """LePE's grid tokens (B, M, C) with ``p`` zero rows before them for the prefix tokens (no copy without)."""
+    return F.pad(lepe, (0, 0, p, 0)) if p else lepe
 
 
 def _stacked_linear(*layers: nn.Linear) -> Tuple[Tensor, Optional[Tensor]]:
@@ -447,13 +456,15 @@ class LinearAttention(AttentionMixer):
                                 eps=self.op_eps(k.shape[2]), valid=_token_mask(layout, q))
 
     def attend_epilogue(self, q: Tensor, k: Tensor, v: Tensor, rope: Optional[Rope], x: Tensor, ctx: MixerContext,
-                        residual: Optional[Tensor], gate: Optional[Tensor]) -> Optional[Tensor]:
+                        lepe: Optional[Tensor], gate: Optional[Tensor]) -> Optional[Tensor]:
         """:func:`linvision.ops.linear_attention` with the epilogue, which its fused kernels apply in their output
         pass; None for a subclass whose ``attend`` mixes otherwise, and for a batch of images of different sizes."""
         if type(self).attend is not LinearAttention.attend or ctx.layout is not None:
             return None
+        residual = None if lepe is None else _with_prefix_rows(lepe, ctx.num_prefix_tokens)
         return linear_attention(q, k, v, self.phi(), rope=rope, causal=self.causal, eps=self.op_eps(k.shape[2]),
-                                residual=residual, gate=gate, gate_activation=self.gate_act)
+                                residual=self._heads(residual), gate=self._heads(gate),
+                                gate_activation=self.gate_act)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, feature_map={self.feature_map}, causal={self.causal}"

@@ -70,8 +70,7 @@ class PolaAttention(AttentionMixer):
         div, power = derived(self, f"scale-power-{cdt}", (self.qk_scale, self.power_logit),
                              lambda: (F.softplus(self.qk_scale).to(cdt), self.power().to(cdt))) \
             or (F.softplus(self.qk_scale).to(cdt), self.power())
-        return polarity_linear_attention(q.to(cdt) / div, k.to(cdt) / div, v.to(cdt), power, rope=rope,
-                                         eps=self.eps).to(v.dtype)
+        return polarity_linear_attention(q, k, v, power, rope=rope, eps=self.eps, scale=div).to(v.dtype)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, alpha={self.alpha}"

@@ -100,10 +100,13 @@ def _rope_for(rope: Optional[Rope], channels: int, name: str) -> None:
 @full_precision
 def polarity_linear_attention(
     q: Tensor, k: Tensor, v: Tensor, power: Union[float, Tensor] = 3.0, *, rope: Optional[Rope] = None,
-    eps: float = 1e-6, backend: str = "auto",
+    eps: float = 1e-6, backend: str = "auto", scale: Optional[Tensor] = None,
 ) -> Tensor:
     """PolaFormer's polarity-aware linear attention (see the module docstring); v needs an even channel count
-    (first half: same-sign path, second half: opposite-sign path). ``rope`` is built for 2D channels."""
+    (first half: same-sign path, second half: opposite-sign path). ``rope`` is built for 2D channels. ``scale``:
+    a divisor of q and k (broadcast to them, e.g. PolaFormer's learned softplus scale per head and channel),
+    applied in the compute dtype before the features. Without gradients, and with as many queries as keys, the
+    features of q and k are formed in one pass over both."""
     check_qkv(q, k, v, same_tokens=rope is not None)
     check_eps(eps)
     if v.shape[-1] % 2:
@@ -112,11 +115,21 @@ def polarity_linear_attention(
         raise ValueError(f"power: must be >= 1, got {power!r}")
     _rope_for(rope, 2 * q.shape[-1], "polarity attention")
     cdt = compute_dtype(q.dtype)
-    qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
     power = power.to(cdt) if isinstance(power, Tensor) else power
-    phi_k = _polarity_parts(kc, power, 2)
-    both_q = _polarity_parts(qc, power, 3)  # the query features and their opposites, one buffer
     d = q.shape[-1]
+    vc = v.to(cdt)
+    if not torch.is_grad_enabled() and q.shape == k.shape:
+        # q and k side by side along the batch: one division and one set of feature launches for both (k's
+        # opposite part, formed with them, is not read)
+        qk = torch.cat([q, k]).to(cdt)
+        parts = _polarity_parts(qk if scale is None else qk / scale, power, 3)
+        both_q, phi_k = parts[:q.shape[0]], parts[q.shape[0]:, ..., :2 * d]
+    else:
+        qc, kc = q.to(cdt), k.to(cdt)
+        if scale is not None:
+            qc, kc = qc / scale, kc / scale
+        phi_k = _polarity_parts(kc, power, 2)
+        both_q = _polarity_parts(qc, power, 3)  # the query features and their opposites, one buffer
     v_same, v_opp = vc.chunk(2, dim=-1)
     same = linear_attention(both_q[..., :2 * d], phi_k, v_same, "identity", rope=rope, eps=eps, backend=backend)
     opp = linear_attention(both_q[..., d:], phi_k, v_opp, "identity", rope=rope, eps=eps, backend=backend)

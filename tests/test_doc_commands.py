@@ -20,6 +20,7 @@ fail says why in ``fails`` and is a strict expected failure until it is fixed.
 """
 import contextlib
 import importlib
+import glob
 import io
 import json
 import os
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 import pytest
+import yaml
 from support import (command_argv, fenced_blocks, joined_lines, write_ablation_json, write_image_folder,
                      write_rope_checkpoint)
 
@@ -190,6 +192,21 @@ def _merged_records(folder, proc):
         assert row in proc.stdout, proc.stdout
 
 
+def _merged_scale_records(folder, proc):
+    """docs/results.md's varied-scale table from its records: the seeds at 96 px of softmax and the focused map,
+    and their rows of means."""
+    with open(os.path.join(folder, "runs", "scale_table", "ablation.json")) as f:
+        rows = {row["mixer"]: row for row in json.load(f)["rows"]}
+    for mixer, seeds in (("softmax", [86.25, 90.42, 87.29]),
+                         ("linear (mixer_kwargs.feature_map='focused')", [86.88, 90.42, 87.29]),
+                         ("pola", [88.96, 85.83]), ("linear", [80.62, 85.21])):
+        assert [round(a, 2) for a in rows[mixer]["accuracy_seeds"]["96"]] == seeds, rows[mixer]
+    for row in ("| softmax | 0, 1, 2 | 5.406 | 0.8719 | 87.99 ± 2.17 | 89.38 ± 2.53 | 90.07 ± 1.58 |",
+                "| linear (mixer_kwargs.feature_map='focused') | 0, 1, 2 | 5.407 | 0.8181 | 88.19 ± 1.94 | "
+                "90.35 ± 1.54 | 90.28 ± 1.42 |"):
+        assert row in proc.stdout, proc.stdout
+
+
 def _report(folder):
     return {"report": os.path.join(folder, "report")}
 
@@ -202,8 +219,6 @@ def _summary(run):
     """The run folder output/``run`` (a glob: a run named after its model has the time after the name) holds a
     summary with a best epoch."""
     def check(folder, proc):
-        import glob
-
         (path,) = glob.glob(os.path.join(folder, "output", run, "summary.json"))
         with open(path) as f:
             summary = json.load(f)
@@ -218,6 +233,16 @@ def _opened_and_trained(run, opening):
         assert proc.stdout.splitlines()[0].startswith(opening), proc.stdout[:500]
         _summary(run)(folder, proc)
     return check
+
+
+def _focused_run(folder, proc):
+    """README's from-scratch line trained linvit with the focused feature map it prints."""
+    _opened_and_trained("linvit_tiny_patch16_224-*", "training linvit_tiny_patch16_224 (")(folder, proc)
+    (config,) = glob.glob(os.path.join(folder, "output", "linvit_tiny_patch16_224-*", "config.yaml"))
+    from linvision.utils.config import parse_kwargs
+
+    with open(config) as f:  # the flags as given (key=value words), read as the tool reads them
+        assert parse_kwargs(yaml.safe_load(f)["model_kwargs"])["mixer_kwargs"] == {"feature_map": "focused"}
 
 
 def _validated(sizes, count=None, data=None):
@@ -276,12 +301,13 @@ CHAINS: Dict[str, Chain] = {
              why="no download (the weights); one narrow block per stage at 32 px; " + TINY_FOLDER + "; " + ONE_EPOCH,
              check=_summary("finetune_mlla_tiny")),
         # from scratch on the same folder, nothing downloaded; the opening line says what is trained on what
-        Step("linvision-train --model linvit_tiny_patch16_pola_224 --data-dir /data/pets --img-size 96",
+        Step("linvision-train --model linvit_tiny_patch16_224 --data-dir /data/pets --img-size 96 "
+             "--model-kwargs \"mixer_kwargs={feature_map: focused}\"",
              subs={"/data/pets": "{pets}"},
-             extra=("--model-kwargs", "embed_dim=16", "depth=1", "num_heads=1", "--img-size", "32", "-b", "4",
-                    *EPOCH, "--no-progress", "--device", "cpu"),
-             why="one narrow block at 32 px; " + TINY_FOLDER + "; " + ONE_EPOCH,
-             check=_opened_and_trained("linvit_tiny_patch16_pola_224-*", "training linvit_tiny_patch16_pola_224 (")),
+             extra=("--model-kwargs", "mixer_kwargs={feature_map: focused}", "embed_dim=16", "depth=1", "num_heads=1",
+                    "--img-size", "32", "-b", "4", *EPOCH, "--no-progress", "--device", "cpu"),
+             why="one narrow block at 32 px (the printed focused map kept); " + TINY_FOLDER + "; " + ONE_EPOCH,
+             check=_focused_run),
         Step("linvision-validate --checkpoint output/finetune_mlla_tiny --img-size 224 288 384",
              check=_validated([224, 288, 384], count=6, data="pets")),
     )),
@@ -310,6 +336,15 @@ CHAINS: Dict[str, Chain] = {
              "docs/records/photos_fine/fine_avg_inline_s2 docs/records/photos_fine/fine_avg_bidir_delta_s0 "
              "docs/records/photos_fine/fine_avg_bidir_delta_s1 docs/records/photos_fine/fine_avg_bidir_delta_s2 "
              "--output runs --experiment fine_avg_table", check=_merged_records),
+    )),
+    # the ViT-Tiny runs on photographs at varied scale, from their records: the results page's table
+    "ablate_merge_scale_records": Chain(setup=_records, slow=False, timeout=300, steps=(
+        Step("linvision-ablate --merge " + " ".join(
+            f"docs/records/photos_scale/scale_{run}" for run in (
+                "softmax_s0", "softmax_s1", "softmax_s2", "linear_focused_s0", "linear_focused_s1",
+                "linear_focused_s2", "pola_s0", "pola_s1", "linear_s0", "linear_s1", "linear_rope_s0", "hybrid_s0",
+                "avg_softmax_s0", "avg_softmax_s1", "avg_linear_s0", "avg_linear_s1"))
+             + " --output runs --experiment scale_table", check=_merged_scale_records),
     )),
     "naflex_native": Chain(steps=(
         Step("linvision-train --dataset photos_aspect --model linvit_tiny_patch16_rope_224 --naflex-loader "

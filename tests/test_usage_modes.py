@@ -449,3 +449,52 @@ def test_half_precision_weights_at_100k_tokens(name, weights):
     for what, g, w in zip(("pooled features", "logits"), got, want):
         assert g.dtype == dtype, what
         assert _relative_error(g, w) < tol, what
+
+
+@pytest.mark.parametrize("mode", ["autocast-fp16", "autocast-bf16", "bf16-weights"])
+def test_fused_epilogue_in_the_modes_people_run(mode, monkeypatch):
+    """linhier's linear mixer (RoPE, LePE and the SiLU output gate) on the fused kernels (interpreted on the CPU),
+    batch 1 on an odd non-square grid (61 x 67: a case at 100k tokens had not finished after 15 minutes in the
+    interpreter; the other tests here run 100k tokens on the PyTorch path): after an inference_mode forward, the
+    no-grad output, whose LePE and gate ride in the output kernel's epilogue (no SiLU launched for the gate),
+    equals the grad-mode output (the kernels' attention, then LePE and the gate in PyTorch) within the mode's
+    rounding, under fp16 and bf16 autocast and with bf16 weights."""
+    pytest.importorskip("triton")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from linvision.layers import MixerContext, create_mixer
+    from linvision.ops.attention import dispatch
+
+    monkeypatch.setattr(dispatch, "_AUTO_DEVICES", ("cuda", "cpu"))
+    torch.manual_seed(0)
+    mixer = create_mixer("linear_rope", 32, 2, gate=True, rope_theta=10000.0).eval()
+    x = torch.randn(1, 61 * 67, 32, generator=torch.Generator().manual_seed(1))
+    ctx = MixerContext((61, 67))
+    amp = mode.startswith("autocast")
+    if not amp:
+        mixer, x = mixer.to(torch.bfloat16), x.to(torch.bfloat16)
+    key = mode[-4:] if amp else "bf16"
+    dtype = AMP[key]
+    autocast = functools.partial(torch.autocast, "cpu", dtype=dtype, enabled=amp)
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with torch.inference_mode(), autocast():
+        first = mixer(x, ctx)
+    with torch.no_grad(), autocast(), Ops() as ops:
+        fused = mixer(x, ctx)
+    with autocast(), Ops() as plain_ops:
+        plain = mixer(x, ctx).detach()
+    assert fused.dtype == plain.dtype == dtype and torch.isfinite(fused).all()
+    # the gate's SiLU: in the plain path; in the fused call's epilogue without gradients
+    assert ops.names.count("linear_attention_fwd") == 1 and "silu" not in ops.names and "silu" in plain_ops.names
+    torch.testing.assert_close(first, fused, rtol=0, atol=0)
+    scale = float(plain.float().abs().amax())
+    assert float((fused.float() - plain.float()).abs().amax()) < AMP_TOL[key] / 4 * scale

@@ -366,6 +366,19 @@ def write_rope_checkpoint(folder, mixer_kwargs=None, seed=0):
     return str(folder)
 
 
+class AtenOps(TorchDispatchMode):
+    """Counts the ops called inside it by name (``names``, a Counter; a Triton kernel's own work is none), running
+    each as it is."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
 class DeviceLaunches(TorchDispatchMode):
     """A dispatch mode counting the device work of a call as a GPU would launch it, on any machine: every aten op
     that computes is one launch (shape-only ops, allocations and views are none); a call of the fused

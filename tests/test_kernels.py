@@ -3,7 +3,6 @@
 Without a GPU the kernels run in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1 before
 triton is imported), so shapes stay small; the wider sweep is marked slow.
 """
-import collections
 import importlib
 import itertools
 import os
@@ -14,7 +13,6 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from linvision.ops import Rope, axial_rope, linear_attention, linear_attention_reference, mixed_rope_freqs, rope_1d
@@ -32,6 +30,7 @@ from linvision.kernels import la_kernels, la_launch, linear_attention as kernel_
 from linvision.kernels.common import DEFAULT_EPS  # noqa: E402
 from linvision.kernels import linear_attention_triton, unsupported_reason  # noqa: E402
 from linvision.kernels.traffic import count_traffic, minimal_bytes  # noqa: E402
+from support import AtenOps  # noqa: E402
 
 # Max error relative to the largest reference value, per input dtype (fp16/bf16: the inputs are rounded to
 # that dtype before both paths see them, so this measures the kernels' arithmetic and the output rounding).
@@ -351,18 +350,6 @@ def test_no_query_gradient_formed_for_frozen_queries(monkeypatch):
         assert _rel_err(g, r) < 4 * TOL[torch.float32], name
 
 
-class _AtenOps(TorchDispatchMode):
-    """Counts the aten ops called inside it (not the Triton kernels' own work)."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_split_partials_summed_in_the_kernels_and_no_division_launched():
     """Around the kernel launches, the forward and backward implementations (what the custom ops run) do no torch
     arithmetic, with several token splits or one: the last split program of each batch-head sums the partials
@@ -375,9 +362,9 @@ def test_split_partials_summed_in_the_kernels_and_no_division_launched():
     ref_grads = torch.autograd.grad(ref, (qr, kr, vr), do.double())
     no_rope = (None, None, [0, 1], [0.0, 0.0])
     for split_tokens in (32, 0, 32):  # 4 splits; one split; 4 again
-        with _AtenOps() as fwd:
+        with AtenOps() as fwd:
             out, s, z = la_launch._forward(q, k, v, "elu", *no_rope, DEFAULT_EPS, split_tokens)
-        with _AtenOps() as bwd:
+        with AtenOps() as bwd:
             grads = la_launch._backward(q, k, v, do, s, z, "elu", *no_rope, DEFAULT_EPS, split_tokens, False,
                                             True, True)[:3]
         assert len(fwd.names) > 0 and len(bwd.names) > 0  # the mode sees the implementations' torch calls
@@ -426,9 +413,9 @@ def test_host_ops_of_one_call(monkeypatch, rope):
     args = (r.freqs_x.reshape(-1, 32), r.freqs_y.reshape(-1, 32), [0, 64]) if rope else (None, None, [0, 1])
     counts = []
     for _ in range(2):
-        with _AtenOps() as fwd:
+        with AtenOps() as fwd:
             out, s, z = la_launch._forward(q, k, v, "elu", *args, [0.0, 0.0], DEFAULT_EPS, 256)
-        with _AtenOps() as bwd:
+        with AtenOps() as bwd:
             la_launch._backward(q, k, v, do, s, z, "elu", *args, [0.0, 0.0], DEFAULT_EPS, 256, False, True, True)
         counts.append((fwd.names, bwd.names))
     assert launched == 2 * (HOST_OPS["forward"][0] + HOST_OPS["backward"][0])
@@ -438,7 +425,7 @@ def test_host_ops_of_one_call(monkeypatch, rope):
     assert bool(TABLE_OPS & set(fwd0)) == rope
 
 
-class _DeviceWork(_AtenOps):
+class _DeviceWork(AtenOps):
     """The torch ops of a call that do work on the device, inside the custom ops and the autograd engine included
     (allocations and views left out), and the Triton launches (run in the interpreter; its own torch calls during a
     launch left out)."""
@@ -877,16 +864,7 @@ def test_epilogue_adds_the_residual_and_gates_in_the_output_pass(dtype, activati
     expected = (linear_attention_reference(q.double(), k.double(), v.double(), "elu", rope=spec)
                 + residual.double()) * GATE_ACTIVATIONS[activation](gate.double())
 
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = collections.Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names[func.__name__.split(".")[0]] += 1
-            return func(*args, **(kwargs or {}))
-
-    with torch.no_grad(), Ops() as ops:
+    with torch.no_grad(), AtenOps() as ops:
         out = linear_attention(q, k, v, "elu", rope=spec, backend="triton", residual=residual, gate=gate,
                                gate_activation=activation)
     assert out.dtype == dtype and _rel_err(out, expected) < TOL[dtype]

@@ -343,7 +343,7 @@ CHAINS: Dict[str, Chain] = {
             f"docs/records/photos_scale/scale_{run}" for run in (
                 "softmax_s0", "softmax_s1", "softmax_s2", "linear_focused_s0", "linear_focused_s1",
                 "linear_focused_s2", "pola_s0", "pola_s1", "pola_s2", "linear_s0", "linear_s1", "linear_s2",
-                "linear_rope_s0", "linear_rope_s1", "hybrid_s0", "avg_softmax_s0", "avg_softmax_s1",
+                "linear_rope_s0", "linear_rope_s1", "hybrid_s0", "hybrid_s1", "avg_softmax_s0", "avg_softmax_s1",
                 "avg_softmax_s2", "avg_linear_s0", "avg_linear_s1", "avg_linear_s2"))
              + " --output runs --experiment scale_table", check=_merged_scale_records),
     )),

@@ -193,8 +193,8 @@ def _merged_records(folder, proc):
 
 
 def _merged_scale_records(folder, proc):
-    """docs/results.md's varied-scale table from its records: the seeds at 96 px of softmax and the focused map,
-    and their rows of means."""
+    """docs/results.md's varied-scale table from its records: the seeds at 96 px of softmax, the focused map, pola
+    and plain linear, and the rows of means of softmax and the focused map."""
     with open(os.path.join(folder, "runs", "scale_table", "ablation.json")) as f:
         rows = {row["mixer"]: row for row in json.load(f)["rows"]}
     for mixer, seeds in (("softmax", [86.25, 90.42, 87.29]),
